@@ -1,0 +1,626 @@
+//! The agent: one per worker process (or GPU rank). Owns a UCX context and worker, driven by
+//! one progress thread (the only thread that touches UCX); registered memory; the table of
+//! known peers; notifications.
+//!
+//! Order of calls: [`Agent::new`] → [`Agent::register`] → exchange metadata
+//! ([`Agent::listen`] / [`Agent::connect`], or [`Agent::metadata`] /
+//! [`Agent::load_remote_metadata`]) → [`Agent::prep_local`] / [`Agent::prep_remote`] once →
+//! [`Agent::transfer`] many times → [`Agent::deregister`] → drop.
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::backend::ucx::driver::{self, Cmd, Job, WorkerWaker};
+use crate::backend::ucx::raw;
+use crate::descriptor::{self, Desc, RegionId, RegionSpan, Resolved};
+use crate::error::{Error, Result, Side};
+use crate::memory::{MemKind, Memory, Region, RegionInner};
+use crate::metadata::Metadata;
+use crate::notify::{Inbox, Notification};
+use crate::transfer::{Transfer, XferOp, XferState};
+
+/// Which UCX transports an agent may use. Names map to `UCX_TLS`; RDMA (`rc`, `ud`, `dc`) and
+/// CUDA (`cuda_copy`, `cuda_ipc`) go through [`Transport::Custom`] with the same code path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// TCP sockets only.
+    Tcp,
+    /// Shared memory inside one host: posix / sysv / cma (UCX's `sm`).
+    Shm,
+    /// Whatever UCX finds best.
+    Auto,
+    /// A `UCX_TLS` value, e.g. `"rc,sm"`.
+    Custom(String),
+}
+
+impl Transport {
+    /// The `UCX_TLS` value.
+    pub fn ucx_tls(&self) -> String {
+        match self {
+            Transport::Tcp => "tcp".into(),
+            Transport::Shm => "sm".into(),
+            Transport::Auto => "all".into(),
+            Transport::Custom(s) => s.clone(),
+        }
+    }
+
+    /// Parses `tcp`, `shm`, `auto`, or any other string as a `UCX_TLS` list.
+    pub fn parse(s: &str) -> Transport {
+        match s {
+            "tcp" => Transport::Tcp,
+            "shm" | "sm" => Transport::Shm,
+            "auto" | "all" => Transport::Auto,
+            other => Transport::Custom(other.to_string()),
+        }
+    }
+}
+
+/// Configuration of an [`Agent`].
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    /// Unique name among the agents that talk to each other.
+    pub name: String,
+    /// Transports UCX may use.
+    pub transport: Transport,
+    /// `UCX_NET_DEVICES` (e.g. `"lo"`, `"eth0"`); `None` leaves UCX's default.
+    pub net_devices: Option<String>,
+    /// Compatibility hash peers must share (the connector derives it from the KV layout).
+    pub compat: u64,
+    /// Spin on `ucp_worker_progress` instead of sleeping on the worker's event fd.
+    pub busy_poll: bool,
+    /// Split operations longer than this (0: never).
+    pub max_op_bytes: u64,
+    /// Extra UCX settings (names without the `UCX_` prefix), applied last.
+    pub ucx: Vec<(String, String)>,
+    /// UCX peer-failure detection (`UCP_ERR_HANDLING_MODE_PEER`). UCX then refuses transports
+    /// that cannot detect a dead peer, which in UCX 1.13-1.22 excludes every shared-memory
+    /// transport (RMA falls back to emulation over TCP). Default (`None`): on, except for
+    /// [`Transport::Shm`].
+    pub peer_failure: Option<bool>,
+}
+
+impl AgentConfig {
+    /// Defaults for an agent named `name`: any transport, event-driven progress.
+    pub fn new(name: impl Into<String>) -> Self {
+        AgentConfig {
+            name: name.into(),
+            transport: Transport::Auto,
+            net_devices: None,
+            compat: crate::DEFAULT_COMPAT,
+            busy_poll: false,
+            max_op_bytes: 0,
+            ucx: Vec::new(),
+            peer_failure: None,
+        }
+    }
+
+    /// Sets the transport.
+    pub fn transport(mut self, t: Transport) -> Self {
+        self.transport = t;
+        self
+    }
+
+    /// Sets `UCX_NET_DEVICES`.
+    pub fn net_devices(mut self, d: impl Into<String>) -> Self {
+        self.net_devices = Some(d.into());
+        self
+    }
+
+    /// Sets the compatibility hash.
+    pub fn compat(mut self, h: u64) -> Self {
+        self.compat = h;
+        self
+    }
+
+    /// Busy-polls for the lowest latency (one core spins).
+    pub fn busy_poll(mut self, on: bool) -> Self {
+        self.busy_poll = on;
+        self
+    }
+
+    /// Adds a UCX setting.
+    pub fn ucx_setting(mut self, k: impl Into<String>, v: impl Into<String>) -> Self {
+        self.ucx.push((k.into(), v.into()));
+        self
+    }
+
+    fn ucx_settings(&self) -> Vec<(String, String)> {
+        let mut v = vec![("TLS".to_string(), self.transport.ucx_tls())];
+        if let Some(d) = &self.net_devices {
+            v.push(("NET_DEVICES".into(), d.clone()));
+        }
+        v.extend(self.ucx.iter().cloned());
+        v
+    }
+}
+
+/// A peer's region table as the caller side sees it, for bounds checks without a round trip.
+#[derive(Debug)]
+pub(crate) struct PeerView {
+    pub(crate) token: u64,
+    pub(crate) spans: Vec<RegionSpan>,
+}
+
+/// What the agent knows about a peer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// The peer's name.
+    pub name: String,
+    /// Regions in its table.
+    pub regions: usize,
+    /// Transports UCX selected for the connection (empty before the first connection).
+    pub transports: String,
+    /// Why the connection last failed, if it did.
+    pub failed: Option<String>,
+}
+
+pub(crate) struct Shared {
+    pub(crate) name: String,
+    pub(crate) compat: u64,
+    pub(crate) max_op: u64,
+    tx: mpsc::Sender<Cmd>,
+    pub(crate) waker: WorkerWaker,
+    pub(crate) queued: Arc<AtomicUsize>,
+    pub(crate) regions: RwLock<HashMap<u32, Arc<RegionInner>>>,
+    pub(crate) peers: RwLock<HashMap<String, Arc<PeerView>>>,
+    pub(crate) inbox: Inbox,
+    next_region: AtomicU32,
+    next_xfer: AtomicU64,
+    pub(crate) ucx_version: String,
+    pub(crate) closed: AtomicBool,
+}
+
+impl Shared {
+    pub(crate) fn send(&self, c: Cmd) -> Result<()> {
+        self.queued.fetch_add(1, Ordering::AcqRel);
+        if self.tx.send(c).is_err() {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+            return Err(Error::Shutdown);
+        }
+        self.waker.wake();
+        Ok(())
+    }
+
+    pub(crate) fn call<T>(&self, f: impl FnOnce(mpsc::SyncSender<Result<T>>) -> Cmd) -> Result<T> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.send(f(tx))?;
+        rx.recv().map_err(|_| Error::Shutdown)?
+    }
+
+    pub(crate) fn cancel(&self, id: u64) {
+        let _ = self.send(Cmd::Cancel { id });
+    }
+}
+
+/// One kvxfer agent. See the module docs for the order of calls.
+pub struct Agent {
+    pub(crate) shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    listeners: Vec<crate::discovery::Listener>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("name", &self.shared.name)
+            .field("ucx", &self.shared.ucx_version)
+            .finish()
+    }
+}
+
+impl Agent {
+    /// Creates the UCX context and worker and starts the progress thread.
+    pub fn new(cfg: AgentConfig) -> Result<Agent> {
+        if cfg.name.is_empty()
+            || cfg.name.len() > crate::metadata::MAX_NAME
+            || cfg.name.chars().any(char::is_control)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "agent name {:?}: 1..={} printable characters",
+                cfg.name,
+                crate::metadata::MAX_NAME
+            )));
+        }
+        let cname = CString::new(cfg.name.clone())
+            .map_err(|_| Error::InvalidArgument("agent name contains NUL".into()))?;
+        let (tx, rx) = mpsc::channel();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let (engine, waker) = driver::Engine::new(
+            &cfg.ucx_settings(),
+            &cname,
+            cfg.busy_poll,
+            cfg.peer_failure.unwrap_or(cfg.transport != Transport::Shm),
+            rx,
+            queued.clone(),
+        )?;
+        let shared = Arc::new(Shared {
+            name: cfg.name.clone(),
+            compat: cfg.compat,
+            max_op: cfg.max_op_bytes,
+            tx,
+            waker,
+            queued,
+            regions: RwLock::new(HashMap::new()),
+            peers: RwLock::new(HashMap::new()),
+            inbox: Inbox::default(),
+            next_region: AtomicU32::new(0),
+            next_xfer: AtomicU64::new(1),
+            ucx_version: raw::version_string(),
+            closed: AtomicBool::new(false),
+        });
+        let weak = Arc::downgrade(&shared);
+        let thread = std::thread::Builder::new()
+            .name(format!("kvxfer-progress-{}", cfg.name))
+            .spawn(move || engine.run(weak))
+            .map_err(|e| Error::io("spawning the progress thread", e))?;
+        Ok(Agent {
+            shared,
+            thread: Some(thread),
+            listeners: Vec::new(),
+        })
+    }
+
+    /// The agent's name.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// The UCX library version loaded at run time.
+    pub fn ucx_version(&self) -> &str {
+        &self.shared.ucx_version
+    }
+
+    /// The UCX version kvxfer was built against.
+    pub fn ucx_build_version() -> &'static str {
+        raw::BUILD_VERSION
+    }
+
+    /// Registers owned memory (page-aligned buffers, memory maps); the agent keeps it alive.
+    pub fn register(&self, mem: impl Into<Memory>) -> Result<Region> {
+        let mut mem = mem.into();
+        let (p, len) = mem.raw_parts();
+        self.register_inner(p, len, MemKind::Host, Some(mem))
+    }
+
+    /// Registers memory the agent does not own, such as an engine's KV cache tensor.
+    ///
+    /// # Safety
+    /// 1. `[ptr, ptr+len)` is memory of kind `kind`, valid for reads and writes by this process
+    ///    and by peers' transfers, until [`deregister`](Self::deregister) returns `Ok` or the
+    ///    agent is dropped, whichever comes first.
+    /// 2. The caller does not free or remap it before then.
+    pub unsafe fn register_raw(&self, ptr: *mut u8, len: usize, kind: MemKind) -> Result<Region> {
+        if ptr.is_null() {
+            return Err(Error::InvalidArgument("register_raw: NULL pointer".into()));
+        }
+        self.register_inner(ptr, len, kind, None)
+    }
+
+    fn register_inner(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        kind: MemKind,
+        backing: Option<Memory>,
+    ) -> Result<Region> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("registering 0 bytes".into()));
+        }
+        if let MemKind::Cuda(d) = kind {
+            return Err(Error::InvalidArgument(format!(
+                "CUDA memory (device {d}) needs the `cuda` feature and a CUDA-aware UCX"
+            )));
+        }
+        let id = RegionId(self.shared.next_region.fetch_add(1, Ordering::Relaxed));
+        let inner = Arc::new(RegionInner {
+            id,
+            addr: ptr as u64,
+            len: len as u64,
+            kind,
+            _backing: backing,
+            inflight: AtomicU32::new(0),
+            registered: AtomicBool::new(false),
+        });
+        self.shared.call(|reply| Cmd::Register {
+            region: inner.clone(),
+            reply,
+        })?;
+        Ok(Region { inner })
+    }
+
+    /// Deregisters a region. Fails with [`Error::Busy`] while a transfer uses it.
+    pub fn deregister(&self, region: &Region) -> Result<()> {
+        self.shared.call(|reply| Cmd::Deregister {
+            region: region.inner.clone(),
+            reply,
+        })
+    }
+
+    /// This agent's metadata, encoded for a peer.
+    pub fn metadata(&self) -> Result<Vec<u8>> {
+        self.shared.call(|reply| Cmd::Metadata { reply })
+    }
+
+    /// Loads a peer's metadata (from any channel). Returns the peer's name. Metadata of a
+    /// known name replaces the old (a restarted peer): lists prepared against the old one
+    /// become stale, its connection and keys are dropped once transfers on them finish.
+    pub fn load_remote_metadata(&self, bytes: &[u8]) -> Result<String> {
+        let meta = Metadata::decode(bytes, self.shared.compat).map_err(|err| Error::Metadata {
+            source_desc: Metadata::peek_name(bytes)
+                .map(|n| format!("agent {n:?}"))
+                .unwrap_or_else(|| "buffer".into()),
+            err,
+        })?;
+        self.load_decoded(meta)
+    }
+
+    pub(crate) fn load_decoded(&self, meta: Metadata) -> Result<String> {
+        load_decoded(&self.shared, meta)
+    }
+
+    /// Forgets a peer: its connection is closed once its transfers finish.
+    pub fn remove_peer(&self, name: &str) -> Result<()> {
+        self.shared.call(|reply| Cmd::RemovePeer {
+            name: name.to_string(),
+            reply,
+        })
+    }
+
+    /// What the agent knows about a peer, including the transports UCX selected. Connects if
+    /// not connected yet.
+    pub fn peer_info(&self, name: &str) -> Result<PeerInfo> {
+        self.shared.call(|reply| Cmd::PeerInfo {
+            name: name.to_string(),
+            reply,
+        })
+    }
+
+    /// Listens for peers on `addr` (port 0 picks one): each peer that connects sends its
+    /// metadata and receives ours. Returns the bound address.
+    pub fn listen(&mut self, addr: SocketAddr) -> Result<SocketAddr> {
+        let l = crate::discovery::Listener::start(self.shared.clone(), addr)?;
+        let a = l.addr();
+        self.listeners.push(l);
+        Ok(a)
+    }
+
+    /// Connects to a peer's side channel, exchanges metadata both ways. Returns its name.
+    pub fn connect(&self, addr: SocketAddr) -> Result<String> {
+        crate::discovery::exchange(&self.shared, addr, Duration::from_secs(10))
+    }
+
+    /// Resolves a list of local descriptors once, for reuse by index.
+    pub fn prep_local(&self, descs: &[Desc]) -> Result<PreparedLocal> {
+        let regions = self
+            .shared
+            .regions
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        let mut table: Vec<Arc<RegionInner>> = Vec::new();
+        let mut spans: Vec<RegionSpan> = Vec::new();
+        // Only the regions the list names go into the prepared table.
+        for (index, d) in descs.iter().enumerate() {
+            if spans.iter().any(|s| s.id == d.region) {
+                continue;
+            }
+            let r = regions.get(&d.region.0).ok_or(Error::UnknownRegion {
+                side: Side::Local,
+                index,
+                region: d.region.0,
+            })?;
+            spans.push(RegionSpan {
+                id: r.id,
+                base: r.addr,
+                len: r.len,
+                kind: r.kind,
+            });
+            table.push(r.clone());
+        }
+        drop(regions);
+        let entries = descriptor::resolve(Side::Local, descs, &spans)?;
+        Ok(PreparedLocal {
+            entries,
+            regions: table,
+        })
+    }
+
+    /// Resolves a list of the peer's descriptors once, checking each against the peer's
+    /// region table, for reuse by index.
+    pub fn prep_remote(&self, peer: &str, descs: &[Desc]) -> Result<PreparedRemote> {
+        let view = self
+            .shared
+            .peers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(peer)
+            .cloned()
+            .ok_or_else(|| Error::UnknownPeer {
+                agent: peer.to_string(),
+            })?;
+        let entries = descriptor::resolve(Side::Remote, descs, &view.spans)?;
+        Ok(PreparedRemote {
+            peer: peer.to_string(),
+            token: view.token,
+            entries,
+        })
+    }
+
+    /// Starts a transfer of the descriptor pairs `(local[li[k]], remote[ri[k]])`; with
+    /// `notification`, the peer receives it after all the data has landed.
+    pub fn transfer(
+        &self,
+        op: XferOp,
+        local: &PreparedLocal,
+        li: &[usize],
+        remote: &PreparedRemote,
+        ri: &[usize],
+        notification: Option<&[u8]>,
+        deadline: Option<Duration>,
+    ) -> Result<Transfer> {
+        let t0 = Instant::now();
+        if let Some(n) = notification {
+            if n.len() > crate::notify::MAX_NOTIFICATION {
+                return Err(Error::InvalidArgument(format!(
+                    "notification of {} bytes, limit {}",
+                    n.len(),
+                    crate::notify::MAX_NOTIFICATION
+                )));
+            }
+        }
+        let plan = descriptor::plan(&local.entries, li, &remote.entries, ri, self.shared.max_op)?;
+        // Pin the local regions the plan uses: deregistering them now fails with Busy.
+        let mut used = vec![false; local.regions.len()];
+        for o in &plan.ops {
+            used[o.lslot as usize] = true;
+        }
+        let regions: Vec<Arc<RegionInner>> = local
+            .regions
+            .iter()
+            .zip(&used)
+            .filter(|(_, &u)| u)
+            .map(|(r, _)| r.clone())
+            .collect();
+        for r in &regions {
+            r.inflight.fetch_add(1, Ordering::AcqRel);
+        }
+        let id = self.shared.next_xfer.fetch_add(1, Ordering::Relaxed);
+        let state = Arc::new(XferState::default());
+        let job = Job {
+            id,
+            op,
+            peer: remote.peer.clone(),
+            token: remote.token,
+            plan,
+            regions,
+            notification: notification
+                .map(|n| crate::notify::encode(&self.shared.name, n)),
+            deadline,
+            started: t0,
+            state: state.clone(),
+        };
+        if let Err(e) = self.shared.send(Cmd::Post(Box::new(job))) {
+            // The job was dropped with the channel; the engine never saw it.
+            return Err(e);
+        }
+        Ok(Transfer {
+            state,
+            id,
+            agent: self.shared.clone(),
+        })
+    }
+
+    /// Convenience: transfers every pair of two prepared lists of equal length.
+    pub fn transfer_all(
+        &self,
+        op: XferOp,
+        local: &PreparedLocal,
+        remote: &PreparedRemote,
+        notification: Option<&[u8]>,
+        deadline: Option<Duration>,
+    ) -> Result<Transfer> {
+        let li: Vec<usize> = (0..local.len()).collect();
+        let ri: Vec<usize> = (0..remote.len()).collect();
+        self.transfer(op, local, &li, remote, &ri, notification, deadline)
+    }
+
+    /// The next notification, if one has arrived.
+    pub fn try_notification(&self) -> Option<Notification> {
+        self.shared.inbox.try_pop()
+    }
+
+    /// Waits up to `timeout` for a notification.
+    pub fn wait_notification(&self, timeout: Duration) -> Result<Notification> {
+        self.shared.inbox.wait(timeout)
+    }
+
+    /// All notifications that have arrived.
+    pub fn notifications(&self) -> Vec<Notification> {
+        self.shared.inbox.drain()
+    }
+
+    /// Notifications dropped because the queue was full.
+    pub fn notifications_dropped(&self) -> u64 {
+        self.shared.inbox.dropped()
+    }
+}
+
+pub(crate) fn load_decoded(shared: &Shared, meta: Metadata) -> Result<String> {
+    if meta.name == shared.name {
+        return Err(Error::InvalidArgument(format!(
+            "peer metadata carries this agent's own name {:?}",
+            meta.name
+        )));
+    }
+    let name = meta.name.clone();
+    shared.call(|reply| Cmd::LoadPeer { meta, reply })?;
+    Ok(name)
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.listeners.clear();
+        self.shared.closed.store(true, Ordering::Release);
+        let _ = self.shared.send(Cmd::Shutdown);
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                log::error!("kvxfer progress thread of {} panicked", self.shared.name);
+            }
+        }
+    }
+}
+
+/// Local descriptors resolved once ([`Agent::prep_local`]).
+#[derive(Clone)]
+pub struct PreparedLocal {
+    entries: Vec<Resolved>,
+    regions: Vec<Arc<RegionInner>>,
+}
+
+impl std::fmt::Debug for PreparedLocal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedLocal")
+            .field("descs", &self.entries.len())
+            .field("regions", &self.regions.len())
+            .finish()
+    }
+}
+
+impl PreparedLocal {
+    /// Number of descriptors.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+/// A peer's descriptors resolved once ([`Agent::prep_remote`]).
+#[derive(Clone, Debug)]
+pub struct PreparedRemote {
+    peer: String,
+    token: u64,
+    entries: Vec<Resolved>,
+}
+
+impl PreparedRemote {
+    /// Number of descriptors.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+    /// The peer.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+}

@@ -1,0 +1,996 @@
+//! The progress engine: one thread per agent owns the UCX context, worker, endpoints, rkeys
+//! and memory handles, so no UCX object is ever touched by two threads. Other threads submit
+//! commands through a channel and wake the worker with `ucp_worker_signal`.
+//!
+//! Loop: take queued commands → post the next batch of each transfer's operations (bounded
+//! per iteration) → progress until idle → handle completions (collected by callbacks into a
+//! thread-local list) → check deadlines → `ucp_worker_arm` and sleep on the worker's event fd
+//! (or spin, with busy-poll).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{c_void, CStr};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+use super::raw::{self, Posted};
+use crate::agent::{PeerInfo, PeerView, Shared};
+use crate::descriptor::{Plan, RegionSpan};
+use crate::error::{Error, Result, UcsStatus};
+use crate::memory::RegionInner;
+use crate::metadata::{Metadata, RegionMeta};
+use crate::transfer::{XferOp, XferStats, XferState};
+
+/// Active-message id of notifications.
+const AM_NOTIFY: u32 = 0x4b58;
+/// Operations posted per transfer per loop iteration: bounds the time between progress calls.
+const POST_BATCH: usize = 1024;
+/// Longest sleep on the event fd; a safety net only, wakeups are event driven.
+const MAX_SLEEP: Duration = Duration::from_millis(250);
+/// How long shutdown waits for endpoints to close gracefully.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+type Reply<T> = mpsc::SyncSender<Result<T>>;
+
+/// Commands from API threads to the engine.
+pub(crate) enum Cmd {
+    Register {
+        region: Arc<RegionInner>,
+        reply: Reply<()>,
+    },
+    Deregister {
+        region: Arc<RegionInner>,
+        reply: Reply<()>,
+    },
+    Metadata {
+        reply: Reply<Vec<u8>>,
+    },
+    LoadPeer {
+        meta: Metadata,
+        reply: Reply<()>,
+    },
+    RemovePeer {
+        name: String,
+        reply: Reply<()>,
+    },
+    PeerInfo {
+        name: String,
+        reply: Reply<PeerInfo>,
+    },
+    Post(Box<Job>),
+    Cancel {
+        id: u64,
+    },
+    Shutdown,
+}
+
+/// A transfer as submitted by [`Agent::transfer`](crate::Agent::transfer).
+pub(crate) struct Job {
+    pub(crate) id: u64,
+    pub(crate) op: XferOp,
+    pub(crate) peer: String,
+    pub(crate) token: u64,
+    pub(crate) plan: Plan,
+    /// Local regions used; their `inflight` counts were raised by the caller.
+    pub(crate) regions: Vec<Arc<RegionInner>>,
+    pub(crate) notification: Option<Vec<u8>>,
+    pub(crate) deadline: Option<Duration>,
+    pub(crate) started: Instant,
+    pub(crate) state: Arc<XferState>,
+}
+
+/// Wakes the engine from any thread (`ucp_worker_signal`), valid until the worker is gone.
+pub(crate) struct WorkerWaker {
+    worker: Arc<RwLock<Option<WorkerPtr>>>,
+}
+
+#[derive(Clone, Copy)]
+struct WorkerPtr(raw::ucp_worker_h);
+// SAFETY: the pointer is only used for ucp_worker_signal, which UCX documents as thread-safe,
+// and only while the RwLock holds Some (the engine takes the write lock and sets None before
+// destroying the worker).
+unsafe impl Send for WorkerPtr {}
+// SAFETY: as above; shared access only ever calls ucp_worker_signal.
+unsafe impl Sync for WorkerPtr {}
+
+impl WorkerWaker {
+    pub(crate) fn wake(&self) {
+        let g = self.worker.read().unwrap_or_else(|e| e.into_inner());
+        if let Some(w) = *g {
+            // SAFETY: Some means the worker is live (see WorkerPtr); signal is thread-safe.
+            if let Err(s) = unsafe { raw::worker_signal(w.0) } {
+                log::warn!("ucp_worker_signal failed: {s}");
+            }
+        }
+    }
+}
+
+enum Event {
+    /// A transfer's flush or notification send completed.
+    Done { job: u64, status: UcsStatus },
+    /// An endpoint failed.
+    EpError { peer: u64, status: UcsStatus },
+    /// A notification arrived.
+    Notify(Vec<u8>),
+}
+
+thread_local! {
+    /// Filled by UCX callbacks, which run inside `ucp_worker_progress` on the engine thread.
+    static EVENTS: RefCell<Vec<Event>> = const { RefCell::new(Vec::new()) };
+}
+
+fn push_event(e: Event) {
+    EVENTS.with(|v| v.borrow_mut().push(e));
+}
+
+/// Completion of a flush or notification send. The request is freed here: freeing it earlier
+/// would suppress this callback (`ucp_request_free`).
+unsafe extern "C" fn on_send_done(req: *mut c_void, status: kvxfer_sys::ucs_status_t, user: *mut c_void) {
+    let _ = std::panic::catch_unwind(|| {
+        push_event(Event::Done {
+            job: user as u64,
+            status: raw::cb_status(status),
+        })
+    });
+    if let Some(req) = NonNull::new(req) {
+        // SAFETY: UCX passes the live request this callback completes; freed once, here.
+        unsafe { raw::request_free(req) };
+    }
+}
+
+unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: raw::ucp_ep_h, status: kvxfer_sys::ucs_status_t) {
+    let _ = std::panic::catch_unwind(|| {
+        push_event(Event::EpError {
+            peer: arg as u64,
+            status: raw::cb_status(status),
+        })
+    });
+}
+
+unsafe extern "C" fn on_am(
+    _arg: *mut c_void,
+    _header: *const c_void,
+    _header_len: usize,
+    data: *mut c_void,
+    len: usize,
+    param: *const kvxfer_sys::ucp_am_recv_param_t,
+) -> kvxfer_sys::ucs_status_t {
+    let _ = std::panic::catch_unwind(|| {
+        // Notifications are sent eager; anything else (a rendezvous from a foreign sender, an
+        // oversized message) is dropped rather than trusted.
+        if raw::am_data_in_place(param) && !data.is_null() && len <= crate::notify::MAX_NOTIFICATION + 300 {
+            // SAFETY: UCX passes `len` readable bytes at `data` for the callback's duration.
+            let v = unsafe { std::slice::from_raw_parts(data as *const u8, len) }.to_vec();
+            push_event(Event::Notify(v));
+        }
+    });
+    raw::STATUS_OK
+}
+
+struct LocalReg {
+    memh: raw::ucp_mem_h,
+    rkey: Vec<u8>,
+    region: Arc<RegionInner>,
+}
+
+struct Peer {
+    name: String,
+    meta: Metadata,
+    ep: Option<raw::ucp_ep_h>,
+    /// Unpacked rkeys, by region slot (index in `meta.regions`).
+    rkeys: Vec<raw::ucp_rkey_h>,
+    failed: Option<UcsStatus>,
+    transports: String,
+    /// Transfers using this peer that have not completed.
+    jobs: usize,
+    retired: bool,
+}
+
+struct Active {
+    job: Box<Job>,
+    next: usize,
+    phase: Phase,
+    error: Option<Error>,
+    canceled: bool,
+    posted_at: Option<Duration>,
+    deadline_at: Option<Instant>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Phase {
+    Posting,
+    Flushing,
+    Notifying,
+}
+
+pub(crate) struct Engine {
+    ctx: raw::ucp_context_h,
+    worker: raw::ucp_worker_h,
+    worker_slot: Arc<RwLock<Option<WorkerPtr>>>,
+    efd: i32,
+    busy_poll: bool,
+    peer_failure: bool,
+    rx: mpsc::Receiver<Cmd>,
+    queued: Arc<AtomicUsize>,
+    regions: HashMap<u32, LocalReg>,
+    peers: HashMap<u64, Peer>,
+    names: HashMap<String, u64>,
+    next_token: u64,
+    active: HashMap<u64, Active>,
+    /// Endpoint close requests still in progress.
+    closing: Vec<NonNull<c_void>>,
+    worker_addr: Vec<u8>,
+}
+
+// SAFETY: the Engine is created on the caller's thread and then moved, once, to the progress
+// thread, which is the only thread that uses its UCX handles from then on.
+unsafe impl Send for Engine {}
+
+impl Engine {
+    /// Creates the context and worker. Returns the engine (to be run on its own thread) and a
+    /// waker for other threads.
+    pub(crate) fn new(
+        settings: &[(String, String)],
+        name: &CStr,
+        busy_poll: bool,
+        peer_failure: bool,
+        rx: mpsc::Receiver<Cmd>,
+        queued: Arc<AtomicUsize>,
+    ) -> Result<(Engine, WorkerWaker)> {
+        let ctx = raw::context_new(settings, name).map_err(|(op, status)| {
+            log::error!("UCX context with settings {settings:?}: {op}: {status}");
+            Error::Ucx {
+                op: if op.starts_with("ucp_config_modify") {
+                    "ucp_config_modify"
+                } else {
+                    "ucp_init"
+                },
+                status,
+            }
+        })?;
+        // SAFETY: ctx is live (just created).
+        let worker = match unsafe { raw::worker_new(ctx) } {
+            Ok(w) => w,
+            Err(status) => {
+                // SAFETY: ctx is live, has no workers or memory, destroyed once.
+                unsafe { raw::context_destroy(ctx) };
+                return Err(Error::Ucx {
+                    op: "ucp_worker_create",
+                    status,
+                });
+            }
+        };
+        let fail = |op, status| {
+            // SAFETY: worker and ctx are live, unused elsewhere, destroyed once, in order.
+            unsafe {
+                raw::worker_destroy(worker);
+                raw::context_destroy(ctx);
+            }
+            Error::Ucx { op, status }
+        };
+        // SAFETY: worker live, on this thread, created with wakeup events.
+        let efd = unsafe { raw::worker_efd(worker) }.map_err(|s| fail("ucp_worker_get_efd", s))?;
+        // SAFETY: worker live; arg is null (unused); on_am accepts any input.
+        unsafe { raw::worker_set_am_handler(worker, AM_NOTIFY, on_am, std::ptr::null_mut()) }
+            .map_err(|s| fail("ucp_worker_set_am_recv_handler", s))?;
+        // SAFETY: worker live, on this thread.
+        let worker_addr =
+            unsafe { raw::worker_address(worker) }.map_err(|s| fail("ucp_worker_query", s))?;
+        let slot = Arc::new(RwLock::new(Some(WorkerPtr(worker))));
+        Ok((
+            Engine {
+                ctx,
+                worker,
+                worker_slot: slot.clone(),
+                efd,
+                busy_poll,
+                peer_failure,
+                rx,
+                queued,
+                regions: HashMap::new(),
+                peers: HashMap::new(),
+                names: HashMap::new(),
+                next_token: 1,
+                active: HashMap::new(),
+                closing: Vec::new(),
+                worker_addr,
+            },
+            WorkerWaker { worker: slot },
+        ))
+    }
+
+    /// The progress loop; returns after `Shutdown` (or when every API handle is gone).
+    pub(crate) fn run(mut self, shared: Weak<Shared>) {
+        let mut shutdown = false;
+        while !shutdown {
+            let mut busy = false;
+            // 1. Commands (bounded per iteration).
+            for _ in 0..256 {
+                match self.rx.try_recv() {
+                    Ok(cmd) => {
+                        self.queued.fetch_sub(1, Ordering::AcqRel);
+                        busy = true;
+                        if self.command(cmd, &shared) {
+                            shutdown = true;
+                            break;
+                        }
+                    }
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        shutdown = true;
+                        break;
+                    }
+                }
+            }
+            // 2. Post the next batch of each transfer.
+            busy |= self.post_batches();
+            // 3. Progress until idle, then handle what callbacks reported.
+            for _ in 0..64 {
+                // SAFETY: worker live, this is the engine thread.
+                if unsafe { raw::worker_progress(self.worker) } == 0 {
+                    break;
+                }
+                busy = true;
+            }
+            busy |= self.handle_events(&shared);
+            self.reap_closing();
+            // 4. Deadlines.
+            let next_deadline = self.check_deadlines();
+            if busy || shutdown || self.busy_poll {
+                continue;
+            }
+            // 5. Sleep until UCX or a command wakes us.
+            // SAFETY: worker live, this is the engine thread.
+            match unsafe { raw::worker_arm(self.worker) } {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(s) => {
+                    log::warn!("ucp_worker_arm: {s}");
+                    continue;
+                }
+            }
+            if self.queued.load(Ordering::Acquire) > 0 {
+                continue;
+            }
+            let mut timeout = MAX_SLEEP;
+            if let Some(d) = next_deadline {
+                timeout = timeout.min(d.saturating_duration_since(Instant::now()));
+            }
+            if !self.closing.is_empty() {
+                timeout = timeout.min(Duration::from_millis(10));
+            }
+            let mut pfd = libc::pollfd {
+                fd: self.efd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: pfd is a valid pollfd array of length 1 for the call.
+            unsafe { libc::poll(&mut pfd, 1, timeout.as_millis() as i32) };
+        }
+        self.shutdown();
+    }
+
+    /// Handles one command; true for shutdown.
+    fn command(&mut self, cmd: Cmd, shared: &Weak<Shared>) -> bool {
+        match cmd {
+            Cmd::Register { region, reply } => {
+                let _ = reply.send(self.register(region, shared));
+            }
+            Cmd::Deregister { region, reply } => {
+                let _ = reply.send(self.deregister(&region, shared));
+            }
+            Cmd::Metadata { reply } => {
+                let _ = reply.send(Ok(self.metadata(shared)));
+            }
+            Cmd::LoadPeer { meta, reply } => {
+                let _ = reply.send(self.load_peer(meta, shared));
+            }
+            Cmd::RemovePeer { name, reply } => {
+                let r = match self.names.remove(&name) {
+                    Some(t) => {
+                        if let Some(s) = shared.upgrade() {
+                            s.peers.write().unwrap_or_else(|e| e.into_inner()).remove(&name);
+                        }
+                        self.retire(t);
+                        Ok(())
+                    }
+                    None => Err(Error::UnknownPeer { agent: name }),
+                };
+                let _ = reply.send(r);
+            }
+            Cmd::PeerInfo { name, reply } => {
+                let r = match self.names.get(&name).copied() {
+                    None => Err(Error::UnknownPeer { agent: name }),
+                    Some(t) => {
+                        let connected = self.ensure_ep(t);
+                        let p = self.peers.get_mut(&t).expect("token from names");
+                        if let Some(ep) = p.ep {
+                            // Lanes are final only after wireup: query now, not at connect.
+                            // SAFETY: ep is live on this thread.
+                            let info = unsafe { raw::ep_info(ep) };
+                            log::debug!("kvxfer: endpoint to {:?}:\n{info}", p.name);
+                            p.transports = parse_transports(&info);
+                        }
+                        Ok(PeerInfo {
+                            name: p.name.clone(),
+                            regions: p.meta.regions.len(),
+                            transports: p.transports.clone(),
+                            failed: connected.err().map(|e| e.to_string()),
+                        })
+                    }
+                };
+                let _ = reply.send(r);
+            }
+            Cmd::Post(job) => self.start(job),
+            Cmd::Cancel { id } => {
+                if let Some(a) = self.active.get_mut(&id) {
+                    a.canceled = true;
+                }
+            }
+            Cmd::Shutdown => return true,
+        }
+        false
+    }
+
+    fn register(&mut self, region: Arc<RegionInner>, shared: &Weak<Shared>) -> Result<()> {
+        // SAFETY: ctx live; the region's memory is owned by `region` (or promised valid by the
+        // caller of register_raw) and outlives the mapping: LocalReg holds the Arc until unmap.
+        let memh = unsafe { raw::mem_map(self.ctx, region.addr as *mut u8, region.len as usize) }
+            .map_err(|status| Error::Ucx {
+                op: "ucp_mem_map",
+                status,
+            })?;
+        // SAFETY: memh is a live handle of ctx.
+        let rkey = match unsafe { raw::rkey_pack(self.ctx, memh) } {
+            Ok(r) => r,
+            Err(status) => {
+                // SAFETY: memh was just mapped, unused, unmapped once.
+                let _ = unsafe { raw::mem_unmap(self.ctx, memh) };
+                return Err(Error::Ucx {
+                    op: "ucp_rkey_pack",
+                    status,
+                });
+            }
+        };
+        region.registered.store(true, Ordering::Release);
+        if let Some(s) = shared.upgrade() {
+            s.regions
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(region.id.0, region.clone());
+        }
+        self.regions.insert(region.id.0, LocalReg { memh, rkey, region });
+        Ok(())
+    }
+
+    fn deregister(&mut self, region: &Arc<RegionInner>, shared: &Weak<Shared>) -> Result<()> {
+        let id = region.id.0;
+        let inflight = region.inflight.load(Ordering::Acquire);
+        if inflight > 0 {
+            return Err(Error::Busy { region: id, inflight });
+        }
+        let reg = self
+            .regions
+            .remove(&id)
+            .ok_or(Error::Deregistered { region: id })?;
+        if let Some(s) = shared.upgrade() {
+            s.regions.write().unwrap_or_else(|e| e.into_inner()).remove(&id);
+        }
+        reg.region.registered.store(false, Ordering::Release);
+        // SAFETY: memh came from mem_map on ctx; no transfer uses it (inflight == 0, and new
+        // posts check `registered` on this thread); unmapped once (removed from the table).
+        unsafe { raw::mem_unmap(self.ctx, reg.memh) }.map_err(|status| Error::Ucx {
+            op: "ucp_mem_unmap",
+            status,
+        })
+    }
+
+    fn metadata(&self, shared: &Weak<Shared>) -> Vec<u8> {
+        let (name, compat) = match shared.upgrade() {
+            Some(s) => (s.name.clone(), s.compat),
+            None => (String::from("?"), 0),
+        };
+        let mut ids: Vec<&u32> = self.regions.keys().collect();
+        ids.sort_unstable();
+        Metadata {
+            name,
+            compat,
+            worker_addr: self.worker_addr.clone(),
+            regions: ids
+                .into_iter()
+                .map(|id| {
+                    let r = &self.regions[id];
+                    RegionMeta {
+                        id: r.region.id,
+                        kind: r.region.kind,
+                        base: r.region.addr,
+                        len: r.region.len,
+                        rkey: r.rkey.clone(),
+                    }
+                })
+                .collect(),
+        }
+        .encode()
+    }
+
+    fn load_peer(&mut self, meta: Metadata, shared: &Weak<Shared>) -> Result<()> {
+        if let Some(&t) = self.names.get(&meta.name) {
+            let p = &self.peers[&t];
+            if p.meta == meta && p.failed.is_none() {
+                return Ok(()); // The same peer handshaking again.
+            }
+            self.retire(t);
+        }
+        let token = self.next_token;
+        self.next_token += 1;
+        let spans: Vec<RegionSpan> = meta.regions.iter().map(RegionMeta::span).collect();
+        let name = meta.name.clone();
+        self.peers.insert(
+            token,
+            Peer {
+                name: name.clone(),
+                meta,
+                ep: None,
+                rkeys: Vec::new(),
+                failed: None,
+                transports: String::new(),
+                jobs: 0,
+                retired: false,
+            },
+        );
+        self.names.insert(name.clone(), token);
+        if let Some(s) = shared.upgrade() {
+            s.peers
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(name, Arc::new(PeerView { token, spans }));
+        }
+        // Connect now so that errors in the address show up at load time.
+        self.ensure_ep(token)
+    }
+
+    /// Creates the endpoint and unpacks the rkeys if not done yet.
+    fn ensure_ep(&mut self, token: u64) -> Result<()> {
+        let worker = self.worker;
+        let peer_failure = self.peer_failure;
+        let p = self.peers.get_mut(&token).ok_or_else(|| Error::UnknownPeer {
+            agent: format!("#{token}"),
+        })?;
+        if p.ep.is_some() {
+            return Ok(());
+        }
+        // SAFETY: worker live on this thread; the error arg is a plain token (no pointer);
+        // on_ep_error accepts any endpoint.
+        let ep = unsafe { raw::ep_new(worker, &p.meta.worker_addr, on_ep_error, token as *mut c_void, peer_failure) }
+            .map_err(|status| Error::PeerFailed {
+                agent: p.name.clone(),
+                status,
+            })?;
+        let mut rkeys = Vec::with_capacity(p.meta.regions.len());
+        for r in &p.meta.regions {
+            // SAFETY: ep is live on this thread.
+            match unsafe { raw::rkey_unpack(ep, &r.rkey) } {
+                Ok(k) => rkeys.push(k),
+                Err(status) => {
+                    for k in rkeys {
+                        // SAFETY: k was unpacked above, unused, destroyed once before the ep.
+                        unsafe { raw::rkey_destroy(k) };
+                    }
+                    // SAFETY: ep is live, has no operations, closed once.
+                    if let Ok(Posted::Pending(req)) = unsafe { raw::ep_close(ep, true) } {
+                        self.closing.push(req);
+                    }
+                    return Err(Error::Metadata {
+                        source_desc: format!("agent {:?}", p.name),
+                        err: crate::error::MetadataError::Invalid {
+                            field: "rkey",
+                            why: format!("region {}: ucp_ep_rkey_unpack: {status}", r.id.0),
+                        },
+                    });
+                }
+            }
+        }
+        // SAFETY: ep is live on this thread.
+        let info = unsafe { raw::ep_info(ep) };
+        log::debug!("kvxfer: endpoint to {:?}:\n{info}", p.name);
+        p.transports = parse_transports(&info);
+        log::info!("kvxfer: connected to {:?} over {}", p.name, p.transports);
+        p.ep = Some(ep);
+        p.rkeys = rkeys;
+        p.failed = None;
+        Ok(())
+    }
+
+    /// Marks a peer as replaced; it is closed once its transfers complete.
+    fn retire(&mut self, token: u64) {
+        if let Some(p) = self.peers.get_mut(&token) {
+            p.retired = true;
+            if p.jobs == 0 {
+                self.close_peer(token, false);
+                self.peers.remove(&token);
+            }
+        }
+    }
+
+    /// Destroys the rkeys and closes the endpoint of a peer (forcibly: cancels outstanding
+    /// operations, whose callbacks then report an error).
+    fn close_peer(&mut self, token: u64, force: bool) {
+        let Some(p) = self.peers.get_mut(&token) else {
+            return;
+        };
+        for k in p.rkeys.drain(..) {
+            // SAFETY: k is live, destroyed once, before its endpoint closes. Operations that
+            // used it were posted earlier; UCX does not need the rkey after posting.
+            unsafe { raw::rkey_destroy(k) };
+        }
+        if let Some(ep) = p.ep.take() {
+            // SAFETY: ep is live, its rkeys are destroyed, closed once.
+            match unsafe { raw::ep_close(ep, force) } {
+                Ok(Posted::Pending(req)) => self.closing.push(req),
+                Ok(Posted::Done) => {}
+                Err(s) => log::debug!("ucp_ep_close_nbx({}): {s}", p.name),
+            }
+        }
+    }
+
+    fn reap_closing(&mut self) {
+        self.closing.retain(|&req| {
+            // SAFETY: req is a live close request (freed only below).
+            let s = unsafe { raw::request_status(req) };
+            if s == UcsStatus::INPROGRESS {
+                true
+            } else {
+                // SAFETY: req completed; freed once, never used again.
+                unsafe { raw::request_free(req) };
+                false
+            }
+        });
+    }
+
+    fn start(&mut self, job: Box<Job>) {
+        let fail = |job: Box<Job>, e: Error| {
+            release(&job);
+            job.state.complete(Err(e));
+        };
+        let token = match self.names.get(&job.peer) {
+            Some(&t) => t,
+            None => {
+                let e = Error::UnknownPeer { agent: job.peer.clone() };
+                return fail(job, e);
+            }
+        };
+        if token != job.token {
+            let e = Error::StalePeer {
+                agent: job.peer.clone(),
+                prepared: job.token,
+                current: token,
+            };
+            return fail(job, e);
+        }
+        for r in &job.regions {
+            if !self.regions.contains_key(&r.id.0) {
+                let e = Error::Deregistered { region: r.id.0 };
+                return fail(job, e);
+            }
+        }
+        if let Err(e) = self.ensure_ep(token) {
+            return fail(job, e);
+        }
+        if let Some(p) = self.peers.get_mut(&token) {
+            p.jobs += 1;
+        }
+        let deadline_at = job.deadline.map(|d| job.started + d);
+        self.active.insert(
+            job.id,
+            Active {
+                job,
+                next: 0,
+                phase: Phase::Posting,
+                error: None,
+                canceled: false,
+                posted_at: None,
+                deadline_at,
+            },
+        );
+    }
+
+    /// Posts up to POST_BATCH operations of each transfer in the posting phase; posts the
+    /// flush of those that are fully posted (or stopped). True if anything was posted.
+    fn post_batches(&mut self) -> bool {
+        let mut did = false;
+        let ids: Vec<u64> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.phase == Phase::Posting)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            did = true;
+            let Some(a) = self.active.get_mut(&id) else { continue };
+            let Some(p) = self.peers.get(&a.job.token) else { continue };
+            let Some(ep) = p.ep else {
+                a.error.get_or_insert(Error::PeerFailed {
+                    agent: p.name.clone(),
+                    status: p.failed.unwrap_or(UcsStatus(-25)),
+                });
+                // Nothing of ours is outstanding on a closed endpoint: finish at once.
+                let a = self.active.remove(&id);
+                if let Some(a) = a {
+                    self.finish(a, UcsStatus::OK);
+                }
+                continue;
+            };
+            let write = a.job.op == XferOp::Write;
+            let stop = a.canceled || a.error.is_some();
+            if !stop {
+                let end = (a.next + POST_BATCH).min(a.job.plan.ops.len());
+                for o in &a.job.plan.ops[a.next..end] {
+                    let rkey = p.rkeys[o.rslot as usize];
+                    // SAFETY: ep/rkey live on this thread; the local range was bounds-checked
+                    // against a registered region pinned by this job (inflight) until the
+                    // flush below completes; the remote range was checked against the peer's
+                    // region table for this token, whose rkeys these are.
+                    match unsafe { raw::rma(write, ep, o.local, o.len, o.remote, rkey) } {
+                        Ok(Posted::Done) => {}
+                        Ok(Posted::Pending(req)) => {
+                            // SAFETY: live request, freed once; UCX releases it when done and
+                            // the flush reports completion.
+                            unsafe { raw::request_free(req) }
+                        }
+                        Err(status) => {
+                            a.error = Some(Error::Ucx {
+                                op: if write { "ucp_put_nbx" } else { "ucp_get_nbx" },
+                                status,
+                            });
+                            break;
+                        }
+                    }
+                }
+                a.next = end;
+            }
+            if a.next >= a.job.plan.ops.len() || a.canceled || a.error.is_some() {
+                a.posted_at = Some(a.job.started.elapsed());
+                a.phase = Phase::Flushing;
+                // SAFETY: ep live on this thread; user data is the job id (no pointer).
+                match unsafe { raw::ep_flush(ep, on_send_done, id as *mut c_void) } {
+                    // on_send_done reports completion and frees the request.
+                    Ok(Posted::Pending(_)) => {}
+                    Ok(Posted::Done) => push_event(Event::Done {
+                        job: id,
+                        status: UcsStatus::OK,
+                    }),
+                    Err(status) => push_event(Event::Done { job: id, status }),
+                }
+            }
+        }
+        did
+    }
+
+    fn handle_events(&mut self, shared: &Weak<Shared>) -> bool {
+        let events = EVENTS.with(|v| std::mem::take(&mut *v.borrow_mut()));
+        if events.is_empty() {
+            return false;
+        }
+        for e in events {
+            match e {
+                Event::Done { job, status } => self.step(job, status),
+                Event::EpError { peer, status } => {
+                    if let Some(p) = self.peers.get_mut(&peer) {
+                        log::warn!("kvxfer: peer {:?} failed: {status}", p.name);
+                        p.failed = Some(status);
+                    }
+                    // UCX completes the outstanding operations with errors once the endpoint
+                    // is closed; they are reported through their flush callbacks.
+                    self.close_peer(peer, true);
+                }
+                Event::Notify(bytes) => match crate::notify::decode(&bytes) {
+                    Some(n) => {
+                        if let Some(s) = shared.upgrade() {
+                            s.inbox.push(n);
+                        }
+                    }
+                    None => log::warn!("kvxfer: malformed notification ({} bytes) dropped", bytes.len()),
+                },
+            }
+        }
+        true
+    }
+
+    /// A transfer's flush (or notification) completed with `status`.
+    fn step(&mut self, id: u64, status: UcsStatus) {
+        let Some(a) = self.active.get_mut(&id) else { return };
+        let ok = status.is_ok() && a.error.is_none() && !a.canceled;
+        if a.phase == Phase::Flushing && ok {
+            if let Some(n) = a.job.notification.as_deref() {
+                let ep = self.peers.get(&a.job.token).and_then(|p| p.ep);
+                if let Some(ep) = ep {
+                    a.phase = Phase::Notifying;
+                    // SAFETY: ep live on this thread; `n` is owned by the job, which stays in
+                    // `active` until this send's callback; user data is the job id.
+                    match unsafe { raw::am_send(ep, AM_NOTIFY, n, on_send_done, id as *mut c_void) } {
+                        // on_send_done reports completion and frees the request.
+                        Ok(Posted::Pending(_)) => return,
+                        Ok(Posted::Done) => {}
+                        Err(s) => {
+                            a.error = Some(Error::Ucx { op: "ucp_am_send_nbx", status: s });
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(a) = self.active.remove(&id) {
+            self.finish(a, status);
+        }
+    }
+
+    fn finish(&mut self, a: Active, status: UcsStatus) {
+        let job = a.job;
+        release(&job);
+        let token = job.token;
+        let peer_failed = self.peers.get(&token).and_then(|p| p.failed);
+        let result = if let Some(e) = a.error {
+            Err(e)
+        } else if a.canceled {
+            Err(Error::Canceled)
+        } else if !status.is_ok() {
+            Err(match peer_failed {
+                Some(s) => Error::PeerFailed { agent: job.peer.clone(), status: s },
+                None => Error::PeerFailed { agent: job.peer.clone(), status },
+            })
+        } else {
+            Ok(XferStats {
+                peer: job.peer.clone(),
+                op: job.op,
+                bytes: job.plan.bytes,
+                descs: job.plan.descs,
+                ops: job.plan.ops.len(),
+                post_time: a.posted_at.unwrap_or_default(),
+                duration: job.started.elapsed(),
+            })
+        };
+        job.state.complete(result);
+        if let Some(p) = self.peers.get_mut(&token) {
+            p.jobs = p.jobs.saturating_sub(1);
+            if p.retired && p.jobs == 0 {
+                self.close_peer(token, false);
+                self.peers.remove(&token);
+            }
+        }
+    }
+
+    /// Fails transfers past their deadline by tearing down the peer's endpoint (the only way
+    /// to make UCX give up posted RMA); returns the earliest pending deadline.
+    fn check_deadlines(&mut self) -> Option<Instant> {
+        let now = Instant::now();
+        let mut next: Option<Instant> = None;
+        let mut expired = Vec::new();
+        for (&id, a) in &self.active {
+            if let Some(d) = a.deadline_at {
+                if d <= now && a.error.is_none() {
+                    expired.push(id);
+                } else if a.error.is_none() {
+                    next = Some(next.map_or(d, |n: Instant| n.min(d)));
+                }
+            }
+        }
+        for id in expired {
+            let Some(a) = self.active.get_mut(&id) else { continue };
+            let done_ops = a.next;
+            a.error = Some(Error::Deadline {
+                agent: a.job.peer.clone(),
+                deadline: a.job.deadline.unwrap_or_default(),
+                done_ops,
+                ops: a.job.plan.ops.len(),
+            });
+            let token = a.job.token;
+            if a.phase == Phase::Posting {
+                // post_batches posts its flush next; the endpoint closes after that.
+                continue;
+            }
+            log::warn!("kvxfer: transfer {id} to {:?} missed its deadline; closing the endpoint", a.job.peer);
+            if let Some(p) = self.peers.get_mut(&token) {
+                p.failed = Some(UcsStatus(-20)); // UCS_ERR_TIMED_OUT
+            }
+            self.close_peer(token, true);
+        }
+        next
+    }
+
+    fn shutdown(mut self) {
+        // Fail what is still queued, let posted operations finish or be cancelled.
+        while let Ok(cmd) = self.rx.try_recv() {
+            if let Cmd::Post(job) = cmd {
+                release(&job);
+                job.state.complete(Err(Error::Shutdown));
+            }
+        }
+        for a in self.active.values_mut() {
+            a.canceled = true;
+        }
+        let tokens: Vec<u64> = self.peers.keys().copied().collect();
+        let end = Instant::now() + CLOSE_GRACE;
+        while !self.active.is_empty() && Instant::now() < end {
+            self.post_batches();
+            // SAFETY: worker live, engine thread.
+            unsafe { raw::worker_progress(self.worker) };
+            self.handle_events(&Weak::new());
+        }
+        for t in &tokens {
+            self.close_peer(*t, !self.active.is_empty());
+        }
+        let end = Instant::now() + CLOSE_GRACE;
+        while (!self.closing.is_empty() || !self.active.is_empty()) && Instant::now() < end {
+            // SAFETY: worker live, engine thread.
+            unsafe { raw::worker_progress(self.worker) };
+            self.handle_events(&Weak::new());
+            self.reap_closing();
+        }
+        for (_, a) in self.active.drain() {
+            // Buffers stay pinned (leaked) rather than freed under UCX.
+            std::mem::forget(a.job.regions.clone());
+            a.job.state.complete(Err(Error::Shutdown));
+        }
+        for (_, r) in self.regions.drain() {
+            r.region.registered.store(false, Ordering::Release);
+            // SAFETY: memh from mem_map on ctx, unmapped once; endpoints are closed.
+            let _ = unsafe { raw::mem_unmap(self.ctx, r.memh) };
+        }
+        *self.worker_slot.write().unwrap_or_else(|e| e.into_inner()) = None;
+        // SAFETY: no other thread can reach the worker (slot is None); endpoints closed;
+        // destroyed once, then the context, which has no more workers or memory.
+        unsafe {
+            raw::worker_destroy(self.worker);
+            raw::context_destroy(self.ctx);
+        }
+    }
+}
+
+/// Drops a job's pins on its local regions.
+fn release(job: &Job) {
+    for r in &job.regions {
+        r.inflight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Extracts the transport/device names of the endpoint's lanes from `ucp_ep_print_info`
+/// output (lines like `lane[0]:  1:tcp/lo.0 md[1] ... rma_bw#0`).
+fn parse_transports(info: &str) -> String {
+    let mut out: Vec<String> = Vec::new();
+    for line in info.lines() {
+        let l = line.trim_start_matches(['#', ' ']);
+        if !l.starts_with("lane[") {
+            continue;
+        }
+        for tok in l.split_whitespace() {
+            if let Some((_, t)) = tok.split_once(':') {
+                if t.contains('/') {
+                    let tl = t.split('/').next().unwrap_or(t);
+                    let s = if line.contains("rma") {
+                        format!("{tl}(rma)")
+                    } else {
+                        tl.to_string()
+                    };
+                    if !out.contains(&s) && !out.contains(&format!("{tl}(rma)")) {
+                        out.retain(|x| x != tl);
+                        out.push(s);
+                    }
+                }
+            }
+        }
+    }
+    out.join(",")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transports_from_ep_info() {
+        let info = "#\n# UCP endpoint\n#\n#               peer: <no debug data>\n#                 lane[0]:  1:posix/memory.0 md[1]           -> md[1]/posix/sysdev[255] am am_bw#0\n#                 lane[1]:  4:cma/memory.0 md[4]             -> md[4]/cma/sysdev[255] rma_bw#0\n";
+        assert_eq!(parse_transports(info), "posix,cma(rma)");
+    }
+}

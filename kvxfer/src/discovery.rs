@@ -1,0 +1,182 @@
+//! Metadata exchange over a TCP side channel; no server needed.
+//!
+//! Frames are `u32 length (LE) | u8 kind | payload`, at most [`MAX_FRAME`] bytes. The
+//! connecting agent sends `HELLO(metadata)`; the listener decodes it (strictly, compatibility
+//! hash first), loads it, and answers `META(its metadata)`, or `ERROR(text)` and closes.
+//! Every read has a timeout, so a silent or slow peer cannot hold a thread forever.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::agent::Shared;
+use crate::backend::ucx::driver::Cmd;
+use crate::error::{Error, Result};
+use crate::metadata::Metadata;
+
+/// Largest side-channel frame.
+pub const MAX_FRAME: usize = crate::metadata::MAX_ENCODED + 1;
+const HELLO: u8 = 1;
+const META: u8 = 2;
+const ERROR: u8 = 3;
+const IO_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub(crate) struct Listener {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    fd: i32,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Listener {
+    pub(crate) fn start(shared: Arc<Shared>, addr: SocketAddr) -> Result<Listener> {
+        let l = TcpListener::bind(addr).map_err(|e| Error::io(format!("binding {addr}"), e))?;
+        let bound = l
+            .local_addr()
+            .map_err(|e| Error::io("querying the side-channel address", e))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let fd = l.as_raw_fd();
+        let st = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("kvxfer-listen-{}", shared.name))
+            .spawn(move || accept_loop(l, shared, st))
+            .map_err(|e| Error::io("spawning the side-channel thread", e))?;
+        Ok(Listener {
+            addr: bound,
+            stop,
+            fd,
+            thread: Some(thread),
+        })
+    }
+
+    pub(crate) fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // SAFETY: fd is the listener's socket, still open (the accept thread owns the
+        // TcpListener and is joined below); shutdown wakes a blocked accept with an error.
+        unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn accept_loop(l: TcpListener, shared: Arc<Shared>, stop: Arc<AtomicBool>) {
+    while !stop.load(Ordering::Acquire) {
+        match l.accept() {
+            Ok((s, peer)) => {
+                // One connection at a time: metadata exchanges are short and bounded by
+                // IO_TIMEOUT, and this keeps a flood of connections from spawning threads.
+                if let Err(e) = serve(&shared, s, peer) {
+                    log::warn!("kvxfer side channel: {peer}: {e}");
+                }
+            }
+            Err(e) => {
+                if stop.load(Ordering::Acquire) {
+                    break;
+                }
+                log::warn!("kvxfer side channel accept: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+fn serve(shared: &Arc<Shared>, mut s: TcpStream, peer: SocketAddr) -> Result<()> {
+    let who = peer.to_string();
+    setup(&s, &who)?;
+    let (kind, payload) = read_frame(&mut s, &who)?;
+    if kind != HELLO {
+        let _ = write_frame(&mut s, ERROR, b"expected HELLO");
+        return Err(Error::Protocol {
+            peer: who,
+            why: format!("frame kind {kind}, expected HELLO"),
+        });
+    }
+    let meta = match Metadata::decode(&payload, shared.compat) {
+        Ok(m) => m,
+        Err(err) => {
+            let _ = write_frame(&mut s, ERROR, format!("metadata refused: {err}").as_bytes());
+            return Err(Error::Metadata {
+                source_desc: who,
+                err,
+            });
+        }
+    };
+    if let Err(e) = crate::agent::load_decoded(shared, meta) {
+        let _ = write_frame(&mut s, ERROR, e.to_string().as_bytes());
+        return Err(e);
+    }
+    let mine = shared.call(|reply| Cmd::Metadata { reply })?;
+    write_frame(&mut s, META, &mine)
+}
+
+/// Connects to `addr`, sends our metadata, loads the peer's. Returns the peer's name.
+pub(crate) fn exchange(shared: &Arc<Shared>, addr: SocketAddr, timeout: Duration) -> Result<String> {
+    let who = addr.to_string();
+    let mut s = TcpStream::connect_timeout(&addr, timeout)
+        .map_err(|e| Error::io(format!("connecting to {who}"), e))?;
+    setup(&s, &who)?;
+    let mine = shared.call(|reply| Cmd::Metadata { reply })?;
+    write_frame(&mut s, HELLO, &mine)?;
+    let (kind, payload) = read_frame(&mut s, &who)?;
+    match kind {
+        META => {
+            let meta = Metadata::decode(&payload, shared.compat).map_err(|err| Error::Metadata {
+                source_desc: who.clone(),
+                err,
+            })?;
+            crate::agent::load_decoded(shared, meta)
+        }
+        ERROR => Err(Error::Protocol {
+            peer: who,
+            why: format!("peer refused: {}", String::from_utf8_lossy(&payload)),
+        }),
+        k => Err(Error::Protocol {
+            peer: who,
+            why: format!("frame kind {k}, expected META"),
+        }),
+    }
+}
+
+fn setup(s: &TcpStream, who: &str) -> Result<()> {
+    s.set_read_timeout(Some(IO_TIMEOUT))
+        .and_then(|_| s.set_write_timeout(Some(IO_TIMEOUT)))
+        .and_then(|_| s.set_nodelay(true))
+        .map_err(|e| Error::io(format!("configuring socket to {who}"), e))
+}
+
+fn read_frame(s: &mut TcpStream, who: &str) -> Result<(u8, Vec<u8>)> {
+    let mut h = [0u8; 5];
+    s.read_exact(&mut h)
+        .map_err(|e| Error::io(format!("reading a frame header from {who}"), e))?;
+    let len = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
+    if len == 0 || len > MAX_FRAME {
+        return Err(Error::Protocol {
+            peer: who.to_string(),
+            why: format!("frame of {len} bytes (limit {MAX_FRAME})"),
+        });
+    }
+    let mut payload = vec![0u8; len - 1];
+    s.read_exact(&mut payload)
+        .map_err(|e| Error::io(format!("reading a {len}-byte frame from {who}"), e))?;
+    Ok((h[4], payload))
+}
+
+fn write_frame(s: &mut TcpStream, kind: u8, payload: &[u8]) -> Result<()> {
+    let mut b = Vec::with_capacity(5 + payload.len());
+    b.extend_from_slice(&((payload.len() + 1) as u32).to_le_bytes());
+    b.push(kind);
+    b.extend_from_slice(payload);
+    s.write_all(&b)
+        .map_err(|e| Error::io("writing a side-channel frame", e))
+}

@@ -1,0 +1,295 @@
+//! Typed errors. Every error a user or a peer can cause is a variant with context.
+
+use std::fmt;
+use std::time::Duration;
+
+/// A UCX status code (`ucs_status_t`), kept lossless: an unknown value from C is carried as is.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct UcsStatus(pub i8);
+
+impl UcsStatus {
+    /// `UCS_OK`.
+    pub const OK: UcsStatus = UcsStatus(0);
+    /// `UCS_INPROGRESS`.
+    pub const INPROGRESS: UcsStatus = UcsStatus(1);
+    /// `UCS_ERR_CANCELED`.
+    pub const CANCELED: UcsStatus = UcsStatus(-16);
+    /// `UCS_ERR_BUSY`.
+    pub const BUSY: UcsStatus = UcsStatus(-15);
+
+    /// True for `UCS_OK`.
+    pub fn is_ok(self) -> bool {
+        self.0 == 0
+    }
+
+    /// UCX's own text for this status (`ucs_status_string`).
+    pub fn message(self) -> String {
+        crate::backend::ucx::raw::status_string(self)
+    }
+}
+
+impl fmt::Debug for UcsStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "UcsStatus({}: {})", self.0, self.message())
+    }
+}
+
+impl fmt::Display for UcsStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.message(), self.0)
+    }
+}
+
+/// Which side of a transfer a descriptor belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// This agent's memory.
+    Local,
+    /// The peer's memory.
+    Remote,
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Side::Local => "local",
+            Side::Remote => "remote",
+        })
+    }
+}
+
+/// Why metadata from a peer was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MetadataError {
+    /// Fewer bytes than the field being read needs.
+    #[error("truncated: needed {needed} bytes at offset {at}, {available} available")]
+    Truncated {
+        /// Offset of the field.
+        at: usize,
+        /// Bytes the field needs.
+        needed: usize,
+        /// Bytes left.
+        available: usize,
+    },
+    /// Not kvxfer metadata at all.
+    #[error("bad magic {found:02x?}")]
+    BadMagic {
+        /// The first bytes found.
+        found: [u8; 4],
+    },
+    /// Another wire version of kvxfer.
+    #[error("wire version {found}, this build speaks {expected}")]
+    Version {
+        /// Version found.
+        found: u16,
+        /// Version this build speaks.
+        expected: u16,
+    },
+    /// Another KV layout, dtype or library build: moving bytes would corrupt the cache.
+    #[error("compatibility hash {found:#018x}, expected {expected:#018x}")]
+    Incompatible {
+        /// Hash found.
+        found: u64,
+        /// Hash expected.
+        expected: u64,
+    },
+    /// A length field is above its bound.
+    #[error("{field} is {len} bytes/entries, limit {max}")]
+    TooLarge {
+        /// Field name.
+        field: &'static str,
+        /// Value found.
+        len: usize,
+        /// Limit.
+        max: usize,
+    },
+    /// A field holds a value that cannot be right.
+    #[error("invalid {field}: {why}")]
+    Invalid {
+        /// Field name.
+        field: &'static str,
+        /// Why.
+        why: String,
+    },
+    /// Bytes after the last field.
+    #[error("{extra} trailing bytes")]
+    Trailing {
+        /// How many.
+        extra: usize,
+    },
+}
+
+/// The error type of every kvxfer operation.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A UCX call failed.
+    #[error("UCX {op} failed: {status}")]
+    Ucx {
+        /// The UCX function.
+        op: &'static str,
+        /// Its status.
+        status: UcsStatus,
+    },
+    /// Metadata from a peer was refused.
+    #[error("metadata from {source_desc} refused: {err}")]
+    Metadata {
+        /// Where it came from (peer address or "buffer").
+        source_desc: String,
+        /// Why.
+        err: MetadataError,
+    },
+    /// A descriptor names a region that is not registered (locally) or not in the peer's table.
+    #[error("{side} descriptor #{index} names region {region}, which is not registered")]
+    UnknownRegion {
+        /// Local or remote.
+        side: Side,
+        /// Index in the descriptor list.
+        index: usize,
+        /// Region id.
+        region: u32,
+    },
+    /// A descriptor reaches outside its registered region.
+    #[error(
+        "{side} descriptor #{index} [{offset}, +{len}) is outside region {region} of {region_len} bytes"
+    )]
+    OutOfBounds {
+        /// Local or remote.
+        side: Side,
+        /// Index in the descriptor list.
+        index: usize,
+        /// Region id.
+        region: u32,
+        /// Offset in the region.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// The region's length.
+        region_len: u64,
+    },
+    /// An index into a prepared list is past its end.
+    #[error("{side} index {index} is past the prepared list of {len} descriptors")]
+    BadIndex {
+        /// Local or remote.
+        side: Side,
+        /// The index.
+        index: usize,
+        /// The list's length.
+        len: usize,
+    },
+    /// Local and remote descriptor lists do not pair up.
+    #[error("descriptor pair #{index}: local {local_len} bytes vs remote {remote_len} bytes")]
+    LengthMismatch {
+        /// Pair index (or the list lengths when `index` is `usize::MAX`).
+        index: usize,
+        /// Local length.
+        local_len: u64,
+        /// Remote length.
+        remote_len: u64,
+    },
+    /// A peer this agent has no metadata for.
+    #[error("unknown peer {agent:?}")]
+    UnknownPeer {
+        /// The peer's name.
+        agent: String,
+    },
+    /// A prepared list refers to metadata the peer has since replaced.
+    #[error("prepared list for {agent:?} is stale (peer metadata generation {prepared} != {current})")]
+    StalePeer {
+        /// The peer's name.
+        agent: String,
+        /// Generation the list was prepared against.
+        prepared: u64,
+        /// Current generation.
+        current: u64,
+    },
+    /// The connection to a peer failed (the peer died or the link broke).
+    #[error("peer {agent:?} failed: {status}")]
+    PeerFailed {
+        /// The peer's name.
+        agent: String,
+        /// UCX's status for the failure.
+        status: UcsStatus,
+    },
+    /// Memory is in use by a transfer in flight.
+    #[error("region {region} is in use by {inflight} transfer(s) in flight")]
+    Busy {
+        /// Region id.
+        region: u32,
+        /// Transfers using it.
+        inflight: u32,
+    },
+    /// The region was deregistered.
+    #[error("region {region} is not registered (anymore)")]
+    Deregistered {
+        /// Region id.
+        region: u32,
+    },
+    /// A transfer did not complete in time; the connection to the peer was torn down so that
+    /// UCX no longer touches the buffers, and is re-established on next use.
+    #[error("transfer to {agent:?} missed its deadline of {deadline:?} ({done_ops}/{ops} operations done)")]
+    Deadline {
+        /// The peer's name.
+        agent: String,
+        /// The deadline, relative to the post.
+        deadline: Duration,
+        /// Operations completed.
+        done_ops: usize,
+        /// Operations in the transfer.
+        ops: usize,
+    },
+    /// A wait ran out of time; the transfer itself goes on.
+    #[error("wait timed out after {0:?}; the transfer is still in flight")]
+    WaitTimeout(Duration),
+    /// The transfer was cancelled.
+    #[error("transfer cancelled")]
+    Canceled,
+    /// Invalid argument from the caller.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// Allocation failed or the memory budget is exhausted.
+    #[error("out of memory: {0}")]
+    OutOfMemory(String),
+    /// A side-channel or other I/O error, with what was being done.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A peer broke the side-channel protocol.
+    #[error("side-channel protocol error with {peer}: {why}")]
+    Protocol {
+        /// The peer's address.
+        peer: String,
+        /// What went wrong.
+        why: String,
+    },
+    /// The agent was shut down.
+    #[error("agent is shut down")]
+    Shutdown,
+    /// The transport UCX selected is not the one required in strict mode.
+    #[error("peer {agent:?}: transport {got:?} selected, strict mode requires {wanted:?}")]
+    TransportMismatch {
+        /// The peer's name.
+        agent: String,
+        /// Transports required.
+        wanted: String,
+        /// Transports selected.
+        got: String,
+    },
+}
+
+impl Error {
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+/// Result with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

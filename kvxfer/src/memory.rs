@@ -1,0 +1,296 @@
+//! Memory that can be registered: owned page-aligned host buffers, memory maps, and (through an
+//! `unsafe` call on the agent) an engine's raw pointers. A [`Region`] is a registered piece of
+//! memory; its bytes stay valid until the last handle and every transfer using it are gone.
+
+use std::alloc::{self, Layout};
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+
+use crate::descriptor::RegionId;
+use crate::error::{Error, Result};
+
+/// Where memory lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemKind {
+    /// Host (CPU) memory.
+    Host,
+    /// CUDA device memory on the given device ordinal.
+    Cuda(u32),
+}
+
+/// An owned, page-aligned, zero-filled host allocation.
+pub struct HostBuffer {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: HostBuffer uniquely owns its allocation (like Box<[u8]>); the pointer is never shared
+// except through &self/&mut self borrows, so moving it across threads is sound.
+unsafe impl Send for HostBuffer {}
+// SAFETY: &HostBuffer only gives out shared access (&[u8]); mutation needs &mut.
+unsafe impl Sync for HostBuffer {}
+
+impl HostBuffer {
+    /// Allocates `len` zeroed bytes aligned to the page size.
+    pub fn new(len: usize) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("host buffer of 0 bytes".into()));
+        }
+        let layout = Layout::from_size_align(len, page_size())
+            .map_err(|e| Error::InvalidArgument(format!("host buffer of {len} bytes: {e}")))?;
+        // SAFETY: layout has a non-zero size (checked above).
+        let p = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(p)
+            .ok_or_else(|| Error::OutOfMemory(format!("allocating {len} bytes of host memory")))?;
+        Ok(HostBuffer { ptr, layout })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.layout.size()
+    }
+
+    /// Always false: empty buffers cannot be made.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr is a live allocation of layout.size() initialised (zeroed) bytes owned by
+        // self, borrowed shared for the lifetime of &self.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len()) }
+    }
+
+    /// The bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in as_slice, and &mut self guarantees exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len()) }
+    }
+
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        // SAFETY: ptr was allocated with exactly this layout in new() and is freed only here.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+impl fmt::Debug for HostBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostBuffer")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+/// Memory that an agent can register and then owns.
+#[derive(Debug)]
+pub enum Memory {
+    /// An owned host allocation.
+    Host(HostBuffer),
+    /// A writable memory map (a file, or anonymous / shared memory).
+    Mmap(memmap2::MmapMut),
+}
+
+impl From<HostBuffer> for Memory {
+    fn from(b: HostBuffer) -> Self {
+        Memory::Host(b)
+    }
+}
+
+impl From<memmap2::MmapMut> for Memory {
+    fn from(m: memmap2::MmapMut) -> Self {
+        Memory::Mmap(m)
+    }
+}
+
+impl Memory {
+    pub(crate) fn raw_parts(&mut self) -> (*mut u8, usize) {
+        match self {
+            Memory::Host(b) => (b.as_ptr(), b.len()),
+            Memory::Mmap(m) => (m.as_mut_ptr(), m.len()),
+        }
+    }
+}
+
+pub(crate) struct RegionInner {
+    pub(crate) id: RegionId,
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) kind: MemKind,
+    /// Owned backing memory; None for memory registered through a raw pointer.
+    pub(crate) _backing: Option<Memory>,
+    /// Transfers posted and not yet completed by UCX that use this region.
+    pub(crate) inflight: AtomicU32,
+    pub(crate) registered: AtomicBool,
+}
+
+/// A registered region of memory. Cloning gives another handle to the same registration.
+///
+/// Obtained from [`Agent::register`](crate::Agent::register) (owned memory) or
+/// [`Agent::register_raw`](crate::Agent::register_raw) (an engine's memory); released with
+/// [`Agent::deregister`](crate::Agent::deregister), which fails with
+/// [`Error::Busy`] while a transfer uses it. Owned memory stays allocated while any handle or
+/// transfer holds it.
+#[derive(Clone)]
+pub struct Region {
+    pub(crate) inner: Arc<RegionInner>,
+}
+
+impl fmt::Debug for Region {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Region")
+            .field("id", &self.inner.id)
+            .field("addr", &format_args!("{:#x}", self.inner.addr))
+            .field("len", &self.inner.len)
+            .field("kind", &self.inner.kind)
+            .field("inflight", &self.inflight())
+            .finish()
+    }
+}
+
+impl Region {
+    /// Its id, as descriptors and peers name it.
+    pub fn id(&self) -> RegionId {
+        self.inner.id
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.inner.len
+    }
+
+    /// True when the region has no bytes (never, registration refuses that).
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+
+    /// Base address.
+    pub fn addr(&self) -> u64 {
+        self.inner.addr
+    }
+
+    /// Host or device.
+    pub fn kind(&self) -> MemKind {
+        self.inner.kind
+    }
+
+    /// Transfers in flight that use this region.
+    pub fn inflight(&self) -> u32 {
+        self.inner.inflight.load(Ordering::Acquire)
+    }
+
+    /// Whether the region is still registered.
+    pub fn is_registered(&self) -> bool {
+        self.inner.registered.load(Ordering::Acquire)
+    }
+
+    /// Copies `data` into the region at `offset`. Host memory only. Bytes a peer writes at the
+    /// same time are unspecified, as with any shared memory; no transfer should target them.
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.check_host(offset, data.len())?;
+        // SAFETY: check_host proved [offset, offset+len) lies in this host region, which is
+        // valid for the life of self.inner; data cannot overlap it (it is a Rust borrow of
+        // other memory or, if it points into the region, ptr::copy handles overlap).
+        unsafe {
+            std::ptr::copy(
+                data.as_ptr(),
+                (self.inner.addr + offset) as *mut u8,
+                data.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Copies bytes from the region at `offset` into `out`. Host memory only.
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        self.check_host(offset, out.len())?;
+        // SAFETY: as in write(); out is an exclusive borrow of other memory.
+        unsafe {
+            std::ptr::copy(
+                (self.inner.addr + offset) as *const u8,
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// The region's bytes.
+    ///
+    /// # Safety
+    /// 1. The region must be host memory.
+    /// 2. No transfer (local or a peer's) may write these bytes while the slice lives.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the caller upholds 1-2; the region is valid while self.inner lives.
+        unsafe { std::slice::from_raw_parts(self.inner.addr as *const u8, self.inner.len as usize) }
+    }
+
+    /// The region's bytes, mutably.
+    ///
+    /// # Safety
+    /// 1. The region must be host memory.
+    /// 2. No transfer (local or a peer's) may read or write these bytes while the slice lives,
+    ///    and no other slice of this region may exist.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
+        // SAFETY: the caller upholds 1-2; the region is valid while self.inner lives.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.inner.addr as *mut u8, self.inner.len as usize)
+        }
+    }
+
+    fn check_host(&self, offset: u64, len: usize) -> Result<()> {
+        if self.inner.kind != MemKind::Host {
+            return Err(Error::InvalidArgument(format!(
+                "region {} is {:?} memory, not host",
+                self.inner.id.0, self.inner.kind
+            )));
+        }
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= self.inner.len => Ok(()),
+            _ => Err(Error::OutOfBounds {
+                side: crate::error::Side::Local,
+                index: 0,
+                region: self.inner.id.0,
+                offset,
+                len: len as u64,
+                region_len: self.inner.len,
+            }),
+        }
+    }
+}
+
+/// The system page size.
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_buffer_is_page_aligned_and_zeroed() {
+        let mut b = HostBuffer::new(10_000).unwrap();
+        assert_eq!(b.as_slice().as_ptr() as usize % page_size(), 0);
+        assert!(b.as_slice().iter().all(|&x| x == 0));
+        b.as_mut_slice()[9_999] = 7;
+        assert_eq!(b.as_slice()[9_999], 7);
+        assert!(HostBuffer::new(0).is_err());
+    }
+}

@@ -1,0 +1,402 @@
+//! Agent metadata: what a peer needs to reach this agent's memory, and its wire encoding.
+//!
+//! Layout (little endian), version 1:
+//!
+//! ```text
+//! magic "KVXM" | version u16 | flags u16 (0) | compat u64 | total_len u32
+//! name_len u16 | name (UTF-8)
+//! addr_len u32 | UCX worker address
+//! region_count u32 | { id u32 | kind u8 | device u32 | base u64 | len u64 | rkey_len u16 | rkey }*
+//! ```
+//!
+//! The decoder is strict and bounded: it checks magic, version and the compatibility hash before
+//! it reads anything else, every length against a limit and the bytes left, region ids for
+//! uniqueness, `base + len` for overflow, and refuses trailing bytes. It never panics on any
+//! input (property- and fuzz-tested).
+#![forbid(unsafe_code)]
+
+use crate::descriptor::{RegionId, RegionSpan};
+use crate::error::MetadataError;
+use crate::memory::MemKind;
+
+/// Wire version this build speaks.
+pub const WIRE_VERSION: u16 = 1;
+const MAGIC: [u8; 4] = *b"KVXM";
+/// Longest agent name.
+pub const MAX_NAME: usize = 255;
+/// Longest UCX worker address accepted.
+pub const MAX_WORKER_ADDR: usize = 64 * 1024;
+/// Most regions in one metadata blob.
+pub const MAX_REGIONS: usize = 65_536;
+/// Longest packed rkey accepted.
+pub const MAX_RKEY: usize = 4096;
+/// Largest encoded metadata accepted.
+pub const MAX_ENCODED: usize = 16 * 1024 * 1024;
+const HEADER: usize = 4 + 2 + 2 + 8 + 4;
+
+/// One registered region as a peer sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegionMeta {
+    /// Region id in the owner's agent.
+    pub id: RegionId,
+    /// Host or device.
+    pub kind: MemKind,
+    /// Base address in the owner's address space.
+    pub base: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// UCX packed remote key.
+    pub rkey: Vec<u8>,
+}
+
+impl RegionMeta {
+    /// The part the bounds check needs.
+    pub fn span(&self) -> RegionSpan {
+        RegionSpan {
+            id: self.id,
+            base: self.base,
+            len: self.len,
+            kind: self.kind,
+        }
+    }
+}
+
+/// An agent's metadata.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Metadata {
+    /// The agent's unique name.
+    pub name: String,
+    /// Compatibility hash: wire version, KV layout and dtype. Peers must agree.
+    pub compat: u64,
+    /// UCX worker address.
+    pub worker_addr: Vec<u8>,
+    /// Registered regions.
+    pub regions: Vec<RegionMeta>,
+}
+
+impl Metadata {
+    /// Encodes to the wire format.
+    pub fn encode(&self) -> Vec<u8> {
+        let size = HEADER
+            + 2
+            + self.name.len()
+            + 4
+            + self.worker_addr.len()
+            + 4
+            + self
+                .regions
+                .iter()
+                .map(|r| 4 + 1 + 4 + 8 + 8 + 2 + r.rkey.len())
+                .sum::<usize>();
+        let mut b = Vec::with_capacity(size);
+        b.extend_from_slice(&MAGIC);
+        b.extend_from_slice(&WIRE_VERSION.to_le_bytes());
+        b.extend_from_slice(&0u16.to_le_bytes());
+        b.extend_from_slice(&self.compat.to_le_bytes());
+        b.extend_from_slice(&(size as u32).to_le_bytes());
+        b.extend_from_slice(&(self.name.len() as u16).to_le_bytes());
+        b.extend_from_slice(self.name.as_bytes());
+        b.extend_from_slice(&(self.worker_addr.len() as u32).to_le_bytes());
+        b.extend_from_slice(&self.worker_addr);
+        b.extend_from_slice(&(self.regions.len() as u32).to_le_bytes());
+        for r in &self.regions {
+            b.extend_from_slice(&r.id.0.to_le_bytes());
+            let (kind, dev) = match r.kind {
+                MemKind::Host => (0u8, 0u32),
+                MemKind::Cuda(d) => (1u8, d),
+            };
+            b.push(kind);
+            b.extend_from_slice(&dev.to_le_bytes());
+            b.extend_from_slice(&r.base.to_le_bytes());
+            b.extend_from_slice(&r.len.to_le_bytes());
+            b.extend_from_slice(&(r.rkey.len() as u16).to_le_bytes());
+            b.extend_from_slice(&r.rkey);
+        }
+        debug_assert_eq!(b.len(), size);
+        b
+    }
+
+    /// Decodes and validates `bytes`, refusing metadata whose compatibility hash is not
+    /// `expected_compat`.
+    pub fn decode(bytes: &[u8], expected_compat: u64) -> Result<Metadata, MetadataError> {
+        let mut r = Reader { b: bytes, at: 0 };
+        let magic: [u8; 4] = r.array()?;
+        if magic != MAGIC {
+            return Err(MetadataError::BadMagic { found: magic });
+        }
+        let version = r.u16()?;
+        if version != WIRE_VERSION {
+            return Err(MetadataError::Version {
+                found: version,
+                expected: WIRE_VERSION,
+            });
+        }
+        let flags = r.u16()?;
+        let compat = r.u64()?;
+        if compat != expected_compat {
+            return Err(MetadataError::Incompatible {
+                found: compat,
+                expected: expected_compat,
+            });
+        }
+        if flags != 0 {
+            return Err(MetadataError::Invalid {
+                field: "flags",
+                why: format!("{flags:#x}, no flags are defined"),
+            });
+        }
+        let total = r.u32()? as usize;
+        if total > MAX_ENCODED {
+            return Err(MetadataError::TooLarge {
+                field: "metadata",
+                len: total,
+                max: MAX_ENCODED,
+            });
+        }
+        if total != bytes.len() {
+            return Err(if total > bytes.len() {
+                MetadataError::Truncated {
+                    at: 0,
+                    needed: total,
+                    available: bytes.len(),
+                }
+            } else {
+                MetadataError::Trailing {
+                    extra: bytes.len() - total,
+                }
+            });
+        }
+        let name_len = r.u16()? as usize;
+        if name_len == 0 || name_len > MAX_NAME {
+            return Err(MetadataError::Invalid {
+                field: "name",
+                why: format!("length {name_len}, must be 1..={MAX_NAME}"),
+            });
+        }
+        let name = std::str::from_utf8(r.take(name_len)?)
+            .map_err(|e| MetadataError::Invalid {
+                field: "name",
+                why: e.to_string(),
+            })?
+            .to_owned();
+        if name.chars().any(char::is_control) {
+            return Err(MetadataError::Invalid {
+                field: "name",
+                why: "contains control characters".into(),
+            });
+        }
+        let addr_len = r.u32()? as usize;
+        if addr_len == 0 || addr_len > MAX_WORKER_ADDR {
+            return Err(MetadataError::TooLarge {
+                field: "worker address",
+                len: addr_len,
+                max: MAX_WORKER_ADDR,
+            });
+        }
+        let worker_addr = r.take(addr_len)?.to_vec();
+        let count = r.u32()? as usize;
+        if count > MAX_REGIONS {
+            return Err(MetadataError::TooLarge {
+                field: "region table",
+                len: count,
+                max: MAX_REGIONS,
+            });
+        }
+        // Each entry needs at least 27 bytes: refuse counts the input cannot hold before
+        // reserving memory for them.
+        if count * 27 > r.left() {
+            return Err(MetadataError::Truncated {
+                at: r.at,
+                needed: count * 27,
+                available: r.left(),
+            });
+        }
+        let mut regions: Vec<RegionMeta> = Vec::with_capacity(count);
+        for _ in 0..count {
+            let id = RegionId(r.u32()?);
+            let kind = match (r.u8()?, r.u32()?) {
+                (0, 0) => MemKind::Host,
+                (1, d) => MemKind::Cuda(d),
+                (k, d) => {
+                    return Err(MetadataError::Invalid {
+                        field: "region kind",
+                        why: format!("kind {k} device {d}"),
+                    })
+                }
+            };
+            let base = r.u64()?;
+            let len = r.u64()?;
+            if len == 0 || base.checked_add(len).is_none() {
+                return Err(MetadataError::Invalid {
+                    field: "region extent",
+                    why: format!("region {} base {base:#x} len {len}", id.0),
+                });
+            }
+            let rkey_len = r.u16()? as usize;
+            if rkey_len == 0 || rkey_len > MAX_RKEY {
+                return Err(MetadataError::TooLarge {
+                    field: "rkey",
+                    len: rkey_len,
+                    max: MAX_RKEY,
+                });
+            }
+            let rkey = r.take(rkey_len)?.to_vec();
+            regions.push(RegionMeta {
+                id,
+                kind,
+                base,
+                len,
+                rkey,
+            });
+        }
+        if r.left() != 0 {
+            return Err(MetadataError::Trailing { extra: r.left() });
+        }
+        let mut ids: Vec<u32> = regions.iter().map(|x| x.id.0).collect();
+        ids.sort_unstable();
+        if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+            return Err(MetadataError::Invalid {
+                field: "region id",
+                why: format!("{} appears twice", w[0]),
+            });
+        }
+        Ok(Metadata {
+            name,
+            compat,
+            worker_addr,
+            regions,
+        })
+    }
+
+    /// Reads only the agent name and compatibility hash, without validating the rest; for
+    /// error messages about metadata that was refused.
+    pub fn peek_name(bytes: &[u8]) -> Option<String> {
+        let n = u16::from_le_bytes(bytes.get(HEADER..HEADER + 2)?.try_into().ok()?) as usize;
+        let s = bytes.get(HEADER + 2..HEADER + 2 + n.min(MAX_NAME))?;
+        std::str::from_utf8(s).ok().map(str::to_owned)
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn left(&self) -> usize {
+        self.b.len() - self.at
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8], MetadataError> {
+        if n > self.left() {
+            return Err(MetadataError::Truncated {
+                at: self.at,
+                needed: n,
+                available: self.left(),
+            });
+        }
+        let s = &self.b[self.at..self.at + n];
+        self.at += n;
+        Ok(s)
+    }
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], MetadataError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+    fn u8(&mut self) -> Result<u8, MetadataError> {
+        Ok(self.array::<1>()?[0])
+    }
+    fn u16(&mut self) -> Result<u16, MetadataError> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+    fn u32(&mut self) -> Result<u32, MetadataError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+    fn u64(&mut self) -> Result<u64, MetadataError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sample() -> Metadata {
+        Metadata {
+            name: "prefill-0".into(),
+            compat: 0xdead_beef_0123_4567,
+            worker_addr: vec![1, 2, 3, 4, 5],
+            regions: vec![
+                RegionMeta { id: RegionId(0), kind: MemKind::Host, base: 0x7f00_0000_0000, len: 1 << 30, rkey: vec![9; 40] },
+                RegionMeta { id: RegionId(3), kind: MemKind::Cuda(1), base: 0x1000, len: 4096, rkey: vec![7; 12] },
+            ],
+        }
+    }
+
+    #[test]
+    fn roundtrip() {
+        let m = sample();
+        let b = m.encode();
+        assert_eq!(Metadata::decode(&b, m.compat).unwrap(), m);
+        assert_eq!(Metadata::peek_name(&b).as_deref(), Some("prefill-0"));
+    }
+
+    #[test]
+    fn refuses_foreign_and_broken() {
+        let m = sample();
+        let b = m.encode();
+        assert!(matches!(Metadata::decode(&b, 1), Err(MetadataError::Incompatible { .. })));
+        let mut v = b.clone();
+        v[4] = 2;
+        assert!(matches!(Metadata::decode(&v, m.compat), Err(MetadataError::Version { found: 2, .. })));
+        let mut v = b.clone();
+        v[0] = b'X';
+        assert!(matches!(Metadata::decode(&v, m.compat), Err(MetadataError::BadMagic { .. })));
+        for cut in 0..b.len() {
+            assert!(Metadata::decode(&b[..cut], m.compat).is_err(), "prefix of {cut} accepted");
+        }
+        let mut v = b.clone();
+        v.push(0);
+        assert!(matches!(Metadata::decode(&v, m.compat), Err(MetadataError::Trailing { extra: 1 })));
+        let mut dup = m.clone();
+        dup.regions[1].id = RegionId(0);
+        assert!(matches!(
+            Metadata::decode(&dup.encode(), m.compat),
+            Err(MetadataError::Invalid { field: "region id", .. })
+        ));
+        let mut wrap = m.clone();
+        wrap.regions[0].base = u64::MAX;
+        assert!(matches!(
+            Metadata::decode(&wrap.encode(), m.compat),
+            Err(MetadataError::Invalid { field: "region extent", .. })
+        ));
+    }
+
+    #[test]
+    fn huge_counts_are_refused_without_allocating() {
+        let m = Metadata { regions: vec![], ..sample() };
+        let mut b = m.encode();
+        let n = b.len();
+        b[n - 4..].copy_from_slice(&60_000u32.to_le_bytes());
+        assert!(matches!(Metadata::decode(&b, m.compat), Err(MetadataError::Truncated { .. })));
+        b[n - 4..].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(Metadata::decode(&b, m.compat), Err(MetadataError::TooLarge { .. })));
+    }
+
+    proptest! {
+        #[test]
+        fn decoder_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = Metadata::decode(&bytes, 0);
+        }
+
+        #[test]
+        fn mutated_metadata_never_panics(pos in 0usize..200, val in any::<u8>()) {
+            let m = sample();
+            let mut b = m.encode();
+            let p = pos % b.len();
+            b[p] = val;
+            let _ = Metadata::decode(&b, m.compat);
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! Transfer handles: await (any executor), poll, wait with a timeout, cancel. Dropping a handle
+//! only detaches the waiter: the progress engine keeps the registrations alive until UCX reports
+//! completion, so no buffer is ever freed while UCX may still touch it.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+/// Direction of a transfer, seen from the initiator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum XferOp {
+    /// Pull: remote memory into local memory (`ucp_get_nbx`).
+    Read,
+    /// Push: local memory into remote memory (`ucp_put_nbx`).
+    Write,
+}
+
+impl std::fmt::Display for XferOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            XferOp::Read => "read",
+            XferOp::Write => "write",
+        })
+    }
+}
+
+/// What a completed transfer did, for telemetry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct XferStats {
+    /// The peer.
+    pub peer: String,
+    /// Direction.
+    pub op: XferOp,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Descriptor pairs asked for.
+    pub descs: usize,
+    /// UCX operations posted after coalescing and splitting.
+    pub ops: usize,
+    /// From the call that created the transfer until its last operation was posted.
+    pub post_time: Duration,
+    /// From the call that created the transfer until completion (and notification) was reported.
+    pub duration: Duration,
+}
+
+#[derive(Default)]
+struct Slot {
+    result: Option<Result<XferStats>>,
+    done: bool,
+    waker: Option<Waker>,
+}
+
+/// State shared between a [`Transfer`] handle and the progress engine.
+#[derive(Default)]
+pub(crate) struct XferState {
+    slot: Mutex<Slot>,
+    cv: Condvar,
+}
+
+impl XferState {
+    fn lock(&self) -> MutexGuard<'_, Slot> {
+        // A poisoned lock only means a waiter panicked; the slot itself is always consistent.
+        self.slot.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Called once by the progress engine when UCX no longer touches the buffers.
+    pub(crate) fn complete(&self, r: Result<XferStats>) {
+        let waker = {
+            let mut s = self.lock();
+            s.result = Some(r);
+            s.done = true;
+            s.waker.take()
+        };
+        self.cv.notify_all();
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+}
+
+/// A transfer in flight. Created by [`Agent::transfer`](crate::Agent::transfer).
+///
+/// Await it, or call [`wait`](Self::wait) / [`wait_timeout`](Self::wait_timeout) from threads
+/// without an async runtime, or [`is_done`](Self::is_done) to poll. [`cancel`](Self::cancel)
+/// stops posting and returns once UCX no longer touches the buffers. Dropping it detaches.
+pub struct Transfer {
+    pub(crate) state: Arc<XferState>,
+    pub(crate) id: u64,
+    pub(crate) agent: Arc<crate::agent::Shared>,
+}
+
+impl std::fmt::Debug for Transfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transfer")
+            .field("id", &self.id)
+            .field("done", &self.is_done())
+            .finish()
+    }
+}
+
+impl Transfer {
+    /// Whether the transfer has completed (successfully or not).
+    pub fn is_done(&self) -> bool {
+        self.state.lock().done
+    }
+
+    /// Blocks until the transfer completes.
+    pub fn wait(self) -> Result<XferStats> {
+        let mut s = self.state.lock();
+        while !s.done {
+            s = self.state.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+        take(&mut s)
+    }
+
+    /// Blocks up to `timeout`. On time-out the transfer goes on and the handle stays usable:
+    /// the error is [`Error::WaitTimeout`].
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<XferStats> {
+        let end = Instant::now() + timeout;
+        let mut s = self.state.lock();
+        while !s.done {
+            let now = Instant::now();
+            if now >= end {
+                return Err(Error::WaitTimeout(timeout));
+            }
+            s = self
+                .state
+                .cv
+                .wait_timeout(s, end - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        take(&mut s)
+    }
+
+    /// Cancels: no further operation is posted; returns once every posted operation is done
+    /// and UCX no longer touches the buffers. Returns the result if the transfer completed
+    /// before the cancel took effect, else [`Error::Canceled`].
+    pub fn cancel(self) -> Result<XferStats> {
+        self.agent.cancel(self.id);
+        self.wait()
+    }
+}
+
+fn take(s: &mut Slot) -> Result<XferStats> {
+    s.result.take().unwrap_or(Err(Error::InvalidArgument(
+        "transfer result was already taken".into(),
+    )))
+}
+
+impl Future for Transfer {
+    type Output = Result<XferStats>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut s = self.state.lock();
+        if s.done {
+            return Poll::Ready(take(&mut s));
+        }
+        match &s.waker {
+            Some(w) if w.will_wake(cx.waker()) => {}
+            _ => s.waker = Some(cx.waker().clone()),
+        }
+        Poll::Pending
+    }
+}
