@@ -1,10 +1,12 @@
 # shellcheck shell=bash
 # Source this file: it selects the UCX that kvxfer builds and runs against.
 #
-#   KVXFER_UCX=wheel (default)  UCX 1.22 from the PyPI wheel `libucx-cu12`, unpacked into .ucx/
-#                               with its pkg-config files relocated (measured ~3x faster TCP put
-#                               than Debian's 1.13.1 at 32 KiB, and no collapse at 4 MiB+).
-#   KVXFER_UCX=system           Debian's libucx-dev (1.13.1), installed with apt when missing.
+#   KVXFER_UCX=system (default) Debian's libucx-dev (1.13.1), installed with apt when missing.
+#                               On kvxfer-bench's KV-shaped workload it measured faster than the
+#                               wheel in-host (shm 40.8 ms vs 70.4 ms) and equal over TCP; see
+#                               README "Which UCX".
+#   KVXFER_UCX=wheel            UCX 1.22 from the PyPI wheel `libucx-cu12`, unpacked into .ucx/
+#                               with its pkg-config files relocated. Has cuda_copy/cuda_ipc.
 #
 # Both paths also make sure libclang-dev and pkg-config (needed by bindgen) are present.
 _kvx_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -46,12 +48,12 @@ _kvx_wheel() {
   export UCX_LOG_LEVEL="${UCX_LOG_LEVEL:-error}"
 }
 
-_kvx_apt pkg-config libclang-dev python3 python3-pip unzip iperf3 || return 1 2>/dev/null || exit 1
-case "${KVXFER_UCX:-wheel}" in
+_kvx_apt pkg-config libclang-dev python3 python3-pip || return 1 2>/dev/null || exit 1
+case "${KVXFER_UCX:-system}" in
   wheel) _kvx_wheel || { echo "kvxfer: could not fetch the UCX wheel" >&2; return 1 2>/dev/null || exit 1; } ;;
   system) _kvx_apt libucx-dev ucx-utils || return 1 2>/dev/null || exit 1 ;;
   *) echo "kvxfer: KVXFER_UCX must be wheel or system" >&2; return 1 2>/dev/null || exit 1 ;;
 esac
-export KVXFER_UCX="${KVXFER_UCX:-wheel}"
+export KVXFER_UCX="${KVXFER_UCX:-system}"
 # Keep the two UCX builds in separate target directories so switching does not rebuild.
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$_kvx_root/target/ucx-$KVXFER_UCX}"

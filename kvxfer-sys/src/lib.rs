@@ -4,8 +4,17 @@
 //! the bindgen output it holds ports of the few UCS macros and static inline functions that
 //! bindgen cannot translate.
 
-#![allow(non_upper_case_globals, non_camel_case_types, non_snake_case, dead_code)]
-#![allow(clippy::all, clippy::undocumented_unsafe_blocks, missing_debug_implementations)]
+#![allow(
+    non_upper_case_globals,
+    non_camel_case_types,
+    non_snake_case,
+    dead_code
+)]
+#![allow(
+    clippy::all,
+    clippy::undocumented_unsafe_blocks,
+    missing_debug_implementations
+)]
 #![allow(unsafe_op_in_unsafe_fn)]
 
 include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
@@ -22,7 +31,8 @@ pub fn ucs_ptr_is_err(ptr: *const core::ffi::c_void) -> bool {
 /// Port of `UCS_PTR_IS_PTR`: a returned request pointer is a real request.
 #[inline]
 pub fn ucs_ptr_is_ptr(ptr: *const core::ffi::c_void) -> bool {
-    ((ptr as usize).wrapping_sub(1)) < ((ucs_status_t::UCS_ERR_LAST.0 as isize as usize).wrapping_sub(1))
+    ((ptr as usize).wrapping_sub(1))
+        < ((ucs_status_t::UCS_ERR_LAST.0 as isize as usize).wrapping_sub(1))
 }
 
 /// Port of `UCS_PTR_STATUS`: `UCS_INPROGRESS` for a real request, else the encoded status

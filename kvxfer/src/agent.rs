@@ -452,7 +452,10 @@ impl Agent {
     }
 
     /// Starts a transfer of the descriptor pairs `(local[li[k]], remote[ri[k]])`; with
-    /// `notification`, the peer receives it after all the data has landed.
+    /// `notification`, the peer receives it after all the data has landed. With `deadline`, a
+    /// transfer not done in time fails with [`Error::Deadline`] (its endpoint is torn down).
+    // The argument list mirrors NIXL's makeXferReq: two prepared lists, two index selections.
+    #[allow(clippy::too_many_arguments)]
     pub fn transfer(
         &self,
         op: XferOp,
@@ -498,16 +501,13 @@ impl Agent {
             token: remote.token,
             plan,
             regions,
-            notification: notification
-                .map(|n| crate::notify::encode(&self.shared.name, n)),
+            notification: notification.map(|n| crate::notify::encode(&self.shared.name, n)),
             deadline,
             started: t0,
             state: state.clone(),
         };
-        if let Err(e) = self.shared.send(Cmd::Post(Box::new(job))) {
-            // The job was dropped with the channel; the engine never saw it.
-            return Err(e);
-        }
+        // On error the job was dropped with the channel; the engine never saw it.
+        self.shared.send(Cmd::Post(Box::new(job)))?;
         Ok(Transfer {
             state,
             id,

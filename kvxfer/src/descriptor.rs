@@ -240,21 +240,56 @@ mod tests {
         let t = table();
         let ok = resolve(
             Side::Remote,
-            &[Desc::new(RegionId(7), 0, 4096), Desc::new(RegionId(9), 10, 5)],
+            &[
+                Desc::new(RegionId(7), 0, 4096),
+                Desc::new(RegionId(9), 10, 5),
+            ],
             &t,
         )
         .unwrap();
-        assert_eq!(ok[0], Resolved { addr: 0x1000, len: 4096, slot: 0 });
-        assert_eq!(ok[1], Resolved { addr: 0x10_000a, len: 5, slot: 1 });
+        assert_eq!(
+            ok[0],
+            Resolved {
+                addr: 0x1000,
+                len: 4096,
+                slot: 0
+            }
+        );
+        assert_eq!(
+            ok[1],
+            Resolved {
+                addr: 0x10_000a,
+                len: 5,
+                slot: 1
+            }
+        );
 
         let e = resolve(Side::Remote, &[Desc::new(RegionId(7), 1, 4096)], &t).unwrap_err();
         assert!(matches!(
             e,
-            Error::OutOfBounds { side: Side::Remote, index: 0, region: 7, offset: 1, len: 4096, region_len: 4096 }
+            Error::OutOfBounds {
+                side: Side::Remote,
+                index: 0,
+                region: 7,
+                offset: 1,
+                len: 4096,
+                region_len: 4096
+            }
         ));
-        let e = resolve(Side::Local, &[Desc::new(RegionId(7), 0, 1), Desc::new(RegionId(8), 0, 1)], &t)
-            .unwrap_err();
-        assert!(matches!(e, Error::UnknownRegion { side: Side::Local, index: 1, region: 8 }));
+        let e = resolve(
+            Side::Local,
+            &[Desc::new(RegionId(7), 0, 1), Desc::new(RegionId(8), 0, 1)],
+            &t,
+        )
+        .unwrap_err();
+        assert!(matches!(
+            e,
+            Error::UnknownRegion {
+                side: Side::Local,
+                index: 1,
+                region: 8
+            }
+        ));
         // Overflowing offset + len must not wrap into bounds.
         let e = resolve(Side::Remote, &[Desc::new(RegionId(9), u64::MAX, 2)], &t).unwrap_err();
         assert!(matches!(e, Error::OutOfBounds { .. }));
@@ -265,7 +300,9 @@ mod tests {
     #[test]
     fn contiguous_blocks_make_one_op() {
         let t = table();
-        let d: Vec<_> = (0..16).map(|i| Desc::new(RegionId(9), i * 1024, 1024)).collect();
+        let d: Vec<_> = (0..16)
+            .map(|i| Desc::new(RegionId(9), i * 1024, 1024))
+            .collect();
         let l = resolve(Side::Local, &d, &t).unwrap();
         let r = resolve(Side::Remote, &d, &t).unwrap();
         let idx: Vec<usize> = (0..16).collect();
@@ -276,7 +313,10 @@ mod tests {
         assert_eq!(p.descs, 16);
         // Split at 5000 bytes: 4 ops of 5000 and one of 384.
         let p = plan(&l, &idx, &r, &idx, 5000).unwrap();
-        assert_eq!(p.ops.iter().map(|o| o.len).collect::<Vec<_>>(), vec![5000, 5000, 5000, 1384]);
+        assert_eq!(
+            p.ops.iter().map(|o| o.len).collect::<Vec<_>>(),
+            vec![5000, 5000, 5000, 1384]
+        );
         assert_eq!(p.ops[1].local, p.ops[0].local + 5000);
         assert_eq!(p.ops[1].remote, p.ops[0].remote + 5000);
     }
@@ -286,9 +326,21 @@ mod tests {
         let t = table();
         let l = resolve(Side::Local, &[Desc::new(RegionId(9), 0, 8)], &t).unwrap();
         let r = resolve(Side::Remote, &[Desc::new(RegionId(9), 0, 9)], &t).unwrap();
-        assert!(matches!(plan(&l, &[0], &r, &[0], 0), Err(Error::LengthMismatch { index: 0, .. })));
-        assert!(matches!(plan(&l, &[1], &r, &[0], 0), Err(Error::BadIndex { side: Side::Local, .. })));
-        assert!(matches!(plan(&l, &[0], &r, &[0, 0], 0), Err(Error::LengthMismatch { .. })));
+        assert!(matches!(
+            plan(&l, &[0], &r, &[0], 0),
+            Err(Error::LengthMismatch { index: 0, .. })
+        ));
+        assert!(matches!(
+            plan(&l, &[1], &r, &[0], 0),
+            Err(Error::BadIndex {
+                side: Side::Local,
+                ..
+            })
+        ));
+        assert!(matches!(
+            plan(&l, &[0], &r, &[0, 0], 0),
+            Err(Error::LengthMismatch { .. })
+        ));
     }
 
     proptest! {

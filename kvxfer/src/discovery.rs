@@ -121,7 +121,11 @@ fn serve(shared: &Arc<Shared>, mut s: TcpStream, peer: SocketAddr) -> Result<()>
 }
 
 /// Connects to `addr`, sends our metadata, loads the peer's. Returns the peer's name.
-pub(crate) fn exchange(shared: &Arc<Shared>, addr: SocketAddr, timeout: Duration) -> Result<String> {
+pub(crate) fn exchange(
+    shared: &Arc<Shared>,
+    addr: SocketAddr,
+    timeout: Duration,
+) -> Result<String> {
     let who = addr.to_string();
     let mut s = TcpStream::connect_timeout(&addr, timeout)
         .map_err(|e| Error::io(format!("connecting to {who}"), e))?;
@@ -131,10 +135,11 @@ pub(crate) fn exchange(shared: &Arc<Shared>, addr: SocketAddr, timeout: Duration
     let (kind, payload) = read_frame(&mut s, &who)?;
     match kind {
         META => {
-            let meta = Metadata::decode(&payload, shared.compat).map_err(|err| Error::Metadata {
-                source_desc: who.clone(),
-                err,
-            })?;
+            let meta =
+                Metadata::decode(&payload, shared.compat).map_err(|err| Error::Metadata {
+                    source_desc: who.clone(),
+                    err,
+                })?;
             crate::agent::load_decoded(shared, meta)
         }
         ERROR => Err(Error::Protocol {

@@ -195,7 +195,9 @@ pub enum Error {
         agent: String,
     },
     /// A prepared list refers to metadata the peer has since replaced.
-    #[error("prepared list for {agent:?} is stale (peer metadata generation {prepared} != {current})")]
+    #[error(
+        "prepared list for {agent:?} is stale (peer metadata generation {prepared} != {current})"
+    )]
     StalePeer {
         /// The peer's name.
         agent: String,

@@ -328,8 +328,20 @@ mod tests {
             compat: 0xdead_beef_0123_4567,
             worker_addr: vec![1, 2, 3, 4, 5],
             regions: vec![
-                RegionMeta { id: RegionId(0), kind: MemKind::Host, base: 0x7f00_0000_0000, len: 1 << 30, rkey: vec![9; 40] },
-                RegionMeta { id: RegionId(3), kind: MemKind::Cuda(1), base: 0x1000, len: 4096, rkey: vec![7; 12] },
+                RegionMeta {
+                    id: RegionId(0),
+                    kind: MemKind::Host,
+                    base: 0x7f00_0000_0000,
+                    len: 1 << 30,
+                    rkey: vec![9; 40],
+                },
+                RegionMeta {
+                    id: RegionId(3),
+                    kind: MemKind::Cuda(1),
+                    base: 0x1000,
+                    len: 4096,
+                    rkey: vec![7; 12],
+                },
             ],
         }
     }
@@ -346,42 +358,72 @@ mod tests {
     fn refuses_foreign_and_broken() {
         let m = sample();
         let b = m.encode();
-        assert!(matches!(Metadata::decode(&b, 1), Err(MetadataError::Incompatible { .. })));
+        assert!(matches!(
+            Metadata::decode(&b, 1),
+            Err(MetadataError::Incompatible { .. })
+        ));
         let mut v = b.clone();
         v[4] = 2;
-        assert!(matches!(Metadata::decode(&v, m.compat), Err(MetadataError::Version { found: 2, .. })));
+        assert!(matches!(
+            Metadata::decode(&v, m.compat),
+            Err(MetadataError::Version { found: 2, .. })
+        ));
         let mut v = b.clone();
         v[0] = b'X';
-        assert!(matches!(Metadata::decode(&v, m.compat), Err(MetadataError::BadMagic { .. })));
+        assert!(matches!(
+            Metadata::decode(&v, m.compat),
+            Err(MetadataError::BadMagic { .. })
+        ));
         for cut in 0..b.len() {
-            assert!(Metadata::decode(&b[..cut], m.compat).is_err(), "prefix of {cut} accepted");
+            assert!(
+                Metadata::decode(&b[..cut], m.compat).is_err(),
+                "prefix of {cut} accepted"
+            );
         }
         let mut v = b.clone();
         v.push(0);
-        assert!(matches!(Metadata::decode(&v, m.compat), Err(MetadataError::Trailing { extra: 1 })));
+        assert!(matches!(
+            Metadata::decode(&v, m.compat),
+            Err(MetadataError::Trailing { extra: 1 })
+        ));
         let mut dup = m.clone();
         dup.regions[1].id = RegionId(0);
         assert!(matches!(
             Metadata::decode(&dup.encode(), m.compat),
-            Err(MetadataError::Invalid { field: "region id", .. })
+            Err(MetadataError::Invalid {
+                field: "region id",
+                ..
+            })
         ));
         let mut wrap = m.clone();
         wrap.regions[0].base = u64::MAX;
         assert!(matches!(
             Metadata::decode(&wrap.encode(), m.compat),
-            Err(MetadataError::Invalid { field: "region extent", .. })
+            Err(MetadataError::Invalid {
+                field: "region extent",
+                ..
+            })
         ));
     }
 
     #[test]
     fn huge_counts_are_refused_without_allocating() {
-        let m = Metadata { regions: vec![], ..sample() };
+        let m = Metadata {
+            regions: vec![],
+            ..sample()
+        };
         let mut b = m.encode();
         let n = b.len();
         b[n - 4..].copy_from_slice(&60_000u32.to_le_bytes());
-        assert!(matches!(Metadata::decode(&b, m.compat), Err(MetadataError::Truncated { .. })));
+        assert!(matches!(
+            Metadata::decode(&b, m.compat),
+            Err(MetadataError::Truncated { .. })
+        ));
         b[n - 4..].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(matches!(Metadata::decode(&b, m.compat), Err(MetadataError::TooLarge { .. })));
+        assert!(matches!(
+            Metadata::decode(&b, m.compat),
+            Err(MetadataError::TooLarge { .. })
+        ));
     }
 
     proptest! {

@@ -69,11 +69,20 @@ impl Inbox {
     }
 
     pub(crate) fn try_pop(&self) -> Option<Notification> {
-        self.q.lock().unwrap_or_else(|e| e.into_inner()).0.pop_front()
+        self.q
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+            .pop_front()
     }
 
     pub(crate) fn drain(&self) -> Vec<Notification> {
-        self.q.lock().unwrap_or_else(|e| e.into_inner()).0.drain(..).collect()
+        self.q
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+            .drain(..)
+            .collect()
     }
 
     pub(crate) fn dropped(&self) -> u64 {
@@ -107,7 +116,13 @@ mod tests {
     #[test]
     fn roundtrip_and_garbage() {
         let b = encode("decode-1", b"req-42");
-        assert_eq!(decode(&b), Some(Notification { from: "decode-1".into(), payload: b"req-42".to_vec() }));
+        assert_eq!(
+            decode(&b),
+            Some(Notification {
+                from: "decode-1".into(),
+                payload: b"req-42".to_vec()
+            })
+        );
         assert_eq!(decode(&[]), None);
         assert_eq!(decode(&[5, 0, b'a']), None);
         assert_eq!(decode(&[0, 0]), None);
@@ -117,8 +132,14 @@ mod tests {
     #[test]
     fn inbox_waits_and_times_out() {
         let i = Inbox::default();
-        assert!(matches!(i.wait(Duration::from_millis(1)), Err(Error::WaitTimeout(_))));
-        i.push(Notification { from: "a".into(), payload: vec![1] });
+        assert!(matches!(
+            i.wait(Duration::from_millis(1)),
+            Err(Error::WaitTimeout(_))
+        ));
+        i.push(Notification {
+            from: "a".into(),
+            payload: vec![1],
+        });
         assert_eq!(i.wait(Duration::from_millis(1)).unwrap().payload, vec![1]);
     }
 }

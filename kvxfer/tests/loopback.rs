@@ -1,6 +1,8 @@
 //! Two agents in one process over UCX loopback: READ and WRITE with random data verified byte
 //! for byte, over TCP and over shared memory; notifications; bounds errors; Busy; cancel-safety.
 
+#![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
+
 use std::time::Duration;
 
 use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, Region, Transport, XferOp};
@@ -25,12 +27,22 @@ fn pair(t: Transport, tag: &str) -> Pair {
     };
     let mut b = Agent::new(cfg("b")).expect("agent b");
     let a = Agent::new(cfg("a")).expect("agent a");
-    let ra = a.register(HostBuffer::new((BLOCK * SLOTS) as usize).unwrap()).unwrap();
-    let rb = b.register(HostBuffer::new((BLOCK * SLOTS) as usize).unwrap()).unwrap();
+    let ra = a
+        .register(HostBuffer::new((BLOCK * SLOTS) as usize).unwrap())
+        .unwrap();
+    let rb = b
+        .register(HostBuffer::new((BLOCK * SLOTS) as usize).unwrap())
+        .unwrap();
     let addr = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
     let peer_of_a = a.connect(addr).expect("metadata exchange");
     assert_eq!(peer_of_a, b.name());
-    Pair { a, b, ra, rb, peer_of_a }
+    Pair {
+        a,
+        b,
+        ra,
+        rb,
+        peer_of_a,
+    }
 }
 
 fn fill(r: &Region, seed: u64) -> Vec<u8> {
@@ -57,8 +69,14 @@ fn roundtrip(t: Transport, tag: &str) {
     use rand::seq::SliceRandom;
     la.shuffle(&mut rng);
     lb.shuffle(&mut rng);
-    let ld: Vec<Desc> = la[..n].iter().map(|&s| Desc::new(p.ra.id(), s * BLOCK, BLOCK)).collect();
-    let rd: Vec<Desc> = lb[..n].iter().map(|&s| Desc::new(p.rb.id(), s * BLOCK, BLOCK)).collect();
+    let ld: Vec<Desc> = la[..n]
+        .iter()
+        .map(|&s| Desc::new(p.ra.id(), s * BLOCK, BLOCK))
+        .collect();
+    let rd: Vec<Desc> = lb[..n]
+        .iter()
+        .map(|&s| Desc::new(p.rb.id(), s * BLOCK, BLOCK))
+        .collect();
     let local = p.a.prep_local(&ld).unwrap();
     let remote = p.a.prep_remote(&p.peer_of_a, &rd).unwrap();
 
@@ -66,29 +84,56 @@ fn roundtrip(t: Transport, tag: &str) {
         let va = fill(&p.ra, rng.gen());
         let vb = fill(&p.rb, rng.gen());
         let payload = format!("{op}-done");
-        let stats = p
-            .a
-            .transfer_all(op, &local, &remote, Some(payload.as_bytes()), Some(Duration::from_secs(30)))
-            .unwrap()
-            .wait()
+        let x =
+            p.a.transfer_all(
+                op,
+                &local,
+                &remote,
+                Some(payload.as_bytes()),
+                Some(Duration::from_secs(30)),
+            )
             .unwrap();
+        let expect = |src: &[u8], dst_before: &[u8], src_slots: &[u64], dst_slots: &[u64]| {
+            let mut e = dst_before.to_vec();
+            for k in 0..n {
+                let (s, d) = (
+                    (src_slots[k] * BLOCK) as usize,
+                    (dst_slots[k] * BLOCK) as usize,
+                );
+                e[d..d + BLOCK as usize].copy_from_slice(&src[s..s + BLOCK as usize]);
+            }
+            e
+        };
+        if op == XferOp::Write {
+            // The target sees the notification only once every byte has landed: check its
+            // memory at that moment, before the initiator's completion is even looked at.
+            let note = p.b.wait_notification(Duration::from_secs(30)).unwrap();
+            assert!(
+                snapshot(&p.rb) == expect(&va, &vb, &la, &lb),
+                "notification arrived before the data"
+            );
+            assert_eq!(note.payload, payload.as_bytes());
+            assert_eq!(note.from, p.a.name());
+        }
+        let stats = x.wait().unwrap();
         assert_eq!(stats.bytes, n as u64 * BLOCK);
         assert_eq!(stats.descs, n);
-        let (sa, sb) = (snapshot(&p.ra), snapshot(&p.rb));
-        let (src, dst, src_slots, dst_slots, dst_before) = match op {
-            XferOp::Write => (&va, &sb, &la, &lb, &vb),
-            XferOp::Read => (&vb, &sa, &lb, &la, &va),
-        };
-        let mut expect = dst_before.clone();
-        for k in 0..n {
-            let (s, d) = ((src_slots[k] * BLOCK) as usize, (dst_slots[k] * BLOCK) as usize);
-            expect[d..d + BLOCK as usize].copy_from_slice(&src[s..s + BLOCK as usize]);
+        assert_eq!(stats.ops, n, "random slots do not coalesce");
+        if op == XferOp::Read {
+            assert!(
+                snapshot(&p.ra) == expect(&vb, &va, &lb, &la),
+                "read: destination bytes differ"
+            );
+            // The target is told its blocks were read (it may free them).
+            let note = p.b.wait_notification(Duration::from_secs(10)).unwrap();
+            assert_eq!(note.from, p.a.name());
+            assert_eq!(note.payload, payload.as_bytes());
         }
-        assert!(dst == &expect, "{op}: destination bytes differ");
-        // The notification arrives at the target, after the data.
-        let note = p.b.wait_notification(Duration::from_secs(10)).unwrap();
-        assert_eq!(note.from, p.a.name());
-        assert_eq!(note.payload, payload.as_bytes());
+        // The source side is unchanged.
+        match op {
+            XferOp::Write => assert!(snapshot(&p.ra) == va),
+            XferOp::Read => assert!(snapshot(&p.rb) == vb),
+        }
     }
 }
 
@@ -105,18 +150,30 @@ fn shm_read_write_random_blocks() {
 #[test]
 fn out_of_bounds_remote_descriptor_is_refused_before_posting() {
     let p = pair(Transport::Tcp, "oob");
-    let e = p
-        .a
-        .prep_remote(&p.peer_of_a, &[Desc::new(p.rb.id(), BLOCK * SLOTS - 8, 16)])
-        .unwrap_err();
+    let e =
+        p.a.prep_remote(&p.peer_of_a, &[Desc::new(p.rb.id(), BLOCK * SLOTS - 8, 16)])
+            .unwrap_err();
     assert!(
         matches!(e, Error::OutOfBounds { side: kvxfer::Side::Remote, index: 0, offset, len: 16, .. } if offset == BLOCK * SLOTS - 8),
         "{e}"
     );
-    let e = p.a.prep_remote(&p.peer_of_a, &[Desc::new(kvxfer::RegionId(999), 0, 1)]).unwrap_err();
+    let e =
+        p.a.prep_remote(&p.peer_of_a, &[Desc::new(kvxfer::RegionId(999), 0, 1)])
+            .unwrap_err();
     assert!(matches!(e, Error::UnknownRegion { region: 999, .. }), "{e}");
-    let e = p.a.prep_local(&[Desc::new(p.ra.id(), 1, BLOCK * SLOTS)]).unwrap_err();
-    assert!(matches!(e, Error::OutOfBounds { side: kvxfer::Side::Local, .. }), "{e}");
+    let e =
+        p.a.prep_local(&[Desc::new(p.ra.id(), 1, BLOCK * SLOTS)])
+            .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::OutOfBounds {
+                side: kvxfer::Side::Local,
+                ..
+            }
+        ),
+        "{e}"
+    );
     let e = p.a.prep_remote("nobody", &[]).unwrap_err();
     assert!(matches!(e, Error::UnknownPeer { .. }), "{e}");
 }
@@ -129,7 +186,9 @@ fn deregister_in_flight_is_busy_then_succeeds() {
     let rd = vec![Desc::new(p.rb.id(), 0, BLOCK * SLOTS); 8];
     let local = p.a.prep_local(&ld).unwrap();
     let remote = p.a.prep_remote(&p.peer_of_a, &rd).unwrap();
-    let x = p.a.transfer_all(XferOp::Write, &local, &remote, None, None).unwrap();
+    let x =
+        p.a.transfer_all(XferOp::Write, &local, &remote, None, None)
+            .unwrap();
     assert!(p.ra.inflight() >= 1 || x.is_done());
     if !x.is_done() {
         match p.a.deregister(&p.ra) {
@@ -146,9 +205,16 @@ fn deregister_in_flight_is_busy_then_succeeds() {
     assert_eq!(p.ra.inflight(), 0);
     p.a.deregister(&p.ra).unwrap();
     assert!(!p.ra.is_registered());
-    assert!(matches!(p.a.deregister(&p.ra), Err(Error::Deregistered { .. })));
+    assert!(matches!(
+        p.a.deregister(&p.ra),
+        Err(Error::Deregistered { .. })
+    ));
     // Prepared lists that name it now fail cleanly instead of touching unregistered memory.
-    let e = p.a.transfer_all(XferOp::Write, &local, &remote, None, None).unwrap().wait().unwrap_err();
+    let e =
+        p.a.transfer_all(XferOp::Write, &local, &remote, None, None)
+            .unwrap()
+            .wait()
+            .unwrap_err();
     assert!(matches!(e, Error::Deregistered { .. }), "{e}");
 }
 
@@ -156,9 +222,15 @@ fn deregister_in_flight_is_busy_then_succeeds() {
 fn dropped_transfer_keeps_buffers_alive() {
     let p = pair(Transport::Tcp, "drop");
     let expect = fill(&p.ra, 99);
-    let local = p.a.prep_local(&[Desc::new(p.ra.id(), 0, BLOCK * SLOTS)]).unwrap();
-    let remote = p.a.prep_remote(&p.peer_of_a, &[Desc::new(p.rb.id(), 0, BLOCK * SLOTS)]).unwrap();
-    let x = p.a.transfer_all(XferOp::Write, &local, &remote, Some(b"landed"), None).unwrap();
+    let local =
+        p.a.prep_local(&[Desc::new(p.ra.id(), 0, BLOCK * SLOTS)])
+            .unwrap();
+    let remote =
+        p.a.prep_remote(&p.peer_of_a, &[Desc::new(p.rb.id(), 0, BLOCK * SLOTS)])
+            .unwrap();
+    let x =
+        p.a.transfer_all(XferOp::Write, &local, &remote, Some(b"landed"), None)
+            .unwrap();
     // Drop every user handle to the source memory and the transfer future while in flight.
     let Pair { a, b, ra, rb, .. } = p;
     drop(x);
@@ -176,8 +248,12 @@ fn futures_resolve_without_a_runtime_of_ours() {
     let p = pair(Transport::Shm, "fut");
     fill(&p.ra, 5);
     let local = p.a.prep_local(&[Desc::new(p.ra.id(), 0, 4096)]).unwrap();
-    let remote = p.a.prep_remote(&p.peer_of_a, &[Desc::new(p.rb.id(), 0, 4096)]).unwrap();
-    let x = p.a.transfer_all(XferOp::Write, &local, &remote, None, None).unwrap();
+    let remote =
+        p.a.prep_remote(&p.peer_of_a, &[Desc::new(p.rb.id(), 0, 4096)])
+            .unwrap();
+    let x =
+        p.a.transfer_all(XferOp::Write, &local, &remote, None, None)
+            .unwrap();
     let stats = block_on(x).unwrap();
     assert_eq!(stats.bytes, 4096);
     let mut got = vec![0u8; 4096];
@@ -190,11 +266,18 @@ fn futures_resolve_without_a_runtime_of_ours() {
 #[test]
 fn cancel_returns_after_ucx_is_done() {
     let p = pair(Transport::Tcp, "cancel");
-    let ld: Vec<Desc> = (0..SLOTS).map(|s| Desc::new(p.ra.id(), s * BLOCK, BLOCK)).collect();
-    let rd: Vec<Desc> = (0..SLOTS).rev().map(|s| Desc::new(p.rb.id(), s * BLOCK, BLOCK)).collect();
+    let ld: Vec<Desc> = (0..SLOTS)
+        .map(|s| Desc::new(p.ra.id(), s * BLOCK, BLOCK))
+        .collect();
+    let rd: Vec<Desc> = (0..SLOTS)
+        .rev()
+        .map(|s| Desc::new(p.rb.id(), s * BLOCK, BLOCK))
+        .collect();
     let local = p.a.prep_local(&ld).unwrap();
     let remote = p.a.prep_remote(&p.peer_of_a, &rd).unwrap();
-    let x = p.a.transfer_all(XferOp::Write, &local, &remote, None, None).unwrap();
+    let x =
+        p.a.transfer_all(XferOp::Write, &local, &remote, None, None)
+            .unwrap();
     let r = x.cancel();
     assert!(matches!(r, Err(Error::Canceled) | Ok(_)), "{r:?}");
     // Once cancel returned, UCX holds nothing: the region can be deregistered.

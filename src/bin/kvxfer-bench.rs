@@ -30,7 +30,10 @@ enum Placement {
 }
 
 #[derive(Parser, Debug, Clone)]
-#[command(name = "kvxfer-bench", about = "Measure KV transfer throughput between two kvxfer agents")]
+#[command(
+    name = "kvxfer-bench",
+    about = "Measure KV transfer throughput between two kvxfer agents"
+)]
 struct Args {
     /// READ (pull from the peer) or WRITE (push to the peer).
     #[arg(long, value_enum, default_value = "write")]
@@ -110,7 +113,9 @@ fn placement(args: &Args) -> (Vec<u64>, Vec<u64>) {
     let mut r = l.clone();
     if args.placement == Placement::Random {
         l.shuffle(&mut rand::rngs::StdRng::seed_from_u64(args.seed));
-        r.shuffle(&mut rand::rngs::StdRng::seed_from_u64(args.seed ^ 0x9e37_79b9_7f4a_7c15));
+        r.shuffle(&mut rand::rngs::StdRng::seed_from_u64(
+            args.seed ^ 0x9e37_79b9_7f4a_7c15,
+        ));
     }
     (l, r)
 }
@@ -186,7 +191,11 @@ fn serve(args: &Args, addr: SocketAddr) -> Result<(), BoxErr> {
                 let a = Args {
                     blocks: blocks.parse()?,
                     block_size: block_size.parse()?,
-                    placement: if *placement_s == "random" { Placement::Random } else { Placement::Contiguous },
+                    placement: if *placement_s == "random" {
+                        Placement::Random
+                    } else {
+                        Placement::Contiguous
+                    },
                     seed: seed.parse()?,
                     ..args.clone()
                 };
@@ -195,7 +204,8 @@ fn serve(args: &Args, addr: SocketAddr) -> Result<(), BoxErr> {
                 if let Some(r) = region.take() {
                     agent.deregister(&r)?;
                 }
-                region = Some(agent.register(HostBuffer::new((a.blocks * a.block_size) as usize)?)?);
+                region =
+                    Some(agent.register(HostBuffer::new((a.blocks * a.block_size) as usize)?)?);
                 format!("OK {side}")
             }
             ["FILL", seed] => match &region {
@@ -305,7 +315,10 @@ fn run(args: &Args) -> Result<(), BoxErr> {
         Placement::Contiguous => "contiguous",
     };
     let side: SocketAddr = ctl
-        .cmd(&format!("SETUP {} {} {placement_s} {}", args.blocks, args.block_size, args.seed))?
+        .cmd(&format!(
+            "SETUP {} {} {placement_s} {}",
+            args.blocks, args.block_size, args.seed
+        ))?
         .parse()?;
     let agent = Agent::new(agent_config(args, "init", local))?;
     let bytes = args.blocks * args.block_size;
@@ -314,7 +327,10 @@ fn run(args: &Args) -> Result<(), BoxErr> {
     let rid = kvxfer::RegionId(ctl.cmd("REGION")?.parse()?);
     let (lslots, rslots) = placement(args);
     let bs = args.block_size;
-    let ld: Vec<Desc> = lslots.iter().map(|&s| Desc::new(region.id(), s * bs, bs)).collect();
+    let ld: Vec<Desc> = lslots
+        .iter()
+        .map(|&s| Desc::new(region.id(), s * bs, bs))
+        .collect();
     let rd: Vec<Desc> = rslots.iter().map(|&s| Desc::new(rid, s * bs, bs)).collect();
     let t = Instant::now();
     let local_list = agent.prep_local(&ld)?;
@@ -342,7 +358,13 @@ fn run(args: &Args) -> Result<(), BoxErr> {
     for i in 0..total {
         let t = Instant::now();
         let st = agent
-            .transfer_all(op, &local_list, &remote_list, None, Some(Duration::from_secs(600)))?
+            .transfer_all(
+                op,
+                &local_list,
+                &remote_list,
+                None,
+                Some(Duration::from_secs(600)),
+            )?
             .wait()?;
         let dt = t.elapsed();
         ops = st.ops;
@@ -392,8 +414,18 @@ fn run(args: &Args) -> Result<(), BoxErr> {
     } else {
         println!(
             "{:<6} {:<22} {:<8} {:>12} {:>6} {:>6} {:>5} {:>9} {:>9} {:>9} {:>7} {:>8}",
-            "op", "transport", "ucx", "bytes", "descs", "ops", "iters", "median_ms", "min_ms",
-            "max_ms", "GB/s", "verified"
+            "op",
+            "transport",
+            "ucx",
+            "bytes",
+            "descs",
+            "ops",
+            "iters",
+            "median_ms",
+            "min_ms",
+            "max_ms",
+            "GB/s",
+            "verified"
         );
         println!(
             "{:<6} {:<22} {:<8} {:>12} {:>6} {:>6} {:>5} {:>9.2} {:>9.2} {:>9.2} {:>7.2} {:>8}",

@@ -22,7 +22,7 @@ use crate::descriptor::{Plan, RegionSpan};
 use crate::error::{Error, Result, UcsStatus};
 use crate::memory::RegionInner;
 use crate::metadata::{Metadata, RegionMeta};
-use crate::transfer::{XferOp, XferStats, XferState};
+use crate::transfer::{XferOp, XferState, XferStats};
 
 /// Active-message id of notifications.
 const AM_NOTIFY: u32 = 0x4b58;
@@ -128,7 +128,11 @@ fn push_event(e: Event) {
 
 /// Completion of a flush or notification send. The request is freed here: freeing it earlier
 /// would suppress this callback (`ucp_request_free`).
-unsafe extern "C" fn on_send_done(req: *mut c_void, status: kvxfer_sys::ucs_status_t, user: *mut c_void) {
+unsafe extern "C" fn on_send_done(
+    req: *mut c_void,
+    status: kvxfer_sys::ucs_status_t,
+    user: *mut c_void,
+) {
     let _ = std::panic::catch_unwind(|| {
         push_event(Event::Done {
             job: user as u64,
@@ -141,7 +145,11 @@ unsafe extern "C" fn on_send_done(req: *mut c_void, status: kvxfer_sys::ucs_stat
     }
 }
 
-unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: raw::ucp_ep_h, status: kvxfer_sys::ucs_status_t) {
+unsafe extern "C" fn on_ep_error(
+    arg: *mut c_void,
+    _ep: raw::ucp_ep_h,
+    status: kvxfer_sys::ucs_status_t,
+) {
     let _ = std::panic::catch_unwind(|| {
         push_event(Event::EpError {
             peer: arg as u64,
@@ -161,7 +169,10 @@ unsafe extern "C" fn on_am(
     let _ = std::panic::catch_unwind(|| {
         // Notifications are sent eager; anything else (a rendezvous from a foreign sender, an
         // oversized message) is dropped rather than trusted.
-        if raw::am_data_in_place(param) && !data.is_null() && len <= crate::notify::MAX_NOTIFICATION + 300 {
+        if raw::am_data_in_place(param)
+            && !data.is_null()
+            && len <= crate::notify::MAX_NOTIFICATION + 300
+        {
             // SAFETY: UCX passes `len` readable bytes at `data` for the callback's duration.
             let v = unsafe { std::slice::from_raw_parts(data as *const u8, len) }.to_vec();
             push_event(Event::Notify(v));
@@ -392,7 +403,10 @@ impl Engine {
                 let r = match self.names.remove(&name) {
                     Some(t) => {
                         if let Some(s) = shared.upgrade() {
-                            s.peers.write().unwrap_or_else(|e| e.into_inner()).remove(&name);
+                            s.peers
+                                .write()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .remove(&name);
                         }
                         self.retire(t);
                         Ok(())
@@ -440,9 +454,9 @@ impl Engine {
         // caller of register_raw) and outlives the mapping: LocalReg holds the Arc until unmap.
         let memh = unsafe { raw::mem_map(self.ctx, region.addr as *mut u8, region.len as usize) }
             .map_err(|status| Error::Ucx {
-                op: "ucp_mem_map",
-                status,
-            })?;
+            op: "ucp_mem_map",
+            status,
+        })?;
         // SAFETY: memh is a live handle of ctx.
         let rkey = match unsafe { raw::rkey_pack(self.ctx, memh) } {
             Ok(r) => r,
@@ -462,7 +476,8 @@ impl Engine {
                 .unwrap_or_else(|e| e.into_inner())
                 .insert(region.id.0, region.clone());
         }
-        self.regions.insert(region.id.0, LocalReg { memh, rkey, region });
+        self.regions
+            .insert(region.id.0, LocalReg { memh, rkey, region });
         Ok(())
     }
 
@@ -470,14 +485,20 @@ impl Engine {
         let id = region.id.0;
         let inflight = region.inflight.load(Ordering::Acquire);
         if inflight > 0 {
-            return Err(Error::Busy { region: id, inflight });
+            return Err(Error::Busy {
+                region: id,
+                inflight,
+            });
         }
         let reg = self
             .regions
             .remove(&id)
             .ok_or(Error::Deregistered { region: id })?;
         if let Some(s) = shared.upgrade() {
-            s.regions.write().unwrap_or_else(|e| e.into_inner()).remove(&id);
+            s.regions
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id);
         }
         reg.region.registered.store(false, Ordering::Release);
         // SAFETY: memh came from mem_map on ctx; no transfer uses it (inflight == 0, and new
@@ -556,19 +577,30 @@ impl Engine {
     fn ensure_ep(&mut self, token: u64) -> Result<()> {
         let worker = self.worker;
         let peer_failure = self.peer_failure;
-        let p = self.peers.get_mut(&token).ok_or_else(|| Error::UnknownPeer {
-            agent: format!("#{token}"),
-        })?;
+        let p = self
+            .peers
+            .get_mut(&token)
+            .ok_or_else(|| Error::UnknownPeer {
+                agent: format!("#{token}"),
+            })?;
         if p.ep.is_some() {
             return Ok(());
         }
         // SAFETY: worker live on this thread; the error arg is a plain token (no pointer);
         // on_ep_error accepts any endpoint.
-        let ep = unsafe { raw::ep_new(worker, &p.meta.worker_addr, on_ep_error, token as *mut c_void, peer_failure) }
-            .map_err(|status| Error::PeerFailed {
-                agent: p.name.clone(),
-                status,
-            })?;
+        let ep = unsafe {
+            raw::ep_new(
+                worker,
+                &p.meta.worker_addr,
+                on_ep_error,
+                token as *mut c_void,
+                peer_failure,
+            )
+        }
+        .map_err(|status| Error::PeerFailed {
+            agent: p.name.clone(),
+            status,
+        })?;
         let mut rkeys = Vec::with_capacity(p.meta.regions.len());
         for r in &p.meta.regions {
             // SAFETY: ep is live on this thread.
@@ -658,7 +690,9 @@ impl Engine {
         let token = match self.names.get(&job.peer) {
             Some(&t) => t,
             None => {
-                let e = Error::UnknownPeer { agent: job.peer.clone() };
+                let e = Error::UnknownPeer {
+                    agent: job.peer.clone(),
+                };
                 return fail(job, e);
             }
         };
@@ -709,8 +743,12 @@ impl Engine {
             .collect();
         for id in ids {
             did = true;
-            let Some(a) = self.active.get_mut(&id) else { continue };
-            let Some(p) = self.peers.get(&a.job.token) else { continue };
+            let Some(a) = self.active.get_mut(&id) else {
+                continue;
+            };
+            let Some(p) = self.peers.get(&a.job.token) else {
+                continue;
+            };
             let Some(ep) = p.ep else {
                 a.error.get_or_insert(Error::PeerFailed {
                     agent: p.name.clone(),
@@ -792,7 +830,10 @@ impl Engine {
                             s.inbox.push(n);
                         }
                     }
-                    None => log::warn!("kvxfer: malformed notification ({} bytes) dropped", bytes.len()),
+                    None => log::warn!(
+                        "kvxfer: malformed notification ({} bytes) dropped",
+                        bytes.len()
+                    ),
                 },
             }
         }
@@ -801,7 +842,9 @@ impl Engine {
 
     /// A transfer's flush (or notification) completed with `status`.
     fn step(&mut self, id: u64, status: UcsStatus) {
-        let Some(a) = self.active.get_mut(&id) else { return };
+        let Some(a) = self.active.get_mut(&id) else {
+            return;
+        };
         let ok = status.is_ok() && a.error.is_none() && !a.canceled;
         if a.phase == Phase::Flushing && ok {
             if let Some(n) = a.job.notification.as_deref() {
@@ -810,12 +853,16 @@ impl Engine {
                     a.phase = Phase::Notifying;
                     // SAFETY: ep live on this thread; `n` is owned by the job, which stays in
                     // `active` until this send's callback; user data is the job id.
-                    match unsafe { raw::am_send(ep, AM_NOTIFY, n, on_send_done, id as *mut c_void) } {
+                    match unsafe { raw::am_send(ep, AM_NOTIFY, n, on_send_done, id as *mut c_void) }
+                    {
                         // on_send_done reports completion and frees the request.
                         Ok(Posted::Pending(_)) => return,
                         Ok(Posted::Done) => {}
                         Err(s) => {
-                            a.error = Some(Error::Ucx { op: "ucp_am_send_nbx", status: s });
+                            a.error = Some(Error::Ucx {
+                                op: "ucp_am_send_nbx",
+                                status: s,
+                            });
                         }
                     }
                 }
@@ -837,8 +884,14 @@ impl Engine {
             Err(Error::Canceled)
         } else if !status.is_ok() {
             Err(match peer_failed {
-                Some(s) => Error::PeerFailed { agent: job.peer.clone(), status: s },
-                None => Error::PeerFailed { agent: job.peer.clone(), status },
+                Some(s) => Error::PeerFailed {
+                    agent: job.peer.clone(),
+                    status: s,
+                },
+                None => Error::PeerFailed {
+                    agent: job.peer.clone(),
+                    status,
+                },
             })
         } else {
             Ok(XferStats {
@@ -877,7 +930,9 @@ impl Engine {
             }
         }
         for id in expired {
-            let Some(a) = self.active.get_mut(&id) else { continue };
+            let Some(a) = self.active.get_mut(&id) else {
+                continue;
+            };
             let done_ops = a.next;
             a.error = Some(Error::Deadline {
                 agent: a.job.peer.clone(),
@@ -890,7 +945,10 @@ impl Engine {
                 // post_batches posts its flush next; the endpoint closes after that.
                 continue;
             }
-            log::warn!("kvxfer: transfer {id} to {:?} missed its deadline; closing the endpoint", a.job.peer);
+            log::warn!(
+                "kvxfer: transfer {id} to {:?} missed its deadline; closing the endpoint",
+                a.job.peer
+            );
             if let Some(p) = self.peers.get_mut(&token) {
                 p.failed = Some(UcsStatus(-20)); // UCS_ERR_TIMED_OUT
             }

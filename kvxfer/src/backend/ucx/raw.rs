@@ -1,6 +1,10 @@
 //! The only module that names `kvxfer_sys`: each `ucp_*` call wrapped as a function returning
 //! `Result<_, UcsStatus>`, grouped by object. Every `unsafe fn` lists what its caller upholds.
 
+// The bindgen types of UCX's enum constants differ between UCX releases and bindgen versions;
+// the casts keep this file compiling against both supported UCX builds.
+#![allow(clippy::unnecessary_cast)]
+
 use std::ffi::{c_void, CStr, CString};
 use std::ptr::{self, NonNull};
 
@@ -52,7 +56,9 @@ fn posted(p: sys::ucs_status_ptr_t) -> Result<Posted, UcsStatus> {
         Err(st(sys::ucs_ptr_status(p)))
     } else {
         // SAFETY-free: p is non-null (checked above).
-        Ok(Posted::Pending(NonNull::new(p).unwrap_or(NonNull::dangling())))
+        Ok(Posted::Pending(
+            NonNull::new(p).unwrap_or(NonNull::dangling()),
+        ))
     }
 }
 
@@ -87,7 +93,10 @@ pub(crate) const BUILD_VERSION: &str = sys::UCX_BUILD_VERSION;
 /// Creates a UCP context with RMA, AM and wakeup, applying `(name, value)` settings (UCX
 /// config names without the `UCX_` prefix) on top of the environment.
 /// Calls `ucp_config_read`, `ucp_config_modify`, `ucp_init`, `ucp_config_release`.
-pub(crate) fn context_new(settings: &[(String, String)], name: &CStr) -> Result<ucp_context_h, (String, UcsStatus)> {
+pub(crate) fn context_new(
+    settings: &[(String, String)],
+    name: &CStr,
+) -> Result<ucp_context_h, (String, UcsStatus)> {
     let mut cfg: *mut sys::ucp_config_t = ptr::null_mut();
     // SAFETY: NULL env prefix and filename are allowed; cfg is a valid out pointer.
     check(unsafe { sys::ucp_config_read(ptr::null(), ptr::null(), &mut cfg) })
@@ -325,7 +334,11 @@ pub(crate) unsafe fn ep_close(ep: ucp_ep_h, force: bool) -> Result<Posted, UcsSt
 /// # Safety
 /// 1. `ep` is live and used by this thread only.
 /// 2. `user_data` is valid whenever `cb` may run (until completion).
-pub(crate) unsafe fn ep_flush(ep: ucp_ep_h, cb: SendCb, user_data: *mut c_void) -> Result<Posted, UcsStatus> {
+pub(crate) unsafe fn ep_flush(
+    ep: ucp_ep_h,
+    cb: SendCb,
+    user_data: *mut c_void,
+) -> Result<Posted, UcsStatus> {
     let p = send_param(cb, user_data, 0);
     // SAFETY: caller upholds 1-2.
     posted(unsafe { sys::ucp_ep_flush_nbx(ep, &p) })
@@ -364,7 +377,11 @@ pub(crate) unsafe fn ep_info(ep: ucp_ep_h) -> String {
 ///
 /// # Safety
 /// 1. `ctx` is live; `[addr, addr+len)` is memory that stays valid until `mem_unmap`.
-pub(crate) unsafe fn mem_map(ctx: ucp_context_h, addr: *mut u8, len: usize) -> Result<ucp_mem_h, UcsStatus> {
+pub(crate) unsafe fn mem_map(
+    ctx: ucp_context_h,
+    addr: *mut u8,
+    len: usize,
+) -> Result<ucp_mem_h, UcsStatus> {
     let p = sys::ucp_mem_map_params_t {
         field_mask: (sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH)
             as u64,
