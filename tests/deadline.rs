@@ -1,0 +1,94 @@
+//! A peer that stops responding (SIGSTOP) mid-transfer: the initiator gets a typed Deadline
+//! error in time, never hangs, and its memory is released (deregister succeeds afterwards).
+
+#![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, Transport, XferOp};
+
+const LEN: u64 = 256 << 20;
+
+#[test]
+fn stopped_peer_hits_the_deadline_not_a_hang() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvxfer-bench"))
+        .args(["--listen", "127.0.0.1:0", "--transport", "tcp"])
+        .stdout(Stdio::piped())
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    let mut ready = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut ready)
+        .unwrap();
+    let ctl: SocketAddr = ready
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("ctl="))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let s = TcpStream::connect(ctl).unwrap();
+    let mut rd = BufReader::new(s.try_clone().unwrap());
+    let mut wr = s;
+    let mut cmd = |c: &str| {
+        writeln!(wr, "{c}").unwrap();
+        let mut l = String::new();
+        rd.read_line(&mut l).unwrap();
+        assert!(l.starts_with("OK"), "{c}: {l}");
+        l[2..].trim().to_string()
+    };
+    let side: SocketAddr = cmd(&format!("SETUP 1 {LEN} contiguous 1")).parse().unwrap();
+    let rid = kvxfer::RegionId(cmd("REGION").parse().unwrap());
+
+    let agent = Agent::new(
+        AgentConfig::new(format!("deadline-{}", std::process::id()))
+            .transport(Transport::Tcp)
+            .net_devices("lo"),
+    )
+    .unwrap();
+    let region = agent
+        .register(HostBuffer::new(LEN as usize).unwrap())
+        .unwrap();
+    let peer = agent.connect(side).unwrap();
+    let local = agent.prep_local(&[Desc::new(region.id(), 0, LEN)]).unwrap();
+    let remote = agent.prep_remote(&peer, &[Desc::new(rid, 0, LEN)]).unwrap();
+    // Warm the connection so that wireup is not what the deadline catches.
+    agent
+        .transfer_all(
+            XferOp::Write,
+            &local,
+            &remote,
+            None,
+            Some(Duration::from_secs(60)),
+        )
+        .unwrap()
+        .wait()
+        .unwrap();
+
+    // SAFETY: kill(2) has no memory preconditions; pid is our own child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let t = Instant::now();
+    let deadline = Duration::from_millis(500);
+    let r = agent
+        .transfer_all(XferOp::Write, &local, &remote, None, Some(deadline))
+        .unwrap()
+        .wait();
+    let took = t.elapsed();
+    assert!(matches!(r, Err(Error::Deadline { .. })), "{r:?}");
+    assert!(
+        took < Duration::from_secs(10),
+        "deadline of {deadline:?} took {took:?}"
+    );
+    // UCX no longer touches the buffer: deregistration succeeds.
+    assert_eq!(region.inflight(), 0);
+    agent.deregister(&region).unwrap();
+
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    let _ = child.kill();
+    let _ = child.wait();
+}
