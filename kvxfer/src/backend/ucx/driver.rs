@@ -16,18 +16,20 @@ use std::sync::mpsc;
 use std::sync::{Arc, RwLock, Weak};
 use std::time::{Duration, Instant};
 
-use super::raw::{self, Posted};
-use crate::agent::{PeerInfo, PeerView, Shared};
-use crate::descriptor::{Plan, RegionSpan};
+use super::endpoint::parse_transports;
+use super::raw;
+use super::transfer::release;
+use crate::agent::{PeerInfo, Shared};
+use crate::descriptor::Plan;
 use crate::error::{Error, Result, UcsStatus};
 use crate::memory::RegionInner;
 use crate::metadata::{Metadata, RegionMeta};
-use crate::transfer::{XferOp, XferState, XferStats};
+use crate::transfer::{XferOp, XferState};
 
 /// Active-message id of notifications.
-const AM_NOTIFY: u32 = 0x4b58;
+pub(super) const AM_NOTIFY: u32 = 0x4b58;
 /// Operations posted per transfer per loop iteration: bounds the time between progress calls.
-const POST_BATCH: usize = 1024;
+pub(super) const POST_BATCH: usize = 1024;
 /// Longest sleep on the event fd; a safety net only, wakeups are event driven.
 const MAX_SLEEP: Duration = Duration::from_millis(250);
 /// How long shutdown waits for endpoints to close gracefully.
@@ -108,7 +110,7 @@ impl WorkerWaker {
     }
 }
 
-enum Event {
+pub(super) enum Event {
     /// A transfer's flush or notification send completed.
     Done { job: u64, status: UcsStatus },
     /// An endpoint failed.
@@ -122,13 +124,13 @@ thread_local! {
     static EVENTS: RefCell<Vec<Event>> = const { RefCell::new(Vec::new()) };
 }
 
-fn push_event(e: Event) {
+pub(super) fn push_event(e: Event) {
     EVENTS.with(|v| v.borrow_mut().push(e));
 }
 
 /// Completion of a flush or notification send. The request is freed here: freeing it earlier
 /// would suppress this callback (`ucp_request_free`).
-unsafe extern "C" fn on_send_done(
+pub(super) unsafe extern "C" fn on_send_done(
     req: *mut c_void,
     status: kvxfer_sys::ucs_status_t,
     user: *mut c_void,
@@ -145,7 +147,7 @@ unsafe extern "C" fn on_send_done(
     }
 }
 
-unsafe extern "C" fn on_ep_error(
+pub(super) unsafe extern "C" fn on_ep_error(
     arg: *mut c_void,
     _ep: raw::ucp_ep_h,
     status: kvxfer_sys::ucs_status_t,
@@ -181,59 +183,59 @@ unsafe extern "C" fn on_am(
     raw::STATUS_OK
 }
 
-struct LocalReg {
-    memh: raw::ucp_mem_h,
-    rkey: Vec<u8>,
-    region: Arc<RegionInner>,
+pub(super) struct LocalReg {
+    pub(super) memh: raw::ucp_mem_h,
+    pub(super) rkey: Vec<u8>,
+    pub(super) region: Arc<RegionInner>,
 }
 
-struct Peer {
-    name: String,
-    meta: Metadata,
-    ep: Option<raw::ucp_ep_h>,
+pub(super) struct Peer {
+    pub(super) name: String,
+    pub(super) meta: Metadata,
+    pub(super) ep: Option<raw::ucp_ep_h>,
     /// Unpacked rkeys, by region slot (index in `meta.regions`).
-    rkeys: Vec<raw::ucp_rkey_h>,
-    failed: Option<UcsStatus>,
-    transports: String,
+    pub(super) rkeys: Vec<raw::ucp_rkey_h>,
+    pub(super) failed: Option<UcsStatus>,
+    pub(super) transports: String,
     /// Transfers using this peer that have not completed.
-    jobs: usize,
-    retired: bool,
+    pub(super) jobs: usize,
+    pub(super) retired: bool,
 }
 
-struct Active {
-    job: Box<Job>,
-    next: usize,
-    phase: Phase,
-    error: Option<Error>,
-    canceled: bool,
-    posted_at: Option<Duration>,
-    deadline_at: Option<Instant>,
+pub(super) struct Active {
+    pub(super) job: Box<Job>,
+    pub(super) next: usize,
+    pub(super) phase: Phase,
+    pub(super) error: Option<Error>,
+    pub(super) canceled: bool,
+    pub(super) posted_at: Option<Duration>,
+    pub(super) deadline_at: Option<Instant>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Phase {
+pub(super) enum Phase {
     Posting,
     Flushing,
     Notifying,
 }
 
 pub(crate) struct Engine {
-    ctx: raw::ucp_context_h,
-    worker: raw::ucp_worker_h,
+    pub(super) ctx: raw::ucp_context_h,
+    pub(super) worker: raw::ucp_worker_h,
     worker_slot: Arc<RwLock<Option<WorkerPtr>>>,
-    efd: i32,
-    busy_poll: bool,
-    peer_failure: bool,
-    rx: mpsc::Receiver<Cmd>,
-    queued: Arc<AtomicUsize>,
-    regions: HashMap<u32, LocalReg>,
-    peers: HashMap<u64, Peer>,
-    names: HashMap<String, u64>,
-    next_token: u64,
-    active: HashMap<u64, Active>,
+    pub(super) efd: i32,
+    pub(super) busy_poll: bool,
+    pub(super) peer_failure: bool,
+    pub(super) rx: mpsc::Receiver<Cmd>,
+    pub(super) queued: Arc<AtomicUsize>,
+    pub(super) regions: HashMap<u32, LocalReg>,
+    pub(super) peers: HashMap<u64, Peer>,
+    pub(super) names: HashMap<String, u64>,
+    pub(super) next_token: u64,
+    pub(super) active: HashMap<u64, Active>,
     /// Endpoint close requests still in progress.
-    closing: Vec<NonNull<c_void>>,
-    worker_addr: Vec<u8>,
+    pub(super) closing: Vec<NonNull<c_void>>,
+    pub(super) worker_addr: Vec<u8>,
 }
 
 // SAFETY: the Engine is created on the caller's thread and then moved, once, to the progress
@@ -537,277 +539,7 @@ impl Engine {
         .encode()
     }
 
-    fn load_peer(&mut self, meta: Metadata, shared: &Weak<Shared>) -> Result<()> {
-        if let Some(&t) = self.names.get(&meta.name) {
-            let p = &self.peers[&t];
-            if p.meta == meta && p.failed.is_none() {
-                return Ok(()); // The same peer handshaking again.
-            }
-            self.retire(t);
-        }
-        let token = self.next_token;
-        self.next_token += 1;
-        let spans: Vec<RegionSpan> = meta.regions.iter().map(RegionMeta::span).collect();
-        let name = meta.name.clone();
-        self.peers.insert(
-            token,
-            Peer {
-                name: name.clone(),
-                meta,
-                ep: None,
-                rkeys: Vec::new(),
-                failed: None,
-                transports: String::new(),
-                jobs: 0,
-                retired: false,
-            },
-        );
-        self.names.insert(name.clone(), token);
-        if let Some(s) = shared.upgrade() {
-            s.peers
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(name, Arc::new(PeerView { token, spans }));
-        }
-        // Connect now so that errors in the address show up at load time.
-        self.ensure_ep(token)
-    }
-
-    /// Creates the endpoint and unpacks the rkeys if not done yet.
-    fn ensure_ep(&mut self, token: u64) -> Result<()> {
-        let worker = self.worker;
-        let peer_failure = self.peer_failure;
-        let p = self
-            .peers
-            .get_mut(&token)
-            .ok_or_else(|| Error::UnknownPeer {
-                agent: format!("#{token}"),
-            })?;
-        if p.ep.is_some() {
-            return Ok(());
-        }
-        // SAFETY: worker live on this thread; the error arg is a plain token (no pointer);
-        // on_ep_error accepts any endpoint.
-        let ep = unsafe {
-            raw::ep_new(
-                worker,
-                &p.meta.worker_addr,
-                on_ep_error,
-                token as *mut c_void,
-                peer_failure,
-            )
-        }
-        .map_err(|status| Error::PeerFailed {
-            agent: p.name.clone(),
-            status,
-        })?;
-        let mut rkeys = Vec::with_capacity(p.meta.regions.len());
-        for r in &p.meta.regions {
-            // SAFETY: ep is live on this thread.
-            match unsafe { raw::rkey_unpack(ep, &r.rkey) } {
-                Ok(k) => rkeys.push(k),
-                Err(status) => {
-                    for k in rkeys {
-                        // SAFETY: k was unpacked above, unused, destroyed once before the ep.
-                        unsafe { raw::rkey_destroy(k) };
-                    }
-                    // SAFETY: ep is live, has no operations, closed once.
-                    if let Ok(Posted::Pending(req)) = unsafe { raw::ep_close(ep, true) } {
-                        self.closing.push(req);
-                    }
-                    return Err(Error::Metadata {
-                        source_desc: format!("agent {:?}", p.name),
-                        err: crate::error::MetadataError::Invalid {
-                            field: "rkey",
-                            why: format!("region {}: ucp_ep_rkey_unpack: {status}", r.id.0),
-                        },
-                    });
-                }
-            }
-        }
-        // SAFETY: ep is live on this thread.
-        let info = unsafe { raw::ep_info(ep) };
-        log::debug!("kvxfer: endpoint to {:?}:\n{info}", p.name);
-        p.transports = parse_transports(&info);
-        log::info!("kvxfer: connected to {:?} over {}", p.name, p.transports);
-        p.ep = Some(ep);
-        p.rkeys = rkeys;
-        p.failed = None;
-        Ok(())
-    }
-
-    /// Marks a peer as replaced; it is closed once its transfers complete.
-    fn retire(&mut self, token: u64) {
-        if let Some(p) = self.peers.get_mut(&token) {
-            p.retired = true;
-            if p.jobs == 0 {
-                self.close_peer(token, false);
-                self.peers.remove(&token);
-            }
-        }
-    }
-
-    /// Destroys the rkeys and closes the endpoint of a peer (forcibly: cancels outstanding
-    /// operations, whose callbacks then report an error).
-    fn close_peer(&mut self, token: u64, force: bool) {
-        let Some(p) = self.peers.get_mut(&token) else {
-            return;
-        };
-        for k in p.rkeys.drain(..) {
-            // SAFETY: k is live, destroyed once, before its endpoint closes. Operations that
-            // used it were posted earlier; UCX does not need the rkey after posting.
-            unsafe { raw::rkey_destroy(k) };
-        }
-        if let Some(ep) = p.ep.take() {
-            // SAFETY: ep is live, its rkeys are destroyed, closed once.
-            match unsafe { raw::ep_close(ep, force) } {
-                Ok(Posted::Pending(req)) => self.closing.push(req),
-                Ok(Posted::Done) => {}
-                Err(s) => log::debug!("ucp_ep_close_nbx({}): {s}", p.name),
-            }
-        }
-    }
-
-    fn reap_closing(&mut self) {
-        self.closing.retain(|&req| {
-            // SAFETY: req is a live close request (freed only below).
-            let s = unsafe { raw::request_status(req) };
-            if s == UcsStatus::INPROGRESS {
-                true
-            } else {
-                // SAFETY: req completed; freed once, never used again.
-                unsafe { raw::request_free(req) };
-                false
-            }
-        });
-    }
-
-    fn start(&mut self, job: Box<Job>) {
-        let fail = |job: Box<Job>, e: Error| {
-            release(&job);
-            job.state.complete(Err(e));
-        };
-        let token = match self.names.get(&job.peer) {
-            Some(&t) => t,
-            None => {
-                let e = Error::UnknownPeer {
-                    agent: job.peer.clone(),
-                };
-                return fail(job, e);
-            }
-        };
-        if token != job.token {
-            let e = Error::StalePeer {
-                agent: job.peer.clone(),
-                prepared: job.token,
-                current: token,
-            };
-            return fail(job, e);
-        }
-        for r in &job.regions {
-            if !self.regions.contains_key(&r.id.0) {
-                let e = Error::Deregistered { region: r.id.0 };
-                return fail(job, e);
-            }
-        }
-        if let Err(e) = self.ensure_ep(token) {
-            return fail(job, e);
-        }
-        if let Some(p) = self.peers.get_mut(&token) {
-            p.jobs += 1;
-        }
-        let deadline_at = job.deadline.map(|d| job.started + d);
-        self.active.insert(
-            job.id,
-            Active {
-                job,
-                next: 0,
-                phase: Phase::Posting,
-                error: None,
-                canceled: false,
-                posted_at: None,
-                deadline_at,
-            },
-        );
-    }
-
-    /// Posts up to POST_BATCH operations of each transfer in the posting phase; posts the
-    /// flush of those that are fully posted (or stopped). True if anything was posted.
-    fn post_batches(&mut self) -> bool {
-        let mut did = false;
-        let ids: Vec<u64> = self
-            .active
-            .iter()
-            .filter(|(_, a)| a.phase == Phase::Posting)
-            .map(|(&id, _)| id)
-            .collect();
-        for id in ids {
-            did = true;
-            let Some(a) = self.active.get_mut(&id) else {
-                continue;
-            };
-            let Some(p) = self.peers.get(&a.job.token) else {
-                continue;
-            };
-            let Some(ep) = p.ep else {
-                a.error.get_or_insert(Error::PeerFailed {
-                    agent: p.name.clone(),
-                    status: p.failed.unwrap_or(UcsStatus(-25)),
-                });
-                // Nothing of ours is outstanding on a closed endpoint: finish at once.
-                let a = self.active.remove(&id);
-                if let Some(a) = a {
-                    self.finish(a, UcsStatus::OK);
-                }
-                continue;
-            };
-            let write = a.job.op == XferOp::Write;
-            let stop = a.canceled || a.error.is_some();
-            if !stop {
-                let end = (a.next + POST_BATCH).min(a.job.plan.ops.len());
-                for o in &a.job.plan.ops[a.next..end] {
-                    let rkey = p.rkeys[o.rslot as usize];
-                    // SAFETY: ep/rkey live on this thread; the local range was bounds-checked
-                    // against a registered region pinned by this job (inflight) until the
-                    // flush below completes; the remote range was checked against the peer's
-                    // region table for this token, whose rkeys these are.
-                    match unsafe { raw::rma(write, ep, o.local, o.len, o.remote, rkey) } {
-                        Ok(Posted::Done) => {}
-                        Ok(Posted::Pending(req)) => {
-                            // SAFETY: live request, freed once; UCX releases it when done and
-                            // the flush reports completion.
-                            unsafe { raw::request_free(req) }
-                        }
-                        Err(status) => {
-                            a.error = Some(Error::Ucx {
-                                op: if write { "ucp_put_nbx" } else { "ucp_get_nbx" },
-                                status,
-                            });
-                            break;
-                        }
-                    }
-                }
-                a.next = end;
-            }
-            if a.next >= a.job.plan.ops.len() || a.canceled || a.error.is_some() {
-                a.posted_at = Some(a.job.started.elapsed());
-                a.phase = Phase::Flushing;
-                // SAFETY: ep live on this thread; user data is the job id (no pointer).
-                match unsafe { raw::ep_flush(ep, on_send_done, id as *mut c_void) } {
-                    // on_send_done reports completion and frees the request.
-                    Ok(Posted::Pending(_)) => {}
-                    Ok(Posted::Done) => push_event(Event::Done {
-                        job: id,
-                        status: UcsStatus::OK,
-                    }),
-                    Err(status) => push_event(Event::Done { job: id, status }),
-                }
-            }
-        }
-        did
-    }
-
-    fn handle_events(&mut self, shared: &Weak<Shared>) -> bool {
+    pub(super) fn handle_events(&mut self, shared: &Weak<Shared>) -> bool {
         let events = EVENTS.with(|v| std::mem::take(&mut *v.borrow_mut()));
         if events.is_empty() {
             return false;
@@ -838,123 +570,6 @@ impl Engine {
             }
         }
         true
-    }
-
-    /// A transfer's flush (or notification) completed with `status`.
-    fn step(&mut self, id: u64, status: UcsStatus) {
-        let Some(a) = self.active.get_mut(&id) else {
-            return;
-        };
-        let ok = status.is_ok() && a.error.is_none() && !a.canceled;
-        if a.phase == Phase::Flushing && ok {
-            if let Some(n) = a.job.notification.as_deref() {
-                let ep = self.peers.get(&a.job.token).and_then(|p| p.ep);
-                if let Some(ep) = ep {
-                    a.phase = Phase::Notifying;
-                    // SAFETY: ep live on this thread; `n` is owned by the job, which stays in
-                    // `active` until this send's callback; user data is the job id.
-                    match unsafe { raw::am_send(ep, AM_NOTIFY, n, on_send_done, id as *mut c_void) }
-                    {
-                        // on_send_done reports completion and frees the request.
-                        Ok(Posted::Pending(_)) => return,
-                        Ok(Posted::Done) => {}
-                        Err(s) => {
-                            a.error = Some(Error::Ucx {
-                                op: "ucp_am_send_nbx",
-                                status: s,
-                            });
-                        }
-                    }
-                }
-            }
-        }
-        if let Some(a) = self.active.remove(&id) {
-            self.finish(a, status);
-        }
-    }
-
-    fn finish(&mut self, a: Active, status: UcsStatus) {
-        let job = a.job;
-        release(&job);
-        let token = job.token;
-        let peer_failed = self.peers.get(&token).and_then(|p| p.failed);
-        let result = if let Some(e) = a.error {
-            Err(e)
-        } else if a.canceled {
-            Err(Error::Canceled)
-        } else if !status.is_ok() {
-            Err(match peer_failed {
-                Some(s) => Error::PeerFailed {
-                    agent: job.peer.clone(),
-                    status: s,
-                },
-                None => Error::PeerFailed {
-                    agent: job.peer.clone(),
-                    status,
-                },
-            })
-        } else {
-            Ok(XferStats {
-                peer: job.peer.clone(),
-                op: job.op,
-                bytes: job.plan.bytes,
-                descs: job.plan.descs,
-                ops: job.plan.ops.len(),
-                post_time: a.posted_at.unwrap_or_default(),
-                duration: job.started.elapsed(),
-            })
-        };
-        job.state.complete(result);
-        if let Some(p) = self.peers.get_mut(&token) {
-            p.jobs = p.jobs.saturating_sub(1);
-            if p.retired && p.jobs == 0 {
-                self.close_peer(token, false);
-                self.peers.remove(&token);
-            }
-        }
-    }
-
-    /// Fails transfers past their deadline by tearing down the peer's endpoint (the only way
-    /// to make UCX give up posted RMA); returns the earliest pending deadline.
-    fn check_deadlines(&mut self) -> Option<Instant> {
-        let now = Instant::now();
-        let mut next: Option<Instant> = None;
-        let mut expired = Vec::new();
-        for (&id, a) in &self.active {
-            if let Some(d) = a.deadline_at {
-                if d <= now && a.error.is_none() {
-                    expired.push(id);
-                } else if a.error.is_none() {
-                    next = Some(next.map_or(d, |n: Instant| n.min(d)));
-                }
-            }
-        }
-        for id in expired {
-            let Some(a) = self.active.get_mut(&id) else {
-                continue;
-            };
-            let done_ops = a.next;
-            a.error = Some(Error::Deadline {
-                agent: a.job.peer.clone(),
-                deadline: a.job.deadline.unwrap_or_default(),
-                done_ops,
-                ops: a.job.plan.ops.len(),
-            });
-            let token = a.job.token;
-            if a.phase == Phase::Posting {
-                // post_batches posts its flush next; the endpoint closes after that.
-                continue;
-            }
-            log::warn!(
-                "kvxfer: transfer {id} to {:?} missed its deadline; closing the endpoint",
-                a.job.peer
-            );
-            if let Some(p) = self.peers.get_mut(&token) {
-                p.failed = Some(UcsStatus(-20)); // UCS_ERR_TIMED_OUT
-            }
-            self.close_peer(token, true);
-        }
-        next
     }
 
     fn shutdown(mut self) {
@@ -1003,52 +618,5 @@ impl Engine {
             raw::worker_destroy(self.worker);
             raw::context_destroy(self.ctx);
         }
-    }
-}
-
-/// Drops a job's pins on its local regions.
-fn release(job: &Job) {
-    for r in &job.regions {
-        r.inflight.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// Extracts the transport/device names of the endpoint's lanes from `ucp_ep_print_info`
-/// output (lines like `lane[0]:  1:tcp/lo.0 md[1] ... rma_bw#0`).
-fn parse_transports(info: &str) -> String {
-    let mut out: Vec<String> = Vec::new();
-    for line in info.lines() {
-        let l = line.trim_start_matches(['#', ' ']);
-        if !l.starts_with("lane[") {
-            continue;
-        }
-        for tok in l.split_whitespace() {
-            if let Some((_, t)) = tok.split_once(':') {
-                if t.contains('/') {
-                    let tl = t.split('/').next().unwrap_or(t);
-                    let s = if line.contains("rma") {
-                        format!("{tl}(rma)")
-                    } else {
-                        tl.to_string()
-                    };
-                    if !out.contains(&s) && !out.contains(&format!("{tl}(rma)")) {
-                        out.retain(|x| x != tl);
-                        out.push(s);
-                    }
-                }
-            }
-        }
-    }
-    out.join(",")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn transports_from_ep_info() {
-        let info = "#\n# UCP endpoint\n#\n#               peer: <no debug data>\n#                 lane[0]:  1:posix/memory.0 md[1]           -> md[1]/posix/sysdev[255] am am_bw#0\n#                 lane[1]:  4:cma/memory.0 md[4]             -> md[4]/cma/sysdev[255] rma_bw#0\n";
-        assert_eq!(parse_transports(info), "posix,cma(rma)");
     }
 }

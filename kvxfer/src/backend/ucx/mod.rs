@@ -1,4 +1,6 @@
 //! The UCX backend: `raw` wraps each `ucp_*` call (the only module that names `kvxfer_sys`);
 //! `driver` is the progress engine that owns every UCX object on one thread.
 pub(crate) mod driver;
+mod endpoint;
 pub(crate) mod raw;
+mod transfer;

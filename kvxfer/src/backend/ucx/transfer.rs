@@ -1,0 +1,266 @@
+//! The transfer state machine on the engine thread: post operations in bounded batches, flush,
+//! send the notification, complete the caller's handle; deadlines tear down the endpoint.
+
+use std::ffi::c_void;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::driver::{
+    on_send_done, push_event, Active, Engine, Event, Job, Phase, AM_NOTIFY, POST_BATCH,
+};
+use super::raw::{self, Posted};
+use crate::error::{Error, UcsStatus};
+use crate::transfer::{XferOp, XferStats};
+
+impl Engine {
+    pub(super) fn start(&mut self, job: Box<Job>) {
+        let fail = |job: Box<Job>, e: Error| {
+            release(&job);
+            job.state.complete(Err(e));
+        };
+        let token = match self.names.get(&job.peer) {
+            Some(&t) => t,
+            None => {
+                let e = Error::UnknownPeer {
+                    agent: job.peer.clone(),
+                };
+                return fail(job, e);
+            }
+        };
+        if token != job.token {
+            let e = Error::StalePeer {
+                agent: job.peer.clone(),
+                prepared: job.token,
+                current: token,
+            };
+            return fail(job, e);
+        }
+        for r in &job.regions {
+            if !self.regions.contains_key(&r.id.0) {
+                let e = Error::Deregistered { region: r.id.0 };
+                return fail(job, e);
+            }
+        }
+        if let Err(e) = self.ensure_ep(token) {
+            return fail(job, e);
+        }
+        if let Some(p) = self.peers.get_mut(&token) {
+            p.jobs += 1;
+        }
+        let deadline_at = job.deadline.map(|d| job.started + d);
+        self.active.insert(
+            job.id,
+            Active {
+                job,
+                next: 0,
+                phase: Phase::Posting,
+                error: None,
+                canceled: false,
+                posted_at: None,
+                deadline_at,
+            },
+        );
+    }
+
+    /// Posts up to POST_BATCH operations of each transfer in the posting phase; posts the
+    /// flush of those that are fully posted (or stopped). True if anything was posted.
+    pub(super) fn post_batches(&mut self) -> bool {
+        let mut did = false;
+        let ids: Vec<u64> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.phase == Phase::Posting)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            did = true;
+            let Some(a) = self.active.get_mut(&id) else {
+                continue;
+            };
+            let Some(p) = self.peers.get(&a.job.token) else {
+                continue;
+            };
+            let Some(ep) = p.ep else {
+                a.error.get_or_insert(Error::PeerFailed {
+                    agent: p.name.clone(),
+                    status: p.failed.unwrap_or(UcsStatus(-25)),
+                });
+                // Nothing of ours is outstanding on a closed endpoint: finish at once.
+                let a = self.active.remove(&id);
+                if let Some(a) = a {
+                    self.finish(a, UcsStatus::OK);
+                }
+                continue;
+            };
+            let write = a.job.op == XferOp::Write;
+            let stop = a.canceled || a.error.is_some();
+            if !stop {
+                let end = (a.next + POST_BATCH).min(a.job.plan.ops.len());
+                for o in &a.job.plan.ops[a.next..end] {
+                    let rkey = p.rkeys[o.rslot as usize];
+                    // SAFETY: ep/rkey live on this thread; the local range was bounds-checked
+                    // against a registered region pinned by this job (inflight) until the
+                    // flush below completes; the remote range was checked against the peer's
+                    // region table for this token, whose rkeys these are.
+                    match unsafe { raw::rma(write, ep, o.local, o.len, o.remote, rkey) } {
+                        Ok(Posted::Done) => {}
+                        Ok(Posted::Pending(req)) => {
+                            // SAFETY: live request, freed once; UCX releases it when done and
+                            // the flush reports completion.
+                            unsafe { raw::request_free(req) }
+                        }
+                        Err(status) => {
+                            a.error = Some(Error::Ucx {
+                                op: if write { "ucp_put_nbx" } else { "ucp_get_nbx" },
+                                status,
+                            });
+                            break;
+                        }
+                    }
+                }
+                a.next = end;
+            }
+            if a.next >= a.job.plan.ops.len() || a.canceled || a.error.is_some() {
+                a.posted_at = Some(a.job.started.elapsed());
+                a.phase = Phase::Flushing;
+                // SAFETY: ep live on this thread; user data is the job id (no pointer).
+                match unsafe { raw::ep_flush(ep, on_send_done, id as *mut c_void) } {
+                    // on_send_done reports completion and frees the request.
+                    Ok(Posted::Pending(_)) => {}
+                    Ok(Posted::Done) => push_event(Event::Done {
+                        job: id,
+                        status: UcsStatus::OK,
+                    }),
+                    Err(status) => push_event(Event::Done { job: id, status }),
+                }
+            }
+        }
+        did
+    }
+
+    /// Fails transfers past their deadline by tearing down the peer's endpoint (the only way
+    /// to make UCX give up posted RMA); returns the earliest pending deadline.
+    pub(super) fn check_deadlines(&mut self) -> Option<Instant> {
+        let now = Instant::now();
+        let mut next: Option<Instant> = None;
+        let mut expired = Vec::new();
+        for (&id, a) in &self.active {
+            if let Some(d) = a.deadline_at {
+                if d <= now && a.error.is_none() {
+                    expired.push(id);
+                } else if a.error.is_none() {
+                    next = Some(next.map_or(d, |n: Instant| n.min(d)));
+                }
+            }
+        }
+        for id in expired {
+            let Some(a) = self.active.get_mut(&id) else {
+                continue;
+            };
+            let done_ops = a.next;
+            a.error = Some(Error::Deadline {
+                agent: a.job.peer.clone(),
+                deadline: a.job.deadline.unwrap_or_default(),
+                done_ops,
+                ops: a.job.plan.ops.len(),
+            });
+            let token = a.job.token;
+            if a.phase == Phase::Posting {
+                // post_batches posts its flush next; the endpoint closes after that.
+                continue;
+            }
+            log::warn!(
+                "kvxfer: transfer {id} to {:?} missed its deadline; closing the endpoint",
+                a.job.peer
+            );
+            if let Some(p) = self.peers.get_mut(&token) {
+                p.failed = Some(UcsStatus(-20)); // UCS_ERR_TIMED_OUT
+            }
+            self.close_peer(token, true);
+        }
+        next
+    }
+}
+
+/// Drops a job's pins on its local regions.
+pub(super) fn release(job: &Job) {
+    for r in &job.regions {
+        r.inflight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Engine {
+    /// A transfer's flush (or notification) completed with `status`.
+    pub(super) fn step(&mut self, id: u64, status: UcsStatus) {
+        let Some(a) = self.active.get_mut(&id) else {
+            return;
+        };
+        let ok = status.is_ok() && a.error.is_none() && !a.canceled;
+        if a.phase == Phase::Flushing && ok {
+            if let Some(n) = a.job.notification.as_deref() {
+                let ep = self.peers.get(&a.job.token).and_then(|p| p.ep);
+                if let Some(ep) = ep {
+                    a.phase = Phase::Notifying;
+                    // SAFETY: ep live on this thread; `n` is owned by the job, which stays in
+                    // `active` until this send's callback; user data is the job id.
+                    match unsafe { raw::am_send(ep, AM_NOTIFY, n, on_send_done, id as *mut c_void) }
+                    {
+                        // on_send_done reports completion and frees the request.
+                        Ok(Posted::Pending(_)) => return,
+                        Ok(Posted::Done) => {}
+                        Err(s) => {
+                            a.error = Some(Error::Ucx {
+                                op: "ucp_am_send_nbx",
+                                status: s,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(a) = self.active.remove(&id) {
+            self.finish(a, status);
+        }
+    }
+
+    pub(super) fn finish(&mut self, a: Active, status: UcsStatus) {
+        let job = a.job;
+        release(&job);
+        let token = job.token;
+        let peer_failed = self.peers.get(&token).and_then(|p| p.failed);
+        let result = if let Some(e) = a.error {
+            Err(e)
+        } else if a.canceled {
+            Err(Error::Canceled)
+        } else if !status.is_ok() {
+            Err(match peer_failed {
+                Some(s) => Error::PeerFailed {
+                    agent: job.peer.clone(),
+                    status: s,
+                },
+                None => Error::PeerFailed {
+                    agent: job.peer.clone(),
+                    status,
+                },
+            })
+        } else {
+            Ok(XferStats {
+                peer: job.peer.clone(),
+                op: job.op,
+                bytes: job.plan.bytes,
+                descs: job.plan.descs,
+                ops: job.plan.ops.len(),
+                post_time: a.posted_at.unwrap_or_default(),
+                duration: job.started.elapsed(),
+            })
+        };
+        job.state.complete(result);
+        if let Some(p) = self.peers.get_mut(&token) {
+            p.jobs = p.jobs.saturating_sub(1);
+            if p.retired && p.jobs == 0 {
+                self.close_peer(token, false);
+                self.peers.remove(&token);
+            }
+        }
+    }
+}
