@@ -83,6 +83,40 @@ fn stopped_peer_hits_the_deadline_not_a_hang() {
         took < Duration::from_secs(10),
         "deadline of {deadline:?} took {took:?}"
     );
+
+    // A deadline that expires while the transfer is still posting (more operations than one
+    // posting batch, peer still stopped): posting stops, what was posted is flushed by the
+    // forced close, and the error says how far it got.
+    const BLOCK: u64 = 32 * 1024;
+    let n = LEN / BLOCK;
+    let ld: Vec<Desc> = (0..n)
+        .map(|i| Desc::new(region.id(), i * BLOCK, BLOCK))
+        .collect();
+    let rd: Vec<Desc> = (0..n)
+        .rev()
+        .map(|i| Desc::new(rid, i * BLOCK, BLOCK))
+        .collect();
+    let lb = agent.prep_local(&ld).unwrap();
+    let rb = agent.prep_remote(&peer, &rd).unwrap();
+    let t = Instant::now();
+    let r = agent
+        .transfer_all(XferOp::Write, &lb, &rb, None, Some(Duration::ZERO))
+        .unwrap()
+        .wait();
+    let took = t.elapsed();
+    match r {
+        Err(Error::Deadline {
+            posted_ops, ops, ..
+        }) => {
+            assert_eq!(ops, n as usize);
+            assert!(
+                posted_ops < ops,
+                "posting was not cut short: {posted_ops}/{ops}"
+            );
+        }
+        other => panic!("expected Deadline, got {other:?}"),
+    }
+    assert!(took < Duration::from_secs(10), "took {took:?}");
     // UCX no longer touches the buffer: deregistration succeeds.
     assert_eq!(region.inflight(), 0);
     agent.deregister(&region).unwrap();

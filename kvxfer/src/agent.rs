@@ -173,7 +173,6 @@ pub(crate) struct Shared {
     next_region: AtomicU32,
     next_xfer: AtomicU64,
     pub(crate) ucx_version: String,
-    pub(crate) closed: AtomicBool,
 }
 
 impl Shared {
@@ -252,7 +251,6 @@ impl Agent {
             next_region: AtomicU32::new(0),
             next_xfer: AtomicU64::new(1),
             ucx_version: raw::version_string(),
-            closed: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&shared);
         let thread = std::thread::Builder::new()
@@ -357,10 +355,6 @@ impl Agent {
                 .unwrap_or_else(|| "buffer".into()),
             err,
         })?;
-        self.load_decoded(meta)
-    }
-
-    pub(crate) fn load_decoded(&self, meta: Metadata) -> Result<String> {
         load_decoded(&self.shared, meta)
     }
 
@@ -565,7 +559,6 @@ pub(crate) fn load_decoded(shared: &Shared, meta: Metadata) -> Result<String> {
 impl Drop for Agent {
     fn drop(&mut self) {
         self.listeners.clear();
-        self.shared.closed.store(true, Ordering::Release);
         let _ = self.shared.send(Cmd::Shutdown);
         if let Some(t) = self.thread.take() {
             if t.join().is_err() {

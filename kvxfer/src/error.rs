@@ -230,14 +230,14 @@ pub enum Error {
     },
     /// A transfer did not complete in time; the connection to the peer was torn down so that
     /// UCX no longer touches the buffers, and is re-established on next use.
-    #[error("transfer to {agent:?} missed its deadline of {deadline:?} ({done_ops}/{ops} operations done)")]
+    #[error("transfer to {agent:?} missed its deadline of {deadline:?} ({posted_ops}/{ops} operations posted)")]
     Deadline {
         /// The peer's name.
         agent: String,
         /// The deadline, relative to the post.
         deadline: Duration,
-        /// Operations completed.
-        done_ops: usize,
+        /// Operations posted before the deadline.
+        posted_ops: usize,
         /// Operations in the transfer.
         ops: usize,
     },
@@ -272,16 +272,6 @@ pub enum Error {
     /// The agent was shut down.
     #[error("agent is shut down")]
     Shutdown,
-    /// The transport UCX selected is not the one required in strict mode.
-    #[error("peer {agent:?}: transport {got:?} selected, strict mode requires {wanted:?}")]
-    TransportMismatch {
-        /// The peer's name.
-        agent: String,
-        /// Transports required.
-        wanted: String,
-        /// Transports selected.
-        got: String,
-    },
 }
 
 impl Error {

@@ -263,10 +263,15 @@ impl Ctl {
 struct Peer(Child);
 impl Drop for Peer {
     fn drop(&mut self) {
-        // Normally it exits on QUIT; make sure it never outlives us.
-        std::thread::sleep(Duration::from_millis(10));
-        if let Ok(None) = self.0.try_wait() {
-            let _ = self.0.kill();
+        // Normally it exits on QUIT (or when the control connection closes); give it a second,
+        // then make sure it never outlives us.
+        let end = Instant::now() + Duration::from_secs(1);
+        while let Ok(None) = self.0.try_wait() {
+            if Instant::now() >= end {
+                let _ = self.0.kill();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
         }
         let _ = self.0.wait();
     }

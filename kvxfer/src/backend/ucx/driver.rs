@@ -173,7 +173,7 @@ unsafe extern "C" fn on_am(
         // oversized message) is dropped rather than trusted.
         if raw::am_data_in_place(param)
             && !data.is_null()
-            && len <= crate::notify::MAX_NOTIFICATION + 300
+            && len <= 2 + crate::metadata::MAX_NAME + crate::notify::MAX_NOTIFICATION
         {
             // SAFETY: UCX passes `len` readable bytes at `data` for the callback's duration.
             let v = unsafe { std::slice::from_raw_parts(data as *const u8, len) }.to_vec();
@@ -233,8 +233,8 @@ pub(crate) struct Engine {
     pub(super) names: HashMap<String, u64>,
     pub(super) next_token: u64,
     pub(super) active: HashMap<u64, Active>,
-    /// Endpoint close requests still in progress.
-    pub(super) closing: Vec<NonNull<c_void>>,
+    /// Endpoint close requests still in progress, with the rkeys to destroy once they are done.
+    pub(super) closing: Vec<(NonNull<c_void>, Vec<raw::ucp_rkey_h>)>,
     pub(super) worker_addr: Vec<u8>,
 }
 

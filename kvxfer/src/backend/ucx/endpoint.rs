@@ -4,8 +4,9 @@
 use std::ffi::c_void;
 use std::sync::{Arc, Weak};
 
-use super::driver::{on_ep_error, Engine, Peer};
+use super::driver::{on_ep_error, Engine, Peer, Phase};
 use super::raw::{self, Posted};
+use super::transfer::post_flush;
 use crate::agent::{PeerView, Shared};
 use crate::descriptor::RegionSpan;
 use crate::error::{Error, Result, UcsStatus};
@@ -88,7 +89,7 @@ impl Engine {
                     }
                     // SAFETY: ep is live, has no operations, closed once.
                     if let Ok(Posted::Pending(req)) = unsafe { raw::ep_close(ep, true) } {
-                        self.closing.push(req);
+                        self.closing.push((req, Vec::new()));
                     }
                     return Err(Error::Metadata {
                         source_desc: format!("agent {:?}", p.name),
@@ -122,69 +123,117 @@ impl Engine {
         }
     }
 
-    /// Destroys the rkeys and closes the endpoint of a peer (forcibly: cancels outstanding
-    /// operations, whose callbacks then report an error).
+    /// Closes a peer's endpoint.
+    ///
+    /// Graceful (`force == false`): only when none of the peer's transfers is outstanding, so
+    /// the rkeys are destroyed first, as `ucp_rkey_destroy` asks (after the operations using
+    /// them are flushed, before the endpoint goes).
+    ///
+    /// Forced (peer failure, deadline, shutdown): every transfer still posting on the peer gets
+    /// its flush now, so each posted operation is covered by a callback; then
+    /// `UCP_EP_CLOSE_FLAG_FORCE` completes the outstanding operations with an error. The rkeys
+    /// are destroyed only once that close has completed: an operation still queued inside UCX
+    /// may use its rkey until then. (UCX's rkey keeps no pointer to the endpoint, so destroying
+    /// it after the endpoint is the safe side of the two rules here.)
     pub(super) fn close_peer(&mut self, token: u64, force: bool) {
         let Some(p) = self.peers.get_mut(&token) else {
             return;
         };
-        for k in p.rkeys.drain(..) {
-            // SAFETY: k is live, destroyed once, before its endpoint closes. Operations that
-            // used it were posted earlier; UCX does not need the rkey after posting.
-            unsafe { raw::rkey_destroy(k) };
+        let Some(ep) = p.ep.take() else {
+            return;
+        };
+        let mut rkeys = std::mem::take(&mut p.rkeys);
+        let name = p.name.clone();
+        let failed = p.failed.unwrap_or(UcsStatus::CANCELED);
+        if force {
+            for (&id, a) in self
+                .active
+                .iter_mut()
+                .filter(|(_, a)| a.job.token == token && a.phase == Phase::Posting)
+            {
+                if a.next < a.job.plan.ops.len() {
+                    // Partly posted: its flush may still succeed, but the data is incomplete.
+                    a.error.get_or_insert(Error::PeerFailed {
+                        agent: name.clone(),
+                        status: failed,
+                    });
+                }
+                post_flush(a, id, ep);
+            }
+        } else {
+            destroy_rkeys(&mut rkeys);
         }
-        if let Some(ep) = p.ep.take() {
-            // SAFETY: ep is live, its rkeys are destroyed, closed once.
-            match unsafe { raw::ep_close(ep, force) } {
-                Ok(Posted::Pending(req)) => self.closing.push(req),
-                Ok(Posted::Done) => {}
-                Err(s) => log::debug!("ucp_ep_close_nbx({}): {s}", p.name),
+        // SAFETY: ep is live, used on this thread only, closed once (taken out of the peer).
+        match unsafe { raw::ep_close(ep, force) } {
+            Ok(Posted::Pending(req)) => self.closing.push((req, rkeys)),
+            Ok(Posted::Done) => destroy_rkeys(&mut rkeys),
+            Err(s) => {
+                log::debug!("ucp_ep_close_nbx({name}): {s}");
+                destroy_rkeys(&mut rkeys);
             }
         }
     }
 
+    /// Frees completed endpoint-close requests and the rkeys that waited for them.
     pub(super) fn reap_closing(&mut self) {
-        self.closing.retain(|&req| {
+        self.closing.retain_mut(|(req, rkeys)| {
             // SAFETY: req is a live close request (freed only below).
-            let s = unsafe { raw::request_status(req) };
+            let s = unsafe { raw::request_status(*req) };
             if s == UcsStatus::INPROGRESS {
-                true
-            } else {
-                // SAFETY: req completed; freed once, never used again.
-                unsafe { raw::request_free(req) };
-                false
+                return true;
             }
+            // SAFETY: req completed; freed once, never used again.
+            unsafe { raw::request_free(*req) };
+            destroy_rkeys(rkeys);
+            false
         });
     }
 }
 
-/// Extracts the transport/device names of the endpoint's lanes from `ucp_ep_print_info`
-/// output (lines like `lane[0]:  1:tcp/lo.0 md[1] ... rma_bw#0`).
+/// Destroys rkeys whose operations are all complete.
+fn destroy_rkeys(rkeys: &mut Vec<raw::ucp_rkey_h>) {
+    for k in rkeys.drain(..) {
+        // SAFETY: k was unpacked by ensure_ep and is destroyed once (drained); callers pass
+        // rkeys only when no operation using them is outstanding (see close_peer).
+        unsafe { raw::rkey_destroy(k) };
+    }
+}
+
+/// The transports of the endpoint's lanes, in lane order, from `ucp_ep_print_info` output
+/// (lines like `lane[1]:  4:cma/memory.0 md[4] -> ... rma_bw#0`); `(rma)` marks a transport
+/// that carries an RMA lane.
 pub(super) fn parse_transports(info: &str) -> String {
-    let mut out: Vec<String> = Vec::new();
+    let mut out: Vec<(&str, bool)> = Vec::new();
     for line in info.lines() {
-        let l = line.trim_start_matches(['#', ' ']);
-        if !l.starts_with("lane[") {
+        let mut words = line.trim_start_matches(['#', ' ']).split_whitespace();
+        if !words.next().is_some_and(|w| w.starts_with("lane[")) {
             continue;
         }
-        for tok in l.split_whitespace() {
-            if let Some((_, t)) = tok.split_once(':') {
-                if t.contains('/') {
-                    let tl = t.split('/').next().unwrap_or(t);
-                    let s = if line.contains("rma") {
-                        format!("{tl}(rma)")
-                    } else {
-                        tl.to_string()
-                    };
-                    if !out.contains(&s) && !out.contains(&format!("{tl}(rma)")) {
-                        out.retain(|x| x != tl);
-                        out.push(s);
-                    }
-                }
-            }
+        // "4:cma/memory.0": resource index, transport, device.
+        let Some(tl) = words
+            .next()
+            .and_then(|r| r.split_once(':'))
+            .and_then(|(_, r)| r.split('/').next())
+        else {
+            continue;
+        };
+        let rma = line.contains("rma");
+        match out.iter_mut().find(|(t, _)| *t == tl) {
+            Some(e) => e.1 |= rma,
+            None => out.push((tl, rma)),
         }
     }
-    out.join(",")
+    let names: Vec<String> = out
+        .iter()
+        .map(|&(t, rma)| {
+            if rma {
+                format!("{t}(rma)")
+            } else {
+                t.to_string()
+            }
+        })
+        .collect();
+    names.join(",")
 }
 
 #[cfg(test)]
@@ -195,5 +244,9 @@ mod tests {
     fn transports_from_ep_info() {
         let info = "#\n# UCP endpoint\n#\n#               peer: <no debug data>\n#                 lane[0]:  1:posix/memory.0 md[1]           -> md[1]/posix/sysdev[255] am am_bw#0\n#                 lane[1]:  4:cma/memory.0 md[4]             -> md[4]/cma/sysdev[255] rma_bw#0\n";
         assert_eq!(parse_transports(info), "posix,cma(rma)");
+        let tcp = "lane[0]:  0:tcp/lo.0 md[0] -> md[0]/tcp am keepalive wireup\n\
+                   lane[1]:  1:tcp/lo.0 md[0] -> md[0]/tcp rma_bw#0\n";
+        assert_eq!(parse_transports(tcp), "tcp(rma)");
+        assert_eq!(parse_transports("garbage\nlane[0]:\n"), "");
     }
 }

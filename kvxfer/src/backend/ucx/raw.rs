@@ -50,15 +50,10 @@ fn check(s: sys::ucs_status_t) -> Result<(), UcsStatus> {
 }
 
 fn posted(p: sys::ucs_status_ptr_t) -> Result<Posted, UcsStatus> {
-    if p.is_null() {
-        Ok(Posted::Done)
-    } else if sys::ucs_ptr_is_err(p) {
-        Err(st(sys::ucs_ptr_status(p)))
-    } else {
-        // SAFETY-free: p is non-null (checked above).
-        Ok(Posted::Pending(
-            NonNull::new(p).unwrap_or(NonNull::dangling()),
-        ))
+    match NonNull::new(p) {
+        None => Ok(Posted::Done),
+        Some(_) if sys::ucs_ptr_is_err(p) => Err(st(sys::ucs_ptr_status(p))),
+        Some(req) => Ok(Posted::Pending(req)),
     }
 }
 

@@ -65,6 +65,9 @@ impl Engine {
     /// Posts up to POST_BATCH operations of each transfer in the posting phase; posts the
     /// flush of those that are fully posted (or stopped). True if anything was posted.
     pub(super) fn post_batches(&mut self) -> bool {
+        if !self.active.values().any(|a| a.phase == Phase::Posting) {
+            return false;
+        }
         let mut did = false;
         let ids: Vec<u64> = self
             .active
@@ -85,7 +88,9 @@ impl Engine {
                     agent: p.name.clone(),
                     status: p.failed.unwrap_or(UcsStatus(-25)),
                 });
-                // Nothing of ours is outstanding on a closed endpoint: finish at once.
+                // close_peer moves every posting transfer of the peer to its flush before it
+                // closes the endpoint, so a posting transfer without one has posted nothing:
+                // UCX holds none of its buffers, finish at once.
                 let a = self.active.remove(&id);
                 if let Some(a) = a {
                     self.finish(a, UcsStatus::OK);
@@ -121,18 +126,7 @@ impl Engine {
                 a.next = end;
             }
             if a.next >= a.job.plan.ops.len() || a.canceled || a.error.is_some() {
-                a.posted_at = Some(a.job.started.elapsed());
-                a.phase = Phase::Flushing;
-                // SAFETY: ep live on this thread; user data is the job id (no pointer).
-                match unsafe { raw::ep_flush(ep, on_send_done, id as *mut c_void) } {
-                    // on_send_done reports completion and frees the request.
-                    Ok(Posted::Pending(_)) => {}
-                    Ok(Posted::Done) => push_event(Event::Done {
-                        job: id,
-                        status: UcsStatus::OK,
-                    }),
-                    Err(status) => push_event(Event::Done { job: id, status }),
-                }
+                post_flush(a, id, ep);
             }
         }
         did
@@ -157,18 +151,15 @@ impl Engine {
             let Some(a) = self.active.get_mut(&id) else {
                 continue;
             };
-            let done_ops = a.next;
             a.error = Some(Error::Deadline {
                 agent: a.job.peer.clone(),
                 deadline: a.job.deadline.unwrap_or_default(),
-                done_ops,
+                posted_ops: a.next,
                 ops: a.job.plan.ops.len(),
             });
             let token = a.job.token;
-            if a.phase == Phase::Posting {
-                // post_batches posts its flush next; the endpoint closes after that.
-                continue;
-            }
+            // In any phase: close_peer first ends the posting of every transfer on the peer
+            // with a flush, then force-closes, which completes those flushes with an error.
             log::warn!(
                 "kvxfer: transfer {id} to {:?} missed its deadline; closing the endpoint",
                 a.job.peer
@@ -179,6 +170,24 @@ impl Engine {
             self.close_peer(token, true);
         }
         next
+    }
+}
+
+/// Ends a transfer's posting phase: posts the flush whose callback (`on_send_done`) completes
+/// it once every operation posted before it has completed on `ep`.
+pub(super) fn post_flush(a: &mut Active, id: u64, ep: raw::ucp_ep_h) {
+    a.posted_at = Some(a.job.started.elapsed());
+    a.phase = Phase::Flushing;
+    // SAFETY: ep is live and used on this (the engine) thread only; the user data is the job
+    // id, not a pointer, so a late callback cannot dangle.
+    match unsafe { raw::ep_flush(ep, on_send_done, id as *mut c_void) } {
+        // on_send_done reports completion and frees the request.
+        Ok(Posted::Pending(_)) => {}
+        Ok(Posted::Done) => push_event(Event::Done {
+            job: id,
+            status: UcsStatus::OK,
+        }),
+        Err(status) => push_event(Event::Done { job: id, status }),
     }
 }
 
@@ -233,15 +242,10 @@ impl Engine {
         } else if a.canceled {
             Err(Error::Canceled)
         } else if !status.is_ok() {
-            Err(match peer_failed {
-                Some(s) => Error::PeerFailed {
-                    agent: job.peer.clone(),
-                    status: s,
-                },
-                None => Error::PeerFailed {
-                    agent: job.peer.clone(),
-                    status,
-                },
+            // The endpoint's own failure says more than the CANCELED its close produced.
+            Err(Error::PeerFailed {
+                agent: job.peer.clone(),
+                status: peer_failed.unwrap_or(status),
             })
         } else {
             Ok(XferStats {
