@@ -81,7 +81,8 @@ pub struct AgentConfig {
     /// UCX peer-failure detection (`UCP_ERR_HANDLING_MODE_PEER`). UCX then refuses transports
     /// that cannot detect a dead peer, which in UCX 1.13-1.22 excludes every shared-memory
     /// transport (RMA falls back to emulation over TCP). Default (`None`): on, except for
-    /// [`Transport::Shm`].
+    /// [`Transport::Shm`]. A [`Transport::Custom`] list of shared-memory transports only
+    /// (e.g. `"posix,cma"`) must set `Some(false)` itself, or UCX finds no usable lane.
     pub peer_failure: Option<bool>,
 }
 
