@@ -13,7 +13,16 @@ use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, Transport, XferOp};
 const LEN: u64 = 256 << 20;
 
 #[test]
-fn stopped_peer_hits_the_deadline_not_a_hang() {
+fn stopped_peer_hits_the_deadline_not_a_hang_tcp_lane() {
+    stopped_peer(true);
+}
+
+#[test]
+fn stopped_peer_hits_the_deadline_not_a_hang_ucx() {
+    stopped_peer(false);
+}
+
+fn stopped_peer(lanes: bool) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvxfer-bench"))
         .args(["--listen", "127.0.0.1:0", "--transport", "tcp"])
         .stdout(Stdio::piped())
@@ -47,6 +56,7 @@ fn stopped_peer_hits_the_deadline_not_a_hang() {
     let agent = Agent::new(
         AgentConfig::new(format!("deadline-{}", std::process::id()))
             .transport(Transport::Tcp)
+            .lanes(lanes)
             .net_devices("lo"),
     )
     .unwrap();

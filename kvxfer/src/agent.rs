@@ -84,6 +84,16 @@ pub struct AgentConfig {
     /// [`Transport::Shm`]. A [`Transport::Custom`] list of shared-memory transports only
     /// (e.g. `"posix,cma"`) must set `Some(false)` itself, or UCX finds no usable lane.
     pub peer_failure: Option<bool>,
+    /// kvxfer's own lanes next to UCX (see [`crate::lane`]): mapped shared memory towards a
+    /// peer on the same host with [`Transport::Shm`] and [`Transport::Auto`], and a zero-copy
+    /// TCP stream with [`Transport::Tcp`]. On by default; off forces every byte through UCX.
+    pub lanes: bool,
+    /// Threads that copy for the shared-memory lane (default: up to 4, one per core).
+    pub copy_threads: usize,
+    /// Address the TCP lane listens on and advertises. Default: the first IPv4 address of the
+    /// first of `net_devices`, else of the first interface that is up and not loopback, else
+    /// 127.0.0.1.
+    pub lane_addr: Option<std::net::IpAddr>,
 }
 
 impl AgentConfig {
@@ -98,7 +108,24 @@ impl AgentConfig {
             max_op_bytes: 0,
             ucx: Vec::new(),
             peer_failure: None,
+            lanes: true,
+            copy_threads: std::thread::available_parallelism()
+                .map(|n| n.get().min(4))
+                .unwrap_or(2),
+            lane_addr: None,
         }
+    }
+
+    /// Turns kvxfer's own lanes on or off (off: UCX moves every byte).
+    pub fn lanes(mut self, on: bool) -> Self {
+        self.lanes = on;
+        self
+    }
+
+    /// Sets the address of the TCP lane.
+    pub fn lane_addr(mut self, ip: std::net::IpAddr) -> Self {
+        self.lane_addr = Some(ip);
+        self
     }
 
     /// Sets the transport.
@@ -146,6 +173,7 @@ impl AgentConfig {
 pub(crate) struct PeerView {
     pub(crate) token: u64,
     pub(crate) spans: Vec<RegionSpan>,
+    pub(crate) lanes: crate::lane::PeerLanes,
 }
 
 /// What the agent knows about a peer.
@@ -174,6 +202,11 @@ pub(crate) struct Shared {
     next_region: AtomicU32,
     next_xfer: AtomicU64,
     pub(crate) ucx_version: String,
+    pub(crate) host: Option<crate::metadata::HostInfo>,
+    pub(crate) lane: std::sync::OnceLock<crate::metadata::LaneInfo>,
+    transport: Transport,
+    lanes_on: bool,
+    copier: crate::lane::shm::Copier,
 }
 
 impl Shared {
@@ -193,6 +226,10 @@ impl Shared {
         rx.recv().map_err(|_| Error::Shutdown)?
     }
 
+    pub(crate) fn post(&self, job: Job) -> Result<()> {
+        self.send(Cmd::Post(Box::new(job)))
+    }
+
     pub(crate) fn cancel(&self, id: u64) {
         let _ = self.send(Cmd::Cancel { id });
     }
@@ -203,6 +240,7 @@ pub struct Agent {
     pub(crate) shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
     listeners: Vec<crate::discovery::Listener>,
+    lane_server: Option<crate::lane::tcp::Server>,
 }
 
 impl std::fmt::Debug for Agent {
@@ -252,7 +290,23 @@ impl Agent {
             next_region: AtomicU32::new(0),
             next_xfer: AtomicU64::new(1),
             ucx_version: raw::version_string(),
+            host: crate::lane::host_info(),
+            lane: std::sync::OnceLock::new(),
+            transport: cfg.transport.clone(),
+            lanes_on: cfg.lanes,
+            copier: crate::lane::shm::Copier::start(&cfg.name, cfg.copy_threads)?,
         });
+        let lane_server = if cfg.lanes && cfg.transport == Transport::Tcp {
+            let ip = cfg
+                .lane_addr
+                .or_else(|| crate::lane::iface_addr(cfg.net_devices.as_deref()))
+                .unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
+            let srv = crate::lane::tcp::Server::start(ip, Arc::downgrade(&shared), &cfg.name)?;
+            let _ = shared.lane.set(srv.info());
+            Some(srv)
+        } else {
+            None
+        };
         let weak = Arc::downgrade(&shared);
         let thread = std::thread::Builder::new()
             .name(format!("kvxfer-progress-{}", cfg.name))
@@ -262,6 +316,7 @@ impl Agent {
             shared,
             thread: Some(thread),
             listeners: Vec::new(),
+            lane_server,
         })
     }
 
@@ -317,7 +372,9 @@ impl Agent {
             )));
         }
         let id = RegionId(self.shared.next_region.fetch_add(1, Ordering::Relaxed));
+        let shm = backing.as_ref().and_then(Memory::shm_handle);
         let inner = Arc::new(RegionInner {
+            shm,
             id,
             addr: ptr as u64,
             len: len as u64,
@@ -487,6 +544,15 @@ impl Agent {
         for r in &regions {
             r.inflight.fetch_add(1, Ordering::AcqRel);
         }
+        for r in &regions {
+            // Pairs with deregister (clear `registered`, then check `inflight`).
+            if !r.registered.load(Ordering::SeqCst) {
+                for r in &regions {
+                    r.inflight.fetch_sub(1, Ordering::AcqRel);
+                }
+                return Err(Error::Deregistered { region: r.id.0 });
+            }
+        }
         let id = self.shared.next_xfer.fetch_add(1, Ordering::Relaxed);
         let state = Arc::new(XferState::default());
         let job = Job {
@@ -500,9 +566,32 @@ impl Agent {
             deadline,
             started: t0,
             state: state.clone(),
+            lane_stats: None,
         };
-        // On error the job was dropped with the channel; the engine never saw it.
-        self.shared.send(Cmd::Post(Box::new(job)))?;
+        let view = self
+            .shared
+            .peers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&remote.peer)
+            .filter(|v| v.token == remote.token)
+            .cloned();
+        let lane = match &view {
+            Some(v) => match (&v.lanes.shm, &v.lanes.tcp) {
+                (Some(m), _) if m.covers(&job.plan) => Some((Some(m.clone()), None)),
+                (_, Some(l)) => Some((None, Some(l.clone()))),
+                _ => None,
+            },
+            None => None,
+        };
+        match lane {
+            Some((Some(maps), _)) => {
+                self.shared.copier.submit(job, maps, self.shared.clone());
+            }
+            Some((None, Some(link))) => link.submit(job),
+            // On error the job was dropped with the channel; the engine never saw it.
+            _ => self.shared.send(Cmd::Post(Box::new(job)))?,
+        }
         Ok(Transfer {
             state,
             id,
@@ -553,13 +642,32 @@ pub(crate) fn load_decoded(shared: &Shared, meta: Metadata) -> Result<String> {
         )));
     }
     let name = meta.name.clone();
-    shared.call(|reply| Cmd::LoadPeer { meta, reply })?;
+    let mut lanes = crate::lane::PeerLanes::default();
+    // An explicit TCP or UCX transport list is taken at its word; shm and auto map a
+    // same-host peer's memory.
+    if shared.lanes_on && matches!(shared.transport, Transport::Shm | Transport::Auto) {
+        lanes.shm = crate::lane::shm::PeerMaps::open(&meta, shared.host.as_ref()).map(Arc::new);
+    }
+    if shared.lanes_on && shared.transport == Transport::Tcp {
+        if let Some(info) = meta.lane {
+            let spans = meta.regions.iter().map(|r| r.span()).collect();
+            lanes.tcp = Some(Arc::new(crate::lane::tcp::Link::new(
+                &shared.name,
+                &name,
+                info,
+                spans,
+            )));
+        }
+    }
+    shared.call(|reply| Cmd::LoadPeer { meta, lanes, reply })?;
     Ok(name)
 }
 
 impl Drop for Agent {
     fn drop(&mut self) {
         self.listeners.clear();
+        self.lane_server.take();
+        self.shared.copier.stop();
         let _ = self.shared.send(Cmd::Shutdown);
         if let Some(t) = self.thread.take() {
             if t.join().is_err() {

@@ -214,6 +214,17 @@ pub enum Error {
         /// UCX's status for the failure.
         status: UcsStatus,
     },
+    /// A kvxfer-native lane (shared-memory mapping or TCP stream) to a peer failed: the
+    /// connection broke, the peer refused the request, or a mapping could not be made.
+    #[error("{lane} lane to {agent:?}: {why}")]
+    LaneFailed {
+        /// The peer's name.
+        agent: String,
+        /// `"tcp"` or `"shm"`.
+        lane: &'static str,
+        /// What happened.
+        why: String,
+    },
     /// Memory is in use by a transfer in flight.
     #[error("region {region} is in use by {inflight} transfer(s) in flight")]
     Busy {

@@ -2,7 +2,6 @@
 //! `unsafe` call on the agent) an engine's raw pointers. A [`Region`] is a registered piece of
 //! memory; its bytes stay valid until the last handle and every transfer using it are gone.
 
-use std::alloc::{self, Layout};
 use std::fmt;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -21,12 +20,18 @@ pub enum MemKind {
 }
 
 /// An owned, page-aligned, zero-filled host allocation.
+///
+/// It is backed by an anonymous memory file (`memfd_create`) mapped shared, so that an agent
+/// on the same host can map it too and move bytes with plain copies, one pass, no kernel
+/// round trip per block. Where memfd is not available it falls back to an anonymous mapping.
 pub struct HostBuffer {
     ptr: NonNull<u8>,
-    layout: Layout,
+    len: usize,
+    map_len: usize,
+    fd: Option<std::os::fd::OwnedFd>,
 }
 
-// SAFETY: HostBuffer uniquely owns its allocation (like Box<[u8]>); the pointer is never shared
+// SAFETY: HostBuffer uniquely owns its mapping (like Box<[u8]>); the pointer is never shared
 // except through &self/&mut self borrows, so moving it across threads is sound.
 unsafe impl Send for HostBuffer {}
 // SAFETY: &HostBuffer only gives out shared access (&[u8]); mutation needs &mut.
@@ -35,21 +40,66 @@ unsafe impl Sync for HostBuffer {}
 impl HostBuffer {
     /// Allocates `len` zeroed bytes aligned to the page size.
     pub fn new(len: usize) -> Result<Self> {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
         if len == 0 {
             return Err(Error::InvalidArgument("host buffer of 0 bytes".into()));
         }
-        let layout = Layout::from_size_align(len, page_size())
-            .map_err(|e| Error::InvalidArgument(format!("host buffer of {len} bytes: {e}")))?;
-        // SAFETY: layout has a non-zero size (checked above).
-        let p = unsafe { alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(p)
-            .ok_or_else(|| Error::OutOfMemory(format!("allocating {len} bytes of host memory")))?;
-        Ok(HostBuffer { ptr, layout })
+        let page = page_size();
+        let map_len = len
+            .checked_add(page - 1)
+            .map(|l| l / page * page)
+            .ok_or_else(|| Error::InvalidArgument(format!("host buffer of {len} bytes")))?;
+        // SAFETY: the name is a NUL-terminated literal; flags are valid.
+        let raw = unsafe { libc::memfd_create(c"kvxfer-kv".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = if raw >= 0 {
+            // SAFETY: raw is a fresh descriptor owned by nobody else.
+            let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+            // SAFETY: fd is a valid memfd; map_len fits in off_t on 64-bit Linux.
+            if unsafe { libc::ftruncate(fd.as_raw_fd(), map_len as libc::off_t) } != 0 {
+                return Err(Error::OutOfMemory(format!(
+                    "sizing a {len}-byte memory file: {}",
+                    std::io::Error::last_os_error()
+                )));
+            }
+            Some(fd)
+        } else {
+            None
+        };
+        let (flags, f) = match &fd {
+            Some(fd) => (libc::MAP_SHARED, fd.as_raw_fd()),
+            None => (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1),
+        };
+        // SAFETY: a fresh mapping of map_len bytes (non-zero) of our own file or anonymous
+        // memory; no existing memory is affected.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                f,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::OutOfMemory(format!(
+                "mapping {len} bytes of host memory: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        let ptr = NonNull::new(p.cast::<u8>())
+            .ok_or_else(|| Error::OutOfMemory(format!("mapping {len} bytes: NULL")))?;
+        Ok(HostBuffer {
+            ptr,
+            len,
+            map_len,
+            fd,
+        })
     }
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.layout.size()
+        self.len
     }
 
     /// Always false: empty buffers cannot be made.
@@ -57,9 +107,14 @@ impl HostBuffer {
         false
     }
 
+    /// Whether a process on the same host can map this buffer (it is memfd-backed).
+    pub fn is_shareable(&self) -> bool {
+        self.fd.is_some()
+    }
+
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: ptr is a live allocation of layout.size() initialised (zeroed) bytes owned by
+        // SAFETY: ptr is a live mapping of at least len initialised (zeroed) bytes owned by
         // self, borrowed shared for the lifetime of &self.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len()) }
     }
@@ -73,12 +128,28 @@ impl HostBuffer {
     fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
+
+    pub(crate) fn shm_handle(&self) -> Option<crate::metadata::ShmHandle> {
+        use std::os::fd::AsRawFd;
+        let fd = self.fd.as_ref()?;
+        // SAFETY: an all-zero stat is a valid value to be overwritten by fstat.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fd is open (owned by self); st is a valid out pointer.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return None;
+        }
+        Some(crate::metadata::ShmHandle {
+            fd: fd.as_raw_fd() as u32,
+            dev: st.st_dev,
+            ino: st.st_ino,
+        })
+    }
 }
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
-        // SAFETY: ptr was allocated with exactly this layout in new() and is freed only here.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+        // SAFETY: ptr/map_len is the mapping made in new(), unmapped only here.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.map_len) };
     }
 }
 
@@ -113,6 +184,13 @@ impl From<memmap2::MmapMut> for Memory {
 }
 
 impl Memory {
+    pub(crate) fn shm_handle(&self) -> Option<crate::metadata::ShmHandle> {
+        match self {
+            Memory::Host(b) => b.shm_handle(),
+            Memory::Mmap(_) => None,
+        }
+    }
+
     pub(crate) fn raw_parts(&mut self) -> (*mut u8, usize) {
         match self {
             Memory::Host(b) => (b.as_ptr(), b.len()),
@@ -128,6 +206,8 @@ pub(crate) struct RegionInner {
     pub(crate) kind: MemKind,
     /// Owned backing memory; None for memory registered through a raw pointer.
     pub(crate) _backing: Option<Memory>,
+    /// How a same-host peer maps it (memfd-backed host buffers).
+    pub(crate) shm: Option<crate::metadata::ShmHandle>,
     /// Transfers posted and not yet completed by UCX that use this region.
     pub(crate) inflight: AtomicU32,
     pub(crate) registered: AtomicBool,

@@ -1,13 +1,20 @@
 //! Agent metadata: what a peer needs to reach this agent's memory, and its wire encoding.
 //!
-//! Layout (little endian), version 1:
+//! Layout (little endian), version 2:
 //!
 //! ```text
-//! magic "KVXM" | version u16 | flags u16 (0) | compat u64 | total_len u32
+//! magic "KVXM" | version u16 | flags u16 | compat u64 | total_len u32
 //! name_len u16 | name (UTF-8)
 //! addr_len u32 | UCX worker address
-//! region_count u32 | { id u32 | kind u8 | device u32 | base u64 | len u64 | rkey_len u16 | rkey }*
+//! [flags & 1: host]  boot_id [16] | pid_ns u64 | pid u32
+//! [flags & 2: lane]  family u8 (4|6) | ip [4|16] | port u16 | secret [16]
+//! region_count u32 | { id u32 | kind u8 | device u32 | base u64 | len u64 | rkey_len u16 | rkey
+//!                      | shm u8 (0|1) | [shm: fd u32 | dev u64 | ino u64] }*
 //! ```
+//!
+//! `host` lets a peer on the same host (same boot and pid namespace) map regions that carry an
+//! `shm` handle (memfd-backed buffers) and copy with plain loads and stores; `lane` is the
+//! address of the agent's TCP stream lane and the secret a peer must present to use it.
 //!
 //! The decoder is strict and bounded: it checks magic, version and the compatibility hash before
 //! it reads anything else, every length against a limit and the bytes left, region ids for
@@ -20,7 +27,7 @@ use crate::error::MetadataError;
 use crate::memory::MemKind;
 
 /// Wire version this build speaks.
-pub const WIRE_VERSION: u16 = 1;
+pub const WIRE_VERSION: u16 = 2;
 const MAGIC: [u8; 4] = *b"KVXM";
 /// Longest agent name.
 pub const MAX_NAME: usize = 255;
@@ -47,6 +54,40 @@ pub struct RegionMeta {
     pub len: u64,
     /// UCX packed remote key.
     pub rkey: Vec<u8>,
+    /// A same-host peer can map the region through this handle.
+    pub shm: Option<ShmHandle>,
+}
+
+/// How a process on the same host opens a memfd-backed region: `/proc/<pid>/fd/<fd>`, checked
+/// against the file's device and inode so that a reused descriptor number is never mapped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShmHandle {
+    /// The descriptor number in the owner process.
+    pub fd: u32,
+    /// `st_dev` of the file.
+    pub dev: u64,
+    /// `st_ino` of the file.
+    pub ino: u64,
+}
+
+/// Which host and process an agent runs in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostInfo {
+    /// `/proc/sys/kernel/random/boot_id`: equal on one host, for one boot.
+    pub boot_id: [u8; 16],
+    /// Inode of the pid namespace (pids are only meaningful inside one).
+    pub pid_ns: u64,
+    /// The owner's pid.
+    pub pid: u32,
+}
+
+/// The agent's TCP stream lane: where to connect and what to present.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaneInfo {
+    /// Listening address.
+    pub addr: std::net::SocketAddr,
+    /// Capability a peer presents in its hello (like an rkey: who has the metadata may write).
+    pub secret: [u8; 16],
 }
 
 impl RegionMeta {
@@ -70,9 +111,17 @@ pub struct Metadata {
     pub compat: u64,
     /// UCX worker address.
     pub worker_addr: Vec<u8>,
+    /// Host identity, for the shared-memory lane.
+    pub host: Option<HostInfo>,
+    /// TCP stream lane.
+    pub lane: Option<LaneInfo>,
     /// Registered regions.
     pub regions: Vec<RegionMeta>,
 }
+
+const FLAG_HOST: u16 = 1;
+const FLAG_LANE: u16 = 2;
+const HOST_LEN: usize = 16 + 8 + 4;
 
 impl Metadata {
     /// Encodes to the wire format.
@@ -82,22 +131,45 @@ impl Metadata {
             + self.name.len()
             + 4
             + self.worker_addr.len()
+            + self.host.map_or(0, |_| HOST_LEN)
+            + self.lane.map_or(0, |l| lane_len(&l))
             + 4
             + self
                 .regions
                 .iter()
-                .map(|r| 4 + 1 + 4 + 8 + 8 + 2 + r.rkey.len())
+                .map(|r| 4 + 1 + 4 + 8 + 8 + 2 + r.rkey.len() + 1 + r.shm.map_or(0, |_| 20))
                 .sum::<usize>();
+        let flags = if self.host.is_some() { FLAG_HOST } else { 0 }
+            | if self.lane.is_some() { FLAG_LANE } else { 0 };
         let mut b = Vec::with_capacity(size);
         b.extend_from_slice(&MAGIC);
         b.extend_from_slice(&WIRE_VERSION.to_le_bytes());
-        b.extend_from_slice(&0u16.to_le_bytes());
+        b.extend_from_slice(&flags.to_le_bytes());
         b.extend_from_slice(&self.compat.to_le_bytes());
         b.extend_from_slice(&(size as u32).to_le_bytes());
         b.extend_from_slice(&(self.name.len() as u16).to_le_bytes());
         b.extend_from_slice(self.name.as_bytes());
         b.extend_from_slice(&(self.worker_addr.len() as u32).to_le_bytes());
         b.extend_from_slice(&self.worker_addr);
+        if let Some(h) = &self.host {
+            b.extend_from_slice(&h.boot_id);
+            b.extend_from_slice(&h.pid_ns.to_le_bytes());
+            b.extend_from_slice(&h.pid.to_le_bytes());
+        }
+        if let Some(l) = &self.lane {
+            match l.addr.ip() {
+                std::net::IpAddr::V4(ip) => {
+                    b.push(4);
+                    b.extend_from_slice(&ip.octets());
+                }
+                std::net::IpAddr::V6(ip) => {
+                    b.push(6);
+                    b.extend_from_slice(&ip.octets());
+                }
+            }
+            b.extend_from_slice(&l.addr.port().to_le_bytes());
+            b.extend_from_slice(&l.secret);
+        }
         b.extend_from_slice(&(self.regions.len() as u32).to_le_bytes());
         for r in &self.regions {
             b.extend_from_slice(&r.id.0.to_le_bytes());
@@ -111,6 +183,15 @@ impl Metadata {
             b.extend_from_slice(&r.len.to_le_bytes());
             b.extend_from_slice(&(r.rkey.len() as u16).to_le_bytes());
             b.extend_from_slice(&r.rkey);
+            match &r.shm {
+                None => b.push(0),
+                Some(h) => {
+                    b.push(1);
+                    b.extend_from_slice(&h.fd.to_le_bytes());
+                    b.extend_from_slice(&h.dev.to_le_bytes());
+                    b.extend_from_slice(&h.ino.to_le_bytes());
+                }
+            }
         }
         debug_assert_eq!(b.len(), size);
         b
@@ -139,10 +220,10 @@ impl Metadata {
                 expected: expected_compat,
             });
         }
-        if flags != 0 {
+        if flags & !(FLAG_HOST | FLAG_LANE) != 0 {
             return Err(MetadataError::Invalid {
                 field: "flags",
-                why: format!("{flags:#x}, no flags are defined"),
+                why: format!("{flags:#x}, only {:#x} are defined", FLAG_HOST | FLAG_LANE),
             });
         }
         let total = r.u32()? as usize;
@@ -194,6 +275,40 @@ impl Metadata {
             });
         }
         let worker_addr = r.take(addr_len)?.to_vec();
+        let host = if flags & FLAG_HOST != 0 {
+            Some(HostInfo {
+                boot_id: r.array()?,
+                pid_ns: r.u64()?,
+                pid: r.u32()?,
+            })
+        } else {
+            None
+        };
+        let lane = if flags & FLAG_LANE != 0 {
+            let ip: std::net::IpAddr = match r.u8()? {
+                4 => std::net::Ipv4Addr::from(r.array::<4>()?).into(),
+                6 => std::net::Ipv6Addr::from(r.array::<16>()?).into(),
+                f => {
+                    return Err(MetadataError::Invalid {
+                        field: "lane address family",
+                        why: format!("{f}, expected 4 or 6"),
+                    })
+                }
+            };
+            let port = r.u16()?;
+            if port == 0 {
+                return Err(MetadataError::Invalid {
+                    field: "lane port",
+                    why: "0".into(),
+                });
+            }
+            Some(LaneInfo {
+                addr: std::net::SocketAddr::new(ip, port),
+                secret: r.array()?,
+            })
+        } else {
+            None
+        };
         let count = r.u32()? as usize;
         if count > MAX_REGIONS {
             return Err(MetadataError::TooLarge {
@@ -202,12 +317,12 @@ impl Metadata {
                 max: MAX_REGIONS,
             });
         }
-        // Each entry needs at least 27 bytes: refuse counts the input cannot hold before
+        // Each entry needs at least 28 bytes: refuse counts the input cannot hold before
         // reserving memory for them.
-        if count * 27 > r.left() {
+        if count * 28 > r.left() {
             return Err(MetadataError::Truncated {
                 at: r.at,
-                needed: count * 27,
+                needed: count * 28,
                 available: r.left(),
             });
         }
@@ -241,12 +356,27 @@ impl Metadata {
                 });
             }
             let rkey = r.take(rkey_len)?.to_vec();
+            let shm = match r.u8()? {
+                0 => None,
+                1 => Some(ShmHandle {
+                    fd: r.u32()?,
+                    dev: r.u64()?,
+                    ino: r.u64()?,
+                }),
+                f => {
+                    return Err(MetadataError::Invalid {
+                        field: "region shm flag",
+                        why: format!("{f}"),
+                    })
+                }
+            };
             regions.push(RegionMeta {
                 id,
                 kind,
                 base,
                 len,
                 rkey,
+                shm,
             });
         }
         if r.left() != 0 {
@@ -264,6 +394,8 @@ impl Metadata {
             name,
             compat,
             worker_addr,
+            host,
+            lane,
             regions,
         })
     }
@@ -275,6 +407,10 @@ impl Metadata {
         let s = bytes.get(HEADER + 2..HEADER + 2 + n.min(MAX_NAME))?;
         std::str::from_utf8(s).ok().map(str::to_owned)
     }
+}
+
+fn lane_len(l: &LaneInfo) -> usize {
+    1 + if l.addr.is_ipv4() { 4 } else { 16 } + 2 + 16
 }
 
 struct Reader<'a> {
@@ -327,6 +463,15 @@ mod tests {
             name: "prefill-0".into(),
             compat: 0xdead_beef_0123_4567,
             worker_addr: vec![1, 2, 3, 4, 5],
+            host: Some(HostInfo {
+                boot_id: [5; 16],
+                pid_ns: 4026531836,
+                pid: 4242,
+            }),
+            lane: Some(LaneInfo {
+                addr: "198.18.0.1:40000".parse().unwrap(),
+                secret: [0xab; 16],
+            }),
             regions: vec![
                 RegionMeta {
                     id: RegionId(0),
@@ -334,6 +479,11 @@ mod tests {
                     base: 0x7f00_0000_0000,
                     len: 1 << 30,
                     rkey: vec![9; 40],
+                    shm: Some(ShmHandle {
+                        fd: 17,
+                        dev: 1,
+                        ino: 99,
+                    }),
                 },
                 RegionMeta {
                     id: RegionId(3),
@@ -341,6 +491,7 @@ mod tests {
                     base: 0x1000,
                     len: 4096,
                     rkey: vec![7; 12],
+                    shm: None,
                 },
             ],
         }
@@ -355,6 +506,19 @@ mod tests {
     }
 
     #[test]
+    fn roundtrip_without_options_and_v6() {
+        let mut m = sample();
+        m.host = None;
+        m.lane = None;
+        assert_eq!(Metadata::decode(&m.encode(), m.compat).unwrap(), m);
+        m.lane = Some(LaneInfo {
+            addr: "[::1]:9".parse().unwrap(),
+            secret: [1; 16],
+        });
+        assert_eq!(Metadata::decode(&m.encode(), m.compat).unwrap(), m);
+    }
+
+    #[test]
     fn refuses_foreign_and_broken() {
         let m = sample();
         let b = m.encode();
@@ -363,10 +527,10 @@ mod tests {
             Err(MetadataError::Incompatible { .. })
         ));
         let mut v = b.clone();
-        v[4] = 2;
+        v[4] = 1;
         assert!(matches!(
             Metadata::decode(&v, m.compat),
-            Err(MetadataError::Version { found: 2, .. })
+            Err(MetadataError::Version { found: 1, .. })
         ));
         let mut v = b.clone();
         v[0] = b'X';

@@ -45,6 +45,8 @@ pub struct XferStats {
     pub post_time: Duration,
     /// From the call that created the transfer until completion (and notification) was reported.
     pub duration: Duration,
+    /// Which lane moved the bytes.
+    pub lane: crate::lane::Lane,
 }
 
 #[derive(Default)]
@@ -59,12 +61,18 @@ struct Slot {
 pub(crate) struct XferState {
     slot: Mutex<Slot>,
     cv: Condvar,
+    canceled: std::sync::atomic::AtomicBool,
 }
 
 impl XferState {
     fn lock(&self) -> MutexGuard<'_, Slot> {
         // A poisoned lock only means a waiter panicked; the slot itself is always consistent.
         self.slot.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the caller asked to cancel (the lanes poll this between steps).
+    pub(crate) fn is_canceled(&self) -> bool {
+        self.canceled.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Called once by the progress engine when UCX no longer touches the buffers.
@@ -141,6 +149,9 @@ impl Transfer {
     /// and UCX no longer touches the buffers. Returns the result if the transfer completed
     /// before the cancel took effect, else [`Error::Canceled`].
     pub fn cancel(self) -> Result<XferStats> {
+        self.state
+            .canceled
+            .store(true, std::sync::atomic::Ordering::Release);
         self.agent.cancel(self.id);
         self.wait()
     }

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, Region, Transport, XferOp};
+use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, Lane, Region, Transport, XferOp};
 use rand::{Rng, RngCore, SeedableRng};
 
 const BLOCK: u64 = 32 * 1024;
@@ -20,9 +20,16 @@ struct Pair {
 }
 
 fn pair(t: Transport, tag: &str) -> Pair {
+    pair_cfg(t, true, tag)
+}
+
+/// `lanes`: kvxfer's own lanes (shared-memory mapping, TCP stream) on, or UCX only.
+fn pair_cfg(t: Transport, lanes: bool, tag: &str) -> Pair {
     let _ = env_logger::builder().is_test(true).try_init();
     let cfg = |n: &str| {
-        let c = AgentConfig::new(format!("{n}-{tag}-{}", std::process::id())).transport(t.clone());
+        let c = AgentConfig::new(format!("{n}-{tag}-{}", std::process::id()))
+            .transport(t.clone())
+            .lanes(lanes);
         c.net_devices("lo")
     };
     let mut b = Agent::new(cfg("b")).expect("agent b");
@@ -60,8 +67,8 @@ fn snapshot(r: &Region) -> Vec<u8> {
 
 /// Random, distinct block slots on both sides; checks every byte landed where it should and
 /// nothing else changed.
-fn roundtrip(t: Transport, tag: &str) {
-    let p = pair(t, tag);
+fn roundtrip(t: Transport, lanes: bool, want: Lane, tag: &str) {
+    let p = pair_cfg(t, lanes, tag);
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let n = 100usize;
     let mut la: Vec<u64> = (0..SLOTS).collect();
@@ -119,6 +126,7 @@ fn roundtrip(t: Transport, tag: &str) {
         assert_eq!(stats.bytes, n as u64 * BLOCK);
         assert_eq!(stats.descs, n);
         assert_eq!(stats.ops, n, "random slots do not coalesce");
+        assert_eq!(stats.lane, want, "lane");
         if op == XferOp::Read {
             assert!(
                 snapshot(&p.ra) == expect(&vb, &va, &lb, &la),
@@ -139,12 +147,85 @@ fn roundtrip(t: Transport, tag: &str) {
 
 #[test]
 fn tcp_read_write_random_blocks() {
-    roundtrip(Transport::Tcp, "tcp");
+    roundtrip(Transport::Tcp, true, Lane::Tcp, "tcp");
 }
 
 #[test]
 fn shm_read_write_random_blocks() {
-    roundtrip(Transport::Shm, "shm");
+    roundtrip(Transport::Shm, true, Lane::Shm, "shm");
+}
+
+#[test]
+fn auto_takes_the_shared_memory_lane_in_host() {
+    roundtrip(Transport::Auto, true, Lane::Shm, "auto");
+}
+
+#[test]
+fn ucx_tcp_read_write_random_blocks() {
+    roundtrip(Transport::Tcp, false, Lane::Ucx, "utcp");
+}
+
+#[test]
+fn ucx_shm_read_write_random_blocks() {
+    roundtrip(Transport::Shm, false, Lane::Ucx, "ushm");
+}
+
+#[test]
+fn tcp_lane_target_refuses_unregistered_memory_and_stays_in_step() {
+    let mut p = pair(Transport::Tcp, "refuse");
+    let ld = [Desc::new(p.ra.id(), 0, 4 * BLOCK)];
+    let local = p.a.prep_local(&ld).unwrap();
+    let remote =
+        p.a.prep_remote(&p.peer_of_a, &[Desc::new(p.rb.id(), 0, 4 * BLOCK)])
+            .unwrap();
+    // The target drops the region; the initiator still has the old metadata.
+    p.b.deregister(&p.rb).unwrap();
+    let e =
+        p.a.transfer_all(XferOp::Write, &local, &remote, Some(b"x"), None)
+            .unwrap()
+            .wait()
+            .unwrap_err();
+    match &e {
+        Error::LaneFailed {
+            lane: "tcp", why, ..
+        } => {
+            assert!(why.contains("not registered"), "{why}")
+        }
+        e => panic!("unexpected {e}"),
+    }
+    assert!(
+        p.b.try_notification().is_none(),
+        "notification of a refused write"
+    );
+    // A read of it is refused too, and the stream is still in step for the next request.
+    let e =
+        p.a.transfer_all(XferOp::Read, &local, &remote, None, None)
+            .unwrap()
+            .wait()
+            .unwrap_err();
+    assert!(matches!(e, Error::LaneFailed { .. }), "{e}");
+    let rc =
+        p.b.register(HostBuffer::new((4 * BLOCK) as usize).unwrap())
+            .unwrap();
+    let addr = p.b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    assert_eq!(p.a.connect(addr).unwrap(), p.peer_of_a);
+    let remote =
+        p.a.prep_remote(&p.peer_of_a, &[Desc::new(rc.id(), 0, 4 * BLOCK)])
+            .unwrap();
+    let want = fill(&p.ra, 3);
+    let st =
+        p.a.transfer_all(XferOp::Write, &local, &remote, Some(b"ok"), None)
+            .unwrap()
+            .wait()
+            .unwrap();
+    assert_eq!(st.lane, Lane::Tcp);
+    assert_eq!(
+        p.b.wait_notification(Duration::from_secs(5))
+            .unwrap()
+            .payload,
+        b"ok"
+    );
+    assert!(snapshot(&rc)[..] == want[..(4 * BLOCK) as usize]);
 }
 
 #[test]
@@ -209,11 +290,11 @@ fn deregister_in_flight_is_busy_then_succeeds() {
         p.a.deregister(&p.ra),
         Err(Error::Deregistered { .. })
     ));
-    // Prepared lists that name it now fail cleanly instead of touching unregistered memory.
+    // Prepared lists that name it now fail cleanly instead of touching unregistered memory
+    // (at the call, or from the transfer).
     let e =
         p.a.transfer_all(XferOp::Write, &local, &remote, None, None)
-            .unwrap()
-            .wait()
+            .and_then(|x| x.wait())
             .unwrap_err();
     assert!(matches!(e, Error::Deregistered { .. }), "{e}");
 }

@@ -52,6 +52,7 @@ pub(crate) enum Cmd {
     },
     LoadPeer {
         meta: Metadata,
+        lanes: crate::lane::PeerLanes,
         reply: Reply<()>,
     },
     RemovePeer {
@@ -82,6 +83,8 @@ pub(crate) struct Job {
     pub(crate) deadline: Option<Duration>,
     pub(crate) started: Instant,
     pub(crate) state: Arc<XferState>,
+    /// Set when a kvxfer lane already moved the data and UCX only carries the notification.
+    pub(crate) lane_stats: Option<crate::transfer::XferStats>,
 }
 
 /// Wakes the engine from any thread (`ucp_worker_signal`), valid until the worker is gone.
@@ -398,8 +401,8 @@ impl Engine {
             Cmd::Metadata { reply } => {
                 let _ = reply.send(Ok(self.metadata(shared)));
             }
-            Cmd::LoadPeer { meta, reply } => {
-                let _ = reply.send(self.load_peer(meta, shared));
+            Cmd::LoadPeer { meta, lanes, reply } => {
+                let _ = reply.send(self.load_peer(meta, lanes, shared));
             }
             Cmd::RemovePeer { name, reply } => {
                 let r = match self.names.remove(&name) {
@@ -485,8 +488,15 @@ impl Engine {
 
     fn deregister(&mut self, region: &Arc<RegionInner>, shared: &Weak<Shared>) -> Result<()> {
         let id = region.id.0;
-        let inflight = region.inflight.load(Ordering::Acquire);
+        // Dekker-style handshake with the lanes' servers, which raise `inflight` and then
+        // check `registered`: clear `registered` first, then look at `inflight` (both SeqCst),
+        // so that either the server sees the region gone or this sees it in use.
+        if !region.registered.swap(false, Ordering::SeqCst) {
+            return Err(Error::Deregistered { region: id });
+        }
+        let inflight = region.inflight.load(Ordering::SeqCst);
         if inflight > 0 {
+            region.registered.store(true, Ordering::SeqCst);
             return Err(Error::Busy {
                 region: id,
                 inflight,
@@ -502,7 +512,6 @@ impl Engine {
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&id);
         }
-        reg.region.registered.store(false, Ordering::Release);
         // SAFETY: memh came from mem_map on ctx; no transfer uses it (inflight == 0, and new
         // posts check `registered` on this thread); unmapped once (removed from the table).
         unsafe { raw::mem_unmap(self.ctx, reg.memh) }.map_err(|status| Error::Ucx {
@@ -512,9 +521,9 @@ impl Engine {
     }
 
     fn metadata(&self, shared: &Weak<Shared>) -> Vec<u8> {
-        let (name, compat) = match shared.upgrade() {
-            Some(s) => (s.name.clone(), s.compat),
-            None => (String::from("?"), 0),
+        let (name, compat, host, lane) = match shared.upgrade() {
+            Some(s) => (s.name.clone(), s.compat, s.host, s.lane.get().copied()),
+            None => (String::from("?"), 0, None, None),
         };
         let mut ids: Vec<&u32> = self.regions.keys().collect();
         ids.sort_unstable();
@@ -522,6 +531,8 @@ impl Engine {
             name,
             compat,
             worker_addr: self.worker_addr.clone(),
+            host,
+            lane,
             regions: ids
                 .into_iter()
                 .map(|id| {
@@ -532,6 +543,7 @@ impl Engine {
                         base: r.region.addr,
                         len: r.region.len,
                         rkey: r.rkey.clone(),
+                        shm: r.region.shm,
                     }
                 })
                 .collect(),

@@ -13,7 +13,12 @@ use crate::error::{Error, Result, UcsStatus};
 use crate::metadata::{Metadata, RegionMeta};
 
 impl Engine {
-    pub(super) fn load_peer(&mut self, meta: Metadata, shared: &Weak<Shared>) -> Result<()> {
+    pub(super) fn load_peer(
+        &mut self,
+        meta: Metadata,
+        lanes: crate::lane::PeerLanes,
+        shared: &Weak<Shared>,
+    ) -> Result<()> {
         if let Some(&t) = self.names.get(&meta.name) {
             let p = &self.peers[&t];
             if p.meta == meta && p.failed.is_none() {
@@ -40,10 +45,14 @@ impl Engine {
         );
         self.names.insert(name.clone(), token);
         if let Some(s) = shared.upgrade() {
-            s.peers
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(name, Arc::new(PeerView { token, spans }));
+            s.peers.write().unwrap_or_else(|e| e.into_inner()).insert(
+                name,
+                Arc::new(PeerView {
+                    token,
+                    spans,
+                    lanes,
+                }),
+            );
         }
         // Connect now so that errors in the address show up at load time.
         self.ensure_ep(token)

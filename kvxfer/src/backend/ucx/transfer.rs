@@ -247,6 +247,9 @@ impl Engine {
                 agent: job.peer.clone(),
                 status: peer_failed.unwrap_or(status),
             })
+        } else if let Some(mut s) = job.lane_stats.clone() {
+            s.duration = job.started.elapsed();
+            Ok(s)
         } else {
             Ok(XferStats {
                 peer: job.peer.clone(),
@@ -256,6 +259,7 @@ impl Engine {
                 ops: job.plan.ops.len(),
                 post_time: a.posted_at.unwrap_or_default(),
                 duration: job.started.elapsed(),
+                lane: crate::lane::Lane::Ucx,
             })
         };
         job.state.complete(result);

@@ -1,0 +1,394 @@
+//! The shared-memory lane: map a same-host peer's memfd-backed regions once, then move a
+//! transfer with plain copies split over a few copy threads.
+//!
+//! Safety of the mappings: a mapping is of the peer's memory *file*, so it stays valid even if
+//! the peer frees or deregisters the region (stores then land in pages nobody reads, never in
+//! unrelated memory of the peer, unlike CMA or a stale rkey). Mappings are dropped with the
+//! peer's metadata.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crate::backend::ucx::driver::Job;
+use crate::descriptor::Plan;
+use crate::error::{Error, Result};
+use crate::metadata::{HostInfo, Metadata};
+use crate::transfer::{XferOp, XferStats};
+
+struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+    /// The region's base address in the peer (what descriptors carry).
+    base: u64,
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: ptr/len is a mapping made in map_region, unmapped only here.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// A peer's regions mapped into this process, by slot in the peer's region table.
+pub(crate) struct PeerMaps {
+    maps: Vec<Option<Mapping>>,
+}
+
+// SAFETY: the mappings are plain shared memory owned by this struct; the pointers are only
+// dereferenced by copy threads for ranges checked against the peer's region table, and the
+// struct (an Arc) outlives every copy that uses it.
+unsafe impl Send for PeerMaps {}
+// SAFETY: as above; &PeerMaps hands out no references, only raw pointers for copies.
+unsafe impl Sync for PeerMaps {}
+
+impl PeerMaps {
+    /// Maps every region of `meta` that carries a handle, if the peer runs on this host in
+    /// this pid namespace. None if nothing could be mapped (the transfer then takes UCX).
+    pub(crate) fn open(meta: &Metadata, me: Option<&HostInfo>) -> Option<PeerMaps> {
+        let (me, them) = (me?, meta.host.as_ref()?);
+        if me.boot_id != them.boot_id || me.pid_ns != them.pid_ns {
+            return None;
+        }
+        let mut any = false;
+        let maps: Vec<Option<Mapping>> = meta
+            .regions
+            .iter()
+            .map(|r| {
+                let h = r.shm?;
+                match map_region(them.pid, h, r.len, r.base) {
+                    Ok(m) => {
+                        any = true;
+                        Some(m)
+                    }
+                    Err(e) => {
+                        log::info!(
+                            "kvxfer: cannot map region {} of {:?} ({e}); it goes over UCX",
+                            r.id.0,
+                            meta.name
+                        );
+                        None
+                    }
+                }
+            })
+            .collect();
+        any.then_some(PeerMaps { maps })
+    }
+
+    /// Whether every remote range of `plan` lies in a mapped region.
+    pub(crate) fn covers(&self, plan: &Plan) -> bool {
+        plan.ops
+            .iter()
+            .all(|o| matches!(self.maps.get(o.rslot as usize), Some(Some(_))))
+    }
+
+    /// The local pointer for `len` bytes at the peer's address `addr` in slot `slot`.
+    fn ptr(&self, slot: u32, addr: u64, len: u64) -> Option<*mut u8> {
+        let m = self.maps.get(slot as usize)?.as_ref()?;
+        let off = addr.checked_sub(m.base)?;
+        if off.checked_add(len)? > m.len as u64 {
+            return None;
+        }
+        // SAFETY: off + len <= m.len, so the result stays inside the mapping.
+        Some(unsafe { m.ptr.add(off as usize) })
+    }
+}
+
+fn map_region(pid: u32, h: crate::metadata::ShmHandle, len: u64, base: u64) -> Result<Mapping> {
+    let path = format!("/proc/{pid}/fd/{}", h.fd);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .map_err(|e| Error::io(format!("opening {path}"), e))?;
+    let fd = OwnedFd::from(file);
+    // SAFETY: an all-zero stat is a valid value to be overwritten by fstat.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fd is open; st is a valid out pointer.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(Error::io(
+            format!("fstat {path}"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    if st.st_dev != h.dev || st.st_ino != h.ino {
+        return Err(Error::InvalidArgument(format!(
+            "{path} is not the peer's region file (dev/ino differ)"
+        )));
+    }
+    if (st.st_size as u64) < len {
+        return Err(Error::InvalidArgument(format!(
+            "{path} holds {} bytes, the region {len}",
+            st.st_size
+        )));
+    }
+    let len = len as usize;
+    // SAFETY: a fresh shared mapping of the peer's file, len bytes (checked against its size);
+    // no existing memory of this process is affected. MAP_POPULATE builds the page tables now,
+    // not on the first transfer.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_POPULATE,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(Error::io(
+            format!("mapping {path}"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(Mapping {
+        ptr: p.cast(),
+        len,
+        base,
+    })
+}
+
+/// One transfer being copied by the copy threads.
+struct ShmJob {
+    job: Job,
+    maps: Arc<PeerMaps>,
+    /// Chunks not yet finished.
+    left: AtomicUsize,
+    /// Operations done (for deadline reports).
+    done_ops: AtomicUsize,
+    error: Mutex<Option<Error>>,
+    shared: Arc<crate::agent::Shared>,
+}
+
+struct Task {
+    job: Arc<ShmJob>,
+    /// Byte range of the transfer's concatenated operations.
+    from: u64,
+    to: u64,
+}
+
+/// The copy threads of one agent.
+pub(crate) struct Copier {
+    tx: Mutex<Option<mpsc::Sender<Task>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    n: usize,
+}
+
+/// Transfers smaller than this are copied by one thread.
+const SPLIT_MIN: u64 = 4 << 20;
+
+impl Copier {
+    pub(crate) fn start(name: &str, n: usize) -> Result<Copier> {
+        let (tx, rx) = mpsc::channel::<Task>();
+        let rx = Arc::new(Mutex::new(rx));
+        let mut threads = Vec::with_capacity(n);
+        for i in 0..n.max(1) {
+            let rx = rx.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("kvxfer-copy-{name}-{i}"))
+                    .spawn(move || loop {
+                        let t = {
+                            let g = rx.lock().unwrap_or_else(|e| e.into_inner());
+                            g.recv()
+                        };
+                        match t {
+                            Ok(t) => run(t),
+                            Err(_) => return,
+                        }
+                    })
+                    .map_err(|e| Error::io("spawning a copy thread", e))?,
+            );
+        }
+        Ok(Copier {
+            tx: Mutex::new(Some(tx)),
+            threads: Mutex::new(threads),
+            n: n.max(1),
+        })
+    }
+
+    /// Starts copying `job` through `maps`. The job's regions are pinned by the caller.
+    pub(crate) fn submit(&self, job: Job, maps: Arc<PeerMaps>, shared: Arc<crate::agent::Shared>) {
+        let total = job.plan.bytes;
+        let parts = if total < SPLIT_MIN { 1 } else { self.n as u64 };
+        let j = Arc::new(ShmJob {
+            job,
+            maps,
+            left: AtomicUsize::new(parts as usize),
+            done_ops: AtomicUsize::new(0),
+            error: Mutex::new(None),
+            shared,
+        });
+        let g = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(tx) = g.as_ref() else {
+            drop(g);
+            fail_all(j, Error::Shutdown);
+            return;
+        };
+        // Cut at 4 KiB multiples so that each thread copies whole pages where it can.
+        let step = (total / parts).next_multiple_of(4096);
+        for k in 0..parts {
+            let from = (k * step).min(total);
+            let to = if k + 1 == parts {
+                total
+            } else {
+                ((k + 1) * step).min(total)
+            };
+            if tx
+                .send(Task {
+                    job: j.clone(),
+                    from,
+                    to,
+                })
+                .is_err()
+            {
+                // The threads are gone (agent shutting down): account for the unsent chunk.
+                set_error(&j, Error::Shutdown);
+                chunk_done(&j);
+            }
+        }
+    }
+
+    /// Stops the threads after the queued copies.
+    pub(crate) fn stop(&self) {
+        self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+}
+
+fn fail_all(j: Arc<ShmJob>, e: Error) {
+    set_error(&j, e);
+    let n = j.left.load(Ordering::Acquire);
+    for _ in 0..n {
+        chunk_done(&j);
+    }
+}
+
+fn set_error(j: &ShmJob, e: Error) {
+    j.error
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert(e);
+}
+
+fn run(t: Task) {
+    let j = &t.job;
+    let write = j.job.op == XferOp::Write;
+    let deadline_at = j.job.deadline.map(|d| j.job.started + d);
+    let mut at = 0u64; // byte offset of the current op in the transfer
+    let mut ops_done = 0usize;
+    for o in &j.job.plan.ops {
+        let (start, end) = (at, at + o.len);
+        at = end;
+        if end <= t.from {
+            continue;
+        }
+        if start >= t.to {
+            break;
+        }
+        if j.job.state.is_canceled() {
+            set_error(j, Error::Canceled);
+            break;
+        }
+        if deadline_at.is_some_and(|d| Instant::now() >= d) {
+            set_error(
+                j,
+                Error::Deadline {
+                    agent: j.job.peer.clone(),
+                    deadline: j.job.deadline.unwrap_or_default(),
+                    posted_ops: j.done_ops.load(Ordering::Relaxed),
+                    ops: j.job.plan.ops.len(),
+                },
+            );
+            break;
+        }
+        if j.error.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+            break;
+        }
+        let a = t.from.max(start) - start;
+        let b = t.to.min(end) - start;
+        let len = b - a;
+        let Some(remote) = j.maps.ptr(o.rslot, o.remote + a, len) else {
+            set_error(
+                j,
+                Error::LaneFailed {
+                    agent: j.job.peer.clone(),
+                    lane: "shm",
+                    why: format!("range {:#x}+{len} is not mapped", o.remote + a),
+                },
+            );
+            break;
+        };
+        let local = (o.local + a) as *mut u8;
+        // SAFETY: the local range was bounds-checked against a registered host region pinned
+        // by this job (inflight) until completion; the remote range lies inside a live shared
+        // mapping (checked by `ptr`) held by `maps`. The two are distinct memory unless a user
+        // registered one buffer in two agents of one process, which `copy` (memmove) tolerates.
+        unsafe {
+            if write {
+                std::ptr::copy(local, remote, len as usize);
+            } else {
+                std::ptr::copy(remote, local, len as usize);
+            }
+        }
+        ops_done += 1;
+    }
+    j.done_ops.fetch_add(ops_done, Ordering::Relaxed);
+    chunk_done(&t.job);
+}
+
+fn chunk_done(j: &Arc<ShmJob>) {
+    if j.left.fetch_sub(1, Ordering::AcqRel) != 1 {
+        return;
+    }
+    // The last chunk: every store of every thread happened before this point (AcqRel above);
+    // the fence orders them before the notification send.
+    std::sync::atomic::fence(Ordering::SeqCst);
+    let job = &j.job;
+    let error = j.error.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let stats = XferStats {
+        peer: job.peer.clone(),
+        op: job.op,
+        bytes: job.plan.bytes,
+        descs: job.plan.descs,
+        ops: job.plan.ops.len(),
+        post_time: job.started.elapsed(),
+        duration: job.started.elapsed(),
+        lane: super::Lane::Shm,
+    };
+    for r in &job.regions {
+        r.inflight.fetch_sub(1, Ordering::AcqRel);
+    }
+    if let Some(e) = error {
+        job.state.complete(Err(e));
+        return;
+    }
+    match &job.notification {
+        None => job.state.complete(Ok(stats)),
+        Some(n) => {
+            // The data is in place: the notification goes over UCX's active messages.
+            let carrier = Job {
+                id: job.id,
+                op: job.op,
+                peer: job.peer.clone(),
+                token: job.token,
+                plan: Plan::default(),
+                regions: Vec::new(),
+                notification: Some(n.clone()),
+                deadline: job.deadline,
+                started: job.started,
+                state: job.state.clone(),
+                lane_stats: Some(stats),
+            };
+            if let Err(e) = j.shared.post(carrier) {
+                job.state.complete(Err(e));
+            }
+        }
+    }
+}
