@@ -31,9 +31,11 @@ pub mod descriptor;
 pub mod discovery;
 pub mod error;
 pub mod lane;
+pub mod layout;
 pub mod memory;
 pub mod metadata;
 pub mod notify;
+pub mod planning;
 pub mod transfer;
 
 pub use agent::{Agent, AgentConfig, PeerInfo, PreparedLocal, PreparedRemote, Transport};

@@ -123,7 +123,12 @@ fn stream_pieces(
             if send {
                 libc::writev(fd, iov.as_ptr(), iov.len() as libc::c_int)
             } else {
-                libc::readv(fd, iov.as_ptr(), iov.len() as libc::c_int)
+                // MSG_WAITALL: one wake-up per batch instead of one per arriving segment; the
+                // receive time-out still returns what arrived so far.
+                let mut m: libc::msghdr = std::mem::zeroed();
+                m.msg_iov = iov.as_mut_ptr();
+                m.msg_iovlen = iov.len() as _;
+                libc::recvmsg(fd, &mut m, libc::MSG_WAITALL)
             }
         };
         if r < 0 {
