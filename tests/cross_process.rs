@@ -84,3 +84,176 @@ fn shm_write_two_processes() {
 fn shm_read_two_processes_contiguous() {
     check("shm", "read", "contiguous");
 }
+
+fn bench_lines(args: &[&str]) -> Vec<serde_json::Value> {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvxfer-bench"))
+        .args(args)
+        .output()
+        .expect("kvxfer-bench runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "kvxfer-bench {args:?} failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("JSON line"))
+        .collect()
+}
+
+#[test]
+fn sweep_prints_one_verified_line_per_combination_with_lanes() {
+    let v = bench_lines(&[
+        "--json",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--blocks",
+        "64,128",
+        "--block-size",
+        "4096",
+        "--op",
+        "write,read",
+        "--transport",
+        "shm;tcp",
+    ]);
+    assert_eq!(v.len(), 8, "{v:?}");
+    for j in &v {
+        assert_eq!(j["verified"], true, "{j}");
+        let want = if j["transport_requested"] == "shm" {
+            "shm"
+        } else {
+            "tcp"
+        };
+        assert_eq!(j["lane"], want, "kvxfer's own lane is used: {j}");
+    }
+    let ucx = bench_lines(&[
+        "--json",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--blocks",
+        "64",
+        "--block-size",
+        "4096",
+        "--ucx-only",
+    ]);
+    assert_eq!(ucx[0]["lane"], "ucx", "{}", ucx[0]);
+    assert_eq!(ucx[0]["verified"], true);
+}
+
+#[test]
+fn reference_and_concurrency() {
+    let v = bench_lines(&[
+        "--json",
+        "--iters",
+        "2",
+        "--warmup",
+        "0",
+        "--blocks",
+        "256",
+        "--block-size",
+        "16384",
+        "--concurrency",
+        "3",
+        "--reference",
+        "--transport",
+        "tcp",
+    ]);
+    let j = &v[0];
+    assert_eq!(j["verified"], true, "{j}");
+    assert_eq!(j["concurrency"], 3);
+    assert_eq!(j["bytes"], 3 * 256 * 16384);
+    assert_eq!(
+        j["ops"],
+        3 * 256,
+        "three requests of 256 random blocks: {j}"
+    );
+    for k in ["memcpy_ms", "tcp_ms", "x_memcpy", "x_tcp"] {
+        assert!(j[k].as_f64().is_some_and(|x| x > 0.0), "{k}: {j}");
+    }
+    let x = j["median_ms"].as_f64().unwrap() / j["tcp_ms"].as_f64().unwrap();
+    assert!((x - j["x_tcp"].as_f64().unwrap()).abs() < 1e-9);
+}
+
+#[test]
+fn single_placement_is_one_operation() {
+    let v = bench_lines(&[
+        "--json",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--blocks",
+        "100",
+        "--block-size",
+        "4096",
+        "--placement",
+        "single",
+        "--transport",
+        "shm",
+        "--op",
+        "read",
+    ]);
+    assert_eq!(v[0]["ops"], 1, "{}", v[0]);
+    assert_eq!(v[0]["verified"], true);
+}
+
+#[test]
+fn plan_reports_the_seed_figures() {
+    let v = bench_lines(&[
+        "plan",
+        "--model",
+        "qwen3-0.6b",
+        "--prompt-tokens",
+        "2371",
+        "--link-gbps",
+        "0.936",
+        "--concurrency",
+        "4",
+        "--prefill-tokens-per-s",
+        "20000",
+        "--json",
+    ]);
+    let j = &v[0];
+    assert_eq!(j["bytes_per_token"], 114688);
+    assert_eq!(j["descriptors"], 8344);
+    // 273.4 MB at 117 MB/s: the measured deployment's 2.3-2.5 s.
+    let h = j["handoff_s"].as_f64().unwrap();
+    assert!((2.3..2.4).contains(&h), "{j}");
+    assert_eq!(j["host_bytes"], 4 * 273_416_192u64);
+    assert!(
+        j["notes"][0].as_str().unwrap().contains("cannot pay off"),
+        "{j}"
+    );
+    // A Hugging Face config.json instead of a preset.
+    let dir = std::env::temp_dir().join(format!("kvx-plan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"hidden_size":4096,"num_attention_heads":32,"num_hidden_layers":32,
+            "num_key_value_heads":8,"torch_dtype":"bfloat16"}"#,
+    )
+    .unwrap();
+    let v = bench_lines(&[
+        "plan",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--link-gbps",
+        "100",
+        "--json",
+    ]);
+    assert_eq!(v[0]["bytes_per_token"], 131072, "{}", v[0]);
+    std::fs::remove_dir_all(&dir).unwrap();
+    // Bad input is an error with a message, not a panic.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvxfer-bench"))
+        .args(["plan", "--model", "gpt-9", "--link-gbps", "1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown model preset"));
+}

@@ -1,0 +1,77 @@
+//! Two agents in one process: KV-shaped transfers (random 32 KiB blocks) over every lane and
+//! op, looping over the permutations. Memory is moved for real; see kvxfer-bench for the
+//! two-process figures and the references.
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvxfer::{Agent, AgentConfig, Desc, HostBuffer, Transport, XferOp};
+
+const BLOCK: u64 = 32 * 1024;
+const BLOCKS: u64 = 1024; // 32 MiB per transfer
+
+fn slots(n: u64, seed: u64) -> Vec<u64> {
+    let mut v: Vec<u64> = (0..n).collect();
+    let mut x = seed | 1;
+    for i in (1..v.len()).rev() {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        v.swap(i, (x >> 33) as usize % (i + 1));
+    }
+    v
+}
+
+fn loopback(c: &mut Criterion) {
+    let mut g = c.benchmark_group("loopback_random_32k");
+    g.throughput(Throughput::Bytes(BLOCK * BLOCKS));
+    for (lane, transport, lanes) in [
+        ("shm", Transport::Shm, true),
+        ("tcp", Transport::Tcp, true),
+        ("ucx-sm", Transport::Shm, false),
+        ("ucx-tcp", Transport::Tcp, false),
+    ] {
+        let cfg = |n: &str| {
+            AgentConfig::new(format!("crit-{n}-{lane}-{}", std::process::id()))
+                .transport(transport.clone())
+                .lanes(lanes)
+                .net_devices("lo")
+        };
+        let mut b = Agent::new(cfg("b")).unwrap();
+        let a = Agent::new(cfg("a")).unwrap();
+        let ra = a
+            .register(HostBuffer::new((BLOCK * BLOCKS) as usize).unwrap())
+            .unwrap();
+        let rb = b
+            .register(HostBuffer::new((BLOCK * BLOCKS) as usize).unwrap())
+            .unwrap();
+        let addr = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        let peer = a.connect(addr).unwrap();
+        let ld: Vec<Desc> = slots(BLOCKS, 1)
+            .iter()
+            .map(|&s| Desc::new(ra.id(), s * BLOCK, BLOCK))
+            .collect();
+        let rd: Vec<Desc> = slots(BLOCKS, 2)
+            .iter()
+            .map(|&s| Desc::new(rb.id(), s * BLOCK, BLOCK))
+            .collect();
+        let l = a.prep_local(&ld).unwrap();
+        let r = a.prep_remote(&peer, &rd).unwrap();
+        for op in [XferOp::Write, XferOp::Read] {
+            g.bench_function(BenchmarkId::new(lane, op), |bch| {
+                bch.iter(|| {
+                    a.transfer_all(op, &l, &r, None, None)
+                        .unwrap()
+                        .wait()
+                        .unwrap()
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(10).measurement_time(std::time::Duration::from_secs(3));
+    targets = loopback
+}
+criterion_main!(benches);
