@@ -69,7 +69,13 @@ impl Net {
         // anything else) skips an interface that is not running yet.
         let up = |ns: &str, dev: &str| {
             Command::new("ip")
-                .args(["netns", "exec", ns, "cat", &format!("/sys/class/net/{dev}/operstate")])
+                .args([
+                    "netns",
+                    "exec",
+                    ns,
+                    "cat",
+                    &format!("/sys/class/net/{dev}/operstate"),
+                ])
                 .output()
                 .is_ok_and(|o| o.stdout.starts_with(b"up"))
         };

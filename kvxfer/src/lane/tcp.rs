@@ -753,8 +753,14 @@ fn run_job(inner: &LinkInner, conn: &mut Option<TcpStream>, job: &Job) -> Result
         send_buf(c, &hdr, &mut ctl).map_err(|s| stop_err(inner, s, "request"))?;
         posted_at = job.started.elapsed();
         read_reply(inner, c, K_DATA, job.id, &mut ctl)?;
+        let t_hdr = job.started.elapsed();
         stream_pieces(c, false, &pieces, &mut ctl)
             .map_err(|s| stop_err(inner, s, "receiving data"))?;
+        log::debug!(
+            "kvxfer: read {}: request sent {posted_at:?}, reply {t_hdr:?}, data {:?}",
+            job.id,
+            job.started.elapsed()
+        );
     }
     Ok(XferStats {
         peer: job.peer.clone(),
