@@ -1,8 +1,8 @@
 //! Two agents in one process: KV-shaped transfers (random 32 KiB blocks) over every lane and
-
-#![allow(clippy::unwrap_used)] // Benchmarks fail loudly on purpose.
 //! op, looping over the permutations. Memory is moved for real; see kvxfer-bench for the
 //! two-process figures and the references.
+
+#![allow(clippy::unwrap_used)] // Benchmarks fail loudly on purpose.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvxfer::{Agent, AgentConfig, Desc, HostBuffer, Transport, XferOp};
