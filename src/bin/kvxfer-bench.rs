@@ -269,18 +269,20 @@ fn plan(p: &PlanArgs) -> Result<(), BoxErr> {
         g.dtype.bytes()
     );
     println!("KV / token   {} B", r.bytes_per_token);
+    let blocks = g.blocks(p.prompt_tokens, p.block_tokens);
     println!(
         "request      {} tokens = {} ({} blocks x {} B per layer and K/V = {} descriptors)",
         p.prompt_tokens,
         human(r.request_bytes),
-        r.descriptors / (2 * g.layers).max(1),
+        blocks,
         r.block_bytes,
-        r.descriptors
+        blocks * 2 * g.layers
     );
     if p.cached_tokens > 0 {
         println!(
-            "moved        {} (cached prefix stays)",
-            human(r.moved_bytes)
+            "moved        {} in {} descriptors (the cached prefix stays)",
+            human(r.moved_bytes),
+            r.descriptors
         );
     }
     println!("link         {link_src}");
@@ -292,7 +294,7 @@ fn plan(p: &PlanArgs) -> Result<(), BoxErr> {
         println!("prefill      {s:.3} s per request");
     }
     println!(
-        "host memory  {} per worker for {} request(s) unbounded (kvxfer bounds it with a budget)",
+        "host memory  {} per worker to hold {} request(s) at once",
         human(r.host_bytes),
         p.concurrency
     );
