@@ -157,6 +157,243 @@ impl KvGeometry {
     }
 }
 
+/// K or V (or both, for a fused layout).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kv {
+    /// Keys.
+    K,
+    /// Values.
+    V,
+}
+
+/// Physical order of one block's elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvOrder {
+    /// Tokens outer, heads inner: `(block_tokens, kv_heads, dim)` (vLLM's default).
+    Nhd,
+    /// Heads outer: `(kv_heads, block_tokens, dim)`; a range of heads is contiguous, which is
+    /// what heterogeneous tensor parallelism (a rank reading half the heads) needs.
+    Hnd,
+}
+
+/// How K and V are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvPacking {
+    /// One tensor per layer for K and one for V, each `(num_blocks, <order>, head_dim)`.
+    Separate,
+    /// vLLM 0.33: one tensor per layer, `(num_blocks, <order>, 2 * head_dim)`: every head's K
+    /// then V for a token sit side by side.
+    Fused,
+}
+
+/// Where a layer's tensors live: a registered region and the byte offset of block 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LayerBase {
+    /// K (or the fused tensor).
+    pub k: (crate::RegionId, u64),
+    /// V (`None` for a fused layout).
+    pub v: Option<(crate::RegionId, u64)>,
+}
+
+/// A paged KV cache's layout in registered memory: maps (layer, K|V, block, heads) to
+/// descriptors.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    /// The model's KV geometry.
+    pub geometry: KvGeometry,
+    /// Tokens per block.
+    pub block_tokens: u64,
+    /// Blocks in each layer's tensor.
+    pub num_blocks: u64,
+    /// Separate or fused K/V.
+    pub packing: KvPacking,
+    /// Element order inside a block.
+    pub order: KvOrder,
+    /// Per layer: where its tensors are.
+    pub layers: Vec<LayerBase>,
+}
+
+impl KvLayout {
+    /// A layout whose layers' tensors are laid out back to back in one region, starting at
+    /// offset 0: the K tensors of all layers, then the V tensors (separate); or one fused
+    /// tensor per layer. [`KvLayout::region_bytes`] is what the region must hold.
+    pub fn contiguous(
+        geometry: KvGeometry,
+        block_tokens: u64,
+        num_blocks: u64,
+        packing: KvPacking,
+        order: KvOrder,
+        region: crate::RegionId,
+    ) -> KvLayout {
+        let mut l = KvLayout {
+            geometry,
+            block_tokens,
+            num_blocks,
+            packing,
+            order,
+            layers: Vec::new(),
+        };
+        let t = l.tensor_bytes();
+        let n = l.geometry.layers;
+        l.layers = (0..n)
+            .map(|i| match packing {
+                KvPacking::Fused => LayerBase {
+                    k: (region, i * t),
+                    v: None,
+                },
+                KvPacking::Separate => LayerBase {
+                    k: (region, i * t),
+                    v: Some((region, (n + i) * t)),
+                },
+            })
+            .collect();
+        l
+    }
+
+    /// Bytes of one block of one tensor (K, V, or the fused K+V).
+    pub fn block_bytes(&self) -> u64 {
+        let per = self.block_tokens * self.geometry.kv_heads * self.geometry.head_dim;
+        let b = per * self.geometry.dtype.bytes();
+        match self.packing {
+            KvPacking::Separate => b,
+            KvPacking::Fused => 2 * b,
+        }
+    }
+
+    /// Bytes of one layer's tensor (K, V, or fused).
+    pub fn tensor_bytes(&self) -> u64 {
+        self.block_bytes() * self.num_blocks
+    }
+
+    /// Bytes a region needs for [`KvLayout::contiguous`].
+    pub fn region_bytes(&self) -> u64 {
+        let tensors = match self.packing {
+            KvPacking::Separate => 2,
+            KvPacking::Fused => 1,
+        };
+        self.tensor_bytes() * self.geometry.layers * tensors
+    }
+
+    /// Tensors per layer (2 separate, 1 fused).
+    pub fn tensors_per_layer(&self) -> usize {
+        match self.packing {
+            KvPacking::Separate => 2,
+            KvPacking::Fused => 1,
+        }
+    }
+
+    /// Hash of everything peers must agree on to exchange blocks (not the block count or the
+    /// regions): feed it to `AgentConfig::compat`.
+    pub fn compat_hash(&self) -> u64 {
+        let g = &self.geometry;
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for x in [
+            u64::from(crate::metadata::WIRE_VERSION),
+            g.layers,
+            g.kv_heads,
+            g.head_dim,
+            g.dtype.bytes(),
+            self.block_tokens,
+            self.packing as u64,
+            self.order as u64,
+        ] {
+            for b in x.to_le_bytes() {
+                h ^= u64::from(b);
+                h = h.wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        }
+        h
+    }
+
+    /// Descriptors for heads `heads` of block `block` of tensor `kv` in `layer`, appended to
+    /// `out`. A fused layout takes `Kv::K` for its single tensor. Whole blocks and head ranges
+    /// in HND order are one descriptor; a head range in NHD order is one per token.
+    pub fn block_descs(
+        &self,
+        layer: usize,
+        kv: Kv,
+        block: u32,
+        heads: std::ops::Range<u64>,
+        out: &mut Vec<crate::Desc>,
+    ) -> Result<()> {
+        let g = &self.geometry;
+        let base = self.layers.get(layer).ok_or_else(|| {
+            Error::InvalidArgument(format!("layer {layer} of {}", self.layers.len()))
+        })?;
+        let (region, off) = match (kv, base.v) {
+            (Kv::K, _) => base.k,
+            (Kv::V, Some(v)) => v,
+            (Kv::V, None) => {
+                return Err(Error::InvalidArgument(
+                    "a fused layout has no separate V tensor".into(),
+                ))
+            }
+        };
+        if u64::from(block) >= self.num_blocks {
+            return Err(Error::InvalidArgument(format!(
+                "block {block} of {}",
+                self.num_blocks
+            )));
+        }
+        if heads.start >= heads.end || heads.end > g.kv_heads {
+            return Err(Error::InvalidArgument(format!(
+                "heads {heads:?} of {}",
+                g.kv_heads
+            )));
+        }
+        let bb = self.block_bytes();
+        let start = off + u64::from(block) * bb;
+        // Bytes of one head's elements for one token (K and V for a fused layout).
+        let head_tok = bb / (self.block_tokens * g.kv_heads);
+        if heads.start == 0 && heads.end == g.kv_heads {
+            out.push(crate::Desc::new(region, start, bb));
+            return Ok(());
+        }
+        let nh = heads.end - heads.start;
+        match self.order {
+            KvOrder::Hnd => out.push(crate::Desc::new(
+                region,
+                start + heads.start * self.block_tokens * head_tok,
+                nh * self.block_tokens * head_tok,
+            )),
+            KvOrder::Nhd => {
+                for t in 0..self.block_tokens {
+                    out.push(crate::Desc::new(
+                        region,
+                        start + (t * g.kv_heads + heads.start) * head_tok,
+                        nh * head_tok,
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Descriptors for `blocks` in `layers`, layer by layer (K then V), block by block, for
+    /// heads `heads`. Lists built the same way on two sides pair up index by index; runs of
+    /// consecutive blocks on both sides coalesce into single operations when transferred.
+    pub fn descs(
+        &self,
+        blocks: &[u32],
+        layers: std::ops::Range<usize>,
+        heads: std::ops::Range<u64>,
+    ) -> Result<Vec<crate::Desc>> {
+        let mut out = Vec::with_capacity(blocks.len() * layers.len() * 2);
+        let kvs: &[Kv] = match self.packing {
+            KvPacking::Separate => &[Kv::K, Kv::V],
+            KvPacking::Fused => &[Kv::K],
+        };
+        for layer in layers {
+            for &kv in kvs {
+                for &b in blocks {
+                    self.block_descs(layer, kv, b, heads.clone(), &mut out)?;
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -182,6 +419,106 @@ mod tests {
             327_680
         );
         assert!(KvGeometry::preset("gpt-9").is_err());
+    }
+
+    fn qwen_layout(packing: KvPacking, order: KvOrder) -> KvLayout {
+        KvLayout::contiguous(
+            KvGeometry::preset("qwen3-0.6b").unwrap(),
+            16,
+            200,
+            packing,
+            order,
+            crate::RegionId(3),
+        )
+    }
+
+    #[test]
+    fn qwen_request_is_8344_blocks_of_32k_or_4172_fused() {
+        let blocks: Vec<u32> = (0..149).collect();
+        let l = qwen_layout(KvPacking::Separate, KvOrder::Nhd);
+        let d = l.descs(&blocks, 0..28, 0..8).unwrap();
+        assert_eq!(d.len(), 8344);
+        assert!(d.iter().all(|d| d.len == 32768));
+        let f = qwen_layout(KvPacking::Fused, KvOrder::Nhd);
+        let d = f.descs(&blocks, 0..28, 0..8).unwrap();
+        assert_eq!(d.len(), 4172);
+        assert_eq!(d.iter().map(|d| d.len).sum::<u64>(), 273_416_192);
+        assert_ne!(l.compat_hash(), f.compat_hash());
+        assert!(l.block_descs(28, Kv::K, 0, 0..8, &mut vec![]).is_err());
+        assert!(l.block_descs(0, Kv::K, 200, 0..8, &mut vec![]).is_err());
+        assert!(l.block_descs(0, Kv::K, 0, 4..9, &mut vec![]).is_err());
+        assert!(f.block_descs(0, Kv::V, 0, 0..8, &mut vec![]).is_err());
+    }
+
+    /// Naive reference: byte offset of element (layer, kv, block, token, head, d) from the
+    /// tensor shapes, written out independently of the implementation.
+    fn naive(l: &KvLayout, layer: u64, kv: u64, block: u64, tok: u64, head: u64, d: u64) -> u64 {
+        let g = &l.geometry;
+        let (h, bt, hd, e) = (g.kv_heads, l.block_tokens, g.head_dim, g.dtype.bytes());
+        let n = g.layers;
+        let tensor = l.num_blocks * bt * h * hd * e * if l.packing == KvPacking::Fused { 2 } else { 1 };
+        match l.packing {
+            KvPacking::Separate => {
+                let base = (kv * n + layer) * tensor;
+                let idx = match l.order {
+                    KvOrder::Nhd => ((block * bt + tok) * h + head) * hd + d,
+                    KvOrder::Hnd => ((block * h + head) * bt + tok) * hd + d,
+                };
+                base + idx * e
+            }
+            KvPacking::Fused => {
+                let base = layer * tensor;
+                let idx = match l.order {
+                    KvOrder::Nhd => ((block * bt + tok) * h + head) * 2 * hd + kv * hd + d,
+                    KvOrder::Hnd => ((block * h + head) * bt + tok) * 2 * hd + kv * hd + d,
+                };
+                base + idx * e
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn descs_cover_exactly_the_elements(
+            layers in 1u64..4, heads in 1u64..5, hd in 1u64..6, bt in 1u64..5,
+            nb in 1u64..6, dt in 0usize..3, fused: bool, hnd: bool,
+            sel in proptest::collection::vec(0u32..6, 0..5), h0 in 0u64..5, hn in 1u64..5,
+        ) {
+            let dtype = [KvDtype::Fp8, KvDtype::Bf16, KvDtype::F32][dt];
+            let g = KvGeometry { name: "t".into(), layers, kv_heads: heads, head_dim: hd, dtype };
+            let l = KvLayout::contiguous(
+                g, bt, nb,
+                if fused { KvPacking::Fused } else { KvPacking::Separate },
+                if hnd { KvOrder::Hnd } else { KvOrder::Nhd },
+                crate::RegionId(0),
+            );
+            let blocks: Vec<u32> = sel.iter().map(|b| b % nb as u32).collect();
+            let h0 = h0 % heads;
+            let h1 = (h0 + hn).min(heads);
+            let d = l.descs(&blocks, 0..layers as usize, h0..h1).unwrap();
+            let mut got: Vec<u64> = d.iter().flat_map(|d| d.offset..d.offset + d.len).collect();
+            let mut want = Vec::new();
+            let e = l.geometry.dtype.bytes();
+            for layer in 0..layers {
+                for kv in 0..2 {
+                    for &b in &blocks {
+                        for t in 0..bt {
+                            for h in h0..h1 {
+                                for x in 0..hd {
+                                    let o = naive(&l, layer, kv, u64::from(b), t, h, x);
+                                    want.extend(o..o + e);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            got.sort_unstable();
+            want.sort_unstable();
+            proptest::prop_assert_eq!(got.len(), want.len());
+            proptest::prop_assert_eq!(got, want);
+            proptest::prop_assert!(d.iter().all(|d| d.offset + d.len <= l.region_bytes()));
+        }
     }
 
     #[test]

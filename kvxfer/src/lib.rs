@@ -26,18 +26,21 @@
 //! ```
 
 pub mod agent;
+pub mod budget;
 pub(crate) mod backend;
 pub mod descriptor;
 pub mod discovery;
 pub mod error;
 pub mod lane;
 pub mod layout;
+pub mod lifecycle;
 pub mod memory;
 pub mod metadata;
 pub mod notify;
 pub mod planning;
 pub mod transfer;
 
+pub use budget::{Charge, MemoryBudget};
 pub use agent::{Agent, AgentConfig, PeerInfo, PreparedLocal, PreparedRemote, Transport};
 pub use descriptor::{Desc, RegionId};
 pub use error::{Error, MetadataError, Result, Side, UcsStatus};

@@ -1,0 +1,308 @@
+//! Producer-side block lifecycle as a pure state machine; the clock is passed in.
+//!
+//! A published request's blocks are held under a lease. Every reader (a consumer rank; two for
+//! heterogeneous tensor parallelism) renews the lease with heartbeats while it reads, and
+//! acknowledges when done. Blocks are freed when the last reader acknowledged, on abort, or when
+//! the lease expires. A reader is only ever told "go" with the time its lease has left, so it
+//! can bound its reads to finish before the blocks can be freed; after expiry every call for the
+//! request fails with [`LeaseError::Expired`] (or `Unknown` once forgotten).
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// Why a request's blocks were freed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FreeReason {
+    /// Every reader acknowledged.
+    Acked,
+    /// The producer aborted the request.
+    Aborted,
+    /// No heartbeat or acknowledgement within the lease.
+    Expired,
+}
+
+/// Blocks the engine may reuse.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Freed {
+    /// The request.
+    pub request: String,
+    /// Its blocks.
+    pub blocks: Vec<u32>,
+    /// Why.
+    pub reason: FreeReason,
+}
+
+/// A lease call refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LeaseError {
+    /// The request's lease ran out and its blocks were freed.
+    #[error("handoff of request {0:?} expired; its blocks were freed")]
+    Expired(String),
+    /// The producer never published this request (or forgot it long ago).
+    #[error("request {0:?} is not held by this producer")]
+    Unknown(String),
+    /// The producer aborted the request.
+    #[error("request {0:?} was aborted by the producer")]
+    Aborted(String),
+    /// More readers than the request was published for.
+    #[error("request {request:?} takes {expected} readers; {reader:?} would be one more")]
+    TooManyReaders {
+        /// The request.
+        request: String,
+        /// Readers it was published for.
+        expected: usize,
+        /// The reader refused.
+        reader: String,
+    },
+}
+
+#[derive(Debug)]
+struct Hold {
+    blocks: Vec<u32>,
+    readers: usize,
+    seen: Vec<String>,
+    acked: Vec<String>,
+    until: Duration,
+}
+
+/// The ledger of held requests.
+#[derive(Debug)]
+pub struct Ledger {
+    lease: Duration,
+    held: HashMap<String, Hold>,
+    /// Ended requests (for precise errors), bounded.
+    ended: HashMap<String, FreeReason>,
+    ended_order: std::collections::VecDeque<String>,
+    pending: Vec<Freed>,
+}
+
+/// How many ended requests the ledger remembers for error messages.
+const ENDED_MEMORY: usize = 4096;
+
+impl Ledger {
+    /// A ledger whose leases last `lease` from publication or the last heartbeat.
+    pub fn new(lease: Duration) -> Ledger {
+        Ledger {
+            lease,
+            held: HashMap::new(),
+            ended: HashMap::new(),
+            ended_order: Default::default(),
+            pending: Vec::new(),
+        }
+    }
+
+    /// The lease length.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// Holds `blocks` of `request` for `readers` readers from `now`. Publishing a request
+    /// again replaces its blocks and restarts its lease.
+    pub fn hold(&mut self, request: &str, blocks: Vec<u32>, readers: usize, now: Duration) {
+        self.ended.remove(request);
+        self.held.insert(
+            request.to_string(),
+            Hold {
+                blocks,
+                readers: readers.max(1),
+                seen: Vec::new(),
+                acked: Vec::new(),
+                until: now + self.lease,
+            },
+        );
+    }
+
+    fn refuse(&self, request: &str) -> LeaseError {
+        match self.ended.get(request) {
+            Some(FreeReason::Expired) => LeaseError::Expired(request.to_string()),
+            Some(FreeReason::Aborted) => LeaseError::Aborted(request.to_string()),
+            Some(FreeReason::Acked) | None => LeaseError::Unknown(request.to_string()),
+        }
+    }
+
+    /// A reader's heartbeat: renews the lease and returns the time it has left. Expired leases
+    /// are not revived.
+    pub fn heartbeat(&mut self, request: &str, reader: &str, now: Duration) -> Result<Duration, LeaseError> {
+        self.expire_one(request, now);
+        let lease = self.lease;
+        let Some(h) = self.held.get_mut(request) else {
+            return Err(self.refuse(request));
+        };
+        if !h.seen.iter().any(|r| r == reader) {
+            if h.seen.len() >= h.readers {
+                return Err(LeaseError::TooManyReaders {
+                    request: request.to_string(),
+                    expected: h.readers,
+                    reader: reader.to_string(),
+                });
+            }
+            h.seen.push(reader.to_string());
+        }
+        h.until = now + lease;
+        Ok(lease)
+    }
+
+    /// Time left on the lease, or why there is none.
+    pub fn remaining(&mut self, request: &str, now: Duration) -> Result<Duration, LeaseError> {
+        self.expire_one(request, now);
+        match self.held.get(request) {
+            Some(h) => Ok(h.until.saturating_sub(now)),
+            None => Err(self.refuse(request)),
+        }
+    }
+
+    /// A reader is done. Returns the freed blocks once the last reader acknowledged.
+    pub fn ack(&mut self, request: &str, reader: &str, now: Duration) -> Result<Option<Freed>, LeaseError> {
+        self.expire_one(request, now);
+        let Some(h) = self.held.get_mut(request) else {
+            return Err(self.refuse(request));
+        };
+        if !h.acked.iter().any(|r| r == reader) {
+            if h.acked.len() >= h.readers {
+                return Err(LeaseError::TooManyReaders {
+                    request: request.to_string(),
+                    expected: h.readers,
+                    reader: reader.to_string(),
+                });
+            }
+            h.acked.push(reader.to_string());
+        }
+        if h.acked.len() >= h.readers {
+            return Ok(self.end(request, FreeReason::Acked));
+        }
+        Ok(None)
+    }
+
+    /// The producer gives up on a request (e.g. the client went away).
+    pub fn abort(&mut self, request: &str) -> Option<Freed> {
+        self.end(request, FreeReason::Aborted)
+    }
+
+    /// Frees every request whose lease ended by `now`.
+    pub fn tick(&mut self, now: Duration) -> Vec<Freed> {
+        let expired: Vec<String> = self
+            .held
+            .iter()
+            .filter(|(_, h)| h.until <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        expired
+            .into_iter()
+            .filter_map(|r| self.end(&r, FreeReason::Expired))
+            .collect()
+    }
+
+    /// The earliest lease end, for scheduling the next tick.
+    pub fn next_expiry(&self) -> Option<Duration> {
+        self.held.values().map(|h| h.until).min()
+    }
+
+    /// Requests held now.
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    fn expire_one(&mut self, request: &str, now: Duration) {
+        if self.held.get(request).is_some_and(|h| h.until <= now) {
+            // Freed by expiry; the caller reports it through `tick` or the error.
+            if let Some(f) = self.end(request, FreeReason::Expired) {
+                self.pending.push(f);
+            }
+        }
+    }
+
+    /// Frees found by calls other than `tick` (expiry noticed during a heartbeat or ack).
+    pub fn take_pending(&mut self) -> Vec<Freed> {
+        std::mem::take(&mut self.pending)
+    }
+
+    fn end(&mut self, request: &str, reason: FreeReason) -> Option<Freed> {
+        let h = self.held.remove(request)?;
+        self.ended.insert(request.to_string(), reason);
+        self.ended_order.push_back(request.to_string());
+        while self.ended_order.len() > ENDED_MEMORY {
+            if let Some(old) = self.ended_order.pop_front() {
+                if !self.held.contains_key(&old) {
+                    self.ended.remove(&old);
+                }
+            }
+        }
+        Some(Freed {
+            request: request.to_string(),
+            blocks: h.blocks,
+            reason,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(x: u64) -> Duration {
+        Duration::from_secs(x)
+    }
+
+    #[test]
+    fn ack_frees_after_the_only_reader() {
+        let mut l = Ledger::new(s(10));
+        l.hold("r1", vec![1, 2, 3], 1, s(0));
+        assert_eq!(l.heartbeat("r1", "d0", s(1)).unwrap(), s(10));
+        let f = l.ack("r1", "d0", s(2)).unwrap().unwrap();
+        assert_eq!((f.blocks, f.reason), (vec![1, 2, 3], FreeReason::Acked));
+        assert_eq!(l.held(), 0);
+        assert!(matches!(l.heartbeat("r1", "d0", s(3)), Err(LeaseError::Unknown(_))));
+    }
+
+    #[test]
+    fn two_readers_free_after_the_last() {
+        let mut l = Ledger::new(s(10));
+        l.hold("r", vec![7], 2, s(0));
+        l.heartbeat("r", "rank0", s(1)).unwrap();
+        l.heartbeat("r", "rank1", s(1)).unwrap();
+        assert!(matches!(
+            l.heartbeat("r", "rank2", s(1)),
+            Err(LeaseError::TooManyReaders { expected: 2, .. })
+        ));
+        assert_eq!(l.ack("r", "rank0", s(2)).unwrap(), None);
+        assert_eq!(l.ack("r", "rank0", s(2)).unwrap(), None, "a repeated ack counts once");
+        assert_eq!(l.held(), 1);
+        let f = l.ack("r", "rank1", s(3)).unwrap().unwrap();
+        assert_eq!(f.reason, FreeReason::Acked);
+    }
+
+    #[test]
+    fn expiry_frees_and_heartbeats_renew() {
+        let mut l = Ledger::new(s(10));
+        l.hold("a", vec![1], 1, s(0));
+        l.hold("b", vec![2], 1, s(0));
+        assert_eq!(l.next_expiry(), Some(s(10)));
+        // a's reader keeps it alive; b has none.
+        l.heartbeat("a", "d", s(8)).unwrap();
+        assert_eq!(l.remaining("a", s(9)).unwrap(), s(9));
+        let f = l.tick(s(10));
+        assert_eq!(f.len(), 1);
+        assert_eq!((f[0].request.as_str(), f[0].reason), ("b", FreeReason::Expired));
+        assert!(matches!(l.heartbeat("b", "d", s(11)), Err(LeaseError::Expired(_))));
+        assert!(matches!(l.ack("b", "d", s(11)), Err(LeaseError::Expired(_))));
+        // a expires at 18 without more heartbeats; a late heartbeat does not revive it.
+        assert!(matches!(l.heartbeat("a", "d", s(18)), Err(LeaseError::Expired(_))));
+        let p = l.take_pending();
+        assert_eq!((p.len(), p[0].reason), (1, FreeReason::Expired));
+        assert!(l.tick(s(100)).is_empty(), "freed once");
+    }
+
+    #[test]
+    fn abort_and_republish() {
+        let mut l = Ledger::new(s(10));
+        l.hold("r", vec![1, 2], 1, s(0));
+        let f = l.abort("r").unwrap();
+        assert_eq!(f.reason, FreeReason::Aborted);
+        assert!(l.abort("r").is_none());
+        assert!(matches!(l.remaining("r", s(1)), Err(LeaseError::Aborted(_))));
+        l.hold("r", vec![3], 1, s(2));
+        assert_eq!(l.remaining("r", s(2)).unwrap(), s(10));
+        assert!(matches!(l.remaining("nope", s(2)), Err(LeaseError::Unknown(_))));
+    }
+}
