@@ -613,6 +613,22 @@ impl Agent {
         self.transfer(op, local, &li, remote, &ri, notification, deadline)
     }
 
+    /// Sends a notification alone (no data) to `peer`, ordered after every transfer to it that
+    /// completed before this call.
+    pub fn notify(&self, peer: &str, payload: &[u8]) -> Result<Transfer> {
+        let local = self.prep_local(&[])?;
+        let remote = self.prep_remote(peer, &[])?;
+        self.transfer(
+            XferOp::Write,
+            &local,
+            &[],
+            &remote,
+            &[],
+            Some(payload),
+            None,
+        )
+    }
+
     /// The next notification, if one has arrived.
     pub fn try_notification(&self) -> Option<Notification> {
         self.shared.inbox.try_pop()

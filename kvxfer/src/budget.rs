@@ -153,7 +153,10 @@ mod tests {
         let b = MemoryBudget::new(100);
         let a = b.charge(60, "a", Duration::ZERO).unwrap();
         assert!(matches!(b.try_charge(50, "b"), Err(Error::OutOfMemory(_))));
-        assert!(matches!(b.charge(101, "huge", Duration::from_secs(9)), Err(Error::OutOfMemory(_))));
+        assert!(matches!(
+            b.charge(101, "huge", Duration::from_secs(9)),
+            Err(Error::OutOfMemory(_))
+        ));
         let b2 = b.clone();
         let t = std::thread::spawn(move || {
             let c = b2.charge(50, "b", Duration::from_secs(10)).unwrap();
@@ -176,7 +179,9 @@ mod tests {
                 let b = b.clone();
                 std::thread::spawn(move || {
                     for _ in 0..200 {
-                        let _c = b.charge(100 + i * 10, "t", Duration::from_secs(30)).unwrap();
+                        let _c = b
+                            .charge(100 + i * 10, "t", Duration::from_secs(30))
+                            .unwrap();
                         std::hint::spin_loop();
                     }
                 })

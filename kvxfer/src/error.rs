@@ -225,6 +225,15 @@ pub enum Error {
         /// What happened.
         why: String,
     },
+    /// A connector handoff was refused or cannot be served (expired lease, aborted or unknown
+    /// request, incompatible layout).
+    #[error("handoff of request {request:?}: {why}")]
+    Handoff {
+        /// The request.
+        request: String,
+        /// Why.
+        why: String,
+    },
     /// Memory is in use by a transfer in flight.
     #[error("region {region} is in use by {inflight} transfer(s) in flight")]
     Busy {

@@ -456,7 +456,8 @@ mod tests {
         let g = &l.geometry;
         let (h, bt, hd, e) = (g.kv_heads, l.block_tokens, g.head_dim, g.dtype.bytes());
         let n = g.layers;
-        let tensor = l.num_blocks * bt * h * hd * e * if l.packing == KvPacking::Fused { 2 } else { 1 };
+        let tensor =
+            l.num_blocks * bt * h * hd * e * if l.packing == KvPacking::Fused { 2 } else { 1 };
         match l.packing {
             KvPacking::Separate => {
                 let base = (kv * n + layer) * tensor;

@@ -26,8 +26,9 @@
 //! ```
 
 pub mod agent;
-pub mod budget;
 pub(crate) mod backend;
+pub mod budget;
+pub mod connector;
 pub mod descriptor;
 pub mod discovery;
 pub mod error;
@@ -38,10 +39,11 @@ pub mod memory;
 pub mod metadata;
 pub mod notify;
 pub mod planning;
+pub mod telemetry;
 pub mod transfer;
 
-pub use budget::{Charge, MemoryBudget};
 pub use agent::{Agent, AgentConfig, PeerInfo, PreparedLocal, PreparedRemote, Transport};
+pub use budget::{Charge, MemoryBudget};
 pub use descriptor::{Desc, RegionId};
 pub use error::{Error, MetadataError, Result, Side, UcsStatus};
 pub use lane::Lane;

@@ -123,7 +123,12 @@ impl Ledger {
 
     /// A reader's heartbeat: renews the lease and returns the time it has left. Expired leases
     /// are not revived.
-    pub fn heartbeat(&mut self, request: &str, reader: &str, now: Duration) -> Result<Duration, LeaseError> {
+    pub fn heartbeat(
+        &mut self,
+        request: &str,
+        reader: &str,
+        now: Duration,
+    ) -> Result<Duration, LeaseError> {
         self.expire_one(request, now);
         let lease = self.lease;
         let Some(h) = self.held.get_mut(request) else {
@@ -153,7 +158,12 @@ impl Ledger {
     }
 
     /// A reader is done. Returns the freed blocks once the last reader acknowledged.
-    pub fn ack(&mut self, request: &str, reader: &str, now: Duration) -> Result<Option<Freed>, LeaseError> {
+    pub fn ack(
+        &mut self,
+        request: &str,
+        reader: &str,
+        now: Duration,
+    ) -> Result<Option<Freed>, LeaseError> {
         self.expire_one(request, now);
         let Some(h) = self.held.get_mut(request) else {
             return Err(self.refuse(request));
@@ -252,7 +262,10 @@ mod tests {
         let f = l.ack("r1", "d0", s(2)).unwrap().unwrap();
         assert_eq!((f.blocks, f.reason), (vec![1, 2, 3], FreeReason::Acked));
         assert_eq!(l.held(), 0);
-        assert!(matches!(l.heartbeat("r1", "d0", s(3)), Err(LeaseError::Unknown(_))));
+        assert!(matches!(
+            l.heartbeat("r1", "d0", s(3)),
+            Err(LeaseError::Unknown(_))
+        ));
     }
 
     #[test]
@@ -266,7 +279,11 @@ mod tests {
             Err(LeaseError::TooManyReaders { expected: 2, .. })
         ));
         assert_eq!(l.ack("r", "rank0", s(2)).unwrap(), None);
-        assert_eq!(l.ack("r", "rank0", s(2)).unwrap(), None, "a repeated ack counts once");
+        assert_eq!(
+            l.ack("r", "rank0", s(2)).unwrap(),
+            None,
+            "a repeated ack counts once"
+        );
         assert_eq!(l.held(), 1);
         let f = l.ack("r", "rank1", s(3)).unwrap().unwrap();
         assert_eq!(f.reason, FreeReason::Acked);
@@ -283,11 +300,23 @@ mod tests {
         assert_eq!(l.remaining("a", s(9)).unwrap(), s(9));
         let f = l.tick(s(10));
         assert_eq!(f.len(), 1);
-        assert_eq!((f[0].request.as_str(), f[0].reason), ("b", FreeReason::Expired));
-        assert!(matches!(l.heartbeat("b", "d", s(11)), Err(LeaseError::Expired(_))));
-        assert!(matches!(l.ack("b", "d", s(11)), Err(LeaseError::Expired(_))));
+        assert_eq!(
+            (f[0].request.as_str(), f[0].reason),
+            ("b", FreeReason::Expired)
+        );
+        assert!(matches!(
+            l.heartbeat("b", "d", s(11)),
+            Err(LeaseError::Expired(_))
+        ));
+        assert!(matches!(
+            l.ack("b", "d", s(11)),
+            Err(LeaseError::Expired(_))
+        ));
         // a expires at 18 without more heartbeats; a late heartbeat does not revive it.
-        assert!(matches!(l.heartbeat("a", "d", s(18)), Err(LeaseError::Expired(_))));
+        assert!(matches!(
+            l.heartbeat("a", "d", s(18)),
+            Err(LeaseError::Expired(_))
+        ));
         let p = l.take_pending();
         assert_eq!((p.len(), p[0].reason), (1, FreeReason::Expired));
         assert!(l.tick(s(100)).is_empty(), "freed once");
@@ -300,9 +329,15 @@ mod tests {
         let f = l.abort("r").unwrap();
         assert_eq!(f.reason, FreeReason::Aborted);
         assert!(l.abort("r").is_none());
-        assert!(matches!(l.remaining("r", s(1)), Err(LeaseError::Aborted(_))));
+        assert!(matches!(
+            l.remaining("r", s(1)),
+            Err(LeaseError::Aborted(_))
+        ));
         l.hold("r", vec![3], 1, s(2));
         assert_eq!(l.remaining("r", s(2)).unwrap(), s(10));
-        assert!(matches!(l.remaining("nope", s(2)), Err(LeaseError::Unknown(_))));
+        assert!(matches!(
+            l.remaining("nope", s(2)),
+            Err(LeaseError::Unknown(_))
+        ));
     }
 }

@@ -1,0 +1,392 @@
+//! The connector end to end in one process: pull and push, full and partial (cached prefix)
+//! loads, layer-wise handoff, lease expiry, two readers of half the heads each, and memory
+//! budget backpressure. Every byte is compared with the producer's.
+
+#![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvxfer::connector::{ConnectorConfig, Consumer, Mode, Producer};
+use kvxfer::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking};
+use kvxfer::lifecycle::FreeReason;
+use kvxfer::{Agent, AgentConfig, Error, HostBuffer, MemoryBudget, Region, Transport};
+use rand::{RngCore, SeedableRng};
+
+const T: Duration = Duration::from_secs(20);
+
+fn geometry(heads: u64) -> KvGeometry {
+    KvGeometry {
+        name: "test".into(),
+        layers: 4,
+        kv_heads: heads,
+        head_dim: 32,
+        dtype: KvDtype::Bf16,
+    }
+}
+
+struct Side {
+    agent: Arc<Agent>,
+    region: Region,
+    layout: KvLayout,
+}
+
+fn side(
+    name: &str,
+    t: &Transport,
+    heads: u64,
+    blocks: u64,
+    order: KvOrder,
+    packing: KvPacking,
+) -> (Side, Option<std::net::SocketAddr>) {
+    let g = geometry(heads);
+    // Agents of a layout family share the compat hash of its common part.
+    let probe = KvLayout::contiguous(g.clone(), 16, blocks, packing, order, kvxfer::RegionId(0));
+    let mut agent = Agent::new(
+        AgentConfig::new(format!("{name}-{}", std::process::id()))
+            .transport(t.clone())
+            .net_devices("lo"),
+    )
+    .unwrap();
+    let region = agent
+        .register(HostBuffer::new(probe.region_bytes() as usize).unwrap())
+        .unwrap();
+    let layout = KvLayout::contiguous(g, 16, blocks, packing, order, region.id());
+    let addr = agent.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    (
+        Side {
+            agent: Arc::new(agent),
+            region,
+            layout,
+        },
+        Some(addr),
+    )
+}
+
+fn randomize(r: &Region, seed: u64) {
+    let mut v = vec![0u8; r.len() as usize];
+    rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut v);
+    r.write(0, &v).unwrap();
+}
+
+fn bytes(r: &Region, d: &kvxfer::Desc) -> Vec<u8> {
+    let mut v = vec![0u8; d.len as usize];
+    r.read(d.offset, &mut v).unwrap();
+    v
+}
+
+/// Checks that the consumer's `local` blocks hold the producer's `remote` blocks (heads
+/// `heads` of them) in every layer.
+fn check(p: &Side, c: &Side, remote: &[u32], local: &[u32], heads: std::ops::Range<u64>) {
+    let nl = p.layout.layers.len();
+    let rd = p.layout.descs(remote, 0..nl, heads).unwrap();
+    let ld = c
+        .layout
+        .descs(local, 0..nl, 0..c.layout.geometry.kv_heads)
+        .unwrap();
+    assert_eq!(rd.len(), ld.len());
+    for (a, b) in rd.iter().zip(&ld) {
+        assert!(
+            bytes(&p.region, a) == bytes(&c.region, b),
+            "{a:?} -> {b:?} differ"
+        );
+    }
+}
+
+fn cfg(mode: Mode) -> ConnectorConfig {
+    ConnectorConfig {
+        mode,
+        heartbeat: Duration::from_millis(50),
+        ..Default::default()
+    }
+}
+
+fn full_and_partial(t: Transport, mode: Mode) {
+    let (p, paddr) = side("prod", &t, 2, 64, KvOrder::Nhd, KvPacking::Separate);
+    let (c, _) = side("cons", &t, 2, 48, KvOrder::Nhd, KvPacking::Separate);
+    randomize(&p.region, 1);
+    let producer = Producer::new(p.agent.clone(), p.layout.clone(), cfg(mode), paddr).unwrap();
+    let consumer = Consumer::new(c.agent.clone(), c.layout.clone(), cfg(mode)).unwrap();
+
+    // Full load of 7 scattered blocks.
+    let remote = [40, 3, 17, 18, 19, 60, 2];
+    let h = producer.publish("full", &remote, 7 * 16, 4).unwrap();
+    let h = kvxfer::connector::Handoff::decode(&h.encode()).unwrap();
+    let local = [5, 6, 7, 30, 31, 1, 47];
+    consumer.start_load(&h, &local).unwrap();
+    consumer.wait("full", T).unwrap();
+    check(&p, &c, &remote, &local, 0..2);
+    let f = producer.wait_freed("full", T).unwrap();
+    assert_eq!((f.blocks, f.reason), (remote.to_vec(), FreeReason::Acked));
+    let s = consumer.take_finished().pop().unwrap();
+    let per_block = c.layout.block_bytes() * 4 * 2;
+    assert_eq!(s.bytes_moved, 7 * per_block);
+    assert_eq!(s.bytes_skipped, 0);
+
+    // Partial: the consumer holds the first 5 of 8 blocks; exactly 3 blocks' bytes move.
+    let remote = [10, 11, 12, 13, 14, 50, 51, 52];
+    let before = {
+        let mut v = vec![0u8; c.region.len() as usize];
+        c.region.read(0, &mut v).unwrap();
+        v
+    };
+    let h = producer.publish("part", &remote, 8 * 16 - 3, 4).unwrap();
+    consumer.start_load(&h, &[20, 21, 22]).unwrap();
+    consumer.wait("part", T).unwrap();
+    check(&p, &c, &remote[5..], &[20, 21, 22], 0..2);
+    let s = consumer.take_finished().pop().unwrap();
+    assert_eq!(s.bytes_moved, 3 * per_block, "only the missing blocks move");
+    assert_eq!(s.bytes_skipped, 5 * per_block);
+    // Nothing else in the consumer's cache changed.
+    let mut after = vec![0u8; c.region.len() as usize];
+    c.region.read(0, &mut after).unwrap();
+    let touched: Vec<(u64, u64)> = c
+        .layout
+        .descs(&[20, 21, 22], 0..4, 0..2)
+        .unwrap()
+        .iter()
+        .map(|d| (d.offset, d.offset + d.len))
+        .collect();
+    for (i, (a, b)) in before.iter().zip(&after).enumerate() {
+        let i = i as u64;
+        if !touched.iter().any(|&(s, e)| i >= s && i < e) {
+            assert_eq!(a, b, "byte {i} outside the loaded blocks changed");
+        }
+    }
+    assert_eq!(
+        producer.wait_freed("part", T).unwrap().reason,
+        FreeReason::Acked
+    );
+
+    // Everything cached: nothing moves, the producer still frees.
+    let h = producer.publish("hit", &[1, 2], 32, 4).unwrap();
+    consumer.start_load(&h, &[]).unwrap();
+    consumer.wait("hit", T).unwrap();
+    assert_eq!(consumer.take_finished().pop().unwrap().bytes_moved, 0);
+    assert_eq!(
+        producer.wait_freed("hit", T).unwrap().reason,
+        FreeReason::Acked
+    );
+    let prom = consumer.telemetry().prometheus();
+    assert!(
+        prom.contains("kvxfer_requests_total{role=\"consumer\",result=\"ok\"} 3"),
+        "{prom}"
+    );
+}
+
+#[test]
+fn pull_full_partial_and_cached_over_shm() {
+    full_and_partial(Transport::Shm, Mode::Pull);
+}
+
+#[test]
+fn pull_full_partial_and_cached_over_tcp() {
+    full_and_partial(Transport::Tcp, Mode::Pull);
+}
+
+#[test]
+fn push_full_partial_and_cached() {
+    full_and_partial(Transport::Tcp, Mode::Push);
+}
+
+fn layer_wise(mode: Mode) {
+    let t = Transport::Shm;
+    let (p, paddr) = side("lwp", &t, 2, 32, KvOrder::Nhd, KvPacking::Fused);
+    let (c, _) = side("lwc", &t, 2, 32, KvOrder::Nhd, KvPacking::Fused);
+    randomize(&p.region, 2);
+    let producer = Producer::new(p.agent.clone(), p.layout.clone(), cfg(mode), paddr).unwrap();
+    let consumer = Consumer::new(c.agent.clone(), c.layout.clone(), cfg(mode)).unwrap();
+    let remote = [4, 9, 1];
+    let h = producer.publish("lw", &remote, 48, 0).unwrap();
+    consumer.start_load(&h, &[0, 1, 2]).unwrap();
+    producer.layer_done("lw", 0).unwrap();
+    // The consumer has layer 0 while the producer has not finished the last layer.
+    consumer.wait_layer("lw", 0, T).unwrap();
+    assert!(matches!(
+        consumer.wait_layer("lw", 3, Duration::from_millis(100)),
+        Err(Error::WaitTimeout(_))
+    ));
+    let d0 = p.layout.descs(&remote, 0..1, 0..2).unwrap();
+    let l0 = c.layout.descs(&[0, 1, 2], 0..1, 0..2).unwrap();
+    for (a, b) in d0.iter().zip(&l0) {
+        assert!(bytes(&p.region, a) == bytes(&c.region, b));
+    }
+    for l in 1..4 {
+        producer.layer_done("lw", l).unwrap();
+    }
+    consumer.wait("lw", T).unwrap();
+    check(&p, &c, &remote, &[0, 1, 2], 0..2);
+    assert_eq!(
+        producer.wait_freed("lw", T).unwrap().reason,
+        FreeReason::Acked
+    );
+}
+
+#[test]
+fn layer_wise_pull() {
+    layer_wise(Mode::Pull);
+}
+
+#[test]
+fn layer_wise_push() {
+    layer_wise(Mode::Push);
+}
+
+#[test]
+fn expired_handoff_fails_cleanly_and_frees() {
+    let t = Transport::Shm;
+    let (p, paddr) = side("exp", &t, 2, 16, KvOrder::Nhd, KvPacking::Separate);
+    let (c, _) = side("exc", &t, 2, 16, KvOrder::Nhd, KvPacking::Separate);
+    let pc = ConnectorConfig {
+        lease: Duration::from_millis(300),
+        ..cfg(Mode::Pull)
+    };
+    let producer = Producer::new(p.agent.clone(), p.layout.clone(), pc, paddr).unwrap();
+    let consumer = Consumer::new(c.agent.clone(), c.layout.clone(), cfg(Mode::Pull)).unwrap();
+    let h = producer.publish("late", &[1, 2, 3], 48, 4).unwrap();
+    let f = producer.wait_freed("late", T).unwrap();
+    assert_eq!(f.reason, FreeReason::Expired);
+    consumer.start_load(&h, &[4, 5, 6]).unwrap();
+    let e = consumer.wait("late", T).unwrap_err();
+    assert!(
+        matches!(&e, Error::Handoff { why, .. } if why.contains("expired")),
+        "{e}"
+    );
+    let fl = consumer.take_failed().pop().unwrap();
+    assert_eq!(fl.invalid_blocks, vec![4, 5, 6]);
+    // Aborted requests are refused the same way.
+    let h = producer.publish("gone", &[7], 16, 4).unwrap();
+    producer.abort("gone");
+    consumer.start_load(&h, &[9]).unwrap();
+    let e = consumer.wait("gone", T).unwrap_err();
+    assert!(
+        matches!(&e, Error::Handoff { why, .. } if why.contains("aborted")),
+        "{e}"
+    );
+}
+
+#[test]
+fn two_readers_each_read_half_the_heads() {
+    let t = Transport::Shm;
+    let (p, paddr) = side("tp", &t, 4, 16, KvOrder::Hnd, KvPacking::Separate);
+    let (c0, _) = side("tp0", &t, 2, 16, KvOrder::Hnd, KvPacking::Separate);
+    let (c1, _) = side("tp1", &t, 2, 16, KvOrder::Hnd, KvPacking::Separate);
+    randomize(&p.region, 3);
+    let pc = ConnectorConfig {
+        readers: 2,
+        ..cfg(Mode::Pull)
+    };
+    let producer = Producer::new(p.agent.clone(), p.layout.clone(), pc, paddr).unwrap();
+    let k0 = Consumer::new(
+        c0.agent.clone(),
+        c0.layout.clone(),
+        ConnectorConfig {
+            heads: Some(0..2),
+            ..cfg(Mode::Pull)
+        },
+    )
+    .unwrap();
+    let k1 = Consumer::new(
+        c1.agent.clone(),
+        c1.layout.clone(),
+        ConnectorConfig {
+            heads: Some(2..4),
+            ..cfg(Mode::Pull)
+        },
+    )
+    .unwrap();
+    let remote = [3, 8, 15];
+    let h = producer.publish("tp", &remote, 48, 4).unwrap();
+    k0.start_load(&h, &[0, 1, 2]).unwrap();
+    k0.wait("tp", T).unwrap();
+    // One reader done: the blocks stay held for the other.
+    assert!(matches!(
+        producer.wait_freed("tp", Duration::from_millis(200)),
+        Err(Error::WaitTimeout(_))
+    ));
+    assert_eq!(producer.held(), 1);
+    k1.start_load(&h, &[5, 6, 7]).unwrap();
+    k1.wait("tp", T).unwrap();
+    check(&p, &c0, &remote, &[0, 1, 2], 0..2);
+    check(&p, &c1, &remote, &[5, 6, 7], 2..4);
+    assert_eq!(
+        producer.wait_freed("tp", T).unwrap().reason,
+        FreeReason::Acked
+    );
+    // A consumer whose head count does not match its range is refused up front.
+    let bad = Consumer::new(
+        c0.agent.clone(),
+        c0.layout.clone(),
+        ConnectorConfig {
+            heads: Some(0..3),
+            ..cfg(Mode::Pull)
+        },
+    )
+    .unwrap();
+    drop(k0);
+    let h = producer.publish("tp2", &remote, 48, 4).unwrap();
+    assert!(matches!(
+        bad.start_load(&h, &[0, 1, 2]),
+        Err(Error::Handoff { .. })
+    ));
+}
+
+#[test]
+fn budget_backpressure_completes_and_never_exceeds() {
+    let t = Transport::Shm;
+    let (p, paddr) = side("bp", &t, 2, 64, KvOrder::Nhd, KvPacking::Separate);
+    let (c, _) = side("bc", &t, 2, 64, KvOrder::Nhd, KvPacking::Separate);
+    randomize(&p.region, 4);
+    // Room for the state of two 8-block loads at a time, not three.
+    let one = 4096 + 8 * 4 * 2 * 160;
+    let budget = MemoryBudget::new(2 * one + one / 2);
+    let producer =
+        Producer::new(p.agent.clone(), p.layout.clone(), cfg(Mode::Pull), paddr).unwrap();
+    let consumer = Arc::new(
+        Consumer::new(
+            c.agent.clone(),
+            c.layout.clone(),
+            ConnectorConfig {
+                budget: budget.clone(),
+                ..cfg(Mode::Pull)
+            },
+        )
+        .unwrap(),
+    );
+    let hs: Vec<_> = (0..6u32)
+        .map(|i| {
+            let remote: Vec<u32> = (i * 8..i * 8 + 8).collect();
+            let local: Vec<u32> = (i * 8..i * 8 + 8).rev().collect();
+            let h = producer.publish(&format!("b{i}"), &remote, 128, 4).unwrap();
+            let k = consumer.clone();
+            std::thread::spawn(move || {
+                k.start_load(&h, &local).unwrap();
+                k.wait(&h.request, T).unwrap();
+                (remote, local)
+            })
+        })
+        .collect();
+    for h in hs {
+        let (remote, local) = h.join().unwrap();
+        check(&p, &c, &remote, &local, 0..2);
+    }
+    assert!(
+        budget.peak() <= budget.limit(),
+        "{} > {}",
+        budget.peak(),
+        budget.limit()
+    );
+    assert!(
+        budget.waits() > 0,
+        "concurrency above the budget had to wait"
+    );
+    assert_eq!(budget.used(), 0);
+    // A load bigger than the whole budget fails with a typed error, not growth.
+    let h = producer
+        .publish("huge", &(0..64).collect::<Vec<_>>(), 1024, 4)
+        .unwrap();
+    let e = consumer
+        .start_load(&h, &(0..64).collect::<Vec<_>>())
+        .unwrap_err();
+    assert!(matches!(e, Error::OutOfMemory(_)), "{e}");
+}
