@@ -174,6 +174,8 @@ pub(crate) struct PeerView {
     pub(crate) token: u64,
     pub(crate) spans: Vec<RegionSpan>,
     pub(crate) lanes: crate::lane::PeerLanes,
+    /// Checksum of the metadata the view was built from.
+    pub(crate) meta_sum: u64,
 }
 
 /// What the agent knows about a peer.
@@ -207,6 +209,8 @@ pub(crate) struct Shared {
     transport: Transport,
     lanes_on: bool,
     copier: crate::lane::shm::Copier,
+    /// Serializes metadata loads, so that concurrent loads of one peer map its memory once.
+    load_lock: std::sync::Mutex<()>,
 }
 
 impl Shared {
@@ -295,6 +299,7 @@ impl Agent {
             transport: cfg.transport.clone(),
             lanes_on: cfg.lanes,
             copier: crate::lane::shm::Copier::start(&cfg.name, cfg.copy_threads)?,
+            load_lock: std::sync::Mutex::new(()),
         });
         let lane_server = if cfg.lanes && cfg.transport == Transport::Tcp {
             let ip = cfg
@@ -658,6 +663,29 @@ pub(crate) fn load_decoded(shared: &Shared, meta: Metadata) -> Result<String> {
         )));
     }
     let name = meta.name.clone();
+    let _serial = shared.load_lock.lock().unwrap_or_else(|e| e.into_inner());
+    let sum = meta_sum(&meta);
+    // The same metadata again (a second handshake): keep the lanes already built, so that a
+    // peer's memory is never mapped twice.
+    let existing = shared
+        .peers
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&name)
+        .filter(|v| v.meta_sum == sum)
+        .map(|v| crate::lane::PeerLanes {
+            shm: v.lanes.shm.clone(),
+            tcp: v.lanes.tcp.clone(),
+        });
+    if let Some(lanes) = existing {
+        shared.call(|reply| Cmd::LoadPeer {
+            meta,
+            lanes,
+            sum,
+            reply,
+        })?;
+        return Ok(name);
+    }
     let mut lanes = crate::lane::PeerLanes::default();
     // An explicit TCP or UCX transport list is taken at its word; shm and auto map a
     // same-host peer's memory.
@@ -675,8 +703,19 @@ pub(crate) fn load_decoded(shared: &Shared, meta: Metadata) -> Result<String> {
             )));
         }
     }
-    shared.call(|reply| Cmd::LoadPeer { meta, lanes, reply })?;
+    shared.call(|reply| Cmd::LoadPeer {
+        meta,
+        lanes,
+        sum,
+        reply,
+    })?;
     Ok(name)
+}
+
+fn meta_sum(m: &Metadata) -> u64 {
+    m.encode().iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 impl Drop for Agent {

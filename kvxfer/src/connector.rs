@@ -1010,6 +1010,13 @@ impl Consumer {
         std::mem::take(&mut lock(&self.sh.st).finished)
     }
 
+    /// The figures of one finished load (taken out of [`Consumer::take_finished`]'s list).
+    pub fn take_stats(&self, request: &str) -> Option<RequestStats> {
+        let mut st = lock(&self.sh.st);
+        let i = st.finished.iter().position(|s| s.request == request)?;
+        Some(st.finished.remove(i))
+    }
+
     /// Loads failed since the last call, with the local blocks that are invalid.
     pub fn take_failed(&self) -> Vec<LoadFailure> {
         std::mem::take(&mut lock(&self.sh.st).failed)

@@ -53,6 +53,7 @@ pub(crate) enum Cmd {
     LoadPeer {
         meta: Metadata,
         lanes: crate::lane::PeerLanes,
+        sum: u64,
         reply: Reply<()>,
     },
     RemovePeer {
@@ -401,8 +402,13 @@ impl Engine {
             Cmd::Metadata { reply } => {
                 let _ = reply.send(Ok(self.metadata(shared)));
             }
-            Cmd::LoadPeer { meta, lanes, reply } => {
-                let _ = reply.send(self.load_peer(meta, lanes, shared));
+            Cmd::LoadPeer {
+                meta,
+                lanes,
+                sum,
+                reply,
+            } => {
+                let _ = reply.send(self.load_peer(meta, lanes, sum, shared));
             }
             Cmd::RemovePeer { name, reply } => {
                 let r = match self.names.remove(&name) {

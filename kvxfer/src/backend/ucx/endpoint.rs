@@ -17,6 +17,7 @@ impl Engine {
         &mut self,
         meta: Metadata,
         lanes: crate::lane::PeerLanes,
+        sum: u64,
         shared: &Weak<Shared>,
     ) -> Result<()> {
         if let Some(&t) = self.names.get(&meta.name) {
@@ -51,6 +52,7 @@ impl Engine {
                     token,
                     spans,
                     lanes,
+                    meta_sum: sum,
                 }),
             );
         }
