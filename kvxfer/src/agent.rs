@@ -94,6 +94,9 @@ pub struct AgentConfig {
     /// first of `net_devices`, else of the first interface that is up and not loopback, else
     /// 127.0.0.1.
     pub lane_addr: Option<std::net::IpAddr>,
+    /// Memory the agent may allocate for itself (stream-lane request buffers, on both ends);
+    /// share it with the connector's to bound a worker as a whole. Default: unlimited.
+    pub budget: crate::MemoryBudget,
 }
 
 impl AgentConfig {
@@ -113,7 +116,14 @@ impl AgentConfig {
                 .map(|n| n.get().min(4))
                 .unwrap_or(2),
             lane_addr: None,
+            budget: crate::MemoryBudget::unlimited(),
         }
+    }
+
+    /// Sets the memory budget.
+    pub fn budget(mut self, b: crate::MemoryBudget) -> Self {
+        self.budget = b;
+        self
     }
 
     /// Turns kvxfer's own lanes on or off (off: UCX moves every byte).
@@ -211,6 +221,7 @@ pub(crate) struct Shared {
     copier: crate::lane::shm::Copier,
     /// Serializes metadata loads, so that concurrent loads of one peer map its memory once.
     load_lock: std::sync::Mutex<()>,
+    pub(crate) budget: crate::MemoryBudget,
 }
 
 impl Shared {
@@ -300,6 +311,7 @@ impl Agent {
             lanes_on: cfg.lanes,
             copier: crate::lane::shm::Copier::start(&cfg.name, cfg.copy_threads)?,
             load_lock: std::sync::Mutex::new(()),
+            budget: cfg.budget.clone(),
         });
         let lane_server = if cfg.lanes && cfg.transport == Transport::Tcp {
             let ip = cfg
@@ -323,6 +335,11 @@ impl Agent {
             listeners: Vec::new(),
             lane_server,
         })
+    }
+
+    /// The memory budget the agent charges its own buffers to.
+    pub fn budget(&self) -> &crate::MemoryBudget {
+        &self.shared.budget
     }
 
     /// The agent's name.
@@ -700,6 +717,7 @@ pub(crate) fn load_decoded(shared: &Shared, meta: Metadata) -> Result<String> {
                 &name,
                 info,
                 spans,
+                shared.budget.clone(),
             )));
         }
     }

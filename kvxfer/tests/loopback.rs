@@ -385,3 +385,81 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
         std::thread::park();
     }
 }
+
+#[test]
+fn tcp_lane_buffers_are_charged_to_the_budgets() {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let tag = std::process::id();
+    let small = kvxfer::MemoryBudget::new(1000);
+    let mut b = Agent::new(
+        AgentConfig::new(format!("bb-{tag}"))
+            .transport(Transport::Tcp)
+            .net_devices("lo")
+            .budget(small.clone()),
+    )
+    .unwrap();
+    let a = Agent::new(
+        AgentConfig::new(format!("ba-{tag}"))
+            .transport(Transport::Tcp)
+            .net_devices("lo"),
+    )
+    .unwrap();
+    let ra = a
+        .register(HostBuffer::new((BLOCK * SLOTS) as usize).unwrap())
+        .unwrap();
+    let rb = b
+        .register(HostBuffer::new((BLOCK * SLOTS) as usize).unwrap())
+        .unwrap();
+    let addr = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let peer = a.connect(addr).unwrap();
+    // 100 scattered blocks: 3,600 bytes of request state on the target, over its 1,000.
+    let ld: Vec<Desc> = (0..100)
+        .map(|i| Desc::new(ra.id(), i * 2 * BLOCK, BLOCK))
+        .collect();
+    let rd: Vec<Desc> = (0..100)
+        .map(|i| Desc::new(rb.id(), i * 2 * BLOCK, BLOCK))
+        .collect();
+    let l = a.prep_local(&ld).unwrap();
+    let r = a.prep_remote(&peer, &rd).unwrap();
+    let e = a
+        .transfer_all(XferOp::Write, &l, &r, None, Some(Duration::from_secs(60)))
+        .unwrap()
+        .wait()
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::LaneFailed { why, .. } if why.contains("out of memory")),
+        "{e}"
+    );
+    assert_eq!(small.used(), 0);
+    assert!(small.peak() <= small.limit());
+    // The refused request was skipped in step: a small transfer fits, on the same stream.
+    let l1 = a.prep_local(&ld[..5]).unwrap();
+    let r1 = a.prep_remote(&peer, &rd[..5]).unwrap();
+    a.transfer_all(XferOp::Write, &l1, &r1, None, None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    // The initiator's own budget bounds it too.
+    let c = Agent::new(
+        AgentConfig::new(format!("bc-{tag}"))
+            .transport(Transport::Tcp)
+            .net_devices("lo")
+            .budget(kvxfer::MemoryBudget::new(100)),
+    )
+    .unwrap();
+    let rc = c
+        .register(HostBuffer::new((BLOCK * SLOTS) as usize).unwrap())
+        .unwrap();
+    let p2 = c.connect(addr).unwrap();
+    let ld: Vec<Desc> = (0..10)
+        .map(|i| Desc::new(rc.id(), i * 2 * BLOCK, BLOCK))
+        .collect();
+    let l = c.prep_local(&ld).unwrap();
+    let r = c.prep_remote(&p2, &rd[..10]).unwrap();
+    let e = c
+        .transfer_all(XferOp::Write, &l, &r, None, None)
+        .unwrap()
+        .wait()
+        .unwrap_err();
+    assert!(matches!(e, Error::OutOfMemory(_)), "{e}");
+}

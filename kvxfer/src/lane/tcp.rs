@@ -395,6 +395,38 @@ fn serve_inner(
                 "malformed request kind {kind} nsegs {nsegs} notification {nlen}"
             ))));
         }
+        // The segment table and the resolved pieces, charged to this agent's budget: a peer
+        // cannot make the target allocate past it. No room within STALL: refuse and drop
+        // the connection (the table cannot be skipped without reading it).
+        let Some(sh0) = shared.upgrade() else {
+            return Err(Stop::Abort(Error::Shutdown));
+        };
+        let charge = sh0
+            .budget
+            .charge((nsegs * 20 + nsegs * 16) as u64, "TCP lane request", STALL);
+        drop(sh0);
+        let _charge = match charge {
+            Ok(c) => c,
+            Err(e) => {
+                // Skip the request without holding it: sum the segment lengths as the table
+                // streams by, drain the data and notification, refuse, stay in step.
+                let total = sum_segments(c, nsegs, &mut || ctl(false, &mut last))?;
+                if kind == K_WRITE {
+                    drain(c, total.saturating_add(nlen as u64), &mut || {
+                        ctl(false, &mut last)
+                    })?;
+                    reply(c, K_ACK, id, 1, &e.to_string(), &mut || {
+                        ctl(false, &mut last)
+                    })?;
+                } else {
+                    drain(c, nlen as u64, &mut || ctl(false, &mut last))?;
+                    reply(c, K_DATA, id, 1, &e.to_string(), &mut || {
+                        ctl(false, &mut last)
+                    })?;
+                }
+                continue;
+            }
+        };
         let mut raw = vec![0u8; nsegs * 20];
         recv_buf(c, &mut raw, &mut || ctl(false, &mut last))?;
         let segs: Vec<(u32, u64, u64)> = raw
@@ -473,6 +505,27 @@ fn recv_first(
     Ok(())
 }
 
+/// Reads a segment table of `n` entries in fixed-size chunks and returns the sum of lengths.
+fn sum_segments(
+    c: &TcpStream,
+    n: usize,
+    ctl: &mut dyn FnMut() -> Result<(), Stop>,
+) -> Result<u64, Stop> {
+    let mut chunk = vec![0u8; 20 * 3276];
+    let mut left = n;
+    let mut total = 0u64;
+    while left > 0 {
+        let k = left.min(3276);
+        recv_buf(c, &mut chunk[..k * 20], ctl)?;
+        for s in chunk[..k * 20].chunks_exact(20) {
+            total =
+                total.saturating_add(u64::from_le_bytes(s[12..20].try_into().unwrap_or_default()));
+        }
+        left -= k;
+    }
+    Ok(total)
+}
+
 fn drain(c: &TcpStream, mut n: u64, ctl: &mut dyn FnMut() -> Result<(), Stop>) -> Result<(), Stop> {
     let mut scratch = vec![0u8; 64 * 1024];
     while n > 0 {
@@ -532,6 +585,7 @@ struct LinkInner {
     me: String,
     info: LaneInfo,
     spans: Vec<RegionSpan>,
+    budget: crate::MemoryBudget,
     q: Mutex<(VecDeque<LinkJob>, bool)>,
     cv: Condvar,
 }
@@ -543,13 +597,20 @@ pub(crate) struct Link {
 }
 
 impl Link {
-    pub(crate) fn new(me: &str, peer: &str, info: LaneInfo, spans: Vec<RegionSpan>) -> Link {
+    pub(crate) fn new(
+        me: &str,
+        peer: &str,
+        info: LaneInfo,
+        spans: Vec<RegionSpan>,
+        budget: crate::MemoryBudget,
+    ) -> Link {
         Link {
             inner: Arc::new(LinkInner {
                 peer: peer.to_string(),
                 me: me.to_string(),
                 info,
                 spans,
+                budget,
                 q: Mutex::new((VecDeque::new(), false)),
                 cv: Condvar::new(),
             }),
@@ -714,6 +775,15 @@ fn run_job(inner: &LinkInner, conn: &mut Option<TcpStream>, job: &Job) -> Result
         .ok_or_else(|| lane_err(inner, "no connection"))?;
     // Segments in the target's terms, and the local pieces.
     let note = job.notification.as_deref().unwrap_or(&[]);
+    // The request header and the piece list, charged to the agent's budget (waits while
+    // other transfers hold it, up to the deadline or a minute).
+    let wait = deadline_at.map_or(Duration::from_secs(60), |d| {
+        d.saturating_duration_since(Instant::now())
+    });
+    let _charge =
+        inner
+            .budget
+            .charge((17 + ops * 20 + ops * 16) as u64, "TCP lane request", wait)?;
     let mut hdr = Vec::with_capacity(17 + ops * 20);
     hdr.push(if job.op == XferOp::Write {
         K_WRITE
