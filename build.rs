@@ -1,9 +1,40 @@
-//! Puts the UCX library directory that kvxfer-sys linked against on the runtime path of this
-//! crate's tests, examples and benches, so that they load the same UCX they were built with.
+//! 1. Puts the UCX library directory that kvxfer-sys linked against on the runtime path of this
+//!    package's binaries, tests and examples, so that they load the UCX they were built with.
+//! 2. Generates the C header of the C ABI (`kvxfer-capi`) with the pinned cbindgen into
+//!    `$OUT_DIR/kvxfer.h`; `tests/c_abi.rs` fails when the committed `include/kvxfer.h` differs.
+//!    `KVXFER_UPDATE_HEADER=1 cargo build` writes the committed copy.
+use std::path::PathBuf;
+
 fn main() {
     if let Ok(dir) = std::env::var("DEP_UCX_LIBDIR") {
         if !dir.is_empty() {
             println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
         }
+    }
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default());
+    let capi = root.join("kvxfer-capi");
+    println!("cargo:rerun-if-changed=kvxfer-capi/src/lib.rs");
+    println!("cargo:rerun-if-changed=kvxfer-capi/cbindgen.toml");
+    println!("cargo:rerun-if-env-changed=KVXFER_UPDATE_HEADER");
+    let out = PathBuf::from(std::env::var("OUT_DIR").unwrap_or_default()).join("kvxfer.h");
+    let config = match cbindgen::Config::from_file(capi.join("cbindgen.toml")) {
+        Ok(c) => c,
+        Err(e) => {
+            println!("cargo:warning=kvxfer: reading cbindgen.toml: {e}");
+            return;
+        }
+    };
+    match cbindgen::Builder::new()
+        .with_crate(&capi)
+        .with_config(config)
+        .generate()
+    {
+        Ok(b) => {
+            b.write_to_file(&out);
+            if std::env::var("KVXFER_UPDATE_HEADER").is_ok_and(|v| v == "1") {
+                b.write_to_file(root.join("include").join("kvxfer.h"));
+            }
+        }
+        Err(e) => println!("cargo:warning=kvxfer: generating the C header failed: {e}"),
     }
 }

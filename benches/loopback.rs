@@ -37,7 +37,7 @@ fn loopback(c: &mut Criterion) {
                 .lanes(lanes)
                 .net_devices("lo")
         };
-        let mut b = Agent::new(cfg("b")).unwrap();
+        let b = Agent::new(cfg("b")).unwrap();
         let a = Agent::new(cfg("a")).unwrap();
         let ra = a
             .register(HostBuffer::new((BLOCK * BLOCKS) as usize).unwrap())

@@ -218,7 +218,7 @@ fn cache_rss(own: u64, peer: u64, transport: &str) -> u64 {
 }
 
 fn prefill(a: &Args) {
-    let mut ag = agent("prefill", &a.transport);
+    let ag = agent("prefill", &a.transport);
     let (region, layout) = cache(&ag, a.concurrency);
     let side = ag.listen("127.0.0.1:0".parse().unwrap()).unwrap();
     let ag = Arc::new(ag);

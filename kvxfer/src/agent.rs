@@ -211,6 +211,8 @@ pub(crate) struct Shared {
     pub(crate) regions: RwLock<HashMap<u32, Arc<RegionInner>>>,
     pub(crate) peers: RwLock<HashMap<String, Arc<PeerView>>>,
     pub(crate) inbox: Inbox,
+    /// Connector control messages (notifications tagged `KXC1`), kept apart from the user's.
+    pub(crate) control: Inbox,
     next_region: AtomicU32,
     next_xfer: AtomicU64,
     pub(crate) ucx_version: String,
@@ -241,6 +243,15 @@ impl Shared {
         rx.recv().map_err(|_| Error::Shutdown)?
     }
 
+    /// Queues a received notification: connector control messages to their own queue.
+    pub(crate) fn deliver(&self, n: Notification) {
+        if n.payload.starts_with(crate::connector::CONTROL_TAG) {
+            self.control.push(n);
+        } else {
+            self.inbox.push(n);
+        }
+    }
+
     pub(crate) fn post(&self, job: Job) -> Result<()> {
         self.send(Cmd::Post(Box::new(job)))
     }
@@ -254,7 +265,7 @@ impl Shared {
 pub struct Agent {
     pub(crate) shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
-    listeners: Vec<crate::discovery::Listener>,
+    listeners: std::sync::Mutex<Vec<crate::discovery::Listener>>,
     lane_server: Option<crate::lane::tcp::Server>,
 }
 
@@ -302,6 +313,7 @@ impl Agent {
             regions: RwLock::new(HashMap::new()),
             peers: RwLock::new(HashMap::new()),
             inbox: Inbox::default(),
+            control: Inbox::default(),
             next_region: AtomicU32::new(0),
             next_xfer: AtomicU64::new(1),
             ucx_version: raw::version_string(),
@@ -332,7 +344,7 @@ impl Agent {
         Ok(Agent {
             shared,
             thread: Some(thread),
-            listeners: Vec::new(),
+            listeners: std::sync::Mutex::new(Vec::new()),
             lane_server,
         })
     }
@@ -457,10 +469,13 @@ impl Agent {
 
     /// Listens for peers on `addr` (port 0 picks one): each peer that connects sends its
     /// metadata and receives ours. Returns the bound address.
-    pub fn listen(&mut self, addr: SocketAddr) -> Result<SocketAddr> {
+    pub fn listen(&self, addr: SocketAddr) -> Result<SocketAddr> {
         let l = crate::discovery::Listener::start(self.shared.clone(), addr)?;
         let a = l.addr();
-        self.listeners.push(l);
+        self.listeners
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(l);
         Ok(a)
     }
 
@@ -666,6 +681,15 @@ impl Agent {
         self.shared.inbox.drain()
     }
 
+    /// The next connector control message (crate-internal queue).
+    pub(crate) fn wait_control(&self, timeout: Duration) -> Result<Notification> {
+        self.shared.control.wait(timeout)
+    }
+
+    pub(crate) fn try_control(&self) -> Option<Notification> {
+        self.shared.control.try_pop()
+    }
+
     /// Notifications dropped because the queue was full.
     pub fn notifications_dropped(&self) -> u64 {
         self.shared.inbox.dropped()
@@ -738,7 +762,10 @@ fn meta_sum(m: &Metadata) -> u64 {
 
 impl Drop for Agent {
     fn drop(&mut self) {
-        self.listeners.clear();
+        self.listeners
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         self.lane_server.take();
         self.shared.copier.stop();
         let _ = self.shared.send(Cmd::Shutdown);

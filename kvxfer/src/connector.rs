@@ -21,9 +21,8 @@
 //! consumer bounds each read by the lease it was granted, so it never reads freed blocks: an
 //! expired handoff fails with [`Error::Handoff`].
 //!
-//! Control messages travel as kvxfer notifications (JSON after a `KXC1` tag); the connector
-//! owns its agent's notification queue. Other notifications are kept for
-//! [`Consumer::other_notifications`] / [`Producer::other_notifications`].
+//! Control messages travel as kvxfer notifications (JSON after a `KXC1` tag) on a queue of
+//! their own: the agent's notifications stay the user's.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -44,6 +43,9 @@ use crate::transfer::{Transfer, XferOp, XferStats};
 use crate::{Agent, RegionId};
 
 const TAG: &[u8; 4] = b"KXC1";
+/// Notifications starting with this tag are connector control messages: the agent keeps them
+/// apart, so the user's notifications are never taken by the connector.
+pub(crate) const CONTROL_TAG: &[u8] = TAG;
 /// Bytes charged to the budget per descriptor of a request's state (lists, plans).
 const STATE_BYTES_PER_DESC: u64 = 160;
 /// Fixed bytes charged per request.
@@ -277,7 +279,6 @@ struct PState {
     ledger: Ledger,
     reqs: HashMap<String, PReq>,
     freed: Vec<Freed>,
-    others: Vec<Notification>,
     stop: bool,
 }
 
@@ -324,7 +325,6 @@ impl Producer {
                 ledger: Ledger::new(cfg.lease),
                 reqs: HashMap::new(),
                 freed: Vec::new(),
-                others: Vec::new(),
                 stop: false,
             }),
             cv: Condvar::new(),
@@ -439,6 +439,35 @@ impl Producer {
         std::mem::take(&mut lock(&self.sh.st).freed)
     }
 
+    /// Takes the oldest freed request if `fits` accepts it, waiting up to `timeout` for one.
+    /// `Err((name_len, blocks))` when it does not fit (it stays queued); `Ok(None)`: none.
+    pub fn take_freed_one(
+        &self,
+        timeout: Duration,
+        fits: impl Fn(&Freed) -> bool,
+    ) -> std::result::Result<Option<Freed>, (usize, usize)> {
+        let end = Instant::now() + timeout;
+        let mut st = lock(&self.sh.st);
+        loop {
+            if let Some(f) = st.freed.first() {
+                if !fits(f) {
+                    return Err((f.request.len(), f.blocks.len()));
+                }
+                return Ok(Some(st.freed.remove(0)));
+            }
+            let now = Instant::now();
+            if now >= end {
+                return Ok(None);
+            }
+            st = self
+                .sh
+                .cv
+                .wait_timeout(st, end - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
     /// Waits up to `timeout` until `request`'s blocks are freed; returns how.
     pub fn wait_freed(&self, request: &str, timeout: Duration) -> Result<Freed> {
         let end = Instant::now() + timeout;
@@ -463,11 +492,6 @@ impl Producer {
     /// Requests held now.
     pub fn held(&self) -> usize {
         lock(&self.sh.st).ledger.held()
-    }
-
-    /// Notifications that were not connector messages.
-    pub fn other_notifications(&self) -> Vec<Notification> {
-        std::mem::take(&mut lock(&self.sh.st).others)
     }
 
     /// Aggregate telemetry (push mode records per-request figures here).
@@ -496,9 +520,9 @@ fn producer_loop(sh: &PShared) {
         } else {
             Duration::from_millis(10)
         };
-        if let Ok(n) = sh.agent.wait_notification(wait) {
+        if let Ok(n) = sh.agent.wait_control(wait) {
             producer_msg(sh, n);
-            while let Some(n) = sh.agent.try_notification() {
+            while let Some(n) = sh.agent.try_control() {
                 producer_msg(sh, n);
             }
         }
@@ -520,7 +544,10 @@ fn producer_loop(sh: &PShared) {
 
 fn producer_msg(sh: &PShared, n: Notification) {
     let Some(v) = parse(&n) else {
-        lock(&sh.st).others.push(n);
+        log::warn!(
+            "kvxfer connector: malformed control message from {:?}",
+            n.from
+        );
         return;
     };
     let from = n.from.clone();
@@ -773,7 +800,6 @@ struct CState {
     failed: Vec<LoadFailure>,
     ended: HashMap<String, Ended>,
     ended_order: std::collections::VecDeque<String>,
-    others: Vec<Notification>,
     stop: bool,
 }
 
@@ -813,7 +839,6 @@ impl Consumer {
                 failed: Vec::new(),
                 ended: HashMap::new(),
                 ended_order: Default::default(),
-                others: Vec::new(),
                 stop: false,
             }),
             cv: Condvar::new(),
@@ -1017,6 +1042,24 @@ impl Consumer {
         Some(st.finished.remove(i))
     }
 
+    /// The oldest finished load, if `fits` accepts it (else it stays queued).
+    pub fn take_finished_one(&self, fits: impl Fn(&RequestStats) -> bool) -> Option<RequestStats> {
+        let mut st = lock(&self.sh.st);
+        if !fits(st.finished.first()?) {
+            return None;
+        }
+        Some(st.finished.remove(0))
+    }
+
+    /// The oldest failed load, if `fits` accepts it (else it stays queued).
+    pub fn take_failed_one(&self, fits: impl Fn(&LoadFailure) -> bool) -> Option<LoadFailure> {
+        let mut st = lock(&self.sh.st);
+        if !fits(st.failed.first()?) {
+            return None;
+        }
+        Some(st.failed.remove(0))
+    }
+
     /// Loads failed since the last call, with the local blocks that are invalid.
     pub fn take_failed(&self) -> Vec<LoadFailure> {
         std::mem::take(&mut lock(&self.sh.st).failed)
@@ -1025,11 +1068,6 @@ impl Consumer {
     /// Loads in progress.
     pub fn in_progress(&self) -> usize {
         lock(&self.sh.st).loads.len()
-    }
-
-    /// Notifications that were not connector messages.
-    pub fn other_notifications(&self) -> Vec<Notification> {
-        std::mem::take(&mut lock(&self.sh.st).others)
     }
 
     /// Aggregate telemetry.
@@ -1114,9 +1152,9 @@ fn consumer_loop(sh: &CShared) {
         } else {
             Duration::from_millis(10)
         };
-        if let Ok(n) = sh.agent.wait_notification(wait) {
+        if let Ok(n) = sh.agent.wait_control(wait) {
             consumer_msg(sh, n);
-            while let Some(n) = sh.agent.try_notification() {
+            while let Some(n) = sh.agent.try_control() {
                 consumer_msg(sh, n);
             }
         }
@@ -1126,7 +1164,10 @@ fn consumer_loop(sh: &CShared) {
 
 fn consumer_msg(sh: &CShared, n: Notification) {
     let Some(v) = parse(&n) else {
-        lock(&sh.st).others.push(n);
+        log::warn!(
+            "kvxfer connector: malformed control message from {:?}",
+            n.from
+        );
         return;
     };
     let Some(req) = v["r"].as_str().map(str::to_string) else {

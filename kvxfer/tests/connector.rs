@@ -42,7 +42,7 @@ fn side(
     let g = geometry(heads);
     // Agents of a layout family share the compat hash of its common part.
     let probe = KvLayout::contiguous(g.clone(), 16, blocks, packing, order, kvxfer::RegionId(0));
-    let mut agent = Agent::new(
+    let agent = Agent::new(
         AgentConfig::new(format!("{name}-{}", std::process::id()))
             .transport(t.clone())
             .net_devices("lo"),

@@ -32,7 +32,7 @@ fn pair_cfg(t: Transport, lanes: bool, tag: &str) -> Pair {
             .lanes(lanes);
         c.net_devices("lo")
     };
-    let mut b = Agent::new(cfg("b")).expect("agent b");
+    let b = Agent::new(cfg("b")).expect("agent b");
     let a = Agent::new(cfg("a")).expect("agent a");
     let ra = a
         .register(HostBuffer::new((BLOCK * SLOTS) as usize).unwrap())
@@ -172,7 +172,7 @@ fn ucx_shm_read_write_random_blocks() {
 
 #[test]
 fn tcp_lane_target_refuses_unregistered_memory_and_stays_in_step() {
-    let mut p = pair(Transport::Tcp, "refuse");
+    let p = pair(Transport::Tcp, "refuse");
     let ld = [Desc::new(p.ra.id(), 0, 4 * BLOCK)];
     let local = p.a.prep_local(&ld).unwrap();
     let remote =
@@ -391,7 +391,7 @@ fn tcp_lane_buffers_are_charged_to_the_budgets() {
     let _ = env_logger::builder().is_test(true).try_init();
     let tag = std::process::id();
     let small = kvxfer::MemoryBudget::new(1000);
-    let mut b = Agent::new(
+    let b = Agent::new(
         AgentConfig::new(format!("bb-{tag}"))
             .transport(Transport::Tcp)
             .net_devices("lo")

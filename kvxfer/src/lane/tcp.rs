@@ -538,7 +538,7 @@ fn drain(c: &TcpStream, mut n: u64, ctl: &mut dyn FnMut() -> Result<(), Stop>) -
 
 fn deliver(sh: &Shared, name: &str, note: &[u8]) {
     match crate::notify::decode(note) {
-        Some(n) if n.from == name => sh.inbox.push(n),
+        Some(n) if n.from == name => sh.deliver(n),
         Some(n) => log::warn!(
             "kvxfer: TCP lane notification claims to be from {:?} on {name:?}'s connection; dropped",
             n.from

@@ -577,7 +577,7 @@ impl Engine {
                 Event::Notify(bytes) => match crate::notify::decode(&bytes) {
                     Some(n) => {
                         if let Some(s) = shared.upgrade() {
-                            s.inbox.push(n);
+                            s.deliver(n);
                         }
                     }
                     None => log::warn!(

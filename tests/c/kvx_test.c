@@ -1,0 +1,315 @@
+/* The C test of libkvxfer: two agents in two processes (fork) move data both ways over the
+ * transport given in argv[1], check every byte, hand a request over through the connector,
+ * and exercise error paths through status codes and the last-error message. */
+#include <kvxfer.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define LEN (4u << 20)
+#define BLOCK 4096u
+#define N 256u
+
+static void die(const char *what, kvx_status s) {
+  char msg[512];
+  kvx_last_error(msg, sizeof msg);
+  fprintf(stderr, "[%d] %s: %s (%u): %s\n", (int)getpid(), what, kvx_status_name(s), (unsigned)s, msg);
+  exit(1);
+}
+#define CHECK(call)                    \
+  do {                                 \
+    kvx_status s_ = (call);            \
+    if (s_ != KVX_OK) die(#call, s_); \
+  } while (0)
+#define EXPECT(call, want)                                                                 \
+  do {                                                                                     \
+    kvx_status s_ = (call);                                                                \
+    char m_[512];                                                                          \
+    if (s_ != (want)) die(#call " (expected " #want ")", s_);                              \
+    if (kvx_last_error(m_, sizeof m_) == 0) die(#call ": no last-error message", s_);     \
+  } while (0)
+
+static unsigned char pattern(unsigned who, size_t i) { return (unsigned char)(i * 31u + who * 7u + (i >> 12)); }
+
+/* Waits for a notification and checks its payload. */
+static void expect_note(kvx_agent *a, const char *want) {
+  static char from[KVX_MAX_NAME + 1];
+  static unsigned char payload[KVX_MAX_NOTIFICATION];
+  size_t n = 0;
+  CHECK(kvx_agent_next_notification(a, 20000, from, sizeof from, payload, sizeof payload, &n));
+  if (n != strlen(want) || memcmp(payload, want, n) != 0) {
+    fprintf(stderr, "notification %.*s, expected %s\n", (int)n, (const char *)payload, want);
+    exit(1);
+  }
+}
+
+static void fill_descs(kvx_desc *d, uint32_t region, int reverse) {
+  for (unsigned k = 0; k < N; k++) {
+    unsigned slot = reverse ? (N - 1 - k) * 2 : k * 2; /* scattered: every other block */
+    d[k].region = region;
+    d[k].offset = (uint64_t)slot * BLOCK;
+    d[k].len = BLOCK;
+  }
+}
+
+/* Connector layout: 2 layers, 2 heads, dim 64, bf16, 16-token blocks, fused K/V. */
+static kvx_layout layout(uint64_t blocks) {
+  kvx_layout l = {.layers = 2, .kv_heads = 2, .head_dim = 64, .dtype_bytes = 2, .block_tokens = 16,
+                  .num_blocks = blocks, .fused = 1, .hnd = 0};
+  return l;
+}
+#define CBLOCK (2u * 16u * 2u * 64u * 2u) /* fused block bytes */
+
+static int child(const char *transport, int to_parent, int from_parent) {
+  kvx_agent *b = NULL;
+  CHECK(kvx_agent_new("c-child", transport, "lo", 0, &b));
+  kvx_region *r = NULL;
+  CHECK(kvx_agent_alloc(b, LEN, &r));
+  kvx_region *cr = NULL;
+  CHECK(kvx_agent_alloc(b, 2 * 8 * CBLOCK, &cr));
+  char addr[128];
+  size_t alen = 0;
+  CHECK(kvx_agent_listen(b, "127.0.0.1:0", addr, sizeof addr, &alen));
+  uint32_t ids[2] = {kvx_region_id(r), kvx_region_id(cr)};
+  write(to_parent, &alen, sizeof alen);
+  write(to_parent, addr, alen);
+  write(to_parent, ids, sizeof ids);
+
+  kvx_layer_base bases[2];
+  for (int l = 0; l < 2; l++) {
+    bases[l].k_region = kvx_region_id(cr);
+    bases[l].k_offset = (uint64_t)l * 8 * CBLOCK;
+    bases[l].v_region = UINT32_MAX;
+    bases[l].v_offset = 0;
+  }
+  kvx_layout lay = layout(8);
+  kvx_connector_config cfg = {0};
+  cfg.heartbeat_ms = 50;
+  kvx_consumer *cons = NULL;
+  CHECK(kvx_consumer_new(b, &lay, bases, &cfg, &cons));
+
+  /* 1. The parent WRITEs into our region; its notification arrives after the data. */
+  expect_note(b, "written");
+  unsigned char *mem = kvx_region_ptr(r);
+  for (unsigned k = 0; k < N; k++) {
+    size_t dst = (size_t)k * 2 * BLOCK, src = (size_t)(N - 1 - k) * 2 * BLOCK;
+    for (size_t i = 0; i < BLOCK; i++)
+      if (mem[dst + i] != pattern(1, src + i)) {
+        fprintf(stderr, "child: byte %zu of block %u differs\n", i, k);
+        return 1;
+      }
+  }
+  /* 2. Fill our odd blocks for the parent to READ. */
+  for (size_t i = 0; i < LEN; i++) mem[i] = pattern(2, i);
+  CHECK(kvx_agent_notify(b, "c-parent", (const unsigned char *)"ready", 5));
+  expect_note(b, "read-done");
+
+  /* 3. Load a request through the connector: 3 blocks of which we hold the first. */
+  size_t hlen = 0;
+  read(from_parent, &hlen, sizeof hlen);
+  unsigned char *h = malloc(hlen);
+  read(from_parent, h, hlen);
+  uint32_t local[2] = {6, 4};
+  CHECK(kvx_consumer_start_load(cons, h, hlen, local, 2));
+  CHECK(kvx_consumer_wait(cons, "req-1", 20000));
+  char name[64];
+  size_t nlen = 0;
+  kvx_request_stats st;
+  CHECK(kvx_consumer_next_finished(cons, name, sizeof name, &nlen, &st));
+  if (st.bytes_moved != 2u * 2u * CBLOCK || st.bytes_skipped != 1u * 2u * CBLOCK) {
+    fprintf(stderr, "child: moved %llu skipped %llu\n", (unsigned long long)st.bytes_moved,
+            (unsigned long long)st.bytes_skipped);
+    return 1;
+  }
+  unsigned char *cm = kvx_region_ptr(cr);
+  uint32_t remote[3] = {5, 2, 7};
+  for (int l = 0; l < 2; l++)
+    for (int k = 1; k < 3; k++)
+      for (size_t i = 0; i < CBLOCK; i++) {
+        size_t got = (size_t)l * 8 * CBLOCK + local[k - 1] * CBLOCK + i;
+        size_t want = (size_t)l * 8 * CBLOCK + remote[k] * CBLOCK + i;
+        if (cm[got] != pattern(3, want)) {
+          fprintf(stderr, "child: connector byte differs (layer %d block %d)\n", l, k);
+          return 1;
+        }
+      }
+  char metrics[8192];
+  size_t mlen = 0;
+  CHECK(kvx_consumer_metrics(cons, metrics, sizeof metrics, &mlen));
+  if (!strstr(metrics, "kvxfer_requests_total{role=\"consumer\",result=\"ok\"} 1")) {
+    fprintf(stderr, "child: metrics: %.*s\n", (int)mlen, metrics);
+    return 1;
+  }
+  CHECK(kvx_agent_notify(b, "c-parent", (const unsigned char *)"loaded", 6));
+  expect_note(b, "bye");
+  free(h);
+  kvx_consumer_free(cons);
+  CHECK(kvx_agent_deregister(b, r));
+  kvx_region_free(r);
+  kvx_region_free(cr);
+  kvx_agent_free(b);
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  const char *transport = argc > 1 ? argv[1] : "tcp";
+  int up[2], down[2];
+  if (pipe(up) || pipe(down)) return 1;
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(up[0]);
+    close(down[1]);
+    _exit(child(transport, up[1], down[0]));
+  }
+  close(up[1]);
+  close(down[0]);
+
+  /* Error paths first: NULLs, bad arguments, garbage metadata. */
+  kvx_agent *bad = NULL;
+  EXPECT(kvx_agent_new(NULL, "tcp", NULL, 0, &bad), KVX_NULL_PARAMETER);
+  EXPECT(kvx_agent_new("", "tcp", NULL, 0, &bad), KVX_INVALID_ARGUMENT);
+  if (bad != NULL) die("output written on failure", KVX_OK);
+
+  kvx_agent *a = NULL;
+  CHECK(kvx_agent_new("c-parent", transport, "lo", 0, &a));
+  char name[KVX_MAX_NAME + 1];
+  size_t nlen = 0;
+  unsigned char garbage[64];
+  memset(garbage, 0xab, sizeof garbage);
+  EXPECT(kvx_agent_load_metadata(a, garbage, sizeof garbage, name, sizeof name, &nlen), KVX_METADATA);
+  unsigned char small[4];
+  size_t need = 0;
+  EXPECT(kvx_agent_metadata(a, small, sizeof small, &need), KVX_BUFFER_TOO_SMALL);
+  if (need <= sizeof small) die("needed size not reported", KVX_OK);
+  char msg[256];
+  kvx_last_error(msg, sizeof msg);
+  printf("last error, as a user sees it: %s\n", msg);
+
+  kvx_region *r = NULL;
+  CHECK(kvx_agent_alloc(a, LEN, &r));
+  unsigned char *mem = kvx_region_ptr(r);
+  for (size_t i = 0; i < LEN; i++) mem[i] = pattern(1, i);
+
+  size_t alen = 0;
+  char addr[128];
+  uint32_t ids[2];
+  read(up[0], &alen, sizeof alen);
+  read(up[0], addr, alen);
+  addr[alen] = 0;
+  read(up[0], ids, sizeof ids);
+  CHECK(kvx_agent_connect(a, addr, name, sizeof name - 1, &nlen));
+  name[nlen] = 0;
+
+  kvx_desc ld[N], rd[N];
+  fill_descs(ld, kvx_region_id(r), 1);
+  fill_descs(rd, ids[0], 0);
+  kvx_local_list *l = NULL;
+  kvx_remote_list *rl = NULL;
+  CHECK(kvx_agent_prep_local(a, ld, N, &l));
+  CHECK(kvx_agent_prep_remote(a, name, rd, N, &rl));
+
+  /* An out-of-range remote descriptor is refused before anything moves. */
+  kvx_desc oob = {.region = ids[0], .offset = LEN - 8, .len = 16};
+  kvx_remote_list *bad_list = NULL;
+  EXPECT(kvx_agent_prep_remote(a, name, &oob, 1, &bad_list), KVX_OUT_OF_BOUNDS);
+  EXPECT(kvx_agent_prep_remote(a, "nobody", rd, 1, &bad_list), KVX_UNKNOWN_PEER);
+  EXPECT(kvx_agent_transfer(a, KVX_WRITE, l, NULL, NULL, NULL, N, NULL, 0, 0, NULL), KVX_NULL_PARAMETER);
+
+  /* 1. WRITE with a notification, poll until done. */
+  kvx_transfer *t = NULL;
+  CHECK(kvx_agent_transfer(a, KVX_WRITE, l, NULL, rl, NULL, N, (const unsigned char *)"written", 7, 30000, &t));
+  kvx_xfer_stats st;
+  kvx_status s;
+  while ((s = kvx_transfer_poll(t, &st)) == KVX_IN_PROGRESS) usleep(100);
+  if (s != KVX_OK) die("write", s);
+  if (st.bytes != (uint64_t)N * BLOCK) die("write bytes", KVX_OK);
+  if (kvx_transfer_poll(t, NULL) != KVX_OK) die("poll is not repeatable", KVX_OK);
+  kvx_transfer_free(t);
+  printf("write: %llu bytes, %llu ops, lane %u, %.3f ms\n", (unsigned long long)st.bytes,
+         (unsigned long long)st.ops, st.lane, st.duration_ns / 1e6);
+
+  /* 2. READ the child's odd blocks back into our odd blocks. */
+  expect_note(a, "ready");
+  for (unsigned k = 0; k < N; k++) {
+    ld[k].offset = (uint64_t)(k * 2 + 1) * BLOCK;
+    rd[k].offset = (uint64_t)(k * 2 + 1) * BLOCK;
+  }
+  kvx_local_list *l2 = NULL;
+  kvx_remote_list *r2 = NULL;
+  CHECK(kvx_agent_prep_local(a, ld, N, &l2));
+  CHECK(kvx_agent_prep_remote(a, name, rd, N, &r2));
+  CHECK(kvx_agent_transfer(a, KVX_READ, l2, NULL, r2, NULL, N, (const unsigned char *)"read-done", 9, 30000, &t));
+  CHECK(kvx_transfer_wait(t, 30000, &st));
+  kvx_transfer_free(t);
+  for (unsigned k = 0; k < N; k++) {
+    size_t off = (size_t)(k * 2 + 1) * BLOCK;
+    for (size_t i = 0; i < BLOCK; i++)
+      if (mem[off + i] != pattern(2, off + i)) {
+        fprintf(stderr, "parent: read byte %zu of block %u differs\n", i, k);
+        return 1;
+      }
+  }
+  printf("read: %llu bytes verified\n", (unsigned long long)st.bytes);
+
+  /* 3. Hand a request over through the connector: 3 blocks, the child holds the first. */
+  kvx_region *pr = NULL;
+  CHECK(kvx_agent_alloc(a, 2 * 8 * CBLOCK, &pr));
+  unsigned char *pm = kvx_region_ptr(pr);
+  for (size_t i = 0; i < 2 * 8 * CBLOCK; i++) pm[i] = pattern(3, i);
+  kvx_layer_base bases[2];
+  for (int k = 0; k < 2; k++) {
+    bases[k].k_region = kvx_region_id(pr);
+    bases[k].k_offset = (uint64_t)k * 8 * CBLOCK;
+    bases[k].v_region = UINT32_MAX;
+    bases[k].v_offset = 0;
+  }
+  kvx_layout lay = layout(8);
+  kvx_producer *prod = NULL;
+  CHECK(kvx_agent_connect(a, addr, name, sizeof name - 1, &nlen)); /* metadata with the new region */
+  CHECK(kvx_producer_new(a, &lay, bases, NULL, NULL, &prod));
+  uint32_t blocks[3] = {5, 2, 7};
+  unsigned char h[4096];
+  size_t hlen = 0;
+  CHECK(kvx_producer_publish(prod, "req-1", blocks, 3, 48, 2, h, sizeof h, &hlen));
+  write(down[1], &hlen, sizeof hlen);
+  write(down[1], h, hlen);
+  char freed[64];
+  size_t flen = 0, nb = 0;
+  uint32_t fb[8];
+  uint32_t reason = 99;
+  CHECK(kvx_producer_next_freed(prod, 20000, freed, sizeof freed, &flen, fb, 8, &nb, &reason));
+  if (nb != 3 || reason != 0) die("freed blocks", KVX_OK);
+  expect_note(a, "loaded");
+  printf("connector: req-1 freed after the consumer's acknowledgement\n");
+
+  /* Deregistering memory a list still names works; using the list then fails cleanly. */
+  CHECK(kvx_agent_deregister(a, r));
+  EXPECT(kvx_agent_deregister(a, r), KVX_DEREGISTERED);
+  s = kvx_agent_transfer(a, KVX_WRITE, l, NULL, rl, NULL, N, NULL, 0, 0, &t);
+  if (s == KVX_OK) {
+    s = kvx_transfer_wait(t, 10000, NULL);
+    kvx_transfer_free(t);
+  }
+  if (s != KVX_DEREGISTERED) die("transfer from deregistered memory", s);
+
+  CHECK(kvx_agent_notify(a, name, (const unsigned char *)"bye", 3));
+  int status = 1;
+  waitpid(pid, &status, 0);
+  kvx_producer_free(prod);
+  kvx_local_list_free(l);
+  kvx_local_list_free(l2);
+  kvx_remote_list_free(rl);
+  kvx_remote_list_free(r2);
+  kvx_region_free(r);
+  kvx_region_free(pr);
+  kvx_agent_free(a);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    fprintf(stderr, "child failed\n");
+    return 1;
+  }
+  printf("kvx_test %s: ok\n", transport);
+  return 0;
+}

@@ -1,0 +1,194 @@
+//! The C ABI: the committed header matches the code, `libkvxfer.so` exports only `kvx_*`, and a
+//! C program built with gcc against the header (through `kvxfer.pc`) moves data both ways
+//! between two processes and checks error paths, over TCP and shared memory, linked
+//! dynamically and statically. `KVXFER_VALGRIND=1` also runs it under valgrind.
+
+#![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// target/<profile>, after building the C library there.
+fn libdir() -> PathBuf {
+    let ok = Command::new(env!("CARGO"))
+        .args(["build", "-p", "kvxfer-capi"])
+        .current_dir(root())
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "building kvxfer-capi failed");
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().parent().unwrap().to_path_buf()
+}
+
+/// A kvxfer.pc for the library in `lib`, written to a fresh directory.
+fn pc(lib: &Path, tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvx-pc-{}-{tag}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let t = std::fs::read_to_string(root().join("kvxfer-capi/kvxfer.pc.in")).unwrap();
+    let t = t
+        .replace("@LIBDIR@", lib.to_str().unwrap())
+        .replace("@INCLUDEDIR@", root().join("include").to_str().unwrap())
+        .replace("@VERSION@", env!("CARGO_PKG_VERSION"));
+    std::fs::write(dir.join("kvxfer.pc"), t).unwrap();
+    dir
+}
+
+fn pkg_config(dir: &Path, args: &[&str]) -> Vec<String> {
+    let mut path = dir.to_str().unwrap().to_string();
+    if let Ok(p) = std::env::var("PKG_CONFIG_PATH") {
+        path = format!("{path}:{p}");
+    }
+    let out = Command::new("pkg-config")
+        .args(args)
+        .env("PKG_CONFIG_PATH", path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "pkg-config {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .split_whitespace()
+        .map(str::to_string)
+        .collect()
+}
+
+fn compile(tag: &str, static_link: bool) -> PathBuf {
+    let lib = libdir();
+    let dir = pc(&lib, tag);
+    let exe = dir.join("kvx_test");
+    let mut cmd = Command::new("gcc");
+    cmd.args([
+        "-std=c11",
+        "-D_DEFAULT_SOURCE",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-Wno-unused-result",
+        "-g",
+    ])
+    .arg(root().join("tests/c/kvx_test.c"))
+    .arg("-o")
+    .arg(&exe)
+    .args(pkg_config(&dir, &["--cflags", "kvxfer"]));
+    if static_link {
+        cmd.arg(lib.join("libkvxfer.a")).args(
+            pkg_config(&dir, &["--libs", "--static", "kvxfer"])
+                .into_iter()
+                .filter(|a| a != "-lkvxfer"),
+        );
+        // The UCX the library was built against, found at run time.
+        if let Ok(d) = std::env::var("DEP_UCX_LIBDIR").or_else(|_| ucx_libdir(&dir)) {
+            cmd.arg(format!("-Wl,-rpath,{d}"));
+        }
+    } else {
+        cmd.args(pkg_config(&dir, &["--libs", "kvxfer"]));
+    }
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "gcc: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    exe
+}
+
+fn ucx_libdir(dir: &Path) -> Result<String, std::env::VarError> {
+    Ok(pkg_config(dir, &["--variable=libdir", "ucx"]).join(""))
+}
+
+fn run(exe: &Path, transport: &str, wrapper: &[&str]) -> String {
+    let mut cmd = if wrapper.is_empty() {
+        Command::new(exe)
+    } else {
+        let mut c = Command::new(wrapper[0]);
+        c.args(&wrapper[1..]).arg(exe);
+        c
+    };
+    let out = cmd
+        .arg(transport)
+        .env("UCX_LOG_LEVEL", "error")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "kvx_test {transport}:\n{text}");
+    assert!(
+        text.contains(&format!("kvx_test {transport}: ok")),
+        "{text}"
+    );
+    text
+}
+
+#[test]
+fn header_is_current() {
+    let generated = std::fs::read_to_string(concat!(env!("OUT_DIR"), "/kvxfer.h")).unwrap();
+    let committed = std::fs::read_to_string(root().join("include/kvxfer.h")).unwrap();
+    assert!(
+        generated == committed,
+        "include/kvxfer.h differs from the code: run `KVXFER_UPDATE_HEADER=1 cargo build` and commit it"
+    );
+}
+
+#[test]
+fn exports_only_kvx_symbols() {
+    let lib = libdir().join("libkvxfer.so");
+    let out = Command::new("nm")
+        .args(["-D", "--defined-only"])
+        .arg(&lib)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let syms: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2).map(str::to_string))
+        .collect();
+    assert!(syms.iter().any(|s| s == "kvx_agent_new"), "{syms:?}");
+    let foreign: Vec<&String> = syms.iter().filter(|s| !s.starts_with("kvx_")).collect();
+    assert!(foreign.is_empty(), "non-kvx exports: {foreign:?}");
+}
+
+#[test]
+fn c_program_dynamic() {
+    let exe = compile("dyn", false);
+    for t in ["tcp", "shm"] {
+        print!("{}", run(&exe, t, &[]));
+    }
+}
+
+#[test]
+fn c_program_static() {
+    let exe = compile("static", true);
+    print!("{}", run(&exe, "tcp", &[]));
+}
+
+#[test]
+fn c_program_under_valgrind() {
+    if std::env::var("KVXFER_VALGRIND").is_err() {
+        eprintln!("SKIP: set KVXFER_VALGRIND=1 to run the C test under valgrind");
+        return;
+    }
+    let exe = compile("vg", false);
+    let text = run(
+        &exe,
+        "tcp",
+        &[
+            "valgrind",
+            "--error-exitcode=9",
+            "--trace-children=yes",
+            "--leak-check=full",
+            "--errors-for-leak-kinds=definite",
+        ],
+    );
+    println!("{text}");
+}
