@@ -426,6 +426,14 @@ kvx_status kvx_agent_budget(const struct kvx_agent *a,
                             uint64_t *used,
                             uint64_t *peak);
 
+// The compatibility hash of a layout (what a handoff's `compat` carries, and what agents that
+// exchange blocks should share); 0 with an invalid layout (see the last error).
+//
+// # Safety
+// `layout` valid; `bases` valid for `layout->layers`.
+uint64_t kvx_layout_compat_hash(const struct kvx_layout *layout,
+                                const struct kvx_layer_base *bases);
+
 // A producer over `a`'s registered cache. `side_channel` (may be NULL): the address of the
 // agent's `kvx_agent_listen`, put into handoffs. `cfg` may be NULL (defaults).
 //

@@ -1178,6 +1178,32 @@ fn config_of(c: Option<&kvx_connector_config>) -> ConnectorConfig {
     cfg
 }
 
+/// The compatibility hash of a layout (what a handoff's `compat` carries, and what agents that
+/// exchange blocks should share); 0 with an invalid layout (see the last error).
+///
+/// # Safety
+/// `layout` valid; `bases` valid for `layout->layers`.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_layout_compat_hash(
+    layout: *const kvx_layout,
+    bases: *const kvx_layer_base,
+) -> u64 {
+    let mut h = 0;
+    let s = guard("kvx_layout_compat_hash", || {
+        // SAFETY: per this function's contract.
+        let l = unsafe { handle(layout, "layout") }?;
+        // SAFETY: as above.
+        let b = unsafe { slice(bases, l.layers as usize, "bases") }?;
+        h = layout_of(l, b)?.compat_hash();
+        Ok(())
+    });
+    if s == kvx_status::KVX_OK {
+        h
+    } else {
+        0
+    }
+}
+
 /// A producer over `a`'s registered cache. `side_channel` (may be NULL): the address of the
 /// agent's `kvx_agent_listen`, put into handoffs. `cfg` may be NULL (defaults).
 ///

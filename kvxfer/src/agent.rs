@@ -211,8 +211,10 @@ pub(crate) struct Shared {
     pub(crate) regions: RwLock<HashMap<u32, Arc<RegionInner>>>,
     pub(crate) peers: RwLock<HashMap<String, Arc<PeerView>>>,
     pub(crate) inbox: Inbox,
-    /// Connector control messages (notifications tagged `KXC1`), kept apart from the user's.
-    pub(crate) control: Inbox,
+    /// Connector control messages to this agent's producer and to its consumer, kept apart
+    /// from the user's notifications.
+    pub(crate) control_p: Inbox,
+    pub(crate) control_c: Inbox,
     next_region: AtomicU32,
     next_xfer: AtomicU64,
     pub(crate) ucx_version: String,
@@ -245,8 +247,10 @@ impl Shared {
 
     /// Queues a received notification: connector control messages to their own queue.
     pub(crate) fn deliver(&self, n: Notification) {
-        if n.payload.starts_with(crate::connector::CONTROL_TAG) {
-            self.control.push(n);
+        if n.payload.starts_with(crate::connector::TAG_TO_PRODUCER) {
+            self.control_p.push(n);
+        } else if n.payload.starts_with(crate::connector::TAG_TO_CONSUMER) {
+            self.control_c.push(n);
         } else {
             self.inbox.push(n);
         }
@@ -313,7 +317,8 @@ impl Agent {
             regions: RwLock::new(HashMap::new()),
             peers: RwLock::new(HashMap::new()),
             inbox: Inbox::default(),
-            control: Inbox::default(),
+            control_p: Inbox::default(),
+            control_c: Inbox::default(),
             next_region: AtomicU32::new(0),
             next_xfer: AtomicU64::new(1),
             ucx_version: raw::version_string(),
@@ -682,12 +687,20 @@ impl Agent {
     }
 
     /// The next connector control message (crate-internal queue).
-    pub(crate) fn wait_control(&self, timeout: Duration) -> Result<Notification> {
-        self.shared.control.wait(timeout)
+    pub(crate) fn wait_control(&self, producer: bool, timeout: Duration) -> Result<Notification> {
+        if producer {
+            self.shared.control_p.wait(timeout)
+        } else {
+            self.shared.control_c.wait(timeout)
+        }
     }
 
-    pub(crate) fn try_control(&self) -> Option<Notification> {
-        self.shared.control.try_pop()
+    pub(crate) fn try_control(&self, producer: bool) -> Option<Notification> {
+        if producer {
+            self.shared.control_p.try_pop()
+        } else {
+            self.shared.control_c.try_pop()
+        }
     }
 
     /// Notifications dropped because the queue was full.

@@ -42,10 +42,15 @@ use crate::telemetry::{RequestStats, Telemetry};
 use crate::transfer::{Transfer, XferOp, XferStats};
 use crate::{Agent, RegionId};
 
-const TAG: &[u8; 4] = b"KXC1";
-/// Notifications starting with this tag are connector control messages: the agent keeps them
-/// apart, so the user's notifications are never taken by the connector.
-pub(crate) const CONTROL_TAG: &[u8] = TAG;
+/// Control messages to a producer (heartbeat, acknowledgement, push request) and to a consumer
+/// (lease, layers ready, layer landed, refusal) carry these tags. The agent queues them apart
+/// from the user's notifications and from each other, so one agent can run both roles.
+pub(crate) const TAG_TO_PRODUCER: &[u8; 4] = b"KXCP";
+/// See [`TAG_TO_PRODUCER`].
+pub(crate) const TAG_TO_CONSUMER: &[u8; 4] = b"KXCC";
+/// A consumer that hears "not held" this soon after starting keeps asking: the handoff may
+/// reach it before the producer's worker has published the request.
+const UNKNOWN_GRACE: Duration = Duration::from_secs(10);
 /// Bytes charged to the budget per descriptor of a request's state (lists, plans).
 const STATE_BYTES_PER_DESC: u64 = 160;
 /// Fixed bytes charged per request.
@@ -215,13 +220,21 @@ impl Handoff {
 }
 
 fn msg(v: Value) -> Vec<u8> {
-    let mut b = TAG.to_vec();
+    let to_producer = matches!(v["t"].as_str(), Some("hb" | "ack" | "want"));
+    let mut b = if to_producer {
+        TAG_TO_PRODUCER.to_vec()
+    } else {
+        TAG_TO_CONSUMER.to_vec()
+    };
     b.extend_from_slice(v.to_string().as_bytes());
     b
 }
 
 fn parse(n: &Notification) -> Option<Value> {
-    let body = n.payload.strip_prefix(TAG)?;
+    let body = n
+        .payload
+        .strip_prefix(TAG_TO_PRODUCER)
+        .or_else(|| n.payload.strip_prefix(TAG_TO_CONSUMER))?;
     serde_json::from_slice(body).ok()
 }
 
@@ -520,9 +533,9 @@ fn producer_loop(sh: &PShared) {
         } else {
             Duration::from_millis(10)
         };
-        if let Ok(n) = sh.agent.wait_control(wait) {
+        if let Ok(n) = sh.agent.wait_control(true, wait) {
             producer_msg(sh, n);
-            while let Some(n) = sh.agent.try_control() {
+            while let Some(n) = sh.agent.try_control(true) {
                 producer_msg(sh, n);
             }
         }
@@ -593,10 +606,16 @@ fn producer_msg(sh: &PShared, n: Notification) {
                 }
                 Err(e) => {
                     drop(st);
+                    let kind = match e {
+                        crate::lifecycle::LeaseError::Unknown(_) => "unknown",
+                        crate::lifecycle::LeaseError::Expired(_) => "expired",
+                        crate::lifecycle::LeaseError::Aborted(_) => "aborted",
+                        crate::lifecycle::LeaseError::TooManyReaders { .. } => "readers",
+                    };
                     send(
                         &sh.agent,
                         &from,
-                        json!({"t": "refused", "r": req, "why": e.to_string()}),
+                        json!({"t": "refused", "r": req, "kind": kind, "why": e.to_string()}),
                     );
                 }
             }
@@ -969,11 +988,7 @@ impl Consumer {
             Mode::Push => send(
                 &sh.agent,
                 &h.producer,
-                json!({
-                    "t": "want", "r": h.request, "blocks": local_blocks,
-                    "nb": sh.layout.num_blocks,
-                    "layers": sh.layout.layers.iter().map(base_json).collect::<Vec<_>>(),
-                }),
+                want_msg(&sh.layout, &h.request, local_blocks),
             ),
         }
         Ok(())
@@ -1093,6 +1108,14 @@ impl Drop for Consumer {
 
 const ENDED_MEMORY: usize = 4096;
 
+fn want_msg(layout: &KvLayout, req: &str, local_blocks: &[u32]) -> Value {
+    json!({
+        "t": "want", "r": req, "blocks": local_blocks,
+        "nb": layout.num_blocks,
+        "layers": layout.layers.iter().map(base_json).collect::<Vec<_>>(),
+    })
+}
+
 fn remember(st: &mut CState, req: &str, e: Ended) {
     st.ended.insert(req.to_string(), e);
     st.ended_order.push_back(req.to_string());
@@ -1152,9 +1175,9 @@ fn consumer_loop(sh: &CShared) {
         } else {
             Duration::from_millis(10)
         };
-        if let Ok(n) = sh.agent.wait_control(wait) {
+        if let Ok(n) = sh.agent.wait_control(false, wait) {
             consumer_msg(sh, n);
-            while let Some(n) = sh.agent.try_control() {
+            while let Some(n) = sh.agent.try_control(false) {
                 consumer_msg(sh, n);
             }
         }
@@ -1211,6 +1234,13 @@ fn consumer_msg(sh: &CShared, n: Notification) {
             sh.cv.notify_all();
         }
         Some("refused") => {
+            if v["kind"] == "unknown"
+                && l.lease_until.is_none()
+                && l.started.elapsed() < UNKNOWN_GRACE
+            {
+                // Not published yet: the next heartbeat asks again.
+                return;
+            }
             let why = v["why"].as_str().unwrap_or("refused").to_string();
             let e = Error::Handoff {
                 request: req.clone(),
@@ -1227,14 +1257,20 @@ fn consumer_msg(sh: &CShared, n: Notification) {
 fn consumer_progress(sh: &CShared) {
     let mut st = lock(&sh.st);
     let mut changed = false;
-    let mut hbs: Vec<(String, String)> = Vec::new();
+    let mut hbs: Vec<(String, Value)> = Vec::new();
     let mut failures: Vec<(String, Error)> = Vec::new();
     let mut done: Vec<String> = Vec::new();
     let local_heads = 0..sh.layout.geometry.kv_heads;
     for (req, l) in st.loads.iter_mut() {
         if l.last_hb.elapsed() >= sh.cfg.heartbeat {
             l.last_hb = Instant::now();
-            hbs.push((l.h.producer.clone(), req.clone()));
+            let m = if l.h.mode == Mode::Push && l.lease_until.is_none() {
+                // Until the producer has taken the push request, repeat it.
+                want_msg(&sh.layout, req, &l.local_blocks)
+            } else {
+                json!({"t": "hb", "r": req})
+            };
+            hbs.push((l.h.producer.clone(), m));
         }
         if l.h.mode == Mode::Pull {
             if let Some(until) = l.lease_until {
@@ -1311,8 +1347,8 @@ fn consumer_progress(sh: &CShared) {
         changed = true;
     }
     drop(st);
-    for (p, req) in hbs {
-        send(&sh.agent, &p, json!({"t": "hb", "r": req}));
+    for (p, m) in hbs {
+        send(&sh.agent, &p, m);
     }
     if changed {
         sh.cv.notify_all();

@@ -390,3 +390,48 @@ fn budget_backpressure_completes_and_never_exceeds() {
         .unwrap_err();
     assert!(matches!(e, Error::OutOfMemory(_)), "{e}");
 }
+
+#[test]
+fn one_agent_in_both_roles_and_a_handoff_before_publish() {
+    // kv_both: each worker runs a producer and a consumer on one agent; the user's own
+    // notifications are untouched by either.
+    let t = Transport::Shm;
+    let (x, xaddr) = side("bx", &t, 2, 16, KvOrder::Nhd, KvPacking::Separate);
+    let (y, yaddr) = side("by", &t, 2, 16, KvOrder::Nhd, KvPacking::Separate);
+    randomize(&x.region, 5);
+    randomize(&y.region, 6);
+    let xp = Producer::new(x.agent.clone(), x.layout.clone(), cfg(Mode::Pull), xaddr).unwrap();
+    let xc = Consumer::new(x.agent.clone(), x.layout.clone(), cfg(Mode::Pull)).unwrap();
+    let yp = Producer::new(y.agent.clone(), y.layout.clone(), cfg(Mode::Pull), yaddr).unwrap();
+    let yc = Consumer::new(y.agent.clone(), y.layout.clone(), cfg(Mode::Pull)).unwrap();
+    let peer_of_x = x.agent.connect(yaddr.unwrap()).unwrap();
+    let hx = xp.publish("x1", &[1, 2], 32, 4).unwrap();
+    let hy = yp.publish("y1", &[3, 4], 32, 4).unwrap();
+    yc.start_load(&hx, &[10, 11]).unwrap();
+    xc.start_load(&hy, &[12, 13]).unwrap();
+    x.agent
+        .notify(&peer_of_x, b"user note")
+        .unwrap()
+        .wait()
+        .unwrap();
+    yc.wait("x1", T).unwrap();
+    xc.wait("y1", T).unwrap();
+    check(&x, &y, &[1, 2], &[10, 11], 0..2);
+    check(&y, &x, &[3, 4], &[12, 13], 0..2);
+    assert_eq!(y.agent.wait_notification(T).unwrap().payload, b"user note");
+    assert!(
+        y.agent.try_notification().is_none(),
+        "control messages leaked to the user"
+    );
+    // A handoff can reach the consumer before its producer published: it waits, then loads.
+    let blocks = [5u32, 6];
+    let early = kvxfer::connector::Handoff {
+        request: "late-publish".into(),
+        ..xp.publish("template", &blocks, 32, 4).unwrap()
+    };
+    yc.start_load(&early, &[14, 15]).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    xp.publish("late-publish", &blocks, 32, 4).unwrap();
+    yc.wait("late-publish", T).unwrap();
+    check(&x, &y, &blocks, &[14, 15], 0..2);
+}
