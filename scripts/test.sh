@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs every test: formatting, lints, unit / loopback / cross-process tests against Debian's
-# UCX (the default), then the same suite against the UCX 1.22 wheel. Installs what it needs.
+# Runs every test: formatting, lints, unit / loopback / cross-process / C ABI tests against
+# Debian's UCX (the default); the vLLM plugin's tests against the real vllm==0.33.0; then the
+# Rust suite against the UCX 1.22 wheel. Installs what it needs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v cargo >/dev/null; then
@@ -19,6 +20,24 @@ echo "== UCX: Debian libucx-dev (default)"
   cargo fmt --all -- --check
   cargo clippy --workspace --all-targets -- -D warnings
   cargo test --workspace 2>&1 | tee -a "$log"
+)
+
+echo "== vLLM plugin against the real vllm==0.33.0 (CPU)"
+(
+  export KVXFER_UCX=system
+  # shellcheck source=scripts/ucx-env.sh
+  source scripts/ucx-env.sh
+  scripts/vllm-env.sh
+  cargo build -p kvxfer-capi
+  out=$(KVXFER_LIB="$CARGO_TARGET_DIR/debug/libkvxfer.so" .venv/bin/python -m pytest -q \
+    -p no:cacheprovider python/tests 2>&1) && rc=0 || rc=$?
+  echo "$out" | tail -n 30
+  # pytest's summary in cargo's words, for the closing count.
+  summary=$(echo "$out" | tail -n 1)
+  counts=$(echo "$summary" | awk '{ for (i = 1; i < NF; i++) { if ($(i+1) ~ /^passed/) p += $i;
+    if ($(i+1) ~ /^(failed|errors?)/) f += $i } } END { printf "%d passed; %d failed", p, f + (p == 0) }')
+  echo "test result: python. $counts" | tee -a "$log"
+  [ "$rc" = 0 ] || echo "kvxfer: python tests failed" >&2
 )
 
 echo "== UCX: 1.22 wheel (libucx-cu12)"

@@ -1,0 +1,357 @@
+"""KvxferConnector: vLLM's KVConnectorBase_V1 over kvxfer (libkvxfer through ctypes).
+
+Disaggregated prefill/decode, pull mode (the decode worker READs), as vLLM's NixlConnector:
+
+* prefill engine: a request sent with ``kv_transfer_params={"do_remote_decode": True}`` and
+  ``max_tokens=1`` finishes; ``request_finished`` keeps its blocks (delay-free) and returns
+  ``{"do_remote_prefill": True, "kvxfer_handoff": ...}``; the worker publishes the blocks in
+  the next step and reports them sent once the decode side acknowledged (or the lease ran out);
+* decode engine: the request arrives with those params; ``get_num_new_matched_tokens``
+  reports the prompt tokens it does not hold as loadable asynchronously;
+  ``update_state_after_alloc`` records the blocks vLLM allocated for them; the worker loads
+  only those (a locally cached prefix stays) and reports the request received.
+
+Supported caches: vLLM 0.33's per-layer views ``[num_blocks, num_kv_heads, block_size,
+2*head_size]`` with K and V packed in the last dimension, physical order NHD
+(``KVCacheLayout.LBNHC``, the default) or HND (``LBHNC``), one KV cache group, host (CPU)
+tensors or device tensors with a CUDA-aware libkvxfer. ``kv_connector_extra_config``:
+``transport`` (default "auto"), ``net_devices``, ``host`` (side channel address, default
+127.0.0.1), ``lease_ms``, ``budget_mib``, ``rundir``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from . import lib as kx
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+@dataclass
+class KvxferConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, per step."""
+
+    # decode side: vLLM request id -> (handoff bytes, local block ids, report as received)
+    loads: dict[str, tuple[bytes, list[int], bool]] = field(default_factory=dict)
+    # prefill side: vLLM request id -> (block ids, prompt tokens)
+    publishes: dict[str, tuple[list[int], int]] = field(default_factory=dict)
+
+
+@dataclass
+class KvxferConnectorStats(KVConnectorStats):
+    """Per-interval transfer figures (bytes moved / skipped, loads, failures)."""
+
+    def __post_init__(self):
+        if not self.data:
+            self.reset()
+
+    def reset(self):
+        self.data = {"loads": 0, "failed": 0, "bytes_moved": 0, "bytes_skipped": 0, "handoff_s": 0.0}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = dict(self.data)
+        d["handoff_s_avg"] = d["handoff_s"] / d["loads"] if d["loads"] else 0.0
+        return d
+
+    def is_empty(self) -> bool:
+        return self.data["loads"] == 0 and self.data["failed"] == 0
+
+
+def _rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:  # not initialised (tests, single process)
+        return 0
+
+
+def _rundir(extra: dict[str, Any]) -> str:
+    d = extra.get("rundir") or os.path.join("/tmp", f"kvxfer-{os.getuid()}")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+class KvxferConnector(KVConnectorBase_V1):
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: KVConnectorRole,
+        kv_cache_config: "KVCacheConfig | None" = None,
+    ):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        tc = vllm_config.kv_transfer_config
+        self.engine_id = tc.engine_id
+        self.extra = dict(tc.kv_connector_extra_config or {})
+        self.kv_role = tc.kv_role
+        self.block_size = vllm_config.cache_config.block_size
+        self.rank = _rank()
+        self.template_path = os.path.join(_rundir(self.extra), f"{self.engine_id}-tp{self.rank}.json")
+        # scheduler side
+        self._template: dict[str, Any] | None = None
+        self._pending_loads: dict[str, tuple[bytes, list[int], bool]] = {}
+        self._pending_publishes: dict[str, tuple[list[int], int]] = {}
+        # worker side
+        self._lock = threading.Lock()
+        self.agent: kx.Agent | None = None
+        self.producer: kx.Producer | None = None
+        self.consumer: kx.Consumer | None = None
+        self.num_layers = 0
+        self._by_handoff: dict[str, str] = {}  # handoff request -> local request id
+        self._silent: set[str] = set()
+        self._finished_seen: set[str] = set()
+        self._freed_unreported: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._stats = KvxferConnectorStats()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        p = request.kv_transfer_params
+        if p and p.get("do_remote_prefill") and p.get("kvxfer_handoff"):
+            count = len(request.prompt_token_ids or []) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        p = request.kv_transfer_params
+        if not (p and p.get("do_remote_prefill") and p.get("kvxfer_handoff")):
+            return
+        handoff = p["kvxfer_handoff"].encode()
+        if num_external_tokens > 0:
+            groups = blocks.get_unhashed_block_ids_all_groups()
+            local = list(groups[0]) if groups else []
+            self._pending_loads[request.request_id] = (handoff, local, True)
+        else:
+            # Everything is cached locally: nothing moves, but the producer may free.
+            self._pending_loads[request.request_id] = (handoff, [], False)
+        p["do_remote_prefill"] = False
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KvxferConnectorMetadata(loads=self._pending_loads, publishes=self._pending_publishes)
+        self._pending_loads = {}
+        self._pending_publishes = {}
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        p = request.kv_transfer_params
+        if not p or not p.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None
+        blocks = list(block_ids[0]) if block_ids and isinstance(block_ids[0], (list, tuple)) else list(block_ids or [])
+        if not blocks:
+            return False, None
+        t = self._worker_template()
+        tokens = len(request.prompt_token_ids or [])
+        handoff = {
+            "v": 1,
+            "request": request.request_id,
+            "producer": t["producer"],
+            "side_channel": t["side_channel"],
+            "blocks": blocks,
+            "tokens": tokens,
+            "compat": t["compat"],
+            "kv_heads": t["kv_heads"],
+            "num_blocks": t["num_blocks"],
+            "layers": t["layers"],
+            "mode": "pull",
+        }
+        self._pending_publishes[request.request_id] = (blocks, tokens)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "kvxfer_handoff": json.dumps(handoff),
+        }
+
+    def _worker_template(self) -> dict[str, Any]:
+        if self._template is None:
+            with open(self.template_path) as f:
+                self._template = json.load(f)
+        return self._template
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        names = list(kv_caches)
+        if not names:
+            raise ValueError("kvxfer: no KV caches to register")
+        first = kv_caches[names[0]]
+        if first.dim() != 4:
+            raise ValueError(f"kvxfer: expected [blocks, heads, block_size, 2*head_size] views, got {tuple(first.shape)}")
+        nb, heads, bs, c = first.shape
+        es = first.element_size()
+        s = first.stride()
+        if s[0] != heads * bs * c:
+            raise ValueError(
+                "kvxfer: KV cache blocks are not contiguous per layer; use a layer-compact "
+                "layout (VLLM_KV_CACHE_LAYOUT=LBNHC or LBHNC)"
+            )
+        hnd = s[1] > s[2]
+        if c % 2:
+            raise ValueError(f"kvxfer: last dimension {c} is not 2*head_size")
+        ex = self.extra
+        name = f"kvxfer-{self.engine_id}-tp{self.rank}"
+        budget = int(ex.get("budget_mib", 0)) << 20
+        self.agent = kx.Agent(name, ex.get("transport", "auto"), ex.get("net_devices"), budget)
+        side = self.agent.listen(f"{ex.get('host', '127.0.0.1')}:{int(ex.get('port', 0))}")
+        device = first.device
+        cuda = device.index if device.type == "cuda" else -1
+        bases = []
+        for n in names:
+            t = kv_caches[n]
+            if tuple(t.shape) != (nb, heads, bs, c) or t.stride() != s:
+                raise ValueError(f"kvxfer: layer {n} has another shape or layout")
+            rid = self.agent.register(t.data_ptr(), nb * s[0] * es, cuda)
+            bases.append((rid, 0, None, 0))
+        self.num_layers = len(names)
+        self.layout, self.bases = kx.layout_struct(len(names), heads, c // 2, es, bs, nb, True, hnd, bases)
+        cfg = kx.config_struct(lease_ms=int(ex.get("lease_ms", 0)), budget_bytes=budget)
+        if self.kv_role in ("kv_producer", "kv_both"):
+            self.producer = kx.Producer(self.agent, self.layout, self.bases, cfg, side)
+        if self.kv_role in ("kv_consumer", "kv_both"):
+            self.consumer = kx.Consumer(self.agent, self.layout, self.bases, cfg)
+        compat = self.agent.lib.L.kvx_layout_compat_hash(self.layout, self.bases)
+        tmpl = {
+            "producer": name,
+            "side_channel": side,
+            "compat": f"{compat:016x}",
+            "kv_heads": heads,
+            "num_blocks": nb,
+            "layers": [[b[0], b[1]] for b in bases],
+            "hnd": hnd,
+        }
+        tmp = self.template_path + f".{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(tmpl, f)
+        os.replace(tmp, self.template_path)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxferConnectorMetadata)
+        for req, (blocks, tokens) in meta.publishes.items():
+            if self.producer is None:
+                raise RuntimeError("kvxfer: a publish reached a worker without the producer role")
+            self.producer.publish(req, blocks, tokens, self.num_layers)
+        for req, (handoff, local, report) in meta.loads.items():
+            if self.consumer is None:
+                raise RuntimeError("kvxfer: a load reached a worker without the consumer role")
+            h = json.loads(handoff)
+            with self._lock:
+                self._by_handoff[h["request"]] = req
+                if not report:
+                    self._silent.add(req)
+            try:
+                self.consumer.start_load(handoff, local)
+            except kx.KvxferError:
+                with self._lock:
+                    self._load_errors.update(local)
+                    self._stats.data["failed"] += 1
+                raise
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous: vLLM schedules a request only after get_finished reported it.
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        # The prefill side publishes whole requests when they finish (request_finished).
+        return
+
+    def wait_for_save(self):
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending: set[str] = set()
+        recving: set[str] = set()
+        with self._lock:
+            self._finished_seen |= set(finished_req_ids)
+            if self.producer is not None:
+                while (f := self.producer.next_freed()) is not None:
+                    self._freed_unreported.add(f[0])
+                ready = self._freed_unreported & self._finished_seen
+                sending |= ready
+                self._freed_unreported -= ready
+                self._finished_seen -= ready
+            if self.consumer is not None:
+                while (d := self.consumer.next_finished()) is not None:
+                    req = self._by_handoff.pop(d[0], d[0])
+                    st = d[1]
+                    self._stats.data["loads"] += 1
+                    self._stats.data["bytes_moved"] += st["bytes_moved"]
+                    self._stats.data["bytes_skipped"] += st["bytes_skipped"]
+                    self._stats.data["handoff_s"] += st["handoff_ns"] / 1e9
+                    if req in self._silent:
+                        self._silent.discard(req)
+                    else:
+                        recving.add(req)
+                while (fl := self.consumer.next_failed()) is not None:
+                    req = self._by_handoff.pop(fl[0], fl[0])
+                    self._load_errors.update(fl[1])
+                    self._stats.data["failed"] += 1
+                    self._silent.discard(req)
+                    recving.add(req)
+        return (sending or None), (recving or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            e, self._load_errors = self._load_errors, set()
+        return e
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            s, self._stats = self._stats, KvxferConnectorStats()
+        return s
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvxferConnectorStats(data=dict(data)) if data else KvxferConnectorStats()
+
+    def prometheus_text(self) -> str:
+        """libkvxfer's telemetry in Prometheus text format (both roles)."""
+        out = ""
+        if self.producer is not None:
+            out += self.producer.metrics()
+        if self.consumer is not None:
+            out += self.consumer.metrics()
+        return out
+
+    def shutdown(self):
+        for x in (self.consumer, self.producer):
+            if x is not None:
+                x.close()
+        self.consumer = self.producer = None
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None

@@ -1,0 +1,333 @@
+"""ctypes bindings to libkvxfer (include/kvxfer.h). Every call checks its status and raises
+KvxferError with the library's last-error message."""
+
+import ctypes
+import ctypes.util
+import json
+import os
+from ctypes import (
+    POINTER,
+    Structure,
+    c_char,
+    c_char_p,
+    c_int32,
+    c_size_t,
+    c_uint8,
+    c_uint32,
+    c_uint64,
+    c_void_p,
+)
+
+KVX_OK = 0
+KVX_BUFFER_TOO_SMALL = 17
+KVX_NOT_FOUND = 18
+KVX_TIMEOUT = 9
+
+
+class KvxferError(RuntimeError):
+    def __init__(self, status, name, message):
+        super().__init__(f"{name}: {message}")
+        self.status = status
+        self.status_name = name
+
+
+class Layout(Structure):
+    _fields_ = [
+        ("layers", c_uint32),
+        ("kv_heads", c_uint32),
+        ("head_dim", c_uint32),
+        ("dtype_bytes", c_uint32),
+        ("block_tokens", c_uint32),
+        ("num_blocks", c_uint64),
+        ("fused", c_uint32),
+        ("hnd", c_uint32),
+    ]
+
+
+class LayerBase(Structure):
+    _fields_ = [
+        ("k_region", c_uint32),
+        ("k_offset", c_uint64),
+        ("v_region", c_uint32),
+        ("v_offset", c_uint64),
+    ]
+
+
+class ConnectorConfig(Structure):
+    _fields_ = [
+        ("mode", c_uint32),
+        ("lease_ms", c_uint64),
+        ("heartbeat_ms", c_uint64),
+        ("readers", c_uint32),
+        ("heads_start", c_uint64),
+        ("heads_end", c_uint64),
+        ("budget_bytes", c_uint64),
+        ("budget_wait_ms", c_uint64),
+    ]
+
+
+class RequestStats(Structure):
+    _fields_ = [
+        ("bytes_moved", c_uint64),
+        ("bytes_skipped", c_uint64),
+        ("descriptors", c_uint64),
+        ("post_ns", c_uint64),
+        ("transfer_ns", c_uint64),
+        ("handoff_ns", c_uint64),
+    ]
+
+
+def _find():
+    p = os.environ.get("KVXFER_LIB")
+    if p:
+        return p
+    here = os.path.join(os.path.dirname(__file__), "libkvxfer.so")
+    if os.path.exists(here):
+        return here
+    return ctypes.util.find_library("kvxfer") or "libkvxfer.so"
+
+
+class Lib:
+    """The loaded library (one per process)."""
+
+    _instance = None
+
+    @classmethod
+    def get(cls):
+        if cls._instance is None:
+            cls._instance = Lib(_find())
+        return cls._instance
+
+    def __init__(self, path):
+        self.path = path
+        L = ctypes.CDLL(path)
+        self.L = L
+        st = c_uint32
+        sig = {
+            "kvx_version": (c_char_p, []),
+            "kvx_last_error": (c_size_t, [POINTER(c_char), c_size_t]),
+            "kvx_status_name": (c_char_p, [st]),
+            "kvx_agent_new": (st, [c_char_p, c_char_p, c_char_p, c_uint64, POINTER(c_void_p)]),
+            "kvx_agent_free": (None, [c_void_p]),
+            "kvx_agent_listen": (st, [c_void_p, c_char_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
+            "kvx_agent_connect": (st, [c_void_p, c_char_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
+            "kvx_agent_register": (st, [c_void_p, c_void_p, c_size_t, c_int32, POINTER(c_void_p)]),
+            "kvx_agent_deregister": (st, [c_void_p, c_void_p]),
+            "kvx_region_id": (c_uint32, [c_void_p]),
+            "kvx_region_free": (None, [c_void_p]),
+            "kvx_layout_compat_hash": (c_uint64, [POINTER(Layout), POINTER(LayerBase)]),
+            "kvx_producer_new": (st, [c_void_p, POINTER(Layout), POINTER(LayerBase), POINTER(ConnectorConfig), c_char_p, POINTER(c_void_p)]),
+            "kvx_producer_free": (None, [c_void_p]),
+            "kvx_producer_publish": (st, [c_void_p, c_char_p, POINTER(c_uint32), c_size_t, c_uint64, c_uint32, POINTER(c_uint8), c_size_t, POINTER(c_size_t)]),
+            "kvx_producer_layer_done": (st, [c_void_p, c_char_p, c_uint32]),
+            "kvx_producer_abort": (st, [c_void_p, c_char_p]),
+            "kvx_producer_next_freed": (st, [c_void_p, c_uint64, POINTER(c_char), c_size_t, POINTER(c_size_t), POINTER(c_uint32), c_size_t, POINTER(c_size_t), POINTER(c_uint32)]),
+            "kvx_producer_metrics": (st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
+            "kvx_consumer_new": (st, [c_void_p, POINTER(Layout), POINTER(LayerBase), POINTER(ConnectorConfig), POINTER(c_void_p)]),
+            "kvx_consumer_free": (None, [c_void_p]),
+            "kvx_consumer_start_load": (st, [c_void_p, POINTER(c_uint8), c_size_t, POINTER(c_uint32), c_size_t]),
+            "kvx_consumer_wait_layer": (st, [c_void_p, c_char_p, c_uint32, c_uint64]),
+            "kvx_consumer_wait": (st, [c_void_p, c_char_p, c_uint64]),
+            "kvx_consumer_next_finished": (st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t), POINTER(RequestStats)]),
+            "kvx_consumer_next_failed": (st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t), POINTER(c_uint32), c_size_t, POINTER(c_size_t)]),
+            "kvx_consumer_metrics": (st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
+        }
+        for name, (res, args) in sig.items():
+            f = getattr(L, name)
+            f.restype = res
+            f.argtypes = args
+
+    def version(self):
+        return self.L.kvx_version().decode()
+
+    def last_error(self):
+        buf = ctypes.create_string_buffer(4096)
+        self.L.kvx_last_error(buf, len(buf))
+        return buf.value.decode(errors="replace")
+
+    def check(self, status, ok=(KVX_OK,)):
+        if status in ok:
+            return status
+        name = self.L.kvx_status_name(status).decode()
+        raise KvxferError(status, name, self.last_error())
+
+    def text(self, fn, *args, cap=4096):
+        """Calls a function that writes text to (buf, cap, out_len), growing the buffer."""
+        while True:
+            buf = ctypes.create_string_buffer(cap)
+            n = c_size_t(0)
+            s = fn(*args, buf, cap, ctypes.byref(n))
+            if s == KVX_BUFFER_TOO_SMALL:
+                cap = n.value + 1
+                continue
+            self.check(s)
+            return buf.raw[: n.value].decode()
+
+
+class Agent:
+    def __init__(self, name, transport="auto", net_devices=None, budget_bytes=0):
+        self.lib = Lib.get()
+        h = c_void_p()
+        self.lib.check(
+            self.lib.L.kvx_agent_new(
+                name.encode(),
+                transport.encode(),
+                net_devices.encode() if net_devices else None,
+                budget_bytes,
+                ctypes.byref(h),
+            )
+        )
+        self.h = h
+        self.name = name
+        self.regions = []
+
+    def listen(self, addr="127.0.0.1:0"):
+        return self.lib.text(self.lib.L.kvx_agent_listen, self.h, addr.encode(), cap=128)
+
+    def connect(self, addr):
+        return self.lib.text(self.lib.L.kvx_agent_connect, self.h, addr.encode(), cap=512)
+
+    def register(self, ptr, nbytes, cuda_device=-1):
+        r = c_void_p()
+        self.lib.check(self.lib.L.kvx_agent_register(self.h, c_void_p(ptr), nbytes, cuda_device, ctypes.byref(r)))
+        self.regions.append(r)
+        return self.lib.L.kvx_region_id(r)
+
+    def close(self):
+        if self.h:
+            for r in self.regions:
+                self.lib.L.kvx_agent_deregister(self.h, r)
+                self.lib.L.kvx_region_free(r)
+            self.regions = []
+            self.lib.L.kvx_agent_free(self.h)
+            self.h = None
+
+
+def layout_struct(layers, kv_heads, head_dim, dtype_bytes, block_tokens, num_blocks, fused, hnd, bases):
+    lay = Layout(layers, kv_heads, head_dim, dtype_bytes, block_tokens, num_blocks, 1 if fused else 0, 1 if hnd else 0)
+    arr = (LayerBase * layers)()
+    for i, (kr, ko, vr, vo) in enumerate(bases):
+        arr[i] = LayerBase(kr, ko, 0xFFFFFFFF if vr is None else vr, vo)
+    return lay, arr
+
+
+def config_struct(mode="pull", lease_ms=0, heartbeat_ms=0, readers=0, heads=None, budget_bytes=0):
+    c = ConnectorConfig()
+    c.mode = 1 if mode == "push" else 0
+    c.lease_ms = lease_ms
+    c.heartbeat_ms = heartbeat_ms
+    c.readers = readers
+    if heads:
+        c.heads_start, c.heads_end = heads
+    c.budget_bytes = budget_bytes
+    return c
+
+
+class Producer:
+    def __init__(self, agent, layout, bases, cfg, side_channel=None):
+        self.lib = agent.lib
+        h = c_void_p()
+        self.lib.check(
+            self.lib.L.kvx_producer_new(
+                agent.h, ctypes.byref(layout), bases, ctypes.byref(cfg),
+                side_channel.encode() if side_channel else None, ctypes.byref(h),
+            )
+        )
+        self.h = h
+
+    def publish(self, request, blocks, tokens, layers_done):
+        arr = (c_uint32 * len(blocks))(*blocks)
+        cap = 4096 + 16 * len(blocks)
+        while True:
+            buf = (c_uint8 * cap)()
+            n = c_size_t(0)
+            s = self.lib.L.kvx_producer_publish(self.h, request.encode(), arr, len(blocks), tokens, layers_done, buf, cap, ctypes.byref(n))
+            if s == KVX_BUFFER_TOO_SMALL:
+                cap = n.value
+                continue
+            self.lib.check(s)
+            return bytes(buf[: n.value])
+
+    def layer_done(self, request, layer):
+        self.lib.check(self.lib.L.kvx_producer_layer_done(self.h, request.encode(), layer))
+
+    def abort(self, request):
+        self.lib.check(self.lib.L.kvx_producer_abort(self.h, request.encode()))
+
+    def next_freed(self, timeout_ms=0):
+        """(request, blocks, reason) or None; reason 0 acked, 1 aborted, 2 expired."""
+        name_cap, blocks_cap = 256, 4096
+        while True:
+            name = ctypes.create_string_buffer(name_cap)
+            nl = c_size_t(0)
+            blocks = (c_uint32 * blocks_cap)()
+            nb = c_size_t(0)
+            reason = c_uint32(0)
+            s = self.lib.L.kvx_producer_next_freed(self.h, timeout_ms, name, name_cap, ctypes.byref(nl), blocks, blocks_cap, ctypes.byref(nb), ctypes.byref(reason))
+            if s == KVX_NOT_FOUND:
+                return None
+            if s == KVX_BUFFER_TOO_SMALL:
+                name_cap, blocks_cap = max(name_cap, nl.value + 1), max(blocks_cap, nb.value)
+                continue
+            self.lib.check(s)
+            return name.raw[: nl.value].decode(), list(blocks[: nb.value]), reason.value
+
+    def metrics(self):
+        return self.lib.text(self.lib.L.kvx_producer_metrics, self.h, cap=16384)
+
+    def close(self):
+        if self.h:
+            self.lib.L.kvx_producer_free(self.h)
+            self.h = None
+
+
+class Consumer:
+    def __init__(self, agent, layout, bases, cfg):
+        self.lib = agent.lib
+        h = c_void_p()
+        self.lib.check(self.lib.L.kvx_consumer_new(agent.h, ctypes.byref(layout), bases, ctypes.byref(cfg), ctypes.byref(h)))
+        self.h = h
+
+    def start_load(self, handoff, local_blocks):
+        hb = (c_uint8 * len(handoff)).from_buffer_copy(handoff)
+        arr = (c_uint32 * len(local_blocks))(*local_blocks)
+        self.lib.check(self.lib.L.kvx_consumer_start_load(self.h, hb, len(handoff), arr, len(local_blocks)))
+
+    def wait(self, request, timeout_ms=0):
+        self.lib.check(self.lib.L.kvx_consumer_wait(self.h, request.encode(), timeout_ms))
+
+    def wait_layer(self, request, layer, timeout_ms=0):
+        self.lib.check(self.lib.L.kvx_consumer_wait_layer(self.h, request.encode(), layer, timeout_ms))
+
+    def next_finished(self):
+        name = ctypes.create_string_buffer(1024)
+        n = c_size_t(0)
+        st = RequestStats()
+        s = self.lib.L.kvx_consumer_next_finished(self.h, name, 1024, ctypes.byref(n), ctypes.byref(st))
+        if s == KVX_NOT_FOUND:
+            return None
+        self.lib.check(s)
+        return name.raw[: n.value].decode(), {f: getattr(st, f) for f, _ in RequestStats._fields_}
+
+    def next_failed(self):
+        name = ctypes.create_string_buffer(1024)
+        n = c_size_t(0)
+        blocks = (c_uint32 * 65536)()
+        nb = c_size_t(0)
+        s = self.lib.L.kvx_consumer_next_failed(self.h, name, 1024, ctypes.byref(n), blocks, 65536, ctypes.byref(nb))
+        if s == KVX_NOT_FOUND:
+            return None
+        self.lib.check(s)
+        return name.raw[: n.value].decode(), list(blocks[: nb.value]), self.lib.last_error()
+
+    def metrics(self):
+        return self.lib.text(self.lib.L.kvx_consumer_metrics, self.h, cap=16384)
+
+    def close(self):
+        if self.h:
+            self.lib.L.kvx_consumer_free(self.h)
+            self.h = None
+
+
+def handoff_fields(handoff_bytes):
+    return json.loads(handoff_bytes)

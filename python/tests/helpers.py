@@ -1,0 +1,150 @@
+"""Builds real vLLM 0.33 objects on CPU without weights or a tokenizer: a VllmConfig for a
+tiny Qwen3 (hand-written config.json), a KVCacheConfig, the real Scheduler, and KV cache
+tensors laid out by vLLM's own create_kv_cache_views."""
+
+import json
+import os
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import torch  # noqa: E402
+
+LAYERS = 2
+KV_HEADS = 2
+HEAD = 64
+BLOCK = 16
+
+QWEN3_TINY = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": KV_HEADS,
+    "head_dim": HEAD,
+    "num_hidden_layers": LAYERS,
+    "vocab_size": 1000,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def model_dir():
+    d = os.path.join(tempfile.gettempdir(), f"kvxfer-tiny-qwen3-{os.getuid()}")
+    os.makedirs(d, exist_ok=True)
+    p = os.path.join(d, "config.json")
+    if not os.path.exists(p):
+        with open(p, "w") as f:
+            json.dump(QWEN3_TINY, f)
+    return d
+
+
+def vllm_config(role="kv_both", extra=None, engine_id=None, prefix_caching=True):
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    mc = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512)
+    kt = KVTransferConfig(
+        kv_connector="KvxferConnector",
+        kv_connector_module_path="kvxfer_vllm",
+        kv_role=role,
+        kv_connector_extra_config=extra or {"transport": "tcp", "net_devices": "lo"},
+        **({"engine_id": engine_id} if engine_id else {}),
+    )
+    return VllmConfig(
+        model_config=mc,
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
+        device_config=DeviceConfig("cpu"),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512, is_encoder_decoder=False
+        ),
+        kv_transfer_config=kt,
+    )
+
+
+def layer_names():
+    return [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def kv_cache_config(num_blocks=64, layout="LBNHC"):
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.bfloat16)
+    page = spec.page_size_bytes
+    names = layer_names()
+    tensor = KVCacheTensor(
+        size=page * num_blocks * LAYERS,
+        layers=names,
+        layer_stride=page * num_blocks,
+        block_stride=page,
+    )
+    cfg = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+    )
+    try:
+        cfg.kv_cache_layout = layout
+    except Exception:
+        pass
+    return cfg, spec, tensor
+
+
+def kv_caches(num_blocks=64, layout="LBNHC"):
+    """Per-layer views [B, H, N, 2*head] (bf16) over one flat buffer, by vLLM's own code."""
+    from vllm.v1.kv_cache_interface import create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    cfg, spec, tensor = kv_cache_config(num_blocks, layout)
+    raw = torch.zeros(tensor.size, dtype=torch.int8)
+    views = create_kv_cache_views(raw, spec, num_blocks, KVCacheLayout[layout], tensor)
+    return raw, dict(zip(layer_names(), views)), cfg
+
+
+def scheduler(vllm_cfg, kv_cfg):
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vllm_cfg.cache_config.num_gpu_blocks = kv_cfg.num_blocks
+    return Scheduler(
+        vllm_config=vllm_cfg,
+        kv_cache_config=kv_cfg,
+        structured_output_manager=StructuredOutputManager(vllm_cfg),
+        block_size=BLOCK,
+        log_stats=True,
+    )
+
+
+def request(req_id, n_tokens, params=None, max_tokens=1):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(max_tokens=max_tokens)
+    if params is not None:
+        sp.extra_args = {"kv_transfer_params": params}
+    kwargs = dict(request_id=req_id, prompt_token_ids=list(range(3, 3 + n_tokens)), sampling_params=sp, pooling_params=None)
+    try:
+        r = Request(**kwargs)
+    except TypeError:
+        r = Request(**kwargs, eos_token_id=2)
+    if params is not None:
+        r.kv_transfer_params = params
+    return r
