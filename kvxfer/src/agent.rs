@@ -97,6 +97,13 @@ pub struct AgentConfig {
     /// Memory the agent may allocate for itself (stream-lane request buffers, on both ends);
     /// share it with the connector's to bound a worker as a whole. Default: unlimited.
     pub budget: crate::MemoryBudget,
+    /// A shared secret for the side channel: both ends must hold it, and prove it before any
+    /// metadata moves (HMAC-SHA256 challenge-response). `None`: open.
+    pub secret: Option<Vec<u8>>,
+    /// Strict transport: a peer connection whose UCX transports or kvxfer lane do not match
+    /// [`AgentConfig::transport`] fails with [`Error::TransportMismatch`] instead of falling
+    /// back silently (for example to TCP when shared memory was asked for).
+    pub strict: bool,
 }
 
 impl AgentConfig {
@@ -117,7 +124,21 @@ impl AgentConfig {
                 .unwrap_or(2),
             lane_addr: None,
             budget: crate::MemoryBudget::unlimited(),
+            secret: None,
+            strict: false,
         }
+    }
+
+    /// Requires peers to prove a shared secret on the side channel.
+    pub fn secret(mut self, s: impl Into<Vec<u8>>) -> Self {
+        self.secret = Some(s.into());
+        self
+    }
+
+    /// Strict transport mode.
+    pub fn strict(mut self, on: bool) -> Self {
+        self.strict = on;
+        self
     }
 
     /// Sets the memory budget.
@@ -220,12 +241,13 @@ pub(crate) struct Shared {
     pub(crate) ucx_version: String,
     pub(crate) host: Option<crate::metadata::HostInfo>,
     pub(crate) lane: std::sync::OnceLock<crate::metadata::LaneInfo>,
-    transport: Transport,
+    pub(crate) transport: Transport,
     lanes_on: bool,
     copier: crate::lane::shm::Copier,
     /// Serializes metadata loads, so that concurrent loads of one peer map its memory once.
     load_lock: std::sync::Mutex<()>,
     pub(crate) budget: crate::MemoryBudget,
+    pub(crate) secret: Option<Vec<u8>>,
 }
 
 impl Shared {
@@ -269,6 +291,7 @@ impl Shared {
 pub struct Agent {
     pub(crate) shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
+    strict: bool,
     listeners: std::sync::Mutex<Vec<crate::discovery::Listener>>,
     lane_server: Option<crate::lane::tcp::Server>,
 }
@@ -329,6 +352,7 @@ impl Agent {
             copier: crate::lane::shm::Copier::start(&cfg.name, cfg.copy_threads)?,
             load_lock: std::sync::Mutex::new(()),
             budget: cfg.budget.clone(),
+            secret: cfg.secret.clone(),
         });
         let lane_server = if cfg.lanes && cfg.transport == Transport::Tcp {
             let ip = cfg
@@ -349,6 +373,7 @@ impl Agent {
         Ok(Agent {
             shared,
             thread: Some(thread),
+            strict: cfg.strict,
             listeners: std::sync::Mutex::new(Vec::new()),
             lane_server,
         })
@@ -571,6 +596,25 @@ impl Agent {
             }
         }
         let plan = descriptor::plan(&local.entries, li, &remote.entries, ri, self.shared.max_op)?;
+        let view = self
+            .shared
+            .peers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&remote.peer)
+            .filter(|v| v.token == remote.token)
+            .cloned();
+        let lane = match &view {
+            Some(v) => match (&v.lanes.shm, &v.lanes.tcp) {
+                (Some(m), _) if m.covers(&plan) => Some((Some(m.clone()), None)),
+                (_, Some(l)) => Some((None, Some(l.clone()))),
+                _ => None,
+            },
+            None => None,
+        };
+        if self.strict && lane.is_none() {
+            self.check_strict(&remote.peer)?;
+        }
         // Pin the local regions the plan uses: deregistering them now fails with Busy.
         let mut used = vec![false; local.regions.len()];
         for o in &plan.ops {
@@ -610,22 +654,6 @@ impl Agent {
             state: state.clone(),
             lane_stats: None,
         };
-        let view = self
-            .shared
-            .peers
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&remote.peer)
-            .filter(|v| v.token == remote.token)
-            .cloned();
-        let lane = match &view {
-            Some(v) => match (&v.lanes.shm, &v.lanes.tcp) {
-                (Some(m), _) if m.covers(&job.plan) => Some((Some(m.clone()), None)),
-                (_, Some(l)) => Some((None, Some(l.clone()))),
-                _ => None,
-            },
-            None => None,
-        };
         match lane {
             Some((Some(maps), _)) => {
                 self.shared.copier.submit(job, maps, self.shared.clone());
@@ -638,6 +666,56 @@ impl Agent {
             state,
             id,
             agent: self.shared.clone(),
+        })
+    }
+
+    /// Strict mode, for a transfer UCX carries: the transports UCX selected for `peer` must be
+    /// the kind asked for.
+    fn check_strict(&self, peer: &str) -> Result<()> {
+        let t = &self.shared.transport;
+        let shm = ["posix", "sysv", "cma", "xpmem", "knem"];
+        let wanted: Vec<String> = match t {
+            Transport::Shm => shm.iter().map(|s| s.to_string()).collect(),
+            Transport::Custom(list) => {
+                let named: Vec<String> = list
+                    .split(',')
+                    .map(|x| x.trim().to_string())
+                    .filter(|x| !x.is_empty() && x != "tcp" && x != "self")
+                    .flat_map(|x| {
+                        if x == "sm" || x == "shm" {
+                            shm.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+                        } else {
+                            vec![x]
+                        }
+                    })
+                    .collect();
+                if named.is_empty() {
+                    return Ok(()); // only TCP asked for
+                }
+                named
+            }
+            Transport::Tcp | Transport::Auto => return Ok(()),
+        };
+        let info = self.peer_info(peer)?;
+        let got: Vec<&str> = info
+            .transports
+            .split(',')
+            .map(|x| x.trim().trim_end_matches("(rma)"))
+            .collect();
+        if got
+            .iter()
+            .any(|g| wanted.iter().any(|w| g.starts_with(w.as_str())))
+        {
+            return Ok(());
+        }
+        Err(Error::TransportMismatch {
+            agent: peer.to_string(),
+            wanted: wanted.join("|"),
+            got: if info.transports.is_empty() {
+                "nothing (not connected)".into()
+            } else {
+                info.transports
+            },
         })
     }
 

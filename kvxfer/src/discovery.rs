@@ -4,6 +4,19 @@
 //! connecting agent sends `HELLO(metadata)`; the listener decodes it (strictly, compatibility
 //! hash first), loads it, and answers `META(its metadata)`, or `ERROR(text)` and closes.
 //! Every read has a timeout, so a silent or slow peer cannot hold a thread forever.
+//!
+//! With a shared secret ([`crate::AgentConfig::secret`]) both sides prove they know it before
+//! any metadata (region table, rkeys, lane secret) moves:
+//!
+//! ```text
+//! client: AUTH1(nonce_c)
+//! server: AUTH2(nonce_s | HMAC-SHA256(secret, "kvxfer server" | nonce_c | nonce_s))
+//! client: checks it; HELLO(HMAC-SHA256(secret, "kvxfer client" | nonce_s | nonce_c) | metadata)
+//! server: checks it; META(metadata)
+//! ```
+//!
+//! A listener with a secret refuses a plain HELLO; a client with a secret refuses a listener
+//! that cannot prove it. MACs are compared in constant time.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -23,6 +36,38 @@ pub const MAX_FRAME: usize = crate::metadata::MAX_ENCODED + 1;
 const HELLO: u8 = 1;
 const META: u8 = 2;
 const ERROR: u8 = 3;
+const AUTH1: u8 = 4;
+const AUTH2: u8 = 5;
+const NONCE: usize = 32;
+const MAC: usize = 32;
+
+fn mac(secret: &[u8], role: &[u8], a: &[u8], b: &[u8]) -> [u8; MAC] {
+    use hmac::Mac;
+    let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(secret)
+        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+    m.update(role);
+    m.update(a);
+    m.update(b);
+    m.finalize().into_bytes().into()
+}
+
+fn mac_ok(secret: &[u8], role: &[u8], a: &[u8], b: &[u8], got: &[u8]) -> bool {
+    use hmac::Mac;
+    let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(secret)
+        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+    m.update(role);
+    m.update(a);
+    m.update(b);
+    m.verify_slice(got).is_ok()
+}
+
+fn nonce() -> Result<[u8; NONCE]> {
+    let mut n = [0u8; NONCE];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut n))
+        .map_err(|e| Error::io("reading /dev/urandom", e))?;
+    Ok(n)
+}
 const IO_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub(crate) struct Listener {
@@ -94,7 +139,44 @@ fn accept_loop(l: TcpListener, shared: Arc<Shared>, stop: Arc<AtomicBool>) {
 fn serve(shared: &Arc<Shared>, mut s: TcpStream, peer: SocketAddr) -> Result<()> {
     let who = peer.to_string();
     setup(&s, &who)?;
-    let (kind, payload) = read_frame(&mut s, &who)?;
+    let (mut kind, mut payload) = read_frame(&mut s, &who)?;
+    let auth = |why: &str| Error::Auth {
+        peer: who.clone(),
+        why: why.to_string(),
+    };
+    match (&shared.secret, kind) {
+        (Some(secret), AUTH1) => {
+            if payload.len() != NONCE {
+                let _ = write_frame(&mut s, ERROR, b"bad AUTH1");
+                return Err(auth("AUTH1 of the wrong size"));
+            }
+            let nc = payload.clone();
+            let ns = nonce()?;
+            let mut m = ns.to_vec();
+            m.extend_from_slice(&mac(secret, b"kvxfer server", &nc, &ns));
+            write_frame(&mut s, AUTH2, &m)?;
+            (kind, payload) = read_frame(&mut s, &who)?;
+            if kind != HELLO
+                || payload.len() < MAC
+                || !mac_ok(secret, b"kvxfer client", &ns, &nc, &payload[..MAC])
+            {
+                let _ = write_frame(&mut s, ERROR, b"authentication failed");
+                return Err(auth("the peer did not prove the shared secret"));
+            }
+            payload.drain(..MAC);
+        }
+        (Some(_), _) => {
+            let _ = write_frame(&mut s, ERROR, b"authentication required");
+            return Err(auth("the peer sent no authentication"));
+        }
+        (None, AUTH1) => {
+            let _ = write_frame(&mut s, ERROR, b"this agent has no shared secret");
+            return Err(auth(
+                "the peer wants a shared secret this agent does not have",
+            ));
+        }
+        (None, _) => {}
+    }
     if kind != HELLO {
         let _ = write_frame(&mut s, ERROR, b"expected HELLO");
         return Err(Error::Protocol {
@@ -130,8 +212,37 @@ pub(crate) fn exchange(
     let mut s = TcpStream::connect_timeout(&addr, timeout)
         .map_err(|e| Error::io(format!("connecting to {who}"), e))?;
     setup(&s, &who)?;
+    let mut hello = Vec::new();
+    if let Some(secret) = &shared.secret {
+        let nc = nonce()?;
+        write_frame(&mut s, AUTH1, &nc)?;
+        let (kind, p) = read_frame(&mut s, &who)?;
+        let refuse = |why: String| Error::Auth {
+            peer: who.clone(),
+            why,
+        };
+        match kind {
+            AUTH2 if p.len() == NONCE + MAC => {
+                let (ns, m) = p.split_at(NONCE);
+                if !mac_ok(secret, b"kvxfer server", &nc, ns, m) {
+                    return Err(refuse(
+                        "the listener did not prove the shared secret".into(),
+                    ));
+                }
+                hello.extend_from_slice(&mac(secret, b"kvxfer client", ns, &nc));
+            }
+            ERROR => {
+                return Err(refuse(format!(
+                    "listener refused: {}",
+                    String::from_utf8_lossy(&p)
+                )))
+            }
+            k => return Err(refuse(format!("frame kind {k}, expected AUTH2"))),
+        }
+    }
     let mine = shared.call(|reply| Cmd::Metadata { reply })?;
-    write_frame(&mut s, HELLO, &mine)?;
+    hello.extend_from_slice(&mine);
+    write_frame(&mut s, HELLO, &hello)?;
     let (kind, payload) = read_frame(&mut s, &who)?;
     match kind {
         META => {
@@ -142,10 +253,20 @@ pub(crate) fn exchange(
                 })?;
             crate::agent::load_decoded(shared, meta)
         }
-        ERROR => Err(Error::Protocol {
-            peer: who,
-            why: format!("peer refused: {}", String::from_utf8_lossy(&payload)),
-        }),
+        ERROR => {
+            let why = String::from_utf8_lossy(&payload).into_owned();
+            if why.contains("authentication") || why.contains("shared secret") {
+                Err(Error::Auth {
+                    peer: who,
+                    why: format!("listener refused: {why}"),
+                })
+            } else {
+                Err(Error::Protocol {
+                    peer: who,
+                    why: format!("peer refused: {why}"),
+                })
+            }
+        }
         k => Err(Error::Protocol {
             peer: who,
             why: format!("frame kind {k}, expected META"),
@@ -160,7 +281,9 @@ fn setup(s: &TcpStream, who: &str) -> Result<()> {
         .map_err(|e| Error::io(format!("configuring socket to {who}"), e))
 }
 
-fn read_frame(s: &mut TcpStream, who: &str) -> Result<(u8, Vec<u8>)> {
+/// Reads one side-channel frame (`u32 len | kind | payload`) from any byte stream; refuses
+/// empty and oversized frames before allocating.
+pub fn read_frame<R: Read>(s: &mut R, who: &str) -> Result<(u8, Vec<u8>)> {
     let mut h = [0u8; 5];
     s.read_exact(&mut h)
         .map_err(|e| Error::io(format!("reading a frame header from {who}"), e))?;

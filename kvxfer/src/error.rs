@@ -273,6 +273,25 @@ pub enum Error {
     /// Allocation failed or the memory budget is exhausted.
     #[error("out of memory: {0}")]
     OutOfMemory(String),
+    /// The side-channel handshake failed authentication (no, or another, shared secret): no
+    /// metadata was exchanged.
+    #[error("side channel with {peer}: authentication failed: {why}")]
+    Auth {
+        /// The peer's address.
+        peer: String,
+        /// What failed.
+        why: String,
+    },
+    /// The transport UCX selected for a peer is not what a strict agent asked for.
+    #[error("peer {agent:?}: asked for {wanted}, UCX selected {got} (strict transport mode)")]
+    TransportMismatch {
+        /// The peer.
+        agent: String,
+        /// What the agent requires.
+        wanted: String,
+        /// What UCX selected.
+        got: String,
+    },
     /// A side-channel or other I/O error, with what was being done.
     #[error("{context}: {source}")]
     Io {

@@ -42,6 +42,13 @@ pub mod planning;
 pub mod telemetry;
 pub mod transfer;
 
+/// Pure decoders of peer input, exposed for the fuzz targets in `fuzz/` (not a stable API).
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::discovery::read_frame;
+    pub use crate::lane::tcp::{parse_hello, parse_request_header, parse_segments};
+}
+
 pub use agent::{Agent, AgentConfig, PeerInfo, PreparedLocal, PreparedRemote, Transport};
 pub use budget::{Charge, MemoryBudget};
 pub use descriptor::{Desc, RegionId};

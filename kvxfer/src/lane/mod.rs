@@ -14,7 +14,7 @@
 //! RDMA and GPU memory stay on UCX: same API, chosen by [`crate::Transport`].
 
 pub(crate) mod shm;
-pub(crate) mod tcp;
+pub mod tcp;
 
 use std::sync::Arc;
 

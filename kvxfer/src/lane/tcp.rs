@@ -52,6 +52,70 @@ const IOV_MAX: usize = 1024;
 const BATCH_BYTES: u64 = 1 << 20;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// A parsed request header.
+#[derive(Debug, PartialEq, Eq)]
+pub struct RequestHeader {
+    /// 1 write, 2 read.
+    pub kind: u8,
+    /// Initiator's transfer id.
+    pub id: u64,
+    /// Segments that follow.
+    pub nsegs: usize,
+    /// Notification bytes that follow.
+    pub notif_len: usize,
+}
+
+/// Parses and bounds-checks a request header (17 bytes).
+pub fn parse_request_header(hdr: &[u8; 17]) -> std::result::Result<RequestHeader, String> {
+    let kind = hdr[0];
+    let id = u64::from_le_bytes(hdr[1..9].try_into().unwrap_or_default());
+    let nsegs = u32::from_le_bytes(hdr[9..13].try_into().unwrap_or_default()) as usize;
+    let nlen = u32::from_le_bytes(hdr[13..17].try_into().unwrap_or_default()) as usize;
+    if (kind != K_WRITE && kind != K_READ)
+        || nsegs > MAX_SEGS
+        || nlen > crate::notify::MAX_NOTIFICATION + 2 + crate::metadata::MAX_NAME
+    {
+        return Err(format!(
+            "malformed request kind {kind} nsegs {nsegs} notification {nlen}"
+        ));
+    }
+    Ok(RequestHeader {
+        kind,
+        id,
+        nsegs,
+        notif_len: nlen,
+    })
+}
+
+/// Parses a segment table: `(region, offset, len)` per 20 bytes; trailing bytes are an error.
+pub fn parse_segments(raw: &[u8]) -> std::result::Result<Vec<(u32, u64, u64)>, String> {
+    if raw.len() % 20 != 0 {
+        return Err(format!("segment table of {} bytes", raw.len()));
+    }
+    Ok(raw
+        .chunks_exact(20)
+        .map(|s| {
+            (
+                u32::from_le_bytes(s[0..4].try_into().unwrap_or_default()),
+                u64::from_le_bytes(s[4..12].try_into().unwrap_or_default()),
+                u64::from_le_bytes(s[12..20].try_into().unwrap_or_default()),
+            )
+        })
+        .collect())
+}
+
+/// Parses the fixed part of a hello (8 bytes): the name length that follows, if valid.
+pub fn parse_hello(h: &[u8; 8]) -> std::result::Result<usize, String> {
+    let name_len = u16::from_le_bytes([h[6], h[7]]) as usize;
+    if &h[..4] != MAGIC || u16::from_le_bytes([h[4], h[5]]) != VERSION {
+        return Err("bad magic or version".into());
+    }
+    if name_len == 0 || name_len > crate::metadata::MAX_NAME {
+        return Err(format!("name of {name_len} bytes"));
+    }
+    Ok(name_len)
+}
+
 /// Why an I/O loop stopped early.
 enum Stop {
     Io(std::io::Error),
@@ -349,12 +413,15 @@ fn serve_inner(
     // Hello.
     let mut h = [0u8; 8];
     recv_buf(c, &mut h, &mut || ctl(false, &mut last))?;
-    let name_len = u16::from_le_bytes([h[6], h[7]]) as usize;
-    let ok_magic = &h[..4] == MAGIC && u16::from_le_bytes([h[4], h[5]]) == VERSION;
-    if !ok_magic || name_len == 0 || name_len > crate::metadata::MAX_NAME {
-        let _ = welcome(c, 1, "bad hello (magic, version or name)");
-        return Err(Stop::Abort(Error::InvalidArgument("bad hello".into())));
-    }
+    let name_len = match parse_hello(&h) {
+        Ok(n) => n,
+        Err(why) => {
+            let _ = welcome(c, 1, &format!("bad hello: {why}"));
+            return Err(Stop::Abort(Error::InvalidArgument(format!(
+                "bad hello: {why}"
+            ))));
+        }
+    };
     let mut rest = vec![0u8; name_len + 16];
     recv_buf(c, &mut rest, &mut || ctl(false, &mut last))?;
     let name = String::from_utf8_lossy(&rest[..name_len]).into_owned();
@@ -380,21 +447,19 @@ fn serve_inner(
                 ctl(true, &mut last)
             }
         })?;
-        let kind = hdr[0];
-        let id = u64::from_le_bytes(hdr[1..9].try_into().unwrap_or_default());
-        let nsegs = u32::from_le_bytes(hdr[9..13].try_into().unwrap_or_default()) as usize;
-        let nlen = u32::from_le_bytes(hdr[13..17].try_into().unwrap_or_default()) as usize;
-        if (kind != K_WRITE && kind != K_READ)
-            || nsegs > MAX_SEGS
-            || nlen > crate::notify::MAX_NOTIFICATION + 2 + crate::metadata::MAX_NAME
-        {
-            let _ = reply(c, K_ACK, id, 1, "malformed request", &mut || {
-                ctl(false, &mut last)
-            });
-            return Err(Stop::Abort(Error::InvalidArgument(format!(
-                "malformed request kind {kind} nsegs {nsegs} notification {nlen}"
-            ))));
-        }
+        let RequestHeader {
+            kind,
+            id,
+            nsegs,
+            notif_len: nlen,
+        } = match parse_request_header(&hdr) {
+            Ok(h) => h,
+            Err(why) => {
+                let id = u64::from_le_bytes(hdr[1..9].try_into().unwrap_or_default());
+                let _ = reply(c, K_ACK, id, 1, &why, &mut || ctl(false, &mut last));
+                return Err(Stop::Abort(Error::InvalidArgument(why)));
+            }
+        };
         // The segment table and the resolved pieces, charged to this agent's budget: a peer
         // cannot make the target allocate past it. No room within STALL: refuse and drop
         // the connection (the table cannot be skipped without reading it).
@@ -429,16 +494,7 @@ fn serve_inner(
         };
         let mut raw = vec![0u8; nsegs * 20];
         recv_buf(c, &mut raw, &mut || ctl(false, &mut last))?;
-        let segs: Vec<(u32, u64, u64)> = raw
-            .chunks_exact(20)
-            .map(|s| {
-                (
-                    u32::from_le_bytes(s[0..4].try_into().unwrap_or_default()),
-                    u64::from_le_bytes(s[4..12].try_into().unwrap_or_default()),
-                    u64::from_le_bytes(s[12..20].try_into().unwrap_or_default()),
-                )
-            })
-            .collect();
+        let segs = parse_segments(&raw).map_err(|w| Stop::Abort(Error::InvalidArgument(w)))?;
         drop(raw);
         let Some(sh) = shared.upgrade() else {
             return Err(Stop::Abort(Error::Shutdown));

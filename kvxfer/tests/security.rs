@@ -1,0 +1,122 @@
+//! Authenticated side channel (shared secret, mutual), garbage on the side channel, and strict
+//! transport mode.
+
+#![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
+
+use std::io::Write;
+use std::time::Duration;
+
+use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, Transport, XferOp};
+
+fn agent(name: &str, secret: Option<&str>) -> Agent {
+    let mut c = AgentConfig::new(format!("{name}-{}", std::process::id()))
+        .transport(Transport::Tcp)
+        .net_devices("lo");
+    if let Some(s) = secret {
+        c = c.secret(s.as_bytes().to_vec());
+    }
+    Agent::new(c).unwrap()
+}
+
+#[test]
+fn shared_secret_is_proven_both_ways_before_metadata_moves() {
+    let b = agent("auth-b", Some("open sesame"));
+    b.register(HostBuffer::new(4096).unwrap()).unwrap();
+    let addr = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+
+    // Same secret: works, and data moves.
+    let a = agent("auth-a", Some("open sesame"));
+    let ra = a.register(HostBuffer::new(4096).unwrap()).unwrap();
+    let peer = a.connect(addr).unwrap();
+    let l = a.prep_local(&[Desc::new(ra.id(), 0, 4096)]).unwrap();
+    let rid = kvxfer::RegionId(0);
+    let r = a.prep_remote(&peer, &[Desc::new(rid, 0, 4096)]).unwrap();
+    a.transfer_all(XferOp::Write, &l, &r, None, Some(Duration::from_secs(10)))
+        .unwrap()
+        .wait()
+        .unwrap();
+
+    // No secret, a wrong one: refused with a typed error; neither side learns the other.
+    for (name, secret) in [("auth-none", None), ("auth-wrong", Some("guess"))] {
+        let c = agent(name, secret);
+        let e = c.connect(addr).unwrap_err();
+        assert!(matches!(e, Error::Auth { .. }), "{name}: {e}");
+        assert!(matches!(
+            c.prep_remote(b.name(), &[]),
+            Err(Error::UnknownPeer { .. })
+        ));
+        assert!(
+            b.peer_info(c.name()).is_err(),
+            "{name} got into the listener's table"
+        );
+    }
+
+    // A client with a secret refuses a listener that has none (it would learn nothing).
+    let open = agent("auth-open", None);
+    let oaddr = open.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let c = agent("auth-c", Some("open sesame"));
+    let e = c.connect(oaddr).unwrap_err();
+    assert!(matches!(e, Error::Auth { .. }), "{e}");
+    assert!(open.peer_info(c.name()).is_err());
+    // The listener kept working through all of it.
+    assert_eq!(a.connect(addr).unwrap(), peer);
+}
+
+#[test]
+fn garbage_on_the_side_channel_is_refused_and_the_listener_keeps_working() {
+    let b = agent("junk-b", None);
+    let addr = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let junk: [&[u8]; 5] = [
+        b"GET / HTTP/1.1\r\n\r\n",
+        &[0xff; 64],
+        &[5, 0, 0, 0, 1, 1, 2, 3, 4], // HELLO with 4 bytes of "metadata"
+        &[0, 0, 0, 0, 1],             // empty frame
+        &[0xff, 0xff, 0xff, 0x7f, 1], // 2 GiB frame
+    ];
+    for j in junk {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        let _ = s.write_all(j);
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        let mut sink = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut s, &mut sink);
+    }
+    let a = agent("junk-a", None);
+    assert_eq!(a.connect(addr).unwrap(), b.name());
+}
+
+#[test]
+fn strict_mode_refuses_a_silent_fallback_to_tcp() {
+    // With UCX peer-failure detection on, UCX 1.13-1.22 will not use shared memory, and asking
+    // for "sm,tcp" silently runs over TCP: strict mode makes that an error naming it.
+    let mk = |name: &str, peer_failure: bool| {
+        let mut c = AgentConfig::new(format!("{name}-{}", std::process::id()))
+            .transport(Transport::Custom("sm,tcp".into()))
+            .net_devices("lo")
+            .strict(true);
+        c.peer_failure = Some(peer_failure);
+        Agent::new(c).unwrap()
+    };
+    for (peer_failure, want_ok) in [(true, false), (false, true)] {
+        let b = mk("strict-b", peer_failure);
+        let rb = b.register(HostBuffer::new(4096).unwrap()).unwrap();
+        let addr = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        let a = mk("strict-a", peer_failure);
+        let ra = a.register(HostBuffer::new(4096).unwrap()).unwrap();
+        let peer = a.connect(addr).unwrap();
+        let l = a.prep_local(&[Desc::new(ra.id(), 0, 4096)]).unwrap();
+        let r = a
+            .prep_remote(&peer, &[Desc::new(rb.id(), 0, 4096)])
+            .unwrap();
+        let res = a
+            .transfer_all(XferOp::Write, &l, &r, None, Some(Duration::from_secs(10)))
+            .and_then(|x| x.wait());
+        if want_ok {
+            res.unwrap();
+        } else {
+            match res {
+                Err(Error::TransportMismatch { got, .. }) => assert!(got.contains("tcp"), "{got}"),
+                other => panic!("peer_failure {peer_failure}: {other:?}"),
+            }
+        }
+    }
+}
