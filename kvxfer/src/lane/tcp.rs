@@ -89,7 +89,7 @@ pub fn parse_request_header(hdr: &[u8; 17]) -> std::result::Result<RequestHeader
 
 /// Parses a segment table: `(region, offset, len)` per 20 bytes; trailing bytes are an error.
 pub fn parse_segments(raw: &[u8]) -> std::result::Result<Vec<(u32, u64, u64)>, String> {
-    if raw.len() % 20 != 0 {
+    if !raw.len().is_multiple_of(20) {
         return Err(format!("segment table of {} bytes", raw.len()));
     }
     Ok(raw
