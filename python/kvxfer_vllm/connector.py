@@ -16,7 +16,8 @@ Supported caches: vLLM 0.33's per-layer views ``[num_blocks, num_kv_heads, block
 (``KVCacheLayout.LBNHC``, the default) or HND (``LBHNC``), one KV cache group, host (CPU)
 tensors or device tensors with a CUDA-aware libkvxfer. ``kv_connector_extra_config``:
 ``transport`` (default "auto"), ``net_devices``, ``host`` (side channel address, default
-127.0.0.1), ``lease_ms``, ``budget_mib``, ``rundir``.
+127.0.0.1), ``lease_ms``, ``budget_mib``, ``rundir``, ``metrics_file`` (Prometheus text written
+after every change, for a textfile collector).
 """
 
 from __future__ import annotations
@@ -172,6 +173,8 @@ class KvxferConnector(KVConnectorBase_V1):
             return False, None
         t = self._worker_template()
         tokens = len(request.prompt_token_ids or [])
+        # Only the prompt's blocks hold KV (a sampled token may have opened one more).
+        blocks = blocks[: -(-tokens // self.block_size)]
         handoff = {
             "v": 1,
             "request": request.request_id,
@@ -320,7 +323,16 @@ class KvxferConnector(KVConnectorBase_V1):
                     self._stats.data["failed"] += 1
                     self._silent.discard(req)
                     recving.add(req)
+        if (sending or recving) and self.extra.get("metrics_file"):
+            self._write_metrics()
         return (sending or None), (recving or None)
+
+    def _write_metrics(self):
+        path = self.extra["metrics_file"]
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(self.prometheus_text())
+        os.replace(tmp, path)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
