@@ -435,3 +435,32 @@ fn one_agent_in_both_roles_and_a_handoff_before_publish() {
     yc.wait("late-publish", T).unwrap();
     check(&x, &y, &blocks, &[14, 15], 0..2);
 }
+
+#[test]
+fn a_consumer_that_dies_mid_load_leaves_no_stranded_blocks() {
+    let t = Transport::Tcp;
+    let (p, paddr) = side("dp", &t, 2, 16, KvOrder::Nhd, KvPacking::Separate);
+    let pc = ConnectorConfig {
+        lease: Duration::from_millis(500),
+        ..cfg(Mode::Pull)
+    };
+    let producer = Producer::new(p.agent.clone(), p.layout.clone(), pc, paddr).unwrap();
+    let h = producer.publish("orphan", &[1, 2, 3], 48, 1).unwrap();
+    {
+        let (c, _) = side("dc", &t, 2, 16, KvOrder::Nhd, KvPacking::Separate);
+        let consumer = Consumer::new(c.agent.clone(), c.layout.clone(), cfg(Mode::Pull)).unwrap();
+        consumer.start_load(&h, &[4, 5, 6]).unwrap();
+        consumer.wait_layer("orphan", 0, T).unwrap();
+        // The decode worker goes away with layers 1..3 outstanding: no more heartbeats, no ack.
+        drop(consumer);
+        drop(c);
+    }
+    let f = producer.wait_freed("orphan", T).unwrap();
+    assert_eq!((f.blocks, f.reason), (vec![1, 2, 3], FreeReason::Expired));
+    assert_eq!(producer.held(), 0);
+    // Later layers reported done for it are refused cleanly, not stranded.
+    assert!(matches!(
+        producer.layer_done("orphan", 1),
+        Err(Error::Handoff { .. })
+    ));
+}

@@ -110,6 +110,9 @@ struct Args {
     /// Serve as the peer: listen for a kvxfer-bench --connect on ADDR (port 0 allowed).
     #[arg(long)]
     listen: Option<SocketAddr>,
+    /// Agent name (default: bench-<role>-<pid>); a restarted peer can keep its name.
+    #[arg(long)]
+    name: Option<String>,
     /// With --listen: exit after the first initiator's session (used for the peer the bench
     /// starts itself); without it the peer serves sessions until killed.
     #[arg(long, hide = true)]
@@ -338,7 +341,11 @@ impl Case {
 }
 
 fn agent_config(args: &Args, transport: &str, role: &str, local_peer: bool) -> AgentConfig {
-    let mut c = AgentConfig::new(format!("bench-{role}-{}", std::process::id()))
+    let name = args
+        .name
+        .clone()
+        .unwrap_or_else(|| format!("bench-{role}-{}", std::process::id()));
+    let mut c = AgentConfig::new(name)
         .transport(Transport::parse(transport))
         .busy_poll(args.busy_poll)
         .lanes(!args.ucx_only);

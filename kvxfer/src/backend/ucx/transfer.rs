@@ -115,9 +115,17 @@ impl Engine {
                             unsafe { raw::request_free(req) }
                         }
                         Err(status) => {
-                            a.error = Some(Error::Ucx {
-                                op: if write { "ucp_put_nbx" } else { "ucp_get_nbx" },
-                                status,
+                            // A dead or unreachable peer is the peer's failure, not UCX's.
+                            a.error = Some(if is_peer_failure(status) {
+                                Error::PeerFailed {
+                                    agent: p.name.clone(),
+                                    status,
+                                }
+                            } else {
+                                Error::Ucx {
+                                    op: if write { "ucp_put_nbx" } else { "ucp_get_nbx" },
+                                    status,
+                                }
                             });
                             break;
                         }
@@ -189,6 +197,12 @@ pub(super) fn post_flush(a: &mut Active, id: u64, ep: raw::ucp_ep_h) {
         }),
         Err(status) => push_event(Event::Done { job: id, status }),
     }
+}
+
+/// Statuses that mean the peer or the path to it is gone (UCS_ERR_UNREACHABLE,
+/// UCS_ERR_CONNECTION_RESET, UCS_ERR_ENDPOINT_TIMEOUT).
+fn is_peer_failure(s: UcsStatus) -> bool {
+    matches!(s.0, -6 | -25 | -80)
 }
 
 /// Drops a job's pins on its local regions.

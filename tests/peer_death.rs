@@ -1,0 +1,203 @@
+//! A peer killed with SIGKILL in the middle of a transfer (READ and WRITE, over kvxfer's TCP
+//! lane and over UCX): the initiator gets a typed error well before its deadline, its memory
+//! is released, it keeps serving another peer, and a restarted peer with the same name
+//! reconnects (the stale metadata is replaced).
+
+#![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, RegionId, Transport, XferOp};
+
+const LEN: u64 = 512 << 20;
+const BLOCK: u64 = 32 << 10;
+
+struct Peer {
+    child: Child,
+    ctl: BufReader<TcpStream>,
+    wr: TcpStream,
+    side: SocketAddr,
+    region: RegionId,
+}
+
+impl Peer {
+    fn start(name: &str) -> Peer {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvxfer-bench"))
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--transport",
+                "tcp",
+                "--name",
+                name,
+            ])
+            .stdout(Stdio::piped())
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut ready = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut ready)
+            .unwrap();
+        let ctl: SocketAddr = ready
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("ctl="))
+            .unwrap()
+            .parse()
+            .unwrap();
+        let s = TcpStream::connect(ctl).unwrap();
+        let mut p = Peer {
+            child,
+            ctl: BufReader::new(s.try_clone().unwrap()),
+            wr: s,
+            side: "127.0.0.1:1".parse().unwrap(),
+            region: RegionId(0),
+        };
+        p.side = p
+            .cmd(&format!("SETUP {} {BLOCK} random 1", LEN / BLOCK))
+            .parse()
+            .unwrap();
+        p.region = RegionId(p.cmd("REGION").parse().unwrap());
+        p
+    }
+
+    fn cmd(&mut self, c: &str) -> String {
+        writeln!(self.wr, "{c}").unwrap();
+        let mut l = String::new();
+        self.ctl.read_line(&mut l).unwrap();
+        assert!(l.starts_with("OK"), "{c}: {l}");
+        l[2..].trim().to_string()
+    }
+
+    fn kill(&mut self) {
+        // SAFETY: kill(2) on our own child's pid.
+        assert_eq!(
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) },
+            0
+        );
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn scenario(lanes: bool, op: XferOp) {
+    let tag = format!(
+        "{}-{op}-{}",
+        if lanes { "lane" } else { "ucx" },
+        std::process::id()
+    );
+    let agent = Agent::new(
+        AgentConfig::new(format!("survivor-{tag}"))
+            .transport(Transport::Tcp)
+            .lanes(lanes)
+            .net_devices("lo"),
+    )
+    .unwrap();
+    let region = agent
+        .register(HostBuffer::new(LEN as usize).unwrap())
+        .unwrap();
+    let name = format!("victim-{tag}");
+    let mut victim = Peer::start(&name);
+    let mut other = Peer::start(&format!("bystander-{tag}"));
+    assert_eq!(agent.connect(victim.side).unwrap(), name);
+    let bystander = agent.connect(other.side).unwrap();
+    let n = LEN / BLOCK;
+    let ld: Vec<Desc> = (0..n)
+        .map(|i| Desc::new(region.id(), i * BLOCK, BLOCK))
+        .collect();
+    let local = agent.prep_local(&ld).unwrap();
+    let remote_of = |r: RegionId| -> Vec<Desc> {
+        (0..n)
+            .rev()
+            .map(|i| Desc::new(r, i * BLOCK, BLOCK))
+            .collect()
+    };
+    let rl = agent.prep_remote(&name, &remote_of(victim.region)).unwrap();
+
+    // Kill the target while 512 MiB are on their way.
+    let deadline = Duration::from_secs(30);
+    let x = agent
+        .transfer_all(op, &local, &rl, None, Some(deadline))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let t = Instant::now();
+    victim.kill();
+    let r = x.wait();
+    let took = t.elapsed();
+    eprintln!(
+        "{tag}: after SIGKILL: {:?} in {took:?}",
+        r.as_ref().map(|s| s.bytes)
+    );
+    match &r {
+        Err(Error::PeerFailed { .. } | Error::LaneFailed { .. } | Error::Deadline { .. }) => {}
+        Ok(_) => {} // finished before the kill landed: allowed, rare
+        Err(e) => panic!("untyped failure: {e:?}"),
+    }
+    assert!(
+        took < Duration::from_secs(20),
+        "error took {took:?} (deadline {deadline:?})"
+    );
+    assert_eq!(
+        region.inflight(),
+        0,
+        "memory still pinned after the failure"
+    );
+
+    // The bystander is served as before.
+    let bl = agent
+        .prep_remote(&bystander, &remote_of(other.region))
+        .unwrap();
+    agent
+        .transfer_all(op, &local, &bl, None, Some(deadline))
+        .unwrap()
+        .wait()
+        .unwrap();
+
+    // The victim restarts with the same name: new metadata replaces the stale one; lists
+    // prepared against the dead one are refused, fresh ones work.
+    let mut again = Peer::start(&name);
+    assert_eq!(agent.connect(again.side).unwrap(), name);
+    let e = agent
+        .transfer_all(op, &local, &rl, None, Some(deadline))
+        .and_then(|x| x.wait())
+        .unwrap_err();
+    assert!(matches!(e, Error::StalePeer { .. }), "{e}");
+    let rl2 = agent.prep_remote(&name, &remote_of(again.region)).unwrap();
+    agent
+        .transfer_all(op, &local, &rl2, None, Some(deadline))
+        .unwrap()
+        .wait()
+        .unwrap();
+    let _ = again.cmd("QUIT");
+    let _ = other.cmd("QUIT");
+    agent.deregister(&region).unwrap();
+}
+
+#[test]
+fn sigkill_mid_write_over_the_tcp_lane() {
+    scenario(true, XferOp::Write);
+}
+
+#[test]
+fn sigkill_mid_read_over_the_tcp_lane() {
+    scenario(true, XferOp::Read);
+}
+
+#[test]
+fn sigkill_mid_write_over_ucx() {
+    scenario(false, XferOp::Write);
+}
+
+#[test]
+fn sigkill_mid_read_over_ucx() {
+    scenario(false, XferOp::Read);
+}
