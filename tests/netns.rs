@@ -12,6 +12,7 @@ struct Net {
     a: String,
     b: String,
     la: String,
+    lb: String,
 }
 
 fn sh(args: &[&str]) -> bool {
@@ -25,6 +26,10 @@ fn sh(args: &[&str]) -> bool {
 
 impl Net {
     fn new(tag: &str) -> Option<Net> {
+        Net::with_rate(tag, "1gbit")
+    }
+
+    fn with_rate(tag: &str, rate: &str) -> Option<Net> {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 || !sh(&["ip", "-V"]) || !sh(&["tc", "-V"]) {
             eprintln!("SKIP: network-namespace tests need root and iproute2 (ip, tc)");
@@ -35,8 +40,9 @@ impl Net {
             a: format!("kvx{id}a"),
             b: format!("kvx{id}b"),
             la: format!("kvx{id}x"),
+            lb: format!("kvx{id}y"),
         };
-        let lb = format!("kvx{id}y");
+        let lb = n.lb.clone();
         let ok = sh(&["ip", "netns", "add", &n.a])
             && sh(&["ip", "netns", "add", &n.b])
             && sh(&[
@@ -65,6 +71,13 @@ impl Net {
                 "rate", "1gbit", "burst", "256kb", "latency", "50ms",
             ]);
         assert!(ok, "setting up namespaces {} / {} failed", n.a, n.b);
+        n.wait_up(&lb);
+        Some(n)
+    }
+}
+
+impl Net {
+    fn wait_up(&self, lb: &str) {
         // The kernel's link watch reports the veth carrier up to a second later; UCX (and
         // anything else) skips an interface that is not running yet.
         let up = |ns: &str, dev: &str| {
@@ -80,11 +93,10 @@ impl Net {
                 .is_ok_and(|o| o.stdout.starts_with(b"up"))
         };
         let t = std::time::Instant::now();
-        while !(up(&n.a, &n.la) && up(&n.b, &lb)) {
+        while !(up(&self.a, &self.la) && up(&self.b, lb)) {
             assert!(t.elapsed().as_secs() < 10, "veth carrier did not come up");
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
-        Some(n)
     }
 }
 
@@ -177,4 +189,215 @@ fn tcp_lane_across_namespaces() {
 #[test]
 fn ucx_tcp_across_namespaces() {
     across("u", &["--ucx-only"], "ucx");
+}
+
+/// The initiator of the link-cut scenario. It runs as a child process of `link_cut` (this test
+/// binary re-executed inside the namespace with `ip netns exec`, so that UCX sees the
+/// namespace's devices); in a normal test run it does nothing.
+#[test]
+fn link_cut_child() {
+    use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, RegionId, Transport, XferOp};
+    use std::io::Write;
+    use std::time::{Duration, Instant};
+    let Ok(ctl) = std::env::var("KVX_LINKCUT_CTL") else {
+        return;
+    };
+    let dev = std::env::var("KVX_LINKCUT_DEV").unwrap();
+    let lanes = std::env::var("KVX_LINKCUT_LANES").unwrap() == "1";
+    const LEN: u64 = 64 << 20;
+    const BLOCK: u64 = 1 << 20;
+    let s = std::net::TcpStream::connect(ctl.as_str()).unwrap();
+    let mut rd = BufReader::new(s.try_clone().unwrap());
+    let mut wr = s;
+    let mut cmd = |c: &str| {
+        writeln!(wr, "{c}").unwrap();
+        let mut l = String::new();
+        rd.read_line(&mut l).unwrap();
+        assert!(l.starts_with("OK"), "{c}: {l}");
+        l[2..].trim().to_string()
+    };
+    let side: std::net::SocketAddr = cmd(&format!("SETUP {} {BLOCK} contiguous 1", LEN / BLOCK))
+        .parse()
+        .unwrap();
+    let rid = RegionId(cmd("REGION").parse().unwrap());
+    let agent = Agent::new(
+        AgentConfig::new(format!("cut-{}", std::process::id()))
+            .transport(Transport::Tcp)
+            .lanes(lanes)
+            .net_devices(dev),
+    )
+    .unwrap();
+    let region = agent
+        .register(HostBuffer::new(LEN as usize).unwrap())
+        .unwrap();
+    let peer = agent.connect(side).unwrap();
+    let n = LEN / BLOCK;
+    let ld: Vec<Desc> = (0..n)
+        .map(|i| Desc::new(region.id(), i * BLOCK, BLOCK))
+        .collect();
+    let rdesc: Vec<Desc> = (0..n)
+        .rev()
+        .map(|i| Desc::new(rid, i * BLOCK, BLOCK))
+        .collect();
+    let l = agent.prep_local(&ld).unwrap();
+    let r = agent.prep_remote(&peer, &rdesc).unwrap();
+    let x = agent
+        .transfer_all(XferOp::Write, &l, &r, None, Some(Duration::from_secs(4)))
+        .unwrap();
+    println!("KVX STARTED");
+    std::io::stdout().flush().unwrap();
+    let t = Instant::now();
+    let res = x.wait();
+    let typed = matches!(
+        res,
+        Err(Error::Deadline { .. } | Error::PeerFailed { .. } | Error::LaneFailed { .. })
+    );
+    println!(
+        "KVX RESULT typed={} ms={} pinned={} what={:?}",
+        typed as u8,
+        t.elapsed().as_millis(),
+        region.inflight(),
+        res.map(|s| s.bytes)
+    );
+    std::io::stdout().flush().unwrap();
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap(); // the link is up again
+    let t0 = Instant::now();
+    let again = loop {
+        let r1 = agent
+            .transfer(
+                XferOp::Write,
+                &l,
+                &[0, 1],
+                &r,
+                &[0, 1],
+                None,
+                Some(Duration::from_secs(5)),
+            )
+            .and_then(|x| x.wait());
+        if r1.is_ok() || t0.elapsed() > Duration::from_secs(30) {
+            break r1.map(|s| s.bytes);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    println!("KVX RECOVERED {:?} ms={}", again, t0.elapsed().as_millis());
+    let _ = cmd("QUIT");
+}
+
+fn link_cut(tag: &str, lanes: bool) {
+    use std::io::Write;
+    use std::time::Duration;
+    // 200 Mbit/s: 64 MiB take about 2.7 s, time enough to cut the link in the middle.
+    let Some(net) = Net::with_rate(tag, "200mbit") else {
+        return;
+    };
+    let bench = env!("CARGO_BIN_EXE_kvxfer-bench");
+    let mut peer = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &net.b,
+            bench,
+            "--listen",
+            "198.19.7.2:0",
+            "--transport",
+            "tcp",
+        ])
+        .args(["--net-devices", &net.lb])
+        .stdout(Stdio::piped())
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut ready = String::new();
+    BufReader::new(peer.stdout.take().unwrap())
+        .read_line(&mut ready)
+        .unwrap();
+    let ctl = ready
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("ctl="))
+        .unwrap()
+        .to_string();
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", &net.a])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "link_cut_child",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("KVX_LINKCUT_CTL", &ctl)
+        .env("KVX_LINKCUT_DEV", &net.la)
+        .env("KVX_LINKCUT_LANES", if lanes { "1" } else { "0" })
+        .stdout(Stdio::piped())
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut stdin = child.stdin.take().unwrap();
+    let next = |out: &mut BufReader<std::process::ChildStdout>, prefix: &str| -> String {
+        let mut l = String::new();
+        loop {
+            l.clear();
+            assert!(
+                out.read_line(&mut l).unwrap() > 0,
+                "child ended before {prefix}"
+            );
+            // libtest prints "test link_cut_child ... " before the test's own output.
+            if let Some(i) = l.find(prefix) {
+                return l[i + prefix.len()..].trim().to_string();
+            }
+        }
+    };
+    next(&mut out, "KVX STARTED");
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        sh(&["ip", "-n", &net.a, "link", "set", &net.la, "down"]),
+        "link down"
+    );
+    let res = next(&mut out, "KVX RESULT ");
+    assert!(
+        sh(&["ip", "-n", &net.a, "link", "set", &net.la, "up"]),
+        "link up"
+    );
+    net.wait_up(&net.lb);
+    writeln!(stdin, "up").unwrap();
+    let rec = next(&mut out, "KVX RECOVERED ");
+    let _ = child.wait();
+    let _ = peer.kill();
+    let _ = peer.wait();
+    eprintln!(
+        "link cut ({}): {res}; after link up: {rec}",
+        if lanes { "tcp lane" } else { "ucx" }
+    );
+    assert!(
+        res.contains("typed=1"),
+        "untyped result after the link cut: {res}"
+    );
+    assert!(res.contains("pinned=0"), "memory still pinned: {res}");
+    let ms: u64 = res
+        .split("ms=")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(ms < 8000, "the error took {ms} ms");
+    assert!(
+        rec.starts_with("Ok(2097152)"),
+        "no recovery after the link came back: {rec}"
+    );
+    drop(net);
+}
+
+#[test]
+fn link_cut_mid_transfer_tcp_lane() {
+    link_cut("c", true);
+}
+
+#[test]
+fn link_cut_mid_transfer_ucx() {
+    link_cut("d", false);
 }
