@@ -64,11 +64,11 @@ impl Net {
             && sh(&["ip", "-n", &n.b, "link", "set", &lb, "up"])
             && sh(&[
                 "ip", "netns", "exec", &n.a, "tc", "qdisc", "add", "dev", &n.la, "root", "tbf",
-                "rate", "1gbit", "burst", "256kb", "latency", "50ms",
+                "rate", rate, "burst", "256kb", "latency", "50ms",
             ])
             && sh(&[
                 "ip", "netns", "exec", &n.b, "tc", "qdisc", "add", "dev", &lb, "root", "tbf",
-                "rate", "1gbit", "burst", "256kb", "latency", "50ms",
+                "rate", rate, "burst", "256kb", "latency", "50ms",
             ]);
         assert!(ok, "setting up namespaces {} / {} failed", n.a, n.b);
         n.wait_up(&lb);

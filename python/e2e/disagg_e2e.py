@@ -75,8 +75,10 @@ def role_main(a):
         # idle steps let the worker publish and later report the blocks sent.
         sys.stdin.readline()
     elif a.role == "decode":
-        params = json.loads(sys.stdin.readline())
+        # The decode engine is up before the handoff arrives, as in a deployment.
         e = llm(a.model, "kv_consumer", a.rundir)
+        print("READY", flush=True)
+        params = json.loads(sys.stdin.readline())
         t = time.time()
         out = e.generate([prompt(a.prompt_tokens)], sp(a.max_tokens, params))[0]
         print(
@@ -120,9 +122,12 @@ def main():
     alone = spawn(a, "alone")
     ref = result(alone, "single engine")
     alone.wait()
+    dec = spawn(a, "decode")
+    for line in dec.stdout:
+        if line.startswith("READY"):
+            break
     pre = spawn(a, "prefill")
     params = result(pre, "prefill engine")["params"]
-    dec = spawn(a, "decode")
     dec.stdin.write(json.dumps(params) + "\n")
     dec.stdin.flush()
     got = result(dec, "decode engine")

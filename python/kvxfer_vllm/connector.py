@@ -39,6 +39,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from . import lib as kx
 
+try:
+    from vllm.logger import init_logger
+
+    logger = init_logger(__name__)
+except Exception:  # pragma: no cover
+    import logging
+
+    logger = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -319,6 +328,7 @@ class KvxferConnector(KVConnectorBase_V1):
                         recving.add(req)
                 while (fl := self.consumer.next_failed()) is not None:
                     req = self._by_handoff.pop(fl[0], fl[0])
+                    logger.warning("kvxfer: load of %s failed (%d blocks invalid): %s", req, len(fl[1]), fl[2])
                     self._load_errors.update(fl[1])
                     self._stats.data["failed"] += 1
                     self._silent.discard(req)
