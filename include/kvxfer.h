@@ -78,6 +78,9 @@ enum kvx_status
   KVX_STALE = 20,
   // The region was deregistered.
   KVX_DEREGISTERED = 21,
+  // A handle that this library did not make, or that was already freed (double free,
+  // use after free); nothing was done.
+  KVX_INVALID_HANDLE = 22,
 };
 #ifndef __cplusplus
 typedef uint32_t kvx_status;
@@ -297,13 +300,13 @@ kvx_status kvx_agent_alloc(const struct kvx_agent *a, size_t len, struct kvx_reg
 // `a` and `r` live.
 kvx_status kvx_agent_deregister(const struct kvx_agent *a, const struct kvx_region *r);
 
-// The region's id, as descriptors name it (`UINT32_MAX` for NULL).
+// The region's id, as descriptors name it (`UINT32_MAX` for NULL or a handle not live).
 //
 // # Safety
 // `r` NULL or live.
 uint32_t kvx_region_id(const struct kvx_region *r);
 
-// The region's base address (NULL for NULL).
+// The region's base address (NULL for NULL or a handle not live).
 //
 // # Safety
 // `r` NULL or live.

@@ -77,6 +77,9 @@ pub enum kvx_status {
     KVX_STALE = 20,
     /// The region was deregistered.
     KVX_DEREGISTERED = 21,
+    /// A handle that this library did not make, or that was already freed (double free,
+    /// use after free); nothing was done.
+    KVX_INVALID_HANDLE = 22,
 }
 
 /// Direction of a transfer, seen from the initiator.
@@ -246,6 +249,73 @@ pub struct kvx_consumer {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Live handles: every handle is checked before use and before free, so that a double free or
+// a use after free through the C ABI is a status code, not memory corruption. (An address the
+// allocator reuses for a new handle of the same type is indistinguishable: that is the limit.)
+// ---------------------------------------------------------------------------------------------
+
+/// Handle types, tagged for the registry.
+trait Kind {
+    const KIND: u8;
+    const NAME: &'static str;
+}
+
+macro_rules! kinds {
+    ($($t:ident = $k:expr),*) => {$(
+        impl Kind for $t {
+            const KIND: u8 = $k;
+            const NAME: &'static str = stringify!($t);
+        }
+    )*};
+}
+kinds!(
+    kvx_agent = 1,
+    kvx_region = 2,
+    kvx_local_list = 3,
+    kvx_remote_list = 4,
+    kvx_transfer = 5,
+    kvx_producer = 6,
+    kvx_consumer = 7
+);
+
+fn live() -> std::sync::MutexGuard<'static, std::collections::HashSet<(usize, u8)>> {
+    static LIVE: std::sync::OnceLock<std::sync::Mutex<std::collections::HashSet<(usize, u8)>>> =
+        std::sync::OnceLock::new();
+    LIVE.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// Boxes a handle and records it as live.
+fn new_handle<T: Kind>(v: T) -> *mut T {
+    let p = Box::into_raw(Box::new(v));
+    live().insert((p as usize, T::KIND));
+    p
+}
+
+/// Frees a live handle; a NULL, foreign or already freed one is refused (recorded in the last
+/// error) and left alone.
+///
+/// # Safety
+/// `p` is NULL or a pointer this library returned (possibly already freed).
+unsafe fn free_handle<T: Kind>(p: *mut T, fname: &str) {
+    if p.is_null() {
+        return;
+    }
+    let known = live().remove(&(p as usize, T::KIND));
+    if !known {
+        set_error(format!(
+            "{fname}: {} {p:p} is not live (double free?); ignored",
+            T::NAME
+        ));
+        return;
+    }
+    // SAFETY: p was made by new_handle (Box::into_raw) and was live until the removal above,
+    // which happens once.
+    let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(p) })));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Errors and the panic boundary
 // ---------------------------------------------------------------------------------------------
 
@@ -372,11 +442,45 @@ unsafe fn put(src: &[u8], buf: *mut u8, cap: usize, out_len: *mut usize) -> Resu
     Ok(())
 }
 
+/// A caller's input struct (not a handle).
+///
 /// # Safety
-/// `p` is NULL or a handle made by this library and not freed.
-unsafe fn handle<'a, T>(p: *const T, name: &str) -> Result<&'a T, Fail> {
-    // SAFETY: per the caller's contract.
+/// `p` is NULL or valid for reads of a `T`.
+unsafe fn plain<'a, T>(p: *const T, name: &str) -> Result<&'a T, Fail> {
+    // SAFETY: per this function's contract.
     unsafe { p.as_ref() }.ok_or_else(|| null(name))
+}
+
+/// A live handle of type `T`, or why not.
+///
+/// # Safety
+/// `p` is NULL or a pointer this library returned (freed ones are refused, not dereferenced).
+unsafe fn handle<'a, T: Kind>(p: *const T, name: &str) -> Result<&'a T, Fail> {
+    if p.is_null() {
+        return Err(null(name));
+    }
+    if !live().contains(&(p as usize, T::KIND)) {
+        return Err(fail(
+            kvx_status::KVX_INVALID_HANDLE,
+            format!(
+                "{name} is not a live {} (freed, or not from this library)",
+                T::NAME
+            ),
+        ));
+    }
+    // SAFETY: live: made by new_handle and not freed.
+    Ok(unsafe { &*p })
+}
+
+/// As `handle`, mutably.
+///
+/// # Safety
+/// As `handle`; the caller does not use the handle from two threads at once.
+unsafe fn handle_mut<'a, T: Kind>(p: *mut T, name: &str) -> Result<&'a mut T, Fail> {
+    // SAFETY: per this function's contract.
+    unsafe { handle(p, name) }?;
+    // SAFETY: checked live above; exclusivity per the contract.
+    Ok(unsafe { &mut *p })
 }
 
 fn ms(v: u64) -> Option<Duration> {
@@ -444,6 +548,7 @@ pub extern "C" fn kvx_status_name(s: kvx_status) -> *const c_char {
         KVX_IN_PROGRESS => "KVX_IN_PROGRESS\0",
         KVX_STALE => "KVX_STALE\0",
         KVX_DEREGISTERED => "KVX_DEREGISTERED\0",
+        KVX_INVALID_HANDLE => "KVX_INVALID_HANDLE\0",
     };
     n.as_ptr().cast()
 }
@@ -482,9 +587,9 @@ pub unsafe extern "C" fn kvx_agent_new(
             cfg = cfg.budget(MemoryBudget::new(budget_bytes));
         }
         let a = Agent::new(cfg)?;
-        let h = Box::new(kvx_agent { inner: Arc::new(a) });
+        let h = new_handle(kvx_agent { inner: Arc::new(a) });
         // SAFETY: out non-NULL and valid per the contract.
-        unsafe { *out = Box::into_raw(h) };
+        unsafe { *out = h };
         Ok(())
     })
 }
@@ -496,10 +601,8 @@ pub unsafe extern "C" fn kvx_agent_new(
 /// `a` is NULL or from `kvx_agent_new`, not freed before.
 #[no_mangle]
 pub unsafe extern "C" fn kvx_agent_free(a: *mut kvx_agent) {
-    if !a.is_null() {
-        // SAFETY: made by Box::into_raw in kvx_agent_new, freed once per the contract.
-        let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(a) })));
-    }
+    // SAFETY: per this function's contract; free_handle refuses what is not live.
+    unsafe { free_handle(a, "kvx_agent_free") }
 }
 
 /// Listens for peers' metadata exchange on `addr` ("127.0.0.1:0" picks a port); writes the
@@ -625,7 +728,7 @@ pub unsafe extern "C" fn kvx_agent_register(
         // SAFETY: the caller guarantees validity and lifetime (this function's contract).
         let r = unsafe { a.inner.register_raw(ptr.cast(), len, kind) }?;
         // SAFETY: out non-NULL, valid.
-        unsafe { *out = Box::into_raw(Box::new(kvx_region { inner: r })) };
+        unsafe { *out = new_handle(kvx_region { inner: r }) };
         Ok(())
     })
 }
@@ -650,7 +753,7 @@ pub unsafe extern "C" fn kvx_agent_alloc(
         }
         let r = a.inner.register(HostBuffer::new(len)?)?;
         // SAFETY: out non-NULL, valid.
-        unsafe { *out = Box::into_raw(Box::new(kvx_region { inner: r })) };
+        unsafe { *out = new_handle(kvx_region { inner: r }) };
         Ok(())
     })
 }
@@ -674,24 +777,24 @@ pub unsafe extern "C" fn kvx_agent_deregister(
     })
 }
 
-/// The region's id, as descriptors name it (`UINT32_MAX` for NULL).
+/// The region's id, as descriptors name it (`UINT32_MAX` for NULL or a handle not live).
 ///
 /// # Safety
 /// `r` NULL or live.
 #[no_mangle]
 pub unsafe extern "C" fn kvx_region_id(r: *const kvx_region) -> u32 {
     // SAFETY: per this function's contract.
-    unsafe { r.as_ref() }.map_or(u32::MAX, |r| r.inner.id().0)
+    unsafe { handle(r, "region") }.map_or(u32::MAX, |r| r.inner.id().0)
 }
 
-/// The region's base address (NULL for NULL).
+/// The region's base address (NULL for NULL or a handle not live).
 ///
 /// # Safety
 /// `r` NULL or live.
 #[no_mangle]
 pub unsafe extern "C" fn kvx_region_ptr(r: *const kvx_region) -> *mut c_void {
     // SAFETY: per this function's contract.
-    unsafe { r.as_ref() }.map_or(std::ptr::null_mut(), |r| r.inner.addr() as *mut c_void)
+    unsafe { handle(r, "region") }.map_or(std::ptr::null_mut(), |r| r.inner.addr() as *mut c_void)
 }
 
 /// Frees a region handle (NULL ignored). Owned memory is released once it is deregistered (or
@@ -701,10 +804,8 @@ pub unsafe extern "C" fn kvx_region_ptr(r: *const kvx_region) -> *mut c_void {
 /// `r` NULL or from this library, not freed before.
 #[no_mangle]
 pub unsafe extern "C" fn kvx_region_free(r: *mut kvx_region) {
-    if !r.is_null() {
-        // SAFETY: made by Box::into_raw here, freed once.
-        let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(r) })));
-    }
+    // SAFETY: per this function's contract; free_handle refuses what is not live.
+    unsafe { free_handle(r, "kvx_region_free") }
 }
 
 fn descs(d: &[kvx_desc]) -> Vec<Desc> {
@@ -734,7 +835,7 @@ pub unsafe extern "C" fn kvx_agent_prep_local(
         }
         let l = a.inner.prep_local(&descs(d))?;
         // SAFETY: out valid.
-        unsafe { *out = Box::into_raw(Box::new(kvx_local_list { inner: l })) };
+        unsafe { *out = new_handle(kvx_local_list { inner: l }) };
         Ok(())
     })
 }
@@ -763,7 +864,7 @@ pub unsafe extern "C" fn kvx_agent_prep_remote(
         }
         let l = a.inner.prep_remote(peer, &descs(d))?;
         // SAFETY: out valid.
-        unsafe { *out = Box::into_raw(Box::new(kvx_remote_list { inner: l })) };
+        unsafe { *out = new_handle(kvx_remote_list { inner: l }) };
         Ok(())
     })
 }
@@ -774,10 +875,8 @@ pub unsafe extern "C" fn kvx_agent_prep_remote(
 /// NULL or from this library, once.
 #[no_mangle]
 pub unsafe extern "C" fn kvx_local_list_free(l: *mut kvx_local_list) {
-    if !l.is_null() {
-        // SAFETY: made by Box::into_raw here, freed once.
-        let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(l) })));
-    }
+    // SAFETY: per this function's contract; free_handle refuses what is not live.
+    unsafe { free_handle(l, "kvx_local_list_free") }
 }
 
 /// Frees a remote list (NULL ignored).
@@ -786,10 +885,8 @@ pub unsafe extern "C" fn kvx_local_list_free(l: *mut kvx_local_list) {
 /// NULL or from this library, once.
 #[no_mangle]
 pub unsafe extern "C" fn kvx_remote_list_free(l: *mut kvx_remote_list) {
-    if !l.is_null() {
-        // SAFETY: made by Box::into_raw here, freed once.
-        let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(l) })));
-    }
+    // SAFETY: per this function's contract; free_handle refuses what is not live.
+    unsafe { free_handle(l, "kvx_remote_list_free") }
 }
 
 /// Starts a transfer of the pairs `(local[li[k]], remote[ri[k]])`, k < n; `li` and `ri` NULL:
@@ -859,7 +956,7 @@ pub unsafe extern "C" fn kvx_agent_transfer(
             result: None,
         };
         // SAFETY: out valid.
-        unsafe { *out = Box::into_raw(Box::new(h)) };
+        unsafe { *out = new_handle(h) };
         Ok(())
     })
 }
@@ -926,7 +1023,7 @@ pub unsafe extern "C" fn kvx_transfer_poll(
 ) -> kvx_status {
     guard("kvx_transfer_poll", || {
         // SAFETY: per this function's contract.
-        let t = unsafe { t.as_mut() }.ok_or_else(|| null("transfer"))?;
+        let t = unsafe { handle_mut(t, "transfer") }?;
         match settle(t, Duration::ZERO) {
             Ok(()) => report(t, stats),
             Err(f) => Err(f),
@@ -946,7 +1043,7 @@ pub unsafe extern "C" fn kvx_transfer_wait(
 ) -> kvx_status {
     guard("kvx_transfer_wait", || {
         // SAFETY: per this function's contract.
-        let t = unsafe { t.as_mut() }.ok_or_else(|| null("transfer"))?;
+        let t = unsafe { handle_mut(t, "transfer") }?;
         let timeout = ms(timeout_ms).unwrap_or(Duration::from_secs(u32::MAX as u64));
         match settle(t, timeout) {
             Ok(()) => report(t, stats),
@@ -968,7 +1065,7 @@ pub unsafe extern "C" fn kvx_transfer_wait(
 pub unsafe extern "C" fn kvx_transfer_cancel(t: *mut kvx_transfer) -> kvx_status {
     guard("kvx_transfer_cancel", || {
         // SAFETY: per this function's contract.
-        let t = unsafe { t.as_mut() }.ok_or_else(|| null("transfer"))?;
+        let t = unsafe { handle_mut(t, "transfer") }?;
         if let Some(x) = t.inner.take() {
             t.result = Some(x.cancel().map_err(|e| (status_of(&e), e.to_string())));
         }
@@ -983,10 +1080,8 @@ pub unsafe extern "C" fn kvx_transfer_cancel(t: *mut kvx_transfer) -> kvx_status
 /// NULL or from this library, once.
 #[no_mangle]
 pub unsafe extern "C" fn kvx_transfer_free(t: *mut kvx_transfer) {
-    if !t.is_null() {
-        // SAFETY: made by Box::into_raw here, freed once.
-        let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(t) })));
-    }
+    // SAFETY: per this function's contract; free_handle refuses what is not live.
+    unsafe { free_handle(t, "kvx_transfer_free") }
 }
 
 /// Sends a notification alone to `peer` (ordered after earlier completed transfers to it).
@@ -1191,7 +1286,7 @@ pub unsafe extern "C" fn kvx_layout_compat_hash(
     let mut h = 0;
     let s = guard("kvx_layout_compat_hash", || {
         // SAFETY: per this function's contract.
-        let l = unsafe { handle(layout, "layout") }?;
+        let l = unsafe { plain(layout, "layout") }?;
         // SAFETY: as above.
         let b = unsafe { slice(bases, l.layers as usize, "bases") }?;
         h = layout_of(l, b)?.compat_hash();
@@ -1222,7 +1317,7 @@ pub unsafe extern "C" fn kvx_producer_new(
         // SAFETY: per this function's contract.
         let a = unsafe { handle(a, "agent") }?;
         // SAFETY: as above.
-        let l = unsafe { handle(layout, "layout") }?;
+        let l = unsafe { plain(layout, "layout") }?;
         // SAFETY: as above.
         let b = unsafe { slice(bases, l.layers as usize, "bases") }?;
         if out.is_null() {
@@ -1247,7 +1342,7 @@ pub unsafe extern "C" fn kvx_producer_new(
         let cfg = config_of(unsafe { cfg.as_ref() });
         let p = Producer::new(a.inner.clone(), layout_of(l, b)?, cfg, side)?;
         // SAFETY: out valid.
-        unsafe { *out = Box::into_raw(Box::new(kvx_producer { inner: p })) };
+        unsafe { *out = new_handle(kvx_producer { inner: p }) };
         Ok(())
     })
 }
@@ -1258,10 +1353,8 @@ pub unsafe extern "C" fn kvx_producer_new(
 /// NULL or from this library, once.
 #[no_mangle]
 pub unsafe extern "C" fn kvx_producer_free(p: *mut kvx_producer) {
-    if !p.is_null() {
-        // SAFETY: made by Box::into_raw here, freed once.
-        let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(p) })));
-    }
+    // SAFETY: per this function's contract; free_handle refuses what is not live.
+    unsafe { free_handle(p, "kvx_producer_free") }
 }
 
 /// Holds `blocks` of `request` for consumers; writes the handoff (bytes to pass to the
@@ -1420,7 +1513,7 @@ pub unsafe extern "C" fn kvx_consumer_new(
         // SAFETY: per this function's contract.
         let a = unsafe { handle(a, "agent") }?;
         // SAFETY: as above.
-        let l = unsafe { handle(layout, "layout") }?;
+        let l = unsafe { plain(layout, "layout") }?;
         // SAFETY: as above.
         let b = unsafe { slice(bases, l.layers as usize, "bases") }?;
         if out.is_null() {
@@ -1430,7 +1523,7 @@ pub unsafe extern "C" fn kvx_consumer_new(
         let cfg = config_of(unsafe { cfg.as_ref() });
         let c = Consumer::new(a.inner.clone(), layout_of(l, b)?, cfg)?;
         // SAFETY: out valid.
-        unsafe { *out = Box::into_raw(Box::new(kvx_consumer { inner: c })) };
+        unsafe { *out = new_handle(kvx_consumer { inner: c }) };
         Ok(())
     })
 }
@@ -1441,10 +1534,8 @@ pub unsafe extern "C" fn kvx_consumer_new(
 /// NULL or from this library, once.
 #[no_mangle]
 pub unsafe extern "C" fn kvx_consumer_free(c: *mut kvx_consumer) {
-    if !c.is_null() {
-        // SAFETY: made by Box::into_raw here, freed once.
-        let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(c) })));
-    }
+    // SAFETY: per this function's contract; free_handle refuses what is not live.
+    unsafe { free_handle(c, "kvx_consumer_free") }
 }
 
 /// Starts loading a handoff into `local_blocks` (pairs with the producer's last blocks; the

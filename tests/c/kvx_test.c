@@ -305,6 +305,13 @@ int main(int argc, char **argv) {
   kvx_remote_list_free(r2);
   kvx_region_free(r);
   kvx_region_free(pr);
+  /* Double free and use after free are refused, not undefined behaviour. */
+  kvx_region_free(r);
+  if (kvx_last_error(msg, sizeof msg) == 0 || !strstr(msg, "not live")) die("double free not reported", KVX_OK);
+  EXPECT(kvx_agent_deregister(a, r), KVX_INVALID_HANDLE);
+  if (kvx_region_id(r) != UINT32_MAX) die("region id of a freed handle", KVX_OK);
+  kvx_agent_free(a);
+  EXPECT(kvx_agent_metadata(a, small, sizeof small, &need), KVX_INVALID_HANDLE);
   kvx_agent_free(a);
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     fprintf(stderr, "child failed\n");
