@@ -120,6 +120,10 @@ struct Args {
     /// Run against a peer started with --listen at this control address.
     #[arg(long)]
     connect: Option<SocketAddr>,
+    /// Soak: this many transfers alternating READ and WRITE (after the warm-up), every 100th
+    /// verified byte for byte, RSS of both processes reported (JSON fields `soak_*`).
+    #[arg(long, default_value_t = 0)]
+    soak: usize,
     /// Seed for placement and data.
     #[arg(long, default_value_t = 42)]
     seed: u64,
@@ -427,7 +431,11 @@ fn serve(args: &Args, addr: SocketAddr) -> Result<(), BoxErr> {
     let mut agent = Agent::new(agent_config(args, &transport, "peer", local))?;
     let ip = ctl.local_addr()?.ip();
     let side = agent.listen(SocketAddr::new(ip, 0))?;
-    println!("KVXFER-BENCH READY ctl={} side={side}", ctl.local_addr()?);
+    println!(
+        "KVXFER-BENCH READY ctl={} side={side} pid={}",
+        ctl.local_addr()?,
+        std::process::id()
+    );
     std::io::stdout().flush()?;
     let mut state = PeerState {
         region: None,
@@ -631,6 +639,19 @@ fn spawn_peer(args: &Args, transport: &str) -> Result<(Peer, SocketAddr), BoxErr
         .ok_or_else(|| format!("peer did not start: {l:?}"))?
         .parse()?;
     Ok((peer, ctl))
+}
+
+/// Resident set size of a process, bytes.
+fn rss(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .unwrap_or(0)
+        * 1024
 }
 
 fn cases(args: &Args) -> Result<Vec<Case>, BoxErr> {
@@ -876,7 +897,14 @@ fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         .collect();
 
     let data_seed = args.seed.wrapping_add(1);
+    if args.soak > 0 {
+        // Both sides hold the same blocks: READs and WRITEs keep them equal, so any byte a
+        // transfer puts in the wrong place shows up in the periodic checks.
+        fill(&region, &lslots, bs, data_seed)?;
+        ctl.cmd(&format!("FILL {data_seed}"))?;
+    }
     let op = match case.op {
+        _ if args.soak > 0 => XferOp::Write,
         Op::Write => {
             fill(&region, &lslots, bs, data_seed)?;
             ctl.cmd("CLEAR")?;
@@ -892,9 +920,12 @@ fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
     let mut ops = 0;
     let mut lane = kvxfer::Lane::Ucx;
     let mut post_ms = Vec::new();
-    let total = args.warmup + args.iters;
+    let total = args.warmup + if args.soak > 0 { args.soak } else { args.iters };
     let mut bar = Progress::new(!args.json && std::io::stderr().is_terminal());
+    let peer_pid = _peer.as_ref().map(|p| p.0.id());
+    let (mut rss10, mut checks, mut bad_checks) = ((0u64, 0u64), 0usize, 0usize);
     for i in 0..total {
+        let op = if args.soak > 0 && i % 2 == 1 { XferOp::Read } else { op };
         let t = Instant::now();
         let xs = sel
             .iter()
@@ -924,8 +955,23 @@ fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
             post_ms.push(post);
         }
         bar.tick(i + 1, total, "iterations");
+        if args.soak > 0 {
+            let k = i + 1 - args.warmup.min(i + 1);
+            if k == 10 {
+                rss10 = (rss(std::process::id()), peer_pid.map_or(0, rss));
+            }
+            if k > 0 && k % 100 == 0 {
+                checks += 1;
+                let ok = match op {
+                    XferOp::Write => ctl.cmd(&format!("VERIFY {data_seed}"))? == "true",
+                    XferOp::Read => verify(&region, &lslots, bs, data_seed)?,
+                };
+                bad_checks += usize::from(!ok);
+            }
+        }
     }
     bar.end();
+    let soak_rss_end = (rss(std::process::id()), peer_pid.map_or(0, rss));
     let verified = match op {
         XferOp::Write => ctl.cmd(&format!("VERIFY {data_seed}"))? == "true",
         XferOp::Read => verify(&region, &lslots, bs, data_seed)?,
@@ -967,6 +1013,17 @@ fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         "prep_ms": prep_ms,
         "verified": verified,
     });
+    if args.soak > 0 {
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        j["soak_transfers"] = args.soak.into();
+        j["soak_checks"] = checks.into();
+        j["soak_bad_checks"] = bad_checks.into();
+        j["soak_rss_self_mib_after10"] = mib(rss10.0).into();
+        j["soak_rss_self_mib_end"] = mib(soak_rss_end.0).into();
+        j["soak_rss_peer_mib_after10"] = mib(rss10.1).into();
+        j["soak_rss_peer_mib_end"] = mib(soak_rss_end.1).into();
+        j["verified"] = (verified && bad_checks == 0).into();
+    }
     if let (Some(m), Some(t)) = (memcpy_ms, tcp_ms) {
         j["memcpy_ms"] = m.into();
         j["tcp_ms"] = t.into();
