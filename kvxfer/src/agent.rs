@@ -191,6 +191,11 @@ impl AgentConfig {
 
     fn ucx_settings(&self) -> Vec<(String, String)> {
         let mut v = vec![("TLS".to_string(), self.transport.ucx_tls())];
+        // kvxfer registers its regions explicitly; UCX's registration cache only serves
+        // implicit registrations, and its default limits are infinite (memory grows with
+        // every buffer UCX ever saw). Bounded here; `AgentConfig::ucx` overrides.
+        v.push(("?IB_RCACHE_MAX_SIZE".into(), "4G".into()));
+        v.push(("?IB_RCACHE_MAX_REGIONS".into(), "65536".into()));
         if let Some(d) = &self.net_devices {
             v.push(("NET_DEVICES".into(), d.clone()));
         }

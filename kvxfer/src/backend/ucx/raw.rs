@@ -101,6 +101,12 @@ pub(crate) fn context_new(
         unsafe { sys::ucp_config_release(cfg) }
     };
     for (k, v) in settings {
+        // A "?" prefix marks a setting that only some UCX builds know (e.g. of the IB
+        // component): applied where it exists, skipped where it does not.
+        let (k, optional) = match k.strip_prefix('?') {
+            Some(k) => (k.to_string(), true),
+            None => (k.clone(), false),
+        };
         let (ck, cv) = match (CString::new(k.as_str()), CString::new(v.as_str())) {
             (Ok(a), Ok(b)) => (a, b),
             _ => {
@@ -110,6 +116,9 @@ pub(crate) fn context_new(
         };
         // SAFETY: cfg is live; ck/cv are NUL-terminated and outlive the call (UCX copies).
         if let Err(s) = check(unsafe { sys::ucp_config_modify(cfg, ck.as_ptr(), cv.as_ptr()) }) {
+            if optional {
+                continue;
+            }
             release(cfg);
             return Err((format!("ucp_config_modify({k}={v})"), s));
         }
