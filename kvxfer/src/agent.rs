@@ -194,8 +194,19 @@ impl AgentConfig {
         // kvxfer registers its regions explicitly; UCX's registration cache only serves
         // implicit registrations, and its default limits are infinite (memory grows with
         // every buffer UCX ever saw). Bounded here; `AgentConfig::ucx` overrides.
-        v.push(("?IB_RCACHE_MAX_SIZE".into(), "4G".into()));
-        v.push(("?IB_RCACHE_MAX_REGIONS".into(), "65536".into()));
+        let ib = match &self.transport {
+            Transport::Auto => true,
+            Transport::Custom(l) => ["rc", "ud", "dc", "ib", "all"]
+                .iter()
+                .any(|t| l.split(',').any(|x| x.trim().starts_with(t))),
+            Transport::Tcp | Transport::Shm => false,
+        };
+        if ib {
+            // Only where IB transports may be used: UCX warns about settings no transport
+            // of the context consumed.
+            v.push(("?IB_RCACHE_MAX_SIZE".into(), "4G".into()));
+            v.push(("?IB_RCACHE_MAX_REGIONS".into(), "65536".into()));
+        }
         if let Some(d) = &self.net_devices {
             v.push(("NET_DEVICES".into(), d.clone()));
         }
@@ -436,9 +447,25 @@ impl Agent {
             return Err(Error::InvalidArgument("registering 0 bytes".into()));
         }
         if let MemKind::Cuda(d) = kind {
-            return Err(Error::InvalidArgument(format!(
-                "CUDA memory (device {d}) needs the `cuda` feature and a CUDA-aware UCX"
-            )));
+            #[cfg(not(feature = "cuda"))]
+            return Err(Error::Cuda {
+                device: d,
+                why: "kvxfer was built without the `cuda` feature".into(),
+            });
+            #[cfg(feature = "cuda")]
+            {
+                crate::cuda::probe(d)?;
+                if !crate::cuda::ucx_supports_cuda() {
+                    return Err(Error::Cuda {
+                        device: d,
+                        why: format!(
+                            "UCX {} has no CUDA transports (cuda_copy/cuda_ipc): use a CUDA-aware \
+                             UCX (KVXFER_UCX=wheel) or stage through host memory (kvxfer::staging)",
+                            self.shared.ucx_version
+                        ),
+                    });
+                }
+            }
         }
         let id = RegionId(self.shared.next_region.fetch_add(1, Ordering::Relaxed));
         let shm = backing.as_ref().and_then(Memory::shm_handle);

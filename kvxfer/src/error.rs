@@ -273,6 +273,15 @@ pub enum Error {
     /// Allocation failed or the memory budget is exhausted.
     #[error("out of memory: {0}")]
     OutOfMemory(String),
+    /// CUDA is not usable for this registration (no driver, no such device, or a UCX that
+    /// cannot move device memory).
+    #[error("CUDA device {device}: {why}")]
+    Cuda {
+        /// Device ordinal.
+        device: u32,
+        /// What is missing.
+        why: String,
+    },
     /// The side-channel handshake failed authentication (no, or another, shared secret): no
     /// metadata was exchanged.
     #[error("side channel with {peer}: authentication failed: {why}")]

@@ -29,6 +29,8 @@ pub mod agent;
 pub(crate) mod backend;
 pub mod budget;
 pub mod connector;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod descriptor;
 pub mod discovery;
 pub mod error;
@@ -39,6 +41,7 @@ pub mod memory;
 pub mod metadata;
 pub mod notify;
 pub mod planning;
+pub mod staging;
 pub mod telemetry;
 pub mod transfer;
 

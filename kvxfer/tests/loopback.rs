@@ -463,3 +463,16 @@ fn tcp_lane_buffers_are_charged_to_the_budgets() {
         .unwrap_err();
     assert!(matches!(e, Error::OutOfMemory(_)), "{e}");
 }
+
+#[test]
+fn cuda_memory_without_a_gpu_or_cuda_ucx_is_a_typed_error() {
+    let a = Agent::new(AgentConfig::new(format!("cuda-{}", std::process::id())).net_devices("lo"))
+        .unwrap();
+    let mut fake = vec![0u8; 4096];
+    // SAFETY: the pointer is valid host memory; registration is refused before any use.
+    let r = unsafe { a.register_raw(fake.as_mut_ptr(), fake.len(), kvxfer::MemKind::Cuda(0)) };
+    match r {
+        Err(Error::Cuda { device: 0, why }) => eprintln!("as expected here: {why}"),
+        other => panic!("expected Error::Cuda, got {other:?}"),
+    }
+}

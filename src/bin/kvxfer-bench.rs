@@ -925,7 +925,11 @@ fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
     let peer_pid = _peer.as_ref().map(|p| p.0.id());
     let (mut rss10, mut checks, mut bad_checks) = ((0u64, 0u64), 0usize, 0usize);
     for i in 0..total {
-        let op = if args.soak > 0 && i % 2 == 1 { XferOp::Read } else { op };
+        let op = if args.soak > 0 && i % 2 == 1 {
+            XferOp::Read
+        } else {
+            op
+        };
         let t = Instant::now();
         let xs = sel
             .iter()
@@ -960,7 +964,7 @@ fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
             if k == 10 {
                 rss10 = (rss(std::process::id()), peer_pid.map_or(0, rss));
             }
-            if k > 0 && k % 100 == 0 {
+            if k > 0 && k.is_multiple_of(100) {
                 checks += 1;
                 let ok = match op {
                     XferOp::Write => ctl.cmd(&format!("VERIFY {data_seed}"))? == "true",

@@ -88,6 +88,10 @@ pub(crate) struct Job {
     pub(crate) lane_stats: Option<crate::transfer::XferStats>,
 }
 
+/// Memory types the last UCX context created in this process supports (UCX's CUDA support is
+/// a property of the loaded UCX library and its configuration, the same for all agents).
+pub(crate) static MEMORY_TYPES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 /// Wakes the engine from any thread (`ucp_worker_signal`), valid until the worker is gone.
 pub(crate) struct WorkerWaker {
     worker: Arc<RwLock<Option<WorkerPtr>>>,
@@ -268,6 +272,9 @@ impl Engine {
                 status,
             }
         })?;
+        // SAFETY: ctx is live (just created).
+        let memory_types = unsafe { raw::context_memory_types(ctx) };
+        MEMORY_TYPES.store(memory_types, std::sync::atomic::Ordering::Relaxed);
         // SAFETY: ctx is live (just created).
         let worker = match unsafe { raw::worker_new(ctx) } {
             Ok(w) => w,

@@ -141,6 +141,29 @@ pub(crate) fn context_new(
     Ok(ctx)
 }
 
+/// Memory types the context can move (`ucp_context_query`, bit `1 << ucs_memory_type`);
+/// CUDA appears only with a CUDA-aware UCX (`cuda_copy` / `cuda_ipc` transports).
+///
+/// # Safety
+/// 1. `ctx` is a live context.
+pub(crate) unsafe fn context_memory_types(ctx: ucp_context_h) -> u64 {
+    let mut attr = sys::ucp_context_attr_t {
+        field_mask: sys::UCP_ATTR_FIELD_MEMORY_TYPES as u64,
+        ..Default::default()
+    };
+    // SAFETY: ctx live (contract 1); attr is a valid, initialised out struct.
+    match check(unsafe { sys::ucp_context_query(ctx, &mut attr) }) {
+        Ok(()) => attr.memory_types,
+        Err(_) => 1, // host only
+    }
+}
+
+/// Whether `memory_types` includes CUDA device memory.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn supports_cuda(memory_types: u64) -> bool {
+    memory_types & (1u64 << sys::UCS_MEMORY_TYPE_CUDA) != 0
+}
+
 /// `ucp_cleanup`.
 ///
 /// # Safety
