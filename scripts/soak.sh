@@ -17,14 +17,13 @@ for t in shm tcp; do
   echo "$out" | python3 -c '
 import json, sys
 j = json.loads(sys.stdin.read())
-g_self = j["soak_rss_self_mib_end"] - j["soak_rss_self_mib_after10"]
-g_peer = j["soak_rss_peer_mib_end"] - j["soak_rss_peer_mib_after10"]
-ok = j["verified"] and j["soak_bad_checks"] == 0 and g_self <= 1.0 and g_peer <= 1.0
-print(f"soak {j[\"transport_requested\"]} ({j[\"lane\"]} lane): {j[\"soak_transfers\"]} transfers of {j[\"bytes\"]} B, "
-      f"{j[\"soak_checks\"]} checks, {j[\"soak_bad_checks\"]} bad; median {j[\"median_ms\"]:.1f} ms; "
-      f"RSS self {j[\"soak_rss_self_mib_after10\"]:.1f} -> {j[\"soak_rss_self_mib_end\"]:.1f} MiB ({g_self:+.2f}), "
-      f"peer {j[\"soak_rss_peer_mib_after10\"]:.1f} -> {j[\"soak_rss_peer_mib_end\"]:.1f} MiB ({g_peer:+.2f}): "
-      + ("ok" if ok else "FAILED"))
+a, b = j["soak_rss_self_mib_after10"], j["soak_rss_self_mib_end"]
+c, d = j["soak_rss_peer_mib_after10"], j["soak_rss_peer_mib_end"]
+ok = j["verified"] and j["soak_bad_checks"] == 0 and b - a <= 1.0 and d - c <= 1.0
+print("soak %s (%s lane): %d transfers of %d B, %d checks, %d bad; median %.1f ms; "
+      "RSS self %.1f -> %.1f MiB (%+.2f), peer %.1f -> %.1f MiB (%+.2f): %s" % (
+      j["transport_requested"], j["lane"], j["soak_transfers"], j["bytes"], j["soak_checks"],
+      j["soak_bad_checks"], j["median_ms"], a, b, b - a, c, d, d - c, "ok" if ok else "FAILED"))
 sys.exit(0 if ok else 1)
 ' || status=1
 done
