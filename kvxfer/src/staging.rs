@@ -4,6 +4,8 @@
 //! and copy the next chunk meanwhile (two chunks per transfer). More concurrent transfers wait
 //! for chunks; nothing else is ever allocated, so memory stays at the pool's size whatever the
 //! concurrency (the seed's failure: host staging buffers grew with concurrency x KV size).
+//! A transfer never waits for a chunk while it holds one, so concurrent transfers cannot
+//! deadlock on the pool.
 //!
 //! The device side is a [`CopyEngine`]: CUDA copies on a stream with the `cuda` feature, or
 //! [`HostCopyEngine`], where "device" memory is host memory (tests, CPU-only engines).
@@ -145,6 +147,14 @@ impl StagingPool {
         }
     }
 
+    fn try_acquire(&self) -> Option<usize> {
+        let mut f = self.lock();
+        let c = f.chunks.pop()?;
+        f.in_use += 1;
+        f.peak = f.peak.max(f.in_use);
+        Some(c)
+    }
+
     fn release(&self, c: usize) {
         let mut f = self.lock();
         f.chunks.push(c);
@@ -244,13 +254,19 @@ pub unsafe fn staged(
         {
             bytes += finish_one(inflight.remove(0))?;
         }
-        let c = match pool.acquire(until) {
-            Ok(c) => c,
-            Err(e) => {
-                for x in inflight.drain(..) {
-                    let _ = finish_one(x);
-                }
-                return Err(e);
+        // Never wait for a chunk while holding one: with several transfers each holding one
+        // chunk and waiting for a second, nobody would progress. Finish an own chunk first.
+        let c = loop {
+            if let Some(c) = pool.try_acquire() {
+                break c;
+            }
+            if !inflight.is_empty() {
+                bytes += finish_one(inflight.remove(0))?;
+                continue;
+            }
+            match pool.acquire(until) {
+                Ok(c) => break c,
+                Err(e) => return Err(e),
             }
         };
         let used: usize = g.iter().map(|x| x.1 + x.2.len as usize).max().unwrap_or(0);
@@ -292,4 +308,45 @@ pub unsafe fn staged(
         bytes += finish_one(x)?;
     }
     Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_pool_makes_the_next_acquire_wait_until_a_release() {
+        let agent = Agent::new(
+            crate::AgentConfig::new(format!("pool-{}", std::process::id()))
+                .transport(crate::Transport::Tcp)
+                .net_devices("lo"),
+        )
+        .unwrap();
+        let budget = MemoryBudget::new(4096);
+        let pool = std::sync::Arc::new(StagingPool::new(&agent, &budget, 2, 2048).unwrap());
+        assert_eq!(budget.used(), 4096);
+        let far = Instant::now() + Duration::from_secs(30);
+        let (a, b) = (pool.acquire(far).unwrap(), pool.acquire(far).unwrap());
+        // Full: a bounded wait fails with a typed error, nothing is allocated.
+        let e = pool
+            .acquire(Instant::now() + Duration::from_millis(50))
+            .unwrap_err();
+        assert!(matches!(e, Error::OutOfMemory(_)), "{e}");
+        let p2 = pool.clone();
+        let t = std::thread::spawn(move || p2.acquire(Instant::now() + Duration::from_secs(30)));
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(!t.is_finished(), "acquire returned while the pool was full");
+        pool.release(a);
+        let c = t.join().unwrap().unwrap();
+        assert_eq!(c, a, "the released chunk is the one handed out");
+        assert_eq!(pool.peak_in_use(), 2);
+        assert!(pool.waits() >= 2);
+        pool.release(b);
+        pool.release(c);
+        assert_eq!(
+            budget.used(),
+            4096,
+            "the pool's memory is charged once, for its life"
+        );
+    }
 }

@@ -1,6 +1,7 @@
 //! The staged path with host memory standing in for device memory: bytes arrive intact both
-//! ways, the notification comes after all the data, and concurrency above the pool waits for
-//! chunks instead of allocating (peak chunks in use <= the pool, budget never exceeded).
+//! ways, the notification comes after all the data, and concurrency above the pool never holds
+//! more chunks than the pool has (peak chunks in use <= the pool, budget never exceeded). That
+//! a full pool makes the next transfer wait is tested deterministically in `staging.rs`.
 
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
 
@@ -126,10 +127,7 @@ fn device_memory_moves_through_a_bounded_pool() {
         .map(|_| b.wait_notification(Duration::from_secs(10)).unwrap())
         .collect();
     assert!(notes.iter().all(|n| n.payload == b"staged"));
+    // 12 concurrent staged transfers (6 threads, 2 chunks each) never held more than the pool.
     assert!(pool.peak_in_use() <= 4);
-    assert!(
-        pool.waits() > 0,
-        "12 transfers on 4 chunks must have waited"
-    );
     assert!(budget.peak() <= budget.limit());
 }
