@@ -26,6 +26,11 @@ p="${KVX_PREFIX:-kvx}"
 nsa="${p}a"; nsb="${p}b"; la="${p}0"; lb="${p}1"
 peer_pid=""
 cleanup() {
+  # `ip netns exec` forks: stop the bench itself (pid from its READY line), then `ip`.
+  if [ -n "${peer_out:-}" ] && [ -f "$peer_out" ]; then
+    bpid=$(grep -o 'pid=[0-9]*' "$peer_out" | head -n1 | cut -d= -f2)
+    [ -n "$bpid" ] && kill "$bpid" 2>/dev/null || true
+  fi
   if [ -n "$peer_pid" ]; then kill "$peer_pid" 2>/dev/null || true; wait "$peer_pid" 2>/dev/null || true; fi
   ip netns del "$nsa" 2>/dev/null || true
   ip netns del "$nsb" 2>/dev/null || true

@@ -1,7 +1,7 @@
 //! The C ABI: the committed header matches the code, `libkvxfer.so` exports only `kvx_*`, and a
 //! C program built with gcc against the header (through `kvxfer.pc`) moves data both ways
 //! between two processes and checks error paths, over TCP and shared memory, linked
-//! dynamically and statically. `KVXFER_VALGRIND=1` also runs it under valgrind.
+//! dynamically and statically; `-- --ignored` also runs it under valgrind.
 
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
 
@@ -173,11 +173,8 @@ fn c_program_static() {
 }
 
 #[test]
+#[ignore = "needs valgrind, ~1 min: cargo test --test c_abi -- --ignored"]
 fn c_program_under_valgrind() {
-    if std::env::var("KVXFER_VALGRIND").is_err() {
-        eprintln!("SKIP: set KVXFER_VALGRIND=1 to run the C test under valgrind");
-        return;
-    }
     let exe = compile("vg", false);
     let text = run(
         &exe,

@@ -8,6 +8,19 @@
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 
+/// Kills a kvxfer-bench peer by the pid on its READY line: `ip netns exec` forks, so killing
+/// the `ip` process would leave the bench running.
+fn kill_bench(ready: &str) {
+    if let Some(pid) = ready
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("pid="))
+        .and_then(|p| p.parse::<i32>().ok())
+    {
+        // SAFETY: kill(2) has no memory preconditions; the pid is the peer this test started.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+}
+
 struct Net {
     a: String,
     b: String,
@@ -160,6 +173,7 @@ fn across(tag: &str, extra: &[&str], want_lane: &str) {
         .args(extra)
         .output()
         .unwrap();
+    kill_bench(&ready);
     let _ = peer.kill();
     let _ = peer.wait();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -195,6 +209,7 @@ fn ucx_tcp_across_namespaces() {
 /// binary re-executed inside the namespace with `ip netns exec`, so that UCX sees the
 /// namespace's devices); in a normal test run it does nothing.
 #[test]
+#[ignore = "the initiator half of link_cut_*, started by them inside a namespace"]
 fn link_cut_child() {
     use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, RegionId, Transport, XferOp};
     use std::io::Write;
@@ -323,6 +338,7 @@ fn link_cut(tag: &str, lanes: bool) {
         .args([
             "link_cut_child",
             "--exact",
+            "--ignored",
             "--nocapture",
             "--test-threads=1",
         ])
@@ -364,6 +380,7 @@ fn link_cut(tag: &str, lanes: bool) {
     writeln!(stdin, "up").unwrap();
     let rec = next(&mut out, "KVX RECOVERED ");
     let _ = child.wait();
+    kill_bench(&ready);
     let _ = peer.kill();
     let _ = peer.wait();
     eprintln!(
