@@ -3,9 +3,10 @@
 
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::process::{Command, Stdio};
+mod common;
+
+use std::net::SocketAddr;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, Transport, XferOp};
@@ -23,33 +24,16 @@ fn stopped_peer_hits_the_deadline_not_a_hang_ucx() {
 }
 
 fn stopped_peer(lanes: bool) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvxfer-bench"))
-        .args(["--listen", "127.0.0.1:0", "--transport", "tcp"])
-        .stdout(Stdio::piped())
-        .stdin(Stdio::null())
-        .spawn()
-        .unwrap();
+    let (mut child, ready) =
+        common::spawn_peer(Command::new(env!("CARGO_BIN_EXE_kvxfer-bench")).args([
+            "--listen",
+            "127.0.0.1:0",
+            "--transport",
+            "tcp",
+        ]));
     let pid = child.id() as i32;
-    let mut ready = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut ready)
-        .unwrap();
-    let ctl: SocketAddr = ready
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("ctl="))
-        .unwrap()
-        .parse()
-        .unwrap();
-    let s = TcpStream::connect(ctl).unwrap();
-    let mut rd = BufReader::new(s.try_clone().unwrap());
-    let mut wr = s;
-    let mut cmd = |c: &str| {
-        writeln!(wr, "{c}").unwrap();
-        let mut l = String::new();
-        rd.read_line(&mut l).unwrap();
-        assert!(l.starts_with("OK"), "{c}: {l}");
-        l[2..].trim().to_string()
-    };
+    let mut control = common::Control::connect(common::ctl_addr(&ready));
+    let mut cmd = |c: &str| control.cmd(c);
     let side: SocketAddr = cmd(&format!("SETUP 1 {LEN} contiguous 1")).parse().unwrap();
     let rid = kvxfer::RegionId(cmd("REGION").parse().unwrap());
 

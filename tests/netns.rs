@@ -5,21 +5,10 @@
 
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
-
-/// Kills a kvxfer-bench peer by the pid on its READY line: `ip netns exec` forks, so killing
-/// the `ip` process would leave the bench running.
-fn kill_bench(ready: &str) {
-    if let Some(pid) = ready
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("pid="))
-        .and_then(|p| p.parse::<i32>().ok())
-    {
-        // SAFETY: kill(2) has no memory preconditions; the pid is the peer this test started.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-    }
-}
 
 struct Net {
     a: String,
@@ -123,31 +112,21 @@ impl Drop for Net {
 fn across(tag: &str, extra: &[&str], want_lane: &str) {
     let Some(net) = Net::new(tag) else { return };
     let bench = env!("CARGO_BIN_EXE_kvxfer-bench");
-    let mut peer = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &net.b,
-            bench,
-            "--listen",
-            "198.19.7.2:0",
-            "--transport",
-            "tcp",
-        ])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stdin(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut ready = String::new();
-    BufReader::new(peer.stdout.take().unwrap())
-        .read_line(&mut ready)
-        .unwrap();
-    let ctl = ready
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("ctl="))
-        .unwrap_or_else(|| panic!("peer did not start: {ready:?}"))
-        .to_string();
+    let (mut peer, ready) = common::spawn_peer(
+        Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &net.b,
+                bench,
+                "--listen",
+                "198.19.7.2:0",
+                "--transport",
+                "tcp",
+            ])
+            .args(extra),
+    );
+    let ctl = common::field(&ready, "ctl=").to_string();
     let out = Command::new("ip")
         .args([
             "netns",
@@ -173,7 +152,7 @@ fn across(tag: &str, extra: &[&str], want_lane: &str) {
         .args(extra)
         .output()
         .unwrap();
-    kill_bench(&ready);
+    common::kill_bench(&ready);
     let _ = peer.kill();
     let _ = peer.wait();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -307,31 +286,21 @@ fn link_cut(tag: &str, lanes: bool) {
         return;
     };
     let bench = env!("CARGO_BIN_EXE_kvxfer-bench");
-    let mut peer = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &net.b,
-            bench,
-            "--listen",
-            "198.19.7.2:0",
-            "--transport",
-            "tcp",
-        ])
-        .args(["--net-devices", &net.lb])
-        .stdout(Stdio::piped())
-        .stdin(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut ready = String::new();
-    BufReader::new(peer.stdout.take().unwrap())
-        .read_line(&mut ready)
-        .unwrap();
-    let ctl = ready
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("ctl="))
-        .unwrap()
-        .to_string();
+    let (mut peer, ready) = common::spawn_peer(
+        Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &net.b,
+                bench,
+                "--listen",
+                "198.19.7.2:0",
+                "--transport",
+                "tcp",
+            ])
+            .args(["--net-devices", &net.lb]),
+    );
+    let ctl = common::field(&ready, "ctl=").to_string();
     let mut child = Command::new("ip")
         .args(["netns", "exec", &net.a])
         .arg(std::env::current_exe().unwrap())
@@ -380,7 +349,7 @@ fn link_cut(tag: &str, lanes: bool) {
     writeln!(stdin, "up").unwrap();
     let rec = next(&mut out, "KVX RECOVERED ");
     let _ = child.wait();
-    kill_bench(&ready);
+    common::kill_bench(&ready);
     let _ = peer.kill();
     let _ = peer.wait();
     eprintln!(

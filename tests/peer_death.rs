@@ -5,9 +5,10 @@
 
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use std::net::SocketAddr;
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, RegionId, Transport, XferOp};
@@ -17,42 +18,25 @@ const BLOCK: u64 = 32 << 10;
 
 struct Peer {
     child: Child,
-    ctl: BufReader<TcpStream>,
-    wr: TcpStream,
+    control: common::Control,
     side: SocketAddr,
     region: RegionId,
 }
 
 impl Peer {
     fn start(name: &str) -> Peer {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvxfer-bench"))
-            .args([
+        let (child, ready) =
+            common::spawn_peer(Command::new(env!("CARGO_BIN_EXE_kvxfer-bench")).args([
                 "--listen",
                 "127.0.0.1:0",
                 "--transport",
                 "tcp",
                 "--name",
                 name,
-            ])
-            .stdout(Stdio::piped())
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut ready = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut ready)
-            .unwrap();
-        let ctl: SocketAddr = ready
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix("ctl="))
-            .unwrap()
-            .parse()
-            .unwrap();
-        let s = TcpStream::connect(ctl).unwrap();
+            ]));
         let mut p = Peer {
             child,
-            ctl: BufReader::new(s.try_clone().unwrap()),
-            wr: s,
+            control: common::Control::connect(common::ctl_addr(&ready)),
             side: "127.0.0.1:1".parse().unwrap(),
             region: RegionId(0),
         };
@@ -65,11 +49,7 @@ impl Peer {
     }
 
     fn cmd(&mut self, c: &str) -> String {
-        writeln!(self.wr, "{c}").unwrap();
-        let mut l = String::new();
-        self.ctl.read_line(&mut l).unwrap();
-        assert!(l.starts_with("OK"), "{c}: {l}");
-        l[2..].trim().to_string()
+        self.control.cmd(c)
     }
 
     fn kill(&mut self) {

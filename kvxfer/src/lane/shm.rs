@@ -160,6 +160,8 @@ struct ShmJob {
     /// Operations done (for deadline reports).
     done_ops: AtomicUsize,
     error: Mutex<Option<Error>>,
+    /// Set with `error`: checked per operation without taking the lock.
+    failed: std::sync::atomic::AtomicBool,
     shared: Arc<crate::agent::Shared>,
 }
 
@@ -220,6 +222,7 @@ impl Copier {
             left: AtomicUsize::new(parts as usize),
             done_ops: AtomicUsize::new(0),
             error: Mutex::new(None),
+            failed: std::sync::atomic::AtomicBool::new(false),
             shared,
         });
         let g = self.tx.lock().unwrap_or_else(|e| e.into_inner());
@@ -275,6 +278,7 @@ fn set_error(j: &ShmJob, e: Error) {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .get_or_insert(e);
+    j.failed.store(true, Ordering::Release);
 }
 
 fn run(t: Task) {
@@ -308,7 +312,7 @@ fn run(t: Task) {
             );
             break;
         }
-        if j.error.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+        if j.failed.load(Ordering::Acquire) {
             break;
         }
         let a = t.from.max(start) - start;
