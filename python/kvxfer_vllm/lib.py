@@ -3,7 +3,6 @@ KvxferError with the library's last-error message."""
 
 import ctypes
 import ctypes.util
-import json
 import os
 from ctypes import (
     POINTER,
@@ -328,6 +327,3 @@ class Consumer:
             self.lib.L.kvx_consumer_free(self.h)
             self.h = None
 
-
-def handoff_fields(handoff_bytes):
-    return json.loads(handoff_bytes)
