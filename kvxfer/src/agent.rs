@@ -61,6 +61,42 @@ impl Transport {
     }
 }
 
+/// How device (GPU) memory moves.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum GpuPath {
+    /// Direct where the loaded UCX has CUDA transports (`cuda_copy`/`cuda_ipc`, and GPUDirect
+    /// RDMA where the NIC allows), staged otherwise.
+    #[default]
+    Auto,
+    /// UCX moves device memory itself; registration fails if it cannot.
+    Direct,
+    /// Device memory moves through bounded pinned host chunks over kvxfer's TCP lane, each end
+    /// copying its own device memory on a copy queue (a CUDA stream).
+    Staged,
+}
+
+impl GpuPath {
+    /// Parses `auto`, `direct` or `staged`.
+    pub fn parse(s: &str) -> Option<GpuPath> {
+        match s {
+            "auto" => Some(GpuPath::Auto),
+            "direct" => Some(GpuPath::Direct),
+            "staged" => Some(GpuPath::Staged),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for GpuPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            GpuPath::Auto => "auto",
+            GpuPath::Direct => "direct",
+            GpuPath::Staged => "staged",
+        })
+    }
+}
+
 /// Configuration of an [`Agent`].
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
@@ -104,6 +140,15 @@ pub struct AgentConfig {
     /// [`AgentConfig::transport`] fails with [`Error::TransportMismatch`] instead of falling
     /// back silently (for example to TCP when shared memory was asked for).
     pub strict: bool,
+    /// How device memory moves (forced or chosen per registration, see [`GpuPath`]).
+    pub gpu_path: GpuPath,
+    /// The device copy engine. Default: CUDA with the `cuda` feature, none without.
+    /// [`crate::staging::SimulatedDevice`] stands in for a GPU on machines without one.
+    pub copy_engine: Option<Arc<dyn crate::staging::CopyEngine>>,
+    /// Staging for device memory on the staged path: chunk count (half for transfers this
+    /// agent starts, half for its peers') and chunk size. Allocated once, at the first
+    /// device registration that needs it, from [`AgentConfig::budget`].
+    pub staging: (usize, usize),
 }
 
 impl AgentConfig {
@@ -126,6 +171,12 @@ impl AgentConfig {
             budget: crate::MemoryBudget::unlimited(),
             secret: None,
             strict: false,
+            gpu_path: GpuPath::Auto,
+            copy_engine: None,
+            staging: (
+                crate::staging::DEFAULT_STAGING_CHUNKS,
+                crate::staging::DEFAULT_STAGING_CHUNK_BYTES,
+            ),
         }
     }
 
@@ -138,6 +189,24 @@ impl AgentConfig {
     /// Strict transport mode.
     pub fn strict(mut self, on: bool) -> Self {
         self.strict = on;
+        self
+    }
+
+    /// Forces or frees the path of device memory.
+    pub fn gpu_path(mut self, p: GpuPath) -> Self {
+        self.gpu_path = p;
+        self
+    }
+
+    /// Sets the device copy engine.
+    pub fn copy_engine(mut self, e: Arc<dyn crate::staging::CopyEngine>) -> Self {
+        self.copy_engine = Some(e);
+        self
+    }
+
+    /// Sets the device staging: `chunks` chunks of `chunk_bytes`.
+    pub fn staging(mut self, chunks: usize, chunk_bytes: usize) -> Self {
+        self.staging = (chunks, chunk_bytes);
         self
     }
 
@@ -221,6 +290,8 @@ pub(crate) struct PeerView {
     pub(crate) token: u64,
     pub(crate) spans: Vec<RegionSpan>,
     pub(crate) lanes: crate::lane::PeerLanes,
+    /// Per region slot: device memory UCX cannot reach (no remote key; staged path).
+    pub(crate) unmapped: Vec<bool>,
     /// Checksum of the metadata the view was built from.
     pub(crate) meta_sum: u64,
 }
@@ -236,6 +307,10 @@ pub struct PeerInfo {
     pub transports: String,
     /// Why the connection last failed, if it did.
     pub failed: Option<String>,
+    /// How device memory moves between the two agents: `None` where neither has device
+    /// memory registered, [`GpuPath::Direct`] where UCX reaches all of it, else
+    /// [`GpuPath::Staged`].
+    pub gpu_path: Option<GpuPath>,
 }
 
 pub(crate) struct Shared {
@@ -264,6 +339,8 @@ pub(crate) struct Shared {
     load_lock: std::sync::Mutex<()>,
     pub(crate) budget: crate::MemoryBudget,
     pub(crate) secret: Option<Vec<u8>>,
+    gpu_path: GpuPath,
+    pub(crate) staging: Arc<crate::staging::StagingCell>,
 }
 
 impl Shared {
@@ -369,8 +446,18 @@ impl Agent {
             load_lock: std::sync::Mutex::new(()),
             budget: cfg.budget.clone(),
             secret: cfg.secret.clone(),
+            gpu_path: cfg.gpu_path,
+            staging: Arc::new(crate::staging::StagingCell::new(
+                cfg.copy_engine.clone(),
+                cfg.staging.0,
+                cfg.staging.1,
+                cfg.budget.clone(),
+            )),
         });
-        let lane_server = if cfg.lanes && cfg.transport == Transport::Tcp {
+        // The TCP lane also carries staged device memory, whatever the transport: started
+        // wherever device memory may be registered.
+        let device_possible = cfg.copy_engine.is_some() || cfg!(feature = "cuda");
+        let lane_server = if cfg.lanes && (cfg.transport == Transport::Tcp || device_possible) {
             let ip = cfg
                 .lane_addr
                 .or_else(|| crate::lane::iface_addr(cfg.net_devices.as_deref()))
@@ -415,11 +502,13 @@ impl Agent {
         raw::BUILD_VERSION
     }
 
-    /// Registers owned memory (page-aligned buffers, memory maps); the agent keeps it alive.
+    /// Registers owned memory (page-aligned buffers, memory maps, and with the `cuda` feature
+    /// cudarc device buffers); the agent keeps it alive.
     pub fn register(&self, mem: impl Into<Memory>) -> Result<Region> {
         let mut mem = mem.into();
         let (p, len) = mem.raw_parts();
-        self.register_inner(p, len, MemKind::Host, Some(mem))
+        let kind = mem.kind();
+        self.register_inner(p, len, kind, Some(mem))
     }
 
     /// Registers memory the agent does not own, such as an engine's KV cache tensor.
@@ -446,27 +535,10 @@ impl Agent {
         if len == 0 {
             return Err(Error::InvalidArgument("registering 0 bytes".into()));
         }
-        if let MemKind::Cuda(d) = kind {
-            #[cfg(not(feature = "cuda"))]
-            return Err(Error::Cuda {
-                device: d,
-                why: "kvxfer was built without the `cuda` feature".into(),
-            });
-            #[cfg(feature = "cuda")]
-            {
-                crate::cuda::probe(d)?;
-                if !crate::cuda::ucx_supports_cuda() {
-                    return Err(Error::Cuda {
-                        device: d,
-                        why: format!(
-                            "UCX {} has no CUDA transports (cuda_copy/cuda_ipc): use a CUDA-aware \
-                             UCX (KVXFER_UCX=wheel) or stage through host memory (kvxfer::staging)",
-                            self.shared.ucx_version
-                        ),
-                    });
-                }
-            }
-        }
+        let ucx_mapped = match kind {
+            MemKind::Host => true,
+            MemKind::Cuda(d) => self.device_path(d)? == GpuPath::Direct,
+        };
         let id = RegionId(self.shared.next_region.fetch_add(1, Ordering::Relaxed));
         let shm = backing.as_ref().and_then(Memory::shm_handle);
         let inner = Arc::new(RegionInner {
@@ -475,6 +547,7 @@ impl Agent {
             addr: ptr as u64,
             len: len as u64,
             kind,
+            ucx_mapped,
             _backing: backing,
             inflight: AtomicU32::new(0),
             registered: AtomicBool::new(false),
@@ -484,6 +557,56 @@ impl Agent {
             reply,
         })?;
         Ok(Region { inner })
+    }
+
+    /// The path device memory of `device` takes here ([`GpuPath::Direct`] or
+    /// [`GpuPath::Staged`]); a typed error where it can take none.
+    fn device_path(&self, device: u32) -> Result<GpuPath> {
+        let engine = self.shared.staging.engine(device)?;
+        engine.check_device(device)?;
+        let ucx_cuda = engine.ucx_visible()
+            && raw::supports_cuda(driver::MEMORY_TYPES.load(Ordering::Relaxed));
+        let path = match self.shared.gpu_path {
+            GpuPath::Direct if !ucx_cuda => {
+                return Err(Error::Cuda {
+                    device,
+                    why: format!(
+                        "the direct path was forced, but {}: use a CUDA-aware UCX \
+                         (KVXFER_UCX=wheel) or GpuPath::Staged",
+                        if engine.ucx_visible() {
+                            format!(
+                                "UCX {} has no CUDA transports (cuda_copy/cuda_ipc)",
+                                self.shared.ucx_version
+                            )
+                        } else {
+                            format!("UCX cannot reach {} device memory", engine.name())
+                        }
+                    ),
+                })
+            }
+            GpuPath::Direct => GpuPath::Direct,
+            GpuPath::Staged => GpuPath::Staged,
+            GpuPath::Auto if ucx_cuda => GpuPath::Direct,
+            GpuPath::Auto => GpuPath::Staged,
+        };
+        if path == GpuPath::Staged {
+            if self.shared.lane.get().is_none() {
+                return Err(Error::Cuda {
+                    device,
+                    why: "the staged path moves device memory over kvxfer's TCP lane, which is \
+                          off (AgentConfig::lanes(false))"
+                        .into(),
+                });
+            }
+            // The staging chunks: allocated now, from the budget, or the registration fails.
+            self.shared.staging.pools(device)?;
+        }
+        Ok(path)
+    }
+
+    /// Counters of the device staging chunks, once allocated.
+    pub fn staging_stats(&self) -> Option<crate::staging::StagingStats> {
+        self.shared.staging.existing().map(|s| s.stats())
     }
 
     /// Deregisters a region. Fails with [`Error::Busy`] while a transfer uses it.
@@ -523,10 +646,44 @@ impl Agent {
     /// What the agent knows about a peer, including the transports UCX selected. Connects if
     /// not connected yet.
     pub fn peer_info(&self, name: &str) -> Result<PeerInfo> {
-        self.shared.call(|reply| Cmd::PeerInfo {
+        let mut info = self.shared.call(|reply| Cmd::PeerInfo {
             name: name.to_string(),
             reply,
-        })
+        })?;
+        let mut device = false;
+        let mut staged = false;
+        for r in self
+            .shared
+            .regions
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+        {
+            if r.kind != MemKind::Host {
+                device = true;
+                staged |= !r.ucx_mapped;
+            }
+        }
+        if let Some(v) = self
+            .shared
+            .peers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+        {
+            for (s, &u) in v.spans.iter().zip(&v.unmapped) {
+                if s.kind != MemKind::Host {
+                    device = true;
+                    staged |= u;
+                }
+            }
+        }
+        info.gpu_path = device.then_some(if staged {
+            GpuPath::Staged
+        } else {
+            GpuPath::Direct
+        });
+        Ok(info)
     }
 
     /// Listens for peers on `addr` (port 0 picks one): each peer that connects sends its
@@ -636,10 +793,61 @@ impl Agent {
             .get(&remote.peer)
             .filter(|v| v.token == remote.token)
             .cloned();
+        // Device memory: UCX where it reaches every device region of the plan (direct path),
+        // else the TCP lane, each end staging its own device memory; never the shm lane.
+        let mut local_dev: Vec<Option<u32>> = Vec::new();
+        let mut device = false;
+        let mut unreachable = false;
+        if local.regions.iter().any(|r| r.kind != MemKind::Host) {
+            local_dev = plan
+                .ops
+                .iter()
+                .map(|o| match local.regions[o.lslot as usize].kind {
+                    MemKind::Host => None,
+                    MemKind::Cuda(d) => Some(d),
+                })
+                .collect();
+            for o in &plan.ops {
+                let r = &local.regions[o.lslot as usize];
+                if r.kind != MemKind::Host {
+                    device = true;
+                    unreachable |= !r.ucx_mapped;
+                }
+            }
+        }
+        if let Some(v) = &view {
+            if v.spans.iter().any(|s| s.kind != MemKind::Host) {
+                for o in &plan.ops {
+                    let k = o.rslot as usize;
+                    if v.spans[k].kind != MemKind::Host {
+                        device = true;
+                        unreachable |= v.unmapped[k];
+                    }
+                }
+            }
+        }
         let lane = match &view {
+            Some(v) if device => {
+                if unreachable {
+                    match &v.lanes.tcp {
+                        Some(l) => Some((None, Some(l.clone()))),
+                        None => {
+                            return Err(Error::InvalidArgument(format!(
+                                "the transfer touches staged device memory, which moves over \
+                                 kvxfer's TCP lane, and {:?} has none (lanes off on either side)",
+                                remote.peer
+                            )))
+                        }
+                    }
+                } else {
+                    None
+                }
+            }
             Some(v) => match (&v.lanes.shm, &v.lanes.tcp) {
                 (Some(m), _) if m.covers(&plan) => Some((Some(m.clone()), None)),
-                (_, Some(l)) => Some((None, Some(l.clone()))),
+                (_, Some(l)) if self.shared.transport == Transport::Tcp => {
+                    Some((None, Some(l.clone())))
+                }
                 _ => None,
             },
             None => None,
@@ -685,6 +893,7 @@ impl Agent {
             started: t0,
             state: state.clone(),
             lane_stats: None,
+            local_dev,
         };
         match lane {
             Some((Some(maps), _)) => {
@@ -856,7 +1065,9 @@ pub(crate) fn load_decoded(shared: &Shared, meta: Metadata) -> Result<String> {
     if shared.lanes_on && matches!(shared.transport, Transport::Shm | Transport::Auto) {
         lanes.shm = crate::lane::shm::PeerMaps::open(&meta, shared.host.as_ref()).map(Arc::new);
     }
-    if shared.lanes_on && shared.transport == Transport::Tcp {
+    // The TCP lane: for every transfer with the TCP transport, and for staged device memory
+    // with any transport.
+    if shared.lanes_on {
         if let Some(info) = meta.lane {
             let spans = meta.regions.iter().map(|r| r.span()).collect();
             lanes.tcp = Some(Arc::new(crate::lane::tcp::Link::new(
@@ -865,6 +1076,7 @@ pub(crate) fn load_decoded(shared: &Shared, meta: Metadata) -> Result<String> {
                 info,
                 spans,
                 shared.budget.clone(),
+                shared.staging.clone(),
             )));
         }
     }

@@ -1,10 +1,13 @@
 //! GPU memory (feature `cuda`): cudarc with dynamic loading, so kvxfer builds without a CUDA
 //! toolkit and fails at run time, with [`Error::Cuda`], where no driver or device exists.
 //!
-//! Registration of device memory takes the **direct path** when the loaded UCX can move CUDA
-//! memory (`cuda_copy` / `cuda_ipc`: the UCX 1.22 wheel `libucx-cu12`; Debian's UCX has none).
-//! Otherwise it is refused with a typed error naming the way out; the staged path
-//! ([`crate::staging`]) moves device memory through a bounded pool of host chunks.
+//! Device memory takes one of two paths ([`crate::GpuPath`]), chosen at registration and
+//! visible per peer in [`crate::PeerInfo::gpu_path`]:
+//! - **direct**: the loaded UCX has CUDA transports (`cuda_copy` / `cuda_ipc`: the UCX 1.22
+//!   wheel `libucx-cu12`; Debian's UCX has none) and moves VRAM itself (cuda_ipc inside a
+//!   host, GPUDirect RDMA where the NIC allows);
+//! - **staged**: [`CudaCopyEngine`] copies between VRAM and pinned host chunks on a CUDA stream,
+//!   pipelined with kvxfer's TCP lane (see [`crate::staging`]).
 
 use crate::error::{Error, Result};
 
@@ -47,6 +50,120 @@ pub fn probe(device: u32) -> Result<CudaInfo> {
         });
     }
     Ok(CudaInfo { device, devices: n })
+}
+
+fn cuda_err(device: u32, what: &str, e: cudarc::driver::DriverError) -> Error {
+    Error::Cuda {
+        device,
+        why: format!("{what}: {e:?}"),
+    }
+}
+
+/// The CUDA copy engine: device-to-host and host-to-device copies on a stream per transfer
+/// (per lane thread), staging chunks page-locked with `cuMemHostRegister`.
+#[derive(Debug, Default)]
+pub struct CudaCopyEngine {
+    ctxs: std::sync::Mutex<std::collections::HashMap<u32, std::sync::Arc<CudaContext>>>,
+}
+
+use cudarc::driver::{sys, CudaContext, CudaStream};
+
+impl CudaCopyEngine {
+    /// An engine; contexts (the devices' primary contexts) are retained on first use.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn ctx(&self, device: u32) -> Result<std::sync::Arc<CudaContext>> {
+        let mut g = self.ctxs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = g.get(&device) {
+            return Ok(c.clone());
+        }
+        probe(device)?;
+        let c = CudaContext::new(device as usize).map_err(|e| cuda_err(device, "cuCtx", e))?;
+        g.insert(device, c.clone());
+        Ok(c)
+    }
+}
+
+struct CudaQueue {
+    device: u32,
+    ctx: std::sync::Arc<CudaContext>,
+    stream: std::sync::Arc<CudaStream>,
+}
+
+impl crate::staging::CopyQueue for CudaQueue {
+    unsafe fn to_host(&mut self, src: u64, dst: *mut u8, len: usize) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err(self.device, "cuCtxSetCurrent", e))?;
+        // SAFETY: the trait's contract: src is device memory of this context, dst host memory
+        // untouched until sync; the stream is live.
+        unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, self.stream.cu_stream()) }
+            .result()
+            .map_err(|e| cuda_err(self.device, "cuMemcpyDtoHAsync", e))
+    }
+
+    unsafe fn to_device(&mut self, src: *const u8, dst: u64, len: usize) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err(self.device, "cuCtxSetCurrent", e))?;
+        // SAFETY: as above.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, self.stream.cu_stream()) }
+            .result()
+            .map_err(|e| cuda_err(self.device, "cuMemcpyHtoDAsync", e))
+    }
+
+    fn sync(&mut self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda_err(self.device, "cuStreamSynchronize", e))
+    }
+}
+
+impl crate::staging::CopyEngine for CudaCopyEngine {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn check_device(&self, device: u32) -> Result<()> {
+        probe(device).map(|_| ())
+    }
+
+    fn ucx_visible(&self) -> bool {
+        true
+    }
+
+    fn queue(&self, device: u32) -> Result<Box<dyn crate::staging::CopyQueue>> {
+        let ctx = self.ctx(device)?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| cuda_err(device, "cuStreamCreate", e))?;
+        Ok(Box::new(CudaQueue {
+            device,
+            ctx,
+            stream,
+        }))
+    }
+
+    unsafe fn pin(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        let ctx = self.ctx(0)?;
+        ctx.bind_to_thread()
+            .map_err(|e| cuda_err(0, "cuCtxSetCurrent", e))?;
+        // SAFETY: the trait's contract: ptr..+len is host memory live until unpin. PORTABLE:
+        // pinned for every context, whichever device the copies run on.
+        unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
+            .result()
+            .map_err(|e| cuda_err(0, "cuMemHostRegister", e))
+    }
+
+    unsafe fn unpin(&self, ptr: *mut u8) {
+        if let Ok(ctx) = self.ctx(0) {
+            let _ = ctx.bind_to_thread();
+            // SAFETY: ptr was registered by pin and no copy uses it.
+            let _ = unsafe { sys::cuMemHostUnregister(ptr.cast()) }.result();
+        }
+    }
 }
 
 /// Whether the loaded UCX can move CUDA memory directly (known once an agent exists).

@@ -52,7 +52,7 @@ pub mod fuzzing {
     pub use crate::lane::tcp::{parse_hello, parse_request_header, parse_segments};
 }
 
-pub use agent::{Agent, AgentConfig, PeerInfo, PreparedLocal, PreparedRemote, Transport};
+pub use agent::{Agent, AgentConfig, GpuPath, PeerInfo, PreparedLocal, PreparedRemote, Transport};
 pub use budget::{Charge, MemoryBudget};
 pub use descriptor::{Desc, RegionId};
 pub use error::{Error, MetadataError, Result, Side, UcsStatus};

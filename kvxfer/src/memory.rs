@@ -169,6 +169,17 @@ pub enum Memory {
     Host(HostBuffer),
     /// A writable memory map (a file, or anonymous / shared memory).
     Mmap(memmap2::MmapMut),
+    /// A cudarc device buffer (feature `cuda`), registered as [`MemKind::Cuda`] of its
+    /// context's device.
+    #[cfg(feature = "cuda")]
+    Cuda(cudarc::driver::CudaSlice<u8>),
+}
+
+#[cfg(feature = "cuda")]
+impl From<cudarc::driver::CudaSlice<u8>> for Memory {
+    fn from(s: cudarc::driver::CudaSlice<u8>) -> Self {
+        Memory::Cuda(s)
+    }
 }
 
 impl From<HostBuffer> for Memory {
@@ -188,6 +199,16 @@ impl Memory {
         match self {
             Memory::Host(b) => b.shm_handle(),
             Memory::Mmap(_) => None,
+            #[cfg(feature = "cuda")]
+            Memory::Cuda(_) => None,
+        }
+    }
+
+    pub(crate) fn kind(&self) -> MemKind {
+        match self {
+            #[cfg(feature = "cuda")]
+            Memory::Cuda(s) => MemKind::Cuda(s.context().ordinal() as u32),
+            _ => MemKind::Host,
         }
     }
 
@@ -195,6 +216,12 @@ impl Memory {
         match self {
             Memory::Host(b) => (b.as_ptr(), b.len()),
             Memory::Mmap(m) => (m.as_mut_ptr(), m.len()),
+            #[cfg(feature = "cuda")]
+            Memory::Cuda(s) => {
+                use cudarc::driver::DevicePtr;
+                let (p, _sync) = s.device_ptr(s.stream());
+                (p as *mut u8, s.len())
+            }
         }
     }
 }
@@ -204,6 +231,9 @@ pub(crate) struct RegionInner {
     pub(crate) addr: u64,
     pub(crate) len: u64,
     pub(crate) kind: MemKind,
+    /// Registered with UCX (it has a memory handle and a remote key). False for device memory
+    /// on the staged path, which only kvxfer's TCP lane moves, through staging chunks.
+    pub(crate) ucx_mapped: bool,
     /// Owned backing memory; None for memory registered through a raw pointer.
     pub(crate) _backing: Option<Memory>,
     /// How a same-host peer maps it (memfd-backed host buffers).

@@ -348,7 +348,8 @@ impl Metadata {
                 });
             }
             let rkey_len = r.u16()? as usize;
-            if rkey_len == 0 || rkey_len > MAX_RKEY {
+            // No key: device memory on the staged path (only kvxfer's lane reaches it).
+            if (rkey_len == 0 && kind == MemKind::Host) || rkey_len > MAX_RKEY {
                 return Err(MetadataError::TooLarge {
                     field: "rkey",
                     len: rkey_len,

@@ -389,6 +389,7 @@ fn chunk_done(j: &Arc<ShmJob>) {
                 started: job.started,
                 state: job.state.clone(),
                 lane_stats: Some(stats),
+                local_dev: Vec::new(),
             };
             if let Err(e) = j.shared.post(carrier) {
                 job.state.complete(Err(e));

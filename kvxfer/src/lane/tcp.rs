@@ -31,6 +31,7 @@ use crate::descriptor::RegionSpan;
 use crate::error::{Error, Result};
 use crate::memory::{MemKind, RegionInner};
 use crate::metadata::LaneInfo;
+use crate::staging::{ChunkPair, DeviceStaging};
 use crate::transfer::{XferOp, XferStats};
 
 const MAGIC: &[u8; 4] = b"KVXT";
@@ -230,6 +231,84 @@ fn stream_pieces(
     Ok(())
 }
 
+/// Like [`stream_pieces`], with pieces of device memory (`devs[k]` is the device of piece k,
+/// `devs` empty: all host) moved through the two staging chunks of `stage`.
+fn stream_mixed(
+    s: &TcpStream,
+    send: bool,
+    pieces: &[(u64, u64)],
+    devs: &[Option<u32>],
+    stage: Option<(&DeviceStaging, &ChunkPair<'_>)>,
+    ctl: &mut dyn FnMut() -> Result<(), Stop>,
+) -> Result<(), Stop> {
+    if devs.iter().all(Option::is_none) {
+        return stream_pieces(s, send, pieces, ctl);
+    }
+    let mut i = 0;
+    while i < pieces.len() {
+        let d = devs[i];
+        let mut j = i + 1;
+        while j < pieces.len() && devs[j] == d {
+            j += 1;
+        }
+        match (d, stage) {
+            (None, _) => stream_pieces(s, send, &pieces[i..j], ctl)?,
+            (Some(_), None) => {
+                return Err(Stop::Abort(Error::InvalidArgument(
+                    "device memory without staging chunks".into(),
+                )))
+            }
+            (Some(dev), Some((st, pair))) => {
+                let mut stop: Option<Stop> = None;
+                let r = crate::staging::stream_device(
+                    st.engine().as_ref(),
+                    dev,
+                    pair,
+                    send,
+                    &pieces[i..j],
+                    &mut |buf: &mut [u8]| {
+                        let r = if send {
+                            send_buf(s, buf, ctl)
+                        } else {
+                            recv_buf(s, buf, ctl)
+                        };
+                        r.map_err(|e| {
+                            stop = Some(e);
+                            Error::Canceled
+                        })
+                    },
+                );
+                if let Some(st) = stop {
+                    return Err(st);
+                }
+                r.map_err(Stop::Abort)?;
+            }
+        }
+        i = j;
+    }
+    Ok(())
+}
+
+/// Two staging chunks from `pool` (initiator or target side), waiting in ticks so that `ctl`
+/// can end the wait; None after `max`.
+fn stage_pair<'a>(
+    st: &'a DeviceStaging,
+    initiator: bool,
+    max: Duration,
+    ctl: &mut dyn FnMut() -> Result<(), Stop>,
+) -> Result<Option<ChunkPair<'a>>, Stop> {
+    let t0 = Instant::now();
+    loop {
+        if let Some(p) = st.pair(initiator, TICK) {
+            return Ok(Some(p));
+        }
+        ctl()?;
+        if t0.elapsed() >= max {
+            return Ok(None);
+        }
+    }
+}
+
 fn send_buf(
     s: &TcpStream,
     b: &[u8],
@@ -341,20 +420,22 @@ impl Drop for Pins {
     }
 }
 
-/// Checks `segs` against the registered regions and pins them. Returns the pieces (addresses).
-fn resolve_segs(
-    shared: &Shared,
-    segs: &[(u32, u64, u64)],
-) -> Result<(Pins, Vec<(u64, u64)>), String> {
+/// Checks `segs` against the registered regions and pins them. Returns the pieces
+/// (addresses) and, where any piece is device memory, the device of each piece.
+fn resolve_segs(shared: &Shared, segs: &[(u32, u64, u64)]) -> Result<Resolved, String> {
     let regions = shared.regions.read().unwrap_or_else(|e| e.into_inner());
     let mut pins = Pins(Vec::new());
     let mut pieces = Vec::with_capacity(segs.len());
+    let mut devs: Vec<Option<u32>> = Vec::new();
     for (k, &(id, off, len)) in segs.iter().enumerate() {
         let r = regions
             .get(&id)
             .ok_or_else(|| format!("segment #{k}: region {id} is not registered"))?;
-        if r.kind != MemKind::Host {
-            return Err(format!("segment #{k}: region {id} is not host memory"));
+        if let MemKind::Cuda(d) = r.kind {
+            if devs.is_empty() {
+                devs = vec![None; segs.len()];
+            }
+            devs[k] = Some(d);
         }
         match off.checked_add(len) {
             Some(end) if end <= r.len => {}
@@ -375,8 +456,26 @@ fn resolve_segs(
         }
         pieces.push((r.addr + off, len));
     }
-    Ok((pins, pieces))
+    Ok((pins, pieces, devs))
 }
+
+/// Pins, pieces and their devices (empty: all host).
+type Resolved = (Pins, Vec<(u64, u64)>, Vec<Option<u32>>);
+
+/// The target's staging for a request with device pieces: Ok(None) when it has none.
+fn target_stage(sh: &Shared, devs: &[Option<u32>]) -> Result<Option<Arc<DeviceStaging>>, String> {
+    match devs.iter().flatten().next() {
+        None => Ok(None),
+        Some(&d) => sh
+            .staging
+            .pools(d)
+            .map(Some)
+            .map_err(|e| format!("staging device memory: {e}")),
+    }
+}
+
+/// How long a target waits for staging chunks before refusing a request.
+const STAGE_WAIT: Duration = Duration::from_secs(10);
 
 fn serve(c: TcpStream, shared: Weak<Shared>, secret: [u8; 16], stop: Arc<AtomicBool>) {
     let peer = c.peer_addr().map(|a| a.to_string()).unwrap_or_default();
@@ -499,12 +598,34 @@ fn serve_inner(
         let Some(sh) = shared.upgrade() else {
             return Err(Stop::Abort(Error::Shutdown));
         };
-        let resolved = resolve_segs(&sh, &segs);
+        let mut resolved = resolve_segs(&sh, &segs);
         let total: u64 = segs.iter().fold(0u64, |a, s| a.saturating_add(s.2));
+        // Device pieces: the staging pools and two target chunks, or a refusal.
+        let stage = match &resolved {
+            Ok((_, _, devs)) => match target_stage(&sh, devs) {
+                Ok(s) => s,
+                Err(why) => {
+                    resolved = Err(why);
+                    None
+                }
+            },
+            Err(_) => None,
+        };
+        let pair = match &stage {
+            Some(st) => {
+                let p = stage_pair(st, false, STAGE_WAIT, &mut || ctl(false, &mut last))?;
+                if p.is_none() {
+                    resolved = Err(format!("all staging chunks stayed busy for {STAGE_WAIT:?}"));
+                }
+                p
+            }
+            None => None,
+        };
+        let st = stage.as_deref().zip(pair.as_ref());
         if kind == K_WRITE {
             let err = match &resolved {
-                Ok((_pins, pieces)) => {
-                    stream_pieces(c, false, pieces, &mut || ctl(false, &mut last))?;
+                Ok((_pins, pieces, devs)) => {
+                    stream_mixed(c, false, pieces, devs, st, &mut || ctl(false, &mut last))?;
                     None
                 }
                 Err(why) => {
@@ -512,6 +633,7 @@ fn serve_inner(
                     Some(why.clone())
                 }
             };
+            drop(pair);
             drop(resolved);
             let mut note = vec![0u8; nlen];
             recv_buf(c, &mut note, &mut || ctl(false, &mut last))?;
@@ -528,9 +650,10 @@ fn serve_inner(
             let mut note = vec![0u8; nlen];
             recv_buf(c, &mut note, &mut || ctl(false, &mut last))?;
             match resolved {
-                Ok((pins, pieces)) => {
+                Ok((pins, pieces, devs)) => {
                     reply(c, K_DATA, id, 0, "", &mut || ctl(false, &mut last))?;
-                    stream_pieces(c, true, &pieces, &mut || ctl(false, &mut last))?;
+                    stream_mixed(c, true, &pieces, &devs, st, &mut || ctl(false, &mut last))?;
+                    drop(pair);
                     drop(pins);
                     if nlen > 0 {
                         deliver(&sh, &name, &note);
@@ -642,6 +765,7 @@ struct LinkInner {
     info: LaneInfo,
     spans: Vec<RegionSpan>,
     budget: crate::MemoryBudget,
+    staging: Arc<crate::staging::StagingCell>,
     q: Mutex<(VecDeque<LinkJob>, bool)>,
     cv: Condvar,
 }
@@ -659,6 +783,7 @@ impl Link {
         info: LaneInfo,
         spans: Vec<RegionSpan>,
         budget: crate::MemoryBudget,
+        staging: Arc<crate::staging::StagingCell>,
     ) -> Link {
         Link {
             inner: Arc::new(LinkInner {
@@ -667,6 +792,7 @@ impl Link {
                 info,
                 spans,
                 budget,
+                staging,
                 q: Mutex::new((VecDeque::new(), false)),
                 cv: Condvar::new(),
             }),
@@ -866,10 +992,22 @@ fn run_job(inner: &LinkInner, conn: &mut Option<TcpStream>, job: &Job) -> Result
         )));
     }
     let mut ctl = check;
+    // Local device memory: two chunks of this agent's initiator pool, taken before the request
+    // goes out (a transfer holding chunks never waits for more).
+    let stage = match job.local_dev.iter().flatten().next() {
+        Some(&d) => Some(inner.staging.pools(d)?),
+        None => None,
+    };
+    let pair = match &stage {
+        Some(st) => stage_pair(st, true, Duration::MAX, &mut ctl)
+            .map_err(|s| stop_err(inner, s, "waiting for staging chunks"))?,
+        None => None,
+    };
+    let st = stage.as_deref().zip(pair.as_ref());
     let posted_at;
     if job.op == XferOp::Write {
         send_buf(c, &hdr, &mut ctl).map_err(|s| stop_err(inner, s, "request"))?;
-        stream_pieces(c, true, &pieces, &mut ctl)
+        stream_mixed(c, true, &pieces, &job.local_dev, st, &mut ctl)
             .map_err(|s| stop_err(inner, s, "sending data"))?;
         send_buf(c, note, &mut ctl).map_err(|s| stop_err(inner, s, "notification"))?;
         posted_at = job.started.elapsed();
@@ -880,7 +1018,7 @@ fn run_job(inner: &LinkInner, conn: &mut Option<TcpStream>, job: &Job) -> Result
         posted_at = job.started.elapsed();
         read_reply(inner, c, K_DATA, job.id, &mut ctl)?;
         let t_hdr = job.started.elapsed();
-        stream_pieces(c, false, &pieces, &mut ctl)
+        stream_mixed(c, false, &pieces, &job.local_dev, st, &mut ctl)
             .map_err(|s| stop_err(inner, s, "receiving data"))?;
         log::debug!(
             "kvxfer: read {}: request sent {posted_at:?}, reply {t_hdr:?}, data {:?}",

@@ -86,6 +86,9 @@ pub(crate) struct Job {
     pub(crate) state: Arc<XferState>,
     /// Set when a kvxfer lane already moved the data and UCX only carries the notification.
     pub(crate) lane_stats: Option<crate::transfer::XferStats>,
+    /// Per plan operation, the device of its local memory (None: host); empty when the plan
+    /// has no local device memory. The TCP lane stages those pieces.
+    pub(crate) local_dev: Vec<Option<u32>>,
 }
 
 /// Memory types the last UCX context created in this process supports (UCX's CUDA support is
@@ -192,7 +195,8 @@ unsafe extern "C" fn on_am(
 }
 
 pub(super) struct LocalReg {
-    pub(super) memh: raw::ucp_mem_h,
+    /// None for regions UCX does not map (staged device memory).
+    pub(super) memh: Option<raw::ucp_mem_h>,
     pub(super) rkey: Vec<u8>,
     pub(super) region: Arc<RegionInner>,
 }
@@ -451,6 +455,7 @@ impl Engine {
                             regions: p.meta.regions.len(),
                             transports: p.transports.clone(),
                             failed: connected.err().map(|e| e.to_string()),
+                            gpu_path: None,
                         })
                     }
                 };
@@ -468,6 +473,25 @@ impl Engine {
     }
 
     fn register(&mut self, region: Arc<RegionInner>, shared: &Weak<Shared>) -> Result<()> {
+        if !region.ucx_mapped {
+            // Staged device memory: no UCX handle, no remote key; kvxfer's lane moves it.
+            region.registered.store(true, Ordering::Release);
+            if let Some(s) = shared.upgrade() {
+                s.regions
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(region.id.0, region.clone());
+            }
+            self.regions.insert(
+                region.id.0,
+                LocalReg {
+                    memh: None,
+                    rkey: Vec::new(),
+                    region,
+                },
+            );
+            return Ok(());
+        }
         // SAFETY: ctx live; the region's memory is owned by `region` (or promised valid by the
         // caller of register_raw) and outlives the mapping: LocalReg holds the Arc until unmap.
         let memh = unsafe { raw::mem_map(self.ctx, region.addr as *mut u8, region.len as usize) }
@@ -494,8 +518,14 @@ impl Engine {
                 .unwrap_or_else(|e| e.into_inner())
                 .insert(region.id.0, region.clone());
         }
-        self.regions
-            .insert(region.id.0, LocalReg { memh, rkey, region });
+        self.regions.insert(
+            region.id.0,
+            LocalReg {
+                memh: Some(memh),
+                rkey,
+                region,
+            },
+        );
         Ok(())
     }
 
@@ -525,12 +555,16 @@ impl Engine {
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&id);
         }
-        // SAFETY: memh came from mem_map on ctx; no transfer uses it (inflight == 0, and new
-        // posts check `registered` on this thread); unmapped once (removed from the table).
-        unsafe { raw::mem_unmap(self.ctx, reg.memh) }.map_err(|status| Error::Ucx {
-            op: "ucp_mem_unmap",
-            status,
-        })
+        match reg.memh {
+            // SAFETY: memh came from mem_map on ctx; no transfer uses it (inflight == 0, and
+            // new posts check `registered` on this thread); unmapped once (removed from the
+            // table).
+            Some(memh) => unsafe { raw::mem_unmap(self.ctx, memh) }.map_err(|status| Error::Ucx {
+                op: "ucp_mem_unmap",
+                status,
+            }),
+            None => Ok(()),
+        }
     }
 
     fn metadata(&self, shared: &Weak<Shared>) -> Vec<u8> {
@@ -633,8 +667,10 @@ impl Engine {
         }
         for (_, r) in self.regions.drain() {
             r.region.registered.store(false, Ordering::Release);
-            // SAFETY: memh from mem_map on ctx, unmapped once; endpoints are closed.
-            let _ = unsafe { raw::mem_unmap(self.ctx, r.memh) };
+            if let Some(memh) = r.memh {
+                // SAFETY: memh from mem_map on ctx, unmapped once; endpoints are closed.
+                let _ = unsafe { raw::mem_unmap(self.ctx, memh) };
+            }
         }
         *self.worker_slot.write().unwrap_or_else(|e| e.into_inner()) = None;
         // SAFETY: no other thread can reach the worker (slot is None); endpoints closed;

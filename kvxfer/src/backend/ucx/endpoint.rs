@@ -30,6 +30,7 @@ impl Engine {
         let token = self.next_token;
         self.next_token += 1;
         let spans: Vec<RegionSpan> = meta.regions.iter().map(RegionMeta::span).collect();
+        let unmapped: Vec<bool> = meta.regions.iter().map(|r| r.rkey.is_empty()).collect();
         let name = meta.name.clone();
         self.peers.insert(
             token,
@@ -52,6 +53,7 @@ impl Engine {
                     token,
                     spans,
                     lanes,
+                    unmapped,
                     meta_sum: sum,
                 }),
             );
@@ -90,11 +92,17 @@ impl Engine {
         })?;
         let mut rkeys = Vec::with_capacity(p.meta.regions.len());
         for r in &p.meta.regions {
+            if r.rkey.is_empty() {
+                // Staged device memory (the decoder allows no key only there): UCX cannot
+                // reach it; transfers to it go through kvxfer's TCP lane, never UCX.
+                rkeys.push(std::ptr::null_mut());
+                continue;
+            }
             // SAFETY: ep is live on this thread.
             match unsafe { raw::rkey_unpack(ep, &r.rkey) } {
                 Ok(k) => rkeys.push(k),
                 Err(status) => {
-                    for k in rkeys {
+                    for k in rkeys.into_iter().filter(|k| !k.is_null()) {
                         // SAFETY: k was unpacked above, unused, destroyed once before the ep.
                         unsafe { raw::rkey_destroy(k) };
                     }
@@ -203,7 +211,7 @@ impl Engine {
 
 /// Destroys rkeys whose operations are all complete.
 fn destroy_rkeys(rkeys: &mut Vec<raw::ucp_rkey_h>) {
-    for k in rkeys.drain(..) {
+    for k in rkeys.drain(..).filter(|k| !k.is_null()) {
         // SAFETY: k was unpacked by ensure_ep and is destroyed once (drained); callers pass
         // rkeys only when no operation using them is outstanding (see close_peer).
         unsafe { raw::rkey_destroy(k) };

@@ -103,6 +103,15 @@ impl Engine {
                 let end = (a.next + POST_BATCH).min(a.job.plan.ops.len());
                 for o in &a.job.plan.ops[a.next..end] {
                     let rkey = p.rkeys[o.rslot as usize];
+                    if rkey.is_null() {
+                        // Staged device memory: the agent routes it to the TCP lane; never
+                        // hand UCX a region it cannot reach.
+                        a.error = Some(Error::InvalidArgument(format!(
+                            "region slot {} of {:?} is staged device memory, which UCX cannot reach",
+                            o.rslot, p.name
+                        )));
+                        break;
+                    }
                     // SAFETY: ep/rkey live on this thread; the local range was bounds-checked
                     // against a registered region pinned by this job (inflight) until the
                     // flush below completes; the remote range was checked against the peer's

@@ -1,0 +1,463 @@
+//! Device memory on the staged path, with [`SimulatedDevice`] standing in for a GPU: device
+//! addresses that the host cannot dereference, reached only through the copy engine. Bytes
+//! move intact in every direction (device↔device, host↔device, WRITE and READ, scattered
+//! blocks that straddle staging chunks), notifications come after the data, the path is
+//! visible per peer, concurrency above the pools waits for chunks instead of allocating, and
+//! every misconfiguration is a typed error at registration.
+
+#![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvxfer::staging::{CopyEngine, CopyQueue, SimulatedDevice};
+use kvxfer::{
+    Agent, AgentConfig, Desc, Error, GpuPath, HostBuffer, Lane, MemKind, MemoryBudget, Region,
+    Transport, XferOp,
+};
+use rand::{RngCore, SeedableRng};
+
+static SEQ: AtomicU64 = AtomicU64::new(0);
+
+fn name(p: &str) -> String {
+    format!(
+        "{p}-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Staging of 8 chunks of 64 KiB: two pairs per side.
+const CHUNK: usize = 64 << 10;
+
+fn cfg(p: &str, t: Transport, dev: &SimulatedDevice) -> AgentConfig {
+    AgentConfig::new(name(p))
+        .transport(t)
+        .net_devices("lo")
+        .lane_addr(std::net::Ipv4Addr::LOCALHOST.into())
+        .copy_engine(dev.engine())
+        .staging(8, CHUNK)
+}
+
+/// `len` bytes of simulated device memory registered as CUDA device 0.
+fn device_region(a: &Agent, dev: &SimulatedDevice, len: usize) -> (Region, u64) {
+    let addr = dev.alloc(len).unwrap();
+    // SAFETY: the simulated allocation lives as long as `dev`, which every test keeps alive
+    // past the agents; nothing else frees it.
+    let r = unsafe { a.register_raw(addr as *mut u8, len, MemKind::Cuda(0)) }.unwrap();
+    (r, addr)
+}
+
+fn random(seed: u64, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut v);
+    v
+}
+
+/// Blocks of 48 KiB (they straddle the 64 KiB chunks), at reversed slots on the peer.
+const BS: u64 = 48 << 10;
+const NB: u64 = 40;
+
+fn descs(r: &Region, reversed: bool) -> Vec<Desc> {
+    (0..NB)
+        .map(|i| {
+            let slot = if reversed { NB - 1 - i } else { i };
+            Desc::new(r.id(), slot * BS, BS)
+        })
+        .collect()
+}
+
+fn pair(t: Transport) -> (Agent, SimulatedDevice, Agent, SimulatedDevice) {
+    let (da, db) = (SimulatedDevice::new(), SimulatedDevice::new());
+    let a = Agent::new(cfg("dev-a", t.clone(), &da)).unwrap();
+    let b = Agent::new(cfg("dev-b", t, &db)).unwrap();
+    (a, da, b, db)
+}
+
+fn connect(a: &Agent, b: &Agent) -> String {
+    let addr = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    a.connect(addr).unwrap()
+}
+
+fn both_ways(t: Transport) {
+    let (a, da, b, db) = pair(t);
+    let len = (NB * BS) as usize;
+    let (ra, xa) = device_region(&a, &da, len);
+    let (rb, xb) = device_region(&b, &db, len);
+    let hb = b.register(HostBuffer::new(len).unwrap()).unwrap();
+    let peer = connect(&a, &b);
+    let info = a.peer_info(&peer).unwrap();
+    assert_eq!(info.gpu_path, Some(GpuPath::Staged), "{info:?}");
+
+    let data = random(1, len);
+    da.write(xa, &data).unwrap();
+    let copies0 = da.copies();
+
+    // Device → device WRITE, scattered and reversed on the peer, with a notification.
+    let l = a.prep_local(&descs(&ra, false)).unwrap();
+    let r = a.prep_remote(&peer, &descs(&rb, true)).unwrap();
+    let s = a
+        .transfer_all(XferOp::Write, &l, &r, Some(b"d2d"), None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(s.lane, Lane::Tcp);
+    assert_eq!(s.bytes, NB * BS);
+    let n = b.wait_notification(Duration::from_secs(10)).unwrap();
+    assert_eq!(n.payload, b"d2d");
+    let mut got = vec![0u8; len];
+    db.read(xb, &mut got).unwrap();
+    for i in 0..NB as usize {
+        let j = NB as usize - 1 - i;
+        assert!(
+            got[j * BS as usize..(j + 1) * BS as usize]
+                == data[i * BS as usize..(i + 1) * BS as usize],
+            "block {i} differs on the peer's device"
+        );
+    }
+    assert!(
+        da.copies() > copies0,
+        "the initiator's copy engine was not used"
+    );
+
+    // Device → host WRITE (the peer's host region), then host → device READ back into a
+    // cleared device region.
+    let r_host = a.prep_remote(&peer, &descs(&hb, false)).unwrap();
+    a.transfer_all(XferOp::Write, &l, &r_host, None, None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let mut h = vec![0u8; len];
+    hb.read(0, &mut h).unwrap();
+    assert!(h == data, "device → host bytes differ");
+    da.write(xa, &vec![0u8; len]).unwrap();
+    a.transfer_all(XferOp::Read, &l, &r_host, Some(b"read"), None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let mut back = vec![0u8; len];
+    da.read(xa, &mut back).unwrap();
+    assert!(back == data, "host → device READ bytes differ");
+    let n = b.wait_notification(Duration::from_secs(10)).unwrap();
+    assert_eq!(n.payload, b"read");
+
+    // Device → device READ (the peer's device, staged by the peer), into a cleared region.
+    da.write(xa, &vec![0u8; len]).unwrap();
+    a.transfer_all(XferOp::Read, &l, &r, None, None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    da.read(xa, &mut back).unwrap();
+    assert!(back == data, "device ← device READ bytes differ");
+
+    // Host memory on the initiator into the peer's device.
+    let ha = a.register(HostBuffer::new(len).unwrap()).unwrap();
+    let other = random(2, len);
+    ha.write(0, &other).unwrap();
+    let lh = a.prep_local(&descs(&ha, false)).unwrap();
+    a.transfer_all(XferOp::Write, &lh, &r, None, None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    db.read(xb, &mut got).unwrap();
+    assert_eq!(got[(NB - 1) as usize * BS as usize..][..16], other[..16]);
+
+    let st = a.staging_stats().unwrap();
+    assert_eq!(st.bytes, 8 * CHUNK as u64);
+    assert!(st.peak_initiator <= st.chunks_per_pool);
+    assert_eq!(st.in_use, 0, "chunks left held after the transfers");
+    assert_eq!(b.staging_stats().unwrap().in_use, 0);
+}
+
+#[test]
+fn staged_device_memory_moves_every_way_over_tcp() {
+    both_ways(Transport::Tcp);
+}
+
+#[test]
+fn staged_device_memory_in_host_takes_the_tcp_lane_not_shm() {
+    // With the shared-memory transport the host regions map directly, but device memory
+    // cannot be mapped: it goes over the TCP lane (started because a copy engine is set).
+    both_ways(Transport::Shm);
+}
+
+#[test]
+fn concurrency_above_the_pools_waits_instead_of_allocating() {
+    // One target, six initiators writing device memory to its device at once: the target's
+    // pool has two pairs of chunks, so four transfers must wait; the budget never grows. The
+    // target's copies are slowed (1 ms each) so that transfers overlap whatever the machine.
+    let dt = SimulatedDevice::new();
+    let budget = MemoryBudget::new(8 * CHUNK as u64 + (1 << 20));
+    let slow = Arc::new(Wrapped {
+        dev: dt.clone(),
+        left: Arc::new(AtomicU64::new(u64::MAX / 2)),
+        delay: Duration::from_millis(1),
+    });
+    let t = Agent::new(
+        cfg("dev-t", Transport::Tcp, &dt)
+            .copy_engine(slow)
+            .budget(budget.clone()),
+    )
+    .unwrap();
+    let go = Arc::new(std::sync::Barrier::new(N));
+    const PER: usize = 4 << 20;
+    const N: usize = 6;
+    let (rt, xt) = device_region(&t, &dt, PER * N);
+    assert_eq!(
+        budget.used(),
+        8 * CHUNK as u64,
+        "pools charged at registration"
+    );
+    let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let hs: Vec<_> = (0..N)
+        .map(|k| {
+            let (rid, go) = (rt.id(), go.clone());
+            std::thread::spawn(move || {
+                let d = SimulatedDevice::new();
+                let a = Agent::new(cfg("dev-i", Transport::Tcp, &d)).unwrap();
+                let (ra, xa) = device_region(&a, &d, PER);
+                let data = random(10 + k as u64, PER);
+                d.write(xa, &data).unwrap();
+                let peer = a.connect(addr).unwrap();
+                let l = a.prep_local(&[Desc::new(ra.id(), 0, PER as u64)]).unwrap();
+                let r = a
+                    .prep_remote(&peer, &[Desc::new(rid, (k * PER) as u64, PER as u64)])
+                    .unwrap();
+                go.wait();
+                a.transfer_all(XferOp::Write, &l, &r, None, Some(Duration::from_secs(60)))
+                    .unwrap()
+                    .wait()
+                    .unwrap();
+                (k, data, d)
+            })
+        })
+        .collect();
+    for h in hs {
+        let (k, data, _d) = h.join().unwrap();
+        let mut got = vec![0u8; PER];
+        dt.read(xt + (k * PER) as u64, &mut got).unwrap();
+        assert!(got == data, "initiator {k}: bytes differ");
+    }
+    let st = t.staging_stats().unwrap();
+    assert!(
+        st.peak_target <= st.chunks_per_pool,
+        "{} chunks in use at once, the pool has {}",
+        st.peak_target,
+        st.chunks_per_pool
+    );
+    assert!(st.waits > 0, "six concurrent writers never waited: {st:?}");
+    assert!(budget.peak() <= budget.limit());
+    assert_eq!(st.in_use, 0);
+}
+
+#[test]
+fn one_initiator_to_many_peers_shares_its_pool() {
+    let d = SimulatedDevice::new();
+    let a = Agent::new(cfg("dev-m", Transport::Tcp, &d)).unwrap();
+    const PER: usize = 2 << 20;
+    let (ra, xa) = device_region(&a, &d, PER);
+    let data = random(7, PER);
+    d.write(xa, &data).unwrap();
+    let peers: Vec<(Agent, SimulatedDevice, Region, u64, String)> = (0..4)
+        .map(|_| {
+            let dp = SimulatedDevice::new();
+            let p = Agent::new(cfg("dev-p", Transport::Tcp, &dp)).unwrap();
+            let (rp, xp) = device_region(&p, &dp, PER);
+            let name = connect(&a, &p);
+            (p, dp, rp, xp, name)
+        })
+        .collect();
+    let l = a.prep_local(&[Desc::new(ra.id(), 0, PER as u64)]).unwrap();
+    // Four transfers in flight at once (one lane thread per peer) on two pairs of chunks.
+    let ts: Vec<_> = peers
+        .iter()
+        .map(|(_, _, rp, _, name)| {
+            let r = a
+                .prep_remote(name, &[Desc::new(rp.id(), 0, PER as u64)])
+                .unwrap();
+            a.transfer_all(XferOp::Write, &l, &r, None, None).unwrap()
+        })
+        .collect();
+    for t in ts {
+        t.wait().unwrap();
+    }
+    for (_, dp, _, xp, _) in &peers {
+        let mut got = vec![0u8; PER];
+        dp.read(*xp, &mut got).unwrap();
+        assert!(got == data);
+    }
+    let st = a.staging_stats().unwrap();
+    assert!(st.peak_initiator <= st.chunks_per_pool, "{st:?}");
+}
+
+#[test]
+fn registration_errors_are_typed() {
+    let dev = SimulatedDevice::new();
+    let addr = dev.alloc(1 << 20).unwrap() as *mut u8;
+    // No copy engine: without the `cuda` feature nothing can move device memory; with it and
+    // no GPU, the driver probe fails. Either way a typed error, at registration.
+    let plain = Agent::new(
+        AgentConfig::new(name("dev-none"))
+            .transport(Transport::Tcp)
+            .net_devices("lo"),
+    )
+    .unwrap();
+    // SAFETY: refused before anything touches the address.
+    let e = unsafe { plain.register_raw(addr, 1 << 20, MemKind::Cuda(0)) };
+    match e {
+        Err(Error::Cuda { why, .. }) => eprintln!("no engine: {why}"),
+        // A machine with a GPU and the `cuda` feature: the simulated address is not device
+        // memory, but the CUDA engine only learns that at copy time.
+        Ok(r) if cfg!(feature = "cuda") => drop(r),
+        other => panic!("expected Error::Cuda, got {other:?}"),
+    }
+    // Direct forced with memory UCX cannot reach.
+    let a = Agent::new(cfg("dev-direct", Transport::Tcp, &dev).gpu_path(GpuPath::Direct)).unwrap();
+    // SAFETY: refused before anything touches the address.
+    let e = unsafe { a.register_raw(addr, 1 << 20, MemKind::Cuda(0)) }.unwrap_err();
+    assert!(
+        matches!(&e, Error::Cuda { why, .. } if why.contains("direct")),
+        "{e}"
+    );
+    // Staged with kvxfer's lanes off.
+    let a = Agent::new(cfg("dev-nolanes", Transport::Tcp, &dev).lanes(false)).unwrap();
+    // SAFETY: as above.
+    let e = unsafe { a.register_raw(addr, 1 << 20, MemKind::Cuda(0)) }.unwrap_err();
+    assert!(
+        matches!(&e, Error::Cuda { why, .. } if why.contains("lane")),
+        "{e}"
+    );
+    // Staging chunks that do not fit the budget: refused, nothing allocated.
+    let small = MemoryBudget::new(CHUNK as u64);
+    let a = Agent::new(cfg("dev-budget", Transport::Tcp, &dev).budget(small.clone())).unwrap();
+    // SAFETY: as above.
+    let e = unsafe { a.register_raw(addr, 1 << 20, MemKind::Cuda(0)) }.unwrap_err();
+    assert!(matches!(e, Error::OutOfMemory(_)), "{e}");
+    assert_eq!(small.used(), 0);
+    // Staging too small to double-buffer.
+    let a = Agent::new(cfg("dev-tiny", Transport::Tcp, &dev).staging(2, CHUNK)).unwrap();
+    // SAFETY: as above.
+    let e = unsafe { a.register_raw(addr, 1 << 20, MemKind::Cuda(0)) }.unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+}
+
+/// A simulated device whose copies to the host fail once `left` runs out, and whose copies
+/// to the device take `delay` each.
+#[derive(Debug)]
+struct Wrapped {
+    dev: SimulatedDevice,
+    left: Arc<AtomicU64>,
+    delay: Duration,
+}
+
+struct FailingQueue(Box<dyn CopyQueue>, Arc<AtomicU64>, Duration);
+
+impl CopyQueue for FailingQueue {
+    unsafe fn to_host(&mut self, src: u64, dst: *mut u8, len: usize) -> kvxfer::Result<()> {
+        if self.1.fetch_sub(1, Ordering::SeqCst) == 0 {
+            self.1.store(0, Ordering::SeqCst);
+            return Err(Error::Cuda {
+                device: 0,
+                why: "injected copy failure".into(),
+            });
+        }
+        // SAFETY: forwarded with the caller's guarantees.
+        unsafe { self.0.to_host(src, dst, len) }
+    }
+    unsafe fn to_device(&mut self, src: *const u8, dst: u64, len: usize) -> kvxfer::Result<()> {
+        std::thread::sleep(self.2);
+        // SAFETY: forwarded with the caller's guarantees.
+        unsafe { self.0.to_device(src, dst, len) }
+    }
+    fn sync(&mut self) -> kvxfer::Result<()> {
+        self.0.sync()
+    }
+}
+
+impl CopyEngine for Wrapped {
+    fn name(&self) -> &'static str {
+        "failing"
+    }
+    fn check_device(&self, _: u32) -> kvxfer::Result<()> {
+        Ok(())
+    }
+    fn queue(&self, d: u32) -> kvxfer::Result<Box<dyn CopyQueue>> {
+        Ok(Box::new(FailingQueue(
+            self.dev.queue(d)?,
+            self.left.clone(),
+            self.delay,
+        )))
+    }
+}
+
+#[test]
+fn a_failing_device_copy_fails_the_transfer_and_the_lane_recovers() {
+    let da = SimulatedDevice::new();
+    let left = Arc::new(AtomicU64::new(3));
+    let a = Agent::new(
+        cfg("dev-f", Transport::Tcp, &da).copy_engine(Arc::new(Wrapped {
+            dev: da.clone(),
+            left: left.clone(),
+            delay: Duration::ZERO,
+        })),
+    )
+    .unwrap();
+    let db = SimulatedDevice::new();
+    let b = Agent::new(cfg("dev-g", Transport::Tcp, &db)).unwrap();
+    let len = (NB * BS) as usize;
+    let (ra, xa) = device_region(&a, &da, len);
+    let (rb, xb) = device_region(&b, &db, len);
+    let peer = connect(&a, &b);
+    let data = random(3, len);
+    da.write(xa, &data).unwrap();
+    let l = a.prep_local(&descs(&ra, false)).unwrap();
+    let r = a.prep_remote(&peer, &descs(&rb, false)).unwrap();
+    let e = a
+        .transfer_all(
+            XferOp::Write,
+            &l,
+            &r,
+            Some(b"never"),
+            Some(Duration::from_secs(20)),
+        )
+        .unwrap()
+        .wait()
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::Cuda { why, .. } if why.contains("injected")),
+        "{e}"
+    );
+    assert!(
+        b.wait_notification(Duration::from_millis(500)).is_err(),
+        "a notification arrived for a failed transfer"
+    );
+    assert_eq!(
+        a.staging_stats().unwrap().in_use,
+        0,
+        "chunks leaked by the failure"
+    );
+    // The next transfer works (a new connection; the engine no longer fails).
+    left.store(u64::MAX / 2, Ordering::SeqCst);
+    a.transfer_all(
+        XferOp::Write,
+        &l,
+        &r,
+        Some(b"ok"),
+        Some(Duration::from_secs(20)),
+    )
+    .unwrap()
+    .wait()
+    .unwrap();
+    assert_eq!(
+        b.wait_notification(Duration::from_secs(10))
+            .unwrap()
+            .payload,
+        b"ok"
+    );
+    let mut got = vec![0u8; len];
+    db.read(xb, &mut got).unwrap();
+    assert!(got == data);
+    // The region is free again: deregistering succeeds.
+    a.deregister(&ra).unwrap();
+}
