@@ -13,11 +13,13 @@
 use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
 use kvxfer::layout::KvGeometry;
-use kvxfer::{Agent, AgentConfig, Desc, HostBuffer, Region, Transport, XferOp};
+use kvxfer::staging::{CopyEngine, SimulatedDevice};
+use kvxfer::{Agent, AgentConfig, Desc, GpuPath, HostBuffer, MemKind, Region, Transport, XferOp};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
@@ -25,6 +27,18 @@ use rand::SeedableRng;
 enum Op {
     Read,
     Write,
+}
+
+/// Where each side's KV buffer lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum MemArg {
+    /// Host memory (memfd-backed).
+    Host,
+    /// Simulated device memory (reached only through a copy engine): the staged path on a
+    /// machine without a GPU.
+    Sim,
+    /// CUDA device memory (needs the `cuda` feature, a driver and a GPU).
+    Cuda,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -127,6 +141,25 @@ struct Args {
     /// Seed for placement and data.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Where both sides' KV buffers live.
+    #[arg(long, value_enum, default_value = "host")]
+    memory: MemArg,
+    /// CUDA device with --memory cuda.
+    #[arg(long, default_value_t = 0)]
+    device: u32,
+    /// Path of device memory: auto, direct (UCX moves VRAM) or staged (pinned host chunks).
+    #[arg(long, default_value = "auto", value_parser = parse_gpu_path)]
+    gpu_path: GpuPath,
+    /// Device staging: chunks of --staging-chunk-kib (half for each direction of initiative).
+    #[arg(long, default_value_t = kvxfer::staging::DEFAULT_STAGING_CHUNKS)]
+    staging_chunks: usize,
+    /// Device staging chunk size, KiB.
+    #[arg(long, default_value_t = (kvxfer::staging::DEFAULT_STAGING_CHUNK_BYTES >> 10) as u64)]
+    staging_chunk_kib: u64,
+}
+
+fn parse_gpu_path(s: &str) -> Result<GpuPath, String> {
+    GpuPath::parse(s).ok_or_else(|| format!("{s:?}: auto, direct or staged"))
 }
 
 #[derive(Subcommand, Debug, Clone)]
@@ -344,6 +377,115 @@ impl Case {
     }
 }
 
+/// A process's device memory: the copy engine, and for the simulated device the device.
+#[derive(Clone)]
+struct Device {
+    engine: Arc<dyn CopyEngine>,
+    sim: Option<SimulatedDevice>,
+}
+
+fn device(args: &Args) -> Result<Option<Device>, BoxErr> {
+    match args.memory {
+        MemArg::Host => Ok(None),
+        MemArg::Sim => {
+            let sim = SimulatedDevice::new();
+            Ok(Some(Device {
+                engine: sim.engine(),
+                sim: Some(sim),
+            }))
+        }
+        #[cfg(feature = "cuda")]
+        MemArg::Cuda => {
+            kvxfer::cuda::probe(args.device)?;
+            Ok(Some(Device {
+                engine: Arc::new(kvxfer::cuda::CudaCopyEngine::new()),
+                sim: None,
+            }))
+        }
+        #[cfg(not(feature = "cuda"))]
+        MemArg::Cuda => Err("--memory cuda needs kvxfer-bench built with --features cuda".into()),
+    }
+}
+
+/// A registered KV buffer, host or device, and how to reach its bytes from the host.
+struct Buf {
+    region: Region,
+    dev: Option<(Device, u32)>,
+}
+
+impl Buf {
+    fn new(agent: &Agent, dev: &Option<Device>, args: &Args, len: usize) -> Result<Buf, BoxErr> {
+        let Some(d) = dev else {
+            return Ok(Buf {
+                region: agent.register(HostBuffer::new(len)?)?,
+                dev: None,
+            });
+        };
+        let region = match &d.sim {
+            Some(sim) => {
+                let addr = sim.alloc(len)?;
+                // SAFETY: the simulated allocation lives as long as the device, which `Buf`
+                // holds past the registration (deregistered before the device goes).
+                unsafe { agent.register_raw(addr as *mut u8, len, MemKind::Cuda(args.device)) }?
+            }
+            None => cuda_region(agent, args.device, len)?,
+        };
+        Ok(Buf {
+            region,
+            dev: Some((d.clone(), args.device)),
+        })
+    }
+
+    fn write(&self, off: u64, data: &[u8]) -> kvxfer::Result<()> {
+        match &self.dev {
+            None => self.region.write(off, data),
+            Some((d, dev)) => {
+                check(&self.region, off, data.len())?;
+                let mut q = d.engine.queue(*dev)?;
+                // SAFETY: the range lies inside the registered device region (checked); `data`
+                // lives until the sync below.
+                unsafe { q.to_device(data.as_ptr(), self.region.addr() + off, data.len()) }?;
+                q.sync()
+            }
+        }
+    }
+
+    fn read(&self, off: u64, out: &mut [u8]) -> kvxfer::Result<()> {
+        match &self.dev {
+            None => self.region.read(off, out),
+            Some((d, dev)) => {
+                check(&self.region, off, out.len())?;
+                let mut q = d.engine.queue(*dev)?;
+                // SAFETY: as in write; `out` is not touched until the sync.
+                unsafe { q.to_host(self.region.addr() + off, out.as_mut_ptr(), out.len()) }?;
+                q.sync()
+            }
+        }
+    }
+}
+
+fn check(r: &Region, off: u64, len: usize) -> kvxfer::Result<()> {
+    if off.checked_add(len as u64).is_none_or(|e| e > r.len()) {
+        return Err(kvxfer::Error::InvalidArgument(format!(
+            "[{off}, +{len}) outside a region of {} bytes",
+            r.len()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_region(agent: &Agent, device: u32, len: usize) -> Result<Region, BoxErr> {
+    let ctx = cudarc::driver::CudaContext::new(device as usize)?;
+    let buf = ctx.default_stream().alloc_zeros::<u8>(len)?;
+    Ok(agent.register(buf)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_region(_: &Agent, _: u32, _: usize) -> Result<Region, BoxErr> {
+    Err("--memory cuda needs kvxfer-bench built with --features cuda".into())
+}
+
 fn agent_config(args: &Args, transport: &str, role: &str, local_peer: bool) -> AgentConfig {
     let name = args
         .name
@@ -352,7 +494,9 @@ fn agent_config(args: &Args, transport: &str, role: &str, local_peer: bool) -> A
     let mut c = AgentConfig::new(name)
         .transport(Transport::parse(transport))
         .busy_poll(args.busy_poll)
-        .lanes(!args.ucx_only);
+        .lanes(!args.ucx_only)
+        .gpu_path(args.gpu_path)
+        .staging(args.staging_chunks, (args.staging_chunk_kib << 10) as usize);
     c.max_op_bytes = args.max_op;
     match (&args.net_devices, local_peer) {
         (Some(d), _) => c.net_devices(d.clone()),
@@ -386,7 +530,7 @@ fn pattern(seed: u64, k: u64, out: &mut [u8]) {
     }
 }
 
-fn fill(r: &Region, slots: &[u64], bs: u64, seed: u64) -> kvxfer::Result<()> {
+fn fill(r: &Buf, slots: &[u64], bs: u64, seed: u64) -> kvxfer::Result<()> {
     let mut buf = vec![0u8; bs as usize];
     for (k, &s) in slots.iter().enumerate() {
         pattern(seed, k as u64, &mut buf);
@@ -395,18 +539,18 @@ fn fill(r: &Region, slots: &[u64], bs: u64, seed: u64) -> kvxfer::Result<()> {
     Ok(())
 }
 
-fn clear(r: &Region) -> kvxfer::Result<()> {
+fn clear(r: &Buf) -> kvxfer::Result<()> {
     let zero = vec![0u8; 1 << 20];
     let mut off = 0;
-    while off < r.len() {
-        let n = (r.len() - off).min(zero.len() as u64);
+    while off < r.region.len() {
+        let n = (r.region.len() - off).min(zero.len() as u64);
         r.write(off, &zero[..n as usize])?;
         off += n;
     }
     Ok(())
 }
 
-fn verify(r: &Region, slots: &[u64], bs: u64, seed: u64) -> kvxfer::Result<bool> {
+fn verify(r: &Buf, slots: &[u64], bs: u64, seed: u64) -> kvxfer::Result<bool> {
     let mut want = vec![0u8; bs as usize];
     let mut got = vec![0u8; bs as usize];
     for (k, &s) in slots.iter().enumerate() {
@@ -428,7 +572,12 @@ fn serve(args: &Args, addr: SocketAddr) -> Result<(), BoxErr> {
     let ctl = TcpListener::bind(addr)?;
     let local = addr.ip().is_loopback();
     let transport = args.transport.first().cloned().unwrap_or("tcp".into());
-    let mut agent = Agent::new(agent_config(args, &transport, "peer", local))?;
+    let dev = device(args)?;
+    let mut cfg = agent_config(args, &transport, "peer", local);
+    if let Some(d) = &dev {
+        cfg = cfg.copy_engine(d.engine.clone());
+    }
+    let mut agent = Agent::new(cfg)?;
     let ip = ctl.local_addr()?.ip();
     let side = agent.listen(SocketAddr::new(ip, 0))?;
     println!(
@@ -444,7 +593,7 @@ fn serve(args: &Args, addr: SocketAddr) -> Result<(), BoxErr> {
     };
     loop {
         let (s, _) = ctl.accept()?;
-        if let Err(e) = session(&mut agent, s, ip, side, &mut state) {
+        if let Err(e) = session(&mut agent, s, ip, side, &mut state, args, &dev) {
             eprintln!("kvxfer-bench peer: session ended: {e}");
         }
         if args.once {
@@ -454,7 +603,7 @@ fn serve(args: &Args, addr: SocketAddr) -> Result<(), BoxErr> {
 }
 
 struct PeerState {
-    region: Option<Region>,
+    region: Option<Buf>,
     slots: Vec<u64>,
     bs: u64,
 }
@@ -465,6 +614,8 @@ fn session(
     ip: std::net::IpAddr,
     side: SocketAddr,
     st: &mut PeerState,
+    args: &Args,
+    dev: &Option<Device>,
 ) -> Result<(), BoxErr> {
     let PeerState { region, slots, bs } = st;
     let mut rd = BufReader::new(s.try_clone()?);
@@ -486,9 +637,9 @@ fn session(
                 };
                 *slots = placement(p, blocks, seed.parse()?).1;
                 if let Some(r) = region.take() {
-                    agent.deregister(&r)?;
+                    agent.deregister(&r.region)?;
                 }
-                *region = Some(agent.register(HostBuffer::new((blocks * *bs) as usize)?)?);
+                *region = Some(Buf::new(agent, dev, args, (blocks * *bs) as usize)?);
                 format!("OK {side}")
             }
             ["FILL", seed] => match &region {
@@ -510,7 +661,7 @@ fn session(
                 None => "ERR no SETUP".into(),
             },
             ["REGION"] => match &region {
-                Some(r) => format!("OK {}", r.id().0),
+                Some(r) => format!("OK {}", r.region.id().0),
                 None => "ERR no SETUP".into(),
             },
             ["TCPREF", bytes, dir, rounds] => {
@@ -525,6 +676,7 @@ fn session(
                 });
                 format!("OK {port}")
             }
+            ["RSS"] => format!("OK {}", rss_peak(std::process::id())),
             ["QUIT"] => {
                 writeln!(wr, "OK")?;
                 return Ok(());
@@ -628,6 +780,22 @@ fn spawn_peer(args: &Args, transport: &str) -> Result<(Peer, SocketAddr), BoxErr
     if args.ucx_only {
         cmd.arg("--ucx-only");
     }
+    cmd.args([
+        "--memory",
+        match args.memory {
+            MemArg::Host => "host",
+            MemArg::Sim => "sim",
+            MemArg::Cuda => "cuda",
+        },
+        "--device",
+        &args.device.to_string(),
+        "--gpu-path",
+        &args.gpu_path.to_string(),
+        "--staging-chunks",
+        &args.staging_chunks.to_string(),
+        "--staging-chunk-kib",
+        &args.staging_chunk_kib.to_string(),
+    ]);
     let mut child = cmd.stdout(Stdio::piped()).stdin(Stdio::null()).spawn()?;
     let out = child.stdout.take().ok_or("no stdout from peer")?;
     let peer = Peer(child);
@@ -648,6 +816,19 @@ fn rss(pid: u32) -> u64 {
         .and_then(|s| {
             s.lines()
                 .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .unwrap_or(0)
+        * 1024
+}
+
+/// Peak resident set size (VmHWM) of a process, bytes.
+fn rss_peak(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
                 .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         })
         .unwrap_or(0)
@@ -732,7 +913,7 @@ struct Row {
 
 fn print_header(reference: bool) {
     print!(
-        "{:<6} {:<10} {:<4} {:<18} {:>12} {:>6} {:>6} {:>9} {:>9} {:>9} {:>7}",
+        "{:<6} {:<10} {:<10} {:<18} {:>12} {:>6} {:>6} {:>9} {:>9} {:>9} {:>7}",
         "op",
         "placement",
         "lane",
@@ -756,7 +937,7 @@ fn print_header(reference: bool) {
 
 fn print_row(r: &Row, reference: bool) {
     print!(
-        "{:<6} {:<10} {:<4} {:<18} {:>12} {:>6} {:>6} {:>9.2} {:>9.2} {:>9.2} {:>7.2}",
+        "{:<6} {:<10} {:<10} {:<18} {:>12} {:>6} {:>6} {:>9.2} {:>9.2} {:>9.2} {:>7.2}",
         format!("{:?}", r.case.op).to_lowercase(),
         r.case.placement.name(),
         r.lane,
@@ -851,9 +1032,15 @@ fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
             args.seed
         ))?
         .parse()?;
-    let agent = Agent::new(agent_config(args, &case.transport, "init", local))?;
+    let dev = device(args)?;
+    let mut cfg = agent_config(args, &case.transport, "init", local);
+    if let Some(d) = &dev {
+        cfg = cfg.copy_engine(d.engine.clone());
+    }
+    let agent = Agent::new(cfg)?;
     let bytes_all = n * bs;
-    let region = agent.register(HostBuffer::new(bytes_all as usize)?)?;
+    let buf = Buf::new(&agent, &dev, args, bytes_all as usize)?;
+    let region = buf.region.clone();
     let peer = agent.connect(side)?;
     let rid = kvxfer::RegionId(ctl.cmd("REGION")?.parse()?);
     let (lslots, rslots) = placement(slot_placement, n, args.seed);
@@ -900,19 +1087,19 @@ fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
     if args.soak > 0 {
         // Both sides hold the same blocks: READs and WRITEs keep them equal, so any byte a
         // transfer puts in the wrong place shows up in the periodic checks.
-        fill(&region, &lslots, bs, data_seed)?;
+        fill(&buf, &lslots, bs, data_seed)?;
         ctl.cmd(&format!("FILL {data_seed}"))?;
     }
     let op = match case.op {
         _ if args.soak > 0 => XferOp::Write,
         Op::Write => {
-            fill(&region, &lslots, bs, data_seed)?;
+            fill(&buf, &lslots, bs, data_seed)?;
             ctl.cmd("CLEAR")?;
             XferOp::Write
         }
         Op::Read => {
             ctl.cmd(&format!("FILL {data_seed}"))?;
-            clear(&region)?;
+            clear(&buf)?;
             XferOp::Read
         }
     };
@@ -968,7 +1155,7 @@ fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
                 checks += 1;
                 let ok = match op {
                     XferOp::Write => ctl.cmd(&format!("VERIFY {data_seed}"))? == "true",
-                    XferOp::Read => verify(&region, &lslots, bs, data_seed)?,
+                    XferOp::Read => verify(&buf, &lslots, bs, data_seed)?,
                 };
                 bad_checks += usize::from(!ok);
             }
@@ -978,9 +1165,11 @@ fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
     let soak_rss_end = (rss(std::process::id()), peer_pid.map_or(0, rss));
     let verified = match op {
         XferOp::Write => ctl.cmd(&format!("VERIFY {data_seed}"))? == "true",
-        XferOp::Read => verify(&region, &lslots, bs, data_seed)?,
+        XferOp::Read => verify(&buf, &lslots, bs, data_seed)?,
     };
     let info = agent.peer_info(&peer)?;
+    let peer_rss_peak: u64 = ctl.cmd("RSS")?.parse().unwrap_or(0);
+    let self_rss_peak = rss_peak(std::process::id());
     let (memcpy_ms, tcp_ms) = if args.reference {
         (
             Some(memcpy_ref(bytes_all, args.iters)?),
@@ -1016,7 +1205,15 @@ fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         "post_ms_median": median(&mut post_ms),
         "prep_ms": prep_ms,
         "verified": verified,
+        "memory": format!("{:?}", args.memory).to_lowercase(),
+        "gpu_path": info.gpu_path.map(|p| p.to_string()),
+        "rss_peak_self_mib": self_rss_peak as f64 / (1 << 20) as f64,
+        "rss_peak_peer_mib": peer_rss_peak as f64 / (1 << 20) as f64,
     });
+    if let Some(st) = agent.staging_stats() {
+        j["staging_mib"] = (st.bytes as f64 / (1 << 20) as f64).into();
+        j["staging_waits"] = st.waits.into();
+    }
     if args.soak > 0 {
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
         j["soak_transfers"] = args.soak.into();
@@ -1036,7 +1233,10 @@ fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
     }
     Ok(Row {
         case: case.clone(),
-        lane: lane.to_string(),
+        lane: match info.gpu_path {
+            Some(p) => format!("{lane}/{p}"),
+            None => lane.to_string(),
+        },
         transports: info.transports,
         bytes: bytes_all,
         ops,
