@@ -24,6 +24,7 @@ echo "== UCX: Debian libucx-dev (default)"
   # report a skip with the reason where there is no GPU.
   cargo clippy -p kvxfer --all-targets --features cuda -- -D warnings
   cargo test -p kvxfer --features cuda --lib --test loopback cuda -- --nocapture 2>&1 | tee -a "$log"
+  cargo test -p kvxfer --features cuda --test device_staged -- --nocapture 2>&1 | tee -a "$log"
 )
 
 echo "== vLLM plugin against the real vllm==0.33.0 (CPU)"

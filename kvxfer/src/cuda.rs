@@ -11,6 +11,11 @@
 
 use crate::error::{Error, Result};
 
+/// The cudarc kvxfer is built with, for allocating device buffers of the same version
+/// (`kvxfer::cuda::cudarc::driver::CudaContext`); a `CudaSlice<u8>` registers with
+/// [`crate::Agent::register`].
+pub use cudarc;
+
 /// What [`probe`] found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CudaInfo {

@@ -494,8 +494,15 @@ impl Engine {
         }
         // SAFETY: ctx live; the region's memory is owned by `region` (or promised valid by the
         // caller of register_raw) and outlives the mapping: LocalReg holds the Arc until unmap.
-        let memh = unsafe { raw::mem_map(self.ctx, region.addr as *mut u8, region.len as usize) }
-            .map_err(|status| Error::Ucx {
+        let memh = unsafe {
+            raw::mem_map(
+                self.ctx,
+                region.addr as *mut u8,
+                region.len as usize,
+                region.kind != crate::memory::MemKind::Host,
+            )
+        }
+        .map_err(|status| Error::Ucx {
             op: "ucp_mem_map",
             status,
         })?;

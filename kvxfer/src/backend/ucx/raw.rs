@@ -408,14 +408,21 @@ pub(crate) unsafe fn mem_map(
     ctx: ucp_context_h,
     addr: *mut u8,
     len: usize,
+    cuda: bool,
 ) -> Result<ucp_mem_h, UcsStatus> {
-    let p = sys::ucp_mem_map_params_t {
+    let mut p = sys::ucp_mem_map_params_t {
         field_mask: (sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH)
             as u64,
         address: addr as *mut c_void,
         length: len,
         ..Default::default()
     };
+    if cuda {
+        // The memory type stated, not detected: UCX's detection needs its CUDA module to
+        // query the pointer, and a wrong guess registers VRAM as host memory.
+        p.field_mask |= sys::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE as u64;
+        p.memory_type = sys::UCS_MEMORY_TYPE_CUDA as _;
+    }
     let mut m: ucp_mem_h = ptr::null_mut();
     // SAFETY: caller upholds 1; p initialised for field_mask; m valid out pointer.
     check(unsafe { sys::ucp_mem_map(ctx, &p, &mut m) })?;
