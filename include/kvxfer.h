@@ -221,6 +221,11 @@ const char *kvx_status_name(kvx_status s);
 // Creates an agent. `transport`: "tcp", "shm", "auto" or a UCX_TLS list; `net_devices` may be
 // NULL (UCX's default), e.g. "lo" or "eth0". `budget_bytes` 0: unlimited.
 //
+// Device memory (a library built with the `cuda` feature) follows the environment:
+// `KVXFER_GPU_PATH` = `auto` (default: direct where UCX has CUDA transports, else staged),
+// `direct` or `staged`; `KVXFER_STAGING_CHUNKS` and `KVXFER_STAGING_CHUNK_BYTES` size the
+// staging pool (default 8 x 4 MiB, charged to the budget at the first device registration).
+//
 // # Safety
 // Strings are NULL or NUL-terminated; `out` is valid for a write.
 kvx_status kvx_agent_new(const char *name,

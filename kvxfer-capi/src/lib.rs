@@ -560,6 +560,11 @@ pub extern "C" fn kvx_status_name(s: kvx_status) -> *const c_char {
 /// Creates an agent. `transport`: "tcp", "shm", "auto" or a UCX_TLS list; `net_devices` may be
 /// NULL (UCX's default), e.g. "lo" or "eth0". `budget_bytes` 0: unlimited.
 ///
+/// Device memory (a library built with the `cuda` feature) follows the environment:
+/// `KVXFER_GPU_PATH` = `auto` (default: direct where UCX has CUDA transports, else staged),
+/// `direct` or `staged`; `KVXFER_STAGING_CHUNKS` and `KVXFER_STAGING_CHUNK_BYTES` size the
+/// staging pool (default 8 x 4 MiB, charged to the budget at the first device registration).
+///
 /// # Safety
 /// Strings are NULL or NUL-terminated; `out` is valid for a write.
 #[no_mangle]
@@ -586,12 +591,41 @@ pub unsafe extern "C" fn kvx_agent_new(
         if budget_bytes > 0 {
             cfg = cfg.budget(MemoryBudget::new(budget_bytes));
         }
+        cfg = gpu_env(cfg)?;
         let a = Agent::new(cfg)?;
         let h = new_handle(kvx_agent { inner: Arc::new(a) });
         // SAFETY: out non-NULL and valid per the contract.
         unsafe { *out = h };
         Ok(())
     })
+}
+
+/// Applies KVXFER_GPU_PATH, KVXFER_STAGING_CHUNKS and KVXFER_STAGING_CHUNK_BYTES.
+fn gpu_env(mut cfg: AgentConfig) -> kvxfer_core::Result<AgentConfig> {
+    if let Ok(v) = std::env::var("KVXFER_GPU_PATH") {
+        let p = kvxfer_core::GpuPath::parse(v.trim()).ok_or_else(|| {
+            kvxfer_core::Error::InvalidArgument(format!(
+                "KVXFER_GPU_PATH={v:?}: auto, direct or staged"
+            ))
+        })?;
+        cfg = cfg.gpu_path(p);
+    }
+    let num = |k: &str, d: usize| -> kvxfer_core::Result<usize> {
+        match std::env::var(k) {
+            Ok(v) => v.trim().parse().map_err(|_| {
+                kvxfer_core::Error::InvalidArgument(format!(
+                    "{k}={v:?}: a number of bytes or chunks"
+                ))
+            }),
+            Err(_) => Ok(d),
+        }
+    };
+    let (c, b) = cfg.staging;
+    let staging = (
+        num("KVXFER_STAGING_CHUNKS", c)?,
+        num("KVXFER_STAGING_CHUNK_BYTES", b)?,
+    );
+    Ok(cfg.staging(staging.0, staging.1))
 }
 
 /// Destroys an agent (NULL is ignored). Transfers in flight finish first; handles made from it

@@ -17,7 +17,9 @@ Supported caches: vLLM 0.33's per-layer views ``[num_blocks, num_kv_heads, block
 tensors or device tensors with a CUDA-aware libkvxfer. ``kv_connector_extra_config``:
 ``transport`` (default "auto"), ``net_devices``, ``host`` (side channel address, default
 127.0.0.1), ``lease_ms``, ``budget_mib``, ``rundir``, ``metrics_file`` (Prometheus text written
-after every change, for a textfile collector).
+after every change, for a textfile collector), ``gpu_path`` (device tensors: ``auto``,
+``direct`` through a CUDA-aware UCX, or ``staged`` through pinned host chunks charged to
+``budget_mib``; sets ``KVXFER_GPU_PATH``).
 """
 
 from __future__ import annotations
@@ -233,6 +235,8 @@ class KvxferConnector(KVConnectorBase_V1):
         ex = self.extra
         name = f"kvxfer-{self.engine_id}-tp{self.rank}"
         budget = int(ex.get("budget_mib", 0)) << 20
+        if "gpu_path" in ex:
+            os.environ["KVXFER_GPU_PATH"] = str(ex["gpu_path"])
         self.agent = kx.Agent(name, ex.get("transport", "auto"), ex.get("net_devices"), budget)
         side = self.agent.listen(f"{ex.get('host', '127.0.0.1')}:{int(ex.get('port', 0))}")
         device = first.device
