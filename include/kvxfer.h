@@ -81,6 +81,9 @@ enum kvx_status
   // A handle that this library did not make, or that was already freed (double free,
   // use after free); nothing was done.
   KVX_INVALID_HANDLE = 22,
+  // Device memory cannot be used here: no CUDA driver or device, a library built without
+  // the `cuda` feature, or a forced path that cannot work (the message says which).
+  KVX_CUDA = 23,
 };
 #ifndef __cplusplus
 typedef uint32_t kvx_status;

@@ -80,6 +80,9 @@ pub enum kvx_status {
     /// A handle that this library did not make, or that was already freed (double free,
     /// use after free); nothing was done.
     KVX_INVALID_HANDLE = 22,
+    /// Device memory cannot be used here: no CUDA driver or device, a library built without
+    /// the `cuda` feature, or a forced path that cannot work (the message says which).
+    KVX_CUDA = 23,
 }
 
 /// Direction of a transfer, seen from the initiator.
@@ -357,6 +360,7 @@ fn status_of(e: &Error) -> kvx_status {
         Error::OutOfMemory(_) => KVX_OUT_OF_MEMORY,
         Error::Io { .. } | Error::Protocol { .. } => KVX_IO,
         Error::Shutdown => KVX_SHUTDOWN,
+        Error::Cuda { .. } => KVX_CUDA,
         _ => KVX_INVALID_ARGUMENT,
     }
 }
@@ -549,6 +553,7 @@ pub extern "C" fn kvx_status_name(s: kvx_status) -> *const c_char {
         KVX_STALE => "KVX_STALE\0",
         KVX_DEREGISTERED => "KVX_DEREGISTERED\0",
         KVX_INVALID_HANDLE => "KVX_INVALID_HANDLE\0",
+        KVX_CUDA => "KVX_CUDA\0",
     };
     n.as_ptr().cast()
 }

@@ -171,6 +171,14 @@ int main(int argc, char **argv) {
   kvx_agent *bad = NULL;
   EXPECT(kvx_agent_new(NULL, "tcp", NULL, 0, &bad), KVX_NULL_PARAMETER);
   EXPECT(kvx_agent_new("", "tcp", NULL, 0, &bad), KVX_INVALID_ARGUMENT);
+  setenv("KVXFER_GPU_PATH", "sideways", 1);
+  EXPECT(kvx_agent_new("c-gpu", "tcp", "lo", 0, &bad), KVX_INVALID_ARGUMENT);
+  {
+    char m[512];
+    kvx_last_error(m, sizeof m);
+    if (strstr(m, "KVXFER_GPU_PATH") == NULL) die("last error does not name KVXFER_GPU_PATH", KVX_OK);
+  }
+  unsetenv("KVXFER_GPU_PATH");
   if (bad != NULL) die("output written on failure", KVX_OK);
 
   kvx_agent *a = NULL;
@@ -189,6 +197,13 @@ int main(int argc, char **argv) {
   printf("last error, as a user sees it: %s\n", msg);
 
   kvx_region *r = NULL;
+  /* Device memory where this library (no `cuda` feature, or no GPU) cannot handle it. */
+  {
+    static unsigned char not_vram[4096];
+    kvx_region *dr = NULL;
+    EXPECT(kvx_agent_register(a, not_vram, sizeof not_vram, 0, &dr), KVX_CUDA);
+    if (dr != NULL) die("region written on failure", KVX_OK);
+  }
   CHECK(kvx_agent_alloc(a, LEN, &r));
   unsigned char *mem = kvx_region_ptr(r);
   for (size_t i = 0; i < LEN; i++) mem[i] = pattern(1, i);
