@@ -549,3 +549,86 @@ fn cuda_gpu_to_gpu_both_paths_or_skip() {
         }
     }
 }
+
+/// The connector over device-resident KV caches (both sides), pull and push, layer-wise: the
+/// staged path is transparent to it. In-host (the shared-memory transport): device memory
+/// still takes the TCP lane.
+fn connector_on_device_kv(mode: kvxfer::connector::Mode) {
+    use kvxfer::connector::{ConnectorConfig, Consumer, Producer};
+    use kvxfer::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking};
+    let g = KvGeometry {
+        name: "dev".into(),
+        layers: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        dtype: KvDtype::Bf16,
+    };
+    let blocks = 32;
+    let side = |p: &str| {
+        let dev = SimulatedDevice::new();
+        let a = Arc::new(Agent::new(cfg(p, Transport::Shm, &dev)).unwrap());
+        let probe = KvLayout::contiguous(
+            g.clone(),
+            16,
+            blocks,
+            KvPacking::Separate,
+            KvOrder::Nhd,
+            kvxfer::RegionId(0),
+        );
+        let (r, x) = device_region(&a, &dev, probe.region_bytes() as usize);
+        let layout = KvLayout::contiguous(
+            g.clone(),
+            16,
+            blocks,
+            KvPacking::Separate,
+            KvOrder::Nhd,
+            r.id(),
+        );
+        (a, dev, r, x, layout)
+    };
+    let (pa, pd, pr, px, pl) = side("kvp");
+    let (ca, cd, _cr, cx, cl) = side("kvc");
+    let data = random(9, pr.len() as usize);
+    pd.write(px, &data).unwrap();
+    let paddr = pa.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let cc = ConnectorConfig {
+        mode,
+        heartbeat: Duration::from_millis(50),
+        ..Default::default()
+    };
+    let producer = Producer::new(pa.clone(), pl.clone(), cc.clone(), Some(paddr)).unwrap();
+    let consumer = Consumer::new(ca.clone(), cl.clone(), cc).unwrap();
+    let remote = [7u32, 30, 2, 3, 19];
+    let local = [0u32, 1, 2, 20, 31];
+    let h = producer.publish("dev-req", &remote, 5 * 16, 0).unwrap();
+    consumer.start_load(&h, &local).unwrap();
+    for l in 0..4 {
+        producer.layer_done("dev-req", l).unwrap();
+    }
+    consumer.wait("dev-req", Duration::from_secs(20)).unwrap();
+    let rd = pl.descs(&remote, 0..4, 0..2).unwrap();
+    let ld = cl.descs(&local, 0..4, 0..2).unwrap();
+    assert_eq!(rd.len(), ld.len());
+    for (a, b) in rd.iter().zip(&ld) {
+        let mut got = vec![0u8; b.len as usize];
+        cd.read(cx + b.offset, &mut got).unwrap();
+        assert!(
+            got[..] == data[a.offset as usize..(a.offset + a.len) as usize],
+            "{a:?} -> {b:?} differ"
+        );
+    }
+    let peer = ca.peer_info(pa.name()).unwrap();
+    assert_eq!(peer.gpu_path, Some(GpuPath::Staged));
+    let s = consumer.take_finished().pop().unwrap();
+    assert_eq!(s.bytes_moved, 5 * cl.block_bytes() * 4 * 2);
+}
+
+#[test]
+fn connector_pull_of_device_kv() {
+    connector_on_device_kv(kvxfer::connector::Mode::Pull);
+}
+
+#[test]
+fn connector_push_of_device_kv() {
+    connector_on_device_kv(kvxfer::connector::Mode::Push);
+}
