@@ -64,11 +64,18 @@ fn cuda_err(device: u32, what: &str, e: cudarc::driver::DriverError) -> Error {
     }
 }
 
-/// The CUDA copy engine: device-to-host and host-to-device copies on a stream per transfer
-/// (per lane thread), staging chunks page-locked with `cuMemHostRegister`.
+/// Idle streams per device, reused by later queues.
+type StreamPool = std::sync::Arc<
+    std::sync::Mutex<std::collections::HashMap<u32, Vec<std::sync::Arc<CudaStream>>>>,
+>;
+
+/// The CUDA copy engine: device-to-host and host-to-device copies on a non-blocking stream per
+/// transfer (streams are pooled and reused), staging chunks page-locked with
+/// `cuMemHostRegister`.
 #[derive(Debug, Default)]
 pub struct CudaCopyEngine {
     ctxs: std::sync::Mutex<std::collections::HashMap<u32, std::sync::Arc<CudaContext>>>,
+    streams: StreamPool,
 }
 
 use cudarc::driver::{sys, CudaContext, CudaStream};
@@ -95,6 +102,22 @@ struct CudaQueue {
     device: u32,
     ctx: std::sync::Arc<CudaContext>,
     stream: std::sync::Arc<CudaStream>,
+    pool: StreamPool,
+}
+
+impl Drop for CudaQueue {
+    fn drop(&mut self) {
+        // Copies still queued write into or read from host memory the caller is about to
+        // reuse: wait for them; a stream in an error state is not reused.
+        if self.stream.synchronize().is_ok() {
+            self.pool
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(self.device)
+                .or_default()
+                .push(self.stream.clone());
+        }
+    }
 }
 
 impl crate::staging::CopyQueue for CudaQueue {
@@ -141,13 +164,23 @@ impl crate::staging::CopyEngine for CudaCopyEngine {
 
     fn queue(&self, device: u32) -> Result<Box<dyn crate::staging::CopyQueue>> {
         let ctx = self.ctx(device)?;
-        let stream = ctx
-            .new_stream()
-            .map_err(|e| cuda_err(device, "cuStreamCreate", e))?;
+        let idle = self
+            .streams
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(&device)
+            .and_then(Vec::pop);
+        let stream = match idle {
+            Some(s) => s,
+            None => ctx
+                .new_stream()
+                .map_err(|e| cuda_err(device, "cuStreamCreate", e))?,
+        };
         Ok(Box::new(CudaQueue {
             device,
             ctx,
             stream,
+            pool: self.streams.clone(),
         }))
     }
 

@@ -58,6 +58,7 @@ pub trait CopyEngine: Send + Sync + std::fmt::Debug {
 }
 
 /// Copies queued in order; they may run after the call returns, until [`sync`](Self::sync).
+/// Implementations wait for their queued copies when dropped.
 pub trait CopyQueue: Send {
     /// Queues a copy of `len` bytes from device address `src` to host `dst`.
     ///
@@ -642,30 +643,38 @@ pub(crate) fn stream_device(
         }
         Ok(())
     };
-    if send {
-        qc(&mut q, 0)?;
-        q.sync()?;
-        for (k, (_, used)) in groups.iter().enumerate() {
-            if k + 1 < groups.len() {
-                qc(&mut q, k + 1)?; // overlaps the send of chunk k
+    let r = (|| -> Result<()> {
+        if send {
+            qc(&mut q, 0)?;
+            q.sync()?;
+            for (k, (_, used)) in groups.iter().enumerate() {
+                if k + 1 < groups.len() {
+                    qc(&mut q, k + 1)?; // overlaps the send of chunk k
+                }
+                let r = net(pair.slice(k % 2, *used));
+                let s = q.sync();
+                r?;
+                s?;
             }
-            let r = net(pair.slice(k % 2, *used));
-            let s = q.sync();
-            r?;
-            s?;
+        } else {
+            for (k, (_, used)) in groups.iter().enumerate() {
+                // Chunk k % 2 is free: its last copy was synced after the previous receive.
+                let r = net(pair.slice(k % 2, *used));
+                let s = q.sync(); // the copy of chunk k-1 (overlapped the receive above)
+                r?;
+                s?;
+                qc(&mut q, k)?;
+            }
+            q.sync()?;
         }
-    } else {
-        for (k, (_, used)) in groups.iter().enumerate() {
-            // Chunk k % 2 is free: its last copy was synced after the previous receive.
-            let r = net(pair.slice(k % 2, *used));
-            let s = q.sync(); // the copy of chunk k-1 (overlapped the receive above)
-            r?;
-            s?;
-            qc(&mut q, k)?;
-        }
-        q.sync()?;
+        Ok(())
+    })();
+    if r.is_err() {
+        // Never leave copies in flight into chunks the caller is about to hand to another
+        // transfer.
+        let _ = q.sync();
     }
-    Ok(())
+    r
 }
 
 /// A fixed pool of UCX-registered host chunks, for [`staged`].
@@ -906,6 +915,163 @@ pub unsafe fn staged(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A simulated device whose queue logs what it is asked, for checking the pipeline order.
+    #[derive(Debug)]
+    struct Logged {
+        dev: SimulatedDevice,
+        log: Arc<Mutex<Vec<String>>>,
+    }
+
+    struct LoggedQueue {
+        inner: Box<dyn CopyQueue>,
+        log: Arc<Mutex<Vec<String>>>,
+        dev: SimulatedDevice,
+    }
+
+    impl CopyQueue for LoggedQueue {
+        unsafe fn to_host(&mut self, src: u64, dst: *mut u8, len: usize) -> Result<()> {
+            let base = self.dev.inner.allocs.read().unwrap()[0].addr;
+            self.log
+                .lock()
+                .unwrap()
+                .push(format!("d2h {} {len}", src - base));
+            // SAFETY: forwarded with the caller's guarantees.
+            unsafe { self.inner.to_host(src, dst, len) }
+        }
+        unsafe fn to_device(&mut self, src: *const u8, dst: u64, len: usize) -> Result<()> {
+            let base = self.dev.inner.allocs.read().unwrap()[0].addr;
+            self.log
+                .lock()
+                .unwrap()
+                .push(format!("h2d {} {len}", dst - base));
+            // SAFETY: forwarded with the caller's guarantees.
+            unsafe { self.inner.to_device(src, dst, len) }
+        }
+        fn sync(&mut self) -> Result<()> {
+            self.log.lock().unwrap().push("sync".into());
+            self.inner.sync()
+        }
+    }
+
+    impl CopyEngine for Logged {
+        fn name(&self) -> &'static str {
+            "logged"
+        }
+        fn check_device(&self, _: u32) -> Result<()> {
+            Ok(())
+        }
+        fn queue(&self, d: u32) -> Result<Box<dyn CopyQueue>> {
+            Ok(Box::new(LoggedQueue {
+                inner: self.dev.queue(d)?,
+                log: self.log.clone(),
+                dev: self.dev.clone(),
+            }))
+        }
+    }
+
+    fn staging(chunk: usize) -> (DeviceStaging, Arc<Mutex<Vec<String>>>, SimulatedDevice) {
+        let dev = SimulatedDevice::new();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let e = Arc::new(Logged {
+            dev: dev.clone(),
+            log: log.clone(),
+        });
+        let st = DeviceStaging::new(e, &MemoryBudget::unlimited(), 4, chunk).unwrap();
+        (st, log, dev)
+    }
+
+    #[test]
+    fn send_copies_the_next_chunk_while_the_current_one_is_on_the_wire() {
+        let (st, log, dev) = staging(4096);
+        let base = dev.alloc(3 * 4096).unwrap();
+        let data: Vec<u8> = (0..3 * 4096).map(|i| (i * 7 % 251) as u8).collect();
+        dev.write(base, &data).unwrap();
+        let pair = st.pair(true, Duration::ZERO).unwrap();
+        // Pieces of 3 KiB: they straddle the 4 KiB chunks.
+        let pieces: Vec<(u64, u64)> = (0..4).map(|i| (base + i * 3072, 3072)).collect();
+        let mut wire = Vec::new();
+        let l2 = log.clone();
+        stream_device(&*st.engine, 0, &pair, true, &pieces, &mut |b| {
+            l2.lock().unwrap().push(format!("net {}", b.len()));
+            wire.extend_from_slice(b);
+            Ok(())
+        })
+        .unwrap();
+        assert!(wire == data, "bytes on the wire differ from device memory");
+        let log = log.lock().unwrap().join(", ");
+        assert_eq!(
+            log,
+            "d2h 0 3072, d2h 3072 1024, sync, \
+             d2h 4096 2048, d2h 6144 2048, net 4096, sync, \
+             d2h 8192 1024, d2h 9216 3072, net 4096, sync, \
+             net 4096, sync"
+        );
+    }
+
+    #[test]
+    fn receive_copies_a_chunk_to_the_device_while_the_next_one_arrives() {
+        let (st, log, dev) = staging(4096);
+        let base = dev.alloc(3 * 4096).unwrap();
+        let data: Vec<u8> = (0..10_000).map(|i| (i * 13 % 241) as u8).collect();
+        let pair = st.pair(false, Duration::ZERO).unwrap();
+        let pieces = [(base, 10_000u64)];
+        let mut at = 0;
+        let l2 = log.clone();
+        stream_device(&*st.engine, 0, &pair, false, &pieces, &mut |b| {
+            l2.lock().unwrap().push(format!("net {}", b.len()));
+            b.copy_from_slice(&data[at..at + b.len()]);
+            at += b.len();
+            Ok(())
+        })
+        .unwrap();
+        let mut got = vec![0u8; 10_000];
+        dev.read(base, &mut got).unwrap();
+        assert!(got == data);
+        assert_eq!(
+            log.lock().unwrap().join(", "),
+            "net 4096, sync, h2d 0 4096, net 4096, sync, h2d 4096 4096, \
+             net 1808, sync, h2d 8192 1808, sync"
+        );
+        assert_eq!(st.stats().in_use, 2);
+        drop(pair);
+        assert_eq!(st.stats().in_use, 0);
+    }
+
+    #[test]
+    fn a_network_error_stops_the_stream_and_keeps_the_error() {
+        let (st, _log, dev) = staging(4096);
+        let base = dev.alloc(4 * 4096).unwrap();
+        let pair = st.pair(true, Duration::ZERO).unwrap();
+        let mut n = 0;
+        let e = stream_device(&*st.engine, 0, &pair, true, &[(base, 16384)], &mut |_| {
+            n += 1;
+            if n == 2 {
+                Err(Error::Canceled)
+            } else {
+                Ok(())
+            }
+        })
+        .unwrap_err();
+        assert!(matches!(e, Error::Canceled));
+        assert_eq!(n, 2, "the stream went on after the error");
+    }
+
+    #[test]
+    fn simulated_device_refuses_copies_outside_its_allocations() {
+        let dev = SimulatedDevice::new();
+        let a = dev.alloc(4096).unwrap();
+        let mut q = dev.queue(0).unwrap();
+        let mut buf = [0u8; 16];
+        // SAFETY: the engine checks the device range; buf is valid host memory.
+        let e = unsafe { q.to_host(a + 4090, buf.as_mut_ptr(), 16) }.unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        // SAFETY: as above.
+        assert!(unsafe { q.to_device(buf.as_ptr(), a - 1, 1) }.is_err());
+        assert!(dev.write(a + 4096, &[1]).is_err());
+        // Addresses are not host addresses: far outside any user address space.
+        assert!(a >= SIM_BASE);
+    }
 
     #[test]
     fn a_full_pool_makes_the_next_acquire_wait_until_a_release() {
