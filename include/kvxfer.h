@@ -584,6 +584,13 @@ kvx_status kvx_consumer_metrics(const struct kvx_consumer *c,
                                 size_t cap,
                                 size_t *out_len);
 
+// Prometheus text of the agent's memory: budget, device staging chunks, dropped
+// notifications.
+//
+// # Safety
+// `a` live; `buf` valid for `cap`; `out_len` valid.
+kvx_status kvx_agent_metrics(const struct kvx_agent *a, char *buf, size_t cap, size_t *out_len);
+
 // Prometheus text of the producer's telemetry.
 //
 // # Safety

@@ -1756,6 +1756,27 @@ pub unsafe extern "C" fn kvx_consumer_metrics(
     })
 }
 
+/// Prometheus text of the agent's memory: budget, device staging chunks, dropped
+/// notifications.
+///
+/// # Safety
+/// `a` live; `buf` valid for `cap`; `out_len` valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_metrics(
+    a: *const kvx_agent,
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> kvx_status {
+    guard("kvx_agent_metrics", || {
+        // SAFETY: per this function's contract.
+        let a = unsafe { handle(a, "agent") }?;
+        let t = a.inner.prometheus();
+        // SAFETY: as above.
+        unsafe { put(t.as_bytes(), buf.cast(), cap, out_len) }
+    })
+}
+
 /// Prometheus text of the producer's telemetry.
 ///
 /// # Safety

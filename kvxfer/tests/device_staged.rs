@@ -249,6 +249,24 @@ fn concurrency_above_the_pools_waits_instead_of_allocating() {
     assert!(st.waits > 0, "six concurrent writers never waited: {st:?}");
     assert!(budget.peak() <= budget.limit());
     assert_eq!(st.in_use, 0);
+    // The same figures, as an operator's scrape sees them.
+    let m = t.prometheus();
+    let n = t.name();
+    for want in [
+        format!("kvxfer_staging_bytes{{agent=\"{n}\"}} {}", 8 * CHUNK),
+        format!("kvxfer_staging_chunks_in_use{{agent=\"{n}\"}} 0"),
+        format!("kvxfer_staging_waits_total{{agent=\"{n}\"}} {}", st.waits),
+        format!(
+            "kvxfer_budget_limit_bytes{{agent=\"{n}\"}} {}",
+            budget.limit()
+        ),
+        format!(
+            "kvxfer_budget_peak_bytes{{agent=\"{n}\"}} {}",
+            budget.peak()
+        ),
+    ] {
+        assert!(m.contains(&want), "{want:?} not in:\n{m}");
+    }
 }
 
 #[test]

@@ -366,7 +366,7 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def prometheus_text(self) -> str:
         """libkvxfer's telemetry in Prometheus text format (both roles)."""
-        out = ""
+        out = self.agent.metrics() if self.agent is not None else ""
         if self.producer is not None:
             out += self.producer.metrics()
         if self.consumer is not None:

@@ -122,6 +122,7 @@ class Lib:
             "kvx_producer_abort": (st, [c_void_p, c_char_p]),
             "kvx_producer_next_freed": (st, [c_void_p, c_uint64, POINTER(c_char), c_size_t, POINTER(c_size_t), POINTER(c_uint32), c_size_t, POINTER(c_size_t), POINTER(c_uint32)]),
             "kvx_producer_metrics": (st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
+            "kvx_agent_metrics": (st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
             "kvx_consumer_new": (st, [c_void_p, POINTER(Layout), POINTER(LayerBase), POINTER(ConnectorConfig), POINTER(c_void_p)]),
             "kvx_consumer_free": (None, [c_void_p]),
             "kvx_consumer_start_load": (st, [c_void_p, POINTER(c_uint8), c_size_t, POINTER(c_uint32), c_size_t]),
@@ -191,6 +192,9 @@ class Agent:
         self.lib.check(self.lib.L.kvx_agent_register(self.h, c_void_p(ptr), nbytes, cuda_device, ctypes.byref(r)))
         self.regions.append(r)
         return self.lib.L.kvx_region_id(r)
+
+    def metrics(self):
+        return self.lib.text(self.lib.L.kvx_agent_metrics, self.h, cap=16384)
 
     def close(self):
         if self.h:

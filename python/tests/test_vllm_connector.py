@@ -45,7 +45,9 @@ def test_factory_loads_it_by_module_path_in_both_roles():
         assert isinstance(c, KvxferConnector)
         if role == KVConnectorRole.WORKER:
             c.register_kv_caches(caches)
-            assert "kvxfer_requests_total" in c.prometheus_text()
+            text = c.prometheus_text()
+            assert "kvxfer_requests_total" in text
+            assert "kvxfer_budget_used_bytes{agent=" in text
         c.shutdown()
 
 
