@@ -257,3 +257,44 @@ fn plan_reports_the_seed_figures() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown model preset"));
 }
+
+/// Device memory in two processes (simulated: the staged path on a machine without a GPU):
+/// both ends stage through their own bounded chunk pools over the TCP lane, even with the
+/// shared-memory transport, and every byte verifies after a copy back through the engine.
+#[test]
+fn staged_device_memory_two_processes() {
+    for transport in ["tcp", "shm"] {
+        for op in ["write", "read"] {
+            let j = bench(&[
+                "--memory",
+                "sim",
+                "--transport",
+                transport,
+                "--op",
+                op,
+                "--blocks",
+                "512",
+                "--block-size",
+                "16384",
+                "--staging-chunks",
+                "4",
+                "--staging-chunk-kib",
+                "256",
+            ]);
+            assert_eq!(j["verified"], true, "{j}");
+            assert_eq!(j["lane"], "tcp", "{j}");
+            assert_eq!(j["gpu_path"], "staged", "{j}");
+            assert_eq!(j["memory"], "sim", "{j}");
+            assert_eq!(j["staging_mib"], 1.0, "{j}");
+        }
+    }
+    // The direct path cannot reach simulated memory: forcing it fails, it is not ignored.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvxfer-bench"))
+        .args(["--memory", "sim", "--gpu-path", "direct", "--blocks", "8"])
+        .args(["--json", "--iters", "1", "--warmup", "0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("direct path was forced"), "{err}");
+}
