@@ -14,7 +14,10 @@ Disaggregated prefill/decode, pull mode (the decode worker READs), as vLLM's Nix
 Supported caches: vLLM 0.33's per-layer views ``[num_blocks, num_kv_heads, block_size,
 2*head_size]`` with K and V packed in the last dimension, physical order NHD
 (``KVCacheLayout.LBNHC``, the default) or HND (``LBHNC``), one KV cache group, host (CPU)
-tensors or device tensors with a CUDA-aware libkvxfer. ``kv_connector_extra_config``:
+tensors or device tensors with a libkvxfer built with ``--features cuda``. Device tensors are
+registered as device memory and never mirrored in host memory (what
+``kv_buffer_device=cpu`` does in NixlConnector): UCX moves them directly where it has CUDA
+transports, else they stream through a fixed pool of pinned chunks. ``kv_connector_extra_config``:
 ``transport`` (default "auto"), ``net_devices``, ``host`` (side channel address, default
 127.0.0.1), ``lease_ms``, ``budget_mib``, ``rundir``, ``metrics_file`` (Prometheus text written
 after every change, for a textfile collector), ``gpu_path`` (device tensors: ``auto``,
