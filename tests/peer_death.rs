@@ -24,7 +24,7 @@ struct Peer {
 }
 
 impl Peer {
-    fn start(name: &str) -> Peer {
+    fn start(name: &str, memory: &str) -> Peer {
         let (child, ready) =
             common::spawn_peer(Command::new(env!("CARGO_BIN_EXE_kvxfer-bench")).args([
                 "--listen",
@@ -33,6 +33,8 @@ impl Peer {
                 "tcp",
                 "--name",
                 name,
+                "--memory",
+                memory,
             ]));
         let mut p = Peer {
             child,
@@ -67,25 +69,37 @@ impl Drop for Peer {
     }
 }
 
-fn scenario(lanes: bool, op: XferOp) {
+/// `device`: both ends hold (simulated) device memory, moved on the staged path.
+fn scenario(lanes: bool, op: XferOp, device: bool) {
     let tag = format!(
-        "{}-{op}-{}",
+        "{}-{op}-{}{}",
         if lanes { "lane" } else { "ucx" },
-        std::process::id()
+        std::process::id(),
+        if device { "-dev" } else { "" }
     );
-    let agent = Agent::new(
-        AgentConfig::new(format!("survivor-{tag}"))
-            .transport(Transport::Tcp)
-            .lanes(lanes)
-            .net_devices("lo"),
-    )
-    .unwrap();
-    let region = agent
-        .register(HostBuffer::new(LEN as usize).unwrap())
-        .unwrap();
+    let dev = kvxfer::staging::SimulatedDevice::new();
+    let mut cfg = AgentConfig::new(format!("survivor-{tag}"))
+        .transport(Transport::Tcp)
+        .lanes(lanes)
+        .net_devices("lo");
+    if device {
+        cfg = cfg.copy_engine(dev.engine());
+    }
+    let agent = Agent::new(cfg).unwrap();
+    let region = if device {
+        let addr = dev.alloc(LEN as usize).unwrap();
+        // SAFETY: the simulated allocation lives as long as `dev`, past the agent.
+        unsafe { agent.register_raw(addr as *mut u8, LEN as usize, kvxfer::MemKind::Cuda(0)) }
+            .unwrap()
+    } else {
+        agent
+            .register(HostBuffer::new(LEN as usize).unwrap())
+            .unwrap()
+    };
+    let memory = if device { "sim" } else { "host" };
     let name = format!("victim-{tag}");
-    let mut victim = Peer::start(&name);
-    let mut other = Peer::start(&format!("bystander-{tag}"));
+    let mut victim = Peer::start(&name, memory);
+    let mut other = Peer::start(&format!("bystander-{tag}"), memory);
     assert_eq!(agent.connect(victim.side).unwrap(), name);
     let bystander = agent.connect(other.side).unwrap();
     let n = LEN / BLOCK;
@@ -129,6 +143,13 @@ fn scenario(lanes: bool, op: XferOp) {
         0,
         "memory still pinned after the failure"
     );
+    if device {
+        assert_eq!(
+            agent.staging_stats().unwrap().in_use,
+            0,
+            "staging chunks still held after the failure"
+        );
+    }
 
     // The bystander is served as before.
     let bl = agent
@@ -142,7 +163,7 @@ fn scenario(lanes: bool, op: XferOp) {
 
     // The victim restarts with the same name: new metadata replaces the stale one; lists
     // prepared against the dead one are refused, fresh ones work.
-    let mut again = Peer::start(&name);
+    let mut again = Peer::start(&name, memory);
     assert_eq!(agent.connect(again.side).unwrap(), name);
     let e = agent
         .transfer_all(op, &local, &rl, None, Some(deadline))
@@ -162,20 +183,30 @@ fn scenario(lanes: bool, op: XferOp) {
 
 #[test]
 fn sigkill_mid_write_over_the_tcp_lane() {
-    scenario(true, XferOp::Write);
+    scenario(true, XferOp::Write, false);
 }
 
 #[test]
 fn sigkill_mid_read_over_the_tcp_lane() {
-    scenario(true, XferOp::Read);
+    scenario(true, XferOp::Read, false);
 }
 
 #[test]
 fn sigkill_mid_write_over_ucx() {
-    scenario(false, XferOp::Write);
+    scenario(false, XferOp::Write, false);
 }
 
 #[test]
 fn sigkill_mid_read_over_ucx() {
-    scenario(false, XferOp::Read);
+    scenario(false, XferOp::Read, false);
+}
+
+#[test]
+fn sigkill_mid_write_of_staged_device_memory() {
+    scenario(true, XferOp::Write, true);
+}
+
+#[test]
+fn sigkill_mid_read_of_staged_device_memory() {
+    scenario(true, XferOp::Read, true);
 }

@@ -160,8 +160,12 @@ impl SimulatedDevice {
         let addr = a.last().map_or(SIM_BASE, |l| {
             (l.addr + l.mem.len() as u64 + 4096 + 4095) & !4095
         });
+        // Zeroed pages from the allocator (calloc: untouched pages cost nothing), seen as cells.
+        let raw = Box::into_raw(vec![0u8; len].into_boxed_slice());
+        // SAFETY: UnsafeCell<u8> is repr(transparent) over u8: same size, alignment and
+        // validity; the box's allocation is handed over whole, once.
         let mem: Box<[std::cell::UnsafeCell<u8>]> =
-            (0..len).map(|_| std::cell::UnsafeCell::new(0)).collect();
+            unsafe { Box::from_raw(raw as *mut [std::cell::UnsafeCell<u8>]) };
         a.push(SimAlloc { addr, mem });
         Ok(addr)
     }

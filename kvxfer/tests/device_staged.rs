@@ -650,3 +650,29 @@ fn connector_pull_of_device_kv() {
 fn connector_push_of_device_kv() {
     connector_on_device_kv(kvxfer::connector::Mode::Push);
 }
+
+/// Deregistering device memory in flight is refused, and allowed once the transfer is done. (A
+/// peer killed mid-transfer: `tests/peer_death.rs`, with device memory in both processes.)
+#[test]
+fn device_memory_in_flight_cannot_be_deregistered() {
+    let (a, da, b, db) = pair(Transport::Tcp);
+    const LEN: usize = 4 << 20;
+    let (ra, _) = device_region(&a, &da, LEN);
+    let (rb, _) = device_region(&b, &db, LEN);
+    let peer = connect(&a, &b);
+    let l = a.prep_local(&[Desc::new(ra.id(), 0, LEN as u64)]).unwrap();
+    let r = a
+        .prep_remote(&peer, &[Desc::new(rb.id(), 0, LEN as u64)])
+        .unwrap();
+    let t = a
+        .transfer_all(XferOp::Write, &l, &r, None, Some(Duration::from_secs(20)))
+        .unwrap();
+    // The transfer holds the region from the moment it is posted.
+    assert!(
+        matches!(a.deregister(&ra), Err(Error::Busy { .. })),
+        "device memory deregistered under a transfer"
+    );
+    t.wait().unwrap();
+    a.deregister(&ra).unwrap();
+    assert_eq!(a.staging_stats().unwrap().in_use, 0);
+}
