@@ -349,7 +349,13 @@ impl Metadata {
             }
             let rkey_len = r.u16()? as usize;
             // No key: device memory on the staged path (only kvxfer's lane reaches it).
-            if (rkey_len == 0 && kind == MemKind::Host) || rkey_len > MAX_RKEY {
+            if rkey_len == 0 && kind == MemKind::Host {
+                return Err(MetadataError::Invalid {
+                    field: "rkey",
+                    why: format!("host region {} without a remote key", id.0),
+                });
+            }
+            if rkey_len > MAX_RKEY {
                 return Err(MetadataError::TooLarge {
                     field: "rkey",
                     len: rkey_len,
@@ -517,6 +523,21 @@ mod tests {
             secret: [1; 16],
         });
         assert_eq!(Metadata::decode(&m.encode(), m.compat).unwrap(), m);
+    }
+
+    #[test]
+    fn staged_device_regions_carry_no_key_host_regions_must() {
+        let mut m = sample();
+        // Device memory on the staged path: no UCX key, reached only through the lane.
+        m.regions[1].rkey.clear();
+        assert_eq!(Metadata::decode(&m.encode(), m.compat).unwrap(), m);
+        // Host memory without a key is malformed.
+        let mut m = sample();
+        m.regions[0].rkey.clear();
+        assert!(matches!(
+            Metadata::decode(&m.encode(), m.compat),
+            Err(MetadataError::Invalid { field: "rkey", .. })
+        ));
     }
 
     #[test]
