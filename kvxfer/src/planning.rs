@@ -43,6 +43,9 @@ pub struct Plan {
     pub handoff_all_s: f64,
     /// Host memory one worker needs to hold `concurrency` requests' KV unbounded.
     pub host_bytes: u64,
+    /// Host memory one worker needs for KV in GPU memory on the staged path: the fixed pool of
+    /// pinned chunks, whatever the concurrency (the default staging; none on the direct path).
+    pub gpu_staging_bytes: u64,
     /// Seconds to prefill one prompt, if the prefill throughput is known.
     pub prefill_s: Option<f64>,
     /// Prefill tokens/s the link can carry (above this, handoffs queue up).
@@ -102,6 +105,15 @@ pub fn plan(i: &PlanInput) -> Plan {
             "give --prefill-tokens-per-s to compare the handoff with prefill time".to_string(),
         ),
     }
+    let gpu_staging_bytes = (crate::staging::DEFAULT_STAGING_CHUNKS
+        * crate::staging::DEFAULT_STAGING_CHUNK_BYTES) as u64;
+    notes.push(format!(
+        "KV in GPU memory: the staged path holds {} MiB of pinned host chunks per worker at any \
+         concurrency, the direct path none; a host mirror of the KV (NixlConnector's \
+         kv_buffer_device=cpu) would hold the {} MB above",
+        gpu_staging_bytes >> 20,
+        host_bytes / 1_000_000
+    ));
     if i.cached_tokens > 0 {
         notes.push(format!(
             "prefix cache: {} of {} blocks are already on the decode side and do not move",
@@ -118,6 +130,7 @@ pub fn plan(i: &PlanInput) -> Plan {
         handoff_s,
         handoff_all_s,
         host_bytes,
+        gpu_staging_bytes,
         prefill_s,
         link_tokens_per_s,
         notes,
@@ -151,6 +164,12 @@ mod tests {
         assert!((p.handoff_s - 2.337).abs() < 0.01, "{}", p.handoff_s);
         assert!((p.handoff_all_s - 4.0 * p.handoff_s).abs() < 1e-9);
         assert_eq!(p.host_bytes, 4 * 273_416_192);
+        // GPU KV on the staged path: a fixed pool, not concurrency x KV.
+        assert_eq!(p.gpu_staging_bytes, 32 << 20);
+        assert!(p
+            .notes
+            .iter()
+            .any(|n| n.contains("staged path holds 32 MiB")));
     }
 
     #[test]

@@ -293,6 +293,7 @@ fn plan(p: &PlanArgs) -> Result<(), BoxErr> {
                 "handoff_s": r.handoff_s,
                 "handoff_all_s": r.handoff_all_s,
                 "host_bytes": r.host_bytes,
+                "gpu_staging_bytes": r.gpu_staging_bytes,
                 "prefill_s": r.prefill_s,
                 "link_tokens_per_s": r.link_tokens_per_s,
                 "notes": r.notes,
