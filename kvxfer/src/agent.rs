@@ -126,9 +126,10 @@ pub struct AgentConfig {
     pub lanes: bool,
     /// Threads that copy for the shared-memory lane (default: up to 4, one per core).
     pub copy_threads: usize,
-    /// Address the TCP lane listens on and advertises. Default: the first IPv4 address of the
-    /// first of `net_devices`, else of the first interface that is up and not loopback, else
-    /// 127.0.0.1.
+    /// Address the TCP lane listens on and advertises. Default: 127.0.0.1 with
+    /// [`Transport::Shm`] (every peer is on this host); otherwise the first IPv4 address of
+    /// the first of `net_devices`, else of the first interface that is up and not loopback,
+    /// else 127.0.0.1.
     pub lane_addr: Option<std::net::IpAddr>,
     /// Memory the agent may allocate for itself (stream-lane request buffers, on both ends);
     /// share it with the connector's to bound a worker as a whole. Default: unlimited.
@@ -454,13 +455,20 @@ impl Agent {
                 cfg.budget.clone(),
             )),
         });
-        // The TCP lane also carries staged device memory, whatever the transport: started
-        // wherever device memory may be registered.
-        let device_possible = cfg.copy_engine.is_some() || cfg!(feature = "cuda");
-        let lane_server = if cfg.lanes && (cfg.transport == Transport::Tcp || device_possible) {
+        // The TCP lane carries every transfer with the TCP transport, and staged device memory
+        // with any transport, in either direction: every agent with lanes on serves it, so that
+        // a GPU peer can stage into a CPU-only one. With the shared-memory transport every peer
+        // is on this host: loopback.
+        let lane_server = if cfg.lanes {
             let ip = cfg
                 .lane_addr
-                .or_else(|| crate::lane::iface_addr(cfg.net_devices.as_deref()))
+                .or_else(|| {
+                    if cfg.transport == Transport::Shm {
+                        Some(std::net::Ipv4Addr::LOCALHOST.into())
+                    } else {
+                        crate::lane::iface_addr(cfg.net_devices.as_deref())
+                    }
+                })
                 .unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
             let srv = crate::lane::tcp::Server::start(ip, Arc::downgrade(&shared), &cfg.name)?;
             let _ = shared.lane.set(srv.info());

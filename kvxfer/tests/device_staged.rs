@@ -676,3 +676,60 @@ fn device_memory_in_flight_cannot_be_deregistered() {
     a.deregister(&ra).unwrap();
     assert_eq!(a.staging_stats().unwrap().in_use, 0);
 }
+
+/// A GPU worker (staged) and a CPU-only one without a copy engine, over the shared-memory
+/// transport: device memory moves into and out of the CPU worker's host memory (its TCP lane
+/// serves it; it stages nothing itself).
+#[test]
+fn staged_device_memory_to_a_cpu_only_peer() {
+    let d = SimulatedDevice::new();
+    let g = Agent::new(cfg("dev-gpu", Transport::Shm, &d)).unwrap();
+    let c = Agent::new(
+        AgentConfig::new(name("cpu-only"))
+            .transport(Transport::Shm)
+            .net_devices("lo"),
+    )
+    .unwrap();
+    let len = (NB * BS) as usize;
+    let (rg, xg) = device_region(&g, &d, len);
+    let hc = c.register(HostBuffer::new(len).unwrap()).unwrap();
+    let peer = connect(&g, &c);
+    let data = random(11, len);
+    d.write(xg, &data).unwrap();
+    let l = g.prep_local(&descs(&rg, false)).unwrap();
+    let r = g.prep_remote(&peer, &descs(&hc, true)).unwrap();
+    let s = g
+        .transfer_all(XferOp::Write, &l, &r, Some(b"to-cpu"), None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(s.lane, Lane::Tcp);
+    assert_eq!(
+        c.wait_notification(Duration::from_secs(10))
+            .unwrap()
+            .payload,
+        b"to-cpu"
+    );
+    let mut h = vec![0u8; len];
+    hc.read(0, &mut h).unwrap();
+    for i in 0..NB as usize {
+        let j = NB as usize - 1 - i;
+        let bs = BS as usize;
+        assert!(
+            h[j * bs..(j + 1) * bs] == data[i * bs..(i + 1) * bs],
+            "block {i}"
+        );
+    }
+    d.write(xg, &vec![0u8; len]).unwrap();
+    g.transfer_all(XferOp::Read, &l, &r, None, None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let mut back = vec![0u8; len];
+    d.read(xg, &mut back).unwrap();
+    assert!(back == data);
+    assert!(
+        c.staging_stats().is_none(),
+        "the CPU-only peer allocated staging"
+    );
+}
