@@ -11,7 +11,10 @@
 //!   present the secret from the target's metadata, and every segment is bounds-checked on the
 //!   target against its own region table.
 //!
-//! RDMA and GPU memory stay on UCX: same API, chosen by [`crate::Transport`].
+//! RDMA stays on UCX (same API, chosen by [`crate::Transport`]), and so does device memory on
+//! the direct path. Device memory on the staged path takes the TCP lane whatever the
+//! transport: each end copies its own device memory through bounded staging chunks
+//! ([`crate::staging`]) as the stream passes.
 
 pub(crate) mod shm;
 pub mod tcp;
