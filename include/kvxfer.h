@@ -13,6 +13,23 @@
 // Largest notification payload.
 #define KVX_MAX_NOTIFICATION 65536
 
+// How device memory moves between an agent and a peer (`kvx_agent_peer_gpu_path`).
+enum kvx_gpu_path
+#ifdef __cplusplus
+  : uint32_t
+#endif // __cplusplus
+ {
+  // Neither side has device memory registered.
+  KVX_GPU_NONE = 0,
+  // UCX moves all of it (CUDA transports).
+  KVX_GPU_DIRECT = 1,
+  // Through bounded pinned host chunks over kvxfer's TCP lane.
+  KVX_GPU_STAGED = 2,
+};
+#ifndef __cplusplus
+typedef uint32_t kvx_gpu_path;
+#endif // __cplusplus
+
 // Direction of a transfer, seen from the initiator.
 enum kvx_op
 #ifdef __cplusplus
@@ -583,6 +600,13 @@ kvx_status kvx_consumer_metrics(const struct kvx_consumer *c,
                                 char *buf,
                                 size_t cap,
                                 size_t *out_len);
+
+// How device memory moves between `a` and the peer named `peer` (after their metadata was
+// exchanged).
+//
+// # Safety
+// `a` live; `peer` NUL-terminated; `out` valid for a write.
+kvx_status kvx_agent_peer_gpu_path(const struct kvx_agent *a, const char *peer, kvx_gpu_path *out);
 
 // Prometheus text of the agent's memory: budget, device staging chunks, dropped
 // notifications.

@@ -95,6 +95,18 @@ pub enum kvx_op {
     KVX_WRITE = 1,
 }
 
+/// How device memory moves between an agent and a peer (`kvx_agent_peer_gpu_path`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvx_gpu_path {
+    /// Neither side has device memory registered.
+    KVX_GPU_NONE = 0,
+    /// UCX moves all of it (CUDA transports).
+    KVX_GPU_DIRECT = 1,
+    /// Through bounded pinned host chunks over kvxfer's TCP lane.
+    KVX_GPU_STAGED = 2,
+}
+
 /// Longest agent name (bytes, without the NUL).
 pub const KVX_MAX_NAME: usize = 255;
 /// Largest notification payload.
@@ -1753,6 +1765,36 @@ pub unsafe extern "C" fn kvx_consumer_metrics(
         let t = c.inner.telemetry().prometheus();
         // SAFETY: as above.
         unsafe { put(t.as_bytes(), buf.cast(), cap, out_len) }
+    })
+}
+
+/// How device memory moves between `a` and the peer named `peer` (after their metadata was
+/// exchanged).
+///
+/// # Safety
+/// `a` live; `peer` NUL-terminated; `out` valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_peer_gpu_path(
+    a: *const kvx_agent,
+    peer: *const c_char,
+    out: *mut kvx_gpu_path,
+) -> kvx_status {
+    guard("kvx_agent_peer_gpu_path", || {
+        // SAFETY: per this function's contract.
+        let a = unsafe { handle(a, "agent") }?;
+        // SAFETY: as above.
+        let peer = unsafe { cstr(peer, "peer") }?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let p = match a.inner.peer_info(peer)?.gpu_path {
+            None => kvx_gpu_path::KVX_GPU_NONE,
+            Some(kvxfer_core::GpuPath::Staged) => kvx_gpu_path::KVX_GPU_STAGED,
+            Some(_) => kvx_gpu_path::KVX_GPU_DIRECT,
+        };
+        // SAFETY: out non-NULL, valid per the contract.
+        unsafe { *out = p };
+        Ok(())
     })
 }
 

@@ -217,6 +217,12 @@ int main(int argc, char **argv) {
   read(up[0], ids, sizeof ids);
   CHECK(kvx_agent_connect(a, addr, name, sizeof name - 1, &nlen));
   name[nlen] = 0;
+  {
+    kvx_gpu_path gp = KVX_GPU_STAGED;
+    CHECK(kvx_agent_peer_gpu_path(a, name, &gp));
+    if (gp != KVX_GPU_NONE) die("host-only peers report a GPU path", KVX_OK);
+    EXPECT(kvx_agent_peer_gpu_path(a, "nobody", &gp), KVX_UNKNOWN_PEER);
+  }
 
   kvx_desc ld[N], rd[N];
   fill_descs(ld, kvx_region_id(r), 1);
