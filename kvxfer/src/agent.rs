@@ -572,31 +572,14 @@ impl Agent {
     fn device_path(&self, device: u32) -> Result<GpuPath> {
         let engine = self.shared.staging.engine(device)?;
         engine.check_device(device)?;
-        let ucx_cuda = engine.ucx_visible()
-            && raw::supports_cuda(driver::MEMORY_TYPES.load(Ordering::Relaxed));
-        let path = match self.shared.gpu_path {
-            GpuPath::Direct if !ucx_cuda => {
-                return Err(Error::Cuda {
-                    device,
-                    why: format!(
-                        "the direct path was forced, but {}: use a CUDA-aware UCX \
-                         (KVXFER_UCX=wheel) or GpuPath::Staged",
-                        if engine.ucx_visible() {
-                            format!(
-                                "UCX {} has no CUDA transports (cuda_copy/cuda_ipc)",
-                                self.shared.ucx_version
-                            )
-                        } else {
-                            format!("UCX cannot reach {} device memory", engine.name())
-                        }
-                    ),
-                })
-            }
-            GpuPath::Direct => GpuPath::Direct,
-            GpuPath::Staged => GpuPath::Staged,
-            GpuPath::Auto if ucx_cuda => GpuPath::Direct,
-            GpuPath::Auto => GpuPath::Staged,
-        };
+        let path = choose_gpu_path(
+            self.shared.gpu_path,
+            engine.ucx_visible().then_some(engine.name()),
+            raw::supports_cuda(driver::MEMORY_TYPES.load(Ordering::Relaxed)),
+            &self.shared.transport,
+            &self.shared.ucx_version,
+        )
+        .map_err(|why| Error::Cuda { device, why })?;
         if path == GpuPath::Staged {
             if self.shared.lane.get().is_none() {
                 return Err(Error::Cuda {
@@ -1110,6 +1093,49 @@ impl Agent {
     }
 }
 
+/// The path of device memory: `policy`, the engine's name if UCX can reach its memory at all
+/// (CUDA), whether the loaded UCX has CUDA memory support, and whether the transport list
+/// lets UCX use its CUDA transports (`Auto` = all, or a custom list naming them; `tcp` and
+/// `shm` leave them out).
+pub(crate) fn choose_gpu_path(
+    policy: GpuPath,
+    ucx_visible: Option<&str>,
+    ucx_has_cuda: bool,
+    transport: &Transport,
+    ucx_version: &str,
+) -> std::result::Result<GpuPath, String> {
+    let tls_cuda = match transport {
+        Transport::Auto => true,
+        Transport::Custom(l) => l
+            .split(',')
+            .map(str::trim)
+            .any(|x| x.starts_with("cuda") || x == "all" || x == "gdr_copy"),
+        Transport::Tcp | Transport::Shm => false,
+    };
+    let direct_ok = ucx_visible.is_some() && ucx_has_cuda && tls_cuda;
+    match policy {
+        GpuPath::Staged => Ok(GpuPath::Staged),
+        GpuPath::Auto if direct_ok => Ok(GpuPath::Direct),
+        GpuPath::Auto => Ok(GpuPath::Staged),
+        GpuPath::Direct if direct_ok => Ok(GpuPath::Direct),
+        GpuPath::Direct => Err(format!(
+            "the direct path was forced, but {}; or use GpuPath::Staged",
+            match (ucx_visible, ucx_has_cuda) {
+                (None, _) => "UCX cannot reach this engine's device memory".to_string(),
+                (Some(_), false) => format!(
+                    "UCX {ucx_version} has no CUDA transports (cuda_copy/cuda_ipc): use a \
+                     CUDA-aware UCX (KVXFER_UCX=wheel)"
+                ),
+                (Some(_), true) => format!(
+                    "the transport {:?} leaves out UCX's CUDA transports: use Transport::Auto \
+                     or a list naming cuda_copy / cuda_ipc",
+                    transport.ucx_tls()
+                ),
+            }
+        )),
+    }
+}
+
 pub(crate) fn load_decoded(shared: &Shared, meta: Metadata) -> Result<String> {
     if meta.name == shared.name {
         return Err(Error::InvalidArgument(format!(
@@ -1241,5 +1267,59 @@ impl PreparedRemote {
     /// The peer.
     pub fn peer(&self) -> &str {
         &self.peer
+    }
+}
+
+#[cfg(test)]
+mod gpu_path_tests {
+    use super::*;
+
+    #[test]
+    fn the_path_follows_policy_engine_ucx_and_transport() {
+        let v = "1.22.0";
+        let c = |p, vis, has, t: Transport| choose_gpu_path(p, vis, has, &t, v);
+        let cuda = Some("cuda");
+        // Auto: direct only where UCX can reach the memory, has CUDA, and may use it.
+        assert_eq!(
+            c(GpuPath::Auto, cuda, true, Transport::Auto),
+            Ok(GpuPath::Direct)
+        );
+        let rdma = Transport::Custom("rc,cuda_copy,gdr_copy".into());
+        assert_eq!(c(GpuPath::Auto, cuda, true, rdma), Ok(GpuPath::Direct));
+        assert_eq!(
+            c(GpuPath::Auto, cuda, true, Transport::Tcp),
+            Ok(GpuPath::Staged)
+        );
+        assert_eq!(
+            c(GpuPath::Auto, cuda, true, Transport::Shm),
+            Ok(GpuPath::Staged)
+        );
+        assert_eq!(
+            c(GpuPath::Auto, cuda, false, Transport::Auto),
+            Ok(GpuPath::Staged)
+        );
+        assert_eq!(
+            c(GpuPath::Auto, None, true, Transport::Auto),
+            Ok(GpuPath::Staged)
+        );
+        // Staged is always possible here (the lane and pools are checked after).
+        assert_eq!(
+            c(GpuPath::Staged, cuda, true, Transport::Auto),
+            Ok(GpuPath::Staged)
+        );
+        // Forced direct: each impossibility names itself.
+        assert_eq!(
+            c(GpuPath::Direct, cuda, true, Transport::Auto),
+            Ok(GpuPath::Direct)
+        );
+        let e = c(GpuPath::Direct, cuda, false, Transport::Auto).unwrap_err();
+        assert!(
+            e.contains("no CUDA transports") && e.contains("1.22.0"),
+            "{e}"
+        );
+        let e = c(GpuPath::Direct, cuda, true, Transport::Tcp).unwrap_err();
+        assert!(e.contains("leaves out"), "{e}");
+        let e = c(GpuPath::Direct, None, true, Transport::Auto).unwrap_err();
+        assert!(e.contains("cannot reach"), "{e}");
     }
 }
