@@ -82,6 +82,11 @@ for path in direct staged; do
     run "$mem $path $op" --memory "$mem" --gpu-path "$path" --transport "$transport" --op "$op"
   done
 done
+# UCX refuses transports that cannot detect a dead peer when peer-failure detection is on
+# (kvxfer's default); if the direct rows above show tcp rather than cuda_ipc, this row shows
+# what cuda_ipc gives.
+run "$mem direct write, peer-failure detection off" --memory "$mem" --gpu-path direct \
+  --transport auto --op write --no-peer-failure
 
 rc=0
 python3 - "$out" <<'EOF' || rc=$?

@@ -193,6 +193,13 @@ impl AgentConfig {
         self
     }
 
+    /// UCX peer-failure detection: `Some(on)` forces it, `None` picks the default (see
+    /// [`AgentConfig::peer_failure`]).
+    pub fn peer_failure(mut self, on: Option<bool>) -> Self {
+        self.peer_failure = on;
+        self
+    }
+
     /// Forces or frees the path of device memory.
     pub fn gpu_path(mut self, p: GpuPath) -> Self {
         self.gpu_path = p;

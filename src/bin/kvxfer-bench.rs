@@ -153,6 +153,10 @@ struct Args {
     /// Device staging: chunks of --staging-chunk-kib (half for each direction of initiative).
     #[arg(long, default_value_t = kvxfer::staging::DEFAULT_STAGING_CHUNKS)]
     staging_chunks: usize,
+    /// UCX without peer-failure detection (it then may use transports that cannot detect a
+    /// dead peer: shared memory, cuda_ipc); a dead peer is then only noticed by deadlines.
+    #[arg(long)]
+    no_peer_failure: bool,
     /// Device staging chunk size, KiB.
     #[arg(long, default_value_t = (kvxfer::staging::DEFAULT_STAGING_CHUNK_BYTES >> 10) as u64)]
     staging_chunk_kib: u64,
@@ -497,6 +501,11 @@ fn agent_config(args: &Args, transport: &str, role: &str, local_peer: bool) -> A
         .busy_poll(args.busy_poll)
         .lanes(!args.ucx_only)
         .gpu_path(args.gpu_path)
+        .peer_failure(if args.no_peer_failure {
+            Some(false)
+        } else {
+            None
+        })
         .staging(args.staging_chunks, (args.staging_chunk_kib << 10) as usize);
     c.max_op_bytes = args.max_op;
     match (&args.net_devices, local_peer) {
@@ -780,6 +789,9 @@ fn spawn_peer(args: &Args, transport: &str) -> Result<(Peer, SocketAddr), BoxErr
     }
     if args.ucx_only {
         cmd.arg("--ucx-only");
+    }
+    if args.no_peer_failure {
+        cmd.arg("--no-peer-failure");
     }
     cmd.args([
         "--memory",
