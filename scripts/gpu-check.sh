@@ -12,7 +12,8 @@
 #   scripts/gpu-check.sh bundle   where cargo and PyPI are reachable: builds target/gpu-bundle
 #                                 (kvxfer-bench --features cuda against the UCX 1.22 wheel,
 #                                 stripped, with the wheel's shared libraries; ~10 MiB), which
-#                                 the device tool carries to a machine without network.
+#                                 the device tool carries to a machine without network
+#                                 (the binary needs glibc >= 2.34, as built on Debian 12).
 #   scripts/gpu-check.sh          on the GPU machine: runs the checks with the bundle (building
 #                                 it first if it is missing). Under 8 minutes including a build.
 #
