@@ -19,6 +19,7 @@ echo "== UCX: Debian libucx-dev (default)"
   source scripts/ucx-env.sh
   cargo fmt --all -- --check
   cargo clippy --workspace --all-targets -- -D warnings
+  RUSTDOCFLAGS="-D warnings" cargo doc -p kvxfer --no-deps --features cuda
   cargo test --workspace 2>&1 | tee -a "$log"
   # The whole workspace again with the cuda feature (cudarc, dynamic loading: no CUDA toolkit
   # needed): GPU tests report a skip with the reason where there is no GPU.

@@ -14,7 +14,7 @@
 //!   transports without kvxfer's lanes (RDMA without GPUDirect).
 //!
 //! The device side is a [`CopyEngine`]: CUDA copies on a stream with the `cuda` feature
-//! ([`crate::cuda::CudaCopyEngine`]), [`SimulatedDevice`] (device memory that is not
+//! (`kvxfer::cuda::CudaCopyEngine`), [`SimulatedDevice`] (device memory that is not
 //! addressable from the host, for tests and CPU-only machines), or [`HostCopyEngine`].
 
 use std::sync::{Arc, Condvar, Mutex, RwLock};

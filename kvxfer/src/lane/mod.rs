@@ -2,7 +2,7 @@
 //! lanes move a whole transfer in a few large steps, which is what KV-shaped transfers
 //! (thousands of 16-64 KiB blocks at random slots) need:
 //!
-//! - [`shm`]: a peer on the same host maps the target's memfd-backed regions once (at metadata
+//! - `shm`: a peer on the same host maps the target's memfd-backed regions once (at metadata
 //!   load) and copies with plain loads and stores, split over a few copy threads. No syscall per
 //!   block, no staging, no bounce buffer.
 //! - [`tcp`]: one TCP stream per peer; WRITE is `writev` straight from registered memory into
