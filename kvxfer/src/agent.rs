@@ -1286,39 +1286,29 @@ mod gpu_path_tests {
         let v = "1.22.0";
         let c = |p, vis, has, t: Transport| choose_gpu_path(p, vis, has, &t, v);
         let cuda = Some("cuda");
-        // Auto: direct only where UCX can reach the memory, has CUDA, and may use it.
-        assert_eq!(
-            c(GpuPath::Auto, cuda, true, Transport::Auto),
-            Ok(GpuPath::Direct)
-        );
-        let rdma = Transport::Custom("rc,cuda_copy,gdr_copy".into());
-        assert_eq!(c(GpuPath::Auto, cuda, true, rdma), Ok(GpuPath::Direct));
-        assert_eq!(
-            c(GpuPath::Auto, cuda, true, Transport::Tcp),
-            Ok(GpuPath::Staged)
-        );
-        assert_eq!(
-            c(GpuPath::Auto, cuda, true, Transport::Shm),
-            Ok(GpuPath::Staged)
-        );
-        assert_eq!(
-            c(GpuPath::Auto, cuda, false, Transport::Auto),
-            Ok(GpuPath::Staged)
-        );
-        assert_eq!(
-            c(GpuPath::Auto, None, true, Transport::Auto),
-            Ok(GpuPath::Staged)
-        );
-        // Staged is always possible here (the lane and pools are checked after).
-        assert_eq!(
-            c(GpuPath::Staged, cuda, true, Transport::Auto),
-            Ok(GpuPath::Staged)
-        );
+        let rdma = || Transport::Custom("rc,cuda_copy,gdr_copy".into());
+        use GpuPath::{Auto, Direct, Staged};
+        // (policy, UCX-visible engine, UCX has CUDA, transport, path): auto is direct only
+        // where UCX can reach the memory, has CUDA, and may use it; staged is always possible
+        // here (the lane and pools are checked after).
+        let table = [
+            (Auto, cuda, true, Transport::Auto, Direct),
+            (Auto, cuda, true, rdma(), Direct),
+            (Auto, cuda, true, Transport::Tcp, Staged),
+            (Auto, cuda, true, Transport::Shm, Staged),
+            (Auto, cuda, false, Transport::Auto, Staged),
+            (Auto, None, true, Transport::Auto, Staged),
+            (Staged, cuda, true, Transport::Auto, Staged),
+            (Direct, cuda, true, Transport::Auto, Direct),
+        ];
+        for (p, vis, has, t, want) in table {
+            assert_eq!(
+                c(p, vis, has, t.clone()),
+                Ok(want),
+                "{p} {vis:?} {has} {t:?}"
+            );
+        }
         // Forced direct: each impossibility names itself.
-        assert_eq!(
-            c(GpuPath::Direct, cuda, true, Transport::Auto),
-            Ok(GpuPath::Direct)
-        );
         let e = c(GpuPath::Direct, cuda, false, Transport::Auto).unwrap_err();
         assert!(
             e.contains("no CUDA transports") && e.contains("1.22.0"),
