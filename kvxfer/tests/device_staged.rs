@@ -68,6 +68,18 @@ fn descs(r: &Region, reversed: bool) -> Vec<Desc> {
         .collect()
 }
 
+/// `got` holds the blocks of `data` (of `bs` bytes) in reverse order.
+fn assert_reversed(got: &[u8], data: &[u8], bs: usize) {
+    let n = data.len() / bs;
+    for i in 0..n {
+        let j = n - 1 - i;
+        assert!(
+            got[j * bs..(j + 1) * bs] == data[i * bs..(i + 1) * bs],
+            "block {i} differs at slot {j}"
+        );
+    }
+}
+
 fn pair(t: Transport) -> (Agent, SimulatedDevice, Agent, SimulatedDevice) {
     let (da, db) = (SimulatedDevice::new(), SimulatedDevice::new());
     let a = Agent::new(cfg("dev-a", t.clone(), &da)).unwrap();
@@ -108,14 +120,7 @@ fn both_ways(t: Transport) {
     assert_eq!(n.payload, b"d2d");
     let mut got = vec![0u8; len];
     db.read(xb, &mut got).unwrap();
-    for i in 0..NB as usize {
-        let j = NB as usize - 1 - i;
-        assert!(
-            got[j * BS as usize..(j + 1) * BS as usize]
-                == data[i * BS as usize..(i + 1) * BS as usize],
-            "block {i} differs on the peer's device"
-        );
-    }
+    assert_reversed(&got, &data, BS as usize);
     assert!(
         da.copies() > copies0,
         "the initiator's copy engine was not used"
@@ -557,14 +562,7 @@ fn cuda_gpu_to_gpu_both_paths_or_skip() {
         // SAFETY: rb is a registered device region of len bytes; `got` lives past the sync.
         unsafe { q.to_host(rb.addr(), got.as_mut_ptr(), len) }.unwrap();
         q.sync().unwrap();
-        for i in 0..n as usize {
-            let j = n as usize - 1 - i;
-            let bs = bs as usize;
-            assert!(
-                got[j * bs..(j + 1) * bs] == data[i * bs..(i + 1) * bs],
-                "{path}: block {i} differs"
-            );
-        }
+        assert_reversed(&got, &data, bs as usize);
     }
 }
 
@@ -712,14 +710,7 @@ fn staged_device_memory_to_a_cpu_only_peer() {
     );
     let mut h = vec![0u8; len];
     hc.read(0, &mut h).unwrap();
-    for i in 0..NB as usize {
-        let j = NB as usize - 1 - i;
-        let bs = BS as usize;
-        assert!(
-            h[j * bs..(j + 1) * bs] == data[i * bs..(i + 1) * bs],
-            "block {i}"
-        );
-    }
+    assert_reversed(&h, &data, BS as usize);
     d.write(xg, &vec![0u8; len]).unwrap();
     g.transfer_all(XferOp::Read, &l, &r, None, None)
         .unwrap()
