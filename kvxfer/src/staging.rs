@@ -1061,6 +1061,66 @@ mod tests {
         assert_eq!(n, 2, "the stream went on after the error");
     }
 
+    proptest::proptest! {
+        /// Any pieces, any chunk size: what one end streams from device memory, the other end
+        /// lands in its device memory, byte for byte, whatever the piece and chunk boundaries.
+        #[test]
+        fn any_pieces_round_trip_through_the_chunks(
+            lens in proptest::collection::vec(1u64..20_000, 1..24),
+            chunk_pages in 1usize..5,
+            rx_pages in 1usize..5,
+            seed in proptest::prelude::any::<u8>(),
+        ) {
+            // The two ends' chunk sizes are their own: the stream between them is bytes.
+            let total: u64 = lens.iter().sum();
+            let (tx, _, dtx) = staging(chunk_pages * 4096);
+            let (rx, _, drx) = staging(rx_pages * 4096);
+            // Sender pieces: consecutive with gaps; receiver pieces: the same lengths reversed
+            // in placement.
+            let a = dtx.alloc((total + 64 * lens.len() as u64) as usize).unwrap();
+            let b = drx.alloc(total as usize).unwrap();
+            let mut send = Vec::new();
+            let mut at = a;
+            for &l in &lens {
+                send.push((at, l));
+                at += l + 64;
+            }
+            let mut recv = Vec::new();
+            let mut end = b + total;
+            for &l in &lens {
+                end -= l;
+                recv.push((end, l));
+            }
+            let mut want = Vec::new();
+            for (k, &(p, l)) in send.iter().enumerate() {
+                let v: Vec<u8> = (0..l).map(|i| (i as u8) ^ (k as u8) ^ seed).collect();
+                dtx.write(p, &v).unwrap();
+                want.push(v);
+            }
+            let mut wire = Vec::new();
+            let tp = tx.pair(true, Duration::ZERO).unwrap();
+            stream_device(&*tx.engine, 0, &tp, true, &send, &mut |c| {
+                wire.extend_from_slice(c);
+                Ok(())
+            })
+            .unwrap();
+            proptest::prop_assert_eq!(wire.len() as u64, total);
+            let rp = rx.pair(false, Duration::ZERO).unwrap();
+            let mut off = 0;
+            stream_device(&*rx.engine, 0, &rp, false, &recv, &mut |c| {
+                c.copy_from_slice(&wire[off..off + c.len()]);
+                off += c.len();
+                Ok(())
+            })
+            .unwrap();
+            for (k, &(p, l)) in recv.iter().enumerate() {
+                let mut got = vec![0u8; l as usize];
+                drx.read(p, &mut got).unwrap();
+                proptest::prop_assert!(got == want[k], "piece {}", k);
+            }
+        }
+    }
+
     #[test]
     fn simulated_device_refuses_copies_outside_its_allocations() {
         let dev = SimulatedDevice::new();
