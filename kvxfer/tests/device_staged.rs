@@ -494,6 +494,11 @@ fn cuda_gpu_to_gpu_both_paths_or_skip() {
     use kvxfer::cuda::cudarc::driver::CudaContext;
     use kvxfer::cuda::CudaCopyEngine;
     if let Err(e) = kvxfer::cuda::probe(0) {
+        // Run by the fake-driver test below, a skip would hide a failure.
+        assert!(
+            std::env::var_os("KVXFER_REQUIRE_GPU").is_none(),
+            "a GPU (or the fake driver) was required: {e}"
+        );
         eprintln!("SKIP (no GPU here): {e}");
         return;
     }
@@ -723,4 +728,45 @@ fn staged_device_memory_to_a_cpu_only_peer() {
         c.staging_stats().is_none(),
         "the CPU-only peer allocated staging"
     );
+}
+
+/// The GPU test above, run in a child process against the fake CUDA driver
+/// (`tests/fake_cuda/libcuda.c`: device memory the host cannot dereference, copies deferred
+/// until their stream is synchronized). It exercises the CUDA copy engine, cudarc buffers
+/// registered as device memory and the pinned staging chunks where no GPU exists.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_test_against_the_fake_driver() {
+    use std::path::Path;
+    use std::process::Command;
+    if std::env::var_os("KVXFER_REQUIRE_GPU").is_some() {
+        return; // the child itself
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fake_cuda_kvxfer");
+    let ok = Command::new(root.join("tests/fake_cuda/build.sh"))
+        .arg(&dir)
+        .status()
+        .unwrap();
+    assert!(ok.success(), "building the fake libcuda failed");
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "cuda_gpu_to_gpu_both_paths_or_skip",
+            "--nocapture",
+        ])
+        .env("LD_LIBRARY_PATH", &dir)
+        .env("KVXFER_REQUIRE_GPU", "1")
+        .env("UCX_LOG_LEVEL", "error")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("1 passed"), "{text}");
+    assert!(text.contains("staged: 16777216 bytes GPU->GPU"), "{text}");
+    assert!(!text.contains("not modelled"), "{text}");
 }
