@@ -1130,8 +1130,9 @@ pub(crate) fn choose_gpu_path(
             match (ucx_visible, ucx_has_cuda) {
                 (None, _) => "UCX cannot reach this engine's device memory".to_string(),
                 (Some(_), false) => format!(
-                    "UCX {ucx_version} has no CUDA transports (cuda_copy/cuda_ipc): use a \
-                     CUDA-aware UCX (KVXFER_UCX=wheel)"
+                    "UCX {ucx_version} reports no CUDA transports (a build without \
+                     cuda_copy/cuda_ipc, such as Debian's, or a CUDA module that did not load: \
+                     see `ucx_info -d`); use a CUDA-aware UCX (KVXFER_UCX=wheel)"
                 ),
                 (Some(_), true) => format!(
                     "the transport {:?} leaves out UCX's CUDA transports: use Transport::Auto \
