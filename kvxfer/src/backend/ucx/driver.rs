@@ -473,25 +473,27 @@ impl Engine {
     }
 
     fn register(&mut self, region: Arc<RegionInner>, shared: &Weak<Shared>) -> Result<()> {
-        if !region.ucx_mapped {
-            // Staged device memory: no UCX handle, no remote key; kvxfer's lane moves it.
-            region.registered.store(true, Ordering::Release);
-            if let Some(s) = shared.upgrade() {
-                s.regions
-                    .write()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(region.id.0, region.clone());
-            }
-            self.regions.insert(
-                region.id.0,
-                LocalReg {
-                    memh: None,
-                    rkey: Vec::new(),
-                    region,
-                },
-            );
-            return Ok(());
+        // Staged device memory gets no UCX handle and no remote key: kvxfer's lane moves it.
+        let (memh, rkey) = if region.ucx_mapped {
+            let (m, k) = self.map(&region)?;
+            (Some(m), k)
+        } else {
+            (None, Vec::new())
+        };
+        region.registered.store(true, Ordering::Release);
+        if let Some(s) = shared.upgrade() {
+            s.regions
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(region.id.0, region.clone());
         }
+        self.regions
+            .insert(region.id.0, LocalReg { memh, rkey, region });
+        Ok(())
+    }
+
+    /// `ucp_mem_map` (told the memory type of device memory) and `ucp_rkey_pack`.
+    fn map(&mut self, region: &RegionInner) -> Result<(raw::ucp_mem_h, Vec<u8>)> {
         // SAFETY: ctx live; the region's memory is owned by `region` (or promised valid by the
         // caller of register_raw) and outlives the mapping: LocalReg holds the Arc until unmap.
         let memh = unsafe {
@@ -507,33 +509,17 @@ impl Engine {
             status,
         })?;
         // SAFETY: memh is a live handle of ctx.
-        let rkey = match unsafe { raw::rkey_pack(self.ctx, memh) } {
-            Ok(r) => r,
+        match unsafe { raw::rkey_pack(self.ctx, memh) } {
+            Ok(r) => Ok((memh, r)),
             Err(status) => {
                 // SAFETY: memh was just mapped, unused, unmapped once.
                 let _ = unsafe { raw::mem_unmap(self.ctx, memh) };
-                return Err(Error::Ucx {
+                Err(Error::Ucx {
                     op: "ucp_rkey_pack",
                     status,
-                });
+                })
             }
-        };
-        region.registered.store(true, Ordering::Release);
-        if let Some(s) = shared.upgrade() {
-            s.regions
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(region.id.0, region.clone());
         }
-        self.regions.insert(
-            region.id.0,
-            LocalReg {
-                memh: Some(memh),
-                rkey,
-                region,
-            },
-        );
-        Ok(())
     }
 
     fn deregister(&mut self, region: &Arc<RegionInner>, shared: &Weak<Shared>) -> Result<()> {
