@@ -824,24 +824,21 @@ fn spawn_peer(args: &Args, transport: &str) -> Result<(Peer, SocketAddr), BoxErr
 
 /// Resident set size of a process, bytes.
 fn rss(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        })
-        .unwrap_or(0)
-        * 1024
+    proc_status_bytes(pid, "VmRSS:")
 }
 
 /// Peak resident set size (VmHWM) of a process, bytes.
 fn rss_peak(pid: u32) -> u64 {
+    proc_status_bytes(pid, "VmHWM:")
+}
+
+/// A `kB` field of /proc/PID/status, in bytes (0 if unreadable).
+fn proc_status_bytes(pid: u32, key: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
             s.lines()
-                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .find_map(|l| l.strip_prefix(key))
                 .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         })
         .unwrap_or(0)
