@@ -867,29 +867,29 @@ impl Agent {
             .cloned();
         // Device memory: UCX where it reaches every device region of the plan (direct path),
         // else the TCP lane, each end staging its own device memory; never the shm lane.
+        // One pass over the plan, only where either side has device memory.
         let mut local_dev: Vec<Option<u32>> = Vec::new();
         let mut device = false;
         let mut unreachable = false;
-        if local.regions.iter().any(|r| r.kind != MemKind::Host) {
-            local_dev = plan
-                .ops
-                .iter()
-                .map(|o| match local.regions[o.lslot as usize].kind {
-                    MemKind::Host => None,
-                    MemKind::Cuda(d) => Some(d),
-                })
-                .collect();
+        let local_has = local.regions.iter().any(|r| r.kind != MemKind::Host);
+        let remote_dev = view
+            .as_ref()
+            .filter(|v| v.spans.iter().any(|s| s.kind != MemKind::Host));
+        if local_has || remote_dev.is_some() {
             for o in &plan.ops {
                 let r = &local.regions[o.lslot as usize];
-                if r.kind != MemKind::Host {
-                    device = true;
-                    unreachable |= !r.ucx_mapped;
+                let d = match r.kind {
+                    MemKind::Host => None,
+                    MemKind::Cuda(d) => {
+                        device = true;
+                        unreachable |= !r.ucx_mapped;
+                        Some(d)
+                    }
+                };
+                if local_has {
+                    local_dev.push(d);
                 }
-            }
-        }
-        if let Some(v) = &view {
-            if v.spans.iter().any(|s| s.kind != MemKind::Host) {
-                for o in &plan.ops {
+                if let Some(v) = remote_dev {
                     let k = o.rslot as usize;
                     if v.spans[k].kind != MemKind::Host {
                         device = true;

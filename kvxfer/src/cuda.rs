@@ -204,13 +204,6 @@ impl crate::staging::CopyEngine for CudaCopyEngine {
     }
 }
 
-/// Whether the loaded UCX can move CUDA memory directly (known once an agent exists).
-pub fn ucx_supports_cuda() -> bool {
-    crate::backend::ucx::raw::supports_cuda(
-        crate::backend::ucx::driver::MEMORY_TYPES.load(std::sync::atomic::Ordering::Relaxed),
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

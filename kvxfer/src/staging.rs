@@ -591,14 +591,44 @@ impl StagingCell {
     }
 }
 
-/// Pieces of one chunk: (device address, offset in the chunk, length).
-type ChunkGroup = Vec<(u64, usize, usize)>;
+/// Where a slice of a piece lands in a chunk: (piece index, offset in the piece, offset in the
+/// chunk, length).
+type Cut = (usize, u64, usize, usize);
+
+/// Cuts pieces of `lens` bytes, in order, into groups that each fill one chunk of
+/// `chunk` bytes (the last maybe less); each group with the bytes it uses.
+fn cut_into_chunks(lens: impl Iterator<Item = u64>, chunk: usize) -> Vec<(Vec<Cut>, usize)> {
+    let mut groups = Vec::new();
+    let mut cur = Vec::new();
+    let mut fill = 0usize;
+    for (i, l) in lens.enumerate() {
+        let mut done = 0u64;
+        while done < l {
+            if fill == chunk {
+                groups.push((std::mem::take(&mut cur), fill));
+                fill = 0;
+            }
+            let n = ((l - done) as usize).min(chunk - fill);
+            cur.push((i, done, fill, n));
+            fill += n;
+            done += n as u64;
+        }
+    }
+    if fill > 0 {
+        groups.push((cur, fill));
+    }
+    groups
+}
 
 /// Moves `pieces` (device address, length) of `device` between device memory and the socket
 /// through the two chunks of `pair`, copies overlapping the network: `send` copies chunk k+1
 /// to the host while chunk k is written; receive copies chunk k to the device while chunk k+1
-/// arrives. `net(chunk, send)` moves one chunk's bytes.
-pub(crate) fn stream_device(
+/// arrives. `net(chunk)` moves one chunk's bytes.
+///
+/// # Safety
+/// Every piece is device memory of `device` for `engine`, readable (send) or writable
+/// (receive), that stays allocated and is not freed or deregistered until the call returns.
+pub(crate) unsafe fn stream_device(
     engine: &dyn CopyEngine,
     device: u32,
     pair: &ChunkPair<'_>,
@@ -607,26 +637,7 @@ pub(crate) fn stream_device(
     net: &mut dyn FnMut(&mut [u8]) -> Result<()>,
 ) -> Result<()> {
     let cb = pair.chunk_bytes();
-    // Cut the pieces into chunk-sized groups of (device address, offset in chunk, length).
-    let mut groups: Vec<(ChunkGroup, usize)> = Vec::new();
-    let mut cur: Vec<(u64, usize, usize)> = Vec::new();
-    let mut fill = 0usize;
-    for &(a, l) in pieces {
-        let mut done = 0u64;
-        while done < l {
-            if fill == cb {
-                groups.push((std::mem::take(&mut cur), fill));
-                fill = 0;
-            }
-            let n = ((l - done) as usize).min(cb - fill);
-            cur.push((a + done, fill, n));
-            fill += n;
-            done += n as u64;
-        }
-    }
-    if fill > 0 {
-        groups.push((cur, fill));
-    }
+    let groups = cut_into_chunks(pieces.iter().map(|p| p.1), cb);
     if groups.is_empty() {
         return Ok(());
     }
@@ -634,8 +645,9 @@ pub(crate) fn stream_device(
     let qc = |q: &mut Box<dyn CopyQueue>, k: usize| -> Result<()> {
         let (g, used) = &groups[k];
         let s = pair.slice(k % 2, *used);
-        for &(dev, off, n) in g {
-            // SAFETY: dev..+n is inside a registered, pinned device region (the caller's
+        for &(i, at, off, n) in g {
+            let dev = pieces[i].0 + at;
+            // SAFETY: dev..+n lies inside piece i, valid device memory (this function's
             // contract); the chunk slice is held exclusively and not touched until sync.
             unsafe {
                 if send {
@@ -800,30 +812,19 @@ pub unsafe fn staged(
     let until = Instant::now() + deadline;
     let chunk = pool.pool.chunk;
     let q = std::cell::RefCell::new(engine.queue(device)?);
-    // Cut the pieces into chunk-sized groups: (device, offset in chunk, remote desc).
-    let mut groups: Vec<Group> = Vec::new();
-    let mut cur: Group = Vec::new();
-    let mut fill = 0usize;
-    for p in pieces {
-        let mut done = 0u64;
-        while done < p.remote.len {
-            if fill == chunk {
-                groups.push(std::mem::take(&mut cur));
-                fill = 0;
-            }
-            let n = ((p.remote.len - done) as usize).min(chunk - fill);
-            cur.push((
-                p.device + done,
-                fill,
-                Desc::new(p.remote.region, p.remote.offset + done, n as u64),
-            ));
-            fill += n;
-            done += n as u64;
-        }
-    }
-    if !cur.is_empty() {
-        groups.push(cur);
-    }
+    // Chunk-sized groups of (device address, offset in chunk, the peer's descriptor).
+    let groups: Vec<Group> = cut_into_chunks(pieces.iter().map(|p| p.remote.len), chunk)
+        .into_iter()
+        .map(|(g, _)| {
+            g.into_iter()
+                .map(|(i, at, off, n)| {
+                    let p = &pieces[i];
+                    let d = Desc::new(p.remote.region, p.remote.offset + at, n as u64);
+                    (p.device + at, off, d)
+                })
+                .collect()
+        })
+        .collect();
     let mut inflight: Vec<InFlight> = Vec::new();
     let mut bytes = 0u64;
     let finish_one = |(c, t, g): InFlight| -> Result<u64> {
@@ -996,11 +997,14 @@ mod tests {
         let pieces: Vec<(u64, u64)> = (0..4).map(|i| (base + i * 3072, 3072)).collect();
         let mut wire = Vec::new();
         let l2 = log.clone();
-        stream_device(&*st.engine, 0, &pair, true, &pieces, &mut |b| {
-            l2.lock().unwrap().push(format!("net {}", b.len()));
-            wire.extend_from_slice(b);
-            Ok(())
-        })
+        // SAFETY: the pieces lie inside the simulated allocation, alive for the test.
+        unsafe {
+            stream_device(&*st.engine, 0, &pair, true, &pieces, &mut |b| {
+                l2.lock().unwrap().push(format!("net {}", b.len()));
+                wire.extend_from_slice(b);
+                Ok(())
+            })
+        }
         .unwrap();
         assert!(wire == data, "bytes on the wire differ from device memory");
         let log = log.lock().unwrap().join(", ");
@@ -1022,12 +1026,15 @@ mod tests {
         let pieces = [(base, 10_000u64)];
         let mut at = 0;
         let l2 = log.clone();
-        stream_device(&*st.engine, 0, &pair, false, &pieces, &mut |b| {
-            l2.lock().unwrap().push(format!("net {}", b.len()));
-            b.copy_from_slice(&data[at..at + b.len()]);
-            at += b.len();
-            Ok(())
-        })
+        // SAFETY: as above.
+        unsafe {
+            stream_device(&*st.engine, 0, &pair, false, &pieces, &mut |b| {
+                l2.lock().unwrap().push(format!("net {}", b.len()));
+                b.copy_from_slice(&data[at..at + b.len()]);
+                at += b.len();
+                Ok(())
+            })
+        }
         .unwrap();
         let mut got = vec![0u8; 10_000];
         dev.read(base, &mut got).unwrap();
@@ -1048,14 +1055,17 @@ mod tests {
         let base = dev.alloc(4 * 4096).unwrap();
         let pair = st.pair(true, Duration::ZERO).unwrap();
         let mut n = 0;
-        let e = stream_device(&*st.engine, 0, &pair, true, &[(base, 16384)], &mut |_| {
-            n += 1;
-            if n == 2 {
-                Err(Error::Canceled)
-            } else {
-                Ok(())
-            }
-        })
+        // SAFETY: the piece is the simulated allocation, alive for the test.
+        let e = unsafe {
+            stream_device(&*st.engine, 0, &pair, true, &[(base, 16384)], &mut |_| {
+                n += 1;
+                if n == 2 {
+                    Err(Error::Canceled)
+                } else {
+                    Ok(())
+                }
+            })
+        }
         .unwrap_err();
         assert!(matches!(e, Error::Canceled));
         assert_eq!(n, 2, "the stream went on after the error");
@@ -1099,19 +1109,21 @@ mod tests {
             }
             let mut wire = Vec::new();
             let tp = tx.pair(true, Duration::ZERO).unwrap();
-            stream_device(&*tx.engine, 0, &tp, true, &send, &mut |c| {
+            // SAFETY: the pieces lie inside the simulated allocations, alive for the case.
+            unsafe { stream_device(&*tx.engine, 0, &tp, true, &send, &mut |c| {
                 wire.extend_from_slice(c);
                 Ok(())
-            })
+            }) }
             .unwrap();
             proptest::prop_assert_eq!(wire.len() as u64, total);
             let rp = rx.pair(false, Duration::ZERO).unwrap();
             let mut off = 0;
-            stream_device(&*rx.engine, 0, &rp, false, &recv, &mut |c| {
+            // SAFETY: as above.
+            unsafe { stream_device(&*rx.engine, 0, &rp, false, &recv, &mut |c| {
                 c.copy_from_slice(&wire[off..off + c.len()]);
                 off += c.len();
                 Ok(())
-            })
+            }) }
             .unwrap();
             for (k, &(p, l)) in recv.iter().enumerate() {
                 let mut got = vec![0u8; l as usize];

@@ -233,7 +233,11 @@ fn stream_pieces(
 
 /// Like [`stream_pieces`], with pieces of device memory (`devs[k]` is the device of piece k,
 /// `devs` empty: all host) moved through the two staging chunks of `stage`.
-fn stream_mixed(
+///
+/// # Safety
+/// Every piece is valid memory of its kind (host, or device `devs[k]`) for this direction,
+/// pinned against deregistration, until the call returns.
+unsafe fn stream_mixed(
     s: &TcpStream,
     send: bool,
     pieces: &[(u64, u64)],
@@ -260,24 +264,22 @@ fn stream_mixed(
             }
             (Some(dev), Some((st, pair))) => {
                 let mut stop: Option<Stop> = None;
-                let r = crate::staging::stream_device(
-                    st.engine().as_ref(),
-                    dev,
-                    pair,
-                    send,
-                    &pieces[i..j],
-                    &mut |buf: &mut [u8]| {
-                        let r = if send {
-                            send_buf(s, buf, ctl)
-                        } else {
-                            recv_buf(s, buf, ctl)
-                        };
-                        r.map_err(|e| {
-                            stop = Some(e);
-                            Error::Canceled
-                        })
-                    },
-                );
+                let mut net = |buf: &mut [u8]| {
+                    let r = if send {
+                        send_buf(s, buf, ctl)
+                    } else {
+                        recv_buf(s, buf, ctl)
+                    };
+                    r.map_err(|e| {
+                        stop = Some(e);
+                        Error::Canceled
+                    })
+                };
+                let engine = st.engine().as_ref();
+                // SAFETY: these pieces are device memory of `dev` (this function's contract).
+                let r = unsafe {
+                    crate::staging::stream_device(engine, dev, pair, send, &pieces[i..j], &mut net)
+                };
                 if let Some(st) = stop {
                     return Err(st);
                 }
@@ -625,7 +627,11 @@ fn serve_inner(
         if kind == K_WRITE {
             let err = match &resolved {
                 Ok((_pins, pieces, devs)) => {
-                    stream_mixed(c, false, pieces, devs, st, &mut || ctl(false, &mut last))?;
+                    // SAFETY: the pieces were resolved against this agent's registered regions,
+                    // whose kinds `devs` gives, and `_pins` holds them registered.
+                    unsafe {
+                        stream_mixed(c, false, pieces, devs, st, &mut || ctl(false, &mut last))
+                    }?;
                     None
                 }
                 Err(why) => {
@@ -652,7 +658,10 @@ fn serve_inner(
             match resolved {
                 Ok((pins, pieces, devs)) => {
                     reply(c, K_DATA, id, 0, "", &mut || ctl(false, &mut last))?;
-                    stream_mixed(c, true, &pieces, &devs, st, &mut || ctl(false, &mut last))?;
+                    // SAFETY: as for a write: resolved, kinds in `devs`, held by `pins`.
+                    unsafe {
+                        stream_mixed(c, true, &pieces, &devs, st, &mut || ctl(false, &mut last))
+                    }?;
                     drop(pair);
                     drop(pins);
                     if nlen > 0 {
@@ -1007,7 +1016,9 @@ fn run_job(inner: &LinkInner, conn: &mut Option<TcpStream>, job: &Job) -> Result
     let posted_at;
     if job.op == XferOp::Write {
         send_buf(c, &hdr, &mut ctl).map_err(|s| stop_err(inner, s, "request"))?;
-        stream_mixed(c, true, &pieces, &job.local_dev, st, &mut ctl)
+        // SAFETY: the pieces come from the job's plan, bounds-checked against its local
+        // regions (kinds in `local_dev`), which the job pins until it finishes.
+        unsafe { stream_mixed(c, true, &pieces, &job.local_dev, st, &mut ctl) }
             .map_err(|s| stop_err(inner, s, "sending data"))?;
         send_buf(c, note, &mut ctl).map_err(|s| stop_err(inner, s, "notification"))?;
         posted_at = job.started.elapsed();
@@ -1018,7 +1029,8 @@ fn run_job(inner: &LinkInner, conn: &mut Option<TcpStream>, job: &Job) -> Result
         posted_at = job.started.elapsed();
         read_reply(inner, c, K_DATA, job.id, &mut ctl)?;
         let t_hdr = job.started.elapsed();
-        stream_mixed(c, false, &pieces, &job.local_dev, st, &mut ctl)
+        // SAFETY: as for a write.
+        unsafe { stream_mixed(c, false, &pieces, &job.local_dev, st, &mut ctl) }
             .map_err(|s| stop_err(inner, s, "receiving data"))?;
         log::debug!(
             "kvxfer: read {}: request sent {posted_at:?}, reply {t_hdr:?}, data {:?}",
