@@ -147,7 +147,11 @@ fn would_block(e: &std::io::Error) -> bool {
 
 /// Moves the bytes of `pieces` (address, length) through the socket: `writev` from them when
 /// `send`, `readv` into them otherwise. `ctl` is asked after each time-out whether to go on.
-fn stream_pieces(
+///
+/// # Safety
+/// Every piece is host memory valid for this direction (readable to send, writable to
+/// receive) and not freed or deregistered until the call returns.
+unsafe fn stream_pieces(
     s: &TcpStream,
     send: bool,
     pieces: &[(u64, u64)],
@@ -181,8 +185,8 @@ fn stream_pieces(
             o = 0;
             k += 1;
         }
-        // SAFETY: every iovec points into memory the caller guarantees valid for this
-        // direction (pinned registered regions or owned buffers) for the call's duration;
+        // SAFETY: every iovec points into a piece, valid for this direction per this
+        // function's contract (pinned registered regions or borrowed buffers);
         // fd is the stream's open socket.
         let r = unsafe {
             if send {
@@ -246,7 +250,8 @@ unsafe fn stream_mixed(
     ctl: &mut dyn FnMut() -> Result<(), Stop>,
 ) -> Result<(), Stop> {
     if devs.iter().all(Option::is_none) {
-        return stream_pieces(s, send, pieces, ctl);
+        // SAFETY: all pieces are host memory (no device), valid per this function's contract.
+        return unsafe { stream_pieces(s, send, pieces, ctl) };
     }
     let mut i = 0;
     while i < pieces.len() {
@@ -256,7 +261,8 @@ unsafe fn stream_mixed(
             j += 1;
         }
         match (d, stage) {
-            (None, _) => stream_pieces(s, send, &pieces[i..j], ctl)?,
+            // SAFETY: host pieces, valid per this function's contract.
+            (None, _) => unsafe { stream_pieces(s, send, &pieces[i..j], ctl) }?,
             (Some(_), None) => {
                 return Err(Stop::Abort(Error::InvalidArgument(
                     "device memory without staging chunks".into(),
@@ -316,7 +322,8 @@ fn send_buf(
     b: &[u8],
     ctl: &mut dyn FnMut() -> Result<(), Stop>,
 ) -> Result<(), Stop> {
-    stream_pieces(s, true, &[(b.as_ptr() as u64, b.len() as u64)], ctl)
+    // SAFETY: `b` is a borrowed slice, readable for the whole call.
+    unsafe { stream_pieces(s, true, &[(b.as_ptr() as u64, b.len() as u64)], ctl) }
 }
 
 fn recv_buf(
@@ -324,7 +331,8 @@ fn recv_buf(
     b: &mut [u8],
     ctl: &mut dyn FnMut() -> Result<(), Stop>,
 ) -> Result<(), Stop> {
-    stream_pieces(s, false, &[(b.as_mut_ptr() as u64, b.len() as u64)], ctl)
+    // SAFETY: `b` is a mutably borrowed slice, writable for the whole call.
+    unsafe { stream_pieces(s, false, &[(b.as_mut_ptr() as u64, b.len() as u64)], ctl) }
 }
 
 // ---------------------------------------------------------------------------------------------
