@@ -7,7 +7,7 @@
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+use kvxfer_proto::error::{Error, Result};
 
 #[derive(Debug, Default)]
 struct State {

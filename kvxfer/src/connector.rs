@@ -17,7 +17,7 @@
 //! consumer names its blocks and the producer WRITEs each layer into them as soon as it is
 //! done; each layer's notification arrives after its data. Either way only the blocks the
 //! consumer lacks move (a cached prefix stays), and a producer frees blocks on the last
-//! reader's acknowledgement, on abort or on lease expiry ([`crate::lifecycle`]). A pull
+//! reader's acknowledgement, on abort or on lease expiry ([`kvxfer_proto::lifecycle`]). A pull
 //! consumer bounds each read by the lease it was granted, so it never reads freed blocks: an
 //! expired handoff fails with [`Error::Handoff`].
 //!
@@ -33,21 +33,16 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use crate::agent::Agent;
 use crate::budget::{Charge, MemoryBudget};
-use crate::error::{Error, Result};
-use crate::layout::{KvLayout, LayerBase};
-use crate::lifecycle::{Freed, Ledger};
-use crate::notify::Notification;
 use crate::telemetry::{RequestStats, Telemetry};
-use crate::transfer::{Transfer, XferOp, XferStats};
-use crate::{Agent, RegionId};
+use crate::transfer::{Transfer, XferStats};
+use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::layout::{KvLayout, LayerBase};
+use kvxfer_proto::lifecycle::{Freed, Ledger};
+use kvxfer_proto::types::{RegionId, XferOp};
+use kvxfer_proto::wire::notify::{Notification, TAG_TO_CONSUMER, TAG_TO_PRODUCER};
 
-/// Control messages to a producer (heartbeat, acknowledgement, push request) and to a consumer
-/// (lease, layers ready, layer landed, refusal) carry these tags. The agent queues them apart
-/// from the user's notifications and from each other, so one agent can run both roles.
-pub(crate) const TAG_TO_PRODUCER: &[u8; 4] = b"KXCP";
-/// See [`TAG_TO_PRODUCER`].
-pub(crate) const TAG_TO_CONSUMER: &[u8; 4] = b"KXCC";
 /// A consumer that hears "not held" this soon after starting keeps asking: the handoff may
 /// reach it before the producer's worker has published the request.
 const UNKNOWN_GRACE: Duration = Duration::from_secs(10);
@@ -607,10 +602,10 @@ fn producer_msg(sh: &PShared, n: Notification) {
                 Err(e) => {
                     drop(st);
                     let kind = match e {
-                        crate::lifecycle::LeaseError::Unknown(_) => "unknown",
-                        crate::lifecycle::LeaseError::Expired(_) => "expired",
-                        crate::lifecycle::LeaseError::Aborted(_) => "aborted",
-                        crate::lifecycle::LeaseError::TooManyReaders { .. } => "readers",
+                        kvxfer_proto::lifecycle::LeaseError::Unknown(_) => "unknown",
+                        kvxfer_proto::lifecycle::LeaseError::Expired(_) => "expired",
+                        kvxfer_proto::lifecycle::LeaseError::Aborted(_) => "aborted",
+                        kvxfer_proto::lifecycle::LeaseError::TooManyReaders { .. } => "readers",
                     };
                     send(
                         &sh.agent,
@@ -883,7 +878,7 @@ impl Consumer {
         let sh = &self.sh;
         let heads = sh.cfg.heads.clone().unwrap_or(0..h.kv_heads);
         let want_layout = KvLayout {
-            geometry: crate::layout::KvGeometry {
+            geometry: kvxfer_proto::layout::KvGeometry {
                 kv_heads: h.kv_heads,
                 ..sh.layout.geometry.clone()
             },

@@ -1,11 +1,11 @@
 //! Metadata exchange over a TCP side channel; no server needed.
 //!
-//! Frames are `u32 length (LE) | u8 kind | payload`, at most [`MAX_FRAME`] bytes. The
+//! Frames (`kvxfer_proto::wire::side_channel`) are `u32 length (LE) | u8 kind | payload`. The
 //! connecting agent sends `HELLO(metadata)`; the listener decodes it (strictly, compatibility
 //! hash first), loads it, and answers `META(its metadata)`, or `ERROR(text)` and closes.
 //! Every read has a timeout, so a silent or slow peer cannot hold a thread forever.
 //!
-//! With a shared secret ([`crate::AgentConfig::secret`]) both sides prove they know it before
+//! With a shared secret (`AgentConfig::secret`) both sides prove they know it before
 //! any metadata (region table, rkeys, lane secret) moves:
 //!
 //! ```text
@@ -26,39 +26,22 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::agent::Shared;
-use crate::backend::ucx::driver::Cmd;
-use crate::error::{Error, Result};
-use crate::metadata::Metadata;
+use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::wire::metadata::Metadata;
+use kvxfer_proto::wire::side_channel::{
+    encode_frame, mac, mac_ok, read_frame, AUTH1, AUTH2, ERROR, HELLO, MAC, META, NONCE,
+    ROLE_CLIENT, ROLE_SERVER,
+};
 
-/// Largest side-channel frame.
-pub const MAX_FRAME: usize = crate::metadata::MAX_ENCODED + 1;
-const HELLO: u8 = 1;
-const META: u8 = 2;
-const ERROR: u8 = 3;
-const AUTH1: u8 = 4;
-const AUTH2: u8 = 5;
-const NONCE: usize = 32;
-const MAC: usize = 32;
-
-fn mac(secret: &[u8], role: &[u8], a: &[u8], b: &[u8]) -> [u8; MAC] {
-    use hmac::Mac;
-    let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(secret)
-        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
-    m.update(role);
-    m.update(a);
-    m.update(b);
-    m.finalize().into_bytes().into()
-}
-
-fn mac_ok(secret: &[u8], role: &[u8], a: &[u8], b: &[u8], got: &[u8]) -> bool {
-    use hmac::Mac;
-    let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(secret)
-        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
-    m.update(role);
-    m.update(a);
-    m.update(b);
-    m.verify_slice(got).is_ok()
+/// What one end of the side channel needs of its agent: its name (for thread names), the
+/// compatibility hash peers must match, the shared secret, its own metadata, and what to do
+/// with a peer's (load it; the peer's name back).
+pub(crate) struct SideChannel {
+    pub(crate) name: String,
+    pub(crate) compat: u64,
+    pub(crate) secret: Option<Vec<u8>>,
+    pub(crate) local: Box<dyn Fn() -> Result<Vec<u8>> + Send + Sync>,
+    pub(crate) on_peer: Box<dyn Fn(Metadata) -> Result<String> + Send + Sync>,
 }
 
 fn nonce() -> Result<[u8; NONCE]> {
@@ -78,7 +61,7 @@ pub(crate) struct Listener {
 }
 
 impl Listener {
-    pub(crate) fn start(shared: Arc<Shared>, addr: SocketAddr) -> Result<Listener> {
+    pub(crate) fn start(shared: Arc<SideChannel>, addr: SocketAddr) -> Result<Listener> {
         let l = TcpListener::bind(addr).map_err(|e| Error::io(format!("binding {addr}"), e))?;
         let bound = l
             .local_addr()
@@ -115,7 +98,7 @@ impl Drop for Listener {
     }
 }
 
-fn accept_loop(l: TcpListener, shared: Arc<Shared>, stop: Arc<AtomicBool>) {
+fn accept_loop(l: TcpListener, shared: Arc<SideChannel>, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::Acquire) {
         match l.accept() {
             Ok((s, peer)) => {
@@ -136,7 +119,7 @@ fn accept_loop(l: TcpListener, shared: Arc<Shared>, stop: Arc<AtomicBool>) {
     }
 }
 
-fn serve(shared: &Arc<Shared>, mut s: TcpStream, peer: SocketAddr) -> Result<()> {
+fn serve(shared: &SideChannel, mut s: TcpStream, peer: SocketAddr) -> Result<()> {
     let who = peer.to_string();
     setup(&s, &who)?;
     let (mut kind, mut payload) = read_frame(&mut s, &who)?;
@@ -153,12 +136,12 @@ fn serve(shared: &Arc<Shared>, mut s: TcpStream, peer: SocketAddr) -> Result<()>
             let nc = payload.clone();
             let ns = nonce()?;
             let mut m = ns.to_vec();
-            m.extend_from_slice(&mac(secret, b"kvxfer server", &nc, &ns));
+            m.extend_from_slice(&mac(secret, ROLE_SERVER, &nc, &ns));
             write_frame(&mut s, AUTH2, &m)?;
             (kind, payload) = read_frame(&mut s, &who)?;
             if kind != HELLO
                 || payload.len() < MAC
-                || !mac_ok(secret, b"kvxfer client", &ns, &nc, &payload[..MAC])
+                || !mac_ok(secret, ROLE_CLIENT, &ns, &nc, &payload[..MAC])
             {
                 let _ = write_frame(&mut s, ERROR, b"authentication failed");
                 return Err(auth("the peer did not prove the shared secret"));
@@ -194,17 +177,17 @@ fn serve(shared: &Arc<Shared>, mut s: TcpStream, peer: SocketAddr) -> Result<()>
             });
         }
     };
-    if let Err(e) = crate::agent::load_decoded(shared, meta) {
+    if let Err(e) = (shared.on_peer)(meta) {
         let _ = write_frame(&mut s, ERROR, e.to_string().as_bytes());
         return Err(e);
     }
-    let mine = shared.call(|reply| Cmd::Metadata { reply })?;
+    let mine = (shared.local)()?;
     write_frame(&mut s, META, &mine)
 }
 
 /// Connects to `addr`, sends our metadata, loads the peer's. Returns the peer's name.
 pub(crate) fn exchange(
-    shared: &Arc<Shared>,
+    shared: &SideChannel,
     addr: SocketAddr,
     timeout: Duration,
 ) -> Result<String> {
@@ -224,12 +207,12 @@ pub(crate) fn exchange(
         match kind {
             AUTH2 if p.len() == NONCE + MAC => {
                 let (ns, m) = p.split_at(NONCE);
-                if !mac_ok(secret, b"kvxfer server", &nc, ns, m) {
+                if !mac_ok(secret, ROLE_SERVER, &nc, ns, m) {
                     return Err(refuse(
                         "the listener did not prove the shared secret".into(),
                     ));
                 }
-                hello.extend_from_slice(&mac(secret, b"kvxfer client", ns, &nc));
+                hello.extend_from_slice(&mac(secret, ROLE_CLIENT, ns, &nc));
             }
             ERROR => {
                 return Err(refuse(format!(
@@ -240,7 +223,7 @@ pub(crate) fn exchange(
             k => return Err(refuse(format!("frame kind {k}, expected AUTH2"))),
         }
     }
-    let mine = shared.call(|reply| Cmd::Metadata { reply })?;
+    let mine = (shared.local)()?;
     hello.extend_from_slice(&mine);
     write_frame(&mut s, HELLO, &hello)?;
     let (kind, payload) = read_frame(&mut s, &who)?;
@@ -251,7 +234,7 @@ pub(crate) fn exchange(
                     source_desc: who.clone(),
                     err,
                 })?;
-            crate::agent::load_decoded(shared, meta)
+            (shared.on_peer)(meta)
         }
         ERROR => {
             let why = String::from_utf8_lossy(&payload).into_owned();
@@ -281,30 +264,7 @@ fn setup(s: &TcpStream, who: &str) -> Result<()> {
         .map_err(|e| Error::io(format!("configuring socket to {who}"), e))
 }
 
-/// Reads one side-channel frame (`u32 len | kind | payload`) from any byte stream; refuses
-/// empty and oversized frames before allocating.
-pub fn read_frame<R: Read>(s: &mut R, who: &str) -> Result<(u8, Vec<u8>)> {
-    let mut h = [0u8; 5];
-    s.read_exact(&mut h)
-        .map_err(|e| Error::io(format!("reading a frame header from {who}"), e))?;
-    let len = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
-    if len == 0 || len > MAX_FRAME {
-        return Err(Error::Protocol {
-            peer: who.to_string(),
-            why: format!("frame of {len} bytes (limit {MAX_FRAME})"),
-        });
-    }
-    let mut payload = vec![0u8; len - 1];
-    s.read_exact(&mut payload)
-        .map_err(|e| Error::io(format!("reading a {len}-byte frame from {who}"), e))?;
-    Ok((h[4], payload))
-}
-
 fn write_frame(s: &mut TcpStream, kind: u8, payload: &[u8]) -> Result<()> {
-    let mut b = Vec::with_capacity(5 + payload.len());
-    b.extend_from_slice(&((payload.len() + 1) as u32).to_le_bytes());
-    b.push(kind);
-    b.extend_from_slice(payload);
-    s.write_all(&b)
+    s.write_all(&encode_frame(kind, payload))
         .map_err(|e| Error::io("writing a side-channel frame", e))
 }

@@ -25,41 +25,36 @@
 //! # let _ = (stats, note); Ok(()) }
 //! ```
 
-pub mod agent;
-pub(crate) mod backend;
+// The layers, bottom up (ARCHITECTURE.md has the map): the pure core is `kvxfer_proto`;
+// memory, budget, notify, telemetry and transfer sit on it; the device copy engines and the
+// staging pools above those; then the transports, siblings that never import each other or
+// the agent (UCX, the shm and TCP lanes, the side channel); the agent, the one composition
+// root; the connector and the explicit staged path on top.
+mod agent;
+mod backend;
 pub mod budget;
 pub mod connector;
-#[cfg(feature = "cuda")]
-pub mod cuda;
-pub mod descriptor;
-pub mod discovery;
-pub mod error;
-pub mod lane;
-pub mod layout;
-pub mod lifecycle;
+mod device;
+mod discovery;
+mod lane;
 pub mod memory;
-pub mod metadata;
 pub mod notify;
-pub mod planning;
+mod staged;
 pub mod staging;
 pub mod telemetry;
 pub mod transfer;
 
-/// Pure decoders of peer input, exposed for the fuzz targets in `fuzz/` (not a stable API).
-#[doc(hidden)]
-pub mod fuzzing {
-    pub use crate::discovery::read_frame;
-    pub use crate::lane::tcp::{parse_hello, parse_request_header, parse_segments};
-}
+/// GPU memory (feature `cuda`): probing, the CUDA copy engine, the cudarc kvxfer uses.
+#[cfg(feature = "cuda")]
+pub use device::cuda;
+pub use kvxfer_proto::wire::metadata;
+pub use kvxfer_proto::{descriptor, error, layout, lifecycle, planning};
 
-pub use agent::{Agent, AgentConfig, GpuPath, PeerInfo, PreparedLocal, PreparedRemote, Transport};
+pub use agent::{Agent, AgentConfig, PreparedLocal, PreparedRemote, DEFAULT_COMPAT};
 pub use budget::{Charge, MemoryBudget};
 pub use descriptor::{Desc, RegionId};
 pub use error::{Error, MetadataError, Result, Side, UcsStatus};
-pub use lane::Lane;
-pub use memory::{HostBuffer, MemKind, Memory, Region};
+pub use kvxfer_proto::types::{GpuPath, Lane, MemKind, PeerInfo, Transport, XferOp};
+pub use memory::{HostBuffer, Memory, Region};
 pub use notify::Notification;
-pub use transfer::{Transfer, XferOp, XferStats};
-
-/// Compatibility hash used when no KV layout is given: the wire version alone.
-pub const DEFAULT_COMPAT: u64 = 0x6b76_7866_0000_0000 | metadata::WIRE_VERSION as u64;
+pub use transfer::{Transfer, XferStats};

@@ -2,22 +2,14 @@
 //! `unsafe` call on the agent) an engine's raw pointers. A [`Region`] is a registered piece of
 //! memory; its bytes stay valid until the last handle and every transfer using it are gone.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock, RwLockReadGuard};
 
-use crate::descriptor::RegionId;
-use crate::error::{Error, Result};
-
-/// Where memory lives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum MemKind {
-    /// Host (CPU) memory.
-    Host,
-    /// CUDA device memory on the given device ordinal.
-    Cuda(u32),
-}
+use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::types::{MemKind, RegionId, ShmHandle};
 
 /// An owned, page-aligned, zero-filled host allocation.
 ///
@@ -129,7 +121,7 @@ impl HostBuffer {
         self.ptr.as_ptr()
     }
 
-    pub(crate) fn shm_handle(&self) -> Option<crate::metadata::ShmHandle> {
+    pub(crate) fn shm_handle(&self) -> Option<ShmHandle> {
         use std::os::fd::AsRawFd;
         let fd = self.fd.as_ref()?;
         // SAFETY: an all-zero stat is a valid value to be overwritten by fstat.
@@ -138,7 +130,7 @@ impl HostBuffer {
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
             return None;
         }
-        Some(crate::metadata::ShmHandle {
+        Some(ShmHandle {
             fd: fd.as_raw_fd() as u32,
             dev: st.st_dev,
             ino: st.st_ino,
@@ -195,7 +187,7 @@ impl From<memmap2::MmapMut> for Memory {
 }
 
 impl Memory {
-    pub(crate) fn shm_handle(&self) -> Option<crate::metadata::ShmHandle> {
+    pub(crate) fn shm_handle(&self) -> Option<ShmHandle> {
         match self {
             Memory::Host(b) => b.shm_handle(),
             Memory::Mmap(_) => None,
@@ -237,10 +229,122 @@ pub(crate) struct RegionInner {
     /// Owned backing memory; None for memory registered through a raw pointer.
     pub(crate) _backing: Option<Memory>,
     /// How a same-host peer maps it (memfd-backed host buffers).
-    pub(crate) shm: Option<crate::metadata::ShmHandle>,
+    pub(crate) shm: Option<ShmHandle>,
     /// Transfers posted and not yet completed by UCX that use this region.
     pub(crate) inflight: AtomicU32,
     pub(crate) registered: AtomicBool,
+}
+
+impl RegionInner {
+    /// The deregistration half of the pin handshake: clears `registered`, then looks at
+    /// `inflight` (both SeqCst, paired with [`Pins`], which raises `inflight` and then checks
+    /// `registered`), so that either a pinning thread sees the region gone or this sees it in
+    /// use. On `Busy` the region stays registered.
+    pub(crate) fn retire(&self) -> Result<()> {
+        let region = self.id.0;
+        if !self.registered.swap(false, Ordering::SeqCst) {
+            return Err(Error::Deregistered { region });
+        }
+        let inflight = self.inflight.load(Ordering::SeqCst);
+        if inflight > 0 {
+            self.registered.store(true, Ordering::SeqCst);
+            return Err(Error::Busy { region, inflight });
+        }
+        Ok(())
+    }
+}
+
+/// Pins on registered regions: while held, deregistering any of them fails with `Busy`. The
+/// only implementation of the pin half of the handshake ([`RegionInner::retire`] is the other):
+/// raise `inflight`, then check `registered`. Released once, by [`Pins::release`] or on drop.
+#[derive(Default)]
+pub(crate) struct Pins {
+    regions: Vec<Arc<RegionInner>>,
+    released: AtomicBool,
+}
+
+impl Pins {
+    /// Pins every region of `regions` (each once), or none: the id of the first that is being
+    /// deregistered is the error.
+    pub(crate) fn acquire(regions: Vec<Arc<RegionInner>>) -> Result<Pins> {
+        let mut p = Pins::default();
+        for r in regions {
+            p.add(&r)
+                .map_err(|()| Error::Deregistered { region: r.id.0 })?;
+        }
+        Ok(p)
+    }
+
+    /// Pins one more region (no-op when already pinned here); `Err` when it is being
+    /// deregistered (it stays in the set, released with the rest).
+    pub(crate) fn add(&mut self, r: &Arc<RegionInner>) -> std::result::Result<(), ()> {
+        if self.regions.iter().any(|p| Arc::ptr_eq(p, r)) {
+            return Ok(());
+        }
+        r.inflight.fetch_add(1, Ordering::SeqCst);
+        self.regions.push(r.clone());
+        if r.registered.load(Ordering::SeqCst) {
+            Ok(())
+        } else {
+            Err(())
+        }
+    }
+
+    /// The pinned regions.
+    pub(crate) fn regions(&self) -> &[Arc<RegionInner>] {
+        &self.regions
+    }
+
+    /// Drops the pins (once; later calls do nothing). The regions' memory stays alive while
+    /// this value holds them.
+    pub(crate) fn release(&self) {
+        if self.released.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        for r in &self.regions {
+            r.inflight.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Keeps the pins and the memory for the life of the process: for buffers UCX may still
+    /// touch when the engine gives up on them (shutdown with operations outstanding).
+    pub(crate) fn leak(&self) {
+        self.released.store(true, Ordering::Release);
+        std::mem::forget(self.regions.clone());
+    }
+}
+
+impl Drop for Pins {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// The agent's registered regions by id. The agent writes it (after the engine has mapped a
+/// region, and after it has unmapped one); `prep_local`, peer info and the TCP lane's target
+/// read it.
+#[derive(Default)]
+pub(crate) struct RegionTable(RwLock<HashMap<u32, Arc<RegionInner>>>);
+
+impl RegionTable {
+    pub(crate) fn insert(&self, r: Arc<RegionInner>) {
+        self.0
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(r.id.0, r);
+    }
+
+    pub(crate) fn remove(&self, id: RegionId) {
+        self.0
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id.0);
+    }
+
+    /// A read view of the table (hold it briefly: registration waits for it).
+    pub(crate) fn read(&self) -> RwLockReadGuard<'_, HashMap<u32, Arc<RegionInner>>> {
+        self.0.read().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// A registered region of memory. Cloning gives another handle to the same registration.
@@ -368,7 +472,7 @@ impl Region {
         match offset.checked_add(len as u64) {
             Some(end) if end <= self.inner.len => Ok(()),
             _ => Err(Error::OutOfBounds {
-                side: crate::error::Side::Local,
+                side: kvxfer_proto::error::Side::Local,
                 index: 0,
                 region: self.inner.id.0,
                 offset,

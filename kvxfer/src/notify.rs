@@ -3,49 +3,36 @@
 #![forbid(unsafe_code)]
 
 use std::collections::VecDeque;
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+use kvxfer_proto::error::{Error, Result};
 
-/// Largest notification payload.
-pub const MAX_NOTIFICATION: usize = 64 * 1024;
+use kvxfer_proto::wire::notify::Recipient;
+pub use kvxfer_proto::wire::notify::{decode, encode, Notification, MAX_NOTIFICATION};
+
 /// Most undelivered notifications kept; older ones beyond this are counted as dropped.
 pub const MAX_QUEUED: usize = 65_536;
 
-/// A notification received from a peer.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Notification {
-    /// Sending agent's name.
-    pub from: String,
-    /// The payload (e.g. a request id).
-    pub payload: Vec<u8>,
+/// Where received notifications go: the user's queue, or the connector's producer or consumer
+/// queue, by the message's tag. The UCX engine and the TCP lane's target each hold a clone and
+/// deliver through it; the agent and the connector read the queues.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Channels {
+    pub(crate) user: Arc<Inbox>,
+    pub(crate) producer: Arc<Inbox>,
+    pub(crate) consumer: Arc<Inbox>,
 }
 
-/// Encodes `(from, payload)` for the wire: `u16 name_len | name | payload`.
-pub(crate) fn encode(from: &str, payload: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(2 + from.len() + payload.len());
-    v.extend_from_slice(&(from.len() as u16).to_le_bytes());
-    v.extend_from_slice(from.as_bytes());
-    v.extend_from_slice(payload);
-    v
-}
-
-/// Decodes a wire notification; `None` for malformed input.
-pub fn decode(b: &[u8]) -> Option<Notification> {
-    let n = u16::from_le_bytes(b.get(..2)?.try_into().ok()?) as usize;
-    if n == 0 || n > crate::metadata::MAX_NAME {
-        return None;
+impl Channels {
+    /// Queues a received notification for its recipient.
+    pub(crate) fn deliver(&self, n: Notification) {
+        match n.recipient() {
+            Recipient::User => self.user.push(n),
+            Recipient::Producer => self.producer.push(n),
+            Recipient::Consumer => self.consumer.push(n),
+        }
     }
-    let from = std::str::from_utf8(b.get(2..2 + n)?).ok()?.to_owned();
-    let payload = b.get(2 + n..)?;
-    if payload.len() > MAX_NOTIFICATION {
-        return None;
-    }
-    Some(Notification {
-        from,
-        payload: payload.to_vec(),
-    })
 }
 
 /// A bounded queue of received notifications with blocking waits.
@@ -112,22 +99,6 @@ impl Inbox {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn roundtrip_and_garbage() {
-        let b = encode("decode-1", b"req-42");
-        assert_eq!(
-            decode(&b),
-            Some(Notification {
-                from: "decode-1".into(),
-                payload: b"req-42".to_vec()
-            })
-        );
-        assert_eq!(decode(&[]), None);
-        assert_eq!(decode(&[5, 0, b'a']), None);
-        assert_eq!(decode(&[0, 0]), None);
-        assert_eq!(decode(&[2, 0, 0xff, 0xfe]), None);
-    }
 
     #[test]
     fn inbox_waits_and_times_out() {

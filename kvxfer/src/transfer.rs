@@ -8,25 +8,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
-
-/// Direction of a transfer, seen from the initiator.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum XferOp {
-    /// Pull: remote memory into local memory (`ucp_get_nbx`).
-    Read,
-    /// Push: local memory into remote memory (`ucp_put_nbx`).
-    Write,
-}
-
-impl std::fmt::Display for XferOp {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            XferOp::Read => "read",
-            XferOp::Write => "write",
-        })
-    }
-}
+use crate::memory::Pins;
+use kvxfer_proto::descriptor::Plan;
+use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::types::{Lane, XferOp};
 
 /// What a completed transfer did, for telemetry.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -46,7 +31,7 @@ pub struct XferStats {
     /// From the call that created the transfer until completion (and notification) was reported.
     pub duration: Duration,
     /// Which lane moved the bytes.
-    pub lane: crate::lane::Lane,
+    pub lane: Lane,
 }
 
 #[derive(Default)]
@@ -98,7 +83,75 @@ impl XferState {
 pub struct Transfer {
     pub(crate) state: Arc<XferState>,
     pub(crate) id: u64,
-    pub(crate) agent: Arc<crate::agent::Shared>,
+    pub(crate) cancel: Canceller,
+}
+
+/// Asks whoever moves a transfer to stop it (by transfer id).
+pub(crate) type Canceller = Arc<dyn Fn(u64) + Send + Sync>;
+
+/// A transfer as the agent hands it to the lane that moves it (the UCX engine, the shared
+/// memory lane or the TCP lane). Its local regions are pinned for as long as it lives; it ends
+/// in exactly one place, [`Job::finish`].
+pub(crate) struct Job {
+    pub(crate) id: u64,
+    pub(crate) op: XferOp,
+    pub(crate) peer: String,
+    /// The peer entry the remote descriptors were prepared against.
+    pub(crate) token: u64,
+    pub(crate) plan: Plan,
+    /// The local regions the plan uses.
+    pub(crate) pins: Pins,
+    pub(crate) notification: Option<Vec<u8>>,
+    pub(crate) deadline: Option<Duration>,
+    pub(crate) started: Instant,
+    pub(crate) state: Arc<XferState>,
+    /// Set when a kvxfer lane already moved the data and UCX only carries the notification.
+    pub(crate) lane_stats: Option<XferStats>,
+    /// Per plan operation, the device of its local memory (None: host); empty when the plan
+    /// has no local device memory. The TCP lane stages those pieces.
+    pub(crate) local_dev: Vec<Option<u32>>,
+}
+
+impl Job {
+    /// What the job did, moved by `lane`, its last operation posted at `post_time`.
+    pub(crate) fn stats(&self, lane: Lane, post_time: Duration) -> XferStats {
+        XferStats {
+            peer: self.peer.clone(),
+            op: self.op,
+            bytes: self.plan.bytes,
+            descs: self.plan.descs,
+            ops: self.plan.ops.len(),
+            post_time,
+            duration: self.started.elapsed(),
+            lane,
+        }
+    }
+
+    /// Ends the transfer: drops the pins, then reports `r` to the caller's handle. Called once,
+    /// when no lane touches the job's memory any more.
+    pub(crate) fn finish(&self, r: Result<XferStats>) {
+        self.pins.release();
+        self.state.complete(r);
+    }
+
+    /// A job that only carries this one's notification, after a lane moved its data with
+    /// `stats` (the UCX engine sends it, ordered after earlier transfers to the peer).
+    pub(crate) fn notification_carrier(&self, stats: XferStats) -> Job {
+        Job {
+            id: self.id,
+            op: self.op,
+            peer: self.peer.clone(),
+            token: self.token,
+            plan: Plan::default(),
+            pins: Pins::default(),
+            notification: self.notification.clone(),
+            deadline: self.deadline,
+            started: self.started,
+            state: self.state.clone(),
+            lane_stats: Some(stats),
+            local_dev: Vec::new(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Transfer {
@@ -152,7 +205,7 @@ impl Transfer {
         self.state
             .canceled
             .store(true, std::sync::atomic::Ordering::Release);
-        self.agent.cancel(self.id);
+        (self.cancel)(self.id);
         self.wait()
     }
 }

@@ -11,23 +11,37 @@
 //!   present the secret from the target's metadata, and every segment is bounds-checked on the
 //!   target against its own region table.
 //!
-//! RDMA stays on UCX (same API, chosen by [`crate::Transport`]), and so does device memory on
+//! RDMA stays on UCX (same API, chosen by the agent's transport), and so does device memory on
 //! the direct path. Device memory on the staged path takes the TCP lane whatever the
 //! transport: each end copies its own device memory through bounded staging chunks
 //! ([`crate::staging`]) as the stream passes.
 
 pub(crate) mod shm;
-pub mod tcp;
+pub(crate) mod tcp;
 
 use std::sync::Arc;
 
-use crate::metadata::HostInfo;
+use crate::budget::MemoryBudget;
+use crate::memory::RegionTable;
+use crate::notify::Channels;
+use crate::staging::pool::StagingCell;
+use kvxfer_proto::types::HostInfo;
 
 /// What the agent can use towards one peer besides UCX.
 #[derive(Default)]
 pub(crate) struct PeerLanes {
     pub(crate) shm: Option<Arc<shm::PeerMaps>>,
-    pub(crate) tcp: Option<Arc<tcp::Link>>,
+    pub(crate) tcp: Option<Arc<tcp::link::Link>>,
+}
+
+/// What a lane's target needs of its agent: the registered regions to check and pin requests
+/// against, where to deliver notifications, the device staging and the memory budget. Built
+/// by the agent; the lanes never name it.
+pub(crate) struct LaneCtx {
+    pub(crate) regions: Arc<RegionTable>,
+    pub(crate) channels: Channels,
+    pub(crate) staging: Arc<StagingCell>,
+    pub(crate) budget: MemoryBudget,
 }
 
 impl std::fmt::Debug for PeerLanes {
@@ -58,27 +72,6 @@ pub(crate) fn host_info() -> Option<HostInfo> {
         pid_ns,
         pid: std::process::id(),
     })
-}
-
-/// Which lane a transfer took, for telemetry and tests.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Lane {
-    /// UCX one-sided operations.
-    Ucx,
-    /// Mapped shared memory, copied by kvxfer's copy threads.
-    Shm,
-    /// kvxfer's TCP stream lane.
-    Tcp,
-}
-
-impl std::fmt::Display for Lane {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Lane::Ucx => "ucx",
-            Lane::Shm => "shm",
-            Lane::Tcp => "tcp",
-        })
-    }
 }
 
 /// The first IPv4 address of the first interface in `devices` (a `UCX_NET_DEVICES` list such

@@ -12,11 +12,16 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use crate::backend::ucx::driver::Job;
-use crate::descriptor::Plan;
-use crate::error::{Error, Result};
-use crate::metadata::{HostInfo, Metadata};
-use crate::transfer::{XferOp, XferStats};
+use crate::transfer::Job;
+use kvxfer_proto::descriptor::Plan;
+use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::types::{Lane, XferOp};
+use kvxfer_proto::wire::metadata::{HostInfo, Metadata};
+
+/// What the shared-memory lane does with a transfer's notification once its data has landed:
+/// hand a notification-only job to the transport that carries notifications (the agent builds
+/// it from the UCX engine's command channel).
+pub(crate) type Carrier = Arc<dyn Fn(Job) -> Result<()> + Send + Sync>;
 
 struct Mapping {
     ptr: *mut u8,
@@ -96,7 +101,12 @@ impl PeerMaps {
     }
 }
 
-fn map_region(pid: u32, h: crate::metadata::ShmHandle, len: u64, base: u64) -> Result<Mapping> {
+fn map_region(
+    pid: u32,
+    h: kvxfer_proto::wire::metadata::ShmHandle,
+    len: u64,
+    base: u64,
+) -> Result<Mapping> {
     let path = format!("/proc/{pid}/fd/{}", h.fd);
     let file = std::fs::OpenOptions::new()
         .read(true)
@@ -162,7 +172,7 @@ struct ShmJob {
     error: Mutex<Option<Error>>,
     /// Set with `error`: checked per operation without taking the lock.
     failed: std::sync::atomic::AtomicBool,
-    shared: Arc<crate::agent::Shared>,
+    carrier: Carrier,
 }
 
 struct Task {
@@ -177,13 +187,14 @@ pub(crate) struct Copier {
     tx: Mutex<Option<mpsc::Sender<Task>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     n: usize,
+    carrier: Carrier,
 }
 
 /// Transfers smaller than this are copied by one thread.
 const SPLIT_MIN: u64 = 4 << 20;
 
 impl Copier {
-    pub(crate) fn start(name: &str, n: usize) -> Result<Copier> {
+    pub(crate) fn start(name: &str, n: usize, carrier: Carrier) -> Result<Copier> {
         let (tx, rx) = mpsc::channel::<Task>();
         let rx = Arc::new(Mutex::new(rx));
         let mut threads = Vec::with_capacity(n);
@@ -209,11 +220,12 @@ impl Copier {
             tx: Mutex::new(Some(tx)),
             threads: Mutex::new(threads),
             n: n.max(1),
+            carrier,
         })
     }
 
     /// Starts copying `job` through `maps`. The job's regions are pinned by the caller.
-    pub(crate) fn submit(&self, job: Job, maps: Arc<PeerMaps>, shared: Arc<crate::agent::Shared>) {
+    pub(crate) fn submit(&self, job: Job, maps: Arc<PeerMaps>) {
         let total = job.plan.bytes;
         let parts = if total < SPLIT_MIN { 1 } else { self.n as u64 };
         let j = Arc::new(ShmJob {
@@ -223,7 +235,7 @@ impl Copier {
             done_ops: AtomicUsize::new(0),
             error: Mutex::new(None),
             failed: std::sync::atomic::AtomicBool::new(false),
-            shared,
+            carrier: self.carrier.clone(),
         });
         let g = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         let Some(tx) = g.as_ref() else {
@@ -356,43 +368,18 @@ fn chunk_done(j: &Arc<ShmJob>) {
     std::sync::atomic::fence(Ordering::SeqCst);
     let job = &j.job;
     let error = j.error.lock().unwrap_or_else(|e| e.into_inner()).take();
-    let stats = XferStats {
-        peer: job.peer.clone(),
-        op: job.op,
-        bytes: job.plan.bytes,
-        descs: job.plan.descs,
-        ops: job.plan.ops.len(),
-        post_time: job.started.elapsed(),
-        duration: job.started.elapsed(),
-        lane: super::Lane::Shm,
-    };
-    for r in &job.regions {
-        r.inflight.fetch_sub(1, Ordering::AcqRel);
-    }
+    let stats = job.stats(Lane::Shm, job.started.elapsed());
     if let Some(e) = error {
-        job.state.complete(Err(e));
+        job.finish(Err(e));
         return;
     }
     match &job.notification {
-        None => job.state.complete(Ok(stats)),
-        Some(n) => {
+        None => job.finish(Ok(stats)),
+        Some(_) => {
             // The data is in place: the notification goes over UCX's active messages.
-            let carrier = Job {
-                id: job.id,
-                op: job.op,
-                peer: job.peer.clone(),
-                token: job.token,
-                plan: Plan::default(),
-                regions: Vec::new(),
-                notification: Some(n.clone()),
-                deadline: job.deadline,
-                started: job.started,
-                state: job.state.clone(),
-                lane_stats: Some(stats),
-                local_dev: Vec::new(),
-            };
-            if let Err(e) = j.shared.post(carrier) {
-                job.state.complete(Err(e));
+            job.pins.release();
+            if let Err(e) = (j.carrier)(job.notification_carrier(stats)) {
+                job.finish(Err(e));
             }
         }
     }

@@ -13,18 +13,16 @@ use std::ffi::{c_void, CStr};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, RwLock, Weak};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use super::endpoint::parse_transports;
 use super::raw;
-use super::transfer::release;
-use crate::agent::{PeerInfo, Shared};
-use crate::descriptor::Plan;
-use crate::error::{Error, Result, UcsStatus};
 use crate::memory::RegionInner;
-use crate::metadata::{Metadata, RegionMeta};
-use crate::transfer::{XferOp, XferState};
+use crate::notify::Channels;
+use crate::transfer::Job;
+use kvxfer_proto::error::{Error, Result, UcsStatus};
+use kvxfer_proto::types::{HostInfo, LaneInfo, MemKind, PeerInfo};
+use kvxfer_proto::wire::metadata::{Metadata, RegionMeta};
 
 /// Active-message id of notifications.
 pub(super) const AM_NOTIFY: u32 = 0x4b58;
@@ -37,29 +35,34 @@ const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 type Reply<T> = mpsc::SyncSender<Result<T>>;
 
-/// Commands from API threads to the engine.
+/// Commands from API threads to the engine. The engine answers with data; it never writes
+/// into the agent's tables.
 pub(crate) enum Cmd {
+    /// Map a region (when UCX moves it) and mark it registered.
     Register {
         region: Arc<RegionInner>,
         reply: Reply<()>,
     },
+    /// Retire a region (the pin handshake) and unmap it.
     Deregister {
         region: Arc<RegionInner>,
         reply: Reply<()>,
     },
+    /// Encode this agent's metadata: its identity and the engine's regions and address.
     Metadata {
+        local: LocalIdentity,
         reply: Reply<Vec<u8>>,
     },
+    /// Load a peer's metadata (replacing a peer of the same name).
     LoadPeer {
         meta: Metadata,
-        lanes: crate::lane::PeerLanes,
-        sum: u64,
-        reply: Reply<()>,
+        reply: Reply<LoadedPeer>,
     },
     RemovePeer {
         name: String,
         reply: Reply<()>,
     },
+    /// What the engine knows of a peer (`gpu_path` left for the agent to fill in).
     PeerInfo {
         name: String,
         reply: Reply<PeerInfo>,
@@ -71,24 +74,61 @@ pub(crate) enum Cmd {
     Shutdown,
 }
 
-/// A transfer as submitted by [`Agent::transfer`](crate::Agent::transfer).
-pub(crate) struct Job {
-    pub(crate) id: u64,
-    pub(crate) op: XferOp,
-    pub(crate) peer: String,
-    pub(crate) token: u64,
-    pub(crate) plan: Plan,
-    /// Local regions used; their `inflight` counts were raised by the caller.
-    pub(crate) regions: Vec<Arc<RegionInner>>,
-    pub(crate) notification: Option<Vec<u8>>,
-    pub(crate) deadline: Option<Duration>,
-    pub(crate) started: Instant,
-    pub(crate) state: Arc<XferState>,
-    /// Set when a kvxfer lane already moved the data and UCX only carries the notification.
-    pub(crate) lane_stats: Option<crate::transfer::XferStats>,
-    /// Per plan operation, the device of its local memory (None: host); empty when the plan
-    /// has no local device memory. The TCP lane stages those pieces.
-    pub(crate) local_dev: Vec<Option<u32>>,
+/// What the agent puts into its metadata besides the engine's part.
+#[derive(Clone, Debug)]
+pub(crate) struct LocalIdentity {
+    pub(crate) name: String,
+    pub(crate) compat: u64,
+    pub(crate) host: Option<HostInfo>,
+    pub(crate) lane: Option<LaneInfo>,
+}
+
+/// The engine's answer to [`Cmd::LoadPeer`].
+#[derive(Debug)]
+pub(crate) struct LoadedPeer {
+    /// The new peer entry's token; `None` when the same metadata was loaded again and nothing
+    /// changed.
+    pub(crate) token: Option<u64>,
+    /// Whether the endpoint could be created (the peer stays loaded either way).
+    pub(crate) connected: Result<()>,
+}
+
+/// The sending side of the engine's command channel: any thread, any number of clones.
+#[derive(Clone)]
+pub(crate) struct Commands {
+    tx: mpsc::Sender<Cmd>,
+    waker: Arc<WorkerWaker>,
+    queued: Arc<AtomicUsize>,
+}
+
+impl Commands {
+    /// Queues a command and wakes the engine.
+    pub(crate) fn send(&self, c: Cmd) -> Result<()> {
+        self.queued.fetch_add(1, Ordering::AcqRel);
+        if self.tx.send(c).is_err() {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+            return Err(Error::Shutdown);
+        }
+        self.waker.wake();
+        Ok(())
+    }
+
+    /// Sends a command and waits for its reply.
+    pub(crate) fn call<T>(&self, f: impl FnOnce(mpsc::SyncSender<Result<T>>) -> Cmd) -> Result<T> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.send(f(tx))?;
+        rx.recv().map_err(|_| Error::Shutdown)?
+    }
+
+    /// Hands a transfer to the engine; on error the job was dropped with the channel.
+    pub(crate) fn post(&self, job: Job) -> Result<()> {
+        self.send(Cmd::Post(Box::new(job)))
+    }
+
+    /// Asks the engine to stop posting a transfer.
+    pub(crate) fn cancel(&self, id: u64) {
+        let _ = self.send(Cmd::Cancel { id });
+    }
 }
 
 /// Memory types the last UCX context created in this process supports (UCX's CUDA support is
@@ -184,7 +224,7 @@ unsafe extern "C" fn on_am(
         // oversized message) is dropped rather than trusted.
         if raw::am_data_in_place(param)
             && !data.is_null()
-            && len <= 2 + crate::metadata::MAX_NAME + crate::notify::MAX_NOTIFICATION
+            && len <= kvxfer_proto::wire::notify::MAX_ENCODED
         {
             // SAFETY: UCX passes `len` readable bytes at `data` for the callback's duration.
             let v = unsafe { std::slice::from_raw_parts(data as *const u8, len) }.to_vec();
@@ -240,6 +280,8 @@ pub(crate) struct Engine {
     pub(super) peer_failure: bool,
     pub(super) rx: mpsc::Receiver<Cmd>,
     pub(super) queued: Arc<AtomicUsize>,
+    /// Where received notifications go.
+    channels: Channels,
     pub(super) regions: HashMap<u32, LocalReg>,
     pub(super) peers: HashMap<u64, Peer>,
     pub(super) names: HashMap<String, u64>,
@@ -262,9 +304,10 @@ impl Engine {
         name: &CStr,
         busy_poll: bool,
         peer_failure: bool,
-        rx: mpsc::Receiver<Cmd>,
-        queued: Arc<AtomicUsize>,
-    ) -> Result<(Engine, WorkerWaker)> {
+        channels: Channels,
+    ) -> Result<(Engine, Commands)> {
+        let (tx, rx) = mpsc::channel();
+        let queued = Arc::new(AtomicUsize::new(0));
         let ctx = raw::context_new(settings, name).map_err(|(op, status)| {
             log::error!("UCX context with settings {settings:?}: {op}: {status}");
             Error::Ucx {
@@ -317,7 +360,8 @@ impl Engine {
                 busy_poll,
                 peer_failure,
                 rx,
-                queued,
+                queued: queued.clone(),
+                channels,
                 regions: HashMap::new(),
                 peers: HashMap::new(),
                 names: HashMap::new(),
@@ -326,12 +370,16 @@ impl Engine {
                 closing: Vec::new(),
                 worker_addr,
             },
-            WorkerWaker { worker: slot },
+            Commands {
+                tx,
+                waker: Arc::new(WorkerWaker { worker: slot }),
+                queued,
+            },
         ))
     }
 
     /// The progress loop; returns after `Shutdown` (or when every API handle is gone).
-    pub(crate) fn run(mut self, shared: Weak<Shared>) {
+    pub(crate) fn run(mut self) {
         let mut shutdown = false;
         while !shutdown {
             let mut busy = false;
@@ -341,7 +389,7 @@ impl Engine {
                     Ok(cmd) => {
                         self.queued.fetch_sub(1, Ordering::AcqRel);
                         busy = true;
-                        if self.command(cmd, &shared) {
+                        if self.command(cmd) {
                             shutdown = true;
                             break;
                         }
@@ -363,7 +411,7 @@ impl Engine {
                 }
                 busy = true;
             }
-            busy |= self.handle_events(&shared);
+            busy |= self.handle_events();
             self.reap_closing();
             // 4. Deadlines.
             let next_deadline = self.check_deadlines();
@@ -402,34 +450,23 @@ impl Engine {
     }
 
     /// Handles one command; true for shutdown.
-    fn command(&mut self, cmd: Cmd, shared: &Weak<Shared>) -> bool {
+    fn command(&mut self, cmd: Cmd) -> bool {
         match cmd {
             Cmd::Register { region, reply } => {
-                let _ = reply.send(self.register(region, shared));
+                let _ = reply.send(self.register(region));
             }
             Cmd::Deregister { region, reply } => {
-                let _ = reply.send(self.deregister(&region, shared));
+                let _ = reply.send(self.deregister(&region));
             }
-            Cmd::Metadata { reply } => {
-                let _ = reply.send(Ok(self.metadata(shared)));
+            Cmd::Metadata { local, reply } => {
+                let _ = reply.send(Ok(self.metadata(local)));
             }
-            Cmd::LoadPeer {
-                meta,
-                lanes,
-                sum,
-                reply,
-            } => {
-                let _ = reply.send(self.load_peer(meta, lanes, sum, shared));
+            Cmd::LoadPeer { meta, reply } => {
+                let _ = reply.send(Ok(self.load_peer(meta)));
             }
             Cmd::RemovePeer { name, reply } => {
                 let r = match self.names.remove(&name) {
                     Some(t) => {
-                        if let Some(s) = shared.upgrade() {
-                            s.peers
-                                .write()
-                                .unwrap_or_else(|e| e.into_inner())
-                                .remove(&name);
-                        }
                         self.retire(t);
                         Ok(())
                     }
@@ -438,28 +475,7 @@ impl Engine {
                 let _ = reply.send(r);
             }
             Cmd::PeerInfo { name, reply } => {
-                let r = match self.names.get(&name).copied() {
-                    None => Err(Error::UnknownPeer { agent: name }),
-                    Some(t) => {
-                        let connected = self.ensure_ep(t);
-                        let p = self.peers.get_mut(&t).expect("token from names");
-                        if let Some(ep) = p.ep {
-                            // Lanes are final only after wireup: query now, not at connect.
-                            // SAFETY: ep is live on this thread.
-                            let info = unsafe { raw::ep_info(ep) };
-                            log::debug!("kvxfer: endpoint to {:?}:\n{info}", p.name);
-                            p.transports = parse_transports(&info);
-                        }
-                        Ok(PeerInfo {
-                            name: p.name.clone(),
-                            regions: p.meta.regions.len(),
-                            transports: p.transports.clone(),
-                            failed: connected.err().map(|e| e.to_string()),
-                            gpu_path: None,
-                        })
-                    }
-                };
-                let _ = reply.send(r);
+                let _ = reply.send(self.peer_info(name));
             }
             Cmd::Post(job) => self.start(job),
             Cmd::Cancel { id } => {
@@ -472,7 +488,7 @@ impl Engine {
         false
     }
 
-    fn register(&mut self, region: Arc<RegionInner>, shared: &Weak<Shared>) -> Result<()> {
+    fn register(&mut self, region: Arc<RegionInner>) -> Result<()> {
         // Staged device memory gets no UCX handle and no remote key: kvxfer's lane moves it.
         let (memh, rkey) = if region.ucx_mapped {
             let (m, k) = self.map(&region)?;
@@ -481,12 +497,6 @@ impl Engine {
             (None, Vec::new())
         };
         region.registered.store(true, Ordering::Release);
-        if let Some(s) = shared.upgrade() {
-            s.regions
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(region.id.0, region.clone());
-        }
         self.regions
             .insert(region.id.0, LocalReg { memh, rkey, region });
         Ok(())
@@ -501,7 +511,7 @@ impl Engine {
                 self.ctx,
                 region.addr as *mut u8,
                 region.len as usize,
-                region.kind != crate::memory::MemKind::Host,
+                region.kind != MemKind::Host,
             )
         }
         .map_err(|status| Error::Ucx {
@@ -522,32 +532,15 @@ impl Engine {
         }
     }
 
-    fn deregister(&mut self, region: &Arc<RegionInner>, shared: &Weak<Shared>) -> Result<()> {
+    fn deregister(&mut self, region: &Arc<RegionInner>) -> Result<()> {
         let id = region.id.0;
-        // Dekker-style handshake with the lanes' servers, which raise `inflight` and then
-        // check `registered`: clear `registered` first, then look at `inflight` (both SeqCst),
-        // so that either the server sees the region gone or this sees it in use.
-        if !region.registered.swap(false, Ordering::SeqCst) {
-            return Err(Error::Deregistered { region: id });
-        }
-        let inflight = region.inflight.load(Ordering::SeqCst);
-        if inflight > 0 {
-            region.registered.store(true, Ordering::SeqCst);
-            return Err(Error::Busy {
-                region: id,
-                inflight,
-            });
-        }
+        // The handshake with every pin (lanes and transfers): either they see the region
+        // gone, or this sees it in use.
+        region.retire()?;
         let reg = self
             .regions
             .remove(&id)
             .ok_or(Error::Deregistered { region: id })?;
-        if let Some(s) = shared.upgrade() {
-            s.regions
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&id);
-        }
         match reg.memh {
             // SAFETY: memh came from mem_map on ctx; no transfer uses it (inflight == 0, and
             // new posts check `registered` on this thread); unmapped once (removed from the
@@ -560,11 +553,13 @@ impl Engine {
         }
     }
 
-    fn metadata(&self, shared: &Weak<Shared>) -> Vec<u8> {
-        let (name, compat, host, lane) = match shared.upgrade() {
-            Some(s) => (s.name.clone(), s.compat, s.host, s.lane.get().copied()),
-            None => (String::from("?"), 0, None, None),
-        };
+    fn metadata(&self, local: LocalIdentity) -> Vec<u8> {
+        let LocalIdentity {
+            name,
+            compat,
+            host,
+            lane,
+        } = local;
         let mut ids: Vec<&u32> = self.regions.keys().collect();
         ids.sort_unstable();
         Metadata {
@@ -591,7 +586,7 @@ impl Engine {
         .encode()
     }
 
-    pub(super) fn handle_events(&mut self, shared: &Weak<Shared>) -> bool {
+    pub(super) fn handle_events(&mut self) -> bool {
         let events = EVENTS.with(|v| std::mem::take(&mut *v.borrow_mut()));
         if events.is_empty() {
             return false;
@@ -608,12 +603,8 @@ impl Engine {
                     // is closed; they are reported through their flush callbacks.
                     self.close_peer(peer, true);
                 }
-                Event::Notify(bytes) => match crate::notify::decode(&bytes) {
-                    Some(n) => {
-                        if let Some(s) = shared.upgrade() {
-                            s.deliver(n);
-                        }
-                    }
+                Event::Notify(bytes) => match kvxfer_proto::wire::notify::decode(&bytes) {
+                    Some(n) => self.channels.deliver(n),
                     None => log::warn!(
                         "kvxfer: malformed notification ({} bytes) dropped",
                         bytes.len()
@@ -628,8 +619,7 @@ impl Engine {
         // Fail what is still queued, let posted operations finish or be cancelled.
         while let Ok(cmd) = self.rx.try_recv() {
             if let Cmd::Post(job) = cmd {
-                release(&job);
-                job.state.complete(Err(Error::Shutdown));
+                job.finish(Err(Error::Shutdown));
             }
         }
         for a in self.active.values_mut() {
@@ -641,7 +631,7 @@ impl Engine {
             self.post_batches();
             // SAFETY: worker live, engine thread.
             unsafe { raw::worker_progress(self.worker) };
-            self.handle_events(&Weak::new());
+            self.handle_events();
         }
         for t in &tokens {
             self.close_peer(*t, !self.active.is_empty());
@@ -650,12 +640,12 @@ impl Engine {
         while (!self.closing.is_empty() || !self.active.is_empty()) && Instant::now() < end {
             // SAFETY: worker live, engine thread.
             unsafe { raw::worker_progress(self.worker) };
-            self.handle_events(&Weak::new());
+            self.handle_events();
             self.reap_closing();
         }
         for (_, a) in self.active.drain() {
             // Buffers stay pinned (leaked) rather than freed under UCX.
-            std::mem::forget(a.job.regions.clone());
+            a.job.pins.leak();
             a.job.state.complete(Err(Error::Shutdown));
         }
         for (_, r) in self.regions.drain() {

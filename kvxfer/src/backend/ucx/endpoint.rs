@@ -2,35 +2,31 @@
 //! peers once their transfers finish, and closing endpoints (forcibly on failure).
 
 use std::ffi::c_void;
-use std::sync::{Arc, Weak};
 
-use super::driver::{on_ep_error, Engine, Peer, Phase};
+use super::driver::{on_ep_error, Engine, LoadedPeer, Peer, Phase};
 use super::raw::{self, Posted};
 use super::transfer::post_flush;
-use crate::agent::{PeerView, Shared};
-use crate::descriptor::RegionSpan;
-use crate::error::{Error, Result, UcsStatus};
-use crate::metadata::{Metadata, RegionMeta};
+use kvxfer_proto::error::{Error, Result, UcsStatus};
+use kvxfer_proto::types::PeerInfo;
+use kvxfer_proto::wire::metadata::Metadata;
 
 impl Engine {
-    pub(super) fn load_peer(
-        &mut self,
-        meta: Metadata,
-        lanes: crate::lane::PeerLanes,
-        sum: u64,
-        shared: &Weak<Shared>,
-    ) -> Result<()> {
+    /// Loads a peer's metadata: a new entry (the old one of the same name retired), or
+    /// nothing when the same peer handshakes again. Connects now, so that errors in the address
+    /// show up at load time.
+    pub(super) fn load_peer(&mut self, meta: Metadata) -> LoadedPeer {
         if let Some(&t) = self.names.get(&meta.name) {
             let p = &self.peers[&t];
             if p.meta == meta && p.failed.is_none() {
-                return Ok(()); // The same peer handshaking again.
+                return LoadedPeer {
+                    token: None,
+                    connected: Ok(()),
+                };
             }
             self.retire(t);
         }
         let token = self.next_token;
         self.next_token += 1;
-        let spans: Vec<RegionSpan> = meta.regions.iter().map(RegionMeta::span).collect();
-        let unmapped: Vec<bool> = meta.regions.iter().map(|r| r.rkey.is_empty()).collect();
         let name = meta.name.clone();
         self.peers.insert(
             token,
@@ -45,21 +41,36 @@ impl Engine {
                 retired: false,
             },
         );
-        self.names.insert(name.clone(), token);
-        if let Some(s) = shared.upgrade() {
-            s.peers.write().unwrap_or_else(|e| e.into_inner()).insert(
-                name,
-                Arc::new(PeerView {
-                    token,
-                    spans,
-                    lanes,
-                    unmapped,
-                    meta_sum: sum,
-                }),
-            );
+        self.names.insert(name, token);
+        LoadedPeer {
+            token: Some(token),
+            connected: self.ensure_ep(token),
         }
-        // Connect now so that errors in the address show up at load time.
-        self.ensure_ep(token)
+    }
+
+    /// What the engine knows of a peer; connects if not connected yet. The transports are
+    /// queried now: UCX's lanes are final only after wireup.
+    pub(super) fn peer_info(&mut self, name: String) -> Result<PeerInfo> {
+        let Some(t) = self.names.get(&name).copied() else {
+            return Err(Error::UnknownPeer { agent: name });
+        };
+        let connected = self.ensure_ep(t);
+        let Some(p) = self.peers.get_mut(&t) else {
+            return Err(Error::UnknownPeer { agent: name });
+        };
+        if let Some(ep) = p.ep {
+            // SAFETY: ep is live on this thread.
+            let info = unsafe { raw::ep_info(ep) };
+            log::debug!("kvxfer: endpoint to {:?}:\n{info}", p.name);
+            p.transports = parse_transports(&info);
+        }
+        Ok(PeerInfo {
+            name: p.name.clone(),
+            regions: p.meta.regions.len(),
+            transports: p.transports.clone(),
+            failed: connected.err().map(|e| e.to_string()),
+            gpu_path: None,
+        })
     }
 
     /// Creates the endpoint and unpacks the rkeys if not done yet.
@@ -112,7 +123,7 @@ impl Engine {
                     }
                     return Err(Error::Metadata {
                         source_desc: format!("agent {:?}", p.name),
-                        err: crate::error::MetadataError::Invalid {
+                        err: kvxfer_proto::error::MetadataError::Invalid {
                             field: "rkey",
                             why: format!("region {}: ucp_ep_rkey_unpack: {status}", r.id.0),
                         },

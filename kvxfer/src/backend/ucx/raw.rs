@@ -10,7 +10,7 @@ use std::ptr::{self, NonNull};
 
 use kvxfer_sys as sys;
 
-use crate::error::UcsStatus;
+use kvxfer_proto::error::UcsStatus;
 
 pub(crate) use sys::{ucp_context_h, ucp_ep_h, ucp_mem_h, ucp_rkey_h, ucp_worker_h};
 
@@ -38,7 +38,7 @@ pub(crate) enum Posted {
 }
 
 fn st(s: sys::ucs_status_t) -> UcsStatus {
-    UcsStatus(s.0)
+    status(s.0)
 }
 
 fn check(s: sys::ucs_status_t) -> Result<(), UcsStatus> {
@@ -57,16 +57,20 @@ fn posted(p: sys::ucs_status_ptr_t) -> Result<Posted, UcsStatus> {
     }
 }
 
-/// `ucs_status_string`.
-pub(crate) fn status_string(s: UcsStatus) -> String {
+/// The status `code` with UCX's text for it (`ucs_status_string`).
+pub(crate) fn status(code: i8) -> UcsStatus {
     // SAFETY: ucs_status_string accepts any value and returns a static NUL-terminated string
     // ("Unknown error" for unknown codes).
-    let p = unsafe { sys::ucs_status_string(sys::ucs_status_t(s.0)) };
+    let p = unsafe { sys::ucs_status_string(sys::ucs_status_t(code)) };
     if p.is_null() {
-        return format!("status {}", s.0);
+        return UcsStatus::new(code, "unknown UCX status");
     }
-    // SAFETY: p is non-null and points to a static C string owned by UCX.
-    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    // SAFETY: p is non-null and points to a C string in UCX's static data, which stays mapped
+    // for the life of the process (libucs is never unloaded).
+    let text = unsafe { CStr::from_ptr(p) }
+        .to_str()
+        .unwrap_or("unknown UCX status");
+    UcsStatus::new(code, text)
 }
 
 /// `ucp_get_version_string`: the UCX library loaded at run time.
@@ -111,7 +115,7 @@ pub(crate) fn context_new(
             (Ok(a), Ok(b)) => (a, b),
             _ => {
                 release(cfg);
-                return Err((format!("ucp_config_modify({k})"), UcsStatus(-5)));
+                return Err((format!("ucp_config_modify({k})"), status(-5)));
             }
         };
         // SAFETY: cfg is live; ck/cv are NUL-terminated and outlive the call (UCX copies).
@@ -221,7 +225,7 @@ pub(crate) unsafe fn worker_address(w: ucp_worker_h) -> Result<Vec<u8>, UcsStatu
     // SAFETY: w live (caller); attr initialised for field_mask.
     check(unsafe { sys::ucp_worker_query(w, &mut attr) })?;
     if attr.address.is_null() || attr.address_length == 0 {
-        return Err(UcsStatus(-6));
+        return Err(status(-6));
     }
     // SAFETY: UCX returned address_length valid bytes at address.
     let v = unsafe { std::slice::from_raw_parts(attr.address as *const u8, attr.address_length) }

@@ -2,22 +2,19 @@
 //! send the notification, complete the caller's handle; deadlines tear down the endpoint.
 
 use std::ffi::c_void;
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::driver::{
-    on_send_done, push_event, Active, Engine, Event, Job, Phase, AM_NOTIFY, POST_BATCH,
+    on_send_done, push_event, Active, Engine, Event, Phase, AM_NOTIFY, POST_BATCH,
 };
 use super::raw::{self, Posted};
-use crate::error::{Error, UcsStatus};
-use crate::transfer::{XferOp, XferStats};
+use crate::transfer::Job;
+use kvxfer_proto::error::{Error, UcsStatus};
+use kvxfer_proto::types::{Lane, XferOp};
 
 impl Engine {
     pub(super) fn start(&mut self, job: Box<Job>) {
-        let fail = |job: Box<Job>, e: Error| {
-            release(&job);
-            job.state.complete(Err(e));
-        };
+        let fail = |job: Box<Job>, e: Error| job.finish(Err(e));
         let token = match self.names.get(&job.peer) {
             Some(&t) => t,
             None => {
@@ -35,7 +32,7 @@ impl Engine {
             };
             return fail(job, e);
         }
-        for r in &job.regions {
+        for r in job.pins.regions() {
             if !self.regions.contains_key(&r.id.0) {
                 let e = Error::Deregistered { region: r.id.0 };
                 return fail(job, e);
@@ -86,7 +83,7 @@ impl Engine {
             let Some(ep) = p.ep else {
                 a.error.get_or_insert(Error::PeerFailed {
                     agent: p.name.clone(),
-                    status: p.failed.unwrap_or(UcsStatus(-25)),
+                    status: p.failed.unwrap_or(raw::status(-25)),
                 });
                 // close_peer moves every posting transfer of the peer to its flush before it
                 // closes the endpoint, so a posting transfer without one has posted nothing:
@@ -182,7 +179,7 @@ impl Engine {
                 a.job.peer
             );
             if let Some(p) = self.peers.get_mut(&token) {
-                p.failed = Some(UcsStatus(-20)); // UCS_ERR_TIMED_OUT
+                p.failed = Some(raw::status(-20)); // UCS_ERR_TIMED_OUT
             }
             self.close_peer(token, true);
         }
@@ -211,14 +208,7 @@ pub(super) fn post_flush(a: &mut Active, id: u64, ep: raw::ucp_ep_h) {
 /// Statuses that mean the peer or the path to it is gone (UCS_ERR_UNREACHABLE,
 /// UCS_ERR_CONNECTION_RESET, UCS_ERR_ENDPOINT_TIMEOUT).
 fn is_peer_failure(s: UcsStatus) -> bool {
-    matches!(s.0, -6 | -25 | -80)
-}
-
-/// Drops a job's pins on its local regions.
-pub(super) fn release(job: &Job) {
-    for r in &job.regions {
-        r.inflight.fetch_sub(1, Ordering::AcqRel);
-    }
+    matches!(s.code(), -6 | -25 | -80)
 }
 
 impl Engine {
@@ -257,7 +247,6 @@ impl Engine {
 
     pub(super) fn finish(&mut self, a: Active, status: UcsStatus) {
         let job = a.job;
-        release(&job);
         let token = job.token;
         let peer_failed = self.peers.get(&token).and_then(|p| p.failed);
         let result = if let Some(e) = a.error {
@@ -274,18 +263,9 @@ impl Engine {
             s.duration = job.started.elapsed();
             Ok(s)
         } else {
-            Ok(XferStats {
-                peer: job.peer.clone(),
-                op: job.op,
-                bytes: job.plan.bytes,
-                descs: job.plan.descs,
-                ops: job.plan.ops.len(),
-                post_time: a.posted_at.unwrap_or_default(),
-                duration: job.started.elapsed(),
-                lane: crate::lane::Lane::Ucx,
-            })
+            Ok(job.stats(Lane::Ucx, a.posted_at.unwrap_or_default()))
         };
-        job.state.complete(result);
+        job.finish(result);
         if let Some(p) = self.peers.get_mut(&token) {
             p.jobs = p.jobs.saturating_sub(1);
             if p.retired && p.jobs == 0 {

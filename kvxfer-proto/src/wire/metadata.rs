@@ -20,11 +20,10 @@
 //! it reads anything else, every length against a limit and the bytes left, region ids for
 //! uniqueness, `base + len` for overflow, and refuses trailing bytes. It never panics on any
 //! input (property- and fuzz-tested).
-#![forbid(unsafe_code)]
 
-use crate::descriptor::{RegionId, RegionSpan};
 use crate::error::MetadataError;
-use crate::memory::MemKind;
+pub use crate::types::{HostInfo, LaneInfo, ShmHandle};
+use crate::types::{MemKind, RegionId, RegionSpan};
 
 /// Wire version this build speaks.
 pub const WIRE_VERSION: u16 = 2;
@@ -56,38 +55,6 @@ pub struct RegionMeta {
     pub rkey: Vec<u8>,
     /// A same-host peer can map the region through this handle.
     pub shm: Option<ShmHandle>,
-}
-
-/// How a process on the same host opens a memfd-backed region: `/proc/<pid>/fd/<fd>`, checked
-/// against the file's device and inode so that a reused descriptor number is never mapped.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ShmHandle {
-    /// The descriptor number in the owner process.
-    pub fd: u32,
-    /// `st_dev` of the file.
-    pub dev: u64,
-    /// `st_ino` of the file.
-    pub ino: u64,
-}
-
-/// Which host and process an agent runs in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct HostInfo {
-    /// `/proc/sys/kernel/random/boot_id`: equal on one host, for one boot.
-    pub boot_id: [u8; 16],
-    /// Inode of the pid namespace (pids are only meaningful inside one).
-    pub pid_ns: u64,
-    /// The owner's pid.
-    pub pid: u32,
-}
-
-/// The agent's TCP stream lane: where to connect and what to present.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LaneInfo {
-    /// Listening address.
-    pub addr: std::net::SocketAddr,
-    /// Capability a peer presents in its hello (like an rkey: who has the metadata may write).
-    pub secret: [u8; 16],
 }
 
 impl RegionMeta {

@@ -1,6 +1,5 @@
 //! KV cache geometry: how many bytes a token's KV takes in a model, from presets or a Hugging
 //! Face `config.json`, and how a prompt maps to paged blocks. Pure: no I/O, no unsafe.
-#![forbid(unsafe_code)]
 
 use crate::error::{Error, Result};
 
@@ -190,9 +189,9 @@ pub enum KvPacking {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct LayerBase {
     /// K (or the fused tensor).
-    pub k: (crate::RegionId, u64),
+    pub k: (crate::types::RegionId, u64),
     /// V (`None` for a fused layout).
-    pub v: Option<(crate::RegionId, u64)>,
+    pub v: Option<(crate::types::RegionId, u64)>,
 }
 
 /// A paged KV cache's layout in registered memory: maps (layer, K|V, block, heads) to
@@ -223,7 +222,7 @@ impl KvLayout {
         num_blocks: u64,
         packing: KvPacking,
         order: KvOrder,
-        region: crate::RegionId,
+        region: crate::types::RegionId,
     ) -> KvLayout {
         let mut l = KvLayout {
             geometry,
@@ -288,7 +287,7 @@ impl KvLayout {
         let g = &self.geometry;
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         for x in [
-            u64::from(crate::metadata::WIRE_VERSION),
+            u64::from(crate::wire::metadata::WIRE_VERSION),
             g.layers,
             g.kv_heads,
             g.head_dim,
@@ -314,7 +313,7 @@ impl KvLayout {
         kv: Kv,
         block: u32,
         heads: std::ops::Range<u64>,
-        out: &mut Vec<crate::Desc>,
+        out: &mut Vec<crate::descriptor::Desc>,
     ) -> Result<()> {
         let g = &self.geometry;
         let base = self.layers.get(layer).ok_or_else(|| {
@@ -346,19 +345,19 @@ impl KvLayout {
         // Bytes of one head's elements for one token (K and V for a fused layout).
         let head_tok = bb / (self.block_tokens * g.kv_heads);
         if heads.start == 0 && heads.end == g.kv_heads {
-            out.push(crate::Desc::new(region, start, bb));
+            out.push(crate::descriptor::Desc::new(region, start, bb));
             return Ok(());
         }
         let nh = heads.end - heads.start;
         match self.order {
-            KvOrder::Hnd => out.push(crate::Desc::new(
+            KvOrder::Hnd => out.push(crate::descriptor::Desc::new(
                 region,
                 start + heads.start * self.block_tokens * head_tok,
                 nh * self.block_tokens * head_tok,
             )),
             KvOrder::Nhd => {
                 for t in 0..self.block_tokens {
-                    out.push(crate::Desc::new(
+                    out.push(crate::descriptor::Desc::new(
                         region,
                         start + (t * g.kv_heads + heads.start) * head_tok,
                         nh * head_tok,
@@ -377,7 +376,7 @@ impl KvLayout {
         blocks: &[u32],
         layers: std::ops::Range<usize>,
         heads: std::ops::Range<u64>,
-    ) -> Result<Vec<crate::Desc>> {
+    ) -> Result<Vec<crate::descriptor::Desc>> {
         let mut out = Vec::with_capacity(blocks.len() * layers.len() * 2);
         let kvs: &[Kv] = match self.packing {
             KvPacking::Separate => &[Kv::K, Kv::V],
@@ -428,7 +427,7 @@ mod tests {
             200,
             packing,
             order,
-            crate::RegionId(3),
+            crate::types::RegionId(3),
         )
     }
 
@@ -491,7 +490,7 @@ mod tests {
                 g, bt, nb,
                 if fused { KvPacking::Fused } else { KvPacking::Separate },
                 if hnd { KvOrder::Hnd } else { KvOrder::Nhd },
-                crate::RegionId(0),
+                crate::types::RegionId(0),
             );
             let blocks: Vec<u32> = sel.iter().map(|b| b % nb as u32).collect();
             let h0 = h0 % heads;

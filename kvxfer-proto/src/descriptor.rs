@@ -4,14 +4,9 @@
 //! Pure: no I/O, no UCX. The agent resolves a list once against its own (or a peer's) region
 //! table into a [`Resolved`] list of absolute addresses, and builds transfers from index
 //! selections of two resolved lists with [`plan`], NIXL's `prepXferDlist` / `makeXferReq` model.
-#![forbid(unsafe_code)]
 
 use crate::error::{Error, Result, Side};
-use crate::memory::MemKind;
-
-/// Identifies a registered region within one agent. Carried in metadata.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RegionId(pub u32);
+pub use crate::types::{RegionId, RegionSpan};
 
 /// One contiguous piece of registered memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,19 +28,6 @@ impl Desc {
             len,
         }
     }
-}
-
-/// What the bounds check needs to know of a region.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RegionSpan {
-    /// Its id.
-    pub id: RegionId,
-    /// Base address (in the owner's address space).
-    pub base: u64,
-    /// Length in bytes.
-    pub len: u64,
-    /// Host or device memory.
-    pub kind: MemKind,
 }
 
 /// A descriptor resolved to an absolute address, with the index of its region in the table it
@@ -216,6 +198,7 @@ fn split(ops: &[Op], max_op: u64) -> Vec<Op> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::types::MemKind;
     use proptest::prelude::*;
 
     fn table() -> Vec<RegionSpan> {

@@ -1,7 +1,6 @@
 //! Deployment planning: from a model's KV geometry, a prompt length, a concurrency and a link,
 //! the bytes a handoff moves, how long it takes, the host memory workers need, and whether
 //! disaggregation can pay off at all. Pure arithmetic; `kvxfer-bench plan` prints it.
-#![forbid(unsafe_code)]
 
 use crate::layout::KvGeometry;
 
@@ -105,8 +104,8 @@ pub fn plan(i: &PlanInput) -> Plan {
             "give --prefill-tokens-per-s to compare the handoff with prefill time".to_string(),
         ),
     }
-    let gpu_staging_bytes = (crate::staging::DEFAULT_STAGING_CHUNKS
-        * crate::staging::DEFAULT_STAGING_CHUNK_BYTES) as u64;
+    let gpu_staging_bytes =
+        (crate::types::DEFAULT_STAGING_CHUNKS * crate::types::DEFAULT_STAGING_CHUNK_BYTES) as u64;
     notes.push(format!(
         "KV in GPU memory: the staged path holds {} MiB of pinned host chunks per worker at any \
          concurrency, the direct path none; a host mirror of the KV (NixlConnector's \

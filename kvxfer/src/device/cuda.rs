@@ -9,7 +9,7 @@
 //! - **staged**: [`CudaCopyEngine`] copies between VRAM and pinned host chunks on a CUDA stream,
 //!   pipelined with kvxfer's TCP lane (see [`crate::staging`]).
 
-use crate::error::{Error, Result};
+use kvxfer_proto::error::{Error, Result};
 
 /// The cudarc kvxfer is built with, for allocating device buffers of the same version
 /// (`kvxfer::cuda::cudarc::driver::CudaContext`); a `CudaSlice<u8>` registers with
@@ -120,7 +120,7 @@ impl Drop for CudaQueue {
     }
 }
 
-impl crate::staging::CopyQueue for CudaQueue {
+impl crate::device::copy::CopyQueue for CudaQueue {
     unsafe fn to_host(&mut self, src: u64, dst: *mut u8, len: usize) -> Result<()> {
         self.ctx
             .bind_to_thread()
@@ -149,7 +149,7 @@ impl crate::staging::CopyQueue for CudaQueue {
     }
 }
 
-impl crate::staging::CopyEngine for CudaCopyEngine {
+impl crate::device::copy::CopyEngine for CudaCopyEngine {
     fn name(&self) -> &'static str {
         "cuda"
     }
@@ -162,7 +162,7 @@ impl crate::staging::CopyEngine for CudaCopyEngine {
         true
     }
 
-    fn queue(&self, device: u32) -> Result<Box<dyn crate::staging::CopyQueue>> {
+    fn queue(&self, device: u32) -> Result<Box<dyn crate::device::copy::CopyQueue>> {
         let ctx = self.ctx(device)?;
         let idle = self
             .streams

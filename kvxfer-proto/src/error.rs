@@ -3,40 +3,69 @@
 use std::fmt;
 use std::time::Duration;
 
-/// A UCX status code (`ucs_status_t`), kept lossless: an unknown value from C is carried as is.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct UcsStatus(pub i8);
+/// A UCX status code (`ucs_status_t`), kept lossless: an unknown value from C is carried as is,
+/// with UCX's own text for it (`ucs_status_string`), filled in where the status is created.
+/// Two statuses are equal when their codes are.
+#[derive(Clone, Copy)]
+pub struct UcsStatus {
+    code: i8,
+    text: &'static str,
+}
 
 impl UcsStatus {
     /// `UCS_OK`.
-    pub const OK: UcsStatus = UcsStatus(0);
+    pub const OK: UcsStatus = UcsStatus::new(0, "Success");
     /// `UCS_INPROGRESS`.
-    pub const INPROGRESS: UcsStatus = UcsStatus(1);
+    pub const INPROGRESS: UcsStatus = UcsStatus::new(1, "Operation in progress");
     /// `UCS_ERR_CANCELED`.
-    pub const CANCELED: UcsStatus = UcsStatus(-16);
+    pub const CANCELED: UcsStatus = UcsStatus::new(-16, "Operation canceled");
     /// `UCS_ERR_BUSY`.
-    pub const BUSY: UcsStatus = UcsStatus(-15);
+    pub const BUSY: UcsStatus = UcsStatus::new(-15, "Busy");
+
+    /// A status with its text (the UCX backend passes `ucs_status_string`'s).
+    pub const fn new(code: i8, text: &'static str) -> UcsStatus {
+        UcsStatus { code, text }
+    }
+
+    /// The `ucs_status_t` value.
+    pub fn code(self) -> i8 {
+        self.code
+    }
 
     /// True for `UCS_OK`.
     pub fn is_ok(self) -> bool {
-        self.0 == 0
+        self.code == 0
     }
 
     /// UCX's own text for this status (`ucs_status_string`).
-    pub fn message(self) -> String {
-        crate::backend::ucx::raw::status_string(self)
+    pub fn message(self) -> &'static str {
+        self.text
+    }
+}
+
+impl PartialEq for UcsStatus {
+    fn eq(&self, other: &Self) -> bool {
+        self.code == other.code
+    }
+}
+
+impl Eq for UcsStatus {}
+
+impl std::hash::Hash for UcsStatus {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.code.hash(h)
     }
 }
 
 impl fmt::Debug for UcsStatus {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "UcsStatus({}: {})", self.0, self.message())
+        write!(f, "UcsStatus({}: {})", self.code, self.text)
     }
 }
 
 impl fmt::Display for UcsStatus {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} ({})", self.message(), self.0)
+        write!(f, "{} ({})", self.text, self.code)
     }
 }
 
@@ -323,7 +352,8 @@ pub enum Error {
 }
 
 impl Error {
-    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+    /// An I/O error with what was being done.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io {
             context: context.into(),
             source,

@@ -1,0 +1,18 @@
+//! kvxfer's pure core: the vocabulary, the errors, descriptor resolution and planning, KV
+//! layout math, the block lifecycle, link planning, and every wire codec. No I/O beyond
+//! reading a frame from a byte stream, no clock of its own (callers pass `now`), no UCX, no
+//! unsafe code: it builds and tests anywhere (`cargo test -p kvxfer-proto`), and the fuzz
+//! targets depend on it alone.
+//!
+//! The `kvxfer` crate re-exports these modules under their old paths (`kvxfer::descriptor`,
+//! `kvxfer::layout`, ...), so users name them as before.
+#![forbid(unsafe_code)]
+#![warn(missing_docs, unreachable_pub)]
+
+pub mod descriptor;
+pub mod error;
+pub mod layout;
+pub mod lifecycle;
+pub mod planning;
+pub mod types;
+pub mod wire;

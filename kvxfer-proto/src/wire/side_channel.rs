@@ -1,0 +1,136 @@
+//! The side channel's frames and its authentication proofs.
+//!
+//! Frames are `u32 length (LE) | u8 kind | payload`, at most [`MAX_FRAME`] bytes, where the
+//! length counts the kind byte and the payload. With a shared secret both sides prove they
+//! know it before any metadata moves:
+//!
+//! ```text
+//! client: AUTH1(nonce_c)
+//! server: AUTH2(nonce_s | HMAC-SHA256(secret, "kvxfer server" | nonce_c | nonce_s))
+//! client: checks it; HELLO(HMAC-SHA256(secret, "kvxfer client" | nonce_s | nonce_c) | metadata)
+//! server: checks it; META(metadata)
+//! ```
+
+use std::io::Read;
+
+use crate::error::{Error, Result};
+use crate::wire::metadata;
+
+/// Largest side-channel frame (the kind byte and the largest metadata).
+pub const MAX_FRAME: usize = metadata::MAX_ENCODED + 1;
+/// Bytes of a frame's length field.
+pub const LEN_BYTES: usize = 4;
+/// Bytes before a frame's payload: the length and the kind.
+pub const FRAME_HEADER_LEN: usize = LEN_BYTES + 1;
+/// The client's metadata (after its proof, with a secret).
+pub const HELLO: u8 = 1;
+/// The listener's metadata.
+pub const META: u8 = 2;
+/// A refusal, with its reason as text.
+pub const ERROR: u8 = 3;
+/// The client's nonce.
+pub const AUTH1: u8 = 4;
+/// The listener's nonce and proof.
+pub const AUTH2: u8 = 5;
+/// Bytes of a nonce.
+pub const NONCE: usize = 32;
+/// Bytes of a proof (HMAC-SHA256).
+pub const MAC: usize = 32;
+/// The role string of the listener's proof.
+pub const ROLE_SERVER: &[u8] = b"kvxfer server";
+/// The role string of the client's proof.
+pub const ROLE_CLIENT: &[u8] = b"kvxfer client";
+
+/// The frame's bytes.
+pub fn encode_frame(kind: u8, payload: &[u8]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(FRAME_HEADER_LEN + payload.len());
+    b.extend_from_slice(&((payload.len() + 1) as u32).to_le_bytes());
+    b.push(kind);
+    b.extend_from_slice(payload);
+    b
+}
+
+/// Reads one side-channel frame from any byte stream; refuses empty and oversized frames
+/// before allocating.
+pub fn read_frame<R: Read>(s: &mut R, who: &str) -> Result<(u8, Vec<u8>)> {
+    let mut h = [0u8; FRAME_HEADER_LEN];
+    s.read_exact(&mut h)
+        .map_err(|e| Error::io(format!("reading a frame header from {who}"), e))?;
+    let len = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
+    if len == 0 || len > MAX_FRAME {
+        return Err(Error::Protocol {
+            peer: who.to_string(),
+            why: format!("frame of {len} bytes (limit {MAX_FRAME})"),
+        });
+    }
+    let mut payload = vec![0u8; len - 1];
+    s.read_exact(&mut payload)
+        .map_err(|e| Error::io(format!("reading a {len}-byte frame from {who}"), e))?;
+    Ok((h[LEN_BYTES], payload))
+}
+
+/// The proof of `secret` for `role` over the two nonces.
+pub fn mac(secret: &[u8], role: &[u8], a: &[u8], b: &[u8]) -> [u8; MAC] {
+    use hmac::Mac;
+    let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(secret)
+        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+    m.update(role);
+    m.update(a);
+    m.update(b);
+    m.finalize().into_bytes().into()
+}
+
+/// Whether `got` is the proof of `secret` for `role` over the two nonces (constant time).
+pub fn mac_ok(secret: &[u8], role: &[u8], a: &[u8], b: &[u8], got: &[u8]) -> bool {
+    use hmac::Mac;
+    let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(secret)
+        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+    m.update(role);
+    m.update(a);
+    m.update(b);
+    m.verify_slice(got).is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn refuses_empty_and_oversized_frames() {
+        let mut empty: &[u8] = &[0, 0, 0, 0, HELLO];
+        assert!(matches!(
+            read_frame(&mut empty, "t"),
+            Err(Error::Protocol { .. })
+        ));
+        let big = ((MAX_FRAME + 1) as u32).to_le_bytes();
+        let mut b: &[u8] = &[big[0], big[1], big[2], big[3], HELLO];
+        assert!(matches!(
+            read_frame(&mut b, "t"),
+            Err(Error::Protocol { .. })
+        ));
+        let mut short: &[u8] = &[9, 0, 0, 0, HELLO, 1];
+        assert!(matches!(read_frame(&mut short, "t"), Err(Error::Io { .. })));
+    }
+
+    #[test]
+    fn proofs_depend_on_secret_role_and_order() {
+        let (a, b) = ([1u8; NONCE], [2u8; NONCE]);
+        let m = mac(b"s", ROLE_SERVER, &a, &b);
+        assert!(mac_ok(b"s", ROLE_SERVER, &a, &b, &m));
+        assert!(!mac_ok(b"t", ROLE_SERVER, &a, &b, &m));
+        assert!(!mac_ok(b"s", ROLE_CLIENT, &a, &b, &m));
+        assert!(!mac_ok(b"s", ROLE_SERVER, &b, &a, &m));
+        assert!(!mac_ok(b"s", ROLE_SERVER, &a, &b, &m[..MAC - 1]));
+    }
+
+    proptest! {
+        #[test]
+        fn frame_roundtrip(kind in any::<u8>(), payload in proptest::collection::vec(any::<u8>(), 0..2048)) {
+            let b = encode_frame(kind, &payload);
+            let mut r: &[u8] = &b;
+            prop_assert_eq!(read_frame(&mut r, "t").unwrap(), (kind, payload));
+            prop_assert!(r.is_empty());
+        }
+    }
+}

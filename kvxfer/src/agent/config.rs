@@ -1,0 +1,206 @@
+//! An agent's configuration, set once at [`Agent::new`](super::Agent::new).
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+
+use crate::budget::MemoryBudget;
+use crate::device::copy::CopyEngine;
+use kvxfer_proto::types::{
+    GpuPath, Transport, DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES,
+};
+use kvxfer_proto::wire::metadata::WIRE_VERSION;
+
+/// Compatibility hash used when no KV layout is given: the wire version alone.
+pub const DEFAULT_COMPAT: u64 = 0x6b76_7866_0000_0000 | WIRE_VERSION as u64;
+
+/// Configuration of an [`Agent`](super::Agent).
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    /// Unique name among the agents that talk to each other.
+    pub name: String,
+    /// Transports UCX may use.
+    pub transport: Transport,
+    /// `UCX_NET_DEVICES` (e.g. `"lo"`, `"eth0"`); `None` leaves UCX's default.
+    pub net_devices: Option<String>,
+    /// Compatibility hash peers must share (the connector derives it from the KV layout).
+    pub compat: u64,
+    /// Spin on `ucp_worker_progress` instead of sleeping on the worker's event fd.
+    pub busy_poll: bool,
+    /// Split operations longer than this (0: never).
+    pub max_op_bytes: u64,
+    /// Extra UCX settings (names without the `UCX_` prefix), applied last.
+    pub ucx: Vec<(String, String)>,
+    /// UCX peer-failure detection (`UCP_ERR_HANDLING_MODE_PEER`). UCX then refuses transports
+    /// that cannot detect a dead peer, which in UCX 1.13-1.22 excludes every shared-memory
+    /// transport (RMA falls back to emulation over TCP). Default (`None`): on, except for
+    /// [`Transport::Shm`]. A [`Transport::Custom`] list of shared-memory transports only
+    /// (e.g. `"posix,cma"`) must set `Some(false)` itself, or UCX finds no usable lane.
+    pub peer_failure: Option<bool>,
+    /// kvxfer's own lanes next to UCX (kvxfer's shm and TCP lanes): mapped shared memory towards a
+    /// peer on the same host with [`Transport::Shm`] and [`Transport::Auto`], and a zero-copy
+    /// TCP stream with [`Transport::Tcp`]. On by default; off forces every byte through UCX.
+    pub lanes: bool,
+    /// Threads that copy for the shared-memory lane (default: up to 4, one per core).
+    pub copy_threads: usize,
+    /// Address the TCP lane listens on and advertises. Default: 127.0.0.1 with
+    /// [`Transport::Shm`] (every peer is on this host); otherwise the first IPv4 address of
+    /// the first of `net_devices`, else of the first interface that is up and not loopback,
+    /// else 127.0.0.1.
+    pub lane_addr: Option<std::net::IpAddr>,
+    /// Memory the agent may allocate for itself (stream-lane request buffers, on both ends);
+    /// share it with the connector's to bound a worker as a whole. Default: unlimited.
+    pub budget: MemoryBudget,
+    /// A shared secret for the side channel: both ends must hold it, and prove it before any
+    /// metadata moves (HMAC-SHA256 challenge-response). `None`: open.
+    pub secret: Option<Vec<u8>>,
+    /// Strict transport: a peer connection whose UCX transports or kvxfer lane do not match
+    /// [`AgentConfig::transport`] fails with [`Error::TransportMismatch`](kvxfer_proto::error::Error::TransportMismatch) instead of falling
+    /// back silently (for example to TCP when shared memory was asked for).
+    pub strict: bool,
+    /// How device memory moves (forced or chosen per registration, see [`GpuPath`]).
+    pub gpu_path: GpuPath,
+    /// The device copy engine. Default: CUDA with the `cuda` feature, none without.
+    /// `kvxfer::staging::SimulatedDevice` stands in for a GPU on machines without one.
+    pub copy_engine: Option<Arc<dyn CopyEngine>>,
+    /// Staging for device memory on the staged path: chunk count (half for transfers this
+    /// agent starts, half for its peers') and chunk size. Allocated once, at the first
+    /// device registration that needs it, from [`AgentConfig::budget`].
+    pub staging: (usize, usize),
+}
+
+impl AgentConfig {
+    /// Defaults for an agent named `name`: any transport, event-driven progress.
+    pub fn new(name: impl Into<String>) -> Self {
+        AgentConfig {
+            name: name.into(),
+            transport: Transport::Auto,
+            net_devices: None,
+            compat: DEFAULT_COMPAT,
+            busy_poll: false,
+            max_op_bytes: 0,
+            ucx: Vec::new(),
+            peer_failure: None,
+            lanes: true,
+            copy_threads: std::thread::available_parallelism()
+                .map(|n| n.get().min(4))
+                .unwrap_or(2),
+            lane_addr: None,
+            budget: MemoryBudget::unlimited(),
+            secret: None,
+            strict: false,
+            gpu_path: GpuPath::Auto,
+            copy_engine: None,
+            staging: (DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES),
+        }
+    }
+
+    /// Requires peers to prove a shared secret on the side channel.
+    pub fn secret(mut self, s: impl Into<Vec<u8>>) -> Self {
+        self.secret = Some(s.into());
+        self
+    }
+
+    /// Strict transport mode.
+    pub fn strict(mut self, on: bool) -> Self {
+        self.strict = on;
+        self
+    }
+
+    /// UCX peer-failure detection: `Some(on)` forces it, `None` picks the default (see
+    /// [`AgentConfig::peer_failure`]).
+    pub fn peer_failure(mut self, on: Option<bool>) -> Self {
+        self.peer_failure = on;
+        self
+    }
+
+    /// Forces or frees the path of device memory.
+    pub fn gpu_path(mut self, p: GpuPath) -> Self {
+        self.gpu_path = p;
+        self
+    }
+
+    /// Sets the device copy engine.
+    pub fn copy_engine(mut self, e: Arc<dyn CopyEngine>) -> Self {
+        self.copy_engine = Some(e);
+        self
+    }
+
+    /// Sets the device staging: `chunks` chunks of `chunk_bytes`.
+    pub fn staging(mut self, chunks: usize, chunk_bytes: usize) -> Self {
+        self.staging = (chunks, chunk_bytes);
+        self
+    }
+
+    /// Sets the memory budget.
+    pub fn budget(mut self, b: MemoryBudget) -> Self {
+        self.budget = b;
+        self
+    }
+
+    /// Turns kvxfer's own lanes on or off (off: UCX moves every byte).
+    pub fn lanes(mut self, on: bool) -> Self {
+        self.lanes = on;
+        self
+    }
+
+    /// Sets the address of the TCP lane.
+    pub fn lane_addr(mut self, ip: std::net::IpAddr) -> Self {
+        self.lane_addr = Some(ip);
+        self
+    }
+
+    /// Sets the transport.
+    pub fn transport(mut self, t: Transport) -> Self {
+        self.transport = t;
+        self
+    }
+
+    /// Sets `UCX_NET_DEVICES`.
+    pub fn net_devices(mut self, d: impl Into<String>) -> Self {
+        self.net_devices = Some(d.into());
+        self
+    }
+
+    /// Sets the compatibility hash.
+    pub fn compat(mut self, h: u64) -> Self {
+        self.compat = h;
+        self
+    }
+
+    /// Busy-polls for the lowest latency (one core spins).
+    pub fn busy_poll(mut self, on: bool) -> Self {
+        self.busy_poll = on;
+        self
+    }
+
+    /// Adds a UCX setting.
+    pub fn ucx_setting(mut self, k: impl Into<String>, v: impl Into<String>) -> Self {
+        self.ucx.push((k.into(), v.into()));
+        self
+    }
+
+    pub(super) fn ucx_settings(&self) -> Vec<(String, String)> {
+        let mut v = vec![("TLS".to_string(), self.transport.ucx_tls())];
+        // kvxfer registers its regions explicitly; UCX's registration cache only serves
+        // implicit registrations, and its default limits are infinite (memory grows with
+        // every buffer UCX ever saw). Bounded here; `AgentConfig::ucx` overrides.
+        let ib = match &self.transport {
+            Transport::Auto => true,
+            Transport::Custom(l) => ["rc", "ud", "dc", "ib", "all"]
+                .iter()
+                .any(|t| l.split(',').any(|x| x.trim().starts_with(t))),
+            Transport::Tcp | Transport::Shm => false,
+        };
+        if ib {
+            // Only where IB transports may be used: UCX warns about settings no transport
+            // of the context consumed.
+            v.push(("?IB_RCACHE_MAX_SIZE".into(), "4G".into()));
+            v.push(("?IB_RCACHE_MAX_REGIONS".into(), "65536".into()));
+        }
+        if let Some(d) = &self.net_devices {
+            v.push(("NET_DEVICES".into(), d.clone()));
+        }
+        v.extend(self.ucx.iter().cloned());
+        v
+    }
+}

@@ -1,0 +1,663 @@
+//! The agent: one per worker process (or GPU rank). Owns a UCX context and worker, driven by
+//! one progress thread (the only thread that touches UCX); registered memory; the table of
+//! known peers; notifications.
+//!
+//! Order of calls: [`Agent::new`] → [`Agent::register`] → exchange metadata
+//! ([`Agent::listen`] / [`Agent::connect`], or [`Agent::metadata`] /
+//! [`Agent::load_remote_metadata`]) → [`Agent::prep_local`] / [`Agent::prep_remote`] once →
+//! [`Agent::transfer`] many times → [`Agent::deregister`] → drop.
+
+mod config;
+mod metrics;
+mod peers;
+mod route;
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+pub use config::{AgentConfig, DEFAULT_COMPAT};
+use peers::{gpu_path, load_decoded, remove_peer, PeerView};
+use route::{route, Route};
+
+use crate::backend::ucx::driver::{Cmd, Commands, Engine, LocalIdentity, MEMORY_TYPES};
+use crate::backend::ucx::raw;
+use crate::budget::MemoryBudget;
+use crate::discovery::{exchange, Listener, SideChannel};
+use crate::lane::shm::{Carrier, Copier};
+use crate::lane::tcp::server::Server;
+use crate::lane::{host_info, iface_addr, LaneCtx};
+use crate::memory::{Memory, Pins, Region, RegionInner, RegionTable};
+use crate::notify::{Channels, Inbox};
+use crate::staging::pool::StagingCell;
+use crate::transfer::{Canceller, Job, Transfer, XferState};
+use kvxfer_proto::descriptor::{self, Desc, Resolved};
+use kvxfer_proto::error::{Error, Result, Side};
+use kvxfer_proto::types::{
+    choose_gpu_path, GpuPath, HostInfo, LaneInfo, MemKind, PeerInfo, RegionId, RegionSpan,
+    Transport, XferOp,
+};
+use kvxfer_proto::wire::metadata::{Metadata, MAX_NAME};
+use kvxfer_proto::wire::notify::{encode, Notification, MAX_NOTIFICATION};
+
+/// The agent's state, shared with the threads it starts (side-channel listeners). Only the
+/// agent writes its tables: the region table after the engine's replies, the peer views after
+/// the engine loaded a peer.
+pub(crate) struct AgentState {
+    pub(crate) name: String,
+    pub(crate) compat: u64,
+    max_op: u64,
+    pub(crate) cmds: Commands,
+    pub(crate) regions: Arc<RegionTable>,
+    pub(crate) peers: RwLock<HashMap<String, Arc<PeerView>>>,
+    pub(crate) channels: Channels,
+    next_region: AtomicU32,
+    next_xfer: AtomicU64,
+    pub(crate) ucx_version: String,
+    pub(crate) host: Option<HostInfo>,
+    pub(crate) lane: OnceLock<LaneInfo>,
+    pub(crate) transport: Transport,
+    pub(crate) lanes_on: bool,
+    copier: Copier,
+    /// Serializes metadata loads, so that concurrent loads of one peer map its memory once.
+    pub(crate) load_lock: Mutex<()>,
+    pub(crate) budget: MemoryBudget,
+    pub(crate) secret: Option<Vec<u8>>,
+    gpu_path: GpuPath,
+    pub(crate) staging: Arc<StagingCell>,
+    canceller: Canceller,
+}
+
+impl AgentState {
+    /// This agent's part of its metadata.
+    fn identity(&self) -> LocalIdentity {
+        LocalIdentity {
+            name: self.name.clone(),
+            compat: self.compat,
+            host: self.host,
+            lane: self.lane.get().copied(),
+        }
+    }
+
+    /// This agent's metadata, encoded for a peer.
+    pub(crate) fn metadata(&self) -> Result<Vec<u8>> {
+        self.cmds.call(|reply| Cmd::Metadata {
+            local: self.identity(),
+            reply,
+        })
+    }
+
+    /// The side channel's view of this agent.
+    fn side_channel(self: &Arc<Self>) -> Arc<SideChannel> {
+        let (a, b) = (self.clone(), self.clone());
+        Arc::new(SideChannel {
+            name: self.name.clone(),
+            compat: self.compat,
+            secret: self.secret.clone(),
+            local: Box::new(move || a.metadata()),
+            on_peer: Box::new(move |meta| load_decoded(&b, meta)),
+        })
+    }
+}
+
+/// One kvxfer agent. See the module docs for the order of calls.
+pub struct Agent {
+    pub(crate) shared: Arc<AgentState>,
+    thread: Option<JoinHandle<()>>,
+    strict: bool,
+    listeners: Mutex<Vec<Listener>>,
+    lane_server: Option<Server>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("name", &self.shared.name)
+            .field("ucx", &self.shared.ucx_version)
+            .finish()
+    }
+}
+
+impl Agent {
+    /// Creates the UCX context and worker and starts the progress thread.
+    pub fn new(cfg: AgentConfig) -> Result<Agent> {
+        if cfg.name.is_empty()
+            || cfg.name.len() > MAX_NAME
+            || cfg.name.chars().any(char::is_control)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "agent name {:?}: 1..={} printable characters",
+                cfg.name, MAX_NAME
+            )));
+        }
+        let cname = CString::new(cfg.name.clone())
+            .map_err(|_| Error::InvalidArgument("agent name contains NUL".into()))?;
+        let channels = Channels::default();
+        let (engine, cmds) = Engine::new(
+            &cfg.ucx_settings(),
+            &cname,
+            cfg.busy_poll,
+            cfg.peer_failure.unwrap_or(cfg.transport != Transport::Shm),
+            channels.clone(),
+        )?;
+        let carrier: Carrier = {
+            let c = cmds.clone();
+            Arc::new(move |job| c.post(job))
+        };
+        let canceller: Canceller = {
+            let c = cmds.clone();
+            Arc::new(move |id| c.cancel(id))
+        };
+        let shared = Arc::new(AgentState {
+            name: cfg.name.clone(),
+            compat: cfg.compat,
+            max_op: cfg.max_op_bytes,
+            cmds,
+            regions: Arc::default(),
+            peers: RwLock::new(HashMap::new()),
+            channels,
+            next_region: AtomicU32::new(0),
+            next_xfer: AtomicU64::new(1),
+            ucx_version: raw::version_string(),
+            host: host_info(),
+            lane: OnceLock::new(),
+            transport: cfg.transport.clone(),
+            lanes_on: cfg.lanes,
+            copier: Copier::start(&cfg.name, cfg.copy_threads, carrier)?,
+            load_lock: Mutex::new(()),
+            budget: cfg.budget.clone(),
+            secret: cfg.secret.clone(),
+            gpu_path: cfg.gpu_path,
+            staging: Arc::new(StagingCell::new(
+                cfg.copy_engine.clone(),
+                cfg.staging.0,
+                cfg.staging.1,
+                cfg.budget.clone(),
+            )),
+            canceller,
+        });
+        // The TCP lane carries every transfer with the TCP transport, and staged device memory
+        // with any transport, in either direction: every agent with lanes on serves it, so that
+        // a GPU peer can stage into a CPU-only one. With the shared-memory transport every peer
+        // is on this host: loopback.
+        let lane_server = if cfg.lanes {
+            let ip = cfg
+                .lane_addr
+                .or_else(|| {
+                    if cfg.transport == Transport::Shm {
+                        Some(std::net::Ipv4Addr::LOCALHOST.into())
+                    } else {
+                        iface_addr(cfg.net_devices.as_deref())
+                    }
+                })
+                .unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
+            let ctx = Arc::new(LaneCtx {
+                regions: shared.regions.clone(),
+                channels: shared.channels.clone(),
+                staging: shared.staging.clone(),
+                budget: shared.budget.clone(),
+            });
+            let srv = Server::start(ip, ctx, &cfg.name)?;
+            let _ = shared.lane.set(srv.info());
+            Some(srv)
+        } else {
+            None
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("kvxfer-progress-{}", cfg.name))
+            .spawn(move || engine.run())
+            .map_err(|e| Error::io("spawning the progress thread", e))?;
+        Ok(Agent {
+            shared,
+            thread: Some(thread),
+            strict: cfg.strict,
+            listeners: Mutex::new(Vec::new()),
+            lane_server,
+        })
+    }
+
+    /// The memory budget the agent charges its own buffers to.
+    pub fn budget(&self) -> &MemoryBudget {
+        &self.shared.budget
+    }
+
+    /// The agent's name.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// The UCX library version loaded at run time.
+    pub fn ucx_version(&self) -> &str {
+        &self.shared.ucx_version
+    }
+
+    /// The UCX version kvxfer was built against.
+    pub fn ucx_build_version() -> &'static str {
+        raw::BUILD_VERSION
+    }
+
+    /// Registers owned memory (page-aligned buffers, memory maps, and with the `cuda` feature
+    /// cudarc device buffers); the agent keeps it alive.
+    pub fn register(&self, mem: impl Into<Memory>) -> Result<Region> {
+        let mut mem = mem.into();
+        let (p, len) = mem.raw_parts();
+        let kind = mem.kind();
+        self.register_inner(p, len, kind, Some(mem))
+    }
+
+    /// Registers memory the agent does not own, such as an engine's KV cache tensor.
+    ///
+    /// # Safety
+    /// 1. `[ptr, ptr+len)` is memory of kind `kind`, valid for reads and writes by this process
+    ///    and by peers' transfers, until [`deregister`](Self::deregister) returns `Ok` or the
+    ///    agent is dropped, whichever comes first.
+    /// 2. The caller does not free or remap it before then.
+    pub unsafe fn register_raw(&self, ptr: *mut u8, len: usize, kind: MemKind) -> Result<Region> {
+        if ptr.is_null() {
+            return Err(Error::InvalidArgument("register_raw: NULL pointer".into()));
+        }
+        self.register_inner(ptr, len, kind, None)
+    }
+
+    fn register_inner(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        kind: MemKind,
+        backing: Option<Memory>,
+    ) -> Result<Region> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("registering 0 bytes".into()));
+        }
+        let ucx_mapped = match kind {
+            MemKind::Host => true,
+            MemKind::Cuda(d) => self.device_path(d)? == GpuPath::Direct,
+        };
+        let id = RegionId(self.shared.next_region.fetch_add(1, Ordering::Relaxed));
+        let shm = backing.as_ref().and_then(Memory::shm_handle);
+        let inner = Arc::new(RegionInner {
+            shm,
+            id,
+            addr: ptr as u64,
+            len: len as u64,
+            kind,
+            ucx_mapped,
+            _backing: backing,
+            inflight: AtomicU32::new(0),
+            registered: AtomicBool::new(false),
+        });
+        self.shared.cmds.call(|reply| Cmd::Register {
+            region: inner.clone(),
+            reply,
+        })?;
+        self.shared.regions.insert(inner.clone());
+        Ok(Region { inner })
+    }
+
+    /// The path device memory of `device` takes here ([`GpuPath::Direct`] or
+    /// [`GpuPath::Staged`]); a typed error where it can take none.
+    fn device_path(&self, device: u32) -> Result<GpuPath> {
+        let engine = self.shared.staging.engine(device)?;
+        engine.check_device(device)?;
+        let path = choose_gpu_path(
+            self.shared.gpu_path,
+            engine.ucx_visible().then_some(engine.name()),
+            raw::supports_cuda(MEMORY_TYPES.load(Ordering::Relaxed)),
+            &self.shared.transport,
+            &self.shared.ucx_version,
+        )
+        .map_err(|why| Error::Cuda { device, why })?;
+        if path == GpuPath::Staged {
+            if self.shared.lane.get().is_none() {
+                return Err(Error::Cuda {
+                    device,
+                    why: "the staged path moves device memory over kvxfer's TCP lane, which is \
+                          off (AgentConfig::lanes(false))"
+                        .into(),
+                });
+            }
+            // The staging chunks: allocated now, from the budget, or the registration fails.
+            self.shared.staging.pools(device)?;
+        }
+        Ok(path)
+    }
+
+    /// Deregisters a region. Fails with [`Error::Busy`] while a transfer uses it.
+    pub fn deregister(&self, region: &Region) -> Result<()> {
+        self.shared.cmds.call(|reply| Cmd::Deregister {
+            region: region.inner.clone(),
+            reply,
+        })?;
+        self.shared.regions.remove(region.inner.id);
+        Ok(())
+    }
+
+    /// This agent's metadata, encoded for a peer.
+    pub fn metadata(&self) -> Result<Vec<u8>> {
+        self.shared.metadata()
+    }
+
+    /// Loads a peer's metadata (from any channel). Returns the peer's name. Metadata of a
+    /// known name replaces the old (a restarted peer): lists prepared against the old one
+    /// become stale, its connection and keys are dropped once transfers on them finish.
+    pub fn load_remote_metadata(&self, bytes: &[u8]) -> Result<String> {
+        let meta = Metadata::decode(bytes, self.shared.compat).map_err(|err| Error::Metadata {
+            source_desc: Metadata::peek_name(bytes)
+                .map(|n| format!("agent {n:?}"))
+                .unwrap_or_else(|| "buffer".into()),
+            err,
+        })?;
+        load_decoded(&self.shared, meta)
+    }
+
+    /// Forgets a peer: its connection is closed once its transfers finish.
+    pub fn remove_peer(&self, name: &str) -> Result<()> {
+        remove_peer(&self.shared, name)
+    }
+
+    /// What the agent knows about a peer, including the transports UCX selected. Connects if
+    /// not connected yet.
+    pub fn peer_info(&self, name: &str) -> Result<PeerInfo> {
+        let mut info = self.shared.cmds.call(|reply| Cmd::PeerInfo {
+            name: name.to_string(),
+            reply,
+        })?;
+        info.gpu_path = gpu_path(&self.shared, name);
+        Ok(info)
+    }
+
+    /// Listens for peers on `addr` (port 0 picks one): each peer that connects sends its
+    /// metadata and receives ours. Returns the bound address.
+    pub fn listen(&self, addr: SocketAddr) -> Result<SocketAddr> {
+        let l = Listener::start(self.shared.side_channel(), addr)?;
+        let a = l.addr();
+        self.listeners
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(l);
+        Ok(a)
+    }
+
+    /// Connects to a peer's side channel, exchanges metadata both ways. Returns its name.
+    pub fn connect(&self, addr: SocketAddr) -> Result<String> {
+        exchange(&self.shared.side_channel(), addr, Duration::from_secs(10))
+    }
+
+    /// Resolves a list of local descriptors once, for reuse by index.
+    pub fn prep_local(&self, descs: &[Desc]) -> Result<PreparedLocal> {
+        let regions = self.shared.regions.read();
+        let mut table: Vec<Arc<RegionInner>> = Vec::new();
+        let mut spans: Vec<RegionSpan> = Vec::new();
+        // Only the regions the list names go into the prepared table.
+        for (index, d) in descs.iter().enumerate() {
+            if spans.iter().any(|s| s.id == d.region) {
+                continue;
+            }
+            let r = regions.get(&d.region.0).ok_or(Error::UnknownRegion {
+                side: Side::Local,
+                index,
+                region: d.region.0,
+            })?;
+            spans.push(RegionSpan {
+                id: r.id,
+                base: r.addr,
+                len: r.len,
+                kind: r.kind,
+            });
+            table.push(r.clone());
+        }
+        drop(regions);
+        let entries = descriptor::resolve(Side::Local, descs, &spans)?;
+        Ok(PreparedLocal {
+            entries,
+            regions: table,
+        })
+    }
+
+    /// Resolves a list of the peer's descriptors once, checking each against the peer's
+    /// region table, for reuse by index.
+    pub fn prep_remote(&self, peer: &str, descs: &[Desc]) -> Result<PreparedRemote> {
+        let view = self
+            .shared
+            .peers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(peer)
+            .cloned()
+            .ok_or_else(|| Error::UnknownPeer {
+                agent: peer.to_string(),
+            })?;
+        let entries = descriptor::resolve(Side::Remote, descs, &view.spans)?;
+        Ok(PreparedRemote {
+            peer: peer.to_string(),
+            token: view.token,
+            entries,
+        })
+    }
+
+    /// Starts a transfer of the descriptor pairs `(local[li[k]], remote[ri[k]])`; with
+    /// `notification`, the peer receives it after all the data has landed. With `deadline`, a
+    /// transfer not done in time fails with [`Error::Deadline`] (its endpoint is torn down).
+    // The argument list mirrors NIXL's makeXferReq: two prepared lists, two index selections.
+    #[allow(clippy::too_many_arguments)]
+    pub fn transfer(
+        &self,
+        op: XferOp,
+        local: &PreparedLocal,
+        li: &[usize],
+        remote: &PreparedRemote,
+        ri: &[usize],
+        notification: Option<&[u8]>,
+        deadline: Option<Duration>,
+    ) -> Result<Transfer> {
+        let t0 = Instant::now();
+        if let Some(n) = notification {
+            if n.len() > MAX_NOTIFICATION {
+                return Err(Error::InvalidArgument(format!(
+                    "notification of {} bytes, limit {MAX_NOTIFICATION}",
+                    n.len(),
+                )));
+            }
+        }
+        let plan = descriptor::plan(&local.entries, li, &remote.entries, ri, self.shared.max_op)?;
+        let view = self
+            .shared
+            .peers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&remote.peer)
+            .filter(|v| v.token == remote.token)
+            .cloned();
+        let (route, local_dev) = route(
+            &self.shared.transport,
+            local,
+            &plan,
+            view.as_deref(),
+            &remote.peer,
+        )?;
+        if self.strict && matches!(route, Route::Ucx) {
+            self.check_strict(&remote.peer)?;
+        }
+        // Pin the local regions the plan uses: deregistering them now fails with Busy.
+        let mut used = vec![false; local.regions.len()];
+        for o in &plan.ops {
+            used[o.lslot as usize] = true;
+        }
+        let pins = Pins::acquire(
+            local
+                .regions
+                .iter()
+                .zip(&used)
+                .filter(|(_, &u)| u)
+                .map(|(r, _)| r.clone())
+                .collect(),
+        )?;
+        let id = self.shared.next_xfer.fetch_add(1, Ordering::Relaxed);
+        let state = Arc::new(XferState::default());
+        let job = Job {
+            id,
+            op,
+            peer: remote.peer.clone(),
+            token: remote.token,
+            plan,
+            pins,
+            notification: notification.map(|n| encode(&self.shared.name, n)),
+            deadline,
+            started: t0,
+            state: state.clone(),
+            lane_stats: None,
+            local_dev,
+        };
+        match route {
+            Route::Shm(maps) => self.shared.copier.submit(job, maps),
+            Route::Tcp(link) => link.submit(job),
+            // On error the job was dropped with the channel; the engine never saw it.
+            Route::Ucx => self.shared.cmds.post(job)?,
+        }
+        Ok(Transfer {
+            state,
+            id,
+            cancel: self.shared.canceller.clone(),
+        })
+    }
+
+    /// Convenience: transfers every pair of two prepared lists of equal length.
+    pub fn transfer_all(
+        &self,
+        op: XferOp,
+        local: &PreparedLocal,
+        remote: &PreparedRemote,
+        notification: Option<&[u8]>,
+        deadline: Option<Duration>,
+    ) -> Result<Transfer> {
+        let li: Vec<usize> = (0..local.len()).collect();
+        let ri: Vec<usize> = (0..remote.len()).collect();
+        self.transfer(op, local, &li, remote, &ri, notification, deadline)
+    }
+
+    /// Sends a notification alone (no data) to `peer`, ordered after every transfer to it that
+    /// completed before this call.
+    pub fn notify(&self, peer: &str, payload: &[u8]) -> Result<Transfer> {
+        let local = self.prep_local(&[])?;
+        let remote = self.prep_remote(peer, &[])?;
+        self.transfer(
+            XferOp::Write,
+            &local,
+            &[],
+            &remote,
+            &[],
+            Some(payload),
+            None,
+        )
+    }
+
+    /// The next notification, if one has arrived.
+    pub fn try_notification(&self) -> Option<Notification> {
+        self.shared.channels.user.try_pop()
+    }
+
+    /// Waits up to `timeout` for a notification.
+    pub fn wait_notification(&self, timeout: Duration) -> Result<Notification> {
+        self.shared.channels.user.wait(timeout)
+    }
+
+    /// All notifications that have arrived.
+    pub fn notifications(&self) -> Vec<Notification> {
+        self.shared.channels.user.drain()
+    }
+
+    /// The next connector control message for this agent's producer (`producer`) or
+    /// consumer, waiting up to `timeout`.
+    pub(crate) fn wait_control(&self, producer: bool, timeout: Duration) -> Result<Notification> {
+        self.control(producer).wait(timeout)
+    }
+
+    /// The next connector control message, if one has arrived.
+    pub(crate) fn try_control(&self, producer: bool) -> Option<Notification> {
+        self.control(producer).try_pop()
+    }
+
+    fn control(&self, producer: bool) -> &Inbox {
+        if producer {
+            &self.shared.channels.producer
+        } else {
+            &self.shared.channels.consumer
+        }
+    }
+
+    /// Notifications dropped because the queue was full.
+    pub fn notifications_dropped(&self) -> u64 {
+        self.shared.channels.user.dropped()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.listeners
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        self.lane_server.take();
+        self.shared.copier.stop();
+        let _ = self.shared.cmds.send(Cmd::Shutdown);
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                log::error!("kvxfer progress thread of {} panicked", self.shared.name);
+            }
+        }
+    }
+}
+
+/// Local descriptors resolved once ([`Agent::prep_local`]).
+#[derive(Clone)]
+pub struct PreparedLocal {
+    entries: Vec<Resolved>,
+    regions: Vec<Arc<RegionInner>>,
+}
+
+impl std::fmt::Debug for PreparedLocal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedLocal")
+            .field("descs", &self.entries.len())
+            .field("regions", &self.regions.len())
+            .finish()
+    }
+}
+
+impl PreparedLocal {
+    /// Number of descriptors.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+/// A peer's descriptors resolved once ([`Agent::prep_remote`]).
+#[derive(Clone, Debug)]
+pub struct PreparedRemote {
+    peer: String,
+    token: u64,
+    entries: Vec<Resolved>,
+}
+
+impl PreparedRemote {
+    /// Number of descriptors.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+    /// The peer.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+}

@@ -1,0 +1,144 @@
+//! The agent's table of peers: loading a peer's metadata (the lanes built for it, the engine's
+//! entry, the caller-side view for bounds checks), and what the agent reports about a peer.
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+
+use super::AgentState;
+use crate::backend::ucx::driver::{Cmd, LoadedPeer};
+use crate::lane::shm::PeerMaps;
+use crate::lane::tcp::link::Link;
+use crate::lane::PeerLanes;
+use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::types::{GpuPath, MemKind, RegionSpan, Transport};
+use kvxfer_proto::wire::metadata::Metadata;
+
+/// A peer's region table as the caller side sees it, for bounds checks without a round trip.
+#[derive(Debug)]
+pub(crate) struct PeerView {
+    pub(crate) token: u64,
+    pub(crate) spans: Vec<RegionSpan>,
+    pub(crate) lanes: PeerLanes,
+    /// Per region slot: device memory UCX cannot reach (no remote key; staged path).
+    pub(crate) unmapped: Vec<bool>,
+    /// Checksum of the metadata the view was built from.
+    pub(crate) meta_sum: u64,
+}
+
+/// Loads a decoded peer's metadata: builds its lanes (or keeps those built for the same
+/// metadata, so that a peer's memory is never mapped twice), has the engine load it, and
+/// records the caller-side view. Returns the peer's name.
+pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
+    if meta.name == st.name {
+        return Err(Error::InvalidArgument(format!(
+            "peer metadata carries this agent's own name {:?}",
+            meta.name
+        )));
+    }
+    let name = meta.name.clone();
+    let _serial = st.load_lock.lock().unwrap_or_else(|e| e.into_inner());
+    let sum = meta_sum(&meta);
+    // The same metadata again (a second handshake): keep the lanes already built.
+    let existing = st
+        .peers
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&name)
+        .filter(|v| v.meta_sum == sum)
+        .map(|v| PeerLanes {
+            shm: v.lanes.shm.clone(),
+            tcp: v.lanes.tcp.clone(),
+        });
+    let lanes = match existing {
+        Some(l) => l,
+        None => build_lanes(st, &meta),
+    };
+    let spans: Vec<RegionSpan> = meta.regions.iter().map(|r| r.span()).collect();
+    let unmapped: Vec<bool> = meta.regions.iter().map(|r| r.rkey.is_empty()).collect();
+    let LoadedPeer { token, connected } = st.cmds.call(|reply| Cmd::LoadPeer { meta, reply })?;
+    if let Some(token) = token {
+        st.peers.write().unwrap_or_else(|e| e.into_inner()).insert(
+            name.clone(),
+            Arc::new(PeerView {
+                token,
+                spans,
+                lanes,
+                unmapped,
+                meta_sum: sum,
+            }),
+        );
+    }
+    connected.map(|()| name)
+}
+
+/// The lanes towards a newly loaded peer.
+fn build_lanes(st: &AgentState, meta: &Metadata) -> PeerLanes {
+    let mut lanes = PeerLanes::default();
+    if !st.lanes_on {
+        return lanes;
+    }
+    // An explicit TCP or UCX transport list is taken at its word; shm and auto map a
+    // same-host peer's memory.
+    if matches!(st.transport, Transport::Shm | Transport::Auto) {
+        lanes.shm = PeerMaps::open(meta, st.host.as_ref()).map(Arc::new);
+    }
+    // The TCP lane: for every transfer with the TCP transport, and for staged device memory
+    // with any transport.
+    if let Some(info) = meta.lane {
+        let spans = meta.regions.iter().map(|r| r.span()).collect();
+        lanes.tcp = Some(Arc::new(Link::new(
+            &st.name,
+            &meta.name,
+            info,
+            spans,
+            st.budget.clone(),
+            st.staging.clone(),
+        )));
+    }
+    lanes
+}
+
+/// Forgets a peer: the engine retires its entry, then the caller-side view goes.
+pub(crate) fn remove_peer(st: &AgentState, name: &str) -> Result<()> {
+    st.cmds.call(|reply| Cmd::RemovePeer {
+        name: name.to_string(),
+        reply,
+    })?;
+    st.peers
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(name);
+    Ok(())
+}
+
+/// How device memory moves between this agent and the peer `name`: `None` where neither
+/// side has device memory registered, `Staged` where any of it is out of UCX's reach.
+pub(crate) fn gpu_path(st: &AgentState, name: &str) -> Option<GpuPath> {
+    let mut device = false;
+    let mut staged = false;
+    for r in st.regions.read().values() {
+        if r.kind != MemKind::Host {
+            device = true;
+            staged |= !r.ucx_mapped;
+        }
+    }
+    if let Some(v) = st.peers.read().unwrap_or_else(|e| e.into_inner()).get(name) {
+        for (s, &u) in v.spans.iter().zip(&v.unmapped) {
+            if s.kind != MemKind::Host {
+                device = true;
+                staged |= u;
+            }
+        }
+    }
+    device.then_some(if staged {
+        GpuPath::Staged
+    } else {
+        GpuPath::Direct
+    })
+}
+
+fn meta_sum(m: &Metadata) -> u64 {
+    m.encode().iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}

@@ -1,0 +1,142 @@
+//! Which lane moves a transfer: the one place that knows every transport.
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+
+use super::peers::PeerView;
+use super::{Agent, PreparedLocal};
+use crate::lane::shm::PeerMaps;
+use crate::lane::tcp::link::Link;
+use kvxfer_proto::descriptor::Plan;
+use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::types::{MemKind, Transport};
+
+/// The lane a transfer takes.
+pub(crate) enum Route {
+    /// UCX one-sided operations.
+    Ucx,
+    /// kvxfer's shared-memory lane (the peer's regions are mapped here).
+    Shm(Arc<PeerMaps>),
+    /// kvxfer's TCP lane.
+    Tcp(Arc<Link>),
+}
+
+/// The route of `plan` towards `peer` (whose view is `view`, None when unknown or stale), and
+/// per plan operation the device of its local memory (empty when it has none).
+///
+/// Device memory: UCX where it reaches every device region of the plan (direct path), else
+/// the TCP lane, each end staging its own device memory; never the shm lane. Host memory: the
+/// shm lane where it covers the plan, the TCP lane with the TCP transport, else UCX. One pass
+/// over the plan, only where either side has device memory.
+pub(crate) fn route(
+    transport: &Transport,
+    local: &PreparedLocal,
+    plan: &Plan,
+    view: Option<&PeerView>,
+    peer: &str,
+) -> Result<(Route, Vec<Option<u32>>)> {
+    let mut local_dev: Vec<Option<u32>> = Vec::new();
+    let mut device = false;
+    let mut unreachable = false;
+    let local_has = local.regions.iter().any(|r| r.kind != MemKind::Host);
+    let remote_dev = view.filter(|v| v.spans.iter().any(|s| s.kind != MemKind::Host));
+    if local_has || remote_dev.is_some() {
+        for o in &plan.ops {
+            let r = &local.regions[o.lslot as usize];
+            let d = match r.kind {
+                MemKind::Host => None,
+                MemKind::Cuda(d) => {
+                    device = true;
+                    unreachable |= !r.ucx_mapped;
+                    Some(d)
+                }
+            };
+            if local_has {
+                local_dev.push(d);
+            }
+            if let Some(v) = remote_dev {
+                let k = o.rslot as usize;
+                if v.spans[k].kind != MemKind::Host {
+                    device = true;
+                    unreachable |= v.unmapped[k];
+                }
+            }
+        }
+    }
+    let route = match view {
+        Some(v) if device => {
+            if unreachable {
+                match &v.lanes.tcp {
+                    Some(l) => Route::Tcp(l.clone()),
+                    None => {
+                        return Err(Error::InvalidArgument(format!(
+                            "the transfer touches staged device memory, which moves over \
+                             kvxfer's TCP lane, and {peer:?} has none (lanes off on either side)"
+                        )))
+                    }
+                }
+            } else {
+                Route::Ucx
+            }
+        }
+        Some(v) => match (&v.lanes.shm, &v.lanes.tcp) {
+            (Some(m), _) if m.covers(plan) => Route::Shm(m.clone()),
+            (_, Some(l)) if *transport == Transport::Tcp => Route::Tcp(l.clone()),
+            _ => Route::Ucx,
+        },
+        None => Route::Ucx,
+    };
+    Ok((route, local_dev))
+}
+
+impl Agent {
+    /// Strict mode, for a transfer UCX carries: the transports UCX selected for `peer` must be
+    /// the kind asked for.
+    pub(super) fn check_strict(&self, peer: &str) -> Result<()> {
+        let t = &self.shared.transport;
+        let shm = ["posix", "sysv", "cma", "xpmem", "knem"];
+        let wanted: Vec<String> = match t {
+            Transport::Shm => shm.iter().map(|s| s.to_string()).collect(),
+            Transport::Custom(list) => {
+                let named: Vec<String> = list
+                    .split(',')
+                    .map(|x| x.trim().to_string())
+                    .filter(|x| !x.is_empty() && x != "tcp" && x != "self")
+                    .flat_map(|x| {
+                        if x == "sm" || x == "shm" {
+                            shm.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+                        } else {
+                            vec![x]
+                        }
+                    })
+                    .collect();
+                if named.is_empty() {
+                    return Ok(()); // only TCP asked for
+                }
+                named
+            }
+            Transport::Tcp | Transport::Auto => return Ok(()),
+        };
+        let info = self.peer_info(peer)?;
+        let got: Vec<&str> = info
+            .transports
+            .split(',')
+            .map(|x| x.trim().trim_end_matches("(rma)"))
+            .collect();
+        if got
+            .iter()
+            .any(|g| wanted.iter().any(|w| g.starts_with(w.as_str())))
+        {
+            return Ok(());
+        }
+        Err(Error::TransportMismatch {
+            agent: peer.to_string(),
+            wanted: wanted.join("|"),
+            got: if info.transports.is_empty() {
+                "nothing (not connected)".into()
+            } else {
+                info.transports
+            },
+        })
+    }
+}

@@ -1,0 +1,327 @@
+//! The lane's initiator: one queue and one connection per peer, served in order by one
+//! thread; each job is a request, its data, and the target's reply.
+
+use std::collections::VecDeque;
+use std::net::TcpStream;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::stream::{recv_buf, send_buf, set_timeouts, stage_pair, stream_mixed, Stop};
+use crate::budget::MemoryBudget;
+use crate::staging::pool::StagingCell;
+use crate::transfer::{Job, XferStats};
+use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::types::{Lane, LaneInfo, RegionSpan, XferOp};
+use kvxfer_proto::wire::lane::{
+    parse_welcome, Hello, ReplyHeader, RequestHeader, Segment, HEADER_LEN, K_ACK, K_DATA, K_READ,
+    K_WRITE, MAX_SEGS, REPLY_FIXED_LEN, SEG_LEN, WELCOME_FIXED_LEN,
+};
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Bytes the initiator holds per operation for the stream (address and length).
+const PIECE_BYTES: usize = 16;
+
+struct LinkJob {
+    job: Job,
+}
+
+struct LinkInner {
+    peer: String,
+    me: String,
+    info: LaneInfo,
+    spans: Vec<RegionSpan>,
+    budget: MemoryBudget,
+    staging: Arc<StagingCell>,
+    q: Mutex<(VecDeque<LinkJob>, bool)>,
+    cv: Condvar,
+}
+
+/// The initiator's side of the lane to one peer: a queue served in order by one thread.
+pub(crate) struct Link {
+    inner: Arc<LinkInner>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Link {
+    pub(crate) fn new(
+        me: &str,
+        peer: &str,
+        info: LaneInfo,
+        spans: Vec<RegionSpan>,
+        budget: MemoryBudget,
+        staging: Arc<StagingCell>,
+    ) -> Link {
+        Link {
+            inner: Arc::new(LinkInner {
+                peer: peer.to_string(),
+                me: me.to_string(),
+                info,
+                spans,
+                budget,
+                staging,
+                q: Mutex::new((VecDeque::new(), false)),
+                cv: Condvar::new(),
+            }),
+            thread: Mutex::new(None),
+        }
+    }
+
+    /// Queues `job` (its local regions pinned by the caller).
+    pub(crate) fn submit(&self, job: Job) {
+        {
+            let mut g = self.inner.q.lock().unwrap_or_else(|e| e.into_inner());
+            g.0.push_back(LinkJob { job });
+        }
+        self.inner.cv.notify_one();
+        let mut t = self.thread.lock().unwrap_or_else(|e| e.into_inner());
+        if t.is_none() {
+            let inner = self.inner.clone();
+            match std::thread::Builder::new()
+                .name(format!("kvxfer-link-{}", self.inner.peer))
+                .spawn(move || link_loop(inner))
+            {
+                Ok(h) => *t = Some(h),
+                Err(e) => {
+                    let mut g = self.inner.q.lock().unwrap_or_else(|e| e.into_inner());
+                    for j in g.0.drain(..) {
+                        j.job.finish(Err(Error::io(
+                            "spawning the TCP lane thread",
+                            std::io::Error::new(e.kind(), e.to_string()),
+                        )));
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.inner.q.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
+        self.inner.cv.notify_all();
+        // The thread finishes the queued jobs (each bounded by its deadline or the peer's
+        // liveness) and exits; it is not joined here to keep drops on callers' threads short.
+    }
+}
+
+fn link_loop(inner: Arc<LinkInner>) {
+    let mut conn: Option<TcpStream> = None;
+    loop {
+        let j = {
+            let mut g = inner.q.lock().unwrap_or_else(|e| e.into_inner());
+            loop {
+                if let Some(j) = g.0.pop_front() {
+                    break j;
+                }
+                if g.1 {
+                    return;
+                }
+                g = inner.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        let job = &j.job;
+        let r = run_job(&inner, &mut conn, job);
+        if r.is_err() {
+            // The stream may be mid-message: start over on the next job.
+            if let Some(c) = conn.take() {
+                let _ = c.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        job.finish(r);
+    }
+}
+
+fn lane_err(inner: &LinkInner, why: impl Into<String>) -> Error {
+    Error::LaneFailed {
+        agent: inner.peer.clone(),
+        lane: "tcp",
+        why: why.into(),
+    }
+}
+
+fn connect(inner: &LinkInner) -> Result<TcpStream> {
+    let c = TcpStream::connect_timeout(&inner.info.addr, CONNECT_TIMEOUT)
+        .map_err(|e| lane_err(inner, format!("connecting to {}: {e}", inner.info.addr)))?;
+    set_timeouts(&c).map_err(|e| lane_err(inner, format!("socket options: {e}")))?;
+    let h = Hello {
+        name: &inner.me,
+        secret: inner.info.secret,
+    }
+    .encode();
+    let t0 = Instant::now();
+    let mut ctl = || -> Result<(), Stop> {
+        if t0.elapsed() > CONNECT_TIMEOUT {
+            Err(Stop::Abort(Error::InvalidArgument(
+                "hello timed out".into(),
+            )))
+        } else {
+            Ok(())
+        }
+    };
+    let r = send_buf(&c, &h, &mut ctl).and_then(|_| {
+        let mut w = [0u8; WELCOME_FIXED_LEN];
+        recv_buf(&c, &mut w, &mut ctl)?;
+        let (status, msg_len) = parse_welcome(&w);
+        let mut msg = vec![0u8; msg_len];
+        recv_buf(&c, &mut msg, &mut ctl)?;
+        Ok((status, String::from_utf8_lossy(&msg).into_owned()))
+    });
+    match r {
+        Ok((0, _)) => Ok(c),
+        Ok((_, msg)) => Err(lane_err(inner, format!("refused: {msg}"))),
+        Err(s) => Err(stop_err(inner, s, "hello")),
+    }
+}
+
+fn stop_err(inner: &LinkInner, s: Stop, what: &str) -> Error {
+    match s {
+        Stop::Abort(e) => e,
+        Stop::Eof => lane_err(inner, format!("peer closed the connection during {what}")),
+        Stop::Io(e) => lane_err(inner, format!("{what}: {e}")),
+    }
+}
+
+fn run_job(inner: &LinkInner, conn: &mut Option<TcpStream>, job: &Job) -> Result<XferStats> {
+    let deadline_at = job.deadline.map(|d| job.started + d);
+    let ops = job.plan.ops.len();
+    let check = || -> Result<(), Stop> {
+        if job.state.is_canceled() {
+            return Err(Stop::Abort(Error::Canceled));
+        }
+        if deadline_at.is_some_and(|d| Instant::now() >= d) {
+            return Err(Stop::Abort(Error::Deadline {
+                agent: job.peer.clone(),
+                deadline: job.deadline.unwrap_or_default(),
+                // The stream lane does not count operations as it goes.
+                posted_ops: 0,
+                ops,
+            }));
+        }
+        Ok(())
+    };
+    check().map_err(|s| stop_err(inner, s, "start"))?;
+    for r in job.pins.regions() {
+        if !r.registered.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(Error::Deregistered { region: r.id.0 });
+        }
+    }
+    if conn.is_none() {
+        *conn = Some(connect(inner)?);
+    }
+    let c = conn
+        .as_ref()
+        .ok_or_else(|| lane_err(inner, "no connection"))?;
+    // Segments in the target's terms, and the local pieces.
+    let note = job.notification.as_deref().unwrap_or(&[]);
+    // The request header and the piece list, charged to the agent's budget (waits while
+    // other transfers hold it, up to the deadline or a minute).
+    let wait = deadline_at.map_or(Duration::from_secs(60), |d| {
+        d.saturating_duration_since(Instant::now())
+    });
+    let _charge = inner.budget.charge(
+        (HEADER_LEN + ops * SEG_LEN + ops * PIECE_BYTES) as u64,
+        "TCP lane request",
+        wait,
+    )?;
+    let mut hdr = Vec::with_capacity(HEADER_LEN + ops * SEG_LEN + note.len());
+    RequestHeader {
+        kind: if job.op == XferOp::Write {
+            K_WRITE
+        } else {
+            K_READ
+        },
+        id: job.id,
+        nsegs: ops,
+        notif_len: note.len(),
+    }
+    .encode(&mut hdr);
+    let mut pieces = Vec::with_capacity(ops);
+    for o in &job.plan.ops {
+        let span = inner
+            .spans
+            .get(o.rslot as usize)
+            .ok_or_else(|| lane_err(inner, format!("remote slot {} unknown", o.rslot)))?;
+        Segment {
+            region: span.id.0,
+            offset: o.remote - span.base,
+            len: o.len,
+        }
+        .encode(&mut hdr);
+        pieces.push((o.local, o.len));
+    }
+    if ops > MAX_SEGS {
+        return Err(Error::InvalidArgument(format!(
+            "{ops} operations in one transfer, the TCP lane takes {MAX_SEGS}"
+        )));
+    }
+    let mut ctl = check;
+    // Local device memory: two chunks of this agent's initiator pool, taken before the request
+    // goes out (a transfer holding chunks never waits for more).
+    let stage = match job.local_dev.iter().flatten().next() {
+        Some(&d) => Some(inner.staging.pools(d)?),
+        None => None,
+    };
+    let pair = match &stage {
+        Some(st) => stage_pair(st, true, Duration::MAX, &mut ctl)
+            .map_err(|s| stop_err(inner, s, "waiting for staging chunks"))?,
+        None => None,
+    };
+    let st = stage.as_deref().zip(pair.as_ref());
+    let posted_at;
+    if job.op == XferOp::Write {
+        send_buf(c, &hdr, &mut ctl).map_err(|s| stop_err(inner, s, "request"))?;
+        // SAFETY: the pieces come from the job's plan, bounds-checked against its local
+        // regions (kinds in `local_dev`), which the job pins until it finishes.
+        unsafe { stream_mixed(c, true, &pieces, &job.local_dev, st, &mut ctl) }
+            .map_err(|s| stop_err(inner, s, "sending data"))?;
+        send_buf(c, note, &mut ctl).map_err(|s| stop_err(inner, s, "notification"))?;
+        posted_at = job.started.elapsed();
+        read_reply(inner, c, K_ACK, job.id, &mut ctl)?;
+    } else {
+        hdr.extend_from_slice(note);
+        send_buf(c, &hdr, &mut ctl).map_err(|s| stop_err(inner, s, "request"))?;
+        posted_at = job.started.elapsed();
+        read_reply(inner, c, K_DATA, job.id, &mut ctl)?;
+        let t_hdr = job.started.elapsed();
+        // SAFETY: as for a write.
+        unsafe { stream_mixed(c, false, &pieces, &job.local_dev, st, &mut ctl) }
+            .map_err(|s| stop_err(inner, s, "receiving data"))?;
+        log::debug!(
+            "kvxfer: read {}: request sent {posted_at:?}, reply {t_hdr:?}, data {:?}",
+            job.id,
+            job.started.elapsed()
+        );
+    }
+    Ok(job.stats(Lane::Tcp, posted_at))
+}
+
+fn read_reply(
+    inner: &LinkInner,
+    c: &TcpStream,
+    kind: u8,
+    id: u64,
+    ctl: &mut dyn FnMut() -> Result<(), Stop>,
+) -> Result<()> {
+    let mut h = [0u8; REPLY_FIXED_LEN];
+    recv_buf(c, &mut h, ctl).map_err(|s| stop_err(inner, s, "waiting for the reply"))?;
+    let r = ReplyHeader::read(&h);
+    let mut msg = vec![0u8; r.msg_len];
+    recv_buf(c, &mut msg, ctl).map_err(|s| stop_err(inner, s, "reading the reply"))?;
+    if r.kind != kind || r.id != id {
+        return Err(lane_err(
+            inner,
+            format!(
+                "reply kind {} id {}, expected kind {kind} id {id}",
+                r.kind, r.id
+            ),
+        ));
+    }
+    if r.status != 0 {
+        return Err(lane_err(
+            inner,
+            format!("peer refused: {}", String::from_utf8_lossy(&msg)),
+        ));
+    }
+    Ok(())
+}
