@@ -6,11 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-600}
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
-# shellcheck source=scripts/ucx-env.sh
-KVXFER_UCX=system source scripts/ucx-env.sh
+# The fuzz crate depends on kvxfer-proto alone: no UCX, no libclang needed.
 unset CARGO_TARGET_DIR # cargo fuzz builds in fuzz/target
 cd fuzz
-for t in metadata side_channel notification tcp_lane handoff; do
+for t in metadata side_channel notification tcp_lane handoff control; do
   mkdir -p "corpus/$t"
   log="target/fuzz-$t.log"
   mkdir -p target

@@ -3,6 +3,7 @@
 //! up front and readable at run time; a charge that does not fit waits for others to be
 //! released (backpressure) up to a time-out, then fails with [`Error::OutOfMemory`]. A charge
 //! larger than the whole limit fails at once. Memory never grows past the limit.
+#![forbid(unsafe_code)]
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};

@@ -1,5 +1,6 @@
 //! Connector telemetry: per-request figures, aggregate counters and histograms, rendered as
 //! Prometheus text (serve it from any HTTP endpoint the engine already has; no server here).
+#![forbid(unsafe_code)]
 
 use std::fmt::Write;
 use std::sync::Mutex;

@@ -1,6 +1,7 @@
 //! Transfer handles: await (any executor), poll, wait with a timeout, cancel. Dropping a handle
 //! only detaches the waiter: the progress engine keeps the registrations alive until UCX reports
 //! completion, so no buffer is ever freed while UCX may still touch it.
+#![forbid(unsafe_code)]
 
 use std::future::Future;
 use std::pin::Pin;

@@ -27,6 +27,8 @@ use crate::types::{MemKind, RegionId, RegionSpan};
 
 /// Wire version this build speaks.
 pub const WIRE_VERSION: u16 = 2;
+/// Compatibility hash used when no KV layout is given: the wire version alone.
+pub const DEFAULT_COMPAT: u64 = 0x6b76_7866_0000_0000 | WIRE_VERSION as u64;
 const MAGIC: [u8; 4] = *b"KVXM";
 /// Longest agent name.
 pub const MAX_NAME: usize = 255;

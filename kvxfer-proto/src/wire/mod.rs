@@ -1,7 +1,8 @@
 //! Every wire format kvxfer speaks, each with a paired encoder and decoder, named sizes and
 //! round-trip tests: agent metadata, notifications, the TCP lane, the side channel. The
-//! connector's handoff and control messages are in [`crate::connector`].
+//! connector's decision logic over its messages is in [`crate::connector`].
 
+pub mod connector;
 pub mod lane;
 pub mod metadata;
 pub mod notify;

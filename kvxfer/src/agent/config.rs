@@ -8,10 +8,7 @@ use crate::device::copy::CopyEngine;
 use kvxfer_proto::types::{
     GpuPath, Transport, DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES,
 };
-use kvxfer_proto::wire::metadata::WIRE_VERSION;
-
-/// Compatibility hash used when no KV layout is given: the wire version alone.
-pub const DEFAULT_COMPAT: u64 = 0x6b76_7866_0000_0000 | WIRE_VERSION as u64;
+pub use kvxfer_proto::wire::metadata::DEFAULT_COMPAT;
 
 /// Configuration of an [`Agent`](super::Agent).
 #[derive(Clone, Debug)]

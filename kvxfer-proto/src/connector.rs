@@ -1,0 +1,781 @@
+//! The connector's protocol as two pure state machines with the clock passed in (`now`, time
+//! since the owner's start), in the manner of quinn-proto: [`ProducerCore`] decides what a
+//! producer answers to heartbeats, push requests and acknowledgements, and when blocks are
+//! freed; [`LoadProtocol`] tracks one consumer load (lease, ready layers, landed layers,
+//! heartbeats due, refusals). The `kvxfer` connector is their I/O shell: it moves the bytes,
+//! sends the messages these return, and feeds back what arrives. Tested here without a
+//! network, a thread or a sleep.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use crate::lifecycle::{Freed, Ledger};
+use crate::wire::connector::{Mode, PushWant, Refusal, ToConsumer, ToProducer};
+
+/// A consumer that hears "not held" this soon after starting keeps asking: the handoff may
+/// reach it before the producer's worker has published the request.
+pub const UNKNOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// What the producer's shell does after [`ProducerCore::handle`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ProducerAction {
+    /// Send `msg` to the consumer `to`.
+    Send {
+        /// The consumer.
+        to: String,
+        /// The message.
+        msg: ToConsumer,
+    },
+    /// A push consumer not seen before: build its push target (which may be refused, e.g.
+    /// for budget); on success call [`ProducerCore::push_accepted`] and send `lease`, else
+    /// send a [`ToConsumer::Refused`] without a kind.
+    StartPush {
+        /// The consumer.
+        reader: String,
+        /// The request.
+        request: String,
+        /// Its blocks.
+        want: PushWant,
+        /// The answer once the push is accepted.
+        lease: ToConsumer,
+    },
+    /// The request's blocks may be reused.
+    Freed(Freed),
+}
+
+/// Why [`ProducerCore::layer_done`] failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LayerError {
+    /// The producer does not hold the request.
+    NotHeld,
+    /// The layer is past the layout's layers (their count is given).
+    NoSuchLayer(usize),
+}
+
+#[derive(Debug)]
+struct Held {
+    /// Per layer: computed.
+    ready: Vec<bool>,
+    /// Consumers that heartbeated (they are told of new layers).
+    holders: Vec<String>,
+    /// Push consumers whose target is built.
+    pushers: Vec<String>,
+}
+
+impl Held {
+    fn ready_layers(&self) -> usize {
+        self.ready.iter().take_while(|&&r| r).count()
+    }
+}
+
+/// The producer's protocol: leases (a [`Ledger`]), computed layers, who holds what.
+#[derive(Debug)]
+pub struct ProducerCore {
+    ledger: Ledger,
+    mode: Mode,
+    held: HashMap<String, Held>,
+}
+
+impl ProducerCore {
+    /// A producer whose leases last `lease`, moving bytes by `mode`.
+    pub fn new(lease: Duration, mode: Mode) -> ProducerCore {
+        ProducerCore {
+            ledger: Ledger::new(lease),
+            mode,
+            held: HashMap::new(),
+        }
+    }
+
+    /// Holds `blocks` of `request` for `readers` consumers from `now`; `layers_done` of its
+    /// `layers` are computed already.
+    pub fn publish(
+        &mut self,
+        request: &str,
+        blocks: Vec<u32>,
+        readers: usize,
+        layers: usize,
+        layers_done: usize,
+        now: Duration,
+    ) {
+        self.ledger.hold(request, blocks, readers, now);
+        self.held.insert(
+            request.to_string(),
+            Held {
+                ready: (0..layers).map(|l| l < layers_done).collect(),
+                holders: Vec::new(),
+                pushers: Vec::new(),
+            },
+        );
+    }
+
+    /// Layer `layer` of `request` is computed. Returns the messages for pull consumers
+    /// (every holder learns the new count of ready layers); push shells read
+    /// [`ProducerCore::ready_layers`].
+    pub fn layer_done(
+        &mut self,
+        request: &str,
+        layer: usize,
+    ) -> Result<Vec<(String, ToConsumer)>, LayerError> {
+        let h = self.held.get_mut(request).ok_or(LayerError::NotHeld)?;
+        let n = h.ready.len();
+        *h.ready.get_mut(layer).ok_or(LayerError::NoSuchLayer(n))? = true;
+        if self.mode == Mode::Push {
+            return Ok(Vec::new());
+        }
+        let ready = h.ready_layers();
+        Ok(h.holders
+            .iter()
+            .map(|c| {
+                (
+                    c.clone(),
+                    ToConsumer::Ready {
+                        request: request.to_string(),
+                        ready,
+                    },
+                )
+            })
+            .collect())
+    }
+
+    /// Layers of `request` computed, from layer 0 (0 when not held).
+    pub fn ready_layers(&self, request: &str) -> usize {
+        self.held.get(request).map_or(0, Held::ready_layers)
+    }
+
+    /// Whether `request` is held.
+    pub fn is_held(&self, request: &str) -> bool {
+        self.held.contains_key(request)
+    }
+
+    /// Gives `request` up: its blocks are freed now.
+    pub fn abort(&mut self, request: &str) -> Option<Freed> {
+        self.held.remove(request);
+        self.ledger.abort(request)
+    }
+
+    /// A message from consumer `from` at `now`.
+    pub fn handle(&mut self, from: &str, msg: ToProducer, now: Duration) -> Vec<ProducerAction> {
+        let request = msg.request().to_string();
+        match msg {
+            ToProducer::Heartbeat { .. } | ToProducer::Want { .. } => {
+                match self.ledger.heartbeat(&request, from, now) {
+                    Ok(left) => {
+                        let Some(h) = self.held.get_mut(&request) else {
+                            return self.freed_now();
+                        };
+                        if !h.holders.iter().any(|c| c == from) {
+                            h.holders.push(from.to_string());
+                        }
+                        let lease = ToConsumer::Lease {
+                            request: request.clone(),
+                            ms: left.as_millis() as u64,
+                            ready: h.ready_layers(),
+                        };
+                        match msg {
+                            ToProducer::Want { want, .. }
+                                if !h.pushers.iter().any(|c| c == from) =>
+                            {
+                                vec![ProducerAction::StartPush {
+                                    reader: from.to_string(),
+                                    request,
+                                    want,
+                                    lease,
+                                }]
+                            }
+                            _ => vec![ProducerAction::Send {
+                                to: from.to_string(),
+                                msg: lease,
+                            }],
+                        }
+                    }
+                    Err(e) => {
+                        let mut out = self.freed_now();
+                        out.push(ProducerAction::Send {
+                            to: from.to_string(),
+                            msg: ToConsumer::Refused {
+                                request,
+                                kind: Some(Refusal::of(&e)),
+                                why: e.to_string(),
+                            },
+                        });
+                        out
+                    }
+                }
+            }
+            ToProducer::Ack { .. } => match self.ledger.ack(&request, from, now) {
+                Ok(Some(f)) => {
+                    self.held.remove(&request);
+                    let mut out = self.freed_now();
+                    out.push(ProducerAction::Freed(f));
+                    out
+                }
+                Ok(None) => Vec::new(),
+                // An ack for something not held (expired, duplicate): nothing to free.
+                Err(_) => self.freed_now(),
+            },
+        }
+    }
+
+    /// The push target of `reader` for `request` is built (it is not asked for again).
+    pub fn push_accepted(&mut self, request: &str, reader: &str) {
+        if let Some(h) = self.held.get_mut(request) {
+            if !h.pushers.iter().any(|c| c == reader) {
+                h.pushers.push(reader.to_string());
+            }
+        }
+    }
+
+    /// Frees every request whose lease ended by `now`.
+    pub fn tick(&mut self, now: Duration) -> Vec<Freed> {
+        let mut freed = self.ledger.tick(now);
+        freed.extend(self.ledger.take_pending());
+        for f in &freed {
+            self.held.remove(&f.request);
+        }
+        freed
+    }
+
+    /// The earliest lease end, for scheduling the next tick.
+    pub fn next_expiry(&self) -> Option<Duration> {
+        self.ledger.next_expiry()
+    }
+
+    /// Requests held now.
+    pub fn held(&self) -> usize {
+        self.ledger.held()
+    }
+
+    /// Expiries the ledger noticed while answering, as actions.
+    fn freed_now(&mut self) -> Vec<ProducerAction> {
+        let freed = self.ledger.take_pending();
+        freed
+            .into_iter()
+            .map(|f| {
+                self.held.remove(&f.request);
+                ProducerAction::Freed(f)
+            })
+            .collect()
+    }
+}
+
+/// What a message did to a load ([`LoadProtocol::handle`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LoadEvent {
+    /// Nothing changed (a foreign sender, a refusal inside the grace period, a duplicate).
+    Ignored,
+    /// The lease or the count of ready layers changed: more layers may be read now.
+    Progress,
+    /// Push: this layer's data has landed.
+    Landed(usize),
+    /// The producer refused: the load has failed, for this reason.
+    Failed(String),
+}
+
+/// One consumer load's protocol state.
+#[derive(Clone, Debug)]
+pub struct LoadProtocol {
+    request: String,
+    producer: String,
+    mode: Mode,
+    /// Push: the blocks to send until the producer answers.
+    want: Option<PushWant>,
+    /// Until when reads are safe (the producer's lease less a margin).
+    lease_until: Option<Duration>,
+    ready: usize,
+    loaded: Vec<bool>,
+    started: Duration,
+    last_hb: Duration,
+}
+
+impl LoadProtocol {
+    /// A load of `request` from `producer` into `layers` layers, started at `now`, with the
+    /// first message to send. `want`: push mode's blocks (ignored for pull). `nothing`: no
+    /// block moves (a fully cached prompt): the load is complete and the message an
+    /// acknowledgement.
+    pub fn start(
+        request: &str,
+        producer: &str,
+        mode: Mode,
+        layers: usize,
+        want: Option<PushWant>,
+        nothing: bool,
+        now: Duration,
+    ) -> (LoadProtocol, ToProducer) {
+        let p = LoadProtocol {
+            request: request.to_string(),
+            producer: producer.to_string(),
+            mode,
+            want: if mode == Mode::Push { want } else { None },
+            lease_until: None,
+            ready: 0,
+            loaded: vec![nothing; layers],
+            started: now,
+            last_hb: now,
+        };
+        let first = if nothing { p.ack() } else { p.renewal() };
+        (p, first)
+    }
+
+    /// The producer.
+    pub fn producer(&self) -> &str {
+        &self.producer
+    }
+
+    /// Pull or push.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// Until when reads are safe, once a lease came.
+    pub fn lease_until(&self) -> Option<Duration> {
+        self.lease_until
+    }
+
+    /// Layers the producer has computed.
+    pub fn ready(&self) -> usize {
+        self.ready
+    }
+
+    /// Whether layer `layer` is in local memory.
+    pub fn loaded(&self, layer: usize) -> bool {
+        self.loaded.get(layer).copied().unwrap_or(false)
+    }
+
+    /// Whether every layer is in local memory.
+    pub fn complete(&self) -> bool {
+        self.loaded.iter().all(|&x| x)
+    }
+
+    /// Pull: the read of `layer` has completed.
+    pub fn mark_loaded(&mut self, layer: usize) {
+        if let Some(s) = self.loaded.get_mut(layer) {
+            *s = true;
+        }
+    }
+
+    /// The acknowledgement that releases the producer's blocks for this reader.
+    pub fn ack(&self) -> ToProducer {
+        ToProducer::Ack {
+            request: self.request.clone(),
+        }
+    }
+
+    /// A message from `from` about this load, at `now`.
+    pub fn handle(&mut self, from: &str, msg: &ToConsumer, now: Duration) -> LoadEvent {
+        if from != self.producer || msg.request() != self.request {
+            return LoadEvent::Ignored;
+        }
+        match msg {
+            ToConsumer::Lease { ms, ready, .. } => {
+                // Keep a margin so a read bounded by the lease ends before the producer frees.
+                let margin = (ms / 10).clamp(1, 500);
+                self.lease_until = Some(now + Duration::from_millis(ms.saturating_sub(margin)));
+                self.ready = self.ready.max(*ready);
+                LoadEvent::Progress
+            }
+            ToConsumer::Ready { ready, .. } => {
+                self.ready = self.ready.max(*ready);
+                LoadEvent::Progress
+            }
+            ToConsumer::Layer { layer, .. } => match self.loaded.get_mut(*layer) {
+                Some(s) if !*s => {
+                    *s = true;
+                    LoadEvent::Landed(*layer)
+                }
+                _ => LoadEvent::Ignored,
+            },
+            ToConsumer::Refused { kind, why, .. } => {
+                if *kind == Some(Refusal::Unknown)
+                    && self.lease_until.is_none()
+                    && now.saturating_sub(self.started) < UNKNOWN_GRACE
+                {
+                    // Not published yet: the next heartbeat asks again.
+                    return LoadEvent::Ignored;
+                }
+                LoadEvent::Failed(why.clone())
+            }
+        }
+    }
+
+    /// The heartbeat to send at `now`, if `period` has passed since the last one: a push load
+    /// repeats its blocks until the producer has answered.
+    pub fn heartbeat_due(&mut self, now: Duration, period: Duration) -> Option<ToProducer> {
+        if now.saturating_sub(self.last_hb) < period {
+            return None;
+        }
+        self.last_hb = now;
+        Some(self.renewal())
+    }
+
+    fn renewal(&self) -> ToProducer {
+        match (&self.want, self.lease_until) {
+            (Some(want), None) => ToProducer::Want {
+                request: self.request.clone(),
+                want: want.clone(),
+            },
+            _ => ToProducer::Heartbeat {
+                request: self.request.clone(),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lifecycle::FreeReason;
+
+    const LEASE: Duration = Duration::from_secs(2);
+    const HB: Duration = Duration::from_millis(500);
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    /// A producer and its consumers wired in memory, with simulated time (quinn's `Pair`):
+    /// messages go through queues, every step advances the clock, nothing sleeps.
+    struct Pair {
+        now: Duration,
+        producer: ProducerCore,
+        loads: Vec<(String, LoadProtocol)>,
+        to_producer: Vec<(String, ToProducer)>,
+        to_consumers: Vec<(String, ToConsumer)>,
+        freed: Vec<Freed>,
+        events: Vec<(String, LoadEvent)>,
+        /// Push targets the shell refuses (e.g. no budget).
+        refuse_pushes: bool,
+        /// Consumers that have stopped (died): their heartbeats no longer go out.
+        dead: Vec<String>,
+    }
+
+    impl Pair {
+        fn new(mode: Mode) -> Pair {
+            Pair {
+                now: Duration::ZERO,
+                producer: ProducerCore::new(LEASE, mode),
+                loads: Vec::new(),
+                to_producer: Vec::new(),
+                to_consumers: Vec::new(),
+                freed: Vec::new(),
+                events: Vec::new(),
+                refuse_pushes: false,
+                dead: Vec::new(),
+            }
+        }
+
+        fn start(&mut self, consumer: &str, request: &str, mode: Mode, want: Option<PushWant>) {
+            let (p, first) =
+                LoadProtocol::start(request, "prefill", mode, 2, want, false, self.now);
+            self.to_producer.push((consumer.to_string(), first));
+            self.loads.push((consumer.to_string(), p));
+        }
+
+        fn load(&self, consumer: &str) -> &LoadProtocol {
+            &self.loads.iter().find(|(c, _)| c == consumer).unwrap().1
+        }
+
+        /// Delivers every queued message, then advances time by `dt` and runs timers.
+        fn step(&mut self, dt: Duration) {
+            while !self.to_producer.is_empty() || !self.to_consumers.is_empty() {
+                for (from, m) in std::mem::take(&mut self.to_producer) {
+                    for a in self.producer.handle(&from, m, self.now) {
+                        match a {
+                            ProducerAction::Send { to, msg } => self.to_consumers.push((to, msg)),
+                            ProducerAction::StartPush {
+                                reader,
+                                request,
+                                lease,
+                                ..
+                            } => {
+                                if self.refuse_pushes {
+                                    self.to_consumers.push((
+                                        reader,
+                                        ToConsumer::Refused {
+                                            request,
+                                            kind: None,
+                                            why: "no budget".into(),
+                                        },
+                                    ));
+                                } else {
+                                    self.producer.push_accepted(&request, &reader);
+                                    self.to_consumers.push((reader, lease));
+                                }
+                            }
+                            ProducerAction::Freed(f) => self.freed.push(f),
+                        }
+                    }
+                }
+                for (to, m) in std::mem::take(&mut self.to_consumers) {
+                    if let Some((_, l)) = self.loads.iter_mut().find(|(c, _)| *c == to) {
+                        let e = l.handle("prefill", &m, self.now);
+                        self.events.push((to, e));
+                    }
+                }
+            }
+            self.now += dt;
+            self.freed.extend(self.producer.tick(self.now));
+            for (c, l) in &mut self.loads {
+                if self.dead.contains(c) {
+                    continue;
+                }
+                if let Some(m) = l.heartbeat_due(self.now, HB) {
+                    self.to_producer.push((c.clone(), m));
+                }
+            }
+        }
+
+        fn drive(&mut self, total: Duration, dt: Duration) {
+            let end = self.now + total;
+            while self.now < end {
+                self.step(dt);
+            }
+        }
+    }
+
+    #[test]
+    fn heartbeats_keep_the_lease_and_the_ack_frees() {
+        let mut p = Pair::new(Mode::Pull);
+        p.producer.publish("r1", vec![1, 2], 1, 2, 2, p.now);
+        p.start("decode", "r1", Mode::Pull, None);
+        p.step(ms(1));
+        let l = p.load("decode");
+        assert_eq!(l.ready(), 2);
+        // The margin: 2000 ms less 200 ms.
+        assert_eq!(l.lease_until(), Some(ms(1800)));
+        // Ten lease lengths of simulated time: heartbeats keep it held.
+        p.drive(LEASE * 10, ms(100));
+        assert!(p.freed.is_empty(), "{:?}", p.freed);
+        assert_eq!(p.producer.held(), 1);
+        assert!(p.load("decode").lease_until().unwrap() > LEASE * 10);
+        let ack = p.load("decode").ack();
+        p.to_producer.push(("decode".into(), ack));
+        p.step(ms(1));
+        assert_eq!(p.freed.len(), 1);
+        assert_eq!(p.freed[0].reason, FreeReason::Acked);
+        assert_eq!(p.freed[0].blocks, vec![1, 2]);
+        assert_eq!(p.producer.held(), 0);
+    }
+
+    #[test]
+    fn a_silent_consumer_s_lease_expires_at_the_lease_length() {
+        let mut p = Pair::new(Mode::Pull);
+        p.producer.publish("r1", vec![7], 1, 2, 2, p.now);
+        p.start("decode", "r1", Mode::Pull, None);
+        p.step(ms(10));
+        p.dead.push("decode".into());
+        // Last renewal at t=0; expiry exactly at the lease length, not before.
+        p.drive(LEASE - ms(20), ms(10));
+        assert!(p.freed.is_empty());
+        p.drive(ms(20), ms(10));
+        assert_eq!(p.freed.len(), 1, "{:?}", p.freed);
+        assert_eq!(p.freed[0].reason, FreeReason::Expired);
+        // A late heartbeat is refused with the reason, and the load fails.
+        p.dead.clear();
+        p.drive(HB, ms(10));
+        assert!(
+            p.events
+                .iter()
+                .any(|(_, e)| matches!(e, LoadEvent::Failed(w) if w.contains("expired"))),
+            "{:?}",
+            p.events
+        );
+    }
+
+    #[test]
+    fn layers_computed_later_reach_every_holder() {
+        let mut p = Pair::new(Mode::Pull);
+        p.producer.publish("r1", vec![1], 2, 2, 0, p.now);
+        p.start("d0", "r1", Mode::Pull, None);
+        p.start("d1", "r1", Mode::Pull, None);
+        p.step(ms(1));
+        assert_eq!(p.load("d0").ready(), 0);
+        for (to, m) in p.producer.layer_done("r1", 0).unwrap() {
+            p.to_consumers.push((to, m));
+        }
+        p.step(ms(1));
+        assert_eq!((p.load("d0").ready(), p.load("d1").ready()), (1, 1));
+        assert_eq!(
+            p.producer.layer_done("r1", 5),
+            Err(LayerError::NoSuchLayer(2))
+        );
+        assert_eq!(p.producer.layer_done("r9", 0), Err(LayerError::NotHeld));
+        // A third reader is one too many.
+        p.start("d2", "r1", Mode::Pull, None);
+        p.step(ms(1));
+        assert!(p
+            .events
+            .iter()
+            .any(|(c, e)| c == "d2" && matches!(e, LoadEvent::Failed(_))));
+        // Both acks are needed to free.
+        for c in ["d0", "d1"] {
+            let ack = p.load(c).ack();
+            p.to_producer.push((c.into(), ack));
+            p.step(ms(1));
+        }
+        assert_eq!(p.freed.len(), 1);
+    }
+
+    #[test]
+    fn unknown_is_retried_within_the_grace_then_fails() {
+        let mut p = Pair::new(Mode::Pull);
+        p.start("decode", "r1", Mode::Pull, None);
+        p.step(ms(1));
+        assert!(p.events.iter().all(|(_, e)| *e == LoadEvent::Ignored));
+        // Published late (the handoff overtook the producer's worker): the next heartbeat
+        // gets the lease.
+        p.producer.publish("r1", vec![3], 1, 2, 2, p.now);
+        p.drive(HB, ms(50));
+        p.step(ms(1));
+        assert!(p.load("decode").lease_until().is_some());
+        // Never published: after the grace, the refusal is final.
+        let mut q = Pair::new(Mode::Pull);
+        q.start("decode", "r2", Mode::Pull, None);
+        q.drive(UNKNOWN_GRACE + HB, ms(100));
+        assert!(q
+            .events
+            .iter()
+            .any(|(_, e)| matches!(e, LoadEvent::Failed(w) if w.contains("r2"))));
+    }
+
+    #[test]
+    fn push_wants_repeat_until_answered_and_a_refused_push_fails_the_load() {
+        let want = PushWant {
+            blocks: vec![4, 5],
+            num_blocks: 8,
+            layers: Vec::new(),
+        };
+        let mut p = Pair::new(Mode::Push);
+        p.start("decode", "r1", Mode::Push, Some(want.clone()));
+        // Not published yet: the want is repeated with each heartbeat.
+        p.drive(HB * 2, ms(50));
+        assert!(p.load("decode").lease_until().is_none());
+        p.producer.publish("r1", vec![1, 2], 1, 2, 2, p.now);
+        p.drive(HB, ms(50));
+        p.step(ms(1));
+        assert!(p.load("decode").lease_until().is_some());
+        // Answered: plain heartbeats from now on, and no second push target.
+        let mut l = p.load("decode").clone();
+        assert!(matches!(
+            l.heartbeat_due(p.now + HB, HB),
+            Some(ToProducer::Heartbeat { .. })
+        ));
+        let again = p.producer.handle(
+            "decode",
+            ToProducer::Want {
+                request: "r1".into(),
+                want: want.clone(),
+            },
+            p.now,
+        );
+        assert!(
+            matches!(again[..], [ProducerAction::Send { .. }]),
+            "{again:?}"
+        );
+        // Layers land out of order, and a duplicate changes nothing.
+        let landed = |l: usize| ToConsumer::Layer {
+            request: "r1".into(),
+            layer: l,
+        };
+        let mut l = p.load("decode").clone();
+        assert_eq!(l.handle("prefill", &landed(1), p.now), LoadEvent::Landed(1));
+        assert!(!l.complete());
+        assert_eq!(l.handle("prefill", &landed(1), p.now), LoadEvent::Ignored);
+        assert_eq!(l.handle("prefill", &landed(0), p.now), LoadEvent::Landed(0));
+        assert!(l.complete());
+        // A refused push target fails the load.
+        let mut q = Pair::new(Mode::Push);
+        q.refuse_pushes = true;
+        q.producer.publish("r1", vec![1, 2], 1, 2, 2, q.now);
+        q.start("decode", "r1", Mode::Push, Some(want));
+        q.step(ms(1));
+        assert!(q
+            .events
+            .iter()
+            .any(|(_, e)| *e == LoadEvent::Failed("no budget".into())));
+    }
+
+    #[test]
+    fn messages_from_others_or_about_other_requests_are_ignored() {
+        let (mut l, first) =
+            LoadProtocol::start("r1", "prefill", Mode::Pull, 1, None, false, ms(0));
+        assert_eq!(
+            first,
+            ToProducer::Heartbeat {
+                request: "r1".into()
+            }
+        );
+        let lease = ToConsumer::Lease {
+            request: "r1".into(),
+            ms: 1000,
+            ready: 1,
+        };
+        assert_eq!(l.handle("mallory", &lease, ms(0)), LoadEvent::Ignored);
+        let other = ToConsumer::Lease {
+            request: "r2".into(),
+            ms: 1000,
+            ready: 1,
+        };
+        assert_eq!(l.handle("prefill", &other, ms(0)), LoadEvent::Ignored);
+        assert_eq!(l.lease_until(), None);
+        // Ready before the lease (reordered): counted, and the lease keeps the larger count.
+        let ready = ToConsumer::Ready {
+            request: "r1".into(),
+            ready: 1,
+        };
+        assert_eq!(l.handle("prefill", &ready, ms(0)), LoadEvent::Progress);
+        let stale = ToConsumer::Lease {
+            request: "r1".into(),
+            ms: 1000,
+            ready: 0,
+        };
+        l.handle("prefill", &stale, ms(5));
+        assert_eq!(l.ready(), 1);
+        assert_eq!(l.lease_until(), Some(ms(5 + 900)));
+        // A fully cached prompt: nothing moves, the first message is the ack.
+        let (l, first) = LoadProtocol::start("r3", "prefill", Mode::Pull, 2, None, true, ms(0));
+        assert!(l.complete());
+        assert_eq!(
+            first,
+            ToProducer::Ack {
+                request: "r3".into()
+            }
+        );
+    }
+
+    #[test]
+    fn abort_frees_and_refuses_later_heartbeats() {
+        let mut c = ProducerCore::new(LEASE, Mode::Pull);
+        c.publish("r1", vec![1], 1, 1, 1, ms(0));
+        let f = c.abort("r1").unwrap();
+        assert_eq!(f.reason, FreeReason::Aborted);
+        let out = c.handle(
+            "d",
+            ToProducer::Heartbeat {
+                request: "r1".into(),
+            },
+            ms(1),
+        );
+        assert!(
+            matches!(
+                &out[..],
+                [ProducerAction::Send {
+                    msg: ToConsumer::Refused {
+                        kind: Some(Refusal::Aborted),
+                        ..
+                    },
+                    ..
+                }]
+            ),
+            "{out:?}"
+        );
+        assert!(c
+            .handle(
+                "d",
+                ToProducer::Ack {
+                    request: "r1".into()
+                },
+                ms(2)
+            )
+            .is_empty());
+    }
+}

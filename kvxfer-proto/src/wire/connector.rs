@@ -1,0 +1,524 @@
+//! The connector's messages: the [`Handoff`] a producer gives the engine's router, and the
+//! typed control messages producer and consumer exchange as kvxfer notifications (a 4-byte
+//! tag, [`TAG_TO_PRODUCER`] or [`TAG_TO_CONSUMER`], then a JSON object whose `"t"` names the
+//! kind). Each has a paired encoder and decoder; JSON keys are written in sorted order, as the
+//! first release wrote them.
+
+use std::net::SocketAddr;
+
+use serde_json::{json, Map, Value};
+
+use crate::error::{Error, Result};
+use crate::layout::LayerBase;
+use crate::lifecycle::LeaseError;
+use crate::types::RegionId;
+use crate::wire::notify::{TAG_TO_CONSUMER, TAG_TO_PRODUCER};
+
+/// Largest handoff accepted.
+pub const MAX_HANDOFF: usize = 16 << 20;
+/// Handoff format version.
+pub const HANDOFF_VERSION: u64 = 1;
+
+/// Who moves the bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// The consumer READs from the producer.
+    Pull,
+    /// The producer WRITEs into the consumer's blocks.
+    Push,
+}
+
+/// What a consumer needs to load a request: vLLM's `kv_transfer_params`. Travels through the
+/// engine's router as bytes ([`Handoff::encode`], JSON).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Handoff {
+    /// The request.
+    pub request: String,
+    /// The producer's agent name.
+    pub producer: String,
+    /// The producer's side channel, to exchange metadata if not done yet.
+    pub side_channel: Option<SocketAddr>,
+    /// The producer's blocks holding the prompt's KV, in token order.
+    pub blocks: Vec<u32>,
+    /// Prompt tokens.
+    pub tokens: u64,
+    /// The producer's [`crate::layout::KvLayout::compat_hash`].
+    pub compat: u64,
+    /// The producer's KV heads.
+    pub kv_heads: u64,
+    /// Blocks per layer tensor on the producer.
+    pub num_blocks: u64,
+    /// The producer's per-layer tensors.
+    pub layers: Vec<LayerBase>,
+    /// Pull or push.
+    pub mode: Mode,
+}
+
+fn base_json(b: &LayerBase) -> Value {
+    match b.v {
+        Some(v) => json!([b.k.0 .0, b.k.1, v.0 .0, v.1]),
+        None => json!([b.k.0 .0, b.k.1]),
+    }
+}
+
+fn base_from(v: &Value) -> Option<LayerBase> {
+    let a = v.as_array()?;
+    let u = |i: usize| a.get(i).and_then(Value::as_u64);
+    let k = (RegionId(u32::try_from(u(0)?).ok()?), u(1)?);
+    let v = match a.len() {
+        2 => None,
+        4 => Some((RegionId(u32::try_from(u(2)?).ok()?), u(3)?)),
+        _ => return None,
+    };
+    Some(LayerBase { k, v })
+}
+
+fn bases_from(v: &Value) -> Option<Vec<LayerBase>> {
+    v.as_array()?.iter().map(base_from).collect()
+}
+
+fn u32_list(v: &Value) -> Option<Vec<u32>> {
+    v.as_array()?
+        .iter()
+        .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
+        .collect()
+}
+
+impl Handoff {
+    /// JSON bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        json!({
+            "v": HANDOFF_VERSION,
+            "request": self.request,
+            "producer": self.producer,
+            "side_channel": self.side_channel.map(|a| a.to_string()),
+            "blocks": self.blocks,
+            "tokens": self.tokens,
+            "compat": format!("{:016x}", self.compat),
+            "kv_heads": self.kv_heads,
+            "num_blocks": self.num_blocks,
+            "layers": self.layers.iter().map(base_json).collect::<Vec<_>>(),
+            "mode": if self.mode == Mode::Pull { "pull" } else { "push" },
+        })
+        .to_string()
+        .into_bytes()
+    }
+
+    /// Parses and checks [`Handoff::encode`]'s output.
+    pub fn decode(b: &[u8]) -> Result<Handoff> {
+        let bad = |why: &str| Error::InvalidArgument(format!("handoff: {why}"));
+        if b.len() > MAX_HANDOFF {
+            return Err(bad("larger than 16 MiB"));
+        }
+        let v: Value = serde_json::from_slice(b).map_err(|e| bad(&e.to_string()))?;
+        if v["v"] != HANDOFF_VERSION {
+            return Err(bad("unknown version"));
+        }
+        let s = |k: &str| v[k].as_str().map(str::to_string).ok_or_else(|| bad(k));
+        let n = |k: &str| v[k].as_u64().ok_or_else(|| bad(k));
+        let side_channel = match &v["side_channel"] {
+            Value::Null => None,
+            Value::String(a) => Some(a.parse().map_err(|_| bad("side_channel"))?),
+            _ => return Err(bad("side_channel")),
+        };
+        let layers = bases_from(&v["layers"]).ok_or_else(|| bad("layers"))?;
+        let request = s("request")?;
+        let producer = s("producer")?;
+        if request.is_empty() || producer.is_empty() {
+            return Err(bad("empty request or producer"));
+        }
+        Ok(Handoff {
+            request,
+            producer,
+            side_channel,
+            blocks: u32_list(&v["blocks"]).ok_or_else(|| bad("blocks"))?,
+            tokens: n("tokens")?,
+            compat: u64::from_str_radix(&s("compat")?, 16).map_err(|_| bad("compat"))?,
+            kv_heads: n("kv_heads")?,
+            num_blocks: n("num_blocks")?,
+            layers,
+            mode: match s("mode")?.as_str() {
+                "pull" => Mode::Pull,
+                "push" => Mode::Push,
+                _ => return Err(bad("mode")),
+            },
+        })
+    }
+}
+
+/// A push consumer's blocks: where the producer WRITEs each layer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PushWant {
+    /// The consumer's blocks, paired with the producer's last `blocks.len()`.
+    pub blocks: Vec<u32>,
+    /// Blocks per layer tensor on the consumer.
+    pub num_blocks: u64,
+    /// The consumer's per-layer tensors.
+    pub layers: Vec<LayerBase>,
+}
+
+/// Messages to a producer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ToProducer {
+    /// "Still reading `request`": renews the reader's lease (`hb`).
+    Heartbeat {
+        /// The request.
+        request: String,
+    },
+    /// A push consumer's first message, repeated until a lease comes back: its blocks
+    /// (`want`). Renews the lease as a heartbeat does.
+    Want {
+        /// The request.
+        request: String,
+        /// Where to write.
+        want: PushWant,
+    },
+    /// "Done with `request`'s blocks" (`ack`): the last reader's frees them.
+    Ack {
+        /// The request.
+        request: String,
+    },
+}
+
+/// Why a producer refused a consumer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The producer holds no such request (maybe not published yet).
+    Unknown,
+    /// The lease ran out and the blocks were freed.
+    Expired,
+    /// The producer aborted the request.
+    Aborted,
+    /// More readers than the request was published for.
+    Readers,
+}
+
+impl Refusal {
+    /// The refusal a lease error means.
+    pub fn of(e: &LeaseError) -> Refusal {
+        match e {
+            LeaseError::Unknown(_) => Refusal::Unknown,
+            LeaseError::Expired(_) => Refusal::Expired,
+            LeaseError::Aborted(_) => Refusal::Aborted,
+            LeaseError::TooManyReaders { .. } => Refusal::Readers,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Refusal::Unknown => "unknown",
+            Refusal::Expired => "expired",
+            Refusal::Aborted => "aborted",
+            Refusal::Readers => "readers",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Refusal> {
+        [
+            Refusal::Unknown,
+            Refusal::Expired,
+            Refusal::Aborted,
+            Refusal::Readers,
+        ]
+        .into_iter()
+        .find(|r| r.name() == s)
+    }
+}
+
+/// Messages to a consumer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ToConsumer {
+    /// The reader's lease: valid `ms` from now; `ready` layers are computed (`lease`).
+    Lease {
+        /// The request.
+        request: String,
+        /// Milliseconds left.
+        ms: u64,
+        /// Layers computed, from layer 0.
+        ready: usize,
+    },
+    /// More layers are computed (`ready`).
+    Ready {
+        /// The request.
+        request: String,
+        /// Layers computed, from layer 0.
+        ready: usize,
+    },
+    /// Push: layer `layer` has landed in the consumer's blocks (`layer`; sent as the
+    /// notification of that layer's WRITE, so it arrives after the data).
+    Layer {
+        /// The request.
+        request: String,
+        /// The layer.
+        layer: usize,
+    },
+    /// The producer will not serve the request (`refused`).
+    Refused {
+        /// The request.
+        request: String,
+        /// Why, where it is a lease matter (none: the push request itself was refused).
+        kind: Option<Refusal>,
+        /// The producer's words.
+        why: String,
+    },
+}
+
+impl ToProducer {
+    /// The request the message is about.
+    pub fn request(&self) -> &str {
+        match self {
+            ToProducer::Heartbeat { request }
+            | ToProducer::Want { request, .. }
+            | ToProducer::Ack { request } => request,
+        }
+    }
+
+    /// The notification payload: tag and JSON.
+    pub fn encode(&self) -> Vec<u8> {
+        let v = match self {
+            ToProducer::Heartbeat { request } => json!({"t": "hb", "r": request}),
+            ToProducer::Ack { request } => json!({"t": "ack", "r": request}),
+            ToProducer::Want { request, want } => json!({
+                "t": "want", "r": request, "blocks": want.blocks,
+                "nb": want.num_blocks,
+                "layers": want.layers.iter().map(base_json).collect::<Vec<_>>(),
+            }),
+        };
+        tagged(TAG_TO_PRODUCER, &v)
+    }
+
+    /// Parses a notification payload; `Err` says what is malformed.
+    pub fn decode(payload: &[u8]) -> std::result::Result<ToProducer, String> {
+        let (kind, request, v) = untag(TAG_TO_PRODUCER, payload)?;
+        match kind.as_str() {
+            "hb" => Ok(ToProducer::Heartbeat { request }),
+            "ack" => Ok(ToProducer::Ack { request }),
+            "want" => {
+                let want = PushWant {
+                    blocks: u32_list(&v["blocks"]).ok_or("want: blocks")?,
+                    num_blocks: v["nb"].as_u64().ok_or("want: nb")?,
+                    layers: bases_from(&v["layers"]).ok_or("want: layers")?,
+                };
+                Ok(ToProducer::Want { request, want })
+            }
+            other => Err(format!("unknown message {other:?} to a producer")),
+        }
+    }
+}
+
+impl ToConsumer {
+    /// The request the message is about.
+    pub fn request(&self) -> &str {
+        match self {
+            ToConsumer::Lease { request, .. }
+            | ToConsumer::Ready { request, .. }
+            | ToConsumer::Layer { request, .. }
+            | ToConsumer::Refused { request, .. } => request,
+        }
+    }
+
+    /// The notification payload: tag and JSON.
+    pub fn encode(&self) -> Vec<u8> {
+        let v = match self {
+            ToConsumer::Lease { request, ms, ready } => {
+                json!({"t": "lease", "r": request, "ms": ms, "n": ready})
+            }
+            ToConsumer::Ready { request, ready } => json!({"t": "ready", "r": request, "n": ready}),
+            ToConsumer::Layer { request, layer } => json!({"t": "layer", "r": request, "l": layer}),
+            ToConsumer::Refused { request, kind, why } => {
+                let mut m = Map::new();
+                m.insert("t".into(), "refused".into());
+                m.insert("r".into(), request.as_str().into());
+                if let Some(k) = kind {
+                    m.insert("kind".into(), k.name().into());
+                }
+                m.insert("why".into(), why.as_str().into());
+                Value::Object(m)
+            }
+        };
+        tagged(TAG_TO_CONSUMER, &v)
+    }
+
+    /// Parses a notification payload; `Err` says what is malformed.
+    pub fn decode(payload: &[u8]) -> std::result::Result<ToConsumer, String> {
+        let (kind, request, v) = untag(TAG_TO_CONSUMER, payload)?;
+        let count = |k: &str| {
+            v[k].as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .ok_or(format!("{kind}: {k}"))
+        };
+        match kind.as_str() {
+            "lease" => Ok(ToConsumer::Lease {
+                request,
+                ms: v["ms"].as_u64().ok_or("lease: ms")?,
+                ready: count("n")?,
+            }),
+            "ready" => Ok(ToConsumer::Ready {
+                request,
+                ready: count("n")?,
+            }),
+            "layer" => Ok(ToConsumer::Layer {
+                request,
+                layer: count("l")?,
+            }),
+            "refused" => Ok(ToConsumer::Refused {
+                request,
+                kind: match &v["kind"] {
+                    Value::Null => None,
+                    Value::String(s) => Some(Refusal::parse(s).ok_or("refused: kind")?),
+                    _ => return Err("refused: kind".into()),
+                },
+                why: v["why"].as_str().unwrap_or("refused").to_string(),
+            }),
+            other => Err(format!("unknown message {other:?} to a consumer")),
+        }
+    }
+}
+
+fn tagged(tag: &[u8; 4], v: &Value) -> Vec<u8> {
+    let mut b = tag.to_vec();
+    b.extend_from_slice(v.to_string().as_bytes());
+    b
+}
+
+/// The kind, the request and the object of a tagged message.
+fn untag(tag: &[u8; 4], payload: &[u8]) -> std::result::Result<(String, String, Value), String> {
+    let body = payload.strip_prefix(tag).ok_or("wrong tag")?;
+    let v: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    let kind = v["t"].as_str().ok_or("no message kind")?.to_string();
+    let request = v["r"].as_str().ok_or("no request")?.to_string();
+    Ok((kind, request, v))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn bases() -> impl Strategy<Value = Vec<LayerBase>> {
+        proptest::collection::vec(
+            (
+                any::<u32>(),
+                any::<u64>(),
+                proptest::option::of((any::<u32>(), any::<u64>())),
+            ),
+            0..4,
+        )
+        .prop_map(|v| {
+            v.into_iter()
+                .map(|(k, ko, vv)| LayerBase {
+                    k: (RegionId(k), ko),
+                    v: vv.map(|(r, o)| (RegionId(r), o)),
+                })
+                .collect()
+        })
+    }
+
+    #[test]
+    fn handoff_roundtrip_and_refusals() {
+        let h = Handoff {
+            request: "req-1".into(),
+            producer: "prefill-0".into(),
+            side_channel: Some("198.18.0.1:4000".parse().unwrap()),
+            blocks: vec![5, 9, 2],
+            tokens: 40,
+            compat: 0xdead_beef_0000_0001,
+            kv_heads: 8,
+            num_blocks: 100,
+            layers: vec![
+                LayerBase {
+                    k: (RegionId(1), 0),
+                    v: Some((RegionId(1), 4096)),
+                },
+                LayerBase {
+                    k: (RegionId(2), 8),
+                    v: None,
+                },
+            ],
+            mode: Mode::Push,
+        };
+        assert_eq!(Handoff::decode(&h.encode()).unwrap(), h);
+        assert!(Handoff::decode(b"{").is_err());
+        assert!(Handoff::decode(b"{\"v\":2}").is_err());
+        let mut j: Value = serde_json::from_slice(&h.encode()).unwrap();
+        j["blocks"] = json!([1, -1]);
+        assert!(Handoff::decode(j.to_string().as_bytes()).is_err());
+        j["blocks"] = json!([1, 5_000_000_000u64]);
+        assert!(Handoff::decode(j.to_string().as_bytes()).is_err());
+    }
+
+    #[test]
+    fn the_bytes_are_the_first_release_s() {
+        // What the untyped encoder of the first release put on the wire.
+        let hb = ToProducer::Heartbeat {
+            request: "r1".into(),
+        };
+        assert_eq!(hb.encode(), b"KXCP{\"r\":\"r1\",\"t\":\"hb\"}");
+        let lease = ToConsumer::Lease {
+            request: "r1".into(),
+            ms: 250,
+            ready: 3,
+        };
+        assert_eq!(
+            lease.encode(),
+            b"KXCC{\"ms\":250,\"n\":3,\"r\":\"r1\",\"t\":\"lease\"}"
+        );
+        let refused = ToConsumer::Refused {
+            request: "r1".into(),
+            kind: Some(Refusal::Expired),
+            why: "w".into(),
+        };
+        assert_eq!(
+            refused.encode(),
+            b"KXCC{\"kind\":\"expired\",\"r\":\"r1\",\"t\":\"refused\",\"why\":\"w\"}"
+        );
+    }
+
+    #[test]
+    fn foreign_and_malformed_messages_are_errors() {
+        assert!(ToProducer::decode(b"KXCC{\"t\":\"hb\",\"r\":\"x\"}").is_err());
+        assert!(ToProducer::decode(b"KXCP{\"t\":\"lease\",\"r\":\"x\"}").is_err());
+        assert!(ToProducer::decode(b"KXCP{\"t\":\"hb\"}").is_err());
+        assert!(ToProducer::decode(b"KXCP{\"t\":\"want\",\"r\":\"x\",\"blocks\":[-1]}").is_err());
+        assert!(ToConsumer::decode(b"KXCC{\"t\":\"lease\",\"r\":\"x\"}").is_err());
+        assert!(
+            ToConsumer::decode(b"KXCC{\"t\":\"refused\",\"r\":\"x\",\"kind\":\"odd\"}").is_err()
+        );
+        assert!(ToConsumer::decode(b"KXCC[").is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn to_producer_roundtrip(request in ".{1,16}", kind in 0..3u8,
+                                 blocks in proptest::collection::vec(any::<u32>(), 0..8),
+                                 num_blocks in any::<u64>(), layers in bases()) {
+            let m = match kind {
+                0 => ToProducer::Heartbeat { request },
+                1 => ToProducer::Ack { request },
+                _ => ToProducer::Want { request, want: PushWant { blocks, num_blocks, layers } },
+            };
+            prop_assert_eq!(ToProducer::decode(&m.encode()), Ok(m));
+        }
+
+        #[test]
+        fn to_consumer_roundtrip(request in ".{1,16}", kind in 0..5u8, n in any::<u32>(),
+                                 ms in any::<u64>(), why in ".{0,16}") {
+            let n = n as usize;
+            let m = match kind {
+                0 => ToConsumer::Lease { request, ms, ready: n },
+                1 => ToConsumer::Ready { request, ready: n },
+                2 => ToConsumer::Layer { request, layer: n },
+                3 => ToConsumer::Refused { request, kind: None, why },
+                _ => ToConsumer::Refused { request, kind: Some(Refusal::Readers), why },
+            };
+            prop_assert_eq!(ToConsumer::decode(&m.encode()), Ok(m));
+        }
+
+        #[test]
+        fn decoders_never_panic(b in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let _ = ToProducer::decode(&b);
+            let _ = ToConsumer::decode(&b);
+            let _ = Handoff::decode(&b);
+        }
+    }
+}

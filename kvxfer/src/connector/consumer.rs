@@ -1,0 +1,562 @@
+//! The decode side's shell: loads, pull reads bounded by the lease, the control-message
+//! thread.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::{add_stats, lock, send, state_charge, ConnectorConfig, Handoff, Mode};
+use crate::agent::Agent;
+use crate::budget::{Charge, MemoryBudget};
+use crate::telemetry::{RequestStats, Telemetry};
+use crate::transfer::Transfer;
+use kvxfer_proto::connector::{LoadEvent, LoadProtocol};
+use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::layout::KvLayout;
+use kvxfer_proto::types::XferOp;
+use kvxfer_proto::wire::connector::{PushWant, ToConsumer};
+use kvxfer_proto::wire::notify::Notification;
+
+/// A load that failed, and the local blocks that do not hold valid KV because of it.
+#[derive(Debug)]
+pub struct LoadFailure {
+    /// The request.
+    pub request: String,
+    /// Why.
+    pub error: Error,
+    /// Local blocks whose content is invalid (the ones that were to be loaded; blocks of a
+    /// cached prefix stay valid).
+    pub invalid_blocks: Vec<u32>,
+}
+
+struct Load {
+    h: Handoff,
+    remote: KvLayout,
+    local_blocks: Vec<u32>,
+    skip: usize,
+    /// The protocol: lease, ready and landed layers, heartbeats.
+    proto: LoadProtocol,
+    posted: usize,
+    inflight: Vec<(usize, Transfer)>,
+    started: Instant,
+    bytes: u64,
+    descs: u64,
+    post: Duration,
+    xfer: Duration,
+    _charge: Charge,
+}
+
+enum Ended {
+    Ok,
+    Failed(String),
+}
+
+struct CState {
+    loads: HashMap<String, Load>,
+    finished: Vec<RequestStats>,
+    failed: Vec<LoadFailure>,
+    ended: HashMap<String, Ended>,
+    ended_order: std::collections::VecDeque<String>,
+    stop: bool,
+}
+
+struct CShared {
+    agent: Arc<Agent>,
+    t0: Instant,
+    layout: KvLayout,
+    cfg: ConnectorConfig,
+    st: Mutex<CState>,
+    cv: Condvar,
+    tel: Telemetry,
+}
+
+/// The decode side. See the module docs.
+pub struct Consumer {
+    sh: Arc<CShared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Consumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer")
+            .field("agent", &self.sh.agent.name())
+            .finish()
+    }
+}
+
+impl Consumer {
+    /// A consumer over `agent`, whose registered cache `layout` describes.
+    pub fn new(agent: Arc<Agent>, layout: KvLayout, cfg: ConnectorConfig) -> Result<Consumer> {
+        let sh = Arc::new(CShared {
+            agent,
+            t0: Instant::now(),
+            layout,
+            cfg,
+            st: Mutex::new(CState {
+                loads: HashMap::new(),
+                finished: Vec::new(),
+                failed: Vec::new(),
+                ended: HashMap::new(),
+                ended_order: Default::default(),
+                stop: false,
+            }),
+            cv: Condvar::new(),
+            tel: Telemetry::new("consumer"),
+        });
+        let s2 = sh.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("kvxfer-consumer-{}", sh.agent.name()))
+            .spawn(move || consumer_loop(&s2))
+            .map_err(|e| Error::io("spawning the consumer thread", e))?;
+        Ok(Consumer {
+            sh,
+            thread: Some(thread),
+        })
+    }
+
+    /// Starts loading `handoff` into `local_blocks`. `local_blocks` pairs with the *last*
+    /// `local_blocks.len()` of the producer's blocks: the consumer already holds the blocks
+    /// before them (a cached prefix) and only these move. Empty: nothing moves, the producer
+    /// is only told it may free its blocks. Waits for budget (backpressure) up to
+    /// `budget_wait`.
+    pub fn start_load(&self, h: &Handoff, local_blocks: &[u32]) -> Result<()> {
+        let sh = &self.sh;
+        let heads = sh.cfg.heads.clone().unwrap_or(0..h.kv_heads);
+        let want_layout = KvLayout {
+            geometry: kvxfer_proto::layout::KvGeometry {
+                kv_heads: h.kv_heads,
+                ..sh.layout.geometry.clone()
+            },
+            ..sh.layout.clone()
+        };
+        if want_layout.compat_hash() != h.compat {
+            return Err(Error::Handoff {
+                request: h.request.clone(),
+                why: "the producer's KV layout (layers, head size, dtype, block size, packing, \
+                      order) differs from this consumer's"
+                    .into(),
+            });
+        }
+        if heads.start >= heads.end
+            || heads.end > h.kv_heads
+            || heads.end - heads.start != sh.layout.geometry.kv_heads
+        {
+            return Err(Error::Handoff {
+                request: h.request.clone(),
+                why: format!(
+                    "reading heads {heads:?} of the producer's {} into a cache of {} heads",
+                    h.kv_heads, sh.layout.geometry.kv_heads
+                ),
+            });
+        }
+        if local_blocks.len() > h.blocks.len() || h.layers.len() != sh.layout.layers.len() {
+            return Err(Error::InvalidArgument(format!(
+                "load {:?}: {} local blocks for {} published, {} layers for {}",
+                h.request,
+                local_blocks.len(),
+                h.blocks.len(),
+                sh.layout.layers.len(),
+                h.layers.len()
+            )));
+        }
+        if let Some(&b) = local_blocks
+            .iter()
+            .find(|&&b| u64::from(b) >= sh.layout.num_blocks)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "load {:?}: local block {b} of {}",
+                h.request, sh.layout.num_blocks
+            )));
+        }
+        if lock(&sh.st).loads.contains_key(&h.request) {
+            return Err(Error::InvalidArgument(format!(
+                "load {:?} is already in progress",
+                h.request
+            )));
+        }
+        if sh.agent.peer_info(&h.producer).is_err() {
+            let addr = h.side_channel.ok_or_else(|| Error::UnknownPeer {
+                agent: h.producer.clone(),
+            })?;
+            let got = sh.agent.connect(addr)?;
+            if got != h.producer {
+                return Err(Error::Handoff {
+                    request: h.request.clone(),
+                    why: format!("{addr} is {got:?}, not the producer {:?}", h.producer),
+                });
+            }
+        }
+        let nl = sh.layout.layers.len();
+        let descs = (local_blocks.len() * nl * sh.layout.tensors_per_layer()) as u64;
+        let charge = state_charge(&sh.cfg.budget, descs, "load state", sh.cfg.budget_wait)?;
+        let skip = h.blocks.len() - local_blocks.len();
+        let remote = KvLayout {
+            geometry: want_layout.geometry.clone(),
+            num_blocks: h.num_blocks,
+            layers: h.layers.clone(),
+            ..sh.layout.clone()
+        };
+        let want = PushWant {
+            blocks: local_blocks.to_vec(),
+            num_blocks: sh.layout.num_blocks,
+            layers: sh.layout.layers.clone(),
+        };
+        let (proto, first) = LoadProtocol::start(
+            &h.request,
+            &h.producer,
+            h.mode,
+            nl,
+            Some(want),
+            local_blocks.is_empty(),
+            sh.t0.elapsed(),
+        );
+        let load = Load {
+            h: h.clone(),
+            remote,
+            local_blocks: local_blocks.to_vec(),
+            skip,
+            proto,
+            posted: 0,
+            inflight: Vec::new(),
+            started: Instant::now(),
+            bytes: 0,
+            descs: 0,
+            post: Duration::ZERO,
+            xfer: Duration::ZERO,
+            _charge: charge,
+        };
+        lock(&sh.st).loads.insert(h.request.clone(), load);
+        send(&sh.agent, &h.producer, &first.encode());
+        if local_blocks.is_empty() {
+            let mut st = lock(&sh.st);
+            finish(sh, &mut st, &h.request);
+            drop(st);
+            sh.cv.notify_all();
+        }
+        Ok(())
+    }
+
+    /// Waits until layer `layer` of `request` is in local memory.
+    pub fn wait_layer(&self, request: &str, layer: usize, timeout: Duration) -> Result<()> {
+        self.wait_until(request, timeout, |l| l.proto.loaded(layer))
+    }
+
+    /// Waits until `request` is loaded completely.
+    pub fn wait(&self, request: &str, timeout: Duration) -> Result<()> {
+        self.wait_until(request, timeout, |_| false)
+    }
+
+    fn wait_until(
+        &self,
+        request: &str,
+        timeout: Duration,
+        f: impl Fn(&Load) -> bool,
+    ) -> Result<()> {
+        let end = Instant::now() + timeout;
+        let mut st = lock(&self.sh.st);
+        loop {
+            match (st.loads.get(request), st.ended.get(request)) {
+                (Some(l), _) if f(l) => return Ok(()),
+                (Some(_), _) => {}
+                (None, Some(Ended::Ok)) => return Ok(()),
+                (None, Some(Ended::Failed(why))) => {
+                    return Err(Error::Handoff {
+                        request: request.to_string(),
+                        why: why.clone(),
+                    })
+                }
+                (None, None) => {
+                    return Err(Error::Handoff {
+                        request: request.to_string(),
+                        why: "no load of this request was started".into(),
+                    })
+                }
+            }
+            let now = Instant::now();
+            if now >= end {
+                return Err(Error::WaitTimeout(timeout));
+            }
+            st = self
+                .sh
+                .cv
+                .wait_timeout(st, end - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Loads completed since the last call, with their figures.
+    pub fn take_finished(&self) -> Vec<RequestStats> {
+        std::mem::take(&mut lock(&self.sh.st).finished)
+    }
+
+    /// The figures of one finished load (taken out of [`Consumer::take_finished`]'s list).
+    pub fn take_stats(&self, request: &str) -> Option<RequestStats> {
+        let mut st = lock(&self.sh.st);
+        let i = st.finished.iter().position(|s| s.request == request)?;
+        Some(st.finished.remove(i))
+    }
+
+    /// The oldest finished load, if `fits` accepts it (else it stays queued).
+    pub fn take_finished_one(&self, fits: impl Fn(&RequestStats) -> bool) -> Option<RequestStats> {
+        let mut st = lock(&self.sh.st);
+        if !fits(st.finished.first()?) {
+            return None;
+        }
+        Some(st.finished.remove(0))
+    }
+
+    /// The oldest failed load, if `fits` accepts it (else it stays queued).
+    pub fn take_failed_one(&self, fits: impl Fn(&LoadFailure) -> bool) -> Option<LoadFailure> {
+        let mut st = lock(&self.sh.st);
+        if !fits(st.failed.first()?) {
+            return None;
+        }
+        Some(st.failed.remove(0))
+    }
+
+    /// Loads failed since the last call, with the local blocks that are invalid.
+    pub fn take_failed(&self) -> Vec<LoadFailure> {
+        std::mem::take(&mut lock(&self.sh.st).failed)
+    }
+
+    /// Loads in progress.
+    pub fn in_progress(&self) -> usize {
+        lock(&self.sh.st).loads.len()
+    }
+
+    /// Aggregate telemetry.
+    pub fn telemetry(&self) -> &Telemetry {
+        &self.sh.tel
+    }
+
+    /// The budget request state is charged to.
+    pub fn budget(&self) -> &MemoryBudget {
+        &self.sh.cfg.budget
+    }
+}
+
+impl Drop for Consumer {
+    fn drop(&mut self) {
+        lock(&self.sh.st).stop = true;
+        self.sh.cv.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+const ENDED_MEMORY: usize = 4096;
+
+fn remember(st: &mut CState, req: &str, e: Ended) {
+    st.ended.insert(req.to_string(), e);
+    st.ended_order.push_back(req.to_string());
+    while st.ended_order.len() > ENDED_MEMORY {
+        if let Some(old) = st.ended_order.pop_front() {
+            st.ended.remove(&old);
+        }
+    }
+}
+
+fn finish(sh: &CShared, st: &mut CState, req: &str) {
+    let Some(l) = st.loads.remove(req) else {
+        return;
+    };
+    let nl = sh.layout.layers.len() as u64;
+    let per_block = sh.layout.block_bytes() * nl * sh.layout.tensors_per_layer() as u64;
+    let s = RequestStats {
+        request: req.to_string(),
+        bytes_moved: l.bytes,
+        bytes_skipped: l.skip as u64 * per_block,
+        descriptors: l.descs,
+        post_time: l.post,
+        transfer_time: l.xfer,
+        handoff_time: l.started.elapsed(),
+    };
+    sh.tel.record(&s);
+    st.finished.push(s);
+    remember(st, req, Ended::Ok);
+}
+
+fn fail(sh: &CShared, st: &mut CState, req: &str, e: Error) {
+    let Some(l) = st.loads.remove(req) else {
+        return;
+    };
+    log::warn!("kvxfer consumer: load of {req:?} failed: {e}");
+    sh.tel.failed();
+    // Tell the producer this reader is done with its blocks (it frees them on the last one).
+    if l.h.mode == Mode::Pull {
+        send(&sh.agent, &l.h.producer, &l.proto.ack().encode());
+    }
+    remember(st, req, Ended::Failed(e.to_string()));
+    st.failed.push(LoadFailure {
+        request: req.to_string(),
+        error: e,
+        invalid_blocks: l.local_blocks,
+    });
+}
+
+fn consumer_loop(sh: &CShared) {
+    loop {
+        if lock(&sh.st).stop {
+            return;
+        }
+        let busy = lock(&sh.st).loads.values().any(|l| !l.inflight.is_empty());
+        let wait = if busy {
+            Duration::from_millis(1)
+        } else {
+            Duration::from_millis(10)
+        };
+        if let Ok(n) = sh.agent.wait_control(false, wait) {
+            consumer_msg(sh, n);
+            while let Some(n) = sh.agent.try_control(false) {
+                consumer_msg(sh, n);
+            }
+        }
+        consumer_progress(sh);
+    }
+}
+
+fn consumer_msg(sh: &CShared, n: Notification) {
+    let m = match ToConsumer::decode(&n.payload) {
+        Ok(m) => m,
+        Err(why) => {
+            log::warn!(
+                "kvxfer connector: malformed control message from {:?}: {why}",
+                n.from
+            );
+            return;
+        }
+    };
+    let req = m.request().to_string();
+    let mut st = lock(&sh.st);
+    let Some(l) = st.loads.get_mut(&req) else {
+        return;
+    };
+    if l.h.producer != n.from {
+        log::warn!(
+            "kvxfer consumer: message about {req:?} from {:?}, not its producer",
+            n.from
+        );
+        return;
+    }
+    match l.proto.handle(&n.from, &m, sh.t0.elapsed()) {
+        LoadEvent::Ignored | LoadEvent::Progress => {}
+        LoadEvent::Landed(_) => {
+            // Push: this layer's data landed before this message.
+            let per_layer = l.local_blocks.len() * sh.layout.tensors_per_layer();
+            l.descs += per_layer as u64;
+            l.bytes += per_layer as u64 * sh.layout.block_bytes();
+            if l.proto.complete() {
+                finish(sh, &mut st, &req);
+            }
+            drop(st);
+            sh.cv.notify_all();
+        }
+        LoadEvent::Failed(why) => {
+            let e = Error::Handoff {
+                request: req.clone(),
+                why,
+            };
+            fail(sh, &mut st, &req, e);
+            drop(st);
+            sh.cv.notify_all();
+        }
+    }
+}
+
+fn consumer_progress(sh: &CShared) {
+    let mut st = lock(&sh.st);
+    let mut changed = false;
+    let mut hbs: Vec<(String, Vec<u8>)> = Vec::new();
+    let mut failures: Vec<(String, Error)> = Vec::new();
+    let mut done: Vec<String> = Vec::new();
+    let local_heads = 0..sh.layout.geometry.kv_heads;
+    for (req, l) in st.loads.iter_mut() {
+        // Until the producer has taken a push request, the heartbeat repeats it.
+        if let Some(m) = l.proto.heartbeat_due(sh.t0.elapsed(), sh.cfg.heartbeat) {
+            hbs.push((l.h.producer.clone(), m.encode()));
+        }
+        if l.h.mode == Mode::Pull {
+            if let Some(until) = l.proto.lease_until() {
+                while l.posted < l.proto.ready() {
+                    let now = sh.t0.elapsed();
+                    if now >= until {
+                        failures.push((
+                            req.clone(),
+                            Error::Handoff {
+                                request: req.clone(),
+                                why: "the lease ran out before the read could start".into(),
+                            },
+                        ));
+                        break;
+                    }
+                    let layer = l.posted;
+                    let heads = sh.cfg.heads.clone().unwrap_or(0..l.h.kv_heads);
+                    let r = (|| -> Result<Transfer> {
+                        let ld = sh.layout.descs(
+                            &l.local_blocks,
+                            layer..layer + 1,
+                            local_heads.clone(),
+                        )?;
+                        let rd = l
+                            .remote
+                            .descs(&l.h.blocks[l.skip..], layer..layer + 1, heads)?;
+                        let lp = sh.agent.prep_local(&ld)?;
+                        let rp = sh.agent.prep_remote(&l.h.producer, &rd)?;
+                        // Bounded by the lease: never read blocks the producer may have freed.
+                        sh.agent
+                            .transfer_all(XferOp::Read, &lp, &rp, None, Some(until - now))
+                    })();
+                    match r {
+                        Ok(t) => l.inflight.push((layer, t)),
+                        Err(e) => {
+                            failures.push((req.clone(), e));
+                            break;
+                        }
+                    }
+                    l.posted += 1;
+                }
+            }
+        }
+        let mut i = 0;
+        while i < l.inflight.len() {
+            if l.inflight[i].1.is_done() {
+                let (layer, t) = l.inflight.swap_remove(i);
+                match t.wait() {
+                    Ok(s) => {
+                        l.proto.mark_loaded(layer);
+                        add_stats(&mut l.bytes, &mut l.descs, &mut l.post, &mut l.xfer, &s);
+                        changed = true;
+                    }
+                    Err(e) => failures.push((req.clone(), e)),
+                }
+            } else {
+                i += 1;
+            }
+        }
+        if l.h.mode == Mode::Pull && l.proto.complete() && l.inflight.is_empty() {
+            done.push(req.clone());
+        }
+    }
+    for (req, e) in failures {
+        fail(sh, &mut st, &req, e);
+        changed = true;
+    }
+    for req in done {
+        if let Some(l) = st.loads.get(&req) {
+            let p = l.h.producer.clone();
+            send(&sh.agent, &p, &l.proto.ack().encode());
+        }
+        finish(sh, &mut st, &req);
+        changed = true;
+    }
+    drop(st);
+    for (p, m) in hbs {
+        send(&sh.agent, &p, &m);
+    }
+    if changed {
+        sh.cv.notify_all();
+    }
+}
