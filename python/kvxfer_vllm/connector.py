@@ -22,7 +22,10 @@ transports, else they stream through a fixed pool of pinned chunks. ``kv_connect
 127.0.0.1), ``lease_ms``, ``budget_mib``, ``rundir``, ``metrics_file`` (Prometheus text written
 after every change, for a textfile collector), ``gpu_path`` (device tensors: ``auto``,
 ``direct`` through a CUDA-aware UCX, or ``staged`` through pinned host chunks charged to
-``budget_mib``; sets ``KVXFER_GPU_PATH``).
+``budget_mib``), ``staging_chunks`` and ``staging_chunk_kib`` (that pool's size, default 8 x
+4096 KiB), ``secret`` (a shared secret both ends prove on the side channel), ``strict``
+(refuse a silent transport fallback). Every option goes to the agent through the C ABI's
+config builder, none through environment variables.
 """
 
 from __future__ import annotations
@@ -238,9 +241,19 @@ class KvxferConnector(KVConnectorBase_V1):
         ex = self.extra
         name = f"kvxfer-{self.engine_id}-tp{self.rank}"
         budget = int(ex.get("budget_mib", 0)) << 20
-        if "gpu_path" in ex:
-            os.environ["KVXFER_GPU_PATH"] = str(ex["gpu_path"])
-        self.agent = kx.Agent(name, ex.get("transport", "auto"), ex.get("net_devices"), budget)
+        staging = None
+        if "staging_chunks" in ex or "staging_chunk_kib" in ex:
+            staging = (int(ex.get("staging_chunks", 8)), int(ex.get("staging_chunk_kib", 4096)) << 10)
+        self.agent = kx.Agent(
+            name,
+            ex.get("transport", "auto"),
+            ex.get("net_devices"),
+            budget,
+            secret=str(ex["secret"]).encode() if ex.get("secret") else None,
+            strict=bool(ex.get("strict", False)),
+            gpu_path=ex.get("gpu_path"),
+            staging=staging,
+        )
         side = self.agent.listen(f"{ex.get('host', '127.0.0.1')}:{int(ex.get('port', 0))}")
         device = first.device
         cuda = device.index if device.type == "cuda" else -1

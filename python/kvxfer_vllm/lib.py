@@ -107,6 +107,17 @@ class Lib:
             "kvx_last_error": (c_size_t, [POINTER(c_char), c_size_t]),
             "kvx_status_name": (c_char_p, [st]),
             "kvx_agent_new": (st, [c_char_p, c_char_p, c_char_p, c_uint64, POINTER(c_void_p)]),
+            "kvx_agent_config_new": (st, [c_char_p, POINTER(c_void_p)]),
+            "kvx_agent_config_free": (None, [c_void_p]),
+            "kvx_agent_config_set_transport": (st, [c_void_p, c_char_p]),
+            "kvx_agent_config_set_net_devices": (st, [c_void_p, c_char_p]),
+            "kvx_agent_config_set_secret": (st, [c_void_p, POINTER(c_uint8), c_size_t]),
+            "kvx_agent_config_set_strict": (st, [c_void_p, c_int32]),
+            "kvx_agent_config_set_lanes": (st, [c_void_p, c_int32]),
+            "kvx_agent_config_set_gpu_path": (st, [c_void_p, c_char_p]),
+            "kvx_agent_config_set_staging": (st, [c_void_p, c_size_t, c_size_t]),
+            "kvx_agent_config_set_budget": (st, [c_void_p, c_uint64]),
+            "kvx_agent_new_with": (st, [c_void_p, POINTER(c_void_p)]),
             "kvx_agent_free": (None, [c_void_p]),
             "kvx_agent_listen": (st, [c_void_p, c_char_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
             "kvx_agent_connect": (st, [c_void_p, c_char_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
@@ -165,18 +176,37 @@ class Lib:
 
 
 class Agent:
-    def __init__(self, name, transport="auto", net_devices=None, budget_bytes=0):
+    """One kvxfer agent, configured through the C ABI's config builder (nothing is passed
+    through environment variables). ``secret`` (bytes), ``strict``, ``lanes``, ``gpu_path``
+    ("auto", "direct", "staged") and ``staging`` ((chunks, chunk_bytes)) are optional."""
+
+    def __init__(self, name, transport="auto", net_devices=None, budget_bytes=0, *, secret=None,
+                 strict=False, lanes=True, gpu_path=None, staging=None):
         self.lib = Lib.get()
-        h = c_void_p()
-        self.lib.check(
-            self.lib.L.kvx_agent_new(
-                name.encode(),
-                transport.encode(),
-                net_devices.encode() if net_devices else None,
-                budget_bytes,
-                ctypes.byref(h),
-            )
-        )
+        L = self.lib.L
+        cfg = c_void_p()
+        self.lib.check(L.kvx_agent_config_new(name.encode(), ctypes.byref(cfg)))
+        try:
+            self.lib.check(L.kvx_agent_config_set_transport(cfg, transport.encode()))
+            if net_devices:
+                self.lib.check(L.kvx_agent_config_set_net_devices(cfg, net_devices.encode()))
+            if budget_bytes:
+                self.lib.check(L.kvx_agent_config_set_budget(cfg, budget_bytes))
+            if secret:
+                buf = (c_uint8 * len(secret)).from_buffer_copy(secret)
+                self.lib.check(L.kvx_agent_config_set_secret(cfg, buf, len(secret)))
+            if strict:
+                self.lib.check(L.kvx_agent_config_set_strict(cfg, 1))
+            if not lanes:
+                self.lib.check(L.kvx_agent_config_set_lanes(cfg, 0))
+            if gpu_path:
+                self.lib.check(L.kvx_agent_config_set_gpu_path(cfg, str(gpu_path).encode()))
+            if staging:
+                self.lib.check(L.kvx_agent_config_set_staging(cfg, int(staging[0]), int(staging[1])))
+            h = c_void_p()
+            self.lib.check(L.kvx_agent_new_with(cfg, ctypes.byref(h)))
+        finally:
+            L.kvx_agent_config_free(cfg)
         self.h = h
         self.name = name
         self.regions = []

@@ -1,0 +1,470 @@
+//! Agents: creation (from a `kvx_agent_config` or the environment), the side channel,
+//! metadata.
+
+use std::ffi::c_char;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use crate::error::{fail, guard, Fail};
+use crate::ffi::{cstr, free_handle, handle, handle_mut, new_handle, null, put, slice};
+use crate::{kvx_agent, kvx_agent_config, kvx_status};
+use kvxfer_core::{Agent, AgentConfig, GpuPath, MemoryBudget, Transport};
+
+/// Creates an agent. `transport`: "tcp", "shm", "auto" or a UCX_TLS list; `net_devices` may be
+/// NULL (UCX's default), e.g. "lo" or "eth0". `budget_bytes` 0: unlimited.
+///
+/// Kept for existing callers; `kvx_agent_config_new` + `kvx_agent_new_with` set every option
+/// without the environment. Device memory (a library built with the `cuda` feature) follows
+/// the environment here:
+/// `KVXFER_GPU_PATH` = `auto` (default: direct where UCX has CUDA transports, else staged),
+/// `direct` or `staged`; `KVXFER_STAGING_CHUNKS` and `KVXFER_STAGING_CHUNK_BYTES` size the
+/// staging pool (default 8 x 4 MiB, charged to the budget at the first device registration).
+///
+/// # Safety
+/// Strings are NULL or NUL-terminated; `out` is valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_new(
+    name: *const c_char,
+    transport: *const c_char,
+    net_devices: *const c_char,
+    budget_bytes: u64,
+    out: *mut *mut kvx_agent,
+) -> kvx_status {
+    guard("kvx_agent_new", || {
+        // SAFETY: per this function's contract.
+        let name = unsafe { cstr(name, "name") }?;
+        // SAFETY: as above.
+        let transport = unsafe { cstr(transport, "transport") }?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let mut cfg = AgentConfig::new(name).transport(Transport::parse(transport));
+        if !net_devices.is_null() {
+            // SAFETY: as above.
+            cfg = cfg.net_devices(unsafe { cstr(net_devices, "net_devices") }?);
+        }
+        if budget_bytes > 0 {
+            cfg = cfg.budget(MemoryBudget::new(budget_bytes));
+        }
+        cfg = gpu_env(cfg)?;
+        let a = Agent::new(cfg)?;
+        let h = new_handle(kvx_agent { inner: Arc::new(a) });
+        // SAFETY: out non-NULL and valid per the contract.
+        unsafe { *out = h };
+        Ok(())
+    })
+}
+
+/// Applies KVXFER_GPU_PATH, KVXFER_STAGING_CHUNKS and KVXFER_STAGING_CHUNK_BYTES.
+fn gpu_env(mut cfg: AgentConfig) -> kvxfer_core::Result<AgentConfig> {
+    if let Ok(v) = std::env::var("KVXFER_GPU_PATH") {
+        let p = kvxfer_core::GpuPath::parse(v.trim()).ok_or_else(|| {
+            kvxfer_core::Error::InvalidArgument(format!(
+                "KVXFER_GPU_PATH={v:?}: auto, direct or staged"
+            ))
+        })?;
+        cfg = cfg.gpu_path(p);
+    }
+    let num = |k: &str, d: usize| -> kvxfer_core::Result<usize> {
+        match std::env::var(k) {
+            Ok(v) => v.trim().parse().map_err(|_| {
+                kvxfer_core::Error::InvalidArgument(format!(
+                    "{k}={v:?}: a number of bytes or chunks"
+                ))
+            }),
+            Err(_) => Ok(d),
+        }
+    };
+    let (c, b) = cfg.staging;
+    let staging = (
+        num("KVXFER_STAGING_CHUNKS", c)?,
+        num("KVXFER_STAGING_CHUNK_BYTES", b)?,
+    );
+    Ok(cfg.staging(staging.0, staging.1))
+}
+
+/// Creates an agent configuration for an agent named `name`, with the Rust `AgentConfig`'s
+/// defaults: transport `auto`, lanes on, no secret, not strict, GPU path `auto`, staging 8 x
+/// 4 MiB, unlimited budget. Set what differs with `kvx_agent_config_set_*`, create agents with
+/// `kvx_agent_new_with`, free it with `kvx_agent_config_free`. Nothing is read from the
+/// environment.
+///
+/// # Safety
+/// `name` is NULL or NUL-terminated; `out` is valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_new(
+    name: *const c_char,
+    out: *mut *mut kvx_agent_config,
+) -> kvx_status {
+    guard("kvx_agent_config_new", || {
+        // SAFETY: per this function's contract.
+        let name = unsafe { cstr(name, "name") }?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let h = new_handle(kvx_agent_config {
+            inner: AgentConfig::new(name),
+        });
+        // SAFETY: out non-NULL and valid per the contract.
+        unsafe { *out = h };
+        Ok(())
+    })
+}
+
+/// Destroys a configuration (NULL is ignored). Agents created from it are not affected.
+///
+/// # Safety
+/// `c` is NULL or from `kvx_agent_config_new`, not freed before.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_free(c: *mut kvx_agent_config) {
+    // SAFETY: per this function's contract; free_handle refuses what is not live.
+    unsafe { free_handle(c, "kvx_agent_config_free") }
+}
+
+/// Applies `f` to the configuration behind `c`, inside the panic boundary.
+///
+/// # Safety
+/// `c` is NULL or a live `kvx_agent_config` not used by another thread during the call.
+unsafe fn with_config(
+    fname: &str,
+    c: *mut kvx_agent_config,
+    f: impl FnOnce(AgentConfig) -> Result<AgentConfig, Fail>,
+) -> kvx_status {
+    guard(fname, || {
+        // SAFETY: per this function's contract.
+        let c = unsafe { handle_mut(c, "config") }?;
+        let cfg = std::mem::replace(&mut c.inner, AgentConfig::new("-"));
+        // On an error the configuration is restored unchanged.
+        let keep = cfg.clone();
+        match f(cfg) {
+            Ok(n) => {
+                c.inner = n;
+                Ok(())
+            }
+            Err(e) => {
+                c.inner = keep;
+                Err(e)
+            }
+        }
+    })
+}
+
+/// Sets the transports: "tcp", "shm", "auto" or a UCX_TLS list ("rc,sm", "cuda_copy,tcp").
+///
+/// # Safety
+/// `c` is a live config not used by another thread during the call; `transport` is NULL or
+/// NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_transport(
+    c: *mut kvx_agent_config,
+    transport: *const c_char,
+) -> kvx_status {
+    // SAFETY: per this function's contract.
+    unsafe {
+        with_config("kvx_agent_config_set_transport", c, |cfg| {
+            Ok(cfg.transport(Transport::parse(cstr(transport, "transport")?)))
+        })
+    }
+}
+
+/// Sets `UCX_NET_DEVICES` (e.g. "eth0", "mlx5_0:1"); NULL restores UCX's default. The TCP lane
+/// listens on the first device's address.
+///
+/// # Safety
+/// As `kvx_agent_config_set_transport`.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_net_devices(
+    c: *mut kvx_agent_config,
+    devices: *const c_char,
+) -> kvx_status {
+    // SAFETY: per this function's contract.
+    unsafe {
+        with_config("kvx_agent_config_set_net_devices", c, |mut cfg| {
+            cfg.net_devices = match devices.is_null() {
+                true => None,
+                false => Some(cstr(devices, "devices")?.to_string()),
+            };
+            Ok(cfg)
+        })
+    }
+}
+
+/// Sets the side channel's shared secret (`len` bytes; `len` 0 removes it): both ends must
+/// hold it and prove it before any metadata moves.
+///
+/// # Safety
+/// `c` is a live config not used by another thread during the call; `secret` is valid for
+/// `len` bytes (or anything when `len` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_secret(
+    c: *mut kvx_agent_config,
+    secret: *const u8,
+    len: usize,
+) -> kvx_status {
+    // SAFETY: per this function's contract.
+    unsafe {
+        with_config("kvx_agent_config_set_secret", c, |mut cfg| {
+            let s = slice(secret, len, "secret")?;
+            cfg.secret = (!s.is_empty()).then(|| s.to_vec());
+            Ok(cfg)
+        })
+    }
+}
+
+/// Strict transport (`on` non-zero): a transfer to a peer whose transports fell back from
+/// what was asked (shared memory asked, TCP selected) fails with `KVX_INVALID_ARGUMENT`, the
+/// last error naming both, instead of running on the fallback.
+///
+/// # Safety
+/// `c` is a live config not used by another thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_strict(
+    c: *mut kvx_agent_config,
+    on: i32,
+) -> kvx_status {
+    // SAFETY: per this function's contract.
+    unsafe {
+        with_config("kvx_agent_config_set_strict", c, |cfg| {
+            Ok(cfg.strict(on != 0))
+        })
+    }
+}
+
+/// kvxfer's own shm and TCP lanes next to UCX (`on` non-zero, the default); 0 sends every
+/// byte through UCX (and leaves device memory only the direct path).
+///
+/// # Safety
+/// `c` is a live config not used by another thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_lanes(
+    c: *mut kvx_agent_config,
+    on: i32,
+) -> kvx_status {
+    // SAFETY: per this function's contract.
+    unsafe {
+        with_config(
+            "kvx_agent_config_set_lanes",
+            c,
+            |cfg| Ok(cfg.lanes(on != 0)),
+        )
+    }
+}
+
+/// How device memory moves: "auto" (direct where the loaded UCX has CUDA transports, else
+/// staged), "direct" or "staged".
+///
+/// # Safety
+/// As `kvx_agent_config_set_transport`.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_gpu_path(
+    c: *mut kvx_agent_config,
+    path: *const c_char,
+) -> kvx_status {
+    // SAFETY: per this function's contract.
+    unsafe {
+        with_config("kvx_agent_config_set_gpu_path", c, |cfg| {
+            let s = cstr(path, "path")?;
+            let p = GpuPath::parse(s).ok_or_else(|| {
+                fail(
+                    kvx_status::KVX_INVALID_ARGUMENT,
+                    format!("gpu path {s:?}: auto, direct or staged"),
+                )
+            })?;
+            Ok(cfg.gpu_path(p))
+        })
+    }
+}
+
+/// The staging of device memory on the staged path: `chunks` pinned host chunks of
+/// `chunk_bytes` (half for transfers the agent starts, half for its peers'), allocated once at
+/// the first device registration and charged to the budget.
+///
+/// # Safety
+/// `c` is a live config not used by another thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_staging(
+    c: *mut kvx_agent_config,
+    chunks: usize,
+    chunk_bytes: usize,
+) -> kvx_status {
+    // SAFETY: per this function's contract.
+    unsafe {
+        with_config("kvx_agent_config_set_staging", c, |cfg| {
+            if chunks < 2 || chunk_bytes == 0 {
+                return Err(fail(
+                    kvx_status::KVX_INVALID_ARGUMENT,
+                    format!("staging of {chunks} x {chunk_bytes} bytes: at least 2 chunks of at least 1 byte"),
+                ));
+            }
+            Ok(cfg.staging(chunks, chunk_bytes))
+        })
+    }
+}
+
+/// The memory budget the agent charges its own buffers to (`bytes` 0: unlimited).
+///
+/// # Safety
+/// `c` is a live config not used by another thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_budget(
+    c: *mut kvx_agent_config,
+    bytes: u64,
+) -> kvx_status {
+    // SAFETY: per this function's contract.
+    unsafe {
+        with_config("kvx_agent_config_set_budget", c, |cfg| {
+            Ok(cfg.budget(match bytes {
+                0 => MemoryBudget::unlimited(),
+                b => MemoryBudget::new(b),
+            }))
+        })
+    }
+}
+
+/// Adds a UCX setting (a name without the `UCX_` prefix, e.g. "RNDV_THRESH"), applied last.
+///
+/// # Safety
+/// `c` is a live config not used by another thread during the call; `key` and `value` are
+/// NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_ucx(
+    c: *mut kvx_agent_config,
+    key: *const c_char,
+    value: *const c_char,
+) -> kvx_status {
+    // SAFETY: per this function's contract.
+    unsafe {
+        with_config("kvx_agent_config_set_ucx", c, |cfg| {
+            Ok(cfg.ucx_setting(cstr(key, "key")?, cstr(value, "value")?))
+        })
+    }
+}
+
+/// Creates an agent from a configuration (which stays the caller's, reusable).
+///
+/// # Safety
+/// `c` is a live config; `out` is valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_new_with(
+    c: *const kvx_agent_config,
+    out: *mut *mut kvx_agent,
+) -> kvx_status {
+    guard("kvx_agent_new_with", || {
+        // SAFETY: per this function's contract.
+        let c = unsafe { handle(c, "config") }?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let a = Agent::new(c.inner.clone())?;
+        let h = new_handle(kvx_agent { inner: Arc::new(a) });
+        // SAFETY: out non-NULL and valid per the contract.
+        unsafe { *out = h };
+        Ok(())
+    })
+}
+
+/// Destroys an agent (NULL is ignored). Transfers in flight finish first; handles made from it
+/// (regions, lists, transfers, producers, consumers) stay valid to free.
+///
+/// # Safety
+/// `a` is NULL or from `kvx_agent_new`, not freed before.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_free(a: *mut kvx_agent) {
+    // SAFETY: per this function's contract; free_handle refuses what is not live.
+    unsafe { free_handle(a, "kvx_agent_free") }
+}
+
+/// Listens for peers' metadata exchange on `addr` ("127.0.0.1:0" picks a port); writes the
+/// bound address (text) to `buf`.
+///
+/// # Safety
+/// `a` is a live agent; `addr` NUL-terminated; `buf` valid for `cap` bytes; `out_len` valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_listen(
+    a: *const kvx_agent,
+    addr: *const c_char,
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> kvx_status {
+    guard("kvx_agent_listen", || {
+        // SAFETY: per this function's contract.
+        let a = unsafe { handle(a, "agent") }?;
+        // SAFETY: as above.
+        let addr: SocketAddr = unsafe { cstr(addr, "addr") }?
+            .parse()
+            .map_err(|e| fail(kvx_status::KVX_INVALID_ARGUMENT, format!("addr: {e}")))?;
+        let bound = a.inner.listen(addr)?.to_string();
+        // SAFETY: as above.
+        unsafe { put(bound.as_bytes(), buf.cast(), cap, out_len) }
+    })
+}
+
+/// Exchanges metadata with the peer listening at `addr`; writes its name to `buf`.
+///
+/// # Safety
+/// As `kvx_agent_listen`.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_connect(
+    a: *const kvx_agent,
+    addr: *const c_char,
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> kvx_status {
+    guard("kvx_agent_connect", || {
+        // SAFETY: per this function's contract.
+        let a = unsafe { handle(a, "agent") }?;
+        // SAFETY: as above.
+        let addr: SocketAddr = unsafe { cstr(addr, "addr") }?
+            .parse()
+            .map_err(|e| fail(kvx_status::KVX_INVALID_ARGUMENT, format!("addr: {e}")))?;
+        let name = a.inner.connect(addr)?;
+        // SAFETY: as above.
+        unsafe { put(name.as_bytes(), buf.cast(), cap, out_len) }
+    })
+}
+
+/// This agent's metadata, for a peer's `kvx_agent_load_metadata`.
+///
+/// # Safety
+/// `a` live; `buf` valid for `cap` bytes; `out_len` valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_metadata(
+    a: *const kvx_agent,
+    buf: *mut u8,
+    cap: usize,
+    out_len: *mut usize,
+) -> kvx_status {
+    guard("kvx_agent_metadata", || {
+        // SAFETY: per this function's contract.
+        let a = unsafe { handle(a, "agent") }?;
+        let m = a.inner.metadata()?;
+        // SAFETY: as above.
+        unsafe { put(&m, buf, cap, out_len) }
+    })
+}
+
+/// Loads a peer's metadata; writes the peer's name to `name_buf`.
+///
+/// # Safety
+/// `a` live; `md` valid for `len` bytes; `name_buf` valid for `cap` bytes; `out_len` valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_load_metadata(
+    a: *const kvx_agent,
+    md: *const u8,
+    len: usize,
+    name_buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> kvx_status {
+    guard("kvx_agent_load_metadata", || {
+        // SAFETY: per this function's contract.
+        let a = unsafe { handle(a, "agent") }?;
+        // SAFETY: as above.
+        let md = unsafe { slice(md, len, "metadata") }?;
+        let name = a.inner.load_remote_metadata(md)?;
+        // SAFETY: as above.
+        unsafe { put(name.as_bytes(), name_buf.cast(), cap, out_len) }
+    })
+}

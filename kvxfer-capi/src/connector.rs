@@ -1,0 +1,520 @@
+//! The connector: KV layouts, producers, consumers.
+
+use std::ffi::c_char;
+use std::time::Duration;
+
+use crate::error::{fail, guard, set_error, Fail};
+use crate::ffi::{cstr, free_handle, handle, ms, new_handle, null, plain, put, slice};
+use crate::{
+    kvx_agent, kvx_connector_config, kvx_consumer, kvx_layer_base, kvx_layout, kvx_producer,
+    kvx_request_stats, kvx_status,
+};
+use kvxfer_core::connector::{ConnectorConfig, Consumer, Handoff, Mode, Producer};
+use kvxfer_core::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking, LayerBase};
+use kvxfer_core::{MemoryBudget, RegionId};
+
+fn layout_of(l: &kvx_layout, bases: &[kvx_layer_base]) -> Result<KvLayout, Fail> {
+    let bad = |w: &str| fail(kvx_status::KVX_INVALID_ARGUMENT, format!("layout: {w}"));
+    if l.layers as usize != bases.len() || l.layers == 0 {
+        return Err(bad(
+            "layers must be > 0 and equal the number of layer bases",
+        ));
+    }
+    if l.kv_heads == 0 || l.head_dim == 0 || l.block_tokens == 0 || l.num_blocks == 0 {
+        return Err(bad("zero heads, head_dim, block_tokens or num_blocks"));
+    }
+    let dtype = match l.dtype_bytes {
+        1 => KvDtype::Fp8,
+        2 => KvDtype::Bf16,
+        4 => KvDtype::F32,
+        _ => return Err(bad("dtype_bytes must be 1, 2 or 4")),
+    };
+    let fused = l.fused != 0;
+    let layers = bases
+        .iter()
+        .map(|b| {
+            let v = (b.v_region != u32::MAX).then_some((RegionId(b.v_region), b.v_offset));
+            if fused == v.is_some() {
+                return Err(bad(
+                    "a fused layout has no V bases, a separate one needs them",
+                ));
+            }
+            Ok(LayerBase {
+                k: (RegionId(b.k_region), b.k_offset),
+                v,
+            })
+        })
+        .collect::<Result<Vec<_>, Fail>>()?;
+    Ok(KvLayout {
+        geometry: KvGeometry {
+            name: "c".into(),
+            layers: u64::from(l.layers),
+            kv_heads: u64::from(l.kv_heads),
+            head_dim: u64::from(l.head_dim),
+            dtype,
+        },
+        block_tokens: u64::from(l.block_tokens),
+        num_blocks: l.num_blocks,
+        packing: if fused {
+            KvPacking::Fused
+        } else {
+            KvPacking::Separate
+        },
+        order: if l.hnd != 0 {
+            KvOrder::Hnd
+        } else {
+            KvOrder::Nhd
+        },
+        layers,
+    })
+}
+
+fn config_of(c: Option<&kvx_connector_config>) -> ConnectorConfig {
+    let mut cfg = ConnectorConfig::default();
+    if let Some(c) = c {
+        cfg.mode = if c.mode == 1 { Mode::Push } else { Mode::Pull };
+        if let Some(d) = ms(c.lease_ms) {
+            cfg.lease = d;
+        }
+        if let Some(d) = ms(c.heartbeat_ms) {
+            cfg.heartbeat = d;
+        }
+        if c.readers > 0 {
+            cfg.readers = c.readers as usize;
+        }
+        if c.heads_end > c.heads_start {
+            cfg.heads = Some(c.heads_start..c.heads_end);
+        }
+        if c.budget_bytes > 0 {
+            cfg.budget = MemoryBudget::new(c.budget_bytes);
+        }
+        if let Some(d) = ms(c.budget_wait_ms) {
+            cfg.budget_wait = d;
+        }
+    }
+    cfg
+}
+
+/// The compatibility hash of a layout (what a handoff's `compat` carries, and what agents that
+/// exchange blocks should share); 0 with an invalid layout (see the last error).
+///
+/// # Safety
+/// `layout` valid; `bases` valid for `layout->layers`.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_layout_compat_hash(
+    layout: *const kvx_layout,
+    bases: *const kvx_layer_base,
+) -> u64 {
+    let mut h = 0;
+    let s = guard("kvx_layout_compat_hash", || {
+        // SAFETY: per this function's contract.
+        let l = unsafe { plain(layout, "layout") }?;
+        // SAFETY: as above.
+        let b = unsafe { slice(bases, l.layers as usize, "bases") }?;
+        h = layout_of(l, b)?.compat_hash();
+        Ok(())
+    });
+    if s == kvx_status::KVX_OK {
+        h
+    } else {
+        0
+    }
+}
+
+/// A producer over `a`'s registered cache. `side_channel` (may be NULL): the address of the
+/// agent's `kvx_agent_listen`, put into handoffs. `cfg` may be NULL (defaults).
+///
+/// # Safety
+/// `a` live; `layout` valid; `bases` valid for `layout->layers`; strings NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_producer_new(
+    a: *const kvx_agent,
+    layout: *const kvx_layout,
+    bases: *const kvx_layer_base,
+    cfg: *const kvx_connector_config,
+    side_channel: *const c_char,
+    out: *mut *mut kvx_producer,
+) -> kvx_status {
+    guard("kvx_producer_new", || {
+        // SAFETY: per this function's contract.
+        let a = unsafe { handle(a, "agent") }?;
+        // SAFETY: as above.
+        let l = unsafe { plain(layout, "layout") }?;
+        // SAFETY: as above.
+        let b = unsafe { slice(bases, l.layers as usize, "bases") }?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let side = if side_channel.is_null() {
+            None
+        } else {
+            // SAFETY: as above.
+            Some(
+                unsafe { cstr(side_channel, "side_channel") }?
+                    .parse()
+                    .map_err(|e| {
+                        fail(
+                            kvx_status::KVX_INVALID_ARGUMENT,
+                            format!("side_channel: {e}"),
+                        )
+                    })?,
+            )
+        };
+        // SAFETY: cfg NULL or valid.
+        let cfg = config_of(unsafe { cfg.as_ref() });
+        let p = Producer::new(a.inner.clone(), layout_of(l, b)?, cfg, side)?;
+        // SAFETY: out valid.
+        unsafe { *out = new_handle(kvx_producer { inner: p }) };
+        Ok(())
+    })
+}
+
+/// Frees a producer (NULL ignored).
+///
+/// # Safety
+/// NULL or from this library, once.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_producer_free(p: *mut kvx_producer) {
+    // SAFETY: per this function's contract; free_handle refuses what is not live.
+    unsafe { free_handle(p, "kvx_producer_free") }
+}
+
+/// Holds `blocks` of `request` for consumers; writes the handoff (bytes to pass to the
+/// consumer) to `buf`. `layers_done`: layers already computed (all, or 0 for layer-wise).
+///
+/// # Safety
+/// `p` live; strings NUL-terminated; `blocks` valid for `n`; `buf` for `cap`; `out_len` valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_producer_publish(
+    p: *const kvx_producer,
+    request: *const c_char,
+    blocks: *const u32,
+    n: usize,
+    tokens: u64,
+    layers_done: u32,
+    buf: *mut u8,
+    cap: usize,
+    out_len: *mut usize,
+) -> kvx_status {
+    guard("kvx_producer_publish", || {
+        // SAFETY: per this function's contract.
+        let p = unsafe { handle(p, "producer") }?;
+        // SAFETY: as above.
+        let r = unsafe { cstr(request, "request") }?;
+        // SAFETY: as above.
+        let b = unsafe { slice(blocks, n, "blocks") }?;
+        if out_len.is_null() {
+            return Err(null("out_len"));
+        }
+        // Size check before publishing, so a too-small buffer has no side effect.
+        let h = p.inner.publish(r, b, tokens, layers_done as usize)?;
+        let bytes = h.encode();
+        if bytes.len() > cap {
+            p.inner.abort(r);
+        }
+        // SAFETY: as above.
+        unsafe { put(&bytes, buf, cap, out_len) }
+    })
+}
+
+/// Layer `layer` of `request` is computed.
+///
+/// # Safety
+/// `p` live; `request` NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_producer_layer_done(
+    p: *const kvx_producer,
+    request: *const c_char,
+    layer: u32,
+) -> kvx_status {
+    guard("kvx_producer_layer_done", || {
+        // SAFETY: per this function's contract.
+        let p = unsafe { handle(p, "producer") }?;
+        // SAFETY: as above.
+        let r = unsafe { cstr(request, "request") }?;
+        p.inner.layer_done(r, layer as usize)?;
+        Ok(())
+    })
+}
+
+/// Aborts `request`: its blocks are freed now.
+///
+/// # Safety
+/// `p` live; `request` NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_producer_abort(
+    p: *const kvx_producer,
+    request: *const c_char,
+) -> kvx_status {
+    guard("kvx_producer_abort", || {
+        // SAFETY: per this function's contract.
+        let p = unsafe { handle(p, "producer") }?;
+        // SAFETY: as above.
+        let r = unsafe { cstr(request, "request") }?;
+        p.inner.abort(r);
+        Ok(())
+    })
+}
+
+/// Takes the next request whose blocks may be reused, waiting up to `timeout_ms` (0: none);
+/// `KVX_NOT_FOUND` if none. Writes its name, blocks, and the reason (0 acknowledged,
+/// 1 aborted, 2 expired). `KVX_BUFFER_TOO_SMALL` keeps it for the next call.
+///
+/// # Safety
+/// `p` live; buffers valid for their capacities; outputs valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_producer_next_freed(
+    p: *const kvx_producer,
+    timeout_ms: u64,
+    req_buf: *mut c_char,
+    req_cap: usize,
+    req_len: *mut usize,
+    blocks: *mut u32,
+    blocks_cap: usize,
+    nblocks: *mut usize,
+    reason: *mut u32,
+) -> kvx_status {
+    guard("kvx_producer_next_freed", || {
+        // SAFETY: per this function's contract.
+        let p = unsafe { handle(p, "producer") }?;
+        if req_len.is_null() || nblocks.is_null() || reason.is_null() {
+            return Err(null("req_len, nblocks or reason"));
+        }
+        let f = match p
+            .inner
+            .take_freed_one(ms(timeout_ms).unwrap_or(Duration::ZERO), |f| {
+                f.request.len() <= req_cap && f.blocks.len() <= blocks_cap
+            }) {
+            Ok(Some(f)) => f,
+            Ok(None) => return Err(fail(kvx_status::KVX_NOT_FOUND, "nothing freed")),
+            Err((r, b)) => {
+                // SAFETY: outputs valid.
+                unsafe {
+                    *req_len = r;
+                    *nblocks = b;
+                }
+                return Err(fail(
+                    kvx_status::KVX_BUFFER_TOO_SMALL,
+                    format!("{r} name bytes, {b} blocks"),
+                ));
+            }
+        };
+        // SAFETY: capacities checked by take_freed_one's predicate; outputs valid.
+        unsafe {
+            put(f.request.as_bytes(), req_buf.cast(), req_cap, req_len)?;
+            if !f.blocks.is_empty() {
+                if blocks.is_null() {
+                    return Err(null("blocks"));
+                }
+                std::ptr::copy_nonoverlapping(f.blocks.as_ptr(), blocks, f.blocks.len());
+            }
+            *nblocks = f.blocks.len();
+            *reason = match f.reason {
+                kvxfer_core::lifecycle::FreeReason::Acked => 0,
+                kvxfer_core::lifecycle::FreeReason::Aborted => 1,
+                kvxfer_core::lifecycle::FreeReason::Expired => 2,
+            };
+        }
+        Ok(())
+    })
+}
+
+/// A consumer over `a`'s registered cache. `cfg` may be NULL.
+///
+/// # Safety
+/// As `kvx_producer_new`.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_consumer_new(
+    a: *const kvx_agent,
+    layout: *const kvx_layout,
+    bases: *const kvx_layer_base,
+    cfg: *const kvx_connector_config,
+    out: *mut *mut kvx_consumer,
+) -> kvx_status {
+    guard("kvx_consumer_new", || {
+        // SAFETY: per this function's contract.
+        let a = unsafe { handle(a, "agent") }?;
+        // SAFETY: as above.
+        let l = unsafe { plain(layout, "layout") }?;
+        // SAFETY: as above.
+        let b = unsafe { slice(bases, l.layers as usize, "bases") }?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        // SAFETY: cfg NULL or valid.
+        let cfg = config_of(unsafe { cfg.as_ref() });
+        let c = Consumer::new(a.inner.clone(), layout_of(l, b)?, cfg)?;
+        // SAFETY: out valid.
+        unsafe { *out = new_handle(kvx_consumer { inner: c }) };
+        Ok(())
+    })
+}
+
+/// Frees a consumer (NULL ignored).
+///
+/// # Safety
+/// NULL or from this library, once.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_consumer_free(c: *mut kvx_consumer) {
+    // SAFETY: per this function's contract; free_handle refuses what is not live.
+    unsafe { free_handle(c, "kvx_consumer_free") }
+}
+
+/// Starts loading a handoff into `local_blocks` (pairs with the producer's last blocks; the
+/// blocks before are a cached prefix and do not move; none: only the acknowledgement).
+///
+/// # Safety
+/// `c` live; `handoff` valid for `len`; `local_blocks` valid for `n`.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_consumer_start_load(
+    c: *const kvx_consumer,
+    handoff: *const u8,
+    len: usize,
+    local_blocks: *const u32,
+    n: usize,
+) -> kvx_status {
+    guard("kvx_consumer_start_load", || {
+        // SAFETY: per this function's contract.
+        let c = unsafe { handle(c, "consumer") }?;
+        // SAFETY: as above.
+        let h = Handoff::decode(unsafe { slice(handoff, len, "handoff") }?)?;
+        // SAFETY: as above.
+        let b = unsafe { slice(local_blocks, n, "local_blocks") }?;
+        c.inner.start_load(&h, b)?;
+        Ok(())
+    })
+}
+
+/// Waits until layer `layer` of `request` is loaded (`timeout_ms` 0: forever).
+///
+/// # Safety
+/// `c` live; `request` NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_consumer_wait_layer(
+    c: *const kvx_consumer,
+    request: *const c_char,
+    layer: u32,
+    timeout_ms: u64,
+) -> kvx_status {
+    guard("kvx_consumer_wait_layer", || {
+        // SAFETY: per this function's contract.
+        let c = unsafe { handle(c, "consumer") }?;
+        // SAFETY: as above.
+        let r = unsafe { cstr(request, "request") }?;
+        let t = ms(timeout_ms).unwrap_or(Duration::from_secs(u32::MAX as u64));
+        c.inner.wait_layer(r, layer as usize, t)?;
+        Ok(())
+    })
+}
+
+/// Waits until `request` is loaded completely (`timeout_ms` 0: forever).
+///
+/// # Safety
+/// `c` live; `request` NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_consumer_wait(
+    c: *const kvx_consumer,
+    request: *const c_char,
+    timeout_ms: u64,
+) -> kvx_status {
+    guard("kvx_consumer_wait", || {
+        // SAFETY: per this function's contract.
+        let c = unsafe { handle(c, "consumer") }?;
+        // SAFETY: as above.
+        let r = unsafe { cstr(request, "request") }?;
+        let t = ms(timeout_ms).unwrap_or(Duration::from_secs(u32::MAX as u64));
+        c.inner.wait(r, t)?;
+        Ok(())
+    })
+}
+
+/// Takes the next finished load: its name and figures; `KVX_NOT_FOUND` if none.
+///
+/// # Safety
+/// `c` live; `req_buf` valid for `cap`; `req_len` and `stats` valid (stats may be NULL).
+#[no_mangle]
+pub unsafe extern "C" fn kvx_consumer_next_finished(
+    c: *const kvx_consumer,
+    req_buf: *mut c_char,
+    cap: usize,
+    req_len: *mut usize,
+    stats: *mut kvx_request_stats,
+) -> kvx_status {
+    guard("kvx_consumer_next_finished", || {
+        // SAFETY: per this function's contract.
+        let c = unsafe { handle(c, "consumer") }?;
+        if req_len.is_null() {
+            return Err(null("req_len"));
+        }
+        let Some(s) = c.inner.take_finished_one(|s| s.request.len() <= cap) else {
+            return Err(fail(
+                kvx_status::KVX_NOT_FOUND,
+                "nothing finished (or the buffer is too small)",
+            ));
+        };
+        // SAFETY: as above; the predicate checked the capacity.
+        unsafe { put(s.request.as_bytes(), req_buf.cast(), cap, req_len) }?;
+        // SAFETY: stats NULL or valid.
+        if let Some(o) = unsafe { stats.as_mut() } {
+            *o = kvx_request_stats {
+                bytes_moved: s.bytes_moved,
+                bytes_skipped: s.bytes_skipped,
+                descriptors: s.descriptors,
+                post_ns: s.post_time.as_nanos() as u64,
+                transfer_ns: s.transfer_time.as_nanos() as u64,
+                handoff_ns: s.handoff_time.as_nanos() as u64,
+            };
+        }
+        Ok(())
+    })
+}
+
+/// Takes the next failed load: its name, the invalid local blocks, and the error in the last
+/// error message; returns `KVX_OK` when one was taken, `KVX_NOT_FOUND` if none.
+///
+/// # Safety
+/// `c` live; buffers valid for their capacities; outputs valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_consumer_next_failed(
+    c: *const kvx_consumer,
+    req_buf: *mut c_char,
+    cap: usize,
+    req_len: *mut usize,
+    blocks: *mut u32,
+    blocks_cap: usize,
+    nblocks: *mut usize,
+) -> kvx_status {
+    guard("kvx_consumer_next_failed", || {
+        // SAFETY: per this function's contract.
+        let c = unsafe { handle(c, "consumer") }?;
+        if req_len.is_null() || nblocks.is_null() {
+            return Err(null("req_len or nblocks"));
+        }
+        let Some(f) = c
+            .inner
+            .take_failed_one(|f| f.request.len() <= cap && f.invalid_blocks.len() <= blocks_cap)
+        else {
+            return Err(fail(
+                kvx_status::KVX_NOT_FOUND,
+                "nothing failed (or buffers too small)",
+            ));
+        };
+        // SAFETY: as above; the predicate checked the capacities.
+        unsafe {
+            put(f.request.as_bytes(), req_buf.cast(), cap, req_len)?;
+            if !f.invalid_blocks.is_empty() {
+                if blocks.is_null() {
+                    return Err(null("blocks"));
+                }
+                std::ptr::copy_nonoverlapping(
+                    f.invalid_blocks.as_ptr(),
+                    blocks,
+                    f.invalid_blocks.len(),
+                );
+            }
+            *nblocks = f.invalid_blocks.len();
+        }
+        set_error(format!("load of {:?} failed: {}", f.request, f.error));
+        Ok(())
+    })
+}

@@ -1,0 +1,98 @@
+//! Telemetry as Prometheus text, and the per-peer device-memory path.
+
+use std::ffi::c_char;
+
+use crate::error::guard;
+use crate::ffi::{cstr, handle, null, put};
+use crate::{kvx_agent, kvx_consumer, kvx_gpu_path, kvx_producer, kvx_status};
+
+/// Prometheus text of the consumer's (or producer's, with `kvx_producer_metrics`) telemetry.
+///
+/// # Safety
+/// `c` live; `buf` valid for `cap`; `out_len` valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_consumer_metrics(
+    c: *const kvx_consumer,
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> kvx_status {
+    guard("kvx_consumer_metrics", || {
+        // SAFETY: per this function's contract.
+        let c = unsafe { handle(c, "consumer") }?;
+        let t = c.inner.telemetry().prometheus();
+        // SAFETY: as above.
+        unsafe { put(t.as_bytes(), buf.cast(), cap, out_len) }
+    })
+}
+
+/// How device memory moves between `a` and the peer named `peer` (after their metadata was
+/// exchanged).
+///
+/// # Safety
+/// `a` live; `peer` NUL-terminated; `out` valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_peer_gpu_path(
+    a: *const kvx_agent,
+    peer: *const c_char,
+    out: *mut kvx_gpu_path,
+) -> kvx_status {
+    guard("kvx_agent_peer_gpu_path", || {
+        // SAFETY: per this function's contract.
+        let a = unsafe { handle(a, "agent") }?;
+        // SAFETY: as above.
+        let peer = unsafe { cstr(peer, "peer") }?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let p = match a.inner.peer_info(peer)?.gpu_path {
+            None => kvx_gpu_path::KVX_GPU_NONE,
+            Some(kvxfer_core::GpuPath::Staged) => kvx_gpu_path::KVX_GPU_STAGED,
+            Some(_) => kvx_gpu_path::KVX_GPU_DIRECT,
+        };
+        // SAFETY: out non-NULL, valid per the contract.
+        unsafe { *out = p };
+        Ok(())
+    })
+}
+
+/// Prometheus text of the agent's memory: budget, device staging chunks, dropped
+/// notifications.
+///
+/// # Safety
+/// `a` live; `buf` valid for `cap`; `out_len` valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_metrics(
+    a: *const kvx_agent,
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> kvx_status {
+    guard("kvx_agent_metrics", || {
+        // SAFETY: per this function's contract.
+        let a = unsafe { handle(a, "agent") }?;
+        let t = a.inner.prometheus();
+        // SAFETY: as above.
+        unsafe { put(t.as_bytes(), buf.cast(), cap, out_len) }
+    })
+}
+
+/// Prometheus text of the producer's telemetry.
+///
+/// # Safety
+/// `p` live; `buf` valid for `cap`; `out_len` valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_producer_metrics(
+    p: *const kvx_producer,
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> kvx_status {
+    guard("kvx_producer_metrics", || {
+        // SAFETY: per this function's contract.
+        let p = unsafe { handle(p, "producer") }?;
+        let t = p.inner.telemetry().prometheus();
+        // SAFETY: as above.
+        unsafe { put(t.as_bytes(), buf.cast(), cap, out_len) }
+    })
+}

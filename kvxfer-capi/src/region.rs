@@ -1,0 +1,197 @@
+//! Registered memory and prepared descriptor lists.
+
+use std::ffi::{c_char, c_void};
+
+use crate::error::guard;
+use crate::ffi::{cstr, free_handle, handle, new_handle, null, slice};
+use crate::{kvx_agent, kvx_desc, kvx_local_list, kvx_region, kvx_remote_list, kvx_status};
+use kvxfer_core::{Desc, HostBuffer, MemKind, RegionId};
+
+/// Registers `len` bytes at `ptr`: host memory (`cuda_device` < 0) or CUDA device memory
+/// (needs a CUDA build). The memory must stay valid until `kvx_agent_deregister` succeeds or
+/// the agent is freed.
+///
+/// # Safety
+/// `a` live; `[ptr, ptr+len)` valid memory of that kind for the stated lifetime; `out` valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_register(
+    a: *const kvx_agent,
+    ptr: *mut c_void,
+    len: usize,
+    cuda_device: i32,
+    out: *mut *mut kvx_region,
+) -> kvx_status {
+    guard("kvx_agent_register", || {
+        // SAFETY: per this function's contract.
+        let a = unsafe { handle(a, "agent") }?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let kind = if cuda_device < 0 {
+            MemKind::Host
+        } else {
+            MemKind::Cuda(cuda_device as u32)
+        };
+        // SAFETY: the caller guarantees validity and lifetime (this function's contract).
+        let r = unsafe { a.inner.register_raw(ptr.cast(), len, kind) }?;
+        // SAFETY: out non-NULL, valid.
+        unsafe { *out = new_handle(kvx_region { inner: r }) };
+        Ok(())
+    })
+}
+
+/// Allocates `len` zeroed, page-aligned bytes of host memory owned by kvxfer (memfd-backed,
+/// so a same-host peer maps it for the shared-memory lane) and registers it. The memory lives
+/// until the region is deregistered and freed; `kvx_region_ptr` gives its address.
+///
+/// # Safety
+/// `a` live; `out` valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_alloc(
+    a: *const kvx_agent,
+    len: usize,
+    out: *mut *mut kvx_region,
+) -> kvx_status {
+    guard("kvx_agent_alloc", || {
+        // SAFETY: per this function's contract.
+        let a = unsafe { handle(a, "agent") }?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let r = a.inner.register(HostBuffer::new(len)?)?;
+        // SAFETY: out non-NULL, valid.
+        unsafe { *out = new_handle(kvx_region { inner: r }) };
+        Ok(())
+    })
+}
+
+/// Deregisters a region; `KVX_BUSY` while a transfer uses it. The handle stays to be freed.
+///
+/// # Safety
+/// `a` and `r` live.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_deregister(
+    a: *const kvx_agent,
+    r: *const kvx_region,
+) -> kvx_status {
+    guard("kvx_agent_deregister", || {
+        // SAFETY: per this function's contract.
+        let a = unsafe { handle(a, "agent") }?;
+        // SAFETY: as above.
+        let r = unsafe { handle(r, "region") }?;
+        a.inner.deregister(&r.inner)?;
+        Ok(())
+    })
+}
+
+/// The region's id, as descriptors name it (`UINT32_MAX` for NULL or a handle not live).
+///
+/// # Safety
+/// `r` NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_region_id(r: *const kvx_region) -> u32 {
+    // SAFETY: per this function's contract.
+    unsafe { handle(r, "region") }.map_or(u32::MAX, |r| r.inner.id().0)
+}
+
+/// The region's base address (NULL for NULL or a handle not live).
+///
+/// # Safety
+/// `r` NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_region_ptr(r: *const kvx_region) -> *mut c_void {
+    // SAFETY: per this function's contract.
+    unsafe { handle(r, "region") }.map_or(std::ptr::null_mut(), |r| r.inner.addr() as *mut c_void)
+}
+
+/// Frees a region handle (NULL ignored). Owned memory is released once it is deregistered (or
+/// the agent is gone) and no transfer uses it.
+///
+/// # Safety
+/// `r` NULL or from this library, not freed before.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_region_free(r: *mut kvx_region) {
+    // SAFETY: per this function's contract; free_handle refuses what is not live.
+    unsafe { free_handle(r, "kvx_region_free") }
+}
+
+fn descs(d: &[kvx_desc]) -> Vec<Desc> {
+    d.iter()
+        .map(|d| Desc::new(RegionId(d.region), d.offset, d.len))
+        .collect()
+}
+
+/// Resolves local descriptors once.
+///
+/// # Safety
+/// `a` live; `d` valid for `n` elements; `out` valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_prep_local(
+    a: *const kvx_agent,
+    d: *const kvx_desc,
+    n: usize,
+    out: *mut *mut kvx_local_list,
+) -> kvx_status {
+    guard("kvx_agent_prep_local", || {
+        // SAFETY: per this function's contract.
+        let a = unsafe { handle(a, "agent") }?;
+        // SAFETY: as above.
+        let d = unsafe { slice(d, n, "descs") }?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let l = a.inner.prep_local(&descs(d))?;
+        // SAFETY: out valid.
+        unsafe { *out = new_handle(kvx_local_list { inner: l }) };
+        Ok(())
+    })
+}
+
+/// Resolves a peer's descriptors once, checked against its region table.
+///
+/// # Safety
+/// `a` live; `peer` NUL-terminated; `d` valid for `n` elements; `out` valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_prep_remote(
+    a: *const kvx_agent,
+    peer: *const c_char,
+    d: *const kvx_desc,
+    n: usize,
+    out: *mut *mut kvx_remote_list,
+) -> kvx_status {
+    guard("kvx_agent_prep_remote", || {
+        // SAFETY: per this function's contract.
+        let a = unsafe { handle(a, "agent") }?;
+        // SAFETY: as above.
+        let peer = unsafe { cstr(peer, "peer") }?;
+        // SAFETY: as above.
+        let d = unsafe { slice(d, n, "descs") }?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let l = a.inner.prep_remote(peer, &descs(d))?;
+        // SAFETY: out valid.
+        unsafe { *out = new_handle(kvx_remote_list { inner: l }) };
+        Ok(())
+    })
+}
+
+/// Frees a local list (NULL ignored).
+///
+/// # Safety
+/// NULL or from this library, once.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_local_list_free(l: *mut kvx_local_list) {
+    // SAFETY: per this function's contract; free_handle refuses what is not live.
+    unsafe { free_handle(l, "kvx_local_list_free") }
+}
+
+/// Frees a remote list (NULL ignored).
+///
+/// # Safety
+/// NULL or from this library, once.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_remote_list_free(l: *mut kvx_remote_list) {
+    // SAFETY: per this function's contract; free_handle refuses what is not live.
+    unsafe { free_handle(l, "kvx_remote_list_free") }
+}
