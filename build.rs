@@ -13,7 +13,7 @@ fn main() {
     }
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default());
     let capi = root.join("kvxfer-capi");
-    println!("cargo:rerun-if-changed=kvxfer-capi/src/lib.rs");
+    println!("cargo:rerun-if-changed=kvxfer-capi/src");
     println!("cargo:rerun-if-changed=kvxfer-capi/cbindgen.toml");
     println!("cargo:rerun-if-env-changed=KVXFER_UPDATE_HEADER");
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap_or_default()).join("kvxfer.h");

@@ -11,11 +11,13 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr};
 use std::ptr::NonNull;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::handle::{Context, Endpoint, MemHandle, Request, Rkey, Worker, WorkerWaker};
 use super::raw;
 use crate::memory::RegionInner;
 use crate::notify::Channels;
@@ -135,32 +137,6 @@ impl Commands {
 /// a property of the loaded UCX library and its configuration, the same for all agents).
 pub(crate) static MEMORY_TYPES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
-/// Wakes the engine from any thread (`ucp_worker_signal`), valid until the worker is gone.
-pub(crate) struct WorkerWaker {
-    worker: Arc<RwLock<Option<WorkerPtr>>>,
-}
-
-#[derive(Clone, Copy)]
-struct WorkerPtr(raw::ucp_worker_h);
-// SAFETY: the pointer is only used for ucp_worker_signal, which UCX documents as thread-safe,
-// and only while the RwLock holds Some (the engine takes the write lock and sets None before
-// destroying the worker).
-unsafe impl Send for WorkerPtr {}
-// SAFETY: as above; shared access only ever calls ucp_worker_signal.
-unsafe impl Sync for WorkerPtr {}
-
-impl WorkerWaker {
-    pub(crate) fn wake(&self) {
-        let g = self.worker.read().unwrap_or_else(|e| e.into_inner());
-        if let Some(w) = *g {
-            // SAFETY: Some means the worker is live (see WorkerPtr); signal is thread-safe.
-            if let Err(s) = unsafe { raw::worker_signal(w.0) } {
-                log::warn!("ucp_worker_signal failed: {s}");
-            }
-        }
-    }
-}
-
 pub(super) enum Event {
     /// A transfer's flush or notification send completed.
     Done { job: u64, status: UcsStatus },
@@ -236,7 +212,7 @@ unsafe extern "C" fn on_am(
 
 pub(super) struct LocalReg {
     /// None for regions UCX does not map (staged device memory).
-    pub(super) memh: Option<raw::ucp_mem_h>,
+    pub(super) memh: Option<MemHandle>,
     pub(super) rkey: Vec<u8>,
     pub(super) region: Arc<RegionInner>,
 }
@@ -244,9 +220,10 @@ pub(super) struct LocalReg {
 pub(super) struct Peer {
     pub(super) name: String,
     pub(super) meta: Metadata,
-    pub(super) ep: Option<raw::ucp_ep_h>,
-    /// Unpacked rkeys, by region slot (index in `meta.regions`).
-    pub(super) rkeys: Vec<raw::ucp_rkey_h>,
+    pub(super) ep: Option<Endpoint>,
+    /// Unpacked rkeys, by region slot (index in `meta.regions`); None for staged device
+    /// memory, which UCX cannot reach.
+    pub(super) rkeys: Vec<Option<Rkey>>,
     pub(super) failed: Option<UcsStatus>,
     pub(super) transports: String,
     /// Transfers using this peer that have not completed.
@@ -272,9 +249,8 @@ pub(super) enum Phase {
 }
 
 pub(crate) struct Engine {
-    pub(super) ctx: raw::ucp_context_h,
-    pub(super) worker: raw::ucp_worker_h,
-    worker_slot: Arc<RwLock<Option<WorkerPtr>>>,
+    pub(super) ctx: Rc<Context>,
+    pub(super) worker: Rc<Worker>,
     pub(super) efd: i32,
     pub(super) busy_poll: bool,
     pub(super) peer_failure: bool,
@@ -288,12 +264,13 @@ pub(crate) struct Engine {
     pub(super) next_token: u64,
     pub(super) active: HashMap<u64, Active>,
     /// Endpoint close requests still in progress, with the rkeys to destroy once they are done.
-    pub(super) closing: Vec<(NonNull<c_void>, Vec<raw::ucp_rkey_h>)>,
+    pub(super) closing: Vec<(Request, Vec<Option<Rkey>>)>,
     pub(super) worker_addr: Vec<u8>,
 }
 
 // SAFETY: the Engine is created on the caller's thread and then moved, once, to the progress
-// thread, which is the only thread that uses its UCX handles from then on.
+// thread, which is the only thread that uses its UCX handles from then on. The handle owners'
+// `Rc`s are all inside the engine (none is kept or handed out), so they move with it.
 unsafe impl Send for Engine {}
 
 impl Engine {
@@ -308,7 +285,7 @@ impl Engine {
     ) -> Result<(Engine, Commands)> {
         let (tx, rx) = mpsc::channel();
         let queued = Arc::new(AtomicUsize::new(0));
-        let ctx = raw::context_new(settings, name).map_err(|(op, status)| {
+        let ctx = Context::new(settings, name).map_err(|(op, status)| {
             log::error!("UCX context with settings {settings:?}: {op}: {status}");
             Error::Ucx {
                 op: if op.starts_with("ucp_config_modify") {
@@ -319,43 +296,23 @@ impl Engine {
                 status,
             }
         })?;
-        // SAFETY: ctx is live (just created).
-        let memory_types = unsafe { raw::context_memory_types(ctx) };
-        MEMORY_TYPES.store(memory_types, std::sync::atomic::Ordering::Relaxed);
-        // SAFETY: ctx is live (just created).
-        let worker = match unsafe { raw::worker_new(ctx) } {
-            Ok(w) => w,
-            Err(status) => {
-                // SAFETY: ctx is live, has no workers or memory, destroyed once.
-                unsafe { raw::context_destroy(ctx) };
-                return Err(Error::Ucx {
-                    op: "ucp_worker_create",
-                    status,
-                });
-            }
-        };
-        let fail = |op, status| {
-            // SAFETY: worker and ctx are live, unused elsewhere, destroyed once, in order.
-            unsafe {
-                raw::worker_destroy(worker);
-                raw::context_destroy(ctx);
-            }
-            Error::Ucx { op, status }
-        };
+        MEMORY_TYPES.store(ctx.memory_types(), std::sync::atomic::Ordering::Relaxed);
+        // On any error below the handles made so far are released by their owners.
+        let fail = |op| move |status| Error::Ucx { op, status };
+        let worker = Worker::new(&ctx).map_err(fail("ucp_worker_create"))?;
+        let w = worker.as_ptr();
         // SAFETY: worker live, on this thread, created with wakeup events.
-        let efd = unsafe { raw::worker_efd(worker) }.map_err(|s| fail("ucp_worker_get_efd", s))?;
+        let efd = unsafe { raw::worker_efd(w) }.map_err(fail("ucp_worker_get_efd"))?;
         // SAFETY: worker live; arg is null (unused); on_am accepts any input.
-        unsafe { raw::worker_set_am_handler(worker, AM_NOTIFY, on_am, std::ptr::null_mut()) }
-            .map_err(|s| fail("ucp_worker_set_am_recv_handler", s))?;
+        unsafe { raw::worker_set_am_handler(w, AM_NOTIFY, on_am, std::ptr::null_mut()) }
+            .map_err(fail("ucp_worker_set_am_recv_handler"))?;
         // SAFETY: worker live, on this thread.
-        let worker_addr =
-            unsafe { raw::worker_address(worker) }.map_err(|s| fail("ucp_worker_query", s))?;
-        let slot = Arc::new(RwLock::new(Some(WorkerPtr(worker))));
+        let worker_addr = unsafe { raw::worker_address(w) }.map_err(fail("ucp_worker_query"))?;
+        let waker = Arc::new(worker.waker());
         Ok((
             Engine {
                 ctx,
                 worker,
-                worker_slot: slot.clone(),
                 efd,
                 busy_poll,
                 peer_failure,
@@ -370,11 +327,7 @@ impl Engine {
                 closing: Vec::new(),
                 worker_addr,
             },
-            Commands {
-                tx,
-                waker: Arc::new(WorkerWaker { worker: slot }),
-                queued,
-            },
+            Commands { tx, waker, queued },
         ))
     }
 
@@ -406,7 +359,7 @@ impl Engine {
             // 3. Progress until idle, then handle what callbacks reported.
             for _ in 0..64 {
                 // SAFETY: worker live, this is the engine thread.
-                if unsafe { raw::worker_progress(self.worker) } == 0 {
+                if unsafe { raw::worker_progress(self.worker.as_ptr()) } == 0 {
                     break;
                 }
                 busy = true;
@@ -420,7 +373,7 @@ impl Engine {
             }
             // 5. Sleep until UCX or a command wakes us.
             // SAFETY: worker live, this is the engine thread.
-            match unsafe { raw::worker_arm(self.worker) } {
+            match unsafe { raw::worker_arm(self.worker.as_ptr()) } {
                 Ok(true) => {}
                 Ok(false) => continue,
                 Err(s) => {
@@ -503,12 +456,11 @@ impl Engine {
     }
 
     /// `ucp_mem_map` (told the memory type of device memory) and `ucp_rkey_pack`.
-    fn map(&mut self, region: &RegionInner) -> Result<(raw::ucp_mem_h, Vec<u8>)> {
-        // SAFETY: ctx live; the region's memory is owned by `region` (or promised valid by the
-        // caller of register_raw) and outlives the mapping: LocalReg holds the Arc until unmap.
+    fn map(&mut self, region: &RegionInner) -> Result<(MemHandle, Vec<u8>)> {
+        // SAFETY: the region's memory is owned by `region` (or promised valid by the caller
+        // of register_raw) and outlives the mapping: LocalReg holds the Arc with the handle.
         let memh = unsafe {
-            raw::mem_map(
-                self.ctx,
+            self.ctx.map(
                 region.addr as *mut u8,
                 region.len as usize,
                 region.kind != MemKind::Host,
@@ -518,18 +470,12 @@ impl Engine {
             op: "ucp_mem_map",
             status,
         })?;
-        // SAFETY: memh is a live handle of ctx.
-        match unsafe { raw::rkey_pack(self.ctx, memh) } {
-            Ok(r) => Ok((memh, r)),
-            Err(status) => {
-                // SAFETY: memh was just mapped, unused, unmapped once.
-                let _ = unsafe { raw::mem_unmap(self.ctx, memh) };
-                Err(Error::Ucx {
-                    op: "ucp_rkey_pack",
-                    status,
-                })
-            }
-        }
+        // On an error memh is unmapped by its drop.
+        let rkey = memh.rkey().map_err(|status| Error::Ucx {
+            op: "ucp_rkey_pack",
+            status,
+        })?;
+        Ok((memh, rkey))
     }
 
     fn deregister(&mut self, region: &Arc<RegionInner>) -> Result<()> {
@@ -541,11 +487,9 @@ impl Engine {
             .regions
             .remove(&id)
             .ok_or(Error::Deregistered { region: id })?;
+        // No transfer uses it: inflight was 0, and new posts check `registered` on this thread.
         match reg.memh {
-            // SAFETY: memh came from mem_map on ctx; no transfer uses it (inflight == 0, and
-            // new posts check `registered` on this thread); unmapped once (removed from the
-            // table).
-            Some(memh) => unsafe { raw::mem_unmap(self.ctx, memh) }.map_err(|status| Error::Ucx {
+            Some(memh) => memh.unmap().map_err(|status| Error::Ucx {
                 op: "ucp_mem_unmap",
                 status,
             }),
@@ -630,7 +574,7 @@ impl Engine {
         while !self.active.is_empty() && Instant::now() < end {
             self.post_batches();
             // SAFETY: worker live, engine thread.
-            unsafe { raw::worker_progress(self.worker) };
+            unsafe { raw::worker_progress(self.worker.as_ptr()) };
             self.handle_events();
         }
         for t in &tokens {
@@ -639,7 +583,7 @@ impl Engine {
         let end = Instant::now() + CLOSE_GRACE;
         while (!self.closing.is_empty() || !self.active.is_empty()) && Instant::now() < end {
             // SAFETY: worker live, engine thread.
-            unsafe { raw::worker_progress(self.worker) };
+            unsafe { raw::worker_progress(self.worker.as_ptr()) };
             self.handle_events();
             self.reap_closing();
         }
@@ -648,19 +592,11 @@ impl Engine {
             a.job.pins.leak();
             a.job.state.complete(Err(Error::Shutdown));
         }
-        for (_, r) in self.regions.drain() {
+        for r in self.regions.values() {
             r.region.registered.store(false, Ordering::Release);
-            if let Some(memh) = r.memh {
-                // SAFETY: memh from mem_map on ctx, unmapped once; endpoints are closed.
-                let _ = unsafe { raw::mem_unmap(self.ctx, memh) };
-            }
         }
-        *self.worker_slot.write().unwrap_or_else(|e| e.into_inner()) = None;
-        // SAFETY: no other thread can reach the worker (slot is None); endpoints closed;
-        // destroyed once, then the context, which has no more workers or memory.
-        unsafe {
-            raw::worker_destroy(self.worker);
-            raw::context_destroy(self.ctx);
-        }
+        // Dropping the engine releases every handle in order: keys, endpoints and memory
+        // handles first (their owners hold the worker and the context), then the worker (its
+        // wakers stop), then the context.
     }
 }

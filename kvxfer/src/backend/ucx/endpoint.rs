@@ -4,7 +4,7 @@
 use std::ffi::c_void;
 
 use super::driver::{on_ep_error, Engine, LoadedPeer, Peer, Phase};
-use super::raw::{self, Posted};
+
 use super::transfer::post_flush;
 use kvxfer_proto::error::{Error, Result, UcsStatus};
 use kvxfer_proto::types::PeerInfo;
@@ -58,9 +58,8 @@ impl Engine {
         let Some(p) = self.peers.get_mut(&t) else {
             return Err(Error::UnknownPeer { agent: name });
         };
-        if let Some(ep) = p.ep {
-            // SAFETY: ep is live on this thread.
-            let info = unsafe { raw::ep_info(ep) };
+        if let Some(ep) = &p.ep {
+            let info = ep.info();
             log::debug!("kvxfer: endpoint to {:?}:\n{info}", p.name);
             p.transports = parse_transports(&info);
         }
@@ -75,7 +74,7 @@ impl Engine {
 
     /// Creates the endpoint and unpacks the rkeys if not done yet.
     pub(super) fn ensure_ep(&mut self, token: u64) -> Result<()> {
-        let worker = self.worker;
+        let worker = self.worker.clone();
         let peer_failure = self.peer_failure;
         let p = self
             .peers
@@ -86,53 +85,38 @@ impl Engine {
         if p.ep.is_some() {
             return Ok(());
         }
-        // SAFETY: worker live on this thread; the error arg is a plain token (no pointer);
-        // on_ep_error accepts any endpoint.
-        let ep = unsafe {
-            raw::ep_new(
-                worker,
+        // The error arg is a plain token (no pointer); on_ep_error accepts any endpoint.
+        let ep = worker
+            .connect(
                 &p.meta.worker_addr,
                 on_ep_error,
                 token as *mut c_void,
                 peer_failure,
             )
-        }
-        .map_err(|status| Error::PeerFailed {
-            agent: p.name.clone(),
-            status,
-        })?;
+            .map_err(|status| Error::PeerFailed {
+                agent: p.name.clone(),
+                status,
+            })?;
+        // On an error below, the keys unpacked so far are destroyed (dropped first, declared
+        // after the endpoint), then the endpoint is closed by its drop.
         let mut rkeys = Vec::with_capacity(p.meta.regions.len());
         for r in &p.meta.regions {
             if r.rkey.is_empty() {
                 // Staged device memory (the decoder allows no key only there): UCX cannot
                 // reach it; transfers to it go through kvxfer's TCP lane, never UCX.
-                rkeys.push(std::ptr::null_mut());
+                rkeys.push(None);
                 continue;
             }
-            // SAFETY: ep is live on this thread.
-            match unsafe { raw::rkey_unpack(ep, &r.rkey) } {
-                Ok(k) => rkeys.push(k),
-                Err(status) => {
-                    for k in rkeys.into_iter().filter(|k| !k.is_null()) {
-                        // SAFETY: k was unpacked above, unused, destroyed once before the ep.
-                        unsafe { raw::rkey_destroy(k) };
-                    }
-                    // SAFETY: ep is live, has no operations, closed once.
-                    if let Ok(Posted::Pending(req)) = unsafe { raw::ep_close(ep, true) } {
-                        self.closing.push((req, Vec::new()));
-                    }
-                    return Err(Error::Metadata {
-                        source_desc: format!("agent {:?}", p.name),
-                        err: kvxfer_proto::error::MetadataError::Invalid {
-                            field: "rkey",
-                            why: format!("region {}: ucp_ep_rkey_unpack: {status}", r.id.0),
-                        },
-                    });
-                }
-            }
+            let k = ep.unpack(&r.rkey).map_err(|status| Error::Metadata {
+                source_desc: format!("agent {:?}", p.name),
+                err: kvxfer_proto::error::MetadataError::Invalid {
+                    field: "rkey",
+                    why: format!("region {}: ucp_ep_rkey_unpack: {status}", r.id.0),
+                },
+            })?;
+            rkeys.push(Some(k));
         }
-        // SAFETY: ep is live on this thread.
-        let info = unsafe { raw::ep_info(ep) };
+        let info = ep.info();
         log::debug!("kvxfer: endpoint to {:?}:\n{info}", p.name);
         p.transports = parse_transports(&info);
         log::info!("kvxfer: connected to {:?} over {}", p.name, p.transports);
@@ -172,10 +156,10 @@ impl Engine {
         let Some(ep) = p.ep.take() else {
             return;
         };
-        let mut rkeys = std::mem::take(&mut p.rkeys);
+        let rkeys = std::mem::take(&mut p.rkeys);
         let name = p.name.clone();
         let failed = p.failed.unwrap_or(UcsStatus::CANCELED);
-        if force {
+        let keep = if force {
             for (&id, a) in self
                 .active
                 .iter_mut()
@@ -188,44 +172,24 @@ impl Engine {
                         status: failed,
                     });
                 }
-                post_flush(a, id, ep);
+                post_flush(a, id, ep.as_ptr());
             }
+            rkeys
         } else {
-            destroy_rkeys(&mut rkeys);
-        }
-        // SAFETY: ep is live, used on this thread only, closed once (taken out of the peer).
-        match unsafe { raw::ep_close(ep, force) } {
-            Ok(Posted::Pending(req)) => self.closing.push((req, rkeys)),
-            Ok(Posted::Done) => destroy_rkeys(&mut rkeys),
-            Err(s) => {
-                log::debug!("ucp_ep_close_nbx({name}): {s}");
-                destroy_rkeys(&mut rkeys);
-            }
+            // No operation is outstanding: the keys go before the endpoint.
+            drop(rkeys);
+            Vec::new()
+        };
+        match ep.close(force) {
+            Ok(Some(req)) => self.closing.push((req, keep)),
+            Ok(None) => {}
+            Err(s) => log::debug!("ucp_ep_close_nbx({name}): {s}"),
         }
     }
 
     /// Frees completed endpoint-close requests and the rkeys that waited for them.
     pub(super) fn reap_closing(&mut self) {
-        self.closing.retain_mut(|(req, rkeys)| {
-            // SAFETY: req is a live close request (freed only below).
-            let s = unsafe { raw::request_status(*req) };
-            if s == UcsStatus::INPROGRESS {
-                return true;
-            }
-            // SAFETY: req completed; freed once, never used again.
-            unsafe { raw::request_free(*req) };
-            destroy_rkeys(rkeys);
-            false
-        });
-    }
-}
-
-/// Destroys rkeys whose operations are all complete.
-fn destroy_rkeys(rkeys: &mut Vec<raw::ucp_rkey_h>) {
-    for k in rkeys.drain(..).filter(|k| !k.is_null()) {
-        // SAFETY: k was unpacked by ensure_ep and is destroyed once (drained); callers pass
-        // rkeys only when no operation using them is outstanding (see close_peer).
-        unsafe { raw::rkey_destroy(k) };
+        self.closing.retain(|(req, _)| !req.done());
     }
 }
 

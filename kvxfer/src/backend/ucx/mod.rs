@@ -2,5 +2,6 @@
 //! `driver` is the progress engine that owns every UCX object on one thread.
 pub(crate) mod driver;
 mod endpoint;
+mod handle;
 pub(crate) mod raw;
 mod transfer;

@@ -7,6 +7,7 @@ use std::time::Instant;
 use super::driver::{
     on_send_done, push_event, Active, Engine, Event, Phase, AM_NOTIFY, POST_BATCH,
 };
+use super::handle::{Endpoint, Rkey};
 use super::raw::{self, Posted};
 use crate::transfer::Job;
 use kvxfer_proto::error::{Error, UcsStatus};
@@ -80,7 +81,7 @@ impl Engine {
             let Some(p) = self.peers.get(&a.job.token) else {
                 continue;
             };
-            let Some(ep) = p.ep else {
+            let Some(ep) = p.ep.as_ref().map(Endpoint::as_ptr) else {
                 a.error.get_or_insert(Error::PeerFailed {
                     agent: p.name.clone(),
                     status: p.failed.unwrap_or(raw::status(-25)),
@@ -99,8 +100,7 @@ impl Engine {
             if !stop {
                 let end = (a.next + POST_BATCH).min(a.job.plan.ops.len());
                 for o in &a.job.plan.ops[a.next..end] {
-                    let rkey = p.rkeys[o.rslot as usize];
-                    if rkey.is_null() {
+                    let Some(rkey) = p.rkeys[o.rslot as usize].as_ref().map(Rkey::as_ptr) else {
                         // Staged device memory: the agent routes it to the TCP lane; never
                         // hand UCX a region it cannot reach.
                         a.error = Some(Error::InvalidArgument(format!(
@@ -108,7 +108,7 @@ impl Engine {
                             o.rslot, p.name
                         )));
                         break;
-                    }
+                    };
                     // SAFETY: ep/rkey live on this thread; the local range was bounds-checked
                     // against a registered region pinned by this job (inflight) until the
                     // flush below completes; the remote range was checked against the peer's
@@ -220,7 +220,10 @@ impl Engine {
         let ok = status.is_ok() && a.error.is_none() && !a.canceled;
         if a.phase == Phase::Flushing && ok {
             if let Some(n) = a.job.notification.as_deref() {
-                let ep = self.peers.get(&a.job.token).and_then(|p| p.ep);
+                let ep = self
+                    .peers
+                    .get(&a.job.token)
+                    .and_then(|p| p.ep.as_ref().map(Endpoint::as_ptr));
                 if let Some(ep) = ep {
                     a.phase = Phase::Notifying;
                     // SAFETY: ep live on this thread; `n` is owned by the job, which stays in
