@@ -5,10 +5,11 @@ use std::ffi::c_char;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use kvxfer_core::{Agent, AgentConfig, GpuPath, MemoryBudget, Transport};
+
 use crate::error::{fail, guard, Fail};
 use crate::ffi::{cstr, free_handle, handle, handle_mut, new_handle, null, put, slice};
 use crate::{kvx_agent, kvx_agent_config, kvx_status};
-use kvxfer_core::{Agent, AgentConfig, GpuPath, MemoryBudget, Transport};
 
 /// Creates an agent. `transport`: "tcp", "shm", "auto" or a UCX_TLS list; `net_devices` may be
 /// NULL (UCX's default), e.g. "lo" or "eth0". `budget_bytes` 0: unlimited.

@@ -3,15 +3,16 @@
 use std::ffi::c_char;
 use std::time::Duration;
 
+use kvxfer_core::connector::{ConnectorConfig, Consumer, Handoff, Mode, Producer};
+use kvxfer_core::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking, LayerBase};
+use kvxfer_core::{MemoryBudget, RegionId};
+
 use crate::error::{fail, guard, set_error, Fail};
 use crate::ffi::{cstr, free_handle, handle, ms, new_handle, null, plain, put, slice};
 use crate::{
     kvx_agent, kvx_connector_config, kvx_consumer, kvx_layer_base, kvx_layout, kvx_producer,
     kvx_request_stats, kvx_status,
 };
-use kvxfer_core::connector::{ConnectorConfig, Consumer, Handoff, Mode, Producer};
-use kvxfer_core::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking, LayerBase};
-use kvxfer_core::{MemoryBudget, RegionId};
 
 fn layout_of(l: &kvx_layout, bases: &[kvx_layer_base]) -> Result<KvLayout, Fail> {
     let bad = |w: &str| fail(kvx_status::KVX_INVALID_ARGUMENT, format!("layout: {w}"));

@@ -2,10 +2,11 @@
 
 use std::ffi::{c_char, c_void};
 
+use kvxfer_core::{Desc, HostBuffer, MemKind, RegionId};
+
 use crate::error::guard;
 use crate::ffi::{cstr, free_handle, handle, new_handle, null, slice};
 use crate::{kvx_agent, kvx_desc, kvx_local_list, kvx_region, kvx_remote_list, kvx_status};
-use kvxfer_core::{Desc, HostBuffer, MemKind, RegionId};
 
 /// Registers `len` bytes at `ptr`: host memory (`cuda_device` < 0) or CUDA device memory
 /// (needs a CUDA build). The memory must stay valid until `kvx_agent_deregister` succeeds or

@@ -3,13 +3,14 @@
 use std::ffi::c_char;
 use std::time::Duration;
 
+use kvxfer_core::{Error, XferOp, XferStats};
+
 use crate::error::{fail, guard, status_of, Fail};
 use crate::ffi::{cstr, free_handle, handle, handle_mut, ms, new_handle, null, slice};
 use crate::{
     kvx_agent, kvx_local_list, kvx_op, kvx_remote_list, kvx_status, kvx_transfer, kvx_xfer_stats,
     KVX_MAX_NAME, KVX_MAX_NOTIFICATION,
 };
-use kvxfer_core::{Error, XferOp, XferStats};
 
 /// Starts a transfer of the pairs `(local[li[k]], remote[ri[k]])`, k < n; `li` and `ri` NULL:
 /// every pair of two lists of length n. With a notification, the peer receives it after the

@@ -1,0 +1,193 @@
+//! Command-line arguments.
+
+use std::net::SocketAddr;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use kvxfer::GpuPath;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Op {
+    Read,
+    Write,
+}
+
+/// Where each side's KV buffer lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum MemArg {
+    /// Host memory (memfd-backed).
+    Host,
+    /// Simulated device memory (reached only through a copy engine): the staged path on a
+    /// machine without a GPU.
+    Sim,
+    /// CUDA device memory (needs the `cuda` feature, a driver and a GPU).
+    Cuda,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Placement {
+    /// Blocks at random slots on both sides (a paged KV cache).
+    Random,
+    /// Blocks at consecutive slots (kvxfer coalesces them).
+    Contiguous,
+    /// One descriptor covering all the bytes.
+    Single,
+}
+
+impl Placement {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Placement::Random => "random",
+            Placement::Contiguous => "contiguous",
+            Placement::Single => "single",
+        }
+    }
+}
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "kvxfer-bench",
+    about = "Measure KV transfer throughput between two kvxfer agents",
+    args_conflicts_with_subcommands = true
+)]
+pub(crate) struct Args {
+    #[command(subcommand)]
+    pub(crate) cmd: Option<Cmd>,
+    /// READ (pull from the peer) and/or WRITE (push to the peer), comma-separated.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "write")]
+    pub(crate) op: Vec<Op>,
+    /// tcp, shm, auto, or a UCX_TLS list in quotes (e.g. "rc,sm"); several separated by ';'.
+    #[arg(long, value_delimiter = ';', default_value = "tcp")]
+    pub(crate) transport: Vec<String>,
+    /// Blocks (descriptors) per request, comma-separated. Default: Qwen3-0.6B, 2,371 tokens =
+    /// 149 blocks x 28 layers x 2 (K, V).
+    #[arg(long, value_delimiter = ',', default_value = "8344")]
+    pub(crate) blocks: Vec<u64>,
+    /// Bytes per block, comma-separated. Default: 16 tokens x 8 KV heads x 128 x bf16.
+    #[arg(long, value_delimiter = ',', default_value = "32768")]
+    pub(crate) block_size: Vec<u64>,
+    /// A model preset (e.g. qwen3-0.6b, llama-3-8b): sets --blocks and --block-size from its
+    /// KV geometry and --tokens.
+    #[arg(long)]
+    pub(crate) model: Option<String>,
+    /// Prompt tokens with --model.
+    #[arg(long, default_value_t = 2371)]
+    pub(crate) tokens: u64,
+    /// Where the blocks sit in each side's buffer, comma-separated.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "random")]
+    pub(crate) placement: Vec<Placement>,
+    /// Requests in flight at once (each its own blocks).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) concurrency: u64,
+    /// Measured iterations.
+    #[arg(long, default_value_t = 5)]
+    pub(crate) iters: usize,
+    /// Unmeasured iterations first.
+    #[arg(long, default_value_t = 2)]
+    pub(crate) warmup: usize,
+    /// Also measure, in the same run, memcpy of the same bytes and a plain TCP stream of the
+    /// same bytes between the same two endpoints, and print kvxfer's time as a ratio to each.
+    #[arg(long)]
+    pub(crate) reference: bool,
+    /// Print JSON lines (one per run) instead of the table.
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// Split operations longer than this many bytes (0: never).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) max_op: u64,
+    /// UCX_NET_DEVICES (default "lo" when the peer is started locally).
+    #[arg(long)]
+    pub(crate) net_devices: Option<String>,
+    /// Spin instead of sleeping on the worker's event fd.
+    #[arg(long)]
+    pub(crate) busy_poll: bool,
+    /// Move every byte through UCX (kvxfer's shared-memory and TCP stream lanes off).
+    #[arg(long)]
+    pub(crate) ucx_only: bool,
+    /// Serve as the peer: listen for a kvxfer-bench --connect on ADDR (port 0 allowed).
+    #[arg(long)]
+    pub(crate) listen: Option<SocketAddr>,
+    /// Agent name (default: bench-<role>-<pid>); a restarted peer can keep its name.
+    #[arg(long)]
+    pub(crate) name: Option<String>,
+    /// With --listen: exit after the first initiator's session (used for the peer the bench
+    /// starts itself); without it the peer serves sessions until killed.
+    #[arg(long, hide = true)]
+    pub(crate) once: bool,
+    /// Run against a peer started with --listen at this control address.
+    #[arg(long)]
+    pub(crate) connect: Option<SocketAddr>,
+    /// Soak: this many transfers alternating READ and WRITE (after the warm-up), every 100th
+    /// verified byte for byte, RSS of both processes reported (JSON fields `soak_*`).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) soak: usize,
+    /// Seed for placement and data.
+    #[arg(long, default_value_t = 42)]
+    pub(crate) seed: u64,
+    /// Where both sides' KV buffers live.
+    #[arg(long, value_enum, default_value = "host")]
+    pub(crate) memory: MemArg,
+    /// CUDA device with --memory cuda.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) device: u32,
+    /// Path of device memory: auto, direct (UCX moves VRAM) or staged (pinned host chunks).
+    #[arg(long, default_value = "auto", value_parser = parse_gpu_path)]
+    pub(crate) gpu_path: GpuPath,
+    /// Device staging: chunks of --staging-chunk-kib (half for each direction of initiative).
+    #[arg(long, default_value_t = kvxfer::staging::DEFAULT_STAGING_CHUNKS)]
+    pub(crate) staging_chunks: usize,
+    /// UCX without peer-failure detection (it then may use transports that cannot detect a
+    /// dead peer: shared memory, cuda_ipc); a dead peer is then only noticed by deadlines.
+    #[arg(long)]
+    pub(crate) no_peer_failure: bool,
+    /// Device staging chunk size, KiB.
+    #[arg(long, default_value_t = (kvxfer::staging::DEFAULT_STAGING_CHUNK_BYTES >> 10) as u64)]
+    pub(crate) staging_chunk_kib: u64,
+}
+
+pub(crate) fn parse_gpu_path(s: &str) -> Result<GpuPath, String> {
+    GpuPath::parse(s).ok_or_else(|| format!("{s:?}: auto, direct or staged"))
+}
+
+#[derive(Subcommand, Debug, Clone)]
+pub(crate) enum Cmd {
+    /// Plan a deployment: KV bytes per request, handoff time, host memory, and whether
+    /// disaggregation can pay off.
+    Plan(PlanArgs),
+}
+
+#[derive(Parser, Debug, Clone)]
+pub(crate) struct PlanArgs {
+    /// Model preset (qwen3-0.6b, qwen3-8b, qwen3-32b, llama-3-8b, llama-3-70b, mistral-7b).
+    #[arg(long, conflicts_with = "config")]
+    pub(crate) model: Option<String>,
+    /// A Hugging Face config.json instead of a preset.
+    #[arg(long)]
+    pub(crate) config: Option<std::path::PathBuf>,
+    /// KV cache dtype override (bf16, fp16, fp32, fp8).
+    #[arg(long)]
+    pub(crate) kv_dtype: Option<String>,
+    /// Prompt tokens per request.
+    #[arg(long, default_value_t = 2371)]
+    pub(crate) prompt_tokens: u64,
+    /// Prefix tokens already cached on the decode side.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) cached_tokens: u64,
+    /// Requests handed off at once over one link.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) concurrency: u64,
+    /// Link throughput in Gbit/s.
+    #[arg(long, conflicts_with = "bench_json")]
+    pub(crate) link_gbps: Option<f64>,
+    /// A `kvxfer-bench --json` line (file) whose measured throughput is the link.
+    #[arg(long)]
+    pub(crate) bench_json: Option<std::path::PathBuf>,
+    /// Tokens per paged block.
+    #[arg(long, default_value_t = 16)]
+    pub(crate) block_tokens: u64,
+    /// Prefill throughput of one prefill worker (tokens/s), to judge whether the handoff pays.
+    #[arg(long)]
+    pub(crate) prefill_tokens_per_s: Option<f64>,
+    /// Print JSON.
+    #[arg(long)]
+    pub(crate) json: bool,
+}

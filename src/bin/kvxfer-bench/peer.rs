@@ -1,0 +1,171 @@
+//! The peer process: it registers its buffer and answers control commands; and its side of
+//! the plain TCP reference stream.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+
+use kvxfer::Agent;
+
+use crate::cli::{Args, Placement};
+use crate::control::rss_peak;
+use crate::workload::{agent_config, clear, device, fill, placement, verify, Buf, Device};
+use crate::BoxErr;
+
+/// The peer: registers its buffer, answers control commands line by line.
+pub(crate) fn serve(args: &Args, addr: SocketAddr) -> Result<(), BoxErr> {
+    let ctl = TcpListener::bind(addr)?;
+    let local = addr.ip().is_loopback();
+    let transport = args.transport.first().cloned().unwrap_or("tcp".into());
+    let dev = device(args)?;
+    let mut cfg = agent_config(args, &transport, "peer", local);
+    if let Some(d) = &dev {
+        cfg = cfg.copy_engine(d.engine.clone());
+    }
+    let mut agent = Agent::new(cfg)?;
+    let ip = ctl.local_addr()?.ip();
+    let side = agent.listen(SocketAddr::new(ip, 0))?;
+    println!(
+        "KVXFER-BENCH READY ctl={} side={side} pid={}",
+        ctl.local_addr()?,
+        std::process::id()
+    );
+    std::io::stdout().flush()?;
+    let mut state = PeerState {
+        region: None,
+        slots: Vec::new(),
+        bs: 0,
+    };
+    loop {
+        let (s, _) = ctl.accept()?;
+        if let Err(e) = session(&mut agent, s, ip, side, &mut state, args, &dev) {
+            eprintln!("kvxfer-bench peer: session ended: {e}");
+        }
+        if args.once {
+            return Ok(());
+        }
+    }
+}
+
+pub(crate) struct PeerState {
+    pub(crate) region: Option<Buf>,
+    pub(crate) slots: Vec<u64>,
+    pub(crate) bs: u64,
+}
+
+pub(crate) fn session(
+    agent: &mut Agent,
+    s: TcpStream,
+    ip: std::net::IpAddr,
+    side: SocketAddr,
+    st: &mut PeerState,
+    args: &Args,
+    dev: &Option<Device>,
+) -> Result<(), BoxErr> {
+    let PeerState { region, slots, bs } = st;
+    let mut rd = BufReader::new(s.try_clone()?);
+    let mut wr = s;
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if rd.read_line(&mut line)? == 0 {
+            return Ok(()); // The initiator went away.
+        }
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let reply = match w.as_slice() {
+            ["SETUP", blocks, block_size, placement_s, seed] => {
+                let blocks: u64 = blocks.parse()?;
+                *bs = block_size.parse()?;
+                let p = match *placement_s {
+                    "random" => Placement::Random,
+                    _ => Placement::Contiguous,
+                };
+                *slots = placement(p, blocks, seed.parse()?).1;
+                if let Some(r) = region.take() {
+                    agent.deregister(&r.region)?;
+                }
+                *region = Some(Buf::new(agent, dev, args, (blocks * *bs) as usize)?);
+                format!("OK {side}")
+            }
+            ["FILL", seed] => match &region {
+                Some(r) => {
+                    fill(r, slots, *bs, seed.parse()?)?;
+                    "OK".into()
+                }
+                None => "ERR no SETUP".into(),
+            },
+            ["CLEAR"] => match &region {
+                Some(r) => {
+                    clear(r)?;
+                    "OK".into()
+                }
+                None => "ERR no SETUP".into(),
+            },
+            ["VERIFY", seed] => match &region {
+                Some(r) => format!("OK {}", verify(r, slots, *bs, seed.parse()?)?),
+                None => "ERR no SETUP".into(),
+            },
+            ["REGION"] => match &region {
+                Some(r) => format!("OK {}", r.region.id().0),
+                None => "ERR no SETUP".into(),
+            },
+            ["TCPREF", bytes, dir, rounds] => {
+                let l = TcpListener::bind(SocketAddr::new(ip, 0))?;
+                let port = l.local_addr()?.port();
+                let (bytes, rounds): (u64, usize) = (bytes.parse()?, rounds.parse()?);
+                let inbound = *dir == "in";
+                std::thread::spawn(move || {
+                    if let Err(e) = tcp_ref_serve(l, bytes, inbound, rounds) {
+                        eprintln!("kvxfer-bench peer: TCP reference: {e}");
+                    }
+                });
+                format!("OK {port}")
+            }
+            ["RSS"] => format!("OK {}", rss_peak(std::process::id())),
+            ["QUIT"] => {
+                writeln!(wr, "OK")?;
+                return Ok(());
+            }
+            _ => format!("ERR unknown command {:?}", line.trim()),
+        };
+        writeln!(wr, "{reply}")?;
+    }
+}
+
+/// Size of each write and read of the plain TCP reference (iperf3 -l 1M).
+pub(crate) const TCP_REF_CHUNK: usize = 1 << 20;
+
+/// The peer's end of the plain TCP reference: per round, receive `bytes` and answer one byte
+/// (inbound), or on one byte send `bytes` (outbound).
+pub(crate) fn tcp_ref_serve(
+    l: TcpListener,
+    bytes: u64,
+    inbound: bool,
+    rounds: usize,
+) -> std::io::Result<()> {
+    let (mut s, _) = l.accept()?;
+    s.set_nodelay(true)?;
+    let mut buf = vec![0u8; TCP_REF_CHUNK];
+    for _ in 0..rounds {
+        if inbound {
+            let mut left = bytes;
+            while left > 0 {
+                let n = s.read(&mut buf[..left.min(TCP_REF_CHUNK as u64) as usize])?;
+                if n == 0 {
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                }
+                left -= n as u64;
+            }
+            s.write_all(&[1])?;
+        } else {
+            let mut go = [0u8; 1];
+            s.read_exact(&mut go)?;
+            let mut left = bytes;
+            while left > 0 {
+                let n = left.min(TCP_REF_CHUNK as u64) as usize;
+                s.write_all(&buf[..n])?;
+                left -= n as u64;
+            }
+        }
+    }
+    Ok(())
+}

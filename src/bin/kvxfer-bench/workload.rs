@@ -1,0 +1,230 @@
+//! What one point of a sweep moves: buffers (host, simulated or CUDA device memory), block
+//! placement, byte patterns and their verification, the agents' configuration.
+
+use std::sync::Arc;
+
+use kvxfer::staging::{CopyEngine, SimulatedDevice};
+use kvxfer::{Agent, AgentConfig, HostBuffer, MemKind, Region, Transport};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+use crate::cli::{Args, MemArg, Op, Placement};
+use crate::BoxErr;
+
+/// One point of a sweep.
+#[derive(Clone, Debug)]
+pub(crate) struct Case {
+    pub(crate) op: Op,
+    pub(crate) transport: String,
+    pub(crate) blocks: u64,
+    pub(crate) block_size: u64,
+    pub(crate) placement: Placement,
+}
+
+impl Case {
+    /// Slots on the wire per request, and in all.
+    pub(crate) fn total_blocks(&self, conc: u64) -> u64 {
+        self.blocks * conc.max(1)
+    }
+}
+
+/// A process's device memory: the copy engine, and for the simulated device the device.
+#[derive(Clone)]
+pub(crate) struct Device {
+    pub(crate) engine: Arc<dyn CopyEngine>,
+    pub(crate) sim: Option<SimulatedDevice>,
+}
+
+pub(crate) fn device(args: &Args) -> Result<Option<Device>, BoxErr> {
+    match args.memory {
+        MemArg::Host => Ok(None),
+        MemArg::Sim => {
+            let sim = SimulatedDevice::new();
+            Ok(Some(Device {
+                engine: sim.engine(),
+                sim: Some(sim),
+            }))
+        }
+        #[cfg(feature = "cuda")]
+        MemArg::Cuda => {
+            kvxfer::cuda::probe(args.device)?;
+            Ok(Some(Device {
+                engine: Arc::new(kvxfer::cuda::CudaCopyEngine::new()),
+                sim: None,
+            }))
+        }
+        #[cfg(not(feature = "cuda"))]
+        MemArg::Cuda => Err("--memory cuda needs kvxfer-bench built with --features cuda".into()),
+    }
+}
+
+/// A registered KV buffer, host or device, and how to reach its bytes from the host.
+pub(crate) struct Buf {
+    pub(crate) region: Region,
+    pub(crate) dev: Option<(Device, u32)>,
+}
+
+impl Buf {
+    pub(crate) fn new(
+        agent: &Agent,
+        dev: &Option<Device>,
+        args: &Args,
+        len: usize,
+    ) -> Result<Buf, BoxErr> {
+        let Some(d) = dev else {
+            return Ok(Buf {
+                region: agent.register(HostBuffer::new(len)?)?,
+                dev: None,
+            });
+        };
+        let region = match &d.sim {
+            Some(sim) => {
+                let addr = sim.alloc(len)?;
+                // SAFETY: the simulated allocation lives as long as the device, which `Buf`
+                // holds past the registration (deregistered before the device goes).
+                unsafe { agent.register_raw(addr as *mut u8, len, MemKind::Cuda(args.device)) }?
+            }
+            None => cuda_region(agent, args.device, len)?,
+        };
+        Ok(Buf {
+            region,
+            dev: Some((d.clone(), args.device)),
+        })
+    }
+
+    pub(crate) fn write(&self, off: u64, data: &[u8]) -> kvxfer::Result<()> {
+        match &self.dev {
+            None => self.region.write(off, data),
+            Some((d, dev)) => {
+                check(&self.region, off, data.len())?;
+                let mut q = d.engine.queue(*dev)?;
+                // SAFETY: the range lies inside the registered device region (checked); `data`
+                // lives until the sync below.
+                unsafe { q.to_device(data.as_ptr(), self.region.addr() + off, data.len()) }?;
+                q.sync()
+            }
+        }
+    }
+
+    pub(crate) fn read(&self, off: u64, out: &mut [u8]) -> kvxfer::Result<()> {
+        match &self.dev {
+            None => self.region.read(off, out),
+            Some((d, dev)) => {
+                check(&self.region, off, out.len())?;
+                let mut q = d.engine.queue(*dev)?;
+                // SAFETY: as in write; `out` is not touched until the sync.
+                unsafe { q.to_host(self.region.addr() + off, out.as_mut_ptr(), out.len()) }?;
+                q.sync()
+            }
+        }
+    }
+}
+
+pub(crate) fn check(r: &Region, off: u64, len: usize) -> kvxfer::Result<()> {
+    if off.checked_add(len as u64).is_none_or(|e| e > r.len()) {
+        return Err(kvxfer::Error::InvalidArgument(format!(
+            "[{off}, +{len}) outside a region of {} bytes",
+            r.len()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_region(agent: &Agent, device: u32, len: usize) -> Result<Region, BoxErr> {
+    let ctx = cudarc::driver::CudaContext::new(device as usize)?;
+    let buf = ctx.default_stream().alloc_zeros::<u8>(len)?;
+    Ok(agent.register(buf)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn cuda_region(_: &Agent, _: u32, _: usize) -> Result<Region, BoxErr> {
+    Err("--memory cuda needs kvxfer-bench built with --features cuda".into())
+}
+
+pub(crate) fn agent_config(
+    args: &Args,
+    transport: &str,
+    role: &str,
+    local_peer: bool,
+) -> AgentConfig {
+    let name = args
+        .name
+        .clone()
+        .unwrap_or_else(|| format!("bench-{role}-{}", std::process::id()));
+    let mut c = AgentConfig::new(name)
+        .transport(Transport::parse(transport))
+        .busy_poll(args.busy_poll)
+        .lanes(!args.ucx_only)
+        .gpu_path(args.gpu_path)
+        .peer_failure(if args.no_peer_failure {
+            Some(false)
+        } else {
+            None
+        })
+        .staging(args.staging_chunks, (args.staging_chunk_kib << 10) as usize);
+    c.max_op_bytes = args.max_op;
+    match (&args.net_devices, local_peer) {
+        (Some(d), _) => c.net_devices(d.clone()),
+        (None, true) => c.net_devices("lo"),
+        (None, false) => c,
+    }
+}
+
+/// Slot of the k-th block on each side.
+pub(crate) fn placement(p: Placement, n: u64, seed: u64) -> (Vec<u64>, Vec<u64>) {
+    let mut l: Vec<u64> = (0..n).collect();
+    let mut r = l.clone();
+    if p == Placement::Random {
+        l.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
+        r.shuffle(&mut rand::rngs::StdRng::seed_from_u64(
+            seed ^ 0x9e37_79b9_7f4a_7c15,
+        ));
+    }
+    (l, r)
+}
+
+/// Deterministic content of block k for a data seed: both processes can compute it.
+pub(crate) fn pattern(seed: u64, k: u64, out: &mut [u8]) {
+    let mut x = seed ^ (k.wrapping_mul(0x9e37_79b9_7f4a_7c15)) ^ 0xd1b5_4a32_d192_ed03;
+    for c in out.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let b = x.to_le_bytes();
+        c.copy_from_slice(&b[..c.len()]);
+    }
+}
+
+pub(crate) fn fill(r: &Buf, slots: &[u64], bs: u64, seed: u64) -> kvxfer::Result<()> {
+    let mut buf = vec![0u8; bs as usize];
+    for (k, &s) in slots.iter().enumerate() {
+        pattern(seed, k as u64, &mut buf);
+        r.write(s * bs, &buf)?;
+    }
+    Ok(())
+}
+
+pub(crate) fn clear(r: &Buf) -> kvxfer::Result<()> {
+    let zero = vec![0u8; 1 << 20];
+    let mut off = 0;
+    while off < r.region.len() {
+        let n = (r.region.len() - off).min(zero.len() as u64);
+        r.write(off, &zero[..n as usize])?;
+        off += n;
+    }
+    Ok(())
+}
+
+pub(crate) fn verify(r: &Buf, slots: &[u64], bs: u64, seed: u64) -> kvxfer::Result<bool> {
+    let mut want = vec![0u8; bs as usize];
+    let mut got = vec![0u8; bs as usize];
+    for (k, &s) in slots.iter().enumerate() {
+        pattern(seed, k as u64, &mut want);
+        r.read(s * bs, &mut got)?;
+        if want != got {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
