@@ -22,7 +22,7 @@ echo "== UCX: Debian libucx-dev (default)"
   # crate built and tested without pkg-config or libclang.
   scripts/check-structure.sh
   cargo clippy --workspace --all-targets -- -D warnings
-  RUSTDOCFLAGS="-D warnings" cargo doc -p kvxfer --no-deps --features cuda
+  RUSTDOCFLAGS="-D warnings" cargo doc -p kvxfer-proto -p kvxfer --no-deps --features kvxfer/cuda
   cargo test --workspace 2>&1 | tee -a "$log"
   # The whole workspace again with the cuda feature (cudarc, dynamic loading: no CUDA toolkit
   # needed): GPU tests report a skip with the reason where there is no GPU.

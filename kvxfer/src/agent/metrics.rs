@@ -1,86 +1,84 @@
 //! What an agent reports about its memory: Prometheus text and the staging counters.
 #![forbid(unsafe_code)]
 
-use super::Agent;
+use super::state::AgentState;
 use crate::staging::pool::StagingStats;
 
-impl Agent {
-    /// The agent's memory in Prometheus text format: its budget (limit, used, peak, waits),
-    /// the device staging chunks (bytes, in use, peaks, waits) once allocated, and dropped
-    /// notifications. Labelled with the agent's name.
-    pub fn prometheus(&self) -> String {
-        use std::fmt::Write;
-        let n = self.shared.name.replace(['\\', '"', '\n'], "_");
-        let b = &self.shared.budget;
-        let mut o = String::new();
-        let mut gauge = |name: &str, help: &str, kind: &str, v: u64| {
-            let _ = writeln!(o, "# HELP {name} {help}");
-            let _ = writeln!(o, "# TYPE {name} {kind}");
-            let _ = writeln!(o, "{name}{{agent=\"{n}\"}} {v}");
-        };
-        if b.limit() != u64::MAX {
-            gauge(
-                "kvxfer_budget_limit_bytes",
-                "Memory the agent may allocate.",
-                "gauge",
-                b.limit(),
-            );
-        }
+/// The agent's memory in Prometheus text format: its budget (limit, used, peak, waits),
+/// the device staging chunks (bytes, in use, peaks, waits) once allocated, and dropped
+/// notifications. Labelled with the agent's name.
+pub(crate) fn prometheus(st: &AgentState) -> String {
+    use std::fmt::Write;
+    let n = st.name.replace(['\\', '"', '\n'], "_");
+    let b = &st.budget;
+    let mut o = String::new();
+    let mut gauge = |name: &str, help: &str, kind: &str, v: u64| {
+        let _ = writeln!(o, "# HELP {name} {help}");
+        let _ = writeln!(o, "# TYPE {name} {kind}");
+        let _ = writeln!(o, "{name}{{agent=\"{n}\"}} {v}");
+    };
+    if b.limit() != u64::MAX {
         gauge(
-            "kvxfer_budget_used_bytes",
-            "Memory charged now.",
+            "kvxfer_budget_limit_bytes",
+            "Memory the agent may allocate.",
             "gauge",
-            b.used(),
+            b.limit(),
         );
-        gauge(
-            "kvxfer_budget_peak_bytes",
-            "Most memory charged at once.",
-            "gauge",
-            b.peak(),
-        );
-        gauge(
-            "kvxfer_budget_waits_total",
-            "Charges that waited for memory (backpressure).",
-            "counter",
-            b.waits(),
-        );
-        gauge(
-            "kvxfer_notifications_dropped_total",
-            "Notifications dropped on a full queue.",
-            "counter",
-            self.shared.channels.user.dropped(),
-        );
-        if let Some(st) = self.staging_stats() {
-            gauge(
-                "kvxfer_staging_bytes",
-                "Pinned host chunks for device memory (allocated once).",
-                "gauge",
-                st.bytes,
-            );
-            gauge(
-                "kvxfer_staging_chunks_in_use",
-                "Staging chunks held by transfers now.",
-                "gauge",
-                st.in_use as u64,
-            );
-            gauge(
-                "kvxfer_staging_chunks_peak",
-                "Most staging chunks held at once (either pool).",
-                "gauge",
-                st.peak_initiator.max(st.peak_target) as u64,
-            );
-            gauge(
-                "kvxfer_staging_waits_total",
-                "Transfers that waited for staging chunks.",
-                "counter",
-                st.waits,
-            );
-        }
-        o
     }
+    gauge(
+        "kvxfer_budget_used_bytes",
+        "Memory charged now.",
+        "gauge",
+        b.used(),
+    );
+    gauge(
+        "kvxfer_budget_peak_bytes",
+        "Most memory charged at once.",
+        "gauge",
+        b.peak(),
+    );
+    gauge(
+        "kvxfer_budget_waits_total",
+        "Charges that waited for memory (backpressure).",
+        "counter",
+        b.waits(),
+    );
+    gauge(
+        "kvxfer_notifications_dropped_total",
+        "Notifications dropped on a full queue.",
+        "counter",
+        st.channels.user.dropped(),
+    );
+    if let Some(st) = staging_stats(st) {
+        gauge(
+            "kvxfer_staging_bytes",
+            "Pinned host chunks for device memory (allocated once).",
+            "gauge",
+            st.bytes,
+        );
+        gauge(
+            "kvxfer_staging_chunks_in_use",
+            "Staging chunks held by transfers now.",
+            "gauge",
+            st.in_use as u64,
+        );
+        gauge(
+            "kvxfer_staging_chunks_peak",
+            "Most staging chunks held at once (either pool).",
+            "gauge",
+            st.peak_initiator.max(st.peak_target) as u64,
+        );
+        gauge(
+            "kvxfer_staging_waits_total",
+            "Transfers that waited for staging chunks.",
+            "counter",
+            st.waits,
+        );
+    }
+    o
+}
 
-    /// Counters of the device staging chunks, once allocated.
-    pub fn staging_stats(&self) -> Option<StagingStats> {
-        self.shared.staging.existing().map(|s| s.stats())
-    }
+/// Counters of the device staging chunks, once allocated.
+pub(crate) fn staging_stats(st: &AgentState) -> Option<StagingStats> {
+    st.staging.existing().map(|s| s.stats())
 }

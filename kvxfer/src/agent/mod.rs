@@ -10,7 +10,9 @@
 mod config;
 mod metrics;
 mod peers;
+mod prepared;
 mod route;
+mod state;
 
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -21,88 +23,29 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub use config::{AgentConfig, DEFAULT_COMPAT};
-use peers::{gpu_path, load_decoded, remove_peer, PeerView};
-use route::{route, Route};
+use peers::{load_decoded, peer_info, remove_peer};
+pub use prepared::{PreparedLocal, PreparedRemote};
+use route::{check_strict, route, Route};
+use state::AgentState;
 
-use crate::backend::ucx::driver::{Cmd, Commands, Engine, LocalIdentity, MEMORY_TYPES};
+use crate::backend::ucx::driver::{Cmd, Engine, MEMORY_TYPES};
 use crate::backend::ucx::raw;
 use crate::budget::MemoryBudget;
 use crate::discovery::{exchange, Listener, SideChannel};
 use crate::lane::shm::{Carrier, Copier};
 use crate::lane::tcp::server::Server;
 use crate::lane::{host_info, iface_addr, LaneCtx};
-use crate::memory::{Memory, Pins, Region, RegionInner, RegionTable};
+use crate::memory::{Memory, Pins, Region, RegionInner};
 use crate::notify::{Channels, Inbox};
-use crate::staging::pool::StagingCell;
+use crate::staging::pool::{StagingCell, StagingStats};
 use crate::transfer::{Canceller, Job, Transfer, XferState};
-use kvxfer_proto::descriptor::{self, Desc, Resolved};
+use kvxfer_proto::descriptor::{self, Desc};
 use kvxfer_proto::error::{Error, Result, Side};
 use kvxfer_proto::types::{
-    choose_gpu_path, GpuPath, HostInfo, LaneInfo, MemKind, PeerInfo, RegionId, RegionSpan,
-    Transport, XferOp,
+    choose_gpu_path, GpuPath, MemKind, PeerInfo, RegionId, RegionSpan, Transport, XferOp,
 };
 use kvxfer_proto::wire::metadata::{Metadata, MAX_NAME};
 use kvxfer_proto::wire::notify::{encode, Notification, MAX_NOTIFICATION};
-
-/// The agent's state, shared with the threads it starts (side-channel listeners). Only the
-/// agent writes its tables: the region table after the engine's replies, the peer views after
-/// the engine loaded a peer.
-pub(crate) struct AgentState {
-    pub(crate) name: String,
-    pub(crate) compat: u64,
-    max_op: u64,
-    pub(crate) cmds: Commands,
-    pub(crate) regions: Arc<RegionTable>,
-    pub(crate) peers: RwLock<HashMap<String, Arc<PeerView>>>,
-    pub(crate) channels: Channels,
-    next_region: AtomicU32,
-    next_xfer: AtomicU64,
-    pub(crate) ucx_version: String,
-    pub(crate) host: Option<HostInfo>,
-    pub(crate) lane: OnceLock<LaneInfo>,
-    pub(crate) transport: Transport,
-    pub(crate) lanes_on: bool,
-    copier: Copier,
-    /// Serializes metadata loads, so that concurrent loads of one peer map its memory once.
-    pub(crate) load_lock: Mutex<()>,
-    pub(crate) budget: MemoryBudget,
-    pub(crate) secret: Option<Vec<u8>>,
-    gpu_path: GpuPath,
-    pub(crate) staging: Arc<StagingCell>,
-    canceller: Canceller,
-}
-
-impl AgentState {
-    /// This agent's part of its metadata.
-    fn identity(&self) -> LocalIdentity {
-        LocalIdentity {
-            name: self.name.clone(),
-            compat: self.compat,
-            host: self.host,
-            lane: self.lane.get().copied(),
-        }
-    }
-
-    /// This agent's metadata, encoded for a peer.
-    pub(crate) fn metadata(&self) -> Result<Vec<u8>> {
-        self.cmds.call(|reply| Cmd::Metadata {
-            local: self.identity(),
-            reply,
-        })
-    }
-
-    /// The side channel's view of this agent.
-    fn side_channel(self: &Arc<Self>) -> Arc<SideChannel> {
-        let (a, b) = (self.clone(), self.clone());
-        Arc::new(SideChannel {
-            name: self.name.clone(),
-            compat: self.compat,
-            secret: self.secret.clone(),
-            local: Box::new(move || a.metadata()),
-            on_peer: Box::new(move |meta| load_decoded(&b, meta)),
-        })
-    }
-}
 
 /// One kvxfer agent. See the module docs for the order of calls.
 pub struct Agent {
@@ -223,6 +166,18 @@ impl Agent {
     /// The memory budget the agent charges its own buffers to.
     pub fn budget(&self) -> &MemoryBudget {
         &self.shared.budget
+    }
+
+    /// The agent's memory in Prometheus text format: its budget (limit, used, peak, waits),
+    /// the device staging chunks (bytes, in use, peaks, waits) once allocated, and dropped
+    /// notifications. Labelled with the agent's name.
+    pub fn prometheus(&self) -> String {
+        metrics::prometheus(&self.shared)
+    }
+
+    /// Counters of the device staging chunks, once allocated.
+    pub fn staging_stats(&self) -> Option<StagingStats> {
+        metrics::staging_stats(&self.shared)
     }
 
     /// The agent's name.
@@ -362,18 +317,13 @@ impl Agent {
     /// What the agent knows about a peer, including the transports UCX selected. Connects if
     /// not connected yet.
     pub fn peer_info(&self, name: &str) -> Result<PeerInfo> {
-        let mut info = self.shared.cmds.call(|reply| Cmd::PeerInfo {
-            name: name.to_string(),
-            reply,
-        })?;
-        info.gpu_path = gpu_path(&self.shared, name);
-        Ok(info)
+        peer_info(&self.shared, name)
     }
 
     /// Listens for peers on `addr` (port 0 picks one): each peer that connects sends its
     /// metadata and receives ours. Returns the bound address.
     pub fn listen(&self, addr: SocketAddr) -> Result<SocketAddr> {
-        let l = Listener::start(self.shared.side_channel(), addr)?;
+        let l = Listener::start(side_channel(&self.shared), addr)?;
         let a = l.addr();
         self.listeners
             .lock()
@@ -384,7 +334,7 @@ impl Agent {
 
     /// Connects to a peer's side channel, exchanges metadata both ways. Returns its name.
     pub fn connect(&self, addr: SocketAddr) -> Result<String> {
-        exchange(&self.shared.side_channel(), addr, Duration::from_secs(10))
+        exchange(&side_channel(&self.shared), addr, Duration::from_secs(10))
     }
 
     /// Resolves a list of local descriptors once, for reuse by index.
@@ -480,7 +430,7 @@ impl Agent {
             &remote.peer,
         )?;
         if self.strict && matches!(route, Route::Ucx) {
-            self.check_strict(&remote.peer)?;
+            check_strict(&self.shared, &remote.peer)?;
         }
         // Pin the local regions the plan uses: deregistering them now fails with Busy.
         let mut used = vec![false; local.regions.len()];
@@ -612,52 +562,14 @@ impl Drop for Agent {
     }
 }
 
-/// Local descriptors resolved once ([`Agent::prep_local`]).
-#[derive(Clone)]
-pub struct PreparedLocal {
-    entries: Vec<Resolved>,
-    regions: Vec<Arc<RegionInner>>,
-}
-
-impl std::fmt::Debug for PreparedLocal {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PreparedLocal")
-            .field("descs", &self.entries.len())
-            .field("regions", &self.regions.len())
-            .finish()
-    }
-}
-
-impl PreparedLocal {
-    /// Number of descriptors.
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-    /// True when empty.
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
-}
-
-/// A peer's descriptors resolved once ([`Agent::prep_remote`]).
-#[derive(Clone, Debug)]
-pub struct PreparedRemote {
-    peer: String,
-    token: u64,
-    entries: Vec<Resolved>,
-}
-
-impl PreparedRemote {
-    /// Number of descriptors.
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-    /// True when empty.
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
-    /// The peer.
-    pub fn peer(&self) -> &str {
-        &self.peer
-    }
+/// The side channel's view of this agent.
+fn side_channel(st: &Arc<AgentState>) -> Arc<SideChannel> {
+    let (a, b) = (st.clone(), st.clone());
+    Arc::new(SideChannel {
+        name: st.name.clone(),
+        compat: st.compat,
+        secret: st.secret.clone(),
+        local: Box::new(move || a.metadata()),
+        on_peer: Box::new(move |meta| load_decoded(&b, meta)),
+    })
 }

@@ -4,26 +4,14 @@
 
 use std::sync::Arc;
 
-use super::AgentState;
+use super::state::{AgentState, PeerView};
 use crate::backend::ucx::driver::{Cmd, LoadedPeer};
 use crate::lane::shm::PeerMaps;
 use crate::lane::tcp::link::Link;
 use crate::lane::PeerLanes;
 use kvxfer_proto::error::{Error, Result};
-use kvxfer_proto::types::{GpuPath, MemKind, RegionSpan, Transport};
+use kvxfer_proto::types::{GpuPath, MemKind, PeerInfo, RegionSpan, Transport};
 use kvxfer_proto::wire::metadata::Metadata;
-
-/// A peer's region table as the caller side sees it, for bounds checks without a round trip.
-#[derive(Debug)]
-pub(crate) struct PeerView {
-    pub(crate) token: u64,
-    pub(crate) spans: Vec<RegionSpan>,
-    pub(crate) lanes: PeerLanes,
-    /// Per region slot: device memory UCX cannot reach (no remote key; staged path).
-    pub(crate) unmapped: Vec<bool>,
-    /// Checksum of the metadata the view was built from.
-    pub(crate) meta_sum: u64,
-}
 
 /// Loads a decoded peer's metadata: builds its lanes (or keeps those built for the same
 /// metadata, so that a peer's memory is never mapped twice), has the engine load it, and
@@ -98,6 +86,16 @@ fn build_lanes(st: &AgentState, meta: &Metadata) -> PeerLanes {
     lanes
 }
 
+/// What the agent knows about a peer (connects if not connected yet).
+pub(crate) fn peer_info(st: &AgentState, name: &str) -> Result<PeerInfo> {
+    let mut info = st.cmds.call(|reply| Cmd::PeerInfo {
+        name: name.to_string(),
+        reply,
+    })?;
+    info.gpu_path = gpu_path(st, name);
+    Ok(info)
+}
+
 /// Forgets a peer: the engine retires its entry, then the caller-side view goes.
 pub(crate) fn remove_peer(st: &AgentState, name: &str) -> Result<()> {
     st.cmds.call(|reply| Cmd::RemovePeer {
@@ -113,7 +111,7 @@ pub(crate) fn remove_peer(st: &AgentState, name: &str) -> Result<()> {
 
 /// How device memory moves between this agent and the peer `name`: `None` where neither
 /// side has device memory registered, `Staged` where any of it is out of UCX's reach.
-pub(crate) fn gpu_path(st: &AgentState, name: &str) -> Option<GpuPath> {
+fn gpu_path(st: &AgentState, name: &str) -> Option<GpuPath> {
     let mut device = false;
     let mut staged = false;
     for r in st.regions.read().values() {

@@ -3,8 +3,9 @@
 
 use std::sync::Arc;
 
-use super::peers::PeerView;
-use super::{Agent, PreparedLocal};
+use super::peers::peer_info;
+use super::prepared::PreparedLocal;
+use super::state::{AgentState, PeerView};
 use crate::lane::shm::PeerMaps;
 use crate::lane::tcp::link::Link;
 use kvxfer_proto::descriptor::Plan;
@@ -89,11 +90,11 @@ pub(crate) fn route(
     Ok((route, local_dev))
 }
 
-impl Agent {
-    /// Strict mode, for a transfer UCX carries: the transports UCX selected for `peer` must be
-    /// the kind asked for.
-    pub(super) fn check_strict(&self, peer: &str) -> Result<()> {
-        let t = &self.shared.transport;
+/// Strict mode, for a transfer UCX carries: the transports UCX selected for `peer` must be
+/// the kind asked for.
+pub(crate) fn check_strict(st: &AgentState, peer: &str) -> Result<()> {
+    {
+        let t = &st.transport;
         let shm = ["posix", "sysv", "cma", "xpmem", "knem"];
         let wanted: Vec<String> = match t {
             Transport::Shm => shm.iter().map(|s| s.to_string()).collect(),
@@ -117,7 +118,7 @@ impl Agent {
             }
             Transport::Tcp | Transport::Auto => return Ok(()),
         };
-        let info = self.peer_info(peer)?;
+        let info = peer_info(st, peer)?;
         let got: Vec<&str> = info
             .transports
             .split(',')

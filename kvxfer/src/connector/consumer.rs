@@ -6,7 +6,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::{add_stats, lock, send, state_charge, ConnectorConfig, Handoff, Mode};
+use super::config::ConnectorConfig;
+use super::shell::{add_stats, lock, send, state_charge};
 use crate::agent::Agent;
 use crate::budget::{Charge, MemoryBudget};
 use crate::telemetry::{RequestStats, Telemetry};
@@ -15,7 +16,7 @@ use kvxfer_proto::connector::{LoadEvent, LoadProtocol};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::layout::KvLayout;
 use kvxfer_proto::types::XferOp;
-use kvxfer_proto::wire::connector::{PushWant, ToConsumer};
+use kvxfer_proto::wire::connector::{Handoff, Mode, PushWant, ToConsumer};
 use kvxfer_proto::wire::notify::Notification;
 
 /// A load that failed, and the local blocks that do not hold valid KV because of it.

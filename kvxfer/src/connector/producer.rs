@@ -6,7 +6,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::{add_stats, lock, send, state_charge, ConnectorConfig, Handoff};
+use super::config::ConnectorConfig;
+use super::shell::{add_stats, lock, send, state_charge};
 use crate::agent::Agent;
 use crate::budget::Charge;
 use crate::telemetry::{RequestStats, Telemetry};
@@ -16,7 +17,7 @@ use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::layout::KvLayout;
 use kvxfer_proto::lifecycle::Freed;
 use kvxfer_proto::types::XferOp;
-use kvxfer_proto::wire::connector::{PushWant, ToConsumer, ToProducer};
+use kvxfer_proto::wire::connector::{Handoff, PushWant, ToConsumer, ToProducer};
 use kvxfer_proto::wire::notify::Notification;
 
 struct Push {

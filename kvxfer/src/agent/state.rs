@@ -1,0 +1,76 @@
+//! The agent's state: what the agent's threads share, and the tables only the agent writes.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+
+use crate::backend::ucx::driver::{Cmd, Commands, LocalIdentity};
+use crate::budget::MemoryBudget;
+use crate::lane::shm::Copier;
+use crate::lane::PeerLanes;
+use crate::memory::RegionTable;
+use crate::notify::Channels;
+use crate::staging::pool::StagingCell;
+use crate::transfer::Canceller;
+use kvxfer_proto::error::Result;
+use kvxfer_proto::types::{GpuPath, HostInfo, LaneInfo, RegionSpan, Transport};
+
+/// The agent's state, shared with the threads it starts (side-channel listeners). Only the
+/// agent writes its tables: the region table after the engine's replies, the peer views after
+/// the engine loaded a peer.
+pub(crate) struct AgentState {
+    pub(crate) name: String,
+    pub(crate) compat: u64,
+    pub(crate) max_op: u64,
+    pub(crate) cmds: Commands,
+    pub(crate) regions: Arc<RegionTable>,
+    pub(crate) peers: RwLock<HashMap<String, Arc<PeerView>>>,
+    pub(crate) channels: Channels,
+    pub(crate) next_region: AtomicU32,
+    pub(crate) next_xfer: AtomicU64,
+    pub(crate) ucx_version: String,
+    pub(crate) host: Option<HostInfo>,
+    pub(crate) lane: OnceLock<LaneInfo>,
+    pub(crate) transport: Transport,
+    pub(crate) lanes_on: bool,
+    pub(crate) copier: Copier,
+    /// Serializes metadata loads, so that concurrent loads of one peer map its memory once.
+    pub(crate) load_lock: Mutex<()>,
+    pub(crate) budget: MemoryBudget,
+    pub(crate) secret: Option<Vec<u8>>,
+    pub(crate) gpu_path: GpuPath,
+    pub(crate) staging: Arc<StagingCell>,
+    pub(crate) canceller: Canceller,
+}
+
+impl AgentState {
+    /// This agent's part of its metadata.
+    pub(crate) fn identity(&self) -> LocalIdentity {
+        LocalIdentity {
+            name: self.name.clone(),
+            compat: self.compat,
+            host: self.host,
+            lane: self.lane.get().copied(),
+        }
+    }
+
+    /// This agent's metadata, encoded for a peer.
+    pub(crate) fn metadata(&self) -> Result<Vec<u8>> {
+        self.cmds.call(|reply| Cmd::Metadata {
+            local: self.identity(),
+            reply,
+        })
+    }
+}
+
+/// A peer's region table as the caller side sees it, for bounds checks without a round trip.
+#[derive(Debug)]
+pub(crate) struct PeerView {
+    pub(crate) token: u64,
+    pub(crate) spans: Vec<RegionSpan>,
+    pub(crate) lanes: PeerLanes,
+    /// Per region slot: device memory UCX cannot reach (no remote key; staged path).
+    pub(crate) unmapped: Vec<bool>,
+    /// Checksum of the metadata the view was built from.
+    pub(crate) meta_sum: u64,
+}

@@ -1,0 +1,43 @@
+//! The connector's settings.
+#![forbid(unsafe_code)]
+
+use std::ops::Range;
+use std::time::Duration;
+
+use crate::budget::MemoryBudget;
+use kvxfer_proto::wire::connector::Mode;
+
+/// Connector settings.
+#[derive(Clone, Debug)]
+pub struct ConnectorConfig {
+    /// Pull or push.
+    pub mode: Mode,
+    /// Producer: how long blocks stay held without a heartbeat.
+    pub lease: Duration,
+    /// Consumer: how often it renews the lease while loading.
+    pub heartbeat: Duration,
+    /// Producer: readers per request (2 for two decode ranks each reading half the heads).
+    pub readers: usize,
+    /// Consumer: which of the producer's KV heads it reads (default: all). Its own layout
+    /// holds exactly that many heads; the producer's layout must be HND for a strict subset to
+    /// be one descriptor per block.
+    pub heads: Option<Range<u64>>,
+    /// Every byte of request state and lists is charged here.
+    pub budget: MemoryBudget,
+    /// How long a request waits for budget before it fails.
+    pub budget_wait: Duration,
+}
+
+impl Default for ConnectorConfig {
+    fn default() -> Self {
+        ConnectorConfig {
+            mode: Mode::Pull,
+            lease: Duration::from_secs(30),
+            heartbeat: Duration::from_secs(1),
+            readers: 1,
+            heads: None,
+            budget: MemoryBudget::unlimited(),
+            budget_wait: Duration::from_secs(60),
+        }
+    }
+}

@@ -1,0 +1,51 @@
+//! What the producer's and the consumer's shells share: locking, sending control messages,
+//! charging request state to the budget, adding up transfer figures.
+#![forbid(unsafe_code)]
+
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::agent::Agent;
+use crate::budget::{Charge, MemoryBudget};
+use crate::transfer::XferStats;
+use kvxfer_proto::error::Result;
+
+/// Bytes of request state charged per descriptor.
+pub(crate) const STATE_BYTES_PER_DESC: u64 = 160;
+/// Fixed bytes charged per request.
+pub(crate) const STATE_BYTES_FIXED: u64 = 4096;
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Sends a control message (already encoded); failures are logged (the peer's lease logic
+/// covers lost ones).
+pub(crate) fn send(agent: &Agent, peer: &str, msg: &[u8]) {
+    match agent.notify(peer, msg) {
+        Ok(t) => drop(t), // completes on its own
+        Err(e) => log::warn!("kvxfer connector: message to {peer:?} not sent: {e}"),
+    }
+}
+
+pub(crate) fn state_charge(
+    budget: &MemoryBudget,
+    descs: u64,
+    what: &str,
+    wait: Duration,
+) -> Result<Charge> {
+    budget.charge(STATE_BYTES_FIXED + descs * STATE_BYTES_PER_DESC, what, wait)
+}
+
+pub(crate) fn add_stats(
+    bytes: &mut u64,
+    descs: &mut u64,
+    post: &mut Duration,
+    xfer: &mut Duration,
+    s: &XferStats,
+) {
+    *bytes += s.bytes;
+    *descs += s.descs as u64;
+    *post += s.post_time;
+    *xfer += s.duration;
+}
