@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v cargo >/dev/null; then
-  echo "kvxfer: cargo (Rust >= 1.85) is needed: https://rustup.rs" >&2
+  echo "kvxfer: cargo (Rust >= 1.87) is needed: https://rustup.rs" >&2
   exit 1
 fi
 export CARGO_TERM_COLOR=never

@@ -47,6 +47,7 @@ pub mod transfer;
 /// GPU memory (feature `cuda`): probing, the CUDA copy engine, the cudarc kvxfer uses.
 #[cfg(feature = "cuda")]
 pub use device::cuda;
+pub use kvxfer_proto::wire;
 pub use kvxfer_proto::wire::metadata;
 pub use kvxfer_proto::{descriptor, error, layout, lifecycle, planning};
 

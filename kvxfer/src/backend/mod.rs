@@ -1,2 +1,3 @@
-//! Transport backends. UCX is the only one; it is the only code that does transport I/O.
+//! Transport backends: UCX (`ucx`). kvxfer's own lanes (`crate::lane`) move bytes too, beside
+//! it; the agent's `route` chooses between them per transfer.
 pub(crate) mod ucx;

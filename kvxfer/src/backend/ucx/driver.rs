@@ -159,7 +159,7 @@ pub(super) fn push_event(e: Event) {
 /// would suppress this callback (`ucp_request_free`).
 pub(super) unsafe extern "C" fn on_send_done(
     req: *mut c_void,
-    status: kvxfer_sys::ucs_status_t,
+    status: raw::ucs_status_t,
     user: *mut c_void,
 ) {
     let _ = std::panic::catch_unwind(|| {
@@ -177,7 +177,7 @@ pub(super) unsafe extern "C" fn on_send_done(
 pub(super) unsafe extern "C" fn on_ep_error(
     arg: *mut c_void,
     _ep: raw::ucp_ep_h,
-    status: kvxfer_sys::ucs_status_t,
+    status: raw::ucs_status_t,
 ) {
     let _ = std::panic::catch_unwind(|| {
         push_event(Event::EpError {
@@ -193,8 +193,8 @@ unsafe extern "C" fn on_am(
     _header_len: usize,
     data: *mut c_void,
     len: usize,
-    param: *const kvxfer_sys::ucp_am_recv_param_t,
-) -> kvxfer_sys::ucs_status_t {
+    param: *const raw::ucp_am_recv_param_t,
+) -> raw::ucs_status_t {
     let _ = std::panic::catch_unwind(|| {
         // Notifications are sent eager; anything else (a rendezvous from a foreign sender, an
         // oversized message) is dropped rather than trusted.

@@ -12,7 +12,9 @@ use kvxfer_sys as sys;
 
 use kvxfer_proto::error::UcsStatus;
 
-pub(crate) use sys::{ucp_context_h, ucp_ep_h, ucp_mem_h, ucp_rkey_h, ucp_worker_h};
+pub(crate) use sys::{
+    ucp_am_recv_param_t, ucp_context_h, ucp_ep_h, ucp_mem_h, ucp_rkey_h, ucp_worker_h, ucs_status_t,
+};
 
 /// Callback type for send-like operations (`ucp_send_nbx_callback_t`).
 pub(crate) type SendCb = unsafe extern "C" fn(*mut c_void, sys::ucs_status_t, *mut c_void);
