@@ -12,6 +12,7 @@
 pub mod connector;
 pub mod descriptor;
 pub mod error;
+pub mod lane;
 pub mod layout;
 pub mod lifecycle;
 pub mod planning;

@@ -44,7 +44,7 @@ pub const MAX_SEGS: usize = 1 << 20;
 pub const MAX_NOTIF_LEN: usize = notify::MAX_ENCODED;
 
 /// A parsed request header.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RequestHeader {
     /// 1 write, 2 read.
     pub kind: u8,

@@ -12,6 +12,7 @@ use crate::budget::MemoryBudget;
 use crate::staging::pool::StagingCell;
 use crate::transfer::{Job, XferStats};
 use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::lane::{LaneInitiator, ReplyError, PIECE_BYTES};
 use kvxfer_proto::types::{Lane, LaneInfo, RegionSpan, XferOp};
 use kvxfer_proto::wire::lane::{
     parse_welcome, Hello, ReplyHeader, RequestHeader, Segment, HEADER_LEN, K_ACK, K_DATA, K_READ,
@@ -19,8 +20,6 @@ use kvxfer_proto::wire::lane::{
 };
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// Bytes the initiator holds per operation for the stream (address and length).
-const PIECE_BYTES: usize = 16;
 
 struct LinkJob {
     job: Job,
@@ -165,11 +164,11 @@ fn connect(inner: &LinkInner) -> Result<TcpStream> {
         let (status, msg_len) = parse_welcome(&w);
         let mut msg = vec![0u8; msg_len];
         recv_buf(&c, &mut msg, &mut ctl)?;
-        Ok((status, String::from_utf8_lossy(&msg).into_owned()))
+        Ok(LaneInitiator::welcome(status, &msg))
     });
     match r {
-        Ok((0, _)) => Ok(c),
-        Ok((_, msg)) => Err(lane_err(inner, format!("refused: {msg}"))),
+        Ok(Ok(())) => Ok(c),
+        Ok(Err(msg)) => Err(lane_err(inner, format!("refused: {msg}"))),
         Err(s) => Err(stop_err(inner, s, "hello")),
     }
 }
@@ -308,20 +307,14 @@ fn read_reply(
     let r = ReplyHeader::read(&h);
     let mut msg = vec![0u8; r.msg_len];
     recv_buf(c, &mut msg, ctl).map_err(|s| stop_err(inner, s, "reading the reply"))?;
-    if r.kind != kind || r.id != id {
-        return Err(lane_err(
+    LaneInitiator::reply(&r, &msg, kind, id).map_err(|e| match e {
+        ReplyError::OutOfStep { got, expected } => lane_err(
             inner,
             format!(
-                "reply kind {} id {}, expected kind {kind} id {id}",
-                r.kind, r.id
+                "reply kind {} id {}, expected kind {} id {}",
+                got.0, got.1, expected.0, expected.1
             ),
-        ));
-    }
-    if r.status != 0 {
-        return Err(lane_err(
-            inner,
-            format!("peer refused: {}", String::from_utf8_lossy(&msg)),
-        ));
-    }
-    Ok(())
+        ),
+        ReplyError::Refused(msg) => lane_err(inner, format!("peer refused: {msg}")),
+    })
 }

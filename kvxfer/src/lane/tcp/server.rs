@@ -13,16 +13,14 @@ use super::stream::{
     drain, recv_buf, recv_first, send_buf, set_timeouts, stage_pair, stream_mixed, sum_segments,
     Stop,
 };
+use crate::budget::Charge;
 use crate::lane::LaneCtx;
 use crate::memory::Pins;
-use crate::staging::pool::DeviceStaging;
+use crate::staging::pool::{ChunkPair, DeviceStaging};
 use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::lane::{LaneTarget, TargetEvent};
 use kvxfer_proto::types::{LaneInfo, MemKind};
-use kvxfer_proto::wire::lane::{
-    encode_reply, encode_welcome, parse_hello, parse_hello_rest, parse_request_header,
-    parse_segments, request_id, RequestHeader, HEADER_LEN, HELLO_FIXED_LEN, K_ACK, K_DATA, K_WRITE,
-    SECRET_LEN, SEG_LEN,
-};
+use kvxfer_proto::wire::lane::SECRET_LEN;
 
 /// A peer that sends nothing for this long in the middle of a message is dropped.
 const STALL: Duration = Duration::from_secs(30);
@@ -107,9 +105,6 @@ fn getrandom(b: &mut [u8]) -> Result<()> {
         .map_err(|e| Error::io("reading /dev/urandom", e))
 }
 
-/// Bytes the target holds per segment once resolved (address and length).
-const PIECE_BYTES: usize = 16;
-
 /// Checks `segs` against the registered regions and pins them. Returns the pieces
 /// (addresses) and, where any piece is device memory, the device of each piece.
 fn resolve_segs(ctx: &LaneCtx, segs: &[(u32, u64, u64)]) -> Result<Resolved, String> {
@@ -180,204 +175,163 @@ fn serve_inner(
     stop: &AtomicBool,
 ) -> Result<(), Stop> {
     set_timeouts(c)?;
-    // While idle between requests only shutdown ends the wait; inside a message a silent peer
-    // is dropped after STALL.
-    let mut last = Instant::now();
-    let ctl = |idle: bool, last: &mut Instant| -> Result<(), Stop> {
-        if stop.load(Ordering::Acquire) {
-            return Err(Stop::Abort(Error::Shutdown));
-        }
-        if !idle && last.elapsed() > STALL {
-            return Err(Stop::Abort(Error::InvalidArgument(
-                "peer stalled mid-message".into(),
-            )));
-        }
-        Ok(())
-    };
-    // Hello.
-    let mut h = [0u8; HELLO_FIXED_LEN];
-    recv_buf(c, &mut h, &mut || ctl(false, &mut last))?;
-    let name_len = match parse_hello(&h) {
-        Ok(n) => n,
-        Err(why) => {
-            let _ = welcome(c, 1, &format!("bad hello: {why}"));
-            return Err(Stop::Abort(Error::InvalidArgument(format!(
-                "bad hello: {why}"
-            ))));
-        }
-    };
-    let mut rest = vec![0u8; name_len + SECRET_LEN];
-    recv_buf(c, &mut rest, &mut || ctl(false, &mut last))?;
-    let (name, presented) = parse_hello_rest(&rest, name_len)
-        .ok_or_else(|| Stop::Abort(Error::InvalidArgument("short hello".into())))?;
-    if presented != secret {
-        let _ = welcome(
-            c,
-            1,
-            "wrong lane secret: load this agent's current metadata",
-        );
-        return Err(Stop::Abort(Error::InvalidArgument(format!(
-            "{name:?} presented a wrong secret"
-        ))));
-    }
-    welcome(c, 0, "")?;
+    let t0 = Instant::now();
+    let mut t = LaneTarget::new(secret, STALL, t0.elapsed());
+    // The request's budget charge, held until the next request is admitted.
+    let mut _charge: Option<Charge> = None;
     loop {
-        // Request header.
-        let mut hdr = [0u8; HEADER_LEN];
-        last = Instant::now();
-        recv_first(c, &mut hdr, &mut |started| {
-            if started {
-                ctl(false, &mut last)
-            } else {
-                ctl(true, &mut last)
-            }
-        })?;
-        let RequestHeader {
-            kind,
-            id,
-            nsegs,
-            notif_len: nlen,
-        } = match parse_request_header(&hdr) {
-            Ok(h) => h,
-            Err(why) => {
-                let id = request_id(&hdr);
-                let _ = reply(c, K_ACK, id, 1, &why, &mut || ctl(false, &mut last));
-                return Err(Stop::Abort(Error::InvalidArgument(why)));
-            }
-        };
-        // The segment table and the resolved pieces, charged to this agent's budget: a peer
-        // cannot make the target allocate past it. No room within STALL: refuse and drop
-        // the connection (the table cannot be skipped without reading it).
-        let charge = ctx.budget.charge(
-            (nsegs * SEG_LEN + nsegs * PIECE_BYTES) as u64,
-            "TCP lane request",
-            STALL,
-        );
-        let _charge = match charge {
-            Ok(c) => c,
-            Err(e) => {
-                // Skip the request without holding it: sum the segment lengths as the table
-                // streams by, drain the data and notification, refuse, stay in step.
-                let total = sum_segments(c, nsegs, &mut || ctl(false, &mut last))?;
-                if kind == K_WRITE {
-                    drain(c, total.saturating_add(nlen as u64), &mut || {
-                        ctl(false, &mut last)
-                    })?;
-                    reply(c, K_ACK, id, 1, &e.to_string(), &mut || {
-                        ctl(false, &mut last)
-                    })?;
-                } else {
-                    drain(c, nlen as u64, &mut || ctl(false, &mut last))?;
-                    reply(c, K_DATA, id, 1, &e.to_string(), &mut || {
-                        ctl(false, &mut last)
-                    })?;
-                }
-                continue;
-            }
-        };
-        let mut raw = vec![0u8; nsegs * SEG_LEN];
-        recv_buf(c, &mut raw, &mut || ctl(false, &mut last))?;
-        let segs = parse_segments(&raw).map_err(|w| Stop::Abort(Error::InvalidArgument(w)))?;
-        drop(raw);
-        let mut resolved = resolve_segs(ctx, &segs);
-        let total: u64 = segs.iter().fold(0u64, |a, s| a.saturating_add(s.2));
-        // Device pieces: the staging pools and two target chunks, or a refusal.
-        let stage = match &resolved {
-            Ok((_, _, devs)) => match target_stage(ctx, devs) {
-                Ok(s) => s,
-                Err(why) => {
-                    resolved = Err(why);
-                    None
-                }
-            },
-            Err(_) => None,
-        };
-        let pair = match &stage {
-            Some(st) => {
-                let p = stage_pair(st, false, STAGE_WAIT, &mut || ctl(false, &mut last))?;
-                if p.is_none() {
-                    resolved = Err(format!("all staging chunks stayed busy for {STAGE_WAIT:?}"));
-                }
-                p
-            }
-            None => None,
-        };
-        let st = stage.as_deref().zip(pair.as_ref());
-        if kind == K_WRITE {
-            let err = match &resolved {
-                Ok((_pins, pieces, devs)) => {
-                    // SAFETY: the pieces were resolved against this agent's registered regions,
-                    // whose kinds `devs` gives, and `_pins` holds them registered.
-                    unsafe {
-                        stream_mixed(c, false, pieces, devs, st, &mut || ctl(false, &mut last))
-                    }?;
-                    None
-                }
-                Err(why) => {
-                    drain(c, total, &mut || ctl(false, &mut last))?;
-                    Some(why.clone())
-                }
-            };
-            drop(pair);
-            drop(resolved);
-            let mut note = vec![0u8; nlen];
-            recv_buf(c, &mut note, &mut || ctl(false, &mut last))?;
-            match err {
-                None => {
-                    if nlen > 0 {
-                        deliver(ctx, &name, &note);
+        match step(c, ctx, &mut t, t0, stop, None)? {
+            Flow::Go => {}
+            Flow::Admit(table_bytes) => {
+                _charge = None;
+                match ctx.budget.charge(table_bytes, "TCP lane request", STALL) {
+                    Ok(ch) => {
+                        _charge = Some(ch);
+                        t.admitted(Ok(()));
                     }
-                    reply(c, K_ACK, id, 0, "", &mut || ctl(false, &mut last))?;
+                    Err(e) => t.admitted(Err(e.to_string())),
                 }
-                Some(why) => reply(c, K_ACK, id, 1, &why, &mut || ctl(false, &mut last))?,
             }
-        } else {
-            let mut note = vec![0u8; nlen];
-            recv_buf(c, &mut note, &mut || ctl(false, &mut last))?;
-            match resolved {
-                Ok((pins, pieces, devs)) => {
-                    reply(c, K_DATA, id, 0, "", &mut || ctl(false, &mut last))?;
-                    // SAFETY: as for a write: resolved, kinds in `devs`, held by `pins`.
-                    unsafe {
-                        stream_mixed(c, true, &pieces, &devs, st, &mut || ctl(false, &mut last))
-                    }?;
-                    drop(pair);
-                    drop(pins);
-                    if nlen > 0 {
-                        deliver(ctx, &name, &note);
+            Flow::Resolve(segs) => {
+                // The pieces, their staging, their chunks: held until the core releases them.
+                let total: u64 = segs.iter().fold(0u64, |a, s| a.saturating_add(s.2));
+                let mut resolved = resolve_segs(ctx, &segs);
+                drop(segs);
+                let stage = match &resolved {
+                    Ok((_, _, devs)) => match target_stage(ctx, devs) {
+                        Ok(s) => s,
+                        Err(why) => {
+                            resolved = Err(why);
+                            None
+                        }
+                    },
+                    Err(_) => None,
+                };
+                let pair = match &stage {
+                    Some(st) => {
+                        let p = stage_pair(st, false, STAGE_WAIT, &mut || tick(&mut t, t0, stop))?;
+                        if p.is_none() {
+                            resolved =
+                                Err(format!("all staging chunks stayed busy for {STAGE_WAIT:?}"));
+                        }
+                        p
                     }
-                }
-                Err(why) => reply(c, K_DATA, id, 1, &why, &mut || ctl(false, &mut last))?,
+                    None => None,
+                };
+                t.resolved(resolved.as_ref().map(|_| ()).map_err(Clone::clone), total);
+                let pieces = resolved.as_ref().ok().map(|(_, p, d)| Pieces {
+                    pieces: p,
+                    devs: d,
+                    stage: stage.as_deref().zip(pair.as_ref()),
+                });
+                while step(c, ctx, &mut t, t0, stop, pieces.as_ref())? != Flow::Released {}
+                drop(pair);
+                drop(resolved);
             }
+            Flow::Released => {}
         }
     }
 }
 
-fn deliver(ctx: &LaneCtx, name: &str, note: &[u8]) {
-    match kvxfer_proto::wire::notify::decode(note) {
-        Some(n) if n.from == name => ctx.channels.deliver(n),
-        Some(n) => log::warn!(
-            "kvxfer: TCP lane notification claims to be from {:?} on {name:?}'s connection; dropped",
-            n.from
-        ),
-        None => log::warn!("kvxfer: malformed TCP lane notification from {name:?} dropped"),
-    }
+/// A request's resolved pieces, their devices and the staging chunks for device pieces.
+struct Pieces<'a> {
+    pieces: &'a [(u64, u64)],
+    devs: &'a [Option<u32>],
+    stage: Option<(&'a DeviceStaging, &'a ChunkPair<'a>)>,
 }
 
-fn welcome(c: &TcpStream, status: u8, msg: &str) -> Result<(), Stop> {
-    use std::io::Write;
-    (&*c)
-        .write_all(&encode_welcome(status, msg))
-        .map_err(Stop::Io)
+/// What the connection loop does after a step.
+#[derive(Debug, PartialEq, Eq)]
+enum Flow {
+    Go,
+    /// Charge this many bytes, then answer the core.
+    Admit(u64),
+    /// Resolve these segments and hold them until released.
+    Resolve(Vec<(u32, u64, u64)>),
+    /// The core released the current request's pieces.
+    Released,
 }
 
-fn reply(
+/// One event of the core, or one read of control bytes when it has none.
+fn step(
     c: &TcpStream,
-    kind: u8,
-    id: u64,
-    status: u8,
-    msg: &str,
-    ctl: &mut dyn FnMut() -> Result<(), Stop>,
-) -> Result<(), Stop> {
-    send_buf(c, &encode_reply(kind, id, status, msg), ctl)
+    ctx: &LaneCtx,
+    t: &mut LaneTarget,
+    t0: Instant,
+    stop: &AtomicBool,
+    pieces: Option<&Pieces<'_>>,
+) -> Result<Flow, Stop> {
+    let Some(ev) = t.poll_event() else {
+        let Some(n) = t.want() else {
+            return Err(Stop::Abort(Error::InvalidArgument(
+                "the lane protocol stopped without closing (a bug)".into(),
+            )));
+        };
+        let mut buf = vec![0u8; n];
+        if t.idle() {
+            // Between requests only shutdown ends the wait; once a byte arrived, the stall
+            // clock runs.
+            recv_first(c, &mut buf, &mut |started| {
+                if started {
+                    t.started(t0.elapsed());
+                }
+                tick(t, t0, stop)
+            })?;
+        } else {
+            recv_buf(c, &mut buf, &mut || tick(t, t0, stop))?;
+        }
+        t.on_bytes(&buf, t0.elapsed());
+        return Ok(Flow::Go);
+    };
+    let mut ctl = || tick(t, t0, stop);
+    match ev {
+        TargetEvent::Transmit(b) => send_buf(c, &b, &mut ctl)?,
+        TargetEvent::Accepted { name } => log::debug!("kvxfer: TCP lane peer {name:?} accepted"),
+        TargetEvent::Admit { table_bytes, .. } => return Ok(Flow::Admit(table_bytes)),
+        TargetEvent::SkipSegments { nsegs } => {
+            let total = sum_segments(c, nsegs, &mut ctl)?;
+            t.skipped(total);
+        }
+        TargetEvent::Resolve { segments, .. } => {
+            let segs = segments
+                .iter()
+                .map(|s| (s.region, s.offset, s.len))
+                .collect();
+            return Ok(Flow::Resolve(segs));
+        }
+        TargetEvent::ReceiveData | TargetEvent::SendData => {
+            let send = ev == TargetEvent::SendData;
+            let p = pieces.ok_or_else(|| {
+                Stop::Abort(Error::InvalidArgument("data without pieces (a bug)".into()))
+            })?;
+            // SAFETY: the pieces were resolved against this agent's registered regions, whose
+            // kinds `devs` gives, and the resolution's pins hold them registered until the
+            // core releases them (after this data).
+            unsafe { stream_mixed(c, send, p.pieces, p.devs, p.stage, &mut ctl) }?;
+            t.data_done();
+        }
+        TargetEvent::Drain { bytes } => {
+            drain(c, bytes, &mut ctl)?;
+            t.data_done();
+        }
+        TargetEvent::Release => return Ok(Flow::Released),
+        TargetEvent::Deliver(n) => ctx.channels.deliver(n),
+        TargetEvent::Close { why } => return Err(Stop::Abort(Error::InvalidArgument(why))),
+    }
+    Ok(Flow::Go)
+}
+
+/// Called whenever a socket call times out: shutdown ends the connection, and so does a peer
+/// stalled mid-message.
+fn tick(t: &mut LaneTarget, t0: Instant, stop: &AtomicBool) -> Result<(), Stop> {
+    if stop.load(Ordering::Acquire) {
+        return Err(Stop::Abort(Error::Shutdown));
+    }
+    t.handle_timeout(t0.elapsed());
+    if t.is_closed() {
+        return Err(Stop::Abort(Error::InvalidArgument(
+            "peer stalled mid-message".into(),
+        )));
+    }
+    Ok(())
 }

@@ -1,0 +1,865 @@
+//! The TCP lane's protocol as pure state machines (quinn-proto style): [`LaneTarget`] is one
+//! target connection, [`LaneInitiator`] checks what the initiator reads back. They take the
+//! control bytes the shell has read and the clock (`now`), and hand out events: what to read
+//! next, what to send, where the data goes (into the resolved pieces, drained, or sent), what to
+//! deliver. The shell (`kvxfer`'s `lane/tcp`) owns the socket and the memory; the bytes of the
+//! blocks never pass through here.
+//!
+//! One target connection: hello (checked against the lane secret) → welcome; then requests,
+//! each: header → admission (the shell charges its budget) → segment table (or, refused,
+//! skipped while its lengths are summed) → resolution against the target's regions → the data
+//! (received, drained, or sent) → the notification → the reply; a notification is delivered
+//! only after the data. A refused request is drained so that the stream stays in step. A peer
+//! that stops in the middle of a message for longer than the stall limit is dropped; between
+//! requests it may stay silent.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use crate::wire::lane::{
+    encode_reply, encode_welcome, parse_hello, parse_hello_rest, parse_request_header, request_id,
+    segments, ReplyHeader, RequestHeader, Segment, HEADER_LEN, HELLO_FIXED_LEN, K_ACK, K_DATA,
+    K_WRITE, SECRET_LEN, SEG_LEN,
+};
+use crate::wire::notify::{self, Notification};
+
+/// What the target's shell does next ([`LaneTarget::poll_event`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TargetEvent {
+    /// Send these bytes.
+    Transmit(Vec<u8>),
+    /// The initiator `name` presented the right secret.
+    Accepted {
+        /// Its agent name.
+        name: String,
+    },
+    /// A request header arrived: charge `table_bytes` (the segment table and the resolved
+    /// pieces) to the budget, then call [`LaneTarget::admitted`].
+    Admit {
+        /// The request.
+        header: RequestHeader,
+        /// Bytes the shell will hold for it.
+        table_bytes: u64,
+    },
+    /// A refused request's segment table follows: read and discard `nsegs` segments, summing
+    /// their lengths, then call [`LaneTarget::skipped`].
+    SkipSegments {
+        /// Segments to skip.
+        nsegs: usize,
+    },
+    /// Resolve these segments against the registered regions (and pin them), then call
+    /// [`LaneTarget::resolved`].
+    Resolve {
+        /// The request.
+        header: RequestHeader,
+        /// Its segments.
+        segments: Vec<Segment>,
+    },
+    /// Receive the write's data into the resolved pieces, then call
+    /// [`LaneTarget::data_done`].
+    ReceiveData,
+    /// Read and discard `bytes` (a refused write's data, or a refused request's remainder),
+    /// then call [`LaneTarget::data_done`].
+    Drain {
+        /// Bytes to discard.
+        bytes: u64,
+    },
+    /// Send the read's data from the resolved pieces, then call [`LaneTarget::data_done`].
+    SendData,
+    /// The pieces are no longer needed: drop their pins and staging.
+    Release,
+    /// Deliver this notification (its data has landed, or left).
+    Deliver(Notification),
+    /// Close the connection.
+    Close {
+        /// Why.
+        why: String,
+    },
+}
+
+/// Where the connection is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum State {
+    HelloFixed,
+    HelloRest {
+        name_len: usize,
+    },
+    Header,
+    /// Waiting for the shell: admission, skipping, resolution or the data.
+    Shell,
+    Segments {
+        header: RequestHeader,
+    },
+    /// The notification of a request; `refused` is the reason when it was refused.
+    Note {
+        header: RequestHeader,
+        refused: Option<String>,
+    },
+    Closed,
+}
+
+/// What the shell is doing for the current request, and what comes after.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Pending {
+    None,
+    Admit(RequestHeader),
+    Skip(RequestHeader, String),
+    Resolve(RequestHeader),
+    /// Data moving; then the notification (`refused`: the reason).
+    Data(RequestHeader, Option<String>),
+    /// A read's data is leaving; the notification was read before it.
+    Sending(RequestHeader, Vec<u8>),
+    /// A refused request is being drained; then this reply.
+    Refusing(Vec<u8>),
+}
+
+/// One target connection of the TCP lane.
+#[derive(Debug)]
+pub struct LaneTarget {
+    secret: [u8; SECRET_LEN],
+    stall: Duration,
+    state: State,
+    pending: Pending,
+    peer: Option<String>,
+    /// When the current message started (None: between messages).
+    message_since: Option<Duration>,
+    events: VecDeque<TargetEvent>,
+}
+
+impl LaneTarget {
+    /// A connection accepted at `now`, whose initiator must present `secret`; a peer silent
+    /// for `stall` in the middle of a message (its hello included) is dropped.
+    pub fn new(secret: [u8; SECRET_LEN], stall: Duration, now: Duration) -> LaneTarget {
+        LaneTarget {
+            secret,
+            stall,
+            state: State::HelloFixed,
+            pending: Pending::None,
+            peer: None,
+            message_since: Some(now),
+            events: VecDeque::new(),
+        }
+    }
+
+    /// Control bytes the shell reads next (maybe 0) and passes to [`LaneTarget::on_bytes`];
+    /// `None` while the shell has events to handle, or once the connection is closed.
+    pub fn want(&self) -> Option<usize> {
+        match &self.state {
+            State::HelloFixed => Some(HELLO_FIXED_LEN),
+            State::HelloRest { name_len } => Some(name_len + SECRET_LEN),
+            State::Header => Some(HEADER_LEN),
+            State::Segments { header } => Some(header.nsegs * SEG_LEN),
+            State::Note { header, .. } => Some(header.notif_len),
+            State::Shell | State::Closed => None,
+        }
+    }
+
+    /// Whether the connection is closed.
+    pub fn is_closed(&self) -> bool {
+        self.state == State::Closed
+    }
+
+    /// Whether the connection is between messages (a silent peer may stay).
+    pub fn idle(&self) -> bool {
+        self.state == State::Header && self.message_since.is_none()
+    }
+
+    /// The initiator's name, once its hello was accepted.
+    pub fn peer(&self) -> Option<&str> {
+        self.peer.as_deref()
+    }
+
+    /// The next thing to do.
+    pub fn poll_event(&mut self) -> Option<TargetEvent> {
+        self.events.pop_front()
+    }
+
+    /// The first bytes of a message have arrived at `now` (for the stall clock).
+    pub fn started(&mut self, now: Duration) {
+        self.message_since.get_or_insert(now);
+    }
+
+    /// The clock at `now`: a peer stalled inside a message is dropped.
+    pub fn handle_timeout(&mut self, now: Duration) {
+        if let Some(t) = self.message_since {
+            if self.state != State::Closed && now.saturating_sub(t) > self.stall {
+                self.close("peer stalled mid-message".into());
+            }
+        }
+    }
+
+    /// The `want()` bytes the shell read, at `now`.
+    pub fn on_bytes(&mut self, b: &[u8], now: Duration) {
+        self.started(now);
+        match std::mem::replace(&mut self.state, State::Shell) {
+            State::HelloFixed => {
+                let Ok(fixed) = <[u8; HELLO_FIXED_LEN]>::try_from(b) else {
+                    return self.close("short hello".into());
+                };
+                match parse_hello(&fixed) {
+                    Ok(name_len) => {
+                        self.state = State::HelloRest { name_len };
+                    }
+                    Err(why) => {
+                        let why = format!("bad hello: {why}");
+                        self.events
+                            .push_back(TargetEvent::Transmit(encode_welcome(1, &why)));
+                        self.close(why);
+                    }
+                }
+            }
+            State::HelloRest { name_len } => match parse_hello_rest(b, name_len) {
+                Some((name, secret)) if secret == self.secret => {
+                    self.events
+                        .push_back(TargetEvent::Transmit(encode_welcome(0, "")));
+                    self.events
+                        .push_back(TargetEvent::Accepted { name: name.clone() });
+                    self.peer = Some(name);
+                    self.between_messages();
+                }
+                Some((name, _)) => {
+                    self.events.push_back(TargetEvent::Transmit(encode_welcome(
+                        1,
+                        "wrong lane secret: load this agent's current metadata",
+                    )));
+                    self.close(format!("{name:?} presented a wrong secret"));
+                }
+                None => self.close("short hello".into()),
+            },
+            State::Header => {
+                let Ok(h) = <[u8; HEADER_LEN]>::try_from(b) else {
+                    return self.close("short request header".into());
+                };
+                match parse_request_header(&h) {
+                    Ok(header) => {
+                        let table_bytes = (header.nsegs * (SEG_LEN + PIECE_BYTES)) as u64;
+                        self.pending = Pending::Admit(header.clone());
+                        self.events.push_back(TargetEvent::Admit {
+                            header,
+                            table_bytes,
+                        });
+                    }
+                    Err(why) => {
+                        // The id as sent, so that the initiator can tell which request failed.
+                        let id = request_id(&h);
+                        self.events
+                            .push_back(TargetEvent::Transmit(encode_reply(K_ACK, id, 1, &why)));
+                        self.close(why);
+                    }
+                }
+            }
+            State::Segments { header } => match segments(b) {
+                Ok(segs) => {
+                    let segments: Vec<Segment> = segs.collect();
+                    self.pending = Pending::Resolve(header.clone());
+                    self.events
+                        .push_back(TargetEvent::Resolve { header, segments });
+                }
+                Err(why) => self.close(why),
+            },
+            State::Note { header, refused } => self.after_note(header, refused, b),
+            State::Shell => self.close("bytes while the shell was busy (a shell bug)".into()),
+            State::Closed => self.state = State::Closed,
+        }
+    }
+
+    /// The shell's answer to [`TargetEvent::Admit`]: `Err` is why the budget refused it.
+    pub fn admitted(&mut self, r: Result<(), String>) {
+        let Pending::Admit(header) = std::mem::replace(&mut self.pending, Pending::None) else {
+            return self.close("admission without a request (a shell bug)".into());
+        };
+        match r {
+            Ok(()) if header.nsegs == 0 => {
+                self.pending = Pending::Resolve(header.clone());
+                self.events.push_back(TargetEvent::Resolve {
+                    header,
+                    segments: Vec::new(),
+                });
+            }
+            Ok(()) => self.state = State::Segments { header },
+            Err(why) => {
+                // The table cannot be skipped without reading it: sum it as it streams by.
+                self.events.push_back(TargetEvent::SkipSegments {
+                    nsegs: header.nsegs,
+                });
+                self.pending = Pending::Skip(header, why);
+            }
+        }
+    }
+
+    /// The shell skipped a refused request's table; `total` is the sum of its lengths.
+    pub fn skipped(&mut self, total: u64) {
+        let Pending::Skip(header, why) = std::mem::replace(&mut self.pending, Pending::None) else {
+            return self.close("skip without a refused request (a shell bug)".into());
+        };
+        let bytes = if header.kind == K_WRITE {
+            total.saturating_add(header.notif_len as u64)
+        } else {
+            header.notif_len as u64
+        };
+        self.events.push_back(TargetEvent::Drain { bytes });
+        let kind = if header.kind == K_WRITE {
+            K_ACK
+        } else {
+            K_DATA
+        };
+        // After the drain: the refusal, and the stream is in step for the next request.
+        self.pending = Pending::Refusing(encode_reply(kind, header.id, 1, &why));
+    }
+
+    /// The shell's answer to [`TargetEvent::Resolve`]: `Err` is why the segments were refused
+    /// (not registered, out of bounds, being deregistered, no staging); `total` is the sum of
+    /// the segments' lengths either way.
+    pub fn resolved(&mut self, r: Result<(), String>, total: u64) {
+        let Pending::Resolve(header) = std::mem::replace(&mut self.pending, Pending::None) else {
+            return self.close("resolution without a request (a shell bug)".into());
+        };
+        match (header.kind == K_WRITE, r) {
+            (true, Ok(())) => {
+                self.events.push_back(TargetEvent::ReceiveData);
+                self.pending = Pending::Data(header, None);
+            }
+            (true, Err(why)) => {
+                self.events.push_back(TargetEvent::Release);
+                self.events.push_back(TargetEvent::Drain { bytes: total });
+                self.pending = Pending::Data(header, Some(why));
+            }
+            // A read: its notification comes first, then the reply and the data.
+            (false, r) => {
+                if r.is_err() {
+                    self.events.push_back(TargetEvent::Release);
+                }
+                self.state = State::Note {
+                    header,
+                    refused: r.err(),
+                };
+            }
+        }
+    }
+
+    /// The data the last event asked for has moved (received, drained or sent).
+    pub fn data_done(&mut self) {
+        match std::mem::replace(&mut self.pending, Pending::None) {
+            Pending::Refusing(reply) => {
+                self.events.push_back(TargetEvent::Transmit(reply));
+                self.between_messages();
+            }
+            Pending::Data(header, refused) => {
+                if refused.is_none() {
+                    self.events.push_back(TargetEvent::Release);
+                }
+                self.state = State::Note { header, refused };
+            }
+            Pending::Sending(_, note) => {
+                self.events.push_back(TargetEvent::Release);
+                self.deliver(&note);
+                self.between_messages();
+            }
+            _ => self.close("data without a request (a shell bug)".into()),
+        }
+    }
+
+    fn after_note(&mut self, header: RequestHeader, refused: Option<String>, note: &[u8]) {
+        if header.kind == K_WRITE {
+            match refused {
+                None => {
+                    if !note.is_empty() {
+                        self.deliver(note);
+                    }
+                    self.events
+                        .push_back(TargetEvent::Transmit(encode_reply(K_ACK, header.id, 0, "")));
+                }
+                Some(why) => self.events.push_back(TargetEvent::Transmit(encode_reply(
+                    K_ACK, header.id, 1, &why,
+                ))),
+            }
+            return self.between_messages();
+        }
+        match refused {
+            None => {
+                self.events.push_back(TargetEvent::Transmit(encode_reply(
+                    K_DATA, header.id, 0, "",
+                )));
+                self.events.push_back(TargetEvent::SendData);
+                self.pending = Pending::Sending(header, note.to_vec());
+                self.state = State::Shell;
+            }
+            Some(why) => {
+                self.events.push_back(TargetEvent::Transmit(encode_reply(
+                    K_DATA, header.id, 1, &why,
+                )));
+                self.between_messages();
+            }
+        }
+    }
+
+    /// Delivers a notification that claims to be from the initiator (others are dropped).
+    fn deliver(&mut self, note: &[u8]) {
+        if note.is_empty() {
+            return;
+        }
+        match (notify::decode(note), &self.peer) {
+            (Some(n), Some(p)) if n.from == *p => self.events.push_back(TargetEvent::Deliver(n)),
+            _ => {}
+        }
+    }
+
+    fn between_messages(&mut self) {
+        self.state = State::Header;
+        self.message_since = None;
+    }
+
+    fn close(&mut self, why: String) {
+        self.state = State::Closed;
+        self.pending = Pending::None;
+        self.events.push_back(TargetEvent::Close { why });
+    }
+}
+
+/// Bytes the target holds per segment once resolved (address and length).
+pub const PIECE_BYTES: usize = 16;
+
+/// Why an initiator gives up on a reply.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReplyError {
+    /// The reply is for another request or of another kind: the stream is out of step.
+    OutOfStep {
+        /// What arrived.
+        got: (u8, u64),
+        /// What was expected.
+        expected: (u8, u64),
+    },
+    /// The target refused the request; its words.
+    Refused(String),
+}
+
+/// What an initiator checks of the target's answers.
+#[derive(Debug)]
+pub struct LaneInitiator;
+
+impl LaneInitiator {
+    /// The welcome: `Err` is the target's refusal.
+    pub fn welcome(status: u8, msg: &[u8]) -> Result<(), String> {
+        match status {
+            0 => Ok(()),
+            _ => Err(String::from_utf8_lossy(msg).into_owned()),
+        }
+    }
+
+    /// A reply to request `id` (of `kind`), with its message.
+    pub fn reply(r: &ReplyHeader, msg: &[u8], kind: u8, id: u64) -> Result<(), ReplyError> {
+        if r.kind != kind || r.id != id {
+            return Err(ReplyError::OutOfStep {
+                got: (r.kind, r.id),
+                expected: (kind, id),
+            });
+        }
+        if r.status != 0 {
+            return Err(ReplyError::Refused(
+                String::from_utf8_lossy(msg).into_owned(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::lane::{Hello, REPLY_FIXED_LEN, WELCOME_FIXED_LEN};
+
+    const SECRET: [u8; SECRET_LEN] = [7; SECRET_LEN];
+    const STALL: Duration = Duration::from_secs(30);
+
+    /// The target's shell, in memory: regions are byte vectors, the budget a number, the
+    /// socket two queues; what happened is logged in order.
+    struct Shell {
+        regions: Vec<Vec<u8>>,
+        budget: u64,
+        input: VecDeque<u8>,
+        out: Vec<u8>,
+        log: Vec<String>,
+        /// The current request's resolved pieces: (region, offset, len).
+        pieces: Vec<(usize, usize, usize)>,
+    }
+
+    impl Shell {
+        fn new(regions: usize, len: usize, budget: u64) -> Shell {
+            Shell {
+                regions: vec![vec![0u8; len]; regions],
+                budget,
+                input: VecDeque::new(),
+                out: Vec::new(),
+                log: Vec::new(),
+                pieces: Vec::new(),
+            }
+        }
+
+        fn take(&mut self, n: usize) -> Vec<u8> {
+            self.input.drain(..n).collect()
+        }
+
+        /// Runs the target until it needs bytes that have not arrived, or closes.
+        fn drive(&mut self, t: &mut LaneTarget, now: Duration) {
+            loop {
+                while let Some(ev) = t.poll_event() {
+                    match ev {
+                        TargetEvent::Transmit(b) => self.out.extend(b),
+                        TargetEvent::Accepted { name } => self.log.push(format!("accepted {name}")),
+                        TargetEvent::Admit { table_bytes, .. } => {
+                            let r = if table_bytes <= self.budget {
+                                Ok(())
+                            } else {
+                                Err(format!("{table_bytes} bytes over budget"))
+                            };
+                            self.log.push(format!("admit {}", r.is_ok()));
+                            t.admitted(r);
+                        }
+                        TargetEvent::SkipSegments { nsegs } => {
+                            let raw = self.take(nsegs * SEG_LEN);
+                            let total = segments(&raw).unwrap().map(|s| s.len).sum();
+                            t.skipped(total);
+                        }
+                        TargetEvent::Resolve { segments, .. } => {
+                            let total = segments.iter().map(|s| s.len).sum();
+                            self.pieces.clear();
+                            let mut r = Ok(());
+                            for s in &segments {
+                                match self.regions.get(s.region as usize) {
+                                    Some(m) if s.offset + s.len <= m.len() as u64 => {
+                                        self.pieces.push((
+                                            s.region as usize,
+                                            s.offset as usize,
+                                            s.len as usize,
+                                        ))
+                                    }
+                                    _ => {
+                                        r = Err(format!(
+                                            "segment of region {} outside it",
+                                            s.region
+                                        ));
+                                        break;
+                                    }
+                                }
+                            }
+                            self.log.push(format!("resolve {}", r.is_ok()));
+                            t.resolved(r, total);
+                        }
+                        TargetEvent::ReceiveData => {
+                            for (r, o, l) in self.pieces.clone() {
+                                let b = self.take(l);
+                                self.regions[r][o..o + l].copy_from_slice(&b);
+                            }
+                            self.log.push("data in".into());
+                            t.data_done();
+                        }
+                        TargetEvent::Drain { bytes } => {
+                            self.take(bytes as usize);
+                            self.log.push(format!("drain {bytes}"));
+                            t.data_done();
+                        }
+                        TargetEvent::SendData => {
+                            for (r, o, l) in self.pieces.clone() {
+                                let b = self.regions[r][o..o + l].to_vec();
+                                self.out.extend(b);
+                            }
+                            self.log.push("data out".into());
+                            t.data_done();
+                        }
+                        TargetEvent::Release => {
+                            self.pieces.clear();
+                            self.log.push("release".into());
+                        }
+                        TargetEvent::Deliver(n) => self
+                            .log
+                            .push(format!("deliver {}", String::from_utf8_lossy(&n.payload))),
+                        TargetEvent::Close { why } => {
+                            self.log.push(format!("close {why}"));
+                            return;
+                        }
+                    }
+                }
+                match t.want() {
+                    Some(n) if self.input.len() >= n => {
+                        let b = self.take(n);
+                        t.on_bytes(&b, now);
+                    }
+                    _ => return,
+                }
+            }
+        }
+    }
+
+    /// What an initiator sends.
+    fn hello(secret: [u8; SECRET_LEN]) -> Vec<u8> {
+        Hello {
+            name: "prefill",
+            secret,
+        }
+        .encode()
+    }
+
+    fn request(
+        write: bool,
+        id: u64,
+        segs: &[(u32, u64, u64)],
+        data: &[u8],
+        note: &[u8],
+    ) -> Vec<u8> {
+        let mut b = Vec::new();
+        RequestHeader {
+            kind: if write {
+                K_WRITE
+            } else {
+                crate::wire::lane::K_READ
+            },
+            id,
+            nsegs: segs.len(),
+            notif_len: note.len(),
+        }
+        .encode(&mut b);
+        for &(region, offset, len) in segs {
+            Segment {
+                region,
+                offset,
+                len,
+            }
+            .encode(&mut b);
+        }
+        if write {
+            b.extend_from_slice(data);
+        }
+        b.extend_from_slice(note);
+        b
+    }
+
+    /// Splits the target's output into the welcome and the replies that follow.
+    fn replies(out: &[u8]) -> (u8, Vec<(ReplyHeader, String)>, Vec<u8>) {
+        let welcome = out[0];
+        let mut at = WELCOME_FIXED_LEN + u16::from_le_bytes([out[1], out[2]]) as usize;
+        let mut rs = Vec::new();
+        let mut rest = Vec::new();
+        while at + REPLY_FIXED_LEN <= out.len() {
+            let r = ReplyHeader::read(out[at..at + REPLY_FIXED_LEN].try_into().unwrap());
+            at += REPLY_FIXED_LEN;
+            let msg = String::from_utf8_lossy(&out[at..at + r.msg_len]).into_owned();
+            at += r.msg_len;
+            rs.push((r, msg));
+            if r.kind == K_DATA && r.status == 0 {
+                rest = out[at..].to_vec();
+                break;
+            }
+        }
+        (welcome, rs, rest)
+    }
+
+    fn note(from: &str, text: &str) -> Vec<u8> {
+        notify::encode(from, text.as_bytes())
+    }
+
+    #[test]
+    fn a_write_lands_before_its_notification_and_is_acknowledged() {
+        let mut sh = Shell::new(2, 64, 1 << 20);
+        let mut t = LaneTarget::new(SECRET, STALL, Duration::ZERO);
+        sh.input.extend(hello(SECRET));
+        let data: Vec<u8> = (0..24).collect();
+        sh.input.extend(request(
+            true,
+            9,
+            &[(1, 8, 16), (0, 0, 8)],
+            &data,
+            &note("prefill", "req-1"),
+        ));
+        sh.drive(&mut t, Duration::ZERO);
+        assert_eq!(sh.regions[1][8..24], data[..16]);
+        assert_eq!(sh.regions[0][..8], data[16..]);
+        assert_eq!(
+            sh.log,
+            [
+                "accepted prefill",
+                "admit true",
+                "resolve true",
+                "data in",
+                "release",
+                "deliver req-1"
+            ]
+        );
+        let (w, rs, _) = replies(&sh.out);
+        assert_eq!(w, 0);
+        assert_eq!((rs[0].0.kind, rs[0].0.id, rs[0].0.status), (K_ACK, 9, 0));
+        assert!(t.idle(), "between requests after the reply");
+    }
+
+    #[test]
+    fn a_read_sends_the_data_after_its_reply_then_delivers() {
+        let mut sh = Shell::new(1, 32, 1 << 20);
+        sh.regions[0] = (100..132).collect();
+        let mut t = LaneTarget::new(SECRET, STALL, Duration::ZERO);
+        sh.input.extend(hello(SECRET));
+        sh.input.extend(request(
+            false,
+            4,
+            &[(0, 4, 8)],
+            &[],
+            &note("prefill", "read-1"),
+        ));
+        sh.drive(&mut t, Duration::ZERO);
+        let (_, rs, data) = replies(&sh.out);
+        assert_eq!((rs[0].0.kind, rs[0].0.id, rs[0].0.status), (K_DATA, 4, 0));
+        assert_eq!(data, (104..112).collect::<Vec<u8>>());
+        let tail: Vec<&str> = sh.log.iter().map(String::as_str).skip(3).collect();
+        assert_eq!(tail, ["data out", "release", "deliver read-1"]);
+    }
+
+    #[test]
+    fn refused_requests_are_drained_and_the_stream_stays_in_step() {
+        // Budget for one segment's table, not two.
+        let mut sh = Shell::new(1, 64, (SEG_LEN + PIECE_BYTES) as u64);
+        let mut t = LaneTarget::new(SECRET, STALL, Duration::ZERO);
+        sh.input.extend(hello(SECRET));
+        // 1: over budget (two segments): skipped unread, drained, refused.
+        sh.input.extend(request(
+            true,
+            1,
+            &[(0, 0, 4), (0, 4, 4)],
+            &[1; 8],
+            &note("prefill", "x"),
+        ));
+        // 2: outside the region: drained, refused, nothing delivered.
+        sh.input.extend(request(
+            true,
+            2,
+            &[(0, 60, 8)],
+            &[2; 8],
+            &note("prefill", "y"),
+        ));
+        // 3: a read of an unknown region: refused, no data follows.
+        sh.input.extend(request(false, 3, &[(5, 0, 8)], &[], &[]));
+        // 4: served, so the stream was in step all along.
+        sh.input.extend(request(
+            true,
+            4,
+            &[(0, 0, 4)],
+            &[4; 4],
+            &note("prefill", "ok"),
+        ));
+        sh.drive(&mut t, Duration::ZERO);
+        let (_, rs, _) = replies(&sh.out);
+        let got: Vec<(u8, u64, u8)> = rs.iter().map(|(r, _)| (r.kind, r.id, r.status)).collect();
+        assert_eq!(
+            got,
+            [(K_ACK, 1, 1), (K_ACK, 2, 1), (K_DATA, 3, 1), (K_ACK, 4, 0)]
+        );
+        assert!(rs[0].1.contains("over budget"), "{}", rs[0].1);
+        assert!(rs[1].1.contains("outside"), "{}", rs[1].1);
+        assert_eq!(sh.regions[0][..8], [4, 4, 4, 4, 0, 0, 0, 0]);
+        let delivered: Vec<&String> = sh.log.iter().filter(|l| l.starts_with("deliver")).collect();
+        assert_eq!(delivered, ["deliver ok"]);
+        assert!(sh.input.is_empty());
+    }
+
+    #[test]
+    fn a_wrong_secret_or_a_bad_hello_is_refused_and_closed() {
+        let mut sh = Shell::new(1, 8, 1 << 20);
+        let mut t = LaneTarget::new(SECRET, STALL, Duration::ZERO);
+        sh.input.extend(hello([8; SECRET_LEN]));
+        sh.drive(&mut t, Duration::ZERO);
+        assert_eq!(sh.out[0], 1);
+        assert!(t.is_closed());
+        assert!(
+            sh.log.last().unwrap().contains("wrong secret"),
+            "{:?}",
+            sh.log
+        );
+        let mut sh = Shell::new(1, 8, 1 << 20);
+        let mut t = LaneTarget::new(SECRET, STALL, Duration::ZERO);
+        sh.input.extend(b"HTTP/1.1".iter());
+        sh.drive(&mut t, Duration::ZERO);
+        assert_eq!(sh.out[0], 1);
+        assert!(t.is_closed());
+    }
+
+    #[test]
+    fn a_malformed_header_is_answered_with_its_id_and_closed() {
+        let mut sh = Shell::new(1, 8, 1 << 20);
+        let mut t = LaneTarget::new(SECRET, STALL, Duration::ZERO);
+        sh.input.extend(hello(SECRET));
+        let mut bad = request(true, 77, &[], &[], &[]);
+        bad[0] = 9;
+        sh.input.extend(bad);
+        sh.drive(&mut t, Duration::ZERO);
+        let (_, rs, _) = replies(&sh.out);
+        assert_eq!((rs[0].0.kind, rs[0].0.id, rs[0].0.status), (K_ACK, 77, 1));
+        assert!(t.is_closed());
+    }
+
+    #[test]
+    fn silence_is_dropped_inside_a_message_not_between_requests() {
+        let s = Duration::from_secs;
+        // A client that connects and says nothing: dropped after the stall limit.
+        let mut t = LaneTarget::new(SECRET, STALL, s(100));
+        t.handle_timeout(s(100) + STALL);
+        assert!(!t.is_closed());
+        t.handle_timeout(s(131));
+        assert!(t.is_closed());
+        // Idle between requests: kept, however long.
+        let mut sh = Shell::new(1, 8, 1 << 20);
+        let mut t = LaneTarget::new(SECRET, STALL, s(0));
+        sh.input.extend(hello(SECRET));
+        sh.drive(&mut t, s(1));
+        t.handle_timeout(s(10_000));
+        assert!(!t.is_closed() && t.idle());
+        // A header's first bytes, then silence: dropped.
+        t.started(s(10_000));
+        t.handle_timeout(s(10_000) + STALL + s(1));
+        assert!(t.is_closed());
+    }
+
+    #[test]
+    fn a_notification_claiming_another_sender_is_not_delivered() {
+        let mut sh = Shell::new(1, 8, 1 << 20);
+        let mut t = LaneTarget::new(SECRET, STALL, Duration::ZERO);
+        sh.input.extend(hello(SECRET));
+        sh.input.extend(request(
+            true,
+            1,
+            &[(0, 0, 2)],
+            &[1, 2],
+            &note("mallory", "forged"),
+        ));
+        sh.drive(&mut t, Duration::ZERO);
+        assert!(
+            !sh.log.iter().any(|l| l.starts_with("deliver")),
+            "{:?}",
+            sh.log
+        );
+        let (_, rs, _) = replies(&sh.out);
+        assert_eq!(rs[0].0.status, 0, "the data itself was accepted");
+    }
+
+    #[test]
+    fn the_initiator_refuses_replies_out_of_step() {
+        let r = ReplyHeader {
+            kind: K_ACK,
+            id: 5,
+            status: 0,
+            msg_len: 0,
+        };
+        assert_eq!(LaneInitiator::reply(&r, b"", K_ACK, 5), Ok(()));
+        assert!(matches!(
+            LaneInitiator::reply(&r, b"", K_ACK, 6),
+            Err(ReplyError::OutOfStep { .. })
+        ));
+        assert!(matches!(
+            LaneInitiator::reply(&r, b"", K_DATA, 5),
+            Err(ReplyError::OutOfStep { .. })
+        ));
+        let refused = ReplyHeader { status: 1, ..r };
+        assert_eq!(
+            LaneInitiator::reply(&refused, b"no", K_ACK, 5),
+            Err(ReplyError::Refused("no".into()))
+        );
+        assert_eq!(LaneInitiator::welcome(1, b"wrong"), Err("wrong".into()));
+        assert_eq!(LaneInitiator::welcome(0, b""), Ok(()));
+    }
+}
