@@ -40,7 +40,20 @@ pub const MAX_REGIONS: usize = 65_536;
 pub const MAX_RKEY: usize = 4096;
 /// Largest encoded metadata accepted.
 pub const MAX_ENCODED: usize = 16 * 1024 * 1024;
+/// magic, version, flags, compat, total length.
 const HEADER: usize = 4 + 2 + 2 + 8 + 4;
+/// The length prefix of the name.
+const NAME_LEN_BYTES: usize = 2;
+/// The length prefix of the worker address.
+const ADDR_LEN_BYTES: usize = 4;
+/// The region count.
+const COUNT_BYTES: usize = 4;
+/// A region without its key and handle: id, kind, device, base, len, key length, shm flag.
+const REGION_FIXED_LEN: usize = 4 + 1 + 4 + 8 + 8 + 2 + 1;
+/// A region's shm handle: fd, dev, ino.
+const SHM_LEN: usize = 4 + 8 + 8;
+/// A lane address: family, port, secret, plus the IP's 4 or 16 bytes.
+const LANE_FIXED_LEN: usize = 1 + 2 + 16;
 
 /// One registered region as a peer sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -96,17 +109,17 @@ impl Metadata {
     /// Encodes to the wire format.
     pub fn encode(&self) -> Vec<u8> {
         let size = HEADER
-            + 2
+            + NAME_LEN_BYTES
             + self.name.len()
-            + 4
+            + ADDR_LEN_BYTES
             + self.worker_addr.len()
             + self.host.map_or(0, |_| HOST_LEN)
             + self.lane.map_or(0, |l| lane_len(&l))
-            + 4
+            + COUNT_BYTES
             + self
                 .regions
                 .iter()
-                .map(|r| 4 + 1 + 4 + 8 + 8 + 2 + r.rkey.len() + 1 + r.shm.map_or(0, |_| 20))
+                .map(|r| REGION_FIXED_LEN + r.rkey.len() + r.shm.map_or(0, |_| SHM_LEN))
                 .sum::<usize>();
         let flags = if self.host.is_some() { FLAG_HOST } else { 0 }
             | if self.lane.is_some() { FLAG_LANE } else { 0 };
@@ -379,14 +392,15 @@ impl Metadata {
     /// Reads only the agent name and compatibility hash, without validating the rest; for
     /// error messages about metadata that was refused.
     pub fn peek_name(bytes: &[u8]) -> Option<String> {
-        let n = u16::from_le_bytes(bytes.get(HEADER..HEADER + 2)?.try_into().ok()?) as usize;
-        let s = bytes.get(HEADER + 2..HEADER + 2 + n.min(MAX_NAME))?;
+        let at = HEADER + NAME_LEN_BYTES;
+        let n = u16::from_le_bytes(bytes.get(HEADER..at)?.try_into().ok()?) as usize;
+        let s = bytes.get(at..at + n.min(MAX_NAME))?;
         std::str::from_utf8(s).ok().map(str::to_owned)
     }
 }
 
 fn lane_len(l: &LaneInfo) -> usize {
-    1 + if l.addr.is_ipv4() { 4 } else { 16 } + 2 + 16
+    LANE_FIXED_LEN + if l.addr.is_ipv4() { 4 } else { 16 }
 }
 
 struct Reader<'a> {
