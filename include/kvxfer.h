@@ -132,6 +132,32 @@ typedef struct kvx_remote_list kvx_remote_list;
 // A transfer in flight (or done).
 typedef struct kvx_transfer kvx_transfer;
 
+// A descriptor: `len` bytes at `offset` in registered region `region`.
+typedef struct kvx_desc {
+  // Region id (`kvx_region_id`, or the peer's).
+  uint32_t region;
+  // Byte offset in the region.
+  uint64_t offset;
+  // Bytes.
+  uint64_t len;
+} kvx_desc;
+
+// What a completed transfer did.
+typedef struct kvx_xfer_stats {
+  // Bytes moved.
+  uint64_t bytes;
+  // Descriptor pairs.
+  uint64_t descs;
+  // Operations after coalescing.
+  uint64_t ops;
+  // Posting time, ns.
+  uint64_t post_ns;
+  // Total time, ns.
+  uint64_t duration_ns;
+  // Lane: 0 UCX, 1 shared memory, 2 TCP stream.
+  uint32_t lane;
+} kvx_xfer_stats;
+
 // A paged KV cache's shape (for the connector).
 typedef struct kvx_layout {
   // Attention layers (= entries of the layer-base array).
@@ -200,32 +226,6 @@ typedef struct kvx_request_stats {
   uint64_t handoff_ns;
 } kvx_request_stats;
 
-// A descriptor: `len` bytes at `offset` in registered region `region`.
-typedef struct kvx_desc {
-  // Region id (`kvx_region_id`, or the peer's).
-  uint32_t region;
-  // Byte offset in the region.
-  uint64_t offset;
-  // Bytes.
-  uint64_t len;
-} kvx_desc;
-
-// What a completed transfer did.
-typedef struct kvx_xfer_stats {
-  // Bytes moved.
-  uint64_t bytes;
-  // Descriptor pairs.
-  uint64_t descs;
-  // Operations after coalescing.
-  uint64_t ops;
-  // Posting time, ns.
-  uint64_t post_ns;
-  // Total time, ns.
-  uint64_t duration_ns;
-  // Lane: 0 UCX, 1 shared memory, 2 TCP stream.
-  uint32_t lane;
-} kvx_xfer_stats;
-
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -246,12 +246,13 @@ const char *kvx_status_name(kvx_status s);
 // Creates an agent. `transport`: "tcp", "shm", "auto" or a UCX_TLS list; `net_devices` may be
 // NULL (UCX's default), e.g. "lo" or "eth0". `budget_bytes` 0: unlimited.
 //
-// Kept for existing callers; `kvx_agent_config_new` + `kvx_agent_new_with` set every option
-// without the environment. Device memory (a library built with the `cuda` feature) follows
-// the environment here:
+// Device memory (a library built with the `cuda` feature) follows the environment:
 // `KVXFER_GPU_PATH` = `auto` (default: direct where UCX has CUDA transports, else staged),
 // `direct` or `staged`; `KVXFER_STAGING_CHUNKS` and `KVXFER_STAGING_CHUNK_BYTES` size the
 // staging pool (default 8 x 4 MiB, charged to the budget at the first device registration).
+//
+// `kvx_agent_config_new` and `kvx_agent_new_with` set every option, these included, without
+// the environment; this function stays for existing callers.
 //
 // # Safety
 // Strings are NULL or NUL-terminated; `out` is valid for a write.
@@ -396,6 +397,152 @@ kvx_status kvx_agent_load_metadata(const struct kvx_agent *a,
                                    char *name_buf,
                                    size_t cap,
                                    size_t *out_len);
+
+// Registers `len` bytes at `ptr`: host memory (`cuda_device` < 0) or CUDA device memory
+// (needs a CUDA build). The memory must stay valid until `kvx_agent_deregister` succeeds or
+// the agent is freed.
+//
+// # Safety
+// `a` live; `[ptr, ptr+len)` valid memory of that kind for the stated lifetime; `out` valid.
+kvx_status kvx_agent_register(const struct kvx_agent *a,
+                              void *ptr,
+                              size_t len,
+                              int32_t cuda_device,
+                              struct kvx_region **out);
+
+// Allocates `len` zeroed, page-aligned bytes of host memory owned by kvxfer (memfd-backed,
+// so a same-host peer maps it for the shared-memory lane) and registers it. The memory lives
+// until the region is deregistered and freed; `kvx_region_ptr` gives its address.
+//
+// # Safety
+// `a` live; `out` valid.
+kvx_status kvx_agent_alloc(const struct kvx_agent *a, size_t len, struct kvx_region **out);
+
+// Deregisters a region; `KVX_BUSY` while a transfer uses it. The handle stays to be freed.
+//
+// # Safety
+// `a` and `r` live.
+kvx_status kvx_agent_deregister(const struct kvx_agent *a, const struct kvx_region *r);
+
+// The region's id, as descriptors name it (`UINT32_MAX` for NULL or a handle not live).
+//
+// # Safety
+// `r` NULL or live.
+uint32_t kvx_region_id(const struct kvx_region *r);
+
+// The region's base address (NULL for NULL or a handle not live).
+//
+// # Safety
+// `r` NULL or live.
+void *kvx_region_ptr(const struct kvx_region *r);
+
+// Frees a region handle (NULL ignored). Owned memory is released once it is deregistered (or
+// the agent is gone) and no transfer uses it.
+//
+// # Safety
+// `r` NULL or from this library, not freed before.
+void kvx_region_free(struct kvx_region *r);
+
+// Resolves local descriptors once.
+//
+// # Safety
+// `a` live; `d` valid for `n` elements; `out` valid.
+kvx_status kvx_agent_prep_local(const struct kvx_agent *a,
+                                const struct kvx_desc *d,
+                                size_t n,
+                                struct kvx_local_list **out);
+
+// Resolves a peer's descriptors once, checked against its region table.
+//
+// # Safety
+// `a` live; `peer` NUL-terminated; `d` valid for `n` elements; `out` valid.
+kvx_status kvx_agent_prep_remote(const struct kvx_agent *a,
+                                 const char *peer,
+                                 const struct kvx_desc *d,
+                                 size_t n,
+                                 struct kvx_remote_list **out);
+
+// Frees a local list (NULL ignored).
+//
+// # Safety
+// NULL or from this library, once.
+void kvx_local_list_free(struct kvx_local_list *l);
+
+// Frees a remote list (NULL ignored).
+//
+// # Safety
+// NULL or from this library, once.
+void kvx_remote_list_free(struct kvx_remote_list *l);
+
+// Starts a transfer of the pairs `(local[li[k]], remote[ri[k]])`, k < n; `li` and `ri` NULL:
+// every pair of two lists of length n. With a notification, the peer receives it after the
+// data. `deadline_ms` 0: none.
+//
+// # Safety
+// Handles live; `li`/`ri` NULL or valid for `n`; `note` valid for `note_len`; `out` valid.
+kvx_status kvx_agent_transfer(const struct kvx_agent *a,
+                              kvx_op op,
+                              const struct kvx_local_list *local,
+                              const size_t *li,
+                              const struct kvx_remote_list *remote,
+                              const size_t *ri,
+                              size_t n,
+                              const uint8_t *note,
+                              size_t note_len,
+                              uint64_t deadline_ms,
+                              struct kvx_transfer **out);
+
+// Polls: `KVX_IN_PROGRESS` while in flight, else the transfer's final status (repeatable);
+// on `KVX_OK` writes `*stats` (may be NULL).
+//
+// # Safety
+// `t` live; `stats` NULL or valid.
+kvx_status kvx_transfer_poll(struct kvx_transfer *t, struct kvx_xfer_stats *stats);
+
+// Waits up to `timeout_ms` (0: forever); `KVX_TIMEOUT` leaves the transfer in flight.
+//
+// # Safety
+// As `kvx_transfer_poll`.
+kvx_status kvx_transfer_wait(struct kvx_transfer *t,
+                             uint64_t timeout_ms,
+                             struct kvx_xfer_stats *stats);
+
+// Cancels: returns once nothing is in flight any more; the final status is `KVX_CANCELED`, or
+// the result if it completed first.
+//
+// # Safety
+// `t` live.
+kvx_status kvx_transfer_cancel(struct kvx_transfer *t);
+
+// Frees a transfer handle (NULL ignored). A transfer still in flight completes on its own;
+// the memory it uses stays pinned until then.
+//
+// # Safety
+// NULL or from this library, once.
+void kvx_transfer_free(struct kvx_transfer *t);
+
+// Sends a notification alone to `peer` (ordered after earlier completed transfers to it).
+//
+// # Safety
+// `a` live; `peer` NUL-terminated; `note` valid for `len`.
+kvx_status kvx_agent_notify(const struct kvx_agent *a,
+                            const char *peer,
+                            const uint8_t *note,
+                            size_t len);
+
+// Takes the next notification, waiting up to `timeout_ms` (0: do not wait); `KVX_NOT_FOUND`
+// if none. `from` must hold `KVX_MAX_NAME` + 1 bytes (written NUL-terminated), `payload`
+// `KVX_MAX_NOTIFICATION` bytes.
+//
+// # Safety
+// `a` live; buffers valid for their capacities; length pointers valid.
+kvx_status kvx_agent_next_notification(const struct kvx_agent *a,
+                                       uint64_t timeout_ms,
+                                       char *from,
+                                       size_t from_cap,
+                                       uint8_t *payload,
+                                       size_t payload_cap,
+                                       size_t *payload_len);
 
 // The agent's memory budget: limit (UINT64_MAX: unlimited), bytes in use, peak.
 //
@@ -575,152 +722,6 @@ kvx_status kvx_producer_metrics(const struct kvx_producer *p,
                                 char *buf,
                                 size_t cap,
                                 size_t *out_len);
-
-// Registers `len` bytes at `ptr`: host memory (`cuda_device` < 0) or CUDA device memory
-// (needs a CUDA build). The memory must stay valid until `kvx_agent_deregister` succeeds or
-// the agent is freed.
-//
-// # Safety
-// `a` live; `[ptr, ptr+len)` valid memory of that kind for the stated lifetime; `out` valid.
-kvx_status kvx_agent_register(const struct kvx_agent *a,
-                              void *ptr,
-                              size_t len,
-                              int32_t cuda_device,
-                              struct kvx_region **out);
-
-// Allocates `len` zeroed, page-aligned bytes of host memory owned by kvxfer (memfd-backed,
-// so a same-host peer maps it for the shared-memory lane) and registers it. The memory lives
-// until the region is deregistered and freed; `kvx_region_ptr` gives its address.
-//
-// # Safety
-// `a` live; `out` valid.
-kvx_status kvx_agent_alloc(const struct kvx_agent *a, size_t len, struct kvx_region **out);
-
-// Deregisters a region; `KVX_BUSY` while a transfer uses it. The handle stays to be freed.
-//
-// # Safety
-// `a` and `r` live.
-kvx_status kvx_agent_deregister(const struct kvx_agent *a, const struct kvx_region *r);
-
-// The region's id, as descriptors name it (`UINT32_MAX` for NULL or a handle not live).
-//
-// # Safety
-// `r` NULL or live.
-uint32_t kvx_region_id(const struct kvx_region *r);
-
-// The region's base address (NULL for NULL or a handle not live).
-//
-// # Safety
-// `r` NULL or live.
-void *kvx_region_ptr(const struct kvx_region *r);
-
-// Frees a region handle (NULL ignored). Owned memory is released once it is deregistered (or
-// the agent is gone) and no transfer uses it.
-//
-// # Safety
-// `r` NULL or from this library, not freed before.
-void kvx_region_free(struct kvx_region *r);
-
-// Resolves local descriptors once.
-//
-// # Safety
-// `a` live; `d` valid for `n` elements; `out` valid.
-kvx_status kvx_agent_prep_local(const struct kvx_agent *a,
-                                const struct kvx_desc *d,
-                                size_t n,
-                                struct kvx_local_list **out);
-
-// Resolves a peer's descriptors once, checked against its region table.
-//
-// # Safety
-// `a` live; `peer` NUL-terminated; `d` valid for `n` elements; `out` valid.
-kvx_status kvx_agent_prep_remote(const struct kvx_agent *a,
-                                 const char *peer,
-                                 const struct kvx_desc *d,
-                                 size_t n,
-                                 struct kvx_remote_list **out);
-
-// Frees a local list (NULL ignored).
-//
-// # Safety
-// NULL or from this library, once.
-void kvx_local_list_free(struct kvx_local_list *l);
-
-// Frees a remote list (NULL ignored).
-//
-// # Safety
-// NULL or from this library, once.
-void kvx_remote_list_free(struct kvx_remote_list *l);
-
-// Starts a transfer of the pairs `(local[li[k]], remote[ri[k]])`, k < n; `li` and `ri` NULL:
-// every pair of two lists of length n. With a notification, the peer receives it after the
-// data. `deadline_ms` 0: none.
-//
-// # Safety
-// Handles live; `li`/`ri` NULL or valid for `n`; `note` valid for `note_len`; `out` valid.
-kvx_status kvx_agent_transfer(const struct kvx_agent *a,
-                              kvx_op op,
-                              const struct kvx_local_list *local,
-                              const size_t *li,
-                              const struct kvx_remote_list *remote,
-                              const size_t *ri,
-                              size_t n,
-                              const uint8_t *note,
-                              size_t note_len,
-                              uint64_t deadline_ms,
-                              struct kvx_transfer **out);
-
-// Polls: `KVX_IN_PROGRESS` while in flight, else the transfer's final status (repeatable);
-// on `KVX_OK` writes `*stats` (may be NULL).
-//
-// # Safety
-// `t` live; `stats` NULL or valid.
-kvx_status kvx_transfer_poll(struct kvx_transfer *t, struct kvx_xfer_stats *stats);
-
-// Waits up to `timeout_ms` (0: forever); `KVX_TIMEOUT` leaves the transfer in flight.
-//
-// # Safety
-// As `kvx_transfer_poll`.
-kvx_status kvx_transfer_wait(struct kvx_transfer *t,
-                             uint64_t timeout_ms,
-                             struct kvx_xfer_stats *stats);
-
-// Cancels: returns once nothing is in flight any more; the final status is `KVX_CANCELED`, or
-// the result if it completed first.
-//
-// # Safety
-// `t` live.
-kvx_status kvx_transfer_cancel(struct kvx_transfer *t);
-
-// Frees a transfer handle (NULL ignored). A transfer still in flight completes on its own;
-// the memory it uses stays pinned until then.
-//
-// # Safety
-// NULL or from this library, once.
-void kvx_transfer_free(struct kvx_transfer *t);
-
-// Sends a notification alone to `peer` (ordered after earlier completed transfers to it).
-//
-// # Safety
-// `a` live; `peer` NUL-terminated; `note` valid for `len`.
-kvx_status kvx_agent_notify(const struct kvx_agent *a,
-                            const char *peer,
-                            const uint8_t *note,
-                            size_t len);
-
-// Takes the next notification, waiting up to `timeout_ms` (0: do not wait); `KVX_NOT_FOUND`
-// if none. `from` must hold `KVX_MAX_NAME` + 1 bytes (written NUL-terminated), `payload`
-// `KVX_MAX_NOTIFICATION` bytes.
-//
-// # Safety
-// `a` live; buffers valid for their capacities; length pointers valid.
-kvx_status kvx_agent_next_notification(const struct kvx_agent *a,
-                                       uint64_t timeout_ms,
-                                       char *from,
-                                       size_t from_cap,
-                                       uint8_t *payload,
-                                       size_t payload_cap,
-                                       size_t *payload_len);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -11,10 +11,10 @@
 //! Strings in are NUL-terminated UTF-8; strings and bytes out go to caller buffers with a
 //! capacity; a buffer too small gives `KVX_BUFFER_TOO_SMALL` and the size needed in `*out_len`.
 //!
-//! One file per object: `agent` (and its config builder), `region` (memory and descriptor
-//! lists), `transfer` (and notifications), `budget`, `connector`, `metrics`; `ffi` and `error`
-//! are the plumbing they share. The modules are declared in the order their functions appear
-//! in the generated header.
+//! One file per object: `agent` (and its config builder) with what an agent does in
+//! `agent/{region, transfer, budget}` (memory and descriptor lists; transfers and
+//! notifications; its budget), `connector`, `metrics`; `ffi` and `error` are the plumbing they
+//! share.
 
 #![allow(non_camel_case_types)] // C names.
 
@@ -275,10 +275,9 @@ pub extern "C" fn kvx_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
 }
 
-// The order of these modules is the order of their functions in the header.
+// cbindgen emits the structs in the order the functions of modules, sorted by path, first
+// use them: `agent::{region, transfer}` before `connector` keeps kvx_desc and kvx_xfer_stats
+// first, as the first release had them.
 mod agent;
-mod budget;
 mod connector;
 mod metrics;
-mod region;
-mod transfer;

@@ -14,12 +14,13 @@ use crate::{kvx_agent, kvx_agent_config, kvx_status};
 /// Creates an agent. `transport`: "tcp", "shm", "auto" or a UCX_TLS list; `net_devices` may be
 /// NULL (UCX's default), e.g. "lo" or "eth0". `budget_bytes` 0: unlimited.
 ///
-/// Kept for existing callers; `kvx_agent_config_new` + `kvx_agent_new_with` set every option
-/// without the environment. Device memory (a library built with the `cuda` feature) follows
-/// the environment here:
+/// Device memory (a library built with the `cuda` feature) follows the environment:
 /// `KVXFER_GPU_PATH` = `auto` (default: direct where UCX has CUDA transports, else staged),
 /// `direct` or `staged`; `KVXFER_STAGING_CHUNKS` and `KVXFER_STAGING_CHUNK_BYTES` size the
 /// staging pool (default 8 x 4 MiB, charged to the budget at the first device registration).
+///
+/// `kvx_agent_config_new` and `kvx_agent_new_with` set every option, these included, without
+/// the environment; this function stays for existing callers.
 ///
 /// # Safety
 /// Strings are NULL or NUL-terminated; `out` is valid for a write.
@@ -469,3 +470,11 @@ pub unsafe extern "C" fn kvx_agent_load_metadata(
         unsafe { put(name.as_bytes(), name_buf.cast(), cap, out_len) }
     })
 }
+
+// What an agent does, after its own functions, in the header's order (cbindgen writes the
+// functions in declaration order; blank lines keep rustfmt from sorting these).
+mod region;
+
+mod transfer;
+
+mod budget;
