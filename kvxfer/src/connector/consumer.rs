@@ -7,7 +7,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::config::ConnectorConfig;
-use super::shell::{add_stats, lock, send, state_charge};
+use super::shell::{add_stats, lock, send, state_charge, take_control};
 use crate::agent::Agent;
 use crate::budget::{Charge, MemoryBudget};
 use crate::telemetry::{RequestStats, Telemetry};
@@ -404,17 +404,7 @@ fn consumer_loop(sh: &CShared) {
             return;
         }
         let busy = lock(&sh.st).loads.values().any(|l| !l.inflight.is_empty());
-        let wait = if busy {
-            Duration::from_millis(1)
-        } else {
-            Duration::from_millis(10)
-        };
-        if let Ok(n) = sh.agent.wait_control(false, wait) {
-            consumer_msg(sh, n);
-            while let Some(n) = sh.agent.try_control(false) {
-                consumer_msg(sh, n);
-            }
-        }
+        take_control(&sh.agent, false, busy, |n| consumer_msg(sh, n));
         consumer_progress(sh);
     }
 }

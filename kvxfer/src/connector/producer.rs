@@ -7,7 +7,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::config::ConnectorConfig;
-use super::shell::{add_stats, lock, send, state_charge};
+use super::shell::{add_stats, lock, send, state_charge, take_control};
 use crate::agent::Agent;
 use crate::budget::Charge;
 use crate::telemetry::{RequestStats, Telemetry};
@@ -281,17 +281,8 @@ fn producer_loop(sh: &PShared) {
         if lock(&sh.st).stop {
             return;
         }
-        let wait = if lock(&sh.st).reqs.values().any(|r| !r.pushes.is_empty()) {
-            Duration::from_millis(1)
-        } else {
-            Duration::from_millis(10)
-        };
-        if let Ok(n) = sh.agent.wait_control(true, wait) {
-            producer_msg(sh, n);
-            while let Some(n) = sh.agent.try_control(true) {
-                producer_msg(sh, n);
-            }
-        }
+        let busy = lock(&sh.st).reqs.values().any(|r| !r.pushes.is_empty());
+        take_control(&sh.agent, true, busy, |n| producer_msg(sh, n));
         producer_pushes(sh);
         let now = sh.t0.elapsed();
         let mut st = lock(&sh.st);

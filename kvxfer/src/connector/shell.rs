@@ -9,6 +9,7 @@ use crate::agent::Agent;
 use crate::budget::{Charge, MemoryBudget};
 use crate::transfer::XferStats;
 use kvxfer_proto::error::Result;
+use kvxfer_proto::wire::notify::Notification;
 
 /// Bytes of request state charged per descriptor.
 pub(crate) const STATE_BYTES_PER_DESC: u64 = 160;
@@ -48,4 +49,25 @@ pub(crate) fn add_stats(
     *descs += s.descs as u64;
     *post += s.post_time;
     *xfer += s.duration;
+}
+
+/// One turn of a shell's control loop: waits for a control message (1 ms while `busy` with
+/// transfers in flight, else 10 ms), then hands every queued one to `handle`.
+pub(crate) fn take_control(
+    agent: &Agent,
+    producer: bool,
+    busy: bool,
+    mut handle: impl FnMut(Notification),
+) {
+    let wait = if busy {
+        Duration::from_millis(1)
+    } else {
+        Duration::from_millis(10)
+    };
+    if let Ok(n) = agent.wait_control(producer, wait) {
+        handle(n);
+        while let Some(n) = agent.try_control(producer) {
+            handle(n);
+        }
+    }
 }
