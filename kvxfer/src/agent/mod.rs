@@ -245,11 +245,16 @@ impl Agent {
             inflight: AtomicU32::new(0),
             registered: AtomicBool::new(false),
         });
-        self.shared.cmds.call(|reply| Cmd::Register {
+        // In the table before the engine can put it into metadata, unregistered until the
+        // engine has mapped it (lanes refuse it meanwhile).
+        self.shared.regions.insert(inner.clone());
+        if let Err(e) = self.shared.cmds.call(|reply| Cmd::Register {
             region: inner.clone(),
             reply,
-        })?;
-        self.shared.regions.insert(inner.clone());
+        }) {
+            self.shared.regions.remove(id);
+            return Err(e);
+        }
         Ok(Region { inner })
     }
 
