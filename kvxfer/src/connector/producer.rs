@@ -50,6 +50,14 @@ struct PState {
     stop: bool,
 }
 
+impl PState {
+    /// A request's blocks are free: the shell forgets it, the engine may take the blocks.
+    fn record_freed(&mut self, f: Freed) {
+        self.reqs.remove(&f.request);
+        self.freed.push(f);
+    }
+}
+
 struct PShared {
     agent: Arc<Agent>,
     layout: KvLayout,
@@ -288,10 +296,9 @@ fn producer_loop(sh: &PShared) {
         let mut st = lock(&sh.st);
         let freed = st.core.tick(now);
         if !freed.is_empty() {
-            for f in &freed {
-                st.reqs.remove(&f.request);
+            for f in freed {
+                st.record_freed(f);
             }
-            st.freed.extend(freed);
             drop(st);
             sh.cv.notify_all();
         }
@@ -349,8 +356,7 @@ fn producer_msg(sh: &PShared, n: Notification) {
                 }
             }
             ProducerAction::Freed(f) => {
-                st.reqs.remove(&f.request);
-                st.freed.push(f);
+                st.record_freed(f);
                 freed = true;
             }
         }
@@ -482,8 +488,7 @@ fn producer_pushes(sh: &PShared) {
             .handle(&reader, ToProducer::Ack { request: req }, now)
         {
             if let ProducerAction::Freed(f) = a {
-                st.reqs.remove(&f.request);
-                st.freed.push(f);
+                st.record_freed(f);
                 any = true;
             }
         }
