@@ -52,7 +52,7 @@ impl Context {
         // SAFETY: the context is live; the caller upholds the memory's validity (1).
         let h = unsafe { raw::mem_map(self.h, addr, len, cuda) }?;
         Ok(MemHandle {
-            h,
+            h: Some(h),
             ctx: self.clone(),
         })
     }
@@ -69,33 +69,36 @@ impl Drop for Context {
 /// A memory registration (`ucp_mem_map` / `ucp_mem_unmap`).
 #[derive(Debug)]
 pub(crate) struct MemHandle {
-    h: raw::ucp_mem_h,
+    /// None once unmapped.
+    h: Option<raw::ucp_mem_h>,
     ctx: Rc<Context>,
 }
 
 impl MemHandle {
     /// The packed remote key of this registration.
     pub(crate) fn rkey(&self) -> Result<Vec<u8>, UcsStatus> {
-        // SAFETY: the handle is live and belongs to `ctx`.
-        unsafe { raw::rkey_pack(self.ctx.h, self.h) }
+        let h = self.h.unwrap_or(std::ptr::null_mut());
+        // SAFETY: the handle is live (unmapping consumes self) and belongs to `ctx`.
+        unsafe { raw::rkey_pack(self.ctx.h, h) }
     }
 
     /// Unmaps now, reporting UCX's status (dropping unmaps and only logs a failure).
-    pub(crate) fn unmap(self) -> Result<(), UcsStatus> {
-        let me = std::mem::ManuallyDrop::new(self);
-        // SAFETY: the handle is live, unmapped once (Drop does not run for `me`).
-        let r = unsafe { raw::mem_unmap(me.ctx.h, me.h) };
-        // SAFETY: `me` is never used again; its Rc is released here, once.
-        drop(unsafe { std::ptr::read(&me.ctx) });
-        r
+    pub(crate) fn unmap(mut self) -> Result<(), UcsStatus> {
+        match self.h.take() {
+            // SAFETY: the handle is live and unmapped once (taken out of self).
+            Some(h) => unsafe { raw::mem_unmap(self.ctx.h, h) },
+            None => Ok(()),
+        }
     }
 }
 
 impl Drop for MemHandle {
     fn drop(&mut self) {
-        // SAFETY: the handle is live and unmapped once, here.
-        if let Err(s) = unsafe { raw::mem_unmap(self.ctx.h, self.h) } {
-            log::warn!("kvxfer: ucp_mem_unmap: {s}");
+        if let Some(h) = self.h.take() {
+            // SAFETY: the handle is live and unmapped once, here (taken out of self).
+            if let Err(s) = unsafe { raw::mem_unmap(self.ctx.h, h) } {
+                log::warn!("kvxfer: ucp_mem_unmap: {s}");
+            }
         }
     }
 }

@@ -20,7 +20,7 @@ use crate::staging::pool::{ChunkPair, DeviceStaging};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::lane::{LaneTarget, TargetEvent};
 use kvxfer_proto::types::{LaneInfo, MemKind};
-use kvxfer_proto::wire::lane::SECRET_LEN;
+use kvxfer_proto::wire::lane::{Segment, SECRET_LEN};
 
 /// A peer that sends nothing for this long in the middle of a message is dropped.
 const STALL: Duration = Duration::from_secs(30);
@@ -107,12 +107,13 @@ fn getrandom(b: &mut [u8]) -> Result<()> {
 
 /// Checks `segs` against the registered regions and pins them. Returns the pieces
 /// (addresses) and, where any piece is device memory, the device of each piece.
-fn resolve_segs(ctx: &LaneCtx, segs: &[(u32, u64, u64)]) -> Result<Resolved, String> {
+fn resolve_segs(ctx: &LaneCtx, segs: &[Segment]) -> Result<Resolved, String> {
     let regions = ctx.regions.read();
     let mut pins = Pins::default();
     let mut pieces = Vec::with_capacity(segs.len());
     let mut devs: Vec<Option<u32>> = Vec::new();
-    for (k, &(id, off, len)) in segs.iter().enumerate() {
+    for (k, s) in segs.iter().enumerate() {
+        let (id, off, len) = (s.region, s.offset, s.len);
         let r = regions
             .get(&id)
             .ok_or_else(|| format!("segment #{k}: region {id} is not registered"))?;
@@ -194,7 +195,7 @@ fn serve_inner(
             }
             Flow::Resolve(segs) => {
                 // The pieces, their staging, their chunks: held until the core releases them.
-                let total: u64 = segs.iter().fold(0u64, |a, s| a.saturating_add(s.2));
+                let total: u64 = segs.iter().fold(0u64, |a, s| a.saturating_add(s.len));
                 let mut resolved = resolve_segs(ctx, &segs);
                 drop(segs);
                 let stage = match &resolved {
@@ -247,7 +248,7 @@ enum Flow {
     /// Charge this many bytes, then answer the core.
     Admit(u64),
     /// Resolve these segments and hold them until released.
-    Resolve(Vec<(u32, u64, u64)>),
+    Resolve(Vec<Segment>),
     /// The core released the current request's pieces.
     Released,
 }
@@ -292,13 +293,7 @@ fn step(
             let total = sum_segments(c, nsegs, &mut ctl)?;
             t.skipped(total);
         }
-        TargetEvent::Resolve { segments, .. } => {
-            let segs = segments
-                .iter()
-                .map(|s| (s.region, s.offset, s.len))
-                .collect();
-            return Ok(Flow::Resolve(segs));
-        }
+        TargetEvent::Resolve { segments, .. } => return Ok(Flow::Resolve(segments)),
         TargetEvent::ReceiveData | TargetEvent::SendData => {
             let send = ev == TargetEvent::SendData;
             let p = pieces.ok_or_else(|| {
