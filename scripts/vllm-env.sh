@@ -12,10 +12,25 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv
 fi
+# pip, tried up to four times with a pause between tries.
+pip_retry() {
+  local try
+  for try in 1 2 3 4; do
+    if .venv/bin/pip "$@"; then
+      return 0
+    fi
+    echo "kvxfer: pip $* failed (try $try of 4)" >&2
+    sleep $((try * 10))
+  done
+  return 1
+}
 if ! .venv/bin/python -c "import vllm, sys; sys.exit(vllm.__version__ != '$VLLM_VERSION')" 2>/dev/null; then
   echo "kvxfer: installing vllm==$VLLM_VERSION into .venv (a few minutes)" >&2
-  .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q "vllm==$VLLM_VERSION"
+  pip_retry install -q --upgrade pip
+  # ~9 GB of wheels (torch's CUDA libraries among them): a download cut mid-file resumes, and a
+  # whole install that still fails is tried again (CI's network has dropped a 553 MB wheel at
+  # 26% six times in a row); what pip already fetched stays in its cache between tries.
+  pip_retry install -q --resume-retries 20 --timeout 60 "vllm==$VLLM_VERSION"
 fi
-.venv/bin/python -c "import pytest" 2>/dev/null || .venv/bin/pip install -q pytest
-.venv/bin/pip install -q -e python/
+.venv/bin/python -c "import pytest" 2>/dev/null || pip_retry install -q pytest
+pip_retry install -q -e python/
