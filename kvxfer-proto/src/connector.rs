@@ -9,8 +9,10 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use crate::error::{Error, Result};
+use crate::layout::{KvGeometry, KvLayout};
 use crate::lifecycle::{Freed, Ledger};
-use crate::wire::connector::{Mode, PushWant, Refusal, ToConsumer, ToProducer};
+use crate::wire::connector::{Handoff, Mode, PushWant, Refusal, ToConsumer, ToProducer};
 
 /// A consumer that hears "not held" this soon after starting keeps asking: the handoff may
 /// reach it before the producer's worker has published the request.
@@ -346,6 +348,12 @@ impl LoadProtocol {
         self.loaded.iter().all(|&x| x)
     }
 
+    /// Whether the lease ran out at `now` with the load incomplete: the producer stopped
+    /// answering heartbeats (gone or stalled), so the load must fail rather than wait forever.
+    pub fn lapsed(&self, now: Duration) -> bool {
+        self.lease_until.is_some_and(|u| now >= u) && !self.complete()
+    }
+
     /// Pull: the read of `layer` has completed.
     pub fn mark_loaded(&mut self, layer: usize) {
         if let Some(s) = self.loaded.get_mut(layer) {
@@ -418,6 +426,71 @@ impl LoadProtocol {
             },
         }
     }
+}
+
+/// What a consumer checks before it loads `h` into `local_blocks` of its cache `local`,
+/// reading the producer's heads `heads` (all when `None`): the same layout (compat hash),
+/// a head range that fills the local cache, blocks inside both caches. Returns the
+/// producer's layout as the handoff describes it, with the heads the consumer reads.
+pub fn check_load(
+    local: &KvLayout,
+    heads: Option<std::ops::Range<u64>>,
+    h: &Handoff,
+    local_blocks: &[u32],
+) -> Result<KvLayout> {
+    let heads = heads.unwrap_or(0..h.kv_heads);
+    let want = KvLayout {
+        geometry: KvGeometry {
+            kv_heads: h.kv_heads,
+            ..local.geometry.clone()
+        },
+        ..local.clone()
+    };
+    if want.compat_hash() != h.compat {
+        return Err(Error::Handoff {
+            request: h.request.clone(),
+            why: "the producer's KV layout (layers, head size, dtype, block size, packing, \
+                  order) differs from this consumer's"
+                .into(),
+        });
+    }
+    if heads.start >= heads.end
+        || heads.end > h.kv_heads
+        || heads.end - heads.start != local.geometry.kv_heads
+    {
+        return Err(Error::Handoff {
+            request: h.request.clone(),
+            why: format!(
+                "reading heads {heads:?} of the producer's {} into a cache of {} heads",
+                h.kv_heads, local.geometry.kv_heads
+            ),
+        });
+    }
+    if local_blocks.len() > h.blocks.len() || h.layers.len() != local.layers.len() {
+        return Err(Error::InvalidArgument(format!(
+            "load {:?}: {} local blocks for {} published, {} layers for {}",
+            h.request,
+            local_blocks.len(),
+            h.blocks.len(),
+            local.layers.len(),
+            h.layers.len()
+        )));
+    }
+    if let Some(&b) = local_blocks
+        .iter()
+        .find(|&&b| u64::from(b) >= local.num_blocks)
+    {
+        return Err(Error::InvalidArgument(format!(
+            "load {:?}: local block {b} of {}",
+            h.request, local.num_blocks
+        )));
+    }
+    Ok(KvLayout {
+        geometry: want.geometry,
+        num_blocks: h.num_blocks,
+        layers: h.layers.clone(),
+        ..local.clone()
+    })
 }
 
 #[cfg(test)]

@@ -341,6 +341,21 @@ impl RegionTable {
             .remove(&id.0);
     }
 
+    /// The registered region of kind `kind` that holds `[addr, addr+len)`, and the offset of
+    /// `addr` in it (the lowest id when several do).
+    pub(crate) fn containing(&self, addr: u64, len: u64, kind: MemKind) -> Option<(RegionId, u64)> {
+        self.read()
+            .values()
+            .filter(|r| {
+                r.kind == kind
+                    && r.registered.load(Ordering::SeqCst)
+                    && addr >= r.addr
+                    && addr.saturating_add(len) <= r.addr + r.len
+            })
+            .map(|r| (r.id, addr - r.addr))
+            .min_by_key(|(id, _)| id.0)
+    }
+
     /// A read view of the table (hold it briefly: registration waits for it).
     pub(crate) fn read(&self) -> RwLockReadGuard<'_, HashMap<u32, Arc<RegionInner>>> {
         self.0.read().unwrap_or_else(|e| e.into_inner())

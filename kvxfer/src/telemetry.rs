@@ -68,14 +68,17 @@ pub struct Telemetry {
 }
 
 impl Telemetry {
-    pub(crate) fn new(role: &'static str) -> Telemetry {
+    /// Empty aggregates for a connector of role `role` (`"producer"`, `"consumer"`): what an
+    /// implementation of the connector traits returns from `telemetry()`.
+    pub fn new(role: &'static str) -> Telemetry {
         Telemetry {
             role,
             agg: Mutex::new(Agg::default()),
         }
     }
 
-    pub(crate) fn record(&self, s: &RequestStats) {
+    /// Counts a completed handoff.
+    pub fn record(&self, s: &RequestStats) {
         let mut a = self.agg.lock().unwrap_or_else(|e| e.into_inner());
         a.ok += 1;
         a.bytes_moved += s.bytes_moved;
@@ -86,7 +89,8 @@ impl Telemetry {
         a.post.observe(s.post_time.as_secs_f64());
     }
 
-    pub(crate) fn failed(&self) {
+    /// Counts a failed handoff.
+    pub fn failed(&self) {
         self.agg.lock().unwrap_or_else(|e| e.into_inner()).failed += 1;
     }
 

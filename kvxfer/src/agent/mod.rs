@@ -286,6 +286,19 @@ impl Agent {
         Ok(path)
     }
 
+    /// The registered region that holds `[addr, addr+len)` of memory of kind `kind`, and the
+    /// offset of `addr` in it.
+    pub fn region_containing(
+        &self,
+        addr: *const u8,
+        len: usize,
+        kind: MemKind,
+    ) -> Option<(RegionId, u64)> {
+        self.shared
+            .regions
+            .containing(addr as u64, len as u64, kind)
+    }
+
     /// Deregisters a region. Fails with [`Error::Busy`] while a transfer uses it.
     pub fn deregister(&self, region: &Region) -> Result<()> {
         self.shared.cmds.call(|reply| Cmd::Deregister {

@@ -1,35 +1,25 @@
 //! The decode side's shell: loads, pull reads bounded by the lease, the control-message
 //! thread.
+#![forbid(unsafe_code)]
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::api::LoadFailure;
 use super::config::ConnectorConfig;
 use super::shell::{add_stats, lock, send, state_charge, take_control};
 use crate::agent::Agent;
 use crate::budget::{Charge, MemoryBudget};
 use crate::telemetry::{RequestStats, Telemetry};
 use crate::transfer::Transfer;
-use kvxfer_proto::connector::{LoadEvent, LoadProtocol};
+use kvxfer_proto::connector::{check_load, LoadEvent, LoadProtocol};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::layout::KvLayout;
 use kvxfer_proto::types::XferOp;
 use kvxfer_proto::wire::connector::{Handoff, Mode, PushWant, ToConsumer};
 use kvxfer_proto::wire::notify::Notification;
-
-/// A load that failed, and the local blocks that do not hold valid KV because of it.
-#[derive(Debug)]
-pub struct LoadFailure {
-    /// The request.
-    pub request: String,
-    /// Why.
-    pub error: Error,
-    /// Local blocks whose content is invalid (the ones that were to be loaded; blocks of a
-    /// cached prefix stay valid).
-    pub invalid_blocks: Vec<u32>,
-}
 
 struct Load {
     h: Handoff,
@@ -123,53 +113,7 @@ impl Consumer {
     /// `budget_wait`.
     pub fn start_load(&self, h: &Handoff, local_blocks: &[u32]) -> Result<()> {
         let sh = &self.sh;
-        let heads = sh.cfg.heads.clone().unwrap_or(0..h.kv_heads);
-        let want_layout = KvLayout {
-            geometry: kvxfer_proto::layout::KvGeometry {
-                kv_heads: h.kv_heads,
-                ..sh.layout.geometry.clone()
-            },
-            ..sh.layout.clone()
-        };
-        if want_layout.compat_hash() != h.compat {
-            return Err(Error::Handoff {
-                request: h.request.clone(),
-                why: "the producer's KV layout (layers, head size, dtype, block size, packing, \
-                      order) differs from this consumer's"
-                    .into(),
-            });
-        }
-        if heads.start >= heads.end
-            || heads.end > h.kv_heads
-            || heads.end - heads.start != sh.layout.geometry.kv_heads
-        {
-            return Err(Error::Handoff {
-                request: h.request.clone(),
-                why: format!(
-                    "reading heads {heads:?} of the producer's {} into a cache of {} heads",
-                    h.kv_heads, sh.layout.geometry.kv_heads
-                ),
-            });
-        }
-        if local_blocks.len() > h.blocks.len() || h.layers.len() != sh.layout.layers.len() {
-            return Err(Error::InvalidArgument(format!(
-                "load {:?}: {} local blocks for {} published, {} layers for {}",
-                h.request,
-                local_blocks.len(),
-                h.blocks.len(),
-                sh.layout.layers.len(),
-                h.layers.len()
-            )));
-        }
-        if let Some(&b) = local_blocks
-            .iter()
-            .find(|&&b| u64::from(b) >= sh.layout.num_blocks)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "load {:?}: local block {b} of {}",
-                h.request, sh.layout.num_blocks
-            )));
-        }
+        let remote = check_load(&sh.layout, sh.cfg.heads.clone(), h, local_blocks)?;
         if lock(&sh.st).loads.contains_key(&h.request) {
             return Err(Error::InvalidArgument(format!(
                 "load {:?} is already in progress",
@@ -192,12 +136,6 @@ impl Consumer {
         let descs = (local_blocks.len() * nl * sh.layout.tensors_per_layer()) as u64;
         let charge = state_charge(&sh.cfg.budget, descs, "load state", sh.cfg.budget_wait)?;
         let skip = h.blocks.len() - local_blocks.len();
-        let remote = KvLayout {
-            geometry: want_layout.geometry.clone(),
-            num_blocks: h.num_blocks,
-            layers: h.layers.clone(),
-            ..sh.layout.clone()
-        };
         let want = PushWant {
             blocks: local_blocks.to_vec(),
             num_blocks: sh.layout.num_blocks,
@@ -398,6 +336,14 @@ fn fail(sh: &CShared, st: &mut CState, req: &str, e: Error) {
     });
 }
 
+/// The error of a load whose producer stopped renewing its lease.
+pub(super) fn lapsed(request: &str) -> Error {
+    Error::Handoff {
+        request: request.to_string(),
+        why: "the producer stopped renewing the lease (it is gone or stalled)".into(),
+    }
+}
+
 fn consumer_loop(sh: &CShared) {
     loop {
         if lock(&sh.st).stop {
@@ -468,6 +414,10 @@ fn consumer_progress(sh: &CShared) {
         // Until the producer has taken a push request, the heartbeat repeats it.
         if let Some(m) = l.proto.heartbeat_due(sh.t0.elapsed(), sh.cfg.heartbeat) {
             hbs.push((l.h.producer.clone(), m.encode()));
+        }
+        if l.inflight.is_empty() && l.proto.lapsed(sh.t0.elapsed()) {
+            failures.push((req.clone(), lapsed(req)));
+            continue;
         }
         if l.h.mode == Mode::Pull {
             if let Some(until) = l.proto.lease_until() {

@@ -27,14 +27,25 @@
 //! [`kvxfer_proto::connector`]; this module is their shell (threads, transfers, budget,
 //! telemetry), in `producer` and `consumer`.
 
-#![forbid(unsafe_code)]
+// Unsafe code only where engine memory is named (`api`: `CacheTensor::new`), registered
+// (`over_agent`) or copied (`in_process::copy`); every other file forbids it.
 
+mod api;
 mod config;
+pub mod conformance;
 mod consumer;
+mod in_process;
+mod over_agent;
 mod producer;
 mod shell;
 
+pub use api::{
+    CacheTensor, KvCaches, KvConnector, KvConsumer, KvProducer, LayerTensors, LoadFailure,
+};
 pub use config::ConnectorConfig;
-pub use consumer::{Consumer, LoadFailure};
+pub use consumer::Consumer;
+pub use in_process::InProcessConnector;
+pub use kvxfer_proto::lifecycle::{FreeReason, Freed};
 pub use kvxfer_proto::wire::connector::{Handoff, Mode};
+pub use over_agent::AgentConnector;
 pub use producer::Producer;

@@ -1,4 +1,5 @@
 //! The prefill side's shell: publishing, the control-message thread, push transfers.
+#![forbid(unsafe_code)]
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

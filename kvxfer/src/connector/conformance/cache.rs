@@ -1,0 +1,159 @@
+//! A small paged KV cache in host memory for the suite: tensors that are [`HostBuffer`]s,
+//! filled with a seeded pattern, compared block by block and head range by head range.
+
+use crate::connector::api::{CacheTensor, KvCaches, LayerTensors};
+use crate::memory::HostBuffer;
+use kvxfer_proto::descriptor::Desc;
+use kvxfer_proto::error::Result;
+use kvxfer_proto::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking};
+use kvxfer_proto::types::{MemKind, RegionId};
+
+/// Layers of the suite's caches.
+pub const LAYERS: u64 = 4;
+/// KV heads of a producer's cache.
+pub const HEADS: u64 = 4;
+/// Tokens per block.
+pub const BLOCK_TOKENS: u64 = 4;
+/// Blocks per tensor.
+pub const BLOCKS: u64 = 32;
+
+/// A cache and the memory behind it. Drop every producer and consumer built over it first
+/// (declare it before them).
+#[derive(Debug)]
+pub struct TestCache {
+    bufs: Vec<HostBuffer>,
+    caches: KvCaches,
+    /// The layout with tensor `i` as region `i`, to find bytes.
+    view: KvLayout,
+}
+
+impl TestCache {
+    /// A cache of `heads` heads (HND, separate K and V), zeroed, or filled from `seed`.
+    pub fn new(heads: u64, seed: Option<u64>) -> Result<TestCache> {
+        let geometry = KvGeometry {
+            name: "conformance".into(),
+            layers: LAYERS,
+            kv_heads: heads,
+            head_dim: 8,
+            dtype: KvDtype::Bf16,
+        };
+        let probe = KvLayout::contiguous(
+            geometry.clone(),
+            BLOCK_TOKENS,
+            BLOCKS,
+            KvPacking::Separate,
+            KvOrder::Hnd,
+            RegionId(0),
+        );
+        let len = probe.tensor_bytes() as usize;
+        let mut bufs = Vec::new();
+        for i in 0..(LAYERS * 2) {
+            let mut b = HostBuffer::new(len)?;
+            if let Some(seed) = seed {
+                fill(b.as_mut_slice(), seed.wrapping_mul(1000).wrapping_add(i));
+            }
+            bufs.push(b);
+        }
+        let tensors: Vec<CacheTensor> = bufs
+            .iter_mut()
+            .map(|b| {
+                let s = b.as_mut_slice();
+                // SAFETY: the buffer is owned by this `TestCache`, which the suite keeps
+                // alive until every producer and consumer over it has dropped; a HostBuffer
+                // never moves its memory.
+                unsafe { CacheTensor::new(s.as_mut_ptr(), s.len(), MemKind::Host) }
+            })
+            .collect();
+        let caches = KvCaches {
+            geometry,
+            block_tokens: BLOCK_TOKENS,
+            num_blocks: BLOCKS,
+            packing: KvPacking::Separate,
+            order: KvOrder::Hnd,
+            layers: tensors
+                .chunks(2)
+                .map(|kv| LayerTensors {
+                    k: kv[0],
+                    v: Some(kv[1]),
+                })
+                .collect(),
+        };
+        let mut i = 0u32;
+        let view = caches.layout(|_| {
+            i += 1;
+            (RegionId(i - 1), 0)
+        });
+        Ok(TestCache { bufs, caches, view })
+    }
+
+    /// What to register.
+    pub fn caches(&self) -> &KvCaches {
+        &self.caches
+    }
+
+    fn bytes(&self, d: &Desc) -> &[u8] {
+        let b = self.bufs[d.region.0 as usize].as_slice();
+        &b[d.offset as usize..(d.offset + d.len) as usize]
+    }
+
+    /// Whether this cache's `blocks` hold `src`'s `src_blocks` (heads `heads` of them) in
+    /// `layers`; the first difference as text when not.
+    pub fn holds(
+        &self,
+        blocks: &[u32],
+        src: &TestCache,
+        src_blocks: &[u32],
+        heads: std::ops::Range<u64>,
+        layers: std::ops::Range<usize>,
+    ) -> std::result::Result<(), String> {
+        let mine = self
+            .view
+            .descs(blocks, layers.clone(), 0..self.caches.geometry.kv_heads)
+            .map_err(|e| e.to_string())?;
+        let theirs = src
+            .view
+            .descs(src_blocks, layers, heads)
+            .map_err(|e| e.to_string())?;
+        if mine.len() != theirs.len() {
+            return Err(format!(
+                "{} descriptors against {}",
+                mine.len(),
+                theirs.len()
+            ));
+        }
+        for (a, b) in mine.iter().zip(&theirs) {
+            if self.bytes(a) != src.bytes(b) {
+                return Err(format!(
+                    "tensor {} at {} differs from the producer's tensor {} at {}",
+                    a.region.0, a.offset, b.region.0, b.offset
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `blocks` are all zero in `layers`.
+    pub fn zeroed(&self, blocks: &[u32], layers: std::ops::Range<usize>) -> bool {
+        self.view
+            .descs(blocks, layers, 0..self.caches.geometry.kv_heads)
+            .map(|ds| ds.iter().all(|d| self.bytes(d).iter().all(|&x| x == 0)))
+            .unwrap_or(false)
+    }
+
+    /// Bytes of one block in every layer (K and V).
+    pub fn request_block_bytes(&self) -> u64 {
+        self.view.block_bytes() * LAYERS * 2
+    }
+}
+
+/// A xorshift pattern: different per tensor, never all zero.
+fn fill(b: &mut [u8], seed: u64) {
+    let mut x = seed | 1;
+    for c in b.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let v = x.to_le_bytes();
+        c.copy_from_slice(&v[..c.len()]);
+    }
+}
