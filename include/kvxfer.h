@@ -114,13 +114,23 @@ typedef struct kvx_agent kvx_agent;
 // environment.
 typedef struct kvx_agent_config kvx_agent_config;
 
+// Where producers and consumers are made: an implementation of the connector traits
+// (`kvx_connector_over_agent`: kvxfer's agent, across processes and hosts;
+// `kvx_connector_in_process`: memcpy within one process). Every `kvx_producer_*` and
+// `kvx_consumer_*` function works on what it makes.
+typedef struct kvx_connector kvx_connector;
+
 // The decode side of the connector.
+//
+// Any implementation of the connector traits: see `kvx_connector`.
 typedef struct kvx_consumer kvx_consumer;
 
 // Local descriptors resolved once.
 typedef struct kvx_local_list kvx_local_list;
 
 // The prefill side of the connector.
+//
+// Any implementation of the connector traits: see `kvx_connector`.
 typedef struct kvx_producer kvx_producer;
 
 // A registered region.
@@ -225,6 +235,20 @@ typedef struct kvx_request_stats {
   // Handoff time, ns.
   uint64_t handoff_ns;
 } kvx_request_stats;
+
+// One layer's tensors for `kvx_connector_producer` / `kvx_connector_consumer`: K (or K and V
+// fused) and, for a separate layout, V (`v` NULL and `v_len` 0 for a fused one). Each holds
+// `num_blocks` blocks from its start.
+typedef struct kvx_cache_tensor {
+  // K, or K and V fused.
+  void *k;
+  // Its length in bytes.
+  uint64_t k_len;
+  // V (NULL when fused).
+  void *v;
+  // Its length in bytes.
+  uint64_t v_len;
+} kvx_cache_tensor;
 
 #ifdef __cplusplus
 extern "C" {
@@ -690,6 +714,57 @@ kvx_status kvx_consumer_next_failed(const struct kvx_consumer *c,
                                     uint32_t *blocks,
                                     size_t blocks_cap,
                                     size_t *nblocks);
+
+// kvxfer's connector over agent `a`: producers and consumers it makes move KV through the
+// agent (UCX, kvxfer's lanes) to and from other processes and hosts. `side_channel` (may be
+// NULL): the address of `a`'s `kvx_agent_listen`, put into handoffs. Tensors given to
+// `kvx_connector_producer` / `kvx_connector_consumer` that lie in a region registered with
+// `a` use it; others are registered for the producer or consumer and deregistered with it.
+//
+// # Safety
+// `a` live; `side_channel` NULL or NUL-terminated; `out` valid.
+kvx_status kvx_connector_over_agent(const struct kvx_agent *a,
+                                    const char *side_channel,
+                                    struct kvx_connector **out);
+
+// The in-process connector: producers and consumers it makes move KV between caches of this
+// process by memcpy (host memory), no network, no agent.
+//
+// # Safety
+// `out` valid.
+kvx_status kvx_connector_in_process(struct kvx_connector **out);
+
+// Frees a connector (NULL ignored); producers and consumers made from it stay usable.
+//
+// # Safety
+// NULL or from this library, once.
+void kvx_connector_free(struct kvx_connector *c);
+
+// Registers the caches `tensors` (`layout->layers` of them) of the shape `layout` (its
+// `kvx_layer_base`s are not used: the tensors say where the memory is) and makes a producer
+// over them. `cuda_device`: the CUDA device of the tensors, or -1 for host memory. `cfg` may
+// be NULL (defaults).
+//
+// # Safety
+// `c` live; `layout` valid; `tensors` valid for `layout->layers`; each tensor's memory valid
+// for reads and writes, of the kind given, until the producer is freed; `out` valid.
+kvx_status kvx_connector_producer(const struct kvx_connector *c,
+                                  const struct kvx_layout *layout,
+                                  const struct kvx_cache_tensor *tensors,
+                                  int32_t cuda_device,
+                                  const struct kvx_connector_config *cfg,
+                                  struct kvx_producer **out);
+
+// As `kvx_connector_producer`, for the decode side.
+//
+// # Safety
+// As `kvx_connector_producer`, until the consumer is freed.
+kvx_status kvx_connector_consumer(const struct kvx_connector *c,
+                                  const struct kvx_layout *layout,
+                                  const struct kvx_cache_tensor *tensors,
+                                  int32_t cuda_device,
+                                  const struct kvx_connector_config *cfg,
+                                  struct kvx_consumer **out);
 
 // Prometheus text of the consumer's (or producer's, with `kvx_producer_metrics`) telemetry.
 //

@@ -1,18 +1,45 @@
 //! The connector: KV layouts, producers, consumers.
 
 use std::ffi::c_char;
+use std::sync::Mutex;
 use std::time::Duration;
 
-use kvxfer_core::connector::{ConnectorConfig, Consumer, Handoff, Mode, Producer};
+use kvxfer_core::connector::{
+    AgentConnector, CacheTensor, ConnectorConfig, Consumer, Handoff, InProcessConnector, KvCaches,
+    KvConsumer, KvProducer, LayerTensors, Mode, Producer,
+};
 use kvxfer_core::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking, LayerBase};
-use kvxfer_core::{MemoryBudget, RegionId};
+use kvxfer_core::{MemKind, MemoryBudget, RegionId};
 
 use crate::error::{fail, guard, set_error, Fail};
 use crate::ffi::{cstr, free_handle, handle, ms, new_handle, null, plain, put, slice};
 use crate::{
-    kvx_agent, kvx_connector_config, kvx_consumer, kvx_layer_base, kvx_layout, kvx_producer,
+    kvx_agent, kvx_cache_tensor, kvx_connector, kvx_connector_config, kvx_consumer, kvx_layer_base, kvx_layout, kvx_producer,
     kvx_request_stats, kvx_status,
 };
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl kvx_producer {
+    fn new(inner: Box<dyn KvProducer>) -> kvx_producer {
+        kvx_producer {
+            inner,
+            pending: Mutex::new(None),
+        }
+    }
+}
+
+impl kvx_consumer {
+    fn new(inner: Box<dyn KvConsumer>) -> kvx_consumer {
+        kvx_consumer {
+            inner,
+            finished: Mutex::new(None),
+            failed: Mutex::new(None),
+        }
+    }
+}
 
 fn layout_of(l: &kvx_layout, bases: &[kvx_layer_base]) -> Result<KvLayout, Fail> {
     let bad = |w: &str| fail(kvx_status::KVX_INVALID_ARGUMENT, format!("layout: {w}"));
@@ -165,7 +192,7 @@ pub unsafe extern "C" fn kvx_producer_new(
         let cfg = config_of(unsafe { cfg.as_ref() });
         let p = Producer::new(a.inner.clone(), layout_of(l, b)?, cfg, side)?;
         // SAFETY: out valid.
-        unsafe { *out = new_handle(kvx_producer { inner: p }) };
+        unsafe { *out = new_handle(kvx_producer::new(Box::new(p))) };
         Ok(())
     })
 }
@@ -281,26 +308,28 @@ pub unsafe extern "C" fn kvx_producer_next_freed(
         if req_len.is_null() || nblocks.is_null() || reason.is_null() {
             return Err(null("req_len, nblocks or reason"));
         }
-        let f = match p
-            .inner
-            .take_freed_one(ms(timeout_ms).unwrap_or(Duration::ZERO), |f| {
-                f.request.len() <= req_cap && f.blocks.len() <= blocks_cap
-            }) {
-            Ok(Some(f)) => f,
-            Ok(None) => return Err(fail(kvx_status::KVX_NOT_FOUND, "nothing freed")),
-            Err((r, b)) => {
-                // SAFETY: outputs valid.
-                unsafe {
-                    *req_len = r;
-                    *nblocks = b;
-                }
-                return Err(fail(
-                    kvx_status::KVX_BUFFER_TOO_SMALL,
-                    format!("{r} name bytes, {b} blocks"),
-                ));
-            }
+        let mut pending = lock(&p.pending);
+        let Some(f) = pending
+            .take()
+            .or_else(|| p.inner.next_freed(ms(timeout_ms).unwrap_or(Duration::ZERO)))
+        else {
+            return Err(fail(kvx_status::KVX_NOT_FOUND, "nothing freed"));
         };
-        // SAFETY: capacities checked by take_freed_one's predicate; outputs valid.
+        if f.request.len() > req_cap || f.blocks.len() > blocks_cap {
+            let (r, b) = (f.request.len(), f.blocks.len());
+            *pending = Some(f);
+            // SAFETY: outputs valid.
+            unsafe {
+                *req_len = r;
+                *nblocks = b;
+            }
+            return Err(fail(
+                kvx_status::KVX_BUFFER_TOO_SMALL,
+                format!("{r} name bytes, {b} blocks"),
+            ));
+        }
+        drop(pending);
+        // SAFETY: capacities checked above; outputs valid.
         unsafe {
             put(f.request.as_bytes(), req_buf.cast(), req_cap, req_len)?;
             if !f.blocks.is_empty() {
@@ -346,7 +375,7 @@ pub unsafe extern "C" fn kvx_consumer_new(
         let cfg = config_of(unsafe { cfg.as_ref() });
         let c = Consumer::new(a.inner.clone(), layout_of(l, b)?, cfg)?;
         // SAFETY: out valid.
-        unsafe { *out = new_handle(kvx_consumer { inner: c }) };
+        unsafe { *out = new_handle(kvx_consumer::new(Box::new(c))) };
         Ok(())
     })
 }
@@ -447,7 +476,15 @@ pub unsafe extern "C" fn kvx_consumer_next_finished(
         if req_len.is_null() {
             return Err(null("req_len"));
         }
-        let Some(s) = c.inner.take_finished_one(|s| s.request.len() <= cap) else {
+        let mut slot = lock(&c.finished);
+        let next = slot.take().or_else(|| c.inner.next_finished());
+        let Some(s) = next.and_then(|s| {
+            if s.request.len() <= cap {
+                return Some(s);
+            }
+            *slot = Some(s); // kept for a call with a larger buffer
+            None
+        }) else {
             return Err(fail(
                 kvx_status::KVX_NOT_FOUND,
                 "nothing finished (or the buffer is too small)",
@@ -491,10 +528,15 @@ pub unsafe extern "C" fn kvx_consumer_next_failed(
         if req_len.is_null() || nblocks.is_null() {
             return Err(null("req_len or nblocks"));
         }
-        let Some(f) = c
-            .inner
-            .take_failed_one(|f| f.request.len() <= cap && f.invalid_blocks.len() <= blocks_cap)
-        else {
+        let mut slot = lock(&c.failed);
+        let next = slot.take().or_else(|| c.inner.next_failed());
+        let Some(f) = next.and_then(|f| {
+            if f.request.len() <= cap && f.invalid_blocks.len() <= blocks_cap {
+                return Some(f);
+            }
+            *slot = Some(f); // kept for a call with larger buffers
+            None
+        }) else {
             return Err(fail(
                 kvx_status::KVX_NOT_FOUND,
                 "nothing failed (or buffers too small)",
@@ -516,6 +558,197 @@ pub unsafe extern "C" fn kvx_consumer_next_failed(
             *nblocks = f.invalid_blocks.len();
         }
         set_error(format!("load of {:?} failed: {}", f.request, f.error));
+        Ok(())
+    })
+}
+
+/// The caches `tensors` (one per layer) of the shape `l`, on CUDA device `cuda_device`
+/// (negative: host memory).
+///
+/// # Safety
+/// The tensors' memory is valid per `kvx_connector_producer`'s contract.
+unsafe fn caches_of(
+    l: &kvx_layout,
+    tensors: &[kvx_cache_tensor],
+    cuda_device: i32,
+) -> Result<KvCaches, Fail> {
+    // The shape is checked as a layout's is; the bases here only say fused or separate.
+    let bases: Vec<kvx_layer_base> = tensors
+        .iter()
+        .map(|t| kvx_layer_base {
+            k_region: 0,
+            k_offset: 0,
+            v_region: if t.v.is_null() { u32::MAX } else { 0 },
+            v_offset: 0,
+        })
+        .collect();
+    let shape = layout_of(l, &bases)?;
+    let kind = match u32::try_from(cuda_device) {
+        Ok(d) => MemKind::Cuda(d),
+        Err(_) => MemKind::Host,
+    };
+    let tensor = |p: *mut std::ffi::c_void, len: u64| {
+        // SAFETY: per this function's contract, which is `CacheTensor::new`'s.
+        unsafe { CacheTensor::new(p.cast(), len as usize, kind) }
+    };
+    Ok(KvCaches {
+        geometry: shape.geometry,
+        block_tokens: shape.block_tokens,
+        num_blocks: shape.num_blocks,
+        packing: shape.packing,
+        order: shape.order,
+        layers: tensors
+            .iter()
+            .map(|t| LayerTensors {
+                k: tensor(t.k, t.k_len),
+                v: (!t.v.is_null()).then(|| tensor(t.v, t.v_len)),
+            })
+            .collect(),
+    })
+}
+
+/// kvxfer's connector over agent `a`: producers and consumers it makes move KV through the
+/// agent (UCX, kvxfer's lanes) to and from other processes and hosts. `side_channel` (may be
+/// NULL): the address of `a`'s `kvx_agent_listen`, put into handoffs. Tensors given to
+/// `kvx_connector_producer` / `kvx_connector_consumer` that lie in a region registered with
+/// `a` use it; others are registered for the producer or consumer and deregistered with it.
+///
+/// # Safety
+/// `a` live; `side_channel` NULL or NUL-terminated; `out` valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_connector_over_agent(
+    a: *const kvx_agent,
+    side_channel: *const c_char,
+    out: *mut *mut kvx_connector,
+) -> kvx_status {
+    guard("kvx_connector_over_agent", || {
+        // SAFETY: per this function's contract.
+        let a = unsafe { handle(a, "agent") }?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let side = if side_channel.is_null() {
+            None
+        } else {
+            // SAFETY: as above.
+            let s = unsafe { cstr(side_channel, "side_channel") }?;
+            Some(s.parse().map_err(|e| {
+                fail(
+                    kvx_status::KVX_INVALID_ARGUMENT,
+                    format!("side_channel {s:?}: {e}"),
+                )
+            })?)
+        };
+        let c = AgentConnector::new(a.inner.clone(), side);
+        // SAFETY: out valid.
+        unsafe {
+            *out = new_handle(kvx_connector {
+                inner: Box::new(c),
+            })
+        };
+        Ok(())
+    })
+}
+
+/// The in-process connector: producers and consumers it makes move KV between caches of this
+/// process by memcpy (host memory), no network, no agent.
+///
+/// # Safety
+/// `out` valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_connector_in_process(out: *mut *mut kvx_connector) -> kvx_status {
+    guard("kvx_connector_in_process", || {
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        // SAFETY: out valid.
+        unsafe {
+            *out = new_handle(kvx_connector {
+                inner: Box::new(InProcessConnector::new()),
+            })
+        };
+        Ok(())
+    })
+}
+
+/// Frees a connector (NULL ignored); producers and consumers made from it stay usable.
+///
+/// # Safety
+/// NULL or from this library, once.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_connector_free(c: *mut kvx_connector) {
+    // SAFETY: per this function's contract; free_handle refuses what is not live.
+    unsafe { free_handle(c, "kvx_connector_free") }
+}
+
+/// Registers the caches `tensors` (`layout->layers` of them) of the shape `layout` (its
+/// `kvx_layer_base`s are not used: the tensors say where the memory is) and makes a producer
+/// over them. `cuda_device`: the CUDA device of the tensors, or -1 for host memory. `cfg` may
+/// be NULL (defaults).
+///
+/// # Safety
+/// `c` live; `layout` valid; `tensors` valid for `layout->layers`; each tensor's memory valid
+/// for reads and writes, of the kind given, until the producer is freed; `out` valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_connector_producer(
+    c: *const kvx_connector,
+    layout: *const kvx_layout,
+    tensors: *const kvx_cache_tensor,
+    cuda_device: i32,
+    cfg: *const kvx_connector_config,
+    out: *mut *mut kvx_producer,
+) -> kvx_status {
+    guard("kvx_connector_producer", || {
+        // SAFETY: per this function's contract.
+        let c = unsafe { handle(c, "connector") }?;
+        // SAFETY: as above.
+        let l = unsafe { plain(layout, "layout") }?;
+        // SAFETY: as above.
+        let t = unsafe { slice(tensors, l.layers as usize, "tensors") }?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        // SAFETY: the tensors' memory per this function's contract.
+        let caches = unsafe { caches_of(l, t, cuda_device) }?;
+        // SAFETY: cfg NULL or valid.
+        let cfg = config_of(unsafe { cfg.as_ref() });
+        let p = c.inner.producer(&caches, &cfg)?;
+        // SAFETY: out valid.
+        unsafe { *out = new_handle(kvx_producer::new(p)) };
+        Ok(())
+    })
+}
+
+/// As `kvx_connector_producer`, for the decode side.
+///
+/// # Safety
+/// As `kvx_connector_producer`, until the consumer is freed.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_connector_consumer(
+    c: *const kvx_connector,
+    layout: *const kvx_layout,
+    tensors: *const kvx_cache_tensor,
+    cuda_device: i32,
+    cfg: *const kvx_connector_config,
+    out: *mut *mut kvx_consumer,
+) -> kvx_status {
+    guard("kvx_connector_consumer", || {
+        // SAFETY: per this function's contract.
+        let c = unsafe { handle(c, "connector") }?;
+        // SAFETY: as above.
+        let l = unsafe { plain(layout, "layout") }?;
+        // SAFETY: as above.
+        let t = unsafe { slice(tensors, l.layers as usize, "tensors") }?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        // SAFETY: the tensors' memory per this function's contract.
+        let caches = unsafe { caches_of(l, t, cuda_device) }?;
+        // SAFETY: cfg NULL or valid.
+        let cfg = config_of(unsafe { cfg.as_ref() });
+        let k = c.inner.consumer(&caches, &cfg)?;
+        // SAFETY: out valid.
+        unsafe { *out = new_handle(kvx_consumer::new(k)) };
         Ok(())
     })
 }

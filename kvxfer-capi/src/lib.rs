@@ -19,9 +19,10 @@
 #![allow(non_camel_case_types)] // C names.
 
 use std::ffi::c_char;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use kvxfer_core::connector::{Consumer, Producer};
+use kvxfer_core::connector::{Freed, KvConnector, KvConsumer, KvProducer, LoadFailure};
+use kvxfer_core::telemetry::RequestStats;
 use kvxfer_core::{Agent, AgentConfig, PreparedLocal, PreparedRemote, Region, Transfer, XferStats};
 
 /// Status of a call. Values are stable.
@@ -247,15 +248,50 @@ pub struct kvx_transfer {
 }
 
 /// The prefill side of the connector.
+///
+/// Any implementation of the connector traits: see `kvx_connector`.
 #[derive(Debug)]
 pub struct kvx_producer {
-    pub(crate) inner: Producer,
+    pub(crate) inner: Box<dyn KvProducer>,
+    /// A freed request that did not fit the caller's buffers, given on the next call.
+    pub(crate) pending: Mutex<Option<Freed>>,
 }
 
 /// The decode side of the connector.
+///
+/// Any implementation of the connector traits: see `kvx_connector`.
 #[derive(Debug)]
 pub struct kvx_consumer {
-    pub(crate) inner: Consumer,
+    pub(crate) inner: Box<dyn KvConsumer>,
+    /// A finished load that did not fit the caller's buffer, given on the next call.
+    pub(crate) finished: Mutex<Option<RequestStats>>,
+    /// A failed load that did not fit the caller's buffers, given on the next call.
+    pub(crate) failed: Mutex<Option<LoadFailure>>,
+}
+
+/// Where producers and consumers are made: an implementation of the connector traits
+/// (`kvx_connector_over_agent`: kvxfer's agent, across processes and hosts;
+/// `kvx_connector_in_process`: memcpy within one process). Every `kvx_producer_*` and
+/// `kvx_consumer_*` function works on what it makes.
+#[derive(Debug)]
+pub struct kvx_connector {
+    pub(crate) inner: Box<dyn KvConnector>,
+}
+
+/// One layer's tensors for `kvx_connector_producer` / `kvx_connector_consumer`: K (or K and V
+/// fused) and, for a separate layout, V (`v` NULL and `v_len` 0 for a fused one). Each holds
+/// `num_blocks` blocks from its start.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvx_cache_tensor {
+    /// K, or K and V fused.
+    pub k: *mut std::ffi::c_void,
+    /// Its length in bytes.
+    pub k_len: u64,
+    /// V (NULL when fused).
+    pub v: *mut std::ffi::c_void,
+    /// Its length in bytes.
+    pub v_len: u64,
 }
 
 /// An agent's configuration, built with `kvx_agent_config_set_*` and used by

@@ -172,6 +172,69 @@ static int child(const char *transport, int to_parent, int from_parent) {
   return 0;
 }
 
+/* The in-process connector: a second implementation of the connector traits, reached with
+ * the same kvx_producer_* / kvx_consumer_* calls, no new bindings: memcpy between two caches
+ * of this process. A prefix of one block is cached on the decode side. */
+static void in_process(void) {
+  kvx_connector *ip = NULL;
+  CHECK(kvx_connector_in_process(&ip));
+  kvx_layout lay = layout(8);
+  unsigned char *src = calloc(2, 8 * CBLOCK), *dst = calloc(2, 8 * CBLOCK);
+  if (!src || !dst) die("calloc", KVX_OK);
+  for (size_t i = 0; i < 2 * 8 * CBLOCK; i++) src[i] = pattern(4, i);
+  kvx_cache_tensor ts[2], td[2];
+  for (int k = 0; k < 2; k++) {
+    ts[k] = (kvx_cache_tensor){.k = src + (size_t)k * 8 * CBLOCK, .k_len = 8 * CBLOCK};
+    td[k] = (kvx_cache_tensor){.k = dst + (size_t)k * 8 * CBLOCK, .k_len = 8 * CBLOCK};
+  }
+  kvx_connector_config cfg = {0};
+  cfg.heartbeat_ms = 20;
+  kvx_producer *p = NULL;
+  kvx_consumer *c = NULL;
+  CHECK(kvx_connector_producer(ip, &lay, ts, -1, &cfg, &p));
+  CHECK(kvx_connector_consumer(ip, &lay, td, -1, &cfg, &c));
+  /* A tensor too small for its blocks is refused with a message. */
+  kvx_cache_tensor bad[2] = {ts[0], ts[1]};
+  bad[1].k_len = CBLOCK;
+  kvx_producer *nop = NULL;
+  EXPECT(kvx_connector_producer(ip, &lay, bad, -1, NULL, &nop), KVX_INVALID_ARGUMENT);
+  uint32_t blocks[3] = {1, 3, 5}, local[2] = {6, 0};
+  unsigned char h[4096];
+  size_t hlen = 0;
+  CHECK(kvx_producer_publish(p, "ip-1", blocks, 3, 48, 2, h, sizeof h, &hlen));
+  CHECK(kvx_consumer_start_load(c, h, hlen, local, 2));
+  CHECK(kvx_consumer_wait(c, "ip-1", 20000));
+  for (int k = 0; k < 2; k++)
+    for (int j = 0; j < 2; j++) {
+      const unsigned char *want = src + (size_t)k * 8 * CBLOCK + (size_t)blocks[j + 1] * CBLOCK;
+      const unsigned char *got = dst + (size_t)k * 8 * CBLOCK + (size_t)local[j] * CBLOCK;
+      if (memcmp(want, got, CBLOCK) != 0) die("in-process bytes", KVX_OK);
+    }
+  char name[64];
+  size_t nlen = 0;
+  kvx_request_stats st;
+  /* A buffer too small keeps the finished load for the next call. */
+  EXPECT(kvx_consumer_next_finished(c, name, 2, &nlen, &st), KVX_NOT_FOUND);
+  CHECK(kvx_consumer_next_finished(c, name, sizeof name, &nlen, &st));
+  if (nlen != 4 || memcmp(name, "ip-1", 4) != 0 || st.bytes_moved != 2ull * 2 * CBLOCK ||
+      st.bytes_skipped != 2ull * CBLOCK)
+    die("in-process figures", KVX_OK);
+  uint32_t fb[8];
+  size_t nb = 0;
+  uint32_t reason = 99;
+  EXPECT(kvx_producer_next_freed(p, 20000, name, sizeof name, &nlen, fb, 1, &nb, &reason),
+         KVX_BUFFER_TOO_SMALL);
+  if (nb != 3) die("freed size report", KVX_OK);
+  CHECK(kvx_producer_next_freed(p, 0, name, sizeof name, &nlen, fb, 8, &nb, &reason));
+  if (nb != 3 || reason != 0 || fb[0] != 1) die("in-process freed", KVX_OK);
+  kvx_consumer_free(c);
+  kvx_producer_free(p);
+  kvx_connector_free(ip);
+  free(src);
+  free(dst);
+  printf("in-process connector: 2 of 3 blocks moved (1 cached), bytes verified, freed on ack\n");
+}
+
 int main(int argc, char **argv) {
   const char *transport = argc > 1 ? argv[1] : "tcp";
   int up[2], down[2];
@@ -335,7 +398,20 @@ int main(int argc, char **argv) {
   kvx_layout lay = layout(8);
   kvx_producer *prod = NULL;
   CHECK(kvx_agent_connect(a, addr, name, sizeof name - 1, &nlen)); /* metadata with the new region */
-  CHECK(kvx_producer_new(a, &lay, bases, NULL, NULL, &prod));
+  /* Through the trait path: a connector over the agent, the caches as tensors (inside the
+   * registered region, so it is used as it is). */
+  kvx_connector *conn = NULL;
+  CHECK(kvx_connector_over_agent(a, NULL, &conn));
+  kvx_cache_tensor tens[2];
+  for (int k = 0; k < 2; k++) {
+    tens[k].k = pm + (size_t)k * 8 * CBLOCK;
+    tens[k].k_len = 8 * CBLOCK;
+    tens[k].v = NULL;
+    tens[k].v_len = 0;
+  }
+  (void)bases;
+  CHECK(kvx_connector_producer(conn, &lay, tens, -1, NULL, &prod));
+  kvx_connector_free(conn); /* the producer stays usable */
   uint32_t blocks[3] = {5, 2, 7};
   unsigned char h[4096];
   size_t hlen = 0;
@@ -383,6 +459,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "child failed\n");
     return 1;
   }
+  in_process();
   printf("kvx_test %s: ok\n", transport);
   return 0;
 }
