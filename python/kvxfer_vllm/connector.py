@@ -258,19 +258,27 @@ class KvxferConnector(KVConnectorBase_V1):
         device = first.device
         cuda = device.index if device.type == "cuda" else -1
         bases = []
+        tensors = []
         for n in names:
             t = kv_caches[n]
             if tuple(t.shape) != (nb, heads, bs, c) or t.stride() != s:
                 raise ValueError(f"kvxfer: layer {n} has another shape or layout")
             rid = self.agent.register(t.data_ptr(), nb * s[0] * es, cuda)
             bases.append((rid, 0, None, 0))
+            tensors.append((t.data_ptr(), nb * s[0] * es))
         self.num_layers = len(names)
         self.layout, self.bases = kx.layout_struct(len(names), heads, c // 2, es, bs, nb, True, hnd, bases)
         cfg = kx.config_struct(lease_ms=int(ex.get("lease_ms", 0)), budget_bytes=budget)
-        if self.kv_role in ("kv_producer", "kv_both"):
-            self.producer = kx.Producer(self.agent, self.layout, self.bases, cfg, side)
-        if self.kv_role in ("kv_consumer", "kv_both"):
-            self.consumer = kx.Consumer(self.agent, self.layout, self.bases, cfg)
+        # Through the connector traits (kvx_connector): the tensors lie in the regions just
+        # registered, which the agent's connector uses as they are.
+        conn = kx.Connector.over_agent(self.agent, side)
+        try:
+            if self.kv_role in ("kv_producer", "kv_both"):
+                self.producer = conn.producer(self.layout, tensors, cfg, cuda)
+            if self.kv_role in ("kv_consumer", "kv_both"):
+                self.consumer = conn.consumer(self.layout, tensors, cfg, cuda)
+        finally:
+            conn.close()
         compat = self.agent.lib.L.kvx_layout_compat_hash(self.layout, self.bases)
         tmpl = {
             "producer": name,

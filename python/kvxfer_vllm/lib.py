@@ -65,6 +65,10 @@ class ConnectorConfig(Structure):
     ]
 
 
+class CacheTensor(Structure):
+    _fields_ = [("k", c_void_p), ("k_len", c_uint64), ("v", c_void_p), ("v_len", c_uint64)]
+
+
 class RequestStats(Structure):
     _fields_ = [
         ("bytes_moved", c_uint64),
@@ -141,6 +145,11 @@ class Lib:
             "kvx_consumer_wait": (st, [c_void_p, c_char_p, c_uint64]),
             "kvx_consumer_next_finished": (st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t), POINTER(RequestStats)]),
             "kvx_consumer_next_failed": (st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t), POINTER(c_uint32), c_size_t, POINTER(c_size_t)]),
+            "kvx_connector_over_agent": (st, [c_void_p, c_char_p, POINTER(c_void_p)]),
+            "kvx_connector_in_process": (st, [POINTER(c_void_p)]),
+            "kvx_connector_free": (None, [c_void_p]),
+            "kvx_connector_producer": (st, [c_void_p, POINTER(Layout), POINTER(CacheTensor), c_int32, POINTER(ConnectorConfig), POINTER(c_void_p)]),
+            "kvx_connector_consumer": (st, [c_void_p, POINTER(Layout), POINTER(CacheTensor), c_int32, POINTER(ConnectorConfig), POINTER(c_void_p)]),
             "kvx_consumer_metrics": (st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
         }
         for name, (res, args) in sig.items():
@@ -256,7 +265,60 @@ def config_struct(mode="pull", lease_ms=0, heartbeat_ms=0, readers=0, heads=None
     return c
 
 
+def tensors_struct(tensors):
+    """Per layer (k_ptr, k_len) for a fused layout, or (k_ptr, k_len, v_ptr, v_len)."""
+    arr = (CacheTensor * len(tensors))()
+    for i, t in enumerate(tensors):
+        k, kl, v, vl = (tuple(t) + (None, 0))[:4]
+        arr[i] = CacheTensor(c_void_p(k), kl, c_void_p(v) if v else None, vl)
+    return arr
+
+
+class Connector:
+    """An implementation of kvxfer's connector traits (libkvxfer's kvx_connector): producers
+    and consumers it makes are driven by the same Producer / Consumer calls whichever it is."""
+
+    def __init__(self, lib, h):
+        self.lib, self.h = lib, h
+
+    @classmethod
+    def over_agent(cls, agent, side_channel=None):
+        h = c_void_p()
+        agent.lib.check(agent.lib.L.kvx_connector_over_agent(agent.h, side_channel.encode() if side_channel else None, ctypes.byref(h)))
+        return cls(agent.lib, h)
+
+    @classmethod
+    def in_process(cls):
+        lib = Lib.get()
+        h = c_void_p()
+        lib.check(lib.L.kvx_connector_in_process(ctypes.byref(h)))
+        return cls(lib, h)
+
+    def _make(self, fn, layout, tensors, cuda_device, cfg):
+        arr = tensors_struct(tensors)
+        h = c_void_p()
+        self.lib.check(fn(self.h, ctypes.byref(layout), arr, cuda_device, ctypes.byref(cfg), ctypes.byref(h)))
+        return h
+
+    def producer(self, layout, tensors, cfg, cuda_device=-1):
+        return Producer.wrap(self.lib, self._make(self.lib.L.kvx_connector_producer, layout, tensors, cuda_device, cfg))
+
+    def consumer(self, layout, tensors, cfg, cuda_device=-1):
+        return Consumer.wrap(self.lib, self._make(self.lib.L.kvx_connector_consumer, layout, tensors, cuda_device, cfg))
+
+    def close(self):
+        if self.h is not None:
+            self.lib.L.kvx_connector_free(self.h)
+            self.h = None
+
+
 class Producer:
+    @classmethod
+    def wrap(cls, lib, h):
+        p = cls.__new__(cls)
+        p.lib, p.h = lib, h
+        return p
+
     def __init__(self, agent, layout, bases, cfg, side_channel=None):
         self.lib = agent.lib
         h = c_void_p()
@@ -315,6 +377,12 @@ class Producer:
 
 
 class Consumer:
+    @classmethod
+    def wrap(cls, lib, h):
+        c = cls.__new__(cls)
+        c.lib, c.h = lib, h
+        return c
+
     def __init__(self, agent, layout, bases, cfg):
         self.lib = agent.lib
         h = c_void_p()

@@ -184,3 +184,32 @@ def test_two_process_handoff_through_the_worker_methods(layout):
     assert freed == ("freed", ["pre-2"]), freed
     p.join(30)
     worker.shutdown()
+
+
+def test_in_process_connector_through_the_same_bindings():
+    """A second implementation of the connector traits (kvxfer's in-process one) reached from
+    Python through the bindings the plugin uses: bytes land, a cached prefix stays, the
+    producer frees on the acknowledgement."""
+    from kvxfer_vllm import lib as kx
+
+    layers, heads, head_dim, bs, nb = 2, 2, 8, 4, 8
+    src = torch.randint(0, 255, (layers, nb, heads, bs, 2 * head_dim), dtype=torch.uint8).to(torch.bfloat16)
+    dst = torch.zeros_like(src)
+    per_layer = nb * heads * bs * 2 * head_dim * 2
+    lay, _ = kx.layout_struct(layers, heads, head_dim, 2, bs, nb, True, False, [(0, 0, None, 0)] * layers)
+    cfg = kx.config_struct(heartbeat_ms=20)
+    conn = kx.Connector.in_process()
+    prod = conn.producer(lay, [(src[i].data_ptr(), per_layer) for i in range(layers)], cfg)
+    cons = conn.consumer(lay, [(dst[i].data_ptr(), per_layer) for i in range(layers)], cfg)
+    handoff = prod.publish("py-1", [1, 4, 6], 12, layers)
+    cons.start_load(handoff, [2, 7])  # block 1 is a cached prefix
+    cons.wait("py-1", 20000)
+    assert torch.equal(dst[:, 2], src[:, 4]) and torch.equal(dst[:, 7], src[:, 6])
+    assert torch.count_nonzero(dst[:, [0, 1, 3, 4, 5, 6]]) == 0
+    name, st = cons.next_finished()
+    assert name == "py-1" and st["bytes_moved"] == 2 * layers * (per_layer // nb)
+    freed = prod.next_freed(20000)
+    assert freed[0] == "py-1" and list(freed[1]) == [1, 4, 6] and freed[2] == 0
+    cons.close()
+    prod.close()
+    conn.close()
