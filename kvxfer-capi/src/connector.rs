@@ -14,8 +14,8 @@ use kvxfer_core::{MemKind, MemoryBudget, RegionId};
 use crate::error::{fail, guard, set_error, Fail};
 use crate::ffi::{cstr, free_handle, handle, ms, new_handle, null, plain, put, slice};
 use crate::{
-    kvx_agent, kvx_cache_tensor, kvx_connector, kvx_connector_config, kvx_consumer, kvx_layer_base, kvx_layout, kvx_producer,
-    kvx_request_stats, kvx_status,
+    kvx_agent, kvx_cache_tensor, kvx_connector, kvx_connector_config, kvx_consumer, kvx_layer_base,
+    kvx_layout, kvx_producer, kvx_request_stats, kvx_status,
 };
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -641,11 +641,7 @@ pub unsafe extern "C" fn kvx_connector_over_agent(
         };
         let c = AgentConnector::new(a.inner.clone(), side);
         // SAFETY: out valid.
-        unsafe {
-            *out = new_handle(kvx_connector {
-                inner: Box::new(c),
-            })
-        };
+        unsafe { *out = new_handle(kvx_connector { inner: Box::new(c) }) };
         Ok(())
     })
 }

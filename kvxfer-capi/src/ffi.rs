@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use crate::error::{fail, set_error, Fail};
 use crate::{
-    kvx_agent, kvx_agent_config, kvx_connector, kvx_consumer, kvx_local_list, kvx_producer, kvx_region,
-    kvx_remote_list, kvx_status, kvx_transfer,
+    kvx_agent, kvx_agent_config, kvx_connector, kvx_consumer, kvx_local_list, kvx_producer,
+    kvx_region, kvx_remote_list, kvx_status, kvx_transfer,
 };
 
 // ---------------------------------------------------------------------------------------------

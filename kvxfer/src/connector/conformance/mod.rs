@@ -8,14 +8,21 @@
 //! violation as text. [`connector_conformance!`](crate::connector_conformance) turns the
 //! cases into one `#[test]` each:
 //!
-//! ```ignore
+//! ```
+//! use kvxfer::connector::conformance::{self, Connectors, Harness};
+//! use kvxfer::connector::{InProcessConnector, KvConnector};
+//!
 //! struct Mine;
-//! impl kvxfer::connector::conformance::Harness for Mine {
-//!     fn connectors(&self, consumers: usize) -> kvxfer::Result<kvxfer::connector::conformance::Connectors> {
-//!         /* a producer-side connector and `consumers` decode-side ones that reach it */
+//! impl Harness for Mine {
+//!     fn connectors(&self, consumers: usize) -> kvxfer::Result<Connectors> {
+//!         let c = InProcessConnector::new(); // your implementation here
+//!         let consumers = (0..consumers).map(|_| Box::new(c.clone()) as Box<dyn KvConnector>);
+//!         Ok(Connectors { producer: Box::new(c.clone()), consumers: consumers.collect() })
 //!     }
 //! }
-//! kvxfer::connector_conformance!(Mine);
+//! // In a test file: `kvxfer::connector_conformance!(Mine);`. Or case by case:
+//! let (name, case) = conformance::CASES[0];
+//! assert!(case(&Mine).is_ok(), "{name}");
 //! ```
 
 mod cache;
