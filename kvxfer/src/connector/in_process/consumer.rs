@@ -334,6 +334,8 @@ fn consumer_loop(sh: &ConsumerShared) {
     loop {
         let mut out: Vec<(String, ToProducer)> = Vec::new();
         let mut jobs: Vec<Job> = Vec::new();
+        // A load landed or failed: callers in `wait` are woken.
+        let mut ended = false;
         {
             let mut st = lock(&sh.st);
             if st.stop {
@@ -352,11 +354,13 @@ fn consumer_loop(sh: &ConsumerShared) {
                         let per_layer = l.local_blocks.len() * layout.tensors_per_layer();
                         l.descs += per_layer as u64;
                         l.bytes += per_layer as u64 * layout.block_bytes();
+                        ended = true;
                         if l.proto.complete() {
                             sh.finish(&mut st, &req);
                         }
                     }
                     LoadEvent::Failed(why) => {
+                        ended = true;
                         let e = Error::Handoff {
                             request: req.clone(),
                             why,
@@ -422,7 +426,7 @@ fn consumer_loop(sh: &ConsumerShared) {
                 out.extend(sh.fail(&mut st, &req, e));
             }
         }
-        let mut changed = !out.is_empty();
+        let mut changed = ended || !out.is_empty();
         // Copies outside the lock: the engine's calls do not wait for a memcpy.
         let mut results: Vec<(Job, Result<u64>, Duration)> = Vec::new();
         for j in jobs {
