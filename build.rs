@@ -30,11 +30,43 @@ fn main() {
         .generate()
     {
         Ok(b) => {
-            b.write_to_file(&out);
+            let mut raw = Vec::new();
+            b.write(&mut raw);
+            let text = c89(&String::from_utf8_lossy(&raw));
+            let _ = std::fs::write(&out, &text);
             if std::env::var("KVXFER_UPDATE_HEADER").is_ok_and(|v| v == "1") {
-                b.write_to_file(root.join("include").join("kvxfer.h"));
+                let _ = std::fs::write(root.join("include").join("kvxfer.h"), &text);
             }
         }
         Err(e) => println!("cargo:warning=kvxfer: generating the C header failed: {e}"),
     }
+}
+
+/// The header as C89 accepts it under `-pedantic`: cbindgen's `// ...` after `#endif` become
+/// `/* ... */`, and the comma after an enum's last enumerator goes.
+fn c89(h: &str) -> String {
+    let lines: Vec<String> = h
+        .lines()
+        .map(|l| match l.split_once("// ") {
+            Some((code, c)) if code.starts_with('#') => format!("{code}/* {c} */"),
+            _ => l.to_string(),
+        })
+        .collect();
+    let mut out: Vec<String> = Vec::with_capacity(lines.len());
+    for l in lines {
+        if l.trim_start().starts_with("};") {
+            // The last enumerator before the close, past comments.
+            if let Some(prev) = out
+                .iter_mut()
+                .rev()
+                .find(|p| !p.trim_start().starts_with("/*") && !p.trim().is_empty())
+            {
+                if prev.trim_start().starts_with("KVX_") && prev.ends_with(',') {
+                    prev.pop();
+                }
+            }
+        }
+        out.push(l);
+    }
+    out.join("\n") + "\n"
 }

@@ -7,414 +7,634 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// Longest agent name (bytes, without the NUL).
+/**
+ * Longest agent name (bytes, without the NUL).
+ */
 #define KVX_MAX_NAME 255
 
-// Largest notification payload.
+/**
+ * Largest notification payload.
+ */
 #define KVX_MAX_NOTIFICATION 65536
 
-// How device memory moves between an agent and a peer (`kvx_agent_peer_gpu_path`).
+/**
+ * How device memory moves between an agent and a peer (`kvx_agent_peer_gpu_path`).
+ */
 enum kvx_gpu_path
 #ifdef __cplusplus
   : uint32_t
-#endif // __cplusplus
+#endif /* __cplusplus */
  {
-  // Neither side has device memory registered.
+  /**
+   * Neither side has device memory registered.
+   */
   KVX_GPU_NONE = 0,
-  // UCX moves all of it (CUDA transports).
+  /**
+   * UCX moves all of it (CUDA transports).
+   */
   KVX_GPU_DIRECT = 1,
-  // Through bounded pinned host chunks over kvxfer's TCP lane.
-  KVX_GPU_STAGED = 2,
+  /**
+   * Through bounded pinned host chunks over kvxfer's TCP lane.
+   */
+  KVX_GPU_STAGED = 2
 };
 #ifndef __cplusplus
 typedef uint32_t kvx_gpu_path;
-#endif // __cplusplus
+#endif /* __cplusplus */
 
-// Direction of a transfer, seen from the initiator.
+/**
+ * Direction of a transfer, seen from the initiator.
+ */
 enum kvx_op
 #ifdef __cplusplus
   : uint32_t
-#endif // __cplusplus
+#endif /* __cplusplus */
  {
-  // Pull remote memory into local memory.
+  /**
+   * Pull remote memory into local memory.
+   */
   KVX_READ = 0,
-  // Push local memory into remote memory.
-  KVX_WRITE = 1,
+  /**
+   * Push local memory into remote memory.
+   */
+  KVX_WRITE = 1
 };
 #ifndef __cplusplus
 typedef uint32_t kvx_op;
-#endif // __cplusplus
+#endif /* __cplusplus */
 
-// Status of a call. Values are stable.
+/**
+ * Status of a call. Values are stable.
+ */
 enum kvx_status
 #ifdef __cplusplus
   : uint32_t
-#endif // __cplusplus
+#endif /* __cplusplus */
  {
-  // Success.
+  /**
+   * Success.
+   */
   KVX_OK = 0,
-  // A required pointer was NULL.
+  /**
+   * A required pointer was NULL.
+   */
   KVX_NULL_PARAMETER = 1,
-  // An argument is invalid (see the last error).
+  /**
+   * An argument is invalid (see the last error).
+   */
   KVX_INVALID_ARGUMENT = 2,
-  // Peer metadata was refused (malformed, foreign, incompatible).
+  /**
+   * Peer metadata was refused (malformed, foreign, incompatible).
+   */
   KVX_METADATA = 3,
-  // A descriptor lies outside registered memory or names an unknown region or index.
+  /**
+   * A descriptor lies outside registered memory or names an unknown region or index.
+   */
   KVX_OUT_OF_BOUNDS = 4,
-  // No metadata for that peer.
+  /**
+   * No metadata for that peer.
+   */
   KVX_UNKNOWN_PEER = 5,
-  // The peer failed or the connection broke.
+  /**
+   * The peer failed or the connection broke.
+   */
   KVX_PEER_FAILED = 6,
-  // Memory is in use by a transfer in flight.
+  /**
+   * Memory is in use by a transfer in flight.
+   */
   KVX_BUSY = 7,
-  // A transfer missed its deadline (the connection was torn down).
+  /**
+   * A transfer missed its deadline (the connection was torn down).
+   */
   KVX_DEADLINE = 8,
-  // A wait ran out of time; the operation goes on.
+  /**
+   * A wait ran out of time; the operation goes on.
+   */
   KVX_TIMEOUT = 9,
-  // The transfer was cancelled.
+  /**
+   * The transfer was cancelled.
+   */
   KVX_CANCELED = 10,
-  // Out of memory or over the memory budget.
+  /**
+   * Out of memory or over the memory budget.
+   */
   KVX_OUT_OF_MEMORY = 11,
-  // An I/O error (side channel, sockets).
+  /**
+   * An I/O error (side channel, sockets).
+   */
   KVX_IO = 12,
-  // A UCX call failed.
+  /**
+   * A UCX call failed.
+   */
   KVX_UCX = 13,
-  // A connector handoff was refused (expired, aborted, incompatible).
+  /**
+   * A connector handoff was refused (expired, aborted, incompatible).
+   */
   KVX_HANDOFF = 14,
-  // The agent is shut down.
+  /**
+   * The agent is shut down.
+   */
   KVX_SHUTDOWN = 15,
-  // A bug: kvxfer panicked (the message says where).
+  /**
+   * A bug: kvxfer panicked (the message says where).
+   */
   KVX_PANIC = 16,
-  // An output buffer is too small; `*out_len` holds the size needed.
+  /**
+   * An output buffer is too small; `*out_len` holds the size needed.
+   */
   KVX_BUFFER_TOO_SMALL = 17,
-  // Nothing to report (no notification, no finished request).
+  /**
+   * Nothing to report (no notification, no finished request).
+   */
   KVX_NOT_FOUND = 18,
-  // The transfer is still in flight (`kvx_transfer_poll`).
+  /**
+   * The transfer is still in flight (`kvx_transfer_poll`).
+   */
   KVX_IN_PROGRESS = 19,
-  // A prepared list refers to replaced peer metadata.
+  /**
+   * A prepared list refers to replaced peer metadata.
+   */
   KVX_STALE = 20,
-  // The region was deregistered.
+  /**
+   * The region was deregistered.
+   */
   KVX_DEREGISTERED = 21,
-  // A handle that this library did not make, or that was already freed (double free,
-  // use after free); nothing was done.
+  /**
+   * A handle that this library did not make, or that was already freed (double free,
+   * use after free); nothing was done.
+   */
   KVX_INVALID_HANDLE = 22,
-  // Device memory cannot be used here: no CUDA driver or device, a library built without
-  // the `cuda` feature, or a forced path that cannot work (the message says which).
-  KVX_CUDA = 23,
+  /**
+   * Device memory cannot be used here: no CUDA driver or device, a library built without
+   * the `cuda` feature, or a forced path that cannot work (the message says which).
+   */
+  KVX_CUDA = 23
 };
 #ifndef __cplusplus
 typedef uint32_t kvx_status;
-#endif // __cplusplus
+#endif /* __cplusplus */
 
-// An agent (one per worker process or GPU rank).
+/**
+ * An agent (one per worker process or GPU rank).
+ */
 typedef struct kvx_agent kvx_agent;
 
-// An agent's configuration, built with `kvx_agent_config_set_*` and used by
-// `kvx_agent_new_with`: every setting of the Rust `AgentConfig`, none read from the
-// environment.
+/**
+ * An agent's configuration, built with `kvx_agent_config_set_*` and used by
+ * `kvx_agent_new_with`: every setting of the Rust `AgentConfig`, none read from the
+ * environment.
+ */
 typedef struct kvx_agent_config kvx_agent_config;
 
-// Where producers and consumers are made: an implementation of the connector traits
-// (`kvx_connector_over_agent`: kvxfer's agent, across processes and hosts;
-// `kvx_connector_in_process`: memcpy within one process). Every `kvx_producer_*` and
-// `kvx_consumer_*` function works on what it makes.
+/**
+ * Where producers and consumers are made: an implementation of the connector traits
+ * (`kvx_connector_over_agent`: kvxfer's agent, across processes and hosts;
+ * `kvx_connector_in_process`: memcpy within one process). Every `kvx_producer_*` and
+ * `kvx_consumer_*` function works on what it makes.
+ */
 typedef struct kvx_connector kvx_connector;
 
-// The decode side of the connector.
-//
-// Any implementation of the connector traits: see `kvx_connector`.
+/**
+ * The decode side of the connector.
+ *
+ * Any implementation of the connector traits: see `kvx_connector`.
+ */
 typedef struct kvx_consumer kvx_consumer;
 
-// Local descriptors resolved once.
+/**
+ * Local descriptors resolved once.
+ */
 typedef struct kvx_local_list kvx_local_list;
 
-// The prefill side of the connector.
-//
-// Any implementation of the connector traits: see `kvx_connector`.
+/**
+ * The prefill side of the connector.
+ *
+ * Any implementation of the connector traits: see `kvx_connector`.
+ */
 typedef struct kvx_producer kvx_producer;
 
-// A registered region.
+/**
+ * A registered region.
+ */
 typedef struct kvx_region kvx_region;
 
-// A peer's descriptors resolved once.
+/**
+ * A peer's descriptors resolved once.
+ */
 typedef struct kvx_remote_list kvx_remote_list;
 
-// A transfer in flight (or done).
+/**
+ * A transfer in flight (or done).
+ */
 typedef struct kvx_transfer kvx_transfer;
 
-// A descriptor: `len` bytes at `offset` in registered region `region`.
+/**
+ * A descriptor: `len` bytes at `offset` in registered region `region`.
+ */
 typedef struct kvx_desc {
-  // Region id (`kvx_region_id`, or the peer's).
+  /**
+   * Region id (`kvx_region_id`, or the peer's).
+   */
   uint32_t region;
-  // Byte offset in the region.
+  /**
+   * Byte offset in the region.
+   */
   uint64_t offset;
-  // Bytes.
+  /**
+   * Bytes.
+   */
   uint64_t len;
 } kvx_desc;
 
-// What a completed transfer did.
+/**
+ * What a completed transfer did.
+ */
 typedef struct kvx_xfer_stats {
-  // Bytes moved.
+  /**
+   * Bytes moved.
+   */
   uint64_t bytes;
-  // Descriptor pairs.
+  /**
+   * Descriptor pairs.
+   */
   uint64_t descs;
-  // Operations after coalescing.
+  /**
+   * Operations after coalescing.
+   */
   uint64_t ops;
-  // Posting time, ns.
+  /**
+   * Posting time, ns.
+   */
   uint64_t post_ns;
-  // Total time, ns.
+  /**
+   * Total time, ns.
+   */
   uint64_t duration_ns;
-  // Lane: 0 UCX, 1 shared memory, 2 TCP stream.
+  /**
+   * Lane: 0 UCX, 1 shared memory, 2 TCP stream.
+   */
   uint32_t lane;
 } kvx_xfer_stats;
 
-// A paged KV cache's shape (for the connector).
+/**
+ * A paged KV cache's shape (for the connector).
+ */
 typedef struct kvx_layout {
-  // Attention layers (= entries of the layer-base array).
+  /**
+   * Attention layers (= entries of the layer-base array).
+   */
   uint32_t layers;
-  // KV heads in this cache.
+  /**
+   * KV heads in this cache.
+   */
   uint32_t kv_heads;
-  // Head dimension.
+  /**
+   * Head dimension.
+   */
   uint32_t head_dim;
-  // Bytes per element: 1, 2 or 4.
+  /**
+   * Bytes per element: 1, 2 or 4.
+   */
   uint32_t dtype_bytes;
-  // Tokens per block.
+  /**
+   * Tokens per block.
+   */
   uint32_t block_tokens;
-  // Blocks per layer tensor.
+  /**
+   * Blocks per layer tensor.
+   */
   uint64_t num_blocks;
-  // 1: K and V fused per layer (vLLM 0.33), 0: separate tensors.
+  /**
+   * 1: K and V fused per layer (vLLM 0.33), 0: separate tensors.
+   */
   uint32_t fused;
-  // 1: HND order inside a block, 0: NHD.
+  /**
+   * 1: HND order inside a block, 0: NHD.
+   */
   uint32_t hnd;
 } kvx_layout;
 
-// Where one layer's tensors are (for the connector).
+/**
+ * Where one layer's tensors are (for the connector).
+ */
 typedef struct kvx_layer_base {
-  // Region of K (or of the fused K+V tensor).
+  /**
+   * Region of K (or of the fused K+V tensor).
+   */
   uint32_t k_region;
-  // Offset of block 0 of K in it.
+  /**
+   * Offset of block 0 of K in it.
+   */
   uint64_t k_offset;
-  // Region of V; `UINT32_MAX` for a fused layout.
+  /**
+   * Region of V; `UINT32_MAX` for a fused layout.
+   */
   uint32_t v_region;
-  // Offset of block 0 of V.
+  /**
+   * Offset of block 0 of V.
+   */
   uint64_t v_offset;
 } kvx_layer_base;
 
-// Connector settings. Zero fields take the defaults.
+/**
+ * Connector settings. Zero fields take the defaults.
+ */
 typedef struct kvx_connector_config {
-  // 0 pull (the consumer reads), 1 push (the producer writes).
+  /**
+   * 0 pull (the consumer reads), 1 push (the producer writes).
+   */
   uint32_t mode;
-  // Producer lease without heartbeats, ms (default 30000).
+  /**
+   * Producer lease without heartbeats, ms (default 30000).
+   */
   uint64_t lease_ms;
-  // Consumer heartbeat interval, ms (default 1000).
+  /**
+   * Consumer heartbeat interval, ms (default 1000).
+   */
   uint64_t heartbeat_ms;
-  // Readers per request (default 1).
+  /**
+   * Readers per request (default 1).
+   */
   uint32_t readers;
-  // Consumer: first and past-last head of the producer's heads it reads (0, 0: all).
+  /**
+   * Consumer: first and past-last head of the producer's heads it reads (0, 0: all).
+   */
   uint64_t heads_start;
-  // See `heads_start`.
+  /**
+   * See `heads_start`.
+   */
   uint64_t heads_end;
-  // Memory budget for request state, bytes (0: unlimited).
+  /**
+   * Memory budget for request state, bytes (0: unlimited).
+   */
   uint64_t budget_bytes;
-  // How long a load waits for budget, ms (default 60000).
+  /**
+   * How long a load waits for budget, ms (default 60000).
+   */
   uint64_t budget_wait_ms;
 } kvx_connector_config;
 
-// One request's handoff figures.
+/**
+ * One request's handoff figures.
+ */
 typedef struct kvx_request_stats {
-  // Bytes moved.
+  /**
+   * Bytes moved.
+   */
   uint64_t bytes_moved;
-  // Bytes not moved (already cached).
+  /**
+   * Bytes not moved (already cached).
+   */
   uint64_t bytes_skipped;
-  // Descriptors.
+  /**
+   * Descriptors.
+   */
   uint64_t descriptors;
-  // Posting time, ns.
+  /**
+   * Posting time, ns.
+   */
   uint64_t post_ns;
-  // Transfer time, ns.
+  /**
+   * Transfer time, ns.
+   */
   uint64_t transfer_ns;
-  // Handoff time, ns.
+  /**
+   * Handoff time, ns.
+   */
   uint64_t handoff_ns;
 } kvx_request_stats;
 
-// One layer's tensors for `kvx_connector_producer` / `kvx_connector_consumer`: K (or K and V
-// fused) and, for a separate layout, V (`v` NULL and `v_len` 0 for a fused one). Each holds
-// `num_blocks` blocks from its start.
+/**
+ * One layer's tensors for `kvx_connector_producer` / `kvx_connector_consumer`: K (or K and V
+ * fused) and, for a separate layout, V (`v` NULL and `v_len` 0 for a fused one). Each holds
+ * `num_blocks` blocks from its start.
+ */
 typedef struct kvx_cache_tensor {
-  // K, or K and V fused.
+  /**
+   * K, or K and V fused.
+   */
   void *k;
-  // Its length in bytes.
+  /**
+   * Its length in bytes.
+   */
   uint64_t k_len;
-  // V (NULL when fused).
+  /**
+   * V (NULL when fused).
+   */
   void *v;
-  // Its length in bytes.
+  /**
+   * Its length in bytes.
+   */
   uint64_t v_len;
 } kvx_cache_tensor;
 
 #ifdef __cplusplus
 extern "C" {
-#endif // __cplusplus
+#endif /* __cplusplus */
 
-// The library version, a static NUL-terminated string.
+/**
+ * The library version, a static NUL-terminated string.
+ */
 const char *kvx_version(void);
 
-// Copies the calling thread's last error message (NUL-terminated, truncated to `cap`) into
-// `buf`; returns its full length without the NUL. 0: no error recorded.
-//
-// # Safety
-// `buf` is valid for writes of `cap` bytes, or NULL with `cap` 0.
+/**
+ * Copies the calling thread's last error message (NUL-terminated, truncated to `cap`) into
+ * `buf`; returns its full length without the NUL. 0: no error recorded.
+ *
+ * # Safety
+ * `buf` is valid for writes of `cap` bytes, or NULL with `cap` 0.
+ */
 size_t kvx_last_error(char *buf, size_t cap);
 
-// A static name for a status (e.g. "KVX_BUSY").
+/**
+ * A static name for a status (e.g. "KVX_BUSY").
+ */
 const char *kvx_status_name(kvx_status s);
 
-// Creates an agent. `transport`: "tcp", "shm", "auto" or a UCX_TLS list; `net_devices` may be
-// NULL (UCX's default), e.g. "lo" or "eth0". `budget_bytes` 0: unlimited.
-//
-// Device memory (a library built with the `cuda` feature) follows the environment:
-// `KVXFER_GPU_PATH` = `auto` (default: direct where UCX has CUDA transports, else staged),
-// `direct` or `staged`; `KVXFER_STAGING_CHUNKS` and `KVXFER_STAGING_CHUNK_BYTES` size the
-// staging pool (default 8 x 4 MiB, charged to the budget at the first device registration).
-//
-// `kvx_agent_config_new` and `kvx_agent_new_with` set every option, these included, without
-// the environment; this function stays for existing callers.
-//
-// # Safety
-// Strings are NULL or NUL-terminated; `out` is valid for a write.
+/**
+ * Creates an agent. `transport`: "tcp", "shm", "auto" or a UCX_TLS list; `net_devices` may be
+ * NULL (UCX's default), e.g. "lo" or "eth0". `budget_bytes` 0: unlimited.
+ *
+ * Device memory (a library built with the `cuda` feature) follows the environment:
+ * `KVXFER_GPU_PATH` = `auto` (default: direct where UCX has CUDA transports, else staged),
+ * `direct` or `staged`; `KVXFER_STAGING_CHUNKS` and `KVXFER_STAGING_CHUNK_BYTES` size the
+ * staging pool (default 8 x 4 MiB, charged to the budget at the first device registration).
+ *
+ * `kvx_agent_config_new` and `kvx_agent_new_with` set every option, these included, without
+ * the environment; this function stays for existing callers.
+ *
+ * # Safety
+ * Strings are NULL or NUL-terminated; `out` is valid for a write.
+ */
 kvx_status kvx_agent_new(const char *name,
                          const char *transport,
                          const char *net_devices,
                          uint64_t budget_bytes,
                          struct kvx_agent **out);
 
-// Creates an agent configuration for an agent named `name`, with the Rust `AgentConfig`'s
-// defaults: transport `auto`, lanes on, no secret, not strict, GPU path `auto`, staging 8 x
-// 4 MiB, unlimited budget. Set what differs with `kvx_agent_config_set_*`, create agents with
-// `kvx_agent_new_with`, free it with `kvx_agent_config_free`. Nothing is read from the
-// environment.
-//
-// # Safety
-// `name` is NULL or NUL-terminated; `out` is valid for a write.
+/**
+ * Creates an agent configuration for an agent named `name`, with the Rust `AgentConfig`'s
+ * defaults: transport `auto`, lanes on, no secret, not strict, GPU path `auto`, staging 8 x
+ * 4 MiB, unlimited budget. Set what differs with `kvx_agent_config_set_*`, create agents with
+ * `kvx_agent_new_with`, free it with `kvx_agent_config_free`. Nothing is read from the
+ * environment.
+ *
+ * # Safety
+ * `name` is NULL or NUL-terminated; `out` is valid for a write.
+ */
 kvx_status kvx_agent_config_new(const char *name, struct kvx_agent_config **out);
 
-// Destroys a configuration (NULL is ignored). Agents created from it are not affected.
-//
-// # Safety
-// `c` is NULL or from `kvx_agent_config_new`, not freed before.
+/**
+ * Destroys a configuration (NULL is ignored). Agents created from it are not affected.
+ *
+ * # Safety
+ * `c` is NULL or from `kvx_agent_config_new`, not freed before.
+ */
 void kvx_agent_config_free(struct kvx_agent_config *c);
 
-// Sets the transports: "tcp", "shm", "auto" or a UCX_TLS list ("rc,sm", "cuda_copy,tcp").
-//
-// # Safety
-// `c` is a live config not used by another thread during the call; `transport` is NULL or
-// NUL-terminated.
+/**
+ * Sets the transports: "tcp", "shm", "auto" or a UCX_TLS list ("rc,sm", "cuda_copy,tcp").
+ *
+ * # Safety
+ * `c` is a live config not used by another thread during the call; `transport` is NULL or
+ * NUL-terminated.
+ */
 kvx_status kvx_agent_config_set_transport(struct kvx_agent_config *c, const char *transport);
 
-// Sets `UCX_NET_DEVICES` (e.g. "eth0", "mlx5_0:1"); NULL restores UCX's default. The TCP lane
-// listens on the first device's address.
-//
-// # Safety
-// As `kvx_agent_config_set_transport`.
+/**
+ * Sets `UCX_NET_DEVICES` (e.g. "eth0", "mlx5_0:1"); NULL restores UCX's default. The TCP lane
+ * listens on the first device's address.
+ *
+ * # Safety
+ * As `kvx_agent_config_set_transport`.
+ */
 kvx_status kvx_agent_config_set_net_devices(struct kvx_agent_config *c, const char *devices);
 
-// Sets the side channel's shared secret (`len` bytes; `len` 0 removes it): both ends must
-// hold it and prove it before any metadata moves.
-//
-// # Safety
-// `c` is a live config not used by another thread during the call; `secret` is valid for
-// `len` bytes (or anything when `len` is 0).
+/**
+ * Sets the side channel's shared secret (`len` bytes; `len` 0 removes it): both ends must
+ * hold it and prove it before any metadata moves.
+ *
+ * # Safety
+ * `c` is a live config not used by another thread during the call; `secret` is valid for
+ * `len` bytes (or anything when `len` is 0).
+ */
 kvx_status kvx_agent_config_set_secret(struct kvx_agent_config *c,
                                        const uint8_t *secret,
                                        size_t len);
 
-// Strict transport (`on` non-zero): a transfer to a peer whose transports fell back from
-// what was asked (shared memory asked, TCP selected) fails with `KVX_INVALID_ARGUMENT`, the
-// last error naming both, instead of running on the fallback.
-//
-// # Safety
-// `c` is a live config not used by another thread during the call.
+/**
+ * Strict transport (`on` non-zero): a transfer to a peer whose transports fell back from
+ * what was asked (shared memory asked, TCP selected) fails with `KVX_INVALID_ARGUMENT`, the
+ * last error naming both, instead of running on the fallback.
+ *
+ * # Safety
+ * `c` is a live config not used by another thread during the call.
+ */
 kvx_status kvx_agent_config_set_strict(struct kvx_agent_config *c, int32_t on);
 
-// kvxfer's own shm and TCP lanes next to UCX (`on` non-zero, the default); 0 sends every
-// byte through UCX (and leaves device memory only the direct path).
-//
-// # Safety
-// `c` is a live config not used by another thread during the call.
+/**
+ * kvxfer's own shm and TCP lanes next to UCX (`on` non-zero, the default); 0 sends every
+ * byte through UCX (and leaves device memory only the direct path).
+ *
+ * # Safety
+ * `c` is a live config not used by another thread during the call.
+ */
 kvx_status kvx_agent_config_set_lanes(struct kvx_agent_config *c, int32_t on);
 
-// How device memory moves: "auto" (direct where the loaded UCX has CUDA transports, else
-// staged), "direct" or "staged".
-//
-// # Safety
-// As `kvx_agent_config_set_transport`.
+/**
+ * How device memory moves: "auto" (direct where the loaded UCX has CUDA transports, else
+ * staged), "direct" or "staged".
+ *
+ * # Safety
+ * As `kvx_agent_config_set_transport`.
+ */
 kvx_status kvx_agent_config_set_gpu_path(struct kvx_agent_config *c, const char *path);
 
-// The staging of device memory on the staged path: `chunks` pinned host chunks of
-// `chunk_bytes` (half for transfers the agent starts, half for its peers'), allocated once at
-// the first device registration and charged to the budget.
-//
-// # Safety
-// `c` is a live config not used by another thread during the call.
+/**
+ * The staging of device memory on the staged path: `chunks` pinned host chunks of
+ * `chunk_bytes` (half for transfers the agent starts, half for its peers'), allocated once at
+ * the first device registration and charged to the budget.
+ *
+ * # Safety
+ * `c` is a live config not used by another thread during the call.
+ */
 kvx_status kvx_agent_config_set_staging(struct kvx_agent_config *c,
                                         size_t chunks,
                                         size_t chunk_bytes);
 
-// The memory budget the agent charges its own buffers to (`bytes` 0: unlimited).
-//
-// # Safety
-// `c` is a live config not used by another thread during the call.
+/**
+ * The memory budget the agent charges its own buffers to (`bytes` 0: unlimited).
+ *
+ * # Safety
+ * `c` is a live config not used by another thread during the call.
+ */
 kvx_status kvx_agent_config_set_budget(struct kvx_agent_config *c, uint64_t bytes);
 
-// Adds a UCX setting (a name without the `UCX_` prefix, e.g. "RNDV_THRESH"), applied last.
-//
-// # Safety
-// `c` is a live config not used by another thread during the call; `key` and `value` are
-// NULL or NUL-terminated.
+/**
+ * Adds a UCX setting (a name without the `UCX_` prefix, e.g. "RNDV_THRESH"), applied last.
+ *
+ * # Safety
+ * `c` is a live config not used by another thread during the call; `key` and `value` are
+ * NULL or NUL-terminated.
+ */
 kvx_status kvx_agent_config_set_ucx(struct kvx_agent_config *c, const char *key, const char *value);
 
-// Creates an agent from a configuration (which stays the caller's, reusable).
-//
-// # Safety
-// `c` is a live config; `out` is valid for a write.
+/**
+ * Creates an agent from a configuration (which stays the caller's, reusable).
+ *
+ * # Safety
+ * `c` is a live config; `out` is valid for a write.
+ */
 kvx_status kvx_agent_new_with(const struct kvx_agent_config *c, struct kvx_agent **out);
 
-// Destroys an agent (NULL is ignored). Transfers in flight finish first; handles made from it
-// (regions, lists, transfers, producers, consumers) stay valid to free.
-//
-// # Safety
-// `a` is NULL or from `kvx_agent_new`, not freed before.
+/**
+ * Destroys an agent (NULL is ignored). Transfers in flight finish first; handles made from it
+ * (regions, lists, transfers, producers, consumers) stay valid to free.
+ *
+ * # Safety
+ * `a` is NULL or from `kvx_agent_new`, not freed before.
+ */
 void kvx_agent_free(struct kvx_agent *a);
 
-// Listens for peers' metadata exchange on `addr` ("127.0.0.1:0" picks a port); writes the
-// bound address (text) to `buf`.
-//
-// # Safety
-// `a` is a live agent; `addr` NUL-terminated; `buf` valid for `cap` bytes; `out_len` valid.
+/**
+ * Listens for peers' metadata exchange on `addr` ("127.0.0.1:0" picks a port); writes the
+ * bound address (text) to `buf`.
+ *
+ * # Safety
+ * `a` is a live agent; `addr` NUL-terminated; `buf` valid for `cap` bytes; `out_len` valid.
+ */
 kvx_status kvx_agent_listen(const struct kvx_agent *a,
                             const char *addr,
                             char *buf,
                             size_t cap,
                             size_t *out_len);
 
-// Exchanges metadata with the peer listening at `addr`; writes its name to `buf`.
-//
-// # Safety
-// As `kvx_agent_listen`.
+/**
+ * Exchanges metadata with the peer listening at `addr`; writes its name to `buf`.
+ *
+ * # Safety
+ * As `kvx_agent_listen`.
+ */
 kvx_status kvx_agent_connect(const struct kvx_agent *a,
                              const char *addr,
                              char *buf,
                              size_t cap,
                              size_t *out_len);
 
-// This agent's metadata, for a peer's `kvx_agent_load_metadata`.
-//
-// # Safety
-// `a` live; `buf` valid for `cap` bytes; `out_len` valid.
+/**
+ * This agent's metadata, for a peer's `kvx_agent_load_metadata`.
+ *
+ * # Safety
+ * `a` live; `buf` valid for `cap` bytes; `out_len` valid.
+ */
 kvx_status kvx_agent_metadata(const struct kvx_agent *a, uint8_t *buf, size_t cap, size_t *out_len);
 
-// Loads a peer's metadata; writes the peer's name to `name_buf`.
-//
-// # Safety
-// `a` live; `md` valid for `len` bytes; `name_buf` valid for `cap` bytes; `out_len` valid.
+/**
+ * Loads a peer's metadata; writes the peer's name to `name_buf`.
+ *
+ * # Safety
+ * `a` live; `md` valid for `len` bytes; `name_buf` valid for `cap` bytes; `out_len` valid.
+ */
 kvx_status kvx_agent_load_metadata(const struct kvx_agent *a,
                                    const uint8_t *md,
                                    size_t len,
@@ -422,88 +642,110 @@ kvx_status kvx_agent_load_metadata(const struct kvx_agent *a,
                                    size_t cap,
                                    size_t *out_len);
 
-// Registers `len` bytes at `ptr`: host memory (`cuda_device` < 0) or CUDA device memory
-// (needs a CUDA build). The memory must stay valid until `kvx_agent_deregister` succeeds or
-// the agent is freed.
-//
-// # Safety
-// `a` live; `[ptr, ptr+len)` valid memory of that kind for the stated lifetime; `out` valid.
+/**
+ * Registers `len` bytes at `ptr`: host memory (`cuda_device` < 0) or CUDA device memory
+ * (needs a CUDA build). The memory must stay valid until `kvx_agent_deregister` succeeds or
+ * the agent is freed.
+ *
+ * # Safety
+ * `a` live; `[ptr, ptr+len)` valid memory of that kind for the stated lifetime; `out` valid.
+ */
 kvx_status kvx_agent_register(const struct kvx_agent *a,
                               void *ptr,
                               size_t len,
                               int32_t cuda_device,
                               struct kvx_region **out);
 
-// Allocates `len` zeroed, page-aligned bytes of host memory owned by kvxfer (memfd-backed,
-// so a same-host peer maps it for the shared-memory lane) and registers it. The memory lives
-// until the region is deregistered and freed; `kvx_region_ptr` gives its address.
-//
-// # Safety
-// `a` live; `out` valid.
+/**
+ * Allocates `len` zeroed, page-aligned bytes of host memory owned by kvxfer (memfd-backed,
+ * so a same-host peer maps it for the shared-memory lane) and registers it. The memory lives
+ * until the region is deregistered and freed; `kvx_region_ptr` gives its address.
+ *
+ * # Safety
+ * `a` live; `out` valid.
+ */
 kvx_status kvx_agent_alloc(const struct kvx_agent *a, size_t len, struct kvx_region **out);
 
-// Deregisters a region; `KVX_BUSY` while a transfer uses it. The handle stays to be freed.
-//
-// # Safety
-// `a` and `r` live.
+/**
+ * Deregisters a region; `KVX_BUSY` while a transfer uses it. The handle stays to be freed.
+ *
+ * # Safety
+ * `a` and `r` live.
+ */
 kvx_status kvx_agent_deregister(const struct kvx_agent *a, const struct kvx_region *r);
 
-// The region's id, as descriptors name it (`UINT32_MAX` for NULL or a handle not live).
-//
-// # Safety
-// `r` NULL or live.
+/**
+ * The region's id, as descriptors name it (`UINT32_MAX` for NULL or a handle not live).
+ *
+ * # Safety
+ * `r` NULL or live.
+ */
 uint32_t kvx_region_id(const struct kvx_region *r);
 
-// The region's base address (NULL for NULL or a handle not live).
-//
-// # Safety
-// `r` NULL or live.
+/**
+ * The region's base address (NULL for NULL or a handle not live).
+ *
+ * # Safety
+ * `r` NULL or live.
+ */
 void *kvx_region_ptr(const struct kvx_region *r);
 
-// Frees a region handle (NULL ignored). Owned memory is released once it is deregistered (or
-// the agent is gone) and no transfer uses it.
-//
-// # Safety
-// `r` NULL or from this library, not freed before.
+/**
+ * Frees a region handle (NULL ignored). Owned memory is released once it is deregistered (or
+ * the agent is gone) and no transfer uses it.
+ *
+ * # Safety
+ * `r` NULL or from this library, not freed before.
+ */
 void kvx_region_free(struct kvx_region *r);
 
-// Resolves local descriptors once.
-//
-// # Safety
-// `a` live; `d` valid for `n` elements; `out` valid.
+/**
+ * Resolves local descriptors once.
+ *
+ * # Safety
+ * `a` live; `d` valid for `n` elements; `out` valid.
+ */
 kvx_status kvx_agent_prep_local(const struct kvx_agent *a,
                                 const struct kvx_desc *d,
                                 size_t n,
                                 struct kvx_local_list **out);
 
-// Resolves a peer's descriptors once, checked against its region table.
-//
-// # Safety
-// `a` live; `peer` NUL-terminated; `d` valid for `n` elements; `out` valid.
+/**
+ * Resolves a peer's descriptors once, checked against its region table.
+ *
+ * # Safety
+ * `a` live; `peer` NUL-terminated; `d` valid for `n` elements; `out` valid.
+ */
 kvx_status kvx_agent_prep_remote(const struct kvx_agent *a,
                                  const char *peer,
                                  const struct kvx_desc *d,
                                  size_t n,
                                  struct kvx_remote_list **out);
 
-// Frees a local list (NULL ignored).
-//
-// # Safety
-// NULL or from this library, once.
+/**
+ * Frees a local list (NULL ignored).
+ *
+ * # Safety
+ * NULL or from this library, once.
+ */
 void kvx_local_list_free(struct kvx_local_list *l);
 
-// Frees a remote list (NULL ignored).
-//
-// # Safety
-// NULL or from this library, once.
+/**
+ * Frees a remote list (NULL ignored).
+ *
+ * # Safety
+ * NULL or from this library, once.
+ */
 void kvx_remote_list_free(struct kvx_remote_list *l);
 
-// Starts a transfer of the pairs `(local[li[k]], remote[ri[k]])`, k < n; `li` and `ri` NULL:
-// every pair of two lists of length n. With a notification, the peer receives it after the
-// data. `deadline_ms` 0: none.
-//
-// # Safety
-// Handles live; `li`/`ri` NULL or valid for `n`; `note` valid for `note_len`; `out` valid.
+/**
+ * Starts a transfer of the pairs `(local[li[k]], remote[ri[k]])`, k < n; `li` and `ri` NULL:
+ * every pair of two lists of length n. With a notification, the peer receives it after the
+ * data. `deadline_ms` 0: none.
+ *
+ * # Safety
+ * Handles live; `li`/`ri` NULL or valid for `n`; `note` valid for `note_len`; `out` valid.
+ */
 kvx_status kvx_agent_transfer(const struct kvx_agent *a,
                               kvx_op op,
                               const struct kvx_local_list *local,
@@ -516,50 +758,62 @@ kvx_status kvx_agent_transfer(const struct kvx_agent *a,
                               uint64_t deadline_ms,
                               struct kvx_transfer **out);
 
-// Polls: `KVX_IN_PROGRESS` while in flight, else the transfer's final status (repeatable);
-// on `KVX_OK` writes `*stats` (may be NULL).
-//
-// # Safety
-// `t` live; `stats` NULL or valid.
+/**
+ * Polls: `KVX_IN_PROGRESS` while in flight, else the transfer's final status (repeatable);
+ * on `KVX_OK` writes `*stats` (may be NULL).
+ *
+ * # Safety
+ * `t` live; `stats` NULL or valid.
+ */
 kvx_status kvx_transfer_poll(struct kvx_transfer *t, struct kvx_xfer_stats *stats);
 
-// Waits up to `timeout_ms` (0: forever); `KVX_TIMEOUT` leaves the transfer in flight.
-//
-// # Safety
-// As `kvx_transfer_poll`.
+/**
+ * Waits up to `timeout_ms` (0: forever); `KVX_TIMEOUT` leaves the transfer in flight.
+ *
+ * # Safety
+ * As `kvx_transfer_poll`.
+ */
 kvx_status kvx_transfer_wait(struct kvx_transfer *t,
                              uint64_t timeout_ms,
                              struct kvx_xfer_stats *stats);
 
-// Cancels: returns once nothing is in flight any more; the final status is `KVX_CANCELED`, or
-// the result if it completed first.
-//
-// # Safety
-// `t` live.
+/**
+ * Cancels: returns once nothing is in flight any more; the final status is `KVX_CANCELED`, or
+ * the result if it completed first.
+ *
+ * # Safety
+ * `t` live.
+ */
 kvx_status kvx_transfer_cancel(struct kvx_transfer *t);
 
-// Frees a transfer handle (NULL ignored). A transfer still in flight completes on its own;
-// the memory it uses stays pinned until then.
-//
-// # Safety
-// NULL or from this library, once.
+/**
+ * Frees a transfer handle (NULL ignored). A transfer still in flight completes on its own;
+ * the memory it uses stays pinned until then.
+ *
+ * # Safety
+ * NULL or from this library, once.
+ */
 void kvx_transfer_free(struct kvx_transfer *t);
 
-// Sends a notification alone to `peer` (ordered after earlier completed transfers to it).
-//
-// # Safety
-// `a` live; `peer` NUL-terminated; `note` valid for `len`.
+/**
+ * Sends a notification alone to `peer` (ordered after earlier completed transfers to it).
+ *
+ * # Safety
+ * `a` live; `peer` NUL-terminated; `note` valid for `len`.
+ */
 kvx_status kvx_agent_notify(const struct kvx_agent *a,
                             const char *peer,
                             const uint8_t *note,
                             size_t len);
 
-// Takes the next notification, waiting up to `timeout_ms` (0: do not wait); `KVX_NOT_FOUND`
-// if none. `from` must hold `KVX_MAX_NAME` + 1 bytes (written NUL-terminated), `payload`
-// `KVX_MAX_NOTIFICATION` bytes.
-//
-// # Safety
-// `a` live; buffers valid for their capacities; length pointers valid.
+/**
+ * Takes the next notification, waiting up to `timeout_ms` (0: do not wait); `KVX_NOT_FOUND`
+ * if none. `from` must hold `KVX_MAX_NAME` + 1 bytes (written NUL-terminated), `payload`
+ * `KVX_MAX_NOTIFICATION` bytes.
+ *
+ * # Safety
+ * `a` live; buffers valid for their capacities; length pointers valid.
+ */
 kvx_status kvx_agent_next_notification(const struct kvx_agent *a,
                                        uint64_t timeout_ms,
                                        char *from,
@@ -568,28 +822,34 @@ kvx_status kvx_agent_next_notification(const struct kvx_agent *a,
                                        size_t payload_cap,
                                        size_t *payload_len);
 
-// The agent's memory budget: limit (UINT64_MAX: unlimited), bytes in use, peak.
-//
-// # Safety
-// `a` live; outputs valid (each may be NULL).
+/**
+ * The agent's memory budget: limit (UINT64_MAX: unlimited), bytes in use, peak.
+ *
+ * # Safety
+ * `a` live; outputs valid (each may be NULL).
+ */
 kvx_status kvx_agent_budget(const struct kvx_agent *a,
                             uint64_t *limit,
                             uint64_t *used,
                             uint64_t *peak);
 
-// The compatibility hash of a layout (what a handoff's `compat` carries, and what agents that
-// exchange blocks should share); 0 with an invalid layout (see the last error).
-//
-// # Safety
-// `layout` valid; `bases` valid for `layout->layers`.
+/**
+ * The compatibility hash of a layout (what a handoff's `compat` carries, and what agents that
+ * exchange blocks should share); 0 with an invalid layout (see the last error).
+ *
+ * # Safety
+ * `layout` valid; `bases` valid for `layout->layers`.
+ */
 uint64_t kvx_layout_compat_hash(const struct kvx_layout *layout,
                                 const struct kvx_layer_base *bases);
 
-// A producer over `a`'s registered cache. `side_channel` (may be NULL): the address of the
-// agent's `kvx_agent_listen`, put into handoffs. `cfg` may be NULL (defaults).
-//
-// # Safety
-// `a` live; `layout` valid; `bases` valid for `layout->layers`; strings NUL-terminated.
+/**
+ * A producer over `a`'s registered cache. `side_channel` (may be NULL): the address of the
+ * agent's `kvx_agent_listen`, put into handoffs. `cfg` may be NULL (defaults).
+ *
+ * # Safety
+ * `a` live; `layout` valid; `bases` valid for `layout->layers`; strings NUL-terminated.
+ */
 kvx_status kvx_producer_new(const struct kvx_agent *a,
                             const struct kvx_layout *layout,
                             const struct kvx_layer_base *bases,
@@ -597,17 +857,21 @@ kvx_status kvx_producer_new(const struct kvx_agent *a,
                             const char *side_channel,
                             struct kvx_producer **out);
 
-// Frees a producer (NULL ignored).
-//
-// # Safety
-// NULL or from this library, once.
+/**
+ * Frees a producer (NULL ignored).
+ *
+ * # Safety
+ * NULL or from this library, once.
+ */
 void kvx_producer_free(struct kvx_producer *p);
 
-// Holds `blocks` of `request` for consumers; writes the handoff (bytes to pass to the
-// consumer) to `buf`. `layers_done`: layers already computed (all, or 0 for layer-wise).
-//
-// # Safety
-// `p` live; strings NUL-terminated; `blocks` valid for `n`; `buf` for `cap`; `out_len` valid.
+/**
+ * Holds `blocks` of `request` for consumers; writes the handoff (bytes to pass to the
+ * consumer) to `buf`. `layers_done`: layers already computed (all, or 0 for layer-wise).
+ *
+ * # Safety
+ * `p` live; strings NUL-terminated; `blocks` valid for `n`; `buf` for `cap`; `out_len` valid.
+ */
 kvx_status kvx_producer_publish(const struct kvx_producer *p,
                                 const char *request,
                                 const uint32_t *blocks,
@@ -618,26 +882,32 @@ kvx_status kvx_producer_publish(const struct kvx_producer *p,
                                 size_t cap,
                                 size_t *out_len);
 
-// Layer `layer` of `request` is computed.
-//
-// # Safety
-// `p` live; `request` NUL-terminated.
+/**
+ * Layer `layer` of `request` is computed.
+ *
+ * # Safety
+ * `p` live; `request` NUL-terminated.
+ */
 kvx_status kvx_producer_layer_done(const struct kvx_producer *p,
                                    const char *request,
                                    uint32_t layer);
 
-// Aborts `request`: its blocks are freed now.
-//
-// # Safety
-// `p` live; `request` NUL-terminated.
+/**
+ * Aborts `request`: its blocks are freed now.
+ *
+ * # Safety
+ * `p` live; `request` NUL-terminated.
+ */
 kvx_status kvx_producer_abort(const struct kvx_producer *p, const char *request);
 
-// Takes the next request whose blocks may be reused, waiting up to `timeout_ms` (0: none);
-// `KVX_NOT_FOUND` if none. Writes its name, blocks, and the reason (0 acknowledged,
-// 1 aborted, 2 expired). `KVX_BUFFER_TOO_SMALL` keeps it for the next call.
-//
-// # Safety
-// `p` live; buffers valid for their capacities; outputs valid.
+/**
+ * Takes the next request whose blocks may be reused, waiting up to `timeout_ms` (0: none);
+ * `KVX_NOT_FOUND` if none. Writes its name, blocks, and the reason (0 acknowledged,
+ * 1 aborted, 2 expired). `KVX_BUFFER_TOO_SMALL` keeps it for the next call.
+ *
+ * # Safety
+ * `p` live; buffers valid for their capacities; outputs valid.
+ */
 kvx_status kvx_producer_next_freed(const struct kvx_producer *p,
                                    uint64_t timeout_ms,
                                    char *req_buf,
@@ -648,65 +918,79 @@ kvx_status kvx_producer_next_freed(const struct kvx_producer *p,
                                    size_t *nblocks,
                                    uint32_t *reason);
 
-// A consumer over `a`'s registered cache. `cfg` may be NULL.
-//
-// # Safety
-// As `kvx_producer_new`.
+/**
+ * A consumer over `a`'s registered cache. `cfg` may be NULL.
+ *
+ * # Safety
+ * As `kvx_producer_new`.
+ */
 kvx_status kvx_consumer_new(const struct kvx_agent *a,
                             const struct kvx_layout *layout,
                             const struct kvx_layer_base *bases,
                             const struct kvx_connector_config *cfg,
                             struct kvx_consumer **out);
 
-// Frees a consumer (NULL ignored).
-//
-// # Safety
-// NULL or from this library, once.
+/**
+ * Frees a consumer (NULL ignored).
+ *
+ * # Safety
+ * NULL or from this library, once.
+ */
 void kvx_consumer_free(struct kvx_consumer *c);
 
-// Starts loading a handoff into `local_blocks` (pairs with the producer's last blocks; the
-// blocks before are a cached prefix and do not move; none: only the acknowledgement).
-//
-// # Safety
-// `c` live; `handoff` valid for `len`; `local_blocks` valid for `n`.
+/**
+ * Starts loading a handoff into `local_blocks` (pairs with the producer's last blocks; the
+ * blocks before are a cached prefix and do not move; none: only the acknowledgement).
+ *
+ * # Safety
+ * `c` live; `handoff` valid for `len`; `local_blocks` valid for `n`.
+ */
 kvx_status kvx_consumer_start_load(const struct kvx_consumer *c,
                                    const uint8_t *handoff,
                                    size_t len,
                                    const uint32_t *local_blocks,
                                    size_t n);
 
-// Waits until layer `layer` of `request` is loaded (`timeout_ms` 0: forever).
-//
-// # Safety
-// `c` live; `request` NUL-terminated.
+/**
+ * Waits until layer `layer` of `request` is loaded (`timeout_ms` 0: forever).
+ *
+ * # Safety
+ * `c` live; `request` NUL-terminated.
+ */
 kvx_status kvx_consumer_wait_layer(const struct kvx_consumer *c,
                                    const char *request,
                                    uint32_t layer,
                                    uint64_t timeout_ms);
 
-// Waits until `request` is loaded completely (`timeout_ms` 0: forever).
-//
-// # Safety
-// `c` live; `request` NUL-terminated.
+/**
+ * Waits until `request` is loaded completely (`timeout_ms` 0: forever).
+ *
+ * # Safety
+ * `c` live; `request` NUL-terminated.
+ */
 kvx_status kvx_consumer_wait(const struct kvx_consumer *c,
                              const char *request,
                              uint64_t timeout_ms);
 
-// Takes the next finished load: its name and figures; `KVX_NOT_FOUND` if none.
-//
-// # Safety
-// `c` live; `req_buf` valid for `cap`; `req_len` and `stats` valid (stats may be NULL).
+/**
+ * Takes the next finished load: its name and figures; `KVX_NOT_FOUND` if none.
+ *
+ * # Safety
+ * `c` live; `req_buf` valid for `cap`; `req_len` and `stats` valid (stats may be NULL).
+ */
 kvx_status kvx_consumer_next_finished(const struct kvx_consumer *c,
                                       char *req_buf,
                                       size_t cap,
                                       size_t *req_len,
                                       struct kvx_request_stats *stats);
 
-// Takes the next failed load: its name, the invalid local blocks, and the error in the last
-// error message; returns `KVX_OK` when one was taken, `KVX_NOT_FOUND` if none.
-//
-// # Safety
-// `c` live; buffers valid for their capacities; outputs valid.
+/**
+ * Takes the next failed load: its name, the invalid local blocks, and the error in the last
+ * error message; returns `KVX_OK` when one was taken, `KVX_NOT_FOUND` if none.
+ *
+ * # Safety
+ * `c` live; buffers valid for their capacities; outputs valid.
+ */
 kvx_status kvx_consumer_next_failed(const struct kvx_consumer *c,
                                     char *req_buf,
                                     size_t cap,
@@ -715,39 +999,47 @@ kvx_status kvx_consumer_next_failed(const struct kvx_consumer *c,
                                     size_t blocks_cap,
                                     size_t *nblocks);
 
-// kvxfer's connector over agent `a`: producers and consumers it makes move KV through the
-// agent (UCX, kvxfer's lanes) to and from other processes and hosts. `side_channel` (may be
-// NULL): the address of `a`'s `kvx_agent_listen`, put into handoffs. Tensors given to
-// `kvx_connector_producer` / `kvx_connector_consumer` that lie in a region registered with
-// `a` use it; others are registered for the producer or consumer and deregistered with it.
-//
-// # Safety
-// `a` live; `side_channel` NULL or NUL-terminated; `out` valid.
+/**
+ * kvxfer's connector over agent `a`: producers and consumers it makes move KV through the
+ * agent (UCX, kvxfer's lanes) to and from other processes and hosts. `side_channel` (may be
+ * NULL): the address of `a`'s `kvx_agent_listen`, put into handoffs. Tensors given to
+ * `kvx_connector_producer` / `kvx_connector_consumer` that lie in a region registered with
+ * `a` use it; others are registered for the producer or consumer and deregistered with it.
+ *
+ * # Safety
+ * `a` live; `side_channel` NULL or NUL-terminated; `out` valid.
+ */
 kvx_status kvx_connector_over_agent(const struct kvx_agent *a,
                                     const char *side_channel,
                                     struct kvx_connector **out);
 
-// The in-process connector: producers and consumers it makes move KV between caches of this
-// process by memcpy (host memory), no network, no agent.
-//
-// # Safety
-// `out` valid.
+/**
+ * The in-process connector: producers and consumers it makes move KV between caches of this
+ * process by memcpy (host memory), no network, no agent.
+ *
+ * # Safety
+ * `out` valid.
+ */
 kvx_status kvx_connector_in_process(struct kvx_connector **out);
 
-// Frees a connector (NULL ignored); producers and consumers made from it stay usable.
-//
-// # Safety
-// NULL or from this library, once.
+/**
+ * Frees a connector (NULL ignored); producers and consumers made from it stay usable.
+ *
+ * # Safety
+ * NULL or from this library, once.
+ */
 void kvx_connector_free(struct kvx_connector *c);
 
-// Registers the caches `tensors` (`layout->layers` of them) of the shape `layout` (its
-// `kvx_layer_base`s are not used: the tensors say where the memory is) and makes a producer
-// over them. `cuda_device`: the CUDA device of the tensors, or -1 for host memory. `cfg` may
-// be NULL (defaults).
-//
-// # Safety
-// `c` live; `layout` valid; `tensors` valid for `layout->layers`; each tensor's memory valid
-// for reads and writes, of the kind given, until the producer is freed; `out` valid.
+/**
+ * Registers the caches `tensors` (`layout->layers` of them) of the shape `layout` (its
+ * `kvx_layer_base`s are not used: the tensors say where the memory is) and makes a producer
+ * over them. `cuda_device`: the CUDA device of the tensors, or -1 for host memory. `cfg` may
+ * be NULL (defaults).
+ *
+ * # Safety
+ * `c` live; `layout` valid; `tensors` valid for `layout->layers`; each tensor's memory valid
+ * for reads and writes, of the kind given, until the producer is freed; `out` valid.
+ */
 kvx_status kvx_connector_producer(const struct kvx_connector *c,
                                   const struct kvx_layout *layout,
                                   const struct kvx_cache_tensor *tensors,
@@ -755,10 +1047,12 @@ kvx_status kvx_connector_producer(const struct kvx_connector *c,
                                   const struct kvx_connector_config *cfg,
                                   struct kvx_producer **out);
 
-// As `kvx_connector_producer`, for the decode side.
-//
-// # Safety
-// As `kvx_connector_producer`, until the consumer is freed.
+/**
+ * As `kvx_connector_producer`, for the decode side.
+ *
+ * # Safety
+ * As `kvx_connector_producer`, until the consumer is freed.
+ */
 kvx_status kvx_connector_consumer(const struct kvx_connector *c,
                                   const struct kvx_layout *layout,
                                   const struct kvx_cache_tensor *tensors,
@@ -766,33 +1060,41 @@ kvx_status kvx_connector_consumer(const struct kvx_connector *c,
                                   const struct kvx_connector_config *cfg,
                                   struct kvx_consumer **out);
 
-// Prometheus text of the consumer's (or producer's, with `kvx_producer_metrics`) telemetry.
-//
-// # Safety
-// `c` live; `buf` valid for `cap`; `out_len` valid.
+/**
+ * Prometheus text of the consumer's (or producer's, with `kvx_producer_metrics`) telemetry.
+ *
+ * # Safety
+ * `c` live; `buf` valid for `cap`; `out_len` valid.
+ */
 kvx_status kvx_consumer_metrics(const struct kvx_consumer *c,
                                 char *buf,
                                 size_t cap,
                                 size_t *out_len);
 
-// How device memory moves between `a` and the peer named `peer` (after their metadata was
-// exchanged).
-//
-// # Safety
-// `a` live; `peer` NUL-terminated; `out` valid for a write.
+/**
+ * How device memory moves between `a` and the peer named `peer` (after their metadata was
+ * exchanged).
+ *
+ * # Safety
+ * `a` live; `peer` NUL-terminated; `out` valid for a write.
+ */
 kvx_status kvx_agent_peer_gpu_path(const struct kvx_agent *a, const char *peer, kvx_gpu_path *out);
 
-// Prometheus text of the agent's memory: budget, device staging chunks, dropped
-// notifications.
-//
-// # Safety
-// `a` live; `buf` valid for `cap`; `out_len` valid.
+/**
+ * Prometheus text of the agent's memory: budget, device staging chunks, dropped
+ * notifications.
+ *
+ * # Safety
+ * `a` live; `buf` valid for `cap`; `out_len` valid.
+ */
 kvx_status kvx_agent_metrics(const struct kvx_agent *a, char *buf, size_t cap, size_t *out_len);
 
-// Prometheus text of the producer's telemetry.
-//
-// # Safety
-// `p` live; `buf` valid for `cap`; `out_len` valid.
+/**
+ * Prometheus text of the producer's telemetry.
+ *
+ * # Safety
+ * `p` live; `buf` valid for `cap`; `out_len` valid.
+ */
 kvx_status kvx_producer_metrics(const struct kvx_producer *p,
                                 char *buf,
                                 size_t cap,
@@ -800,6 +1102,6 @@ kvx_status kvx_producer_metrics(const struct kvx_producer *p,
 
 #ifdef __cplusplus
 }  // extern "C"
-#endif  // __cplusplus
+#endif  /* __cplusplus */
 
 #endif  /* KVXFER_H */

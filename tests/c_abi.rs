@@ -25,16 +25,18 @@ fn libdir() -> PathBuf {
     exe.parent().unwrap().parent().unwrap().to_path_buf()
 }
 
-/// A kvxfer.pc for the library in `lib`, written to a fresh directory.
+/// kvxfer.pc and kvxfer-static.pc for the library in `lib`, written to a fresh directory.
 fn pc(lib: &Path, tag: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("kvx-pc-{}-{tag}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let t = std::fs::read_to_string(root().join("kvxfer-capi/kvxfer.pc.in")).unwrap();
-    let t = t
-        .replace("@LIBDIR@", lib.to_str().unwrap())
-        .replace("@INCLUDEDIR@", root().join("include").to_str().unwrap())
-        .replace("@VERSION@", env!("CARGO_PKG_VERSION"));
-    std::fs::write(dir.join("kvxfer.pc"), t).unwrap();
+    for name in ["kvxfer", "kvxfer-static"] {
+        let t = std::fs::read_to_string(root().join(format!("kvxfer-capi/{name}.pc.in"))).unwrap();
+        let t = t
+            .replace("@LIBDIR@", lib.to_str().unwrap())
+            .replace("@INCLUDEDIR@", root().join("include").to_str().unwrap())
+            .replace("@VERSION@", env!("CARGO_PKG_VERSION"));
+        std::fs::write(dir.join(format!("{name}.pc")), t).unwrap();
+    }
     dir
 }
 
@@ -70,6 +72,7 @@ fn compile(tag: &str, static_link: bool) -> PathBuf {
         "-D_DEFAULT_SOURCE",
         "-Wall",
         "-Wextra",
+        "-pedantic",
         "-Werror",
         "-Wno-unused-result",
         "-g",
@@ -79,11 +82,8 @@ fn compile(tag: &str, static_link: bool) -> PathBuf {
     .arg(&exe)
     .args(pkg_config(&dir, &["--cflags", "kvxfer"]));
     if static_link {
-        cmd.arg(lib.join("libkvxfer.a")).args(
-            pkg_config(&dir, &["--libs", "--static", "kvxfer"])
-                .into_iter()
-                .filter(|a| a != "-lkvxfer"),
-        );
+        // `kvxfer-static` names the archive itself: `-lkvxfer` would pick the .so.
+        cmd.args(pkg_config(&dir, &["--libs", "--static", "kvxfer-static"]));
         // The UCX the library was built against, found at run time.
         if let Ok(d) = std::env::var("DEP_UCX_LIBDIR").or_else(|_| ucx_libdir(&dir)) {
             cmd.arg(format!("-Wl,-rpath,{d}"));
@@ -130,6 +130,45 @@ fn run(exe: &Path, transport: &str, wrapper: &[&str]) -> String {
     text
 }
 
+/// The header alone compiles clean as C89, C11 and C++11 with every warning an error.
+#[test]
+fn header_compiles_as_c89_c11_and_cxx_pedantic() {
+    let dir = std::env::temp_dir().join(format!("kvx-h-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("h.c");
+    std::fs::write(
+        &src,
+        "#include <kvxfer.h>\nint main(void) { kvx_status s = KVX_OK; return (int)s; }\n",
+    )
+    .unwrap();
+    for (cc, std) in [
+        ("gcc", "-std=c89"),
+        ("gcc", "-std=c11"),
+        ("g++", "-std=c++11"),
+    ] {
+        let mut cmd = Command::new(cc);
+        cmd.arg(std)
+            .args(["-pedantic", "-Wall", "-Wextra", "-Werror"]);
+        if cc == "g++" {
+            cmd.args(["-x", "c++"]);
+        }
+        let out = cmd
+            .arg("-I")
+            .arg(root().join("include"))
+            .arg("-c")
+            .arg(&src)
+            .arg("-o")
+            .arg(dir.join("h.o"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{cc} {std} -pedantic: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 #[test]
 fn header_is_current() {
     let generated = std::fs::read_to_string(concat!(env!("OUT_DIR"), "/kvxfer.h")).unwrap();
@@ -169,6 +208,21 @@ fn c_program_dynamic() {
 #[test]
 fn c_program_static() {
     let exe = compile("static", true);
+    // Linked through `pkg-config --static kvxfer-static`: no libkvxfer.so needed at run time.
+    let d = Command::new("readelf")
+        .arg("-d")
+        .arg(&exe)
+        .output()
+        .unwrap();
+    let d = String::from_utf8_lossy(&d.stdout);
+    assert!(
+        d.contains("NEEDED"),
+        "readelf -d shows no dependencies: {d}"
+    );
+    assert!(
+        !d.contains("libkvxfer"),
+        "a static build still needs libkvxfer.so:\n{d}"
+    );
     print!("{}", run(&exe, "tcp", &[]));
 }
 

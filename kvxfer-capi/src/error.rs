@@ -58,6 +58,10 @@ pub(crate) fn fail(s: kvx_status, msg: impl Into<String>) -> Fail {
 
 /// Runs `f` inside the panic boundary; records the error message on failure.
 pub(crate) fn guard(name: &str, f: impl FnOnce() -> Result<(), Fail>) -> kvx_status {
+    // Every call starts with no error recorded: a message read after a success is never an
+    // older call's (a call that succeeds with a message, as `kvx_consumer_next_failed`,
+    // sets it itself).
+    LAST_ERROR.with(|e| e.borrow_mut().clear());
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => kvx_status::KVX_OK,
         Ok(Err(Fail(s, m))) => {

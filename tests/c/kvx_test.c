@@ -260,6 +260,14 @@ int main(int argc, char **argv) {
     if (strstr(m, "KVXFER_GPU_PATH") == NULL) die("last error does not name KVXFER_GPU_PATH", KVX_OK);
   }
   unsetenv("KVXFER_GPU_PATH");
+  /* A success clears the last error: a message read now is never an older call's. */
+  {
+    kvx_agent_config *okc = NULL;
+    if (kvx_last_error(NULL, 0) == 0) die("a failure left no message", KVX_OK);
+    CHECK(kvx_agent_config_new("c-clear", &okc));
+    if (kvx_last_error(NULL, 0) != 0) die("last error kept after a success", KVX_OK);
+    kvx_agent_config_free(okc);
+  }
   if (bad != NULL) die("output written on failure", KVX_OK);
   /* kvx_agent_new stays for existing callers. */
   CHECK(kvx_agent_new("c-legacy", transport, "lo", 0, &bad));
