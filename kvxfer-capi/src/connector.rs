@@ -12,7 +12,7 @@ use kvxfer_core::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking, Lay
 use kvxfer_core::{MemKind, MemoryBudget, RegionId};
 
 use crate::error::{fail, guard, set_error, Fail};
-use crate::ffi::{cstr, free_handle, handle, ms, new_handle, null, plain, put, slice};
+use crate::ffi::{cstr, free_handle, handle, ms, new_handle, null, plain, put, put_str, slice};
 use crate::{
     kvx_agent, kvx_cache_tensor, kvx_connector, kvx_connector_config, kvx_consumer, kvx_layer_base,
     kvx_layout, kvx_producer, kvx_request_stats, kvx_status,
@@ -315,8 +315,8 @@ pub unsafe extern "C" fn kvx_producer_next_freed(
         else {
             return Err(fail(kvx_status::KVX_NOT_FOUND, "nothing freed"));
         };
-        if f.request.len() > req_cap || f.blocks.len() > blocks_cap {
-            let (r, b) = (f.request.len(), f.blocks.len());
+        if f.request.len() >= req_cap || f.blocks.len() > blocks_cap {
+            let (r, b) = (f.request.len() + 1, f.blocks.len());
             *pending = Some(f);
             // SAFETY: outputs valid.
             unsafe {
@@ -331,7 +331,7 @@ pub unsafe extern "C" fn kvx_producer_next_freed(
         drop(pending);
         // SAFETY: capacities checked above; outputs valid.
         unsafe {
-            put(f.request.as_bytes(), req_buf.cast(), req_cap, req_len)?;
+            put_str(&f.request, req_buf, req_cap, req_len)?;
             if !f.blocks.is_empty() {
                 if blocks.is_null() {
                     return Err(null("blocks"));
@@ -479,7 +479,7 @@ pub unsafe extern "C" fn kvx_consumer_next_finished(
         let mut slot = lock(&c.finished);
         let next = slot.take().or_else(|| c.inner.next_finished());
         let Some(s) = next.and_then(|s| {
-            if s.request.len() <= cap {
+            if s.request.len() < cap {
                 return Some(s);
             }
             *slot = Some(s); // kept for a call with a larger buffer
@@ -491,7 +491,7 @@ pub unsafe extern "C" fn kvx_consumer_next_finished(
             ));
         };
         // SAFETY: as above; the predicate checked the capacity.
-        unsafe { put(s.request.as_bytes(), req_buf.cast(), cap, req_len) }?;
+        unsafe { put_str(&s.request, req_buf, cap, req_len) }?;
         // SAFETY: stats NULL or valid.
         if let Some(o) = unsafe { stats.as_mut() } {
             *o = kvx_request_stats {
@@ -531,7 +531,7 @@ pub unsafe extern "C" fn kvx_consumer_next_failed(
         let mut slot = lock(&c.failed);
         let next = slot.take().or_else(|| c.inner.next_failed());
         let Some(f) = next.and_then(|f| {
-            if f.request.len() <= cap && f.invalid_blocks.len() <= blocks_cap {
+            if f.request.len() < cap && f.invalid_blocks.len() <= blocks_cap {
                 return Some(f);
             }
             *slot = Some(f); // kept for a call with larger buffers
@@ -544,7 +544,7 @@ pub unsafe extern "C" fn kvx_consumer_next_failed(
         };
         // SAFETY: as above; the predicate checked the capacities.
         unsafe {
-            put(f.request.as_bytes(), req_buf.cast(), cap, req_len)?;
+            put_str(&f.request, req_buf, cap, req_len)?;
             if !f.invalid_blocks.is_empty() {
                 if blocks.is_null() {
                     return Err(null("blocks"));

@@ -118,6 +118,45 @@ pub(crate) unsafe fn slice<'a, T>(p: *const T, n: usize, name: &str) -> Result<&
 ///
 /// # Safety
 /// `buf` is valid for writes of `cap` bytes (or NULL with `cap` 0); `out_len` is valid.
+/// Writes the text `s` and a NUL to `buf` and its length (without the NUL) to `out_len`: the
+/// one rule for every string kvxfer hands out. `KVX_BUFFER_TOO_SMALL` when `cap < len + 1`,
+/// with the capacity needed (`len + 1`) in `out_len` and nothing written to `buf`.
+///
+/// # Safety
+/// `buf` valid for `cap` bytes (or NULL with `cap` 0); `out_len` valid.
+pub(crate) unsafe fn put_str(
+    s: &str,
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> Result<(), Fail> {
+    if out_len.is_null() {
+        return Err(null("out_len"));
+    }
+    if s.len() >= cap || buf.is_null() {
+        // SAFETY: out_len non-NULL and valid per the contract.
+        unsafe { *out_len = s.len() + 1 };
+        return Err(fail(
+            kvx_status::KVX_BUFFER_TOO_SMALL,
+            format!(
+                "{} bytes needed with the NUL, buffer holds {cap}",
+                s.len() + 1
+            ),
+        ));
+    }
+    // SAFETY: buf valid for cap > s.len() bytes; s is a separate Rust allocation.
+    unsafe {
+        std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast::<u8>(), s.len());
+        *buf.add(s.len()) = 0;
+        *out_len = s.len();
+    }
+    Ok(())
+}
+
+/// Writes the bytes `src` (not text: no NUL) to `buf` and their count to `out_len`.
+///
+/// # Safety
+/// `buf` valid for `cap` bytes; `out_len` valid.
 pub(crate) unsafe fn put(
     src: &[u8],
     buf: *mut u8,

@@ -8,8 +8,10 @@
 //! - a thread-local last-error message with context (`kvx_last_error`);
 //! - blocking and polling calls only: no async runtime needed.
 //!
-//! Strings in are NUL-terminated UTF-8; strings and bytes out go to caller buffers with a
-//! capacity; a buffer too small gives `KVX_BUFFER_TOO_SMALL` and the size needed in `*out_len`.
+//! Strings in are NUL-terminated UTF-8. Strings out are NUL-terminated, `*out_len` their
+//! length without the NUL; bytes out are not; a buffer too small gives `KVX_BUFFER_TOO_SMALL`
+//! and the capacity needed in `*out_len` (for a string, length + 1). A failed call has no
+//! side effect (`kvx_agent_listen` / `kvx_agent_connect` check their buffer first).
 //!
 //! One file per object: `agent` (and its config builder) with what an agent does in
 //! `agent/{region, transfer, budget}` (memory and descriptor lists; transfers and
@@ -105,6 +107,10 @@ pub enum kvx_gpu_path {
 
 /// Longest agent name (bytes, without the NUL).
 pub const KVX_MAX_NAME: usize = 255;
+
+/// Room `kvx_agent_listen` needs for the address it writes (with the NUL): an IPv6 address
+/// with a scope and a port fits.
+pub const KVX_MAX_ADDRESS: usize = 64;
 /// Largest notification payload.
 pub const KVX_MAX_NOTIFICATION: usize = 65536;
 const _: () = assert!(KVX_MAX_NAME == kvxfer_core::metadata::MAX_NAME);

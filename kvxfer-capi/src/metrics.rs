@@ -3,7 +3,7 @@
 use std::ffi::c_char;
 
 use crate::error::guard;
-use crate::ffi::{cstr, handle, null, put};
+use crate::ffi::{cstr, handle, null, put_str};
 use crate::{kvx_agent, kvx_consumer, kvx_gpu_path, kvx_producer, kvx_status};
 
 /// Prometheus text of the consumer's (or producer's, with `kvx_producer_metrics`) telemetry.
@@ -22,7 +22,7 @@ pub unsafe extern "C" fn kvx_consumer_metrics(
         let c = unsafe { handle(c, "consumer") }?;
         let t = c.inner.telemetry().prometheus();
         // SAFETY: as above.
-        unsafe { put(t.as_bytes(), buf.cast(), cap, out_len) }
+        unsafe { put_str(&t, buf, cap, out_len) }
     })
 }
 
@@ -73,7 +73,7 @@ pub unsafe extern "C" fn kvx_agent_metrics(
         let a = unsafe { handle(a, "agent") }?;
         let t = a.inner.prometheus();
         // SAFETY: as above.
-        unsafe { put(t.as_bytes(), buf.cast(), cap, out_len) }
+        unsafe { put_str(&t, buf, cap, out_len) }
     })
 }
 
@@ -93,6 +93,6 @@ pub unsafe extern "C" fn kvx_producer_metrics(
         let p = unsafe { handle(p, "producer") }?;
         let t = p.inner.telemetry().prometheus();
         // SAFETY: as above.
-        unsafe { put(t.as_bytes(), buf.cast(), cap, out_len) }
+        unsafe { put_str(&t, buf, cap, out_len) }
     })
 }

@@ -3,6 +3,7 @@
  * and exercise error paths through status codes and the last-error message. */
 #include <kvxfer.h>
 
+#include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,6 +32,22 @@ static void die(const char *what, kvx_status s) {
     if (s_ != (want)) die(#call " (expected " #want ")", s_);                              \
     if (kvx_last_error(m_, sizeof m_) == 0) die(#call ": no last-error message", s_);     \
   } while (0)
+
+/* Sockets this process has open. */
+static int sockets(void) {
+  int n = 0;
+  DIR *d = opendir("/proc/self/fd");
+  struct dirent *e;
+  char path[300], target[64];
+  if (!d) return -1;
+  while ((e = readdir(d)) != NULL) {
+    snprintf(path, sizeof path, "/proc/self/fd/%s", e->d_name);
+    ssize_t k = readlink(path, target, sizeof target - 1);
+    if (k > 0 && (target[k] = 0, strncmp(target, "socket:", 7) == 0)) n++;
+  }
+  closedir(d);
+  return n;
+}
 
 static unsigned char pattern(unsigned who, size_t i) { return (unsigned char)(i * 31u + who * 7u + (i >> 12)); }
 
@@ -90,7 +107,15 @@ static int child(const char *transport, int to_parent, int from_parent) {
   CHECK(kvx_agent_alloc(b, 2 * 8 * CBLOCK, &cr));
   char addr[128];
   size_t alen = 0;
+  /* A buffer too small: refused before binding, three times, and no socket is left open. */
+  int before = sockets();
+  for (int i = 0; i < 3; i++) {
+    EXPECT(kvx_agent_listen(b, "127.0.0.1:0", addr, 8, &alen), KVX_BUFFER_TOO_SMALL);
+    if (alen != KVX_MAX_ADDRESS) die("listen: room needed", KVX_OK);
+  }
+  if (sockets() != before) die("a failed kvx_agent_listen left a socket", KVX_OK);
   CHECK(kvx_agent_listen(b, "127.0.0.1:0", addr, sizeof addr, &alen));
+  if (addr[alen] != 0 || strlen(addr) != alen) die("listen: address not NUL-terminated", KVX_OK);
   uint32_t ids[2] = {kvx_region_id(r), kvx_region_id(cr)};
   write(to_parent, &alen, sizeof alen);
   write(to_parent, addr, alen);
@@ -331,8 +356,11 @@ int main(int argc, char **argv) {
   read(up[0], addr, alen);
   addr[alen] = 0;
   read(up[0], ids, sizeof ids);
-  CHECK(kvx_agent_connect(a, addr, name, sizeof name - 1, &nlen));
-  name[nlen] = 0;
+  /* Too small for any name: refused before connecting, the size needed reported. */
+  EXPECT(kvx_agent_connect(a, addr, name, 8, &nlen), KVX_BUFFER_TOO_SMALL);
+  if (nlen != KVX_MAX_NAME + 1) die("connect: room needed", KVX_OK);
+  CHECK(kvx_agent_connect(a, addr, name, sizeof name, &nlen));
+  if (name[nlen] != 0 || strlen(name) != nlen) die("connect: name not NUL-terminated", KVX_OK);
   {
     kvx_gpu_path gp = KVX_GPU_STAGED;
     CHECK(kvx_agent_peer_gpu_path(a, name, &gp));
@@ -405,7 +433,7 @@ int main(int argc, char **argv) {
   }
   kvx_layout lay = layout(8);
   kvx_producer *prod = NULL;
-  CHECK(kvx_agent_connect(a, addr, name, sizeof name - 1, &nlen)); /* metadata with the new region */
+  CHECK(kvx_agent_connect(a, addr, name, sizeof name, &nlen)); /* metadata with the new region */
   /* Through the trait path: a connector over the agent, the caches as tensors (inside the
    * registered region, so it is used as it is). */
   kvx_connector *conn = NULL;

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use kvxfer_core::{Agent, AgentConfig, GpuPath, MemoryBudget, Transport};
 
 use crate::error::{fail, guard, Fail};
-use crate::ffi::{cstr, free_handle, handle, handle_mut, new_handle, null, put, slice};
-use crate::{kvx_agent, kvx_agent_config, kvx_status};
+use crate::ffi::{cstr, free_handle, handle, handle_mut, new_handle, null, put, put_str, slice};
+use crate::{kvx_agent, kvx_agent_config, kvx_status, KVX_MAX_ADDRESS, KVX_MAX_NAME};
 
 /// Creates an agent. `transport`: "tcp", "shm", "auto" or a UCX_TLS list; `net_devices` may be
 /// NULL (UCX's default), e.g. "lo" or "eth0". `budget_bytes` 0: unlimited.
@@ -376,8 +376,26 @@ pub unsafe extern "C" fn kvx_agent_free(a: *mut kvx_agent) {
     unsafe { free_handle(a, "kvx_agent_free") }
 }
 
+/// A call whose work cannot be undone checks its output's room first: `cap < need` fails
+/// with `KVX_BUFFER_TOO_SMALL` and `need` in `out_len`, before any side effect.
+fn early_room(cap: usize, need: usize, out_len: *mut usize) -> Result<(), Fail> {
+    if out_len.is_null() {
+        return Err(null("out_len"));
+    }
+    if cap < need {
+        // SAFETY: out_len checked non-NULL; valid per the caller's contract.
+        unsafe { *out_len = need };
+        return Err(fail(
+            kvx_status::KVX_BUFFER_TOO_SMALL,
+            format!("the buffer holds {cap} bytes; {need} are needed, checked before any work"),
+        ));
+    }
+    Ok(())
+}
+
 /// Listens for peers' metadata exchange on `addr` ("127.0.0.1:0" picks a port); writes the
-/// bound address (text) to `buf`.
+/// bound address (text, NUL-terminated) to `buf`. `cap` must be at least `KVX_MAX_ADDRESS`,
+/// checked before anything is bound: a failed call listens on nothing.
 ///
 /// # Safety
 /// `a` is a live agent; `addr` NUL-terminated; `buf` valid for `cap` bytes; `out_len` valid.
@@ -396,13 +414,16 @@ pub unsafe extern "C" fn kvx_agent_listen(
         let addr: SocketAddr = unsafe { cstr(addr, "addr") }?
             .parse()
             .map_err(|e| fail(kvx_status::KVX_INVALID_ARGUMENT, format!("addr: {e}")))?;
+        early_room(cap, KVX_MAX_ADDRESS, out_len)?;
         let bound = a.inner.listen(addr)?.to_string();
         // SAFETY: as above.
-        unsafe { put(bound.as_bytes(), buf.cast(), cap, out_len) }
+        unsafe { put_str(&bound, buf, cap, out_len) }
     })
 }
 
-/// Exchanges metadata with the peer listening at `addr`; writes its name to `buf`.
+/// Exchanges metadata with the peer listening at `addr`; writes its name (NUL-terminated) to
+/// `buf`. `cap` must be at least `KVX_MAX_NAME + 1`, checked before connecting: a failed
+/// call meets no peer.
 ///
 /// # Safety
 /// As `kvx_agent_listen`.
@@ -421,9 +442,10 @@ pub unsafe extern "C" fn kvx_agent_connect(
         let addr: SocketAddr = unsafe { cstr(addr, "addr") }?
             .parse()
             .map_err(|e| fail(kvx_status::KVX_INVALID_ARGUMENT, format!("addr: {e}")))?;
+        early_room(cap, KVX_MAX_NAME + 1, out_len)?;
         let name = a.inner.connect(addr)?;
         // SAFETY: as above.
-        unsafe { put(name.as_bytes(), buf.cast(), cap, out_len) }
+        unsafe { put_str(&name, buf, cap, out_len) }
     })
 }
 
@@ -465,9 +487,10 @@ pub unsafe extern "C" fn kvx_agent_load_metadata(
         let a = unsafe { handle(a, "agent") }?;
         // SAFETY: as above.
         let md = unsafe { slice(md, len, "metadata") }?;
+        early_room(cap, KVX_MAX_NAME + 1, out_len)?;
         let name = a.inner.load_remote_metadata(md)?;
         // SAFETY: as above.
-        unsafe { put(name.as_bytes(), name_buf.cast(), cap, out_len) }
+        unsafe { put_str(&name, name_buf, cap, out_len) }
     })
 }
 
