@@ -32,11 +32,14 @@ pub(crate) fn status_of(e: &Error) -> kvx_status {
         Error::Metadata { .. } => KVX_METADATA,
         Error::UnknownRegion { .. }
         | Error::OutOfBounds { .. }
+        | Error::ZeroLength { .. }
         | Error::BadIndex { .. }
         | Error::LengthMismatch { .. } => KVX_OUT_OF_BOUNDS,
         Error::UnknownPeer { .. } => KVX_UNKNOWN_PEER,
         Error::StalePeer { .. } => KVX_STALE,
-        Error::PeerFailed { .. } | Error::LaneFailed { .. } => KVX_PEER_FAILED,
+        Error::PeerFailed { .. } | Error::LaneFailed { .. } | Error::NoCommonTransport { .. } => {
+            KVX_PEER_FAILED
+        }
         Error::Handoff { .. } => KVX_HANDOFF,
         Error::Busy { .. } => KVX_BUSY,
         Error::Deregistered { .. } => KVX_DEREGISTERED,

@@ -63,8 +63,15 @@ pub fn resolve(side: Side, descs: &[Desc], table: &[RegionSpan]) -> Result<Vec<R
         };
         last = Some(slot);
         let r = &table[slot];
+        if d.len == 0 {
+            return Err(Error::ZeroLength {
+                side,
+                index,
+                region: d.region.0,
+            });
+        }
         let end = d.offset.checked_add(d.len);
-        if d.len == 0 || end.is_none_or(|e| e > r.len) {
+        if end.is_none_or(|e| e > r.len) {
             return Err(Error::OutOfBounds {
                 side,
                 index,
@@ -277,7 +284,12 @@ mod tests {
         let e = resolve(Side::Remote, &[Desc::new(RegionId(9), u64::MAX, 2)], &t).unwrap_err();
         assert!(matches!(e, Error::OutOfBounds { .. }));
         let e = resolve(Side::Remote, &[Desc::new(RegionId(9), 0, 0)], &t).unwrap_err();
-        assert!(matches!(e, Error::OutOfBounds { len: 0, .. }));
+        assert!(matches!(e, Error::ZeroLength { .. }));
+        let text = e.to_string();
+        assert!(
+            text.contains("zero length") && !text.contains("outside"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -179,6 +179,16 @@ pub enum Error {
         /// Region id.
         region: u32,
     },
+    /// A descriptor of zero bytes (every descriptor moves at least one).
+    #[error("{side} descriptor #{index} of region {region} has zero length; a descriptor moves at least one byte")]
+    ZeroLength {
+        /// Local or remote.
+        side: Side,
+        /// Index in the descriptor list.
+        index: usize,
+        /// Region id.
+        region: u32,
+    },
     /// A descriptor reaches outside its registered region.
     #[error(
         "{side} descriptor #{index} [{offset}, +{len}) is outside region {region} of {region_len} bytes"
@@ -234,6 +244,19 @@ pub enum Error {
         prepared: u64,
         /// Current generation.
         current: u64,
+    },
+    /// Two agents share no transport: this one reaches none of the peer's addresses through
+    /// the transports it offers.
+    #[error(
+        "no transport in common with peer {agent:?}: this agent offers {ours:?} and reaches \
+         none of the peer's addresses through it (both must offer one transport, e.g. both \
+         \"tcp\"; \"shm\" reaches only agents on this host that offer it)"
+    )]
+    NoCommonTransport {
+        /// The peer's name.
+        agent: String,
+        /// This agent's transports (its `UCX_TLS`).
+        ours: String,
     },
     /// The connection to a peer failed (the peer died or the link broke).
     #[error("peer {agent:?} failed: {status}")]
@@ -291,7 +314,7 @@ pub enum Error {
         ops: usize,
     },
     /// A wait ran out of time; the transfer itself goes on.
-    #[error("wait timed out after {0:?}; the transfer is still in flight")]
+    #[error("nothing happened within the {0:?} waited (not a failure: waiting again is safe)")]
     WaitTimeout(Duration),
     /// The transfer was cancelled.
     #[error("transfer cancelled")]

@@ -130,6 +130,33 @@ impl Transport {
         }
     }
 
+    /// Checks a `UCX_TLS` list's names against the transports UCX knows (a leading `^`
+    /// excludes, as in `UCX_TLS`): a typo is an error naming the known ones here, not a
+    /// `ucp_init` failure later.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let Transport::Custom(list) = self else {
+            return Ok(());
+        };
+        let body = list.strip_prefix('^').unwrap_or(list);
+        let unknown: Vec<&str> = body
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !UCX_TRANSPORTS.contains(n))
+            .collect();
+        if unknown.is_empty() {
+            return Ok(());
+        }
+        Err(format!(
+            "unknown transport {} in {list:?}: use tcp, shm or auto, or a UCX_TLS list of {}",
+            unknown
+                .iter()
+                .map(|n| format!("{n:?}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            UCX_TRANSPORTS.join(", ")
+        ))
+    }
+
     /// Parses `tcp`, `shm`, `auto`, or any other string as a `UCX_TLS` list.
     pub fn parse(s: &str) -> Transport {
         match s {
@@ -140,6 +167,49 @@ impl Transport {
         }
     }
 }
+
+/// The transport names a `UCX_TLS` list may hold (UCX 1.13 to 1.23: aliases and transports).
+pub const UCX_TRANSPORTS: &[&str] = &[
+    "all",
+    "auto",
+    "self",
+    "tcp",
+    "sm",
+    "shm",
+    "mm",
+    "posix",
+    "sysv",
+    "xpmem",
+    "cma",
+    "knem",
+    "ib",
+    "rc",
+    "rc_v",
+    "rc_x",
+    "rc_verbs",
+    "rc_mlx5",
+    "ud",
+    "ud_v",
+    "ud_x",
+    "ud_verbs",
+    "ud_mlx5",
+    "dc",
+    "dc_x",
+    "dc_mlx5",
+    "srd",
+    "gga",
+    "rdmacm",
+    "sockcm",
+    "cuda",
+    "cuda_copy",
+    "cuda_ipc",
+    "gdr_copy",
+    "rocm",
+    "rocm_copy",
+    "rocm_ipc",
+    "ze_copy",
+    "ze_ipc",
+];
 
 /// How device (GPU) memory moves.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -248,6 +318,13 @@ mod tests {
         let c = |p, vis, has, t: Transport| choose_gpu_path(p, vis, has, &t, v);
         let cuda = Some("cuda");
         let rdma = || Transport::Custom("rc,cuda_copy,gdr_copy".into());
+        assert!(rdma().check().is_ok());
+        assert!(Transport::parse("^cma,tcp").check().is_ok());
+        let e = Transport::parse("tpc").check().unwrap_err();
+        assert!(
+            e.contains("\"tpc\"") && e.contains("tcp, shm or auto"),
+            "{e}"
+        );
         use GpuPath::{Auto, Direct, Staged};
         // (policy, UCX-visible engine, UCX has CUDA, transport, path): auto is direct only
         // where UCX can reach the memory, has CUDA, and may use it; staged is always possible

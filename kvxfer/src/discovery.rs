@@ -29,8 +29,8 @@ use std::time::Duration;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::wire::metadata::Metadata;
 use kvxfer_proto::wire::side_channel::{
-    encode_frame, mac, mac_ok, read_frame, AUTH1, AUTH2, ERROR, HELLO, MAC, META, NONCE,
-    ROLE_CLIENT, ROLE_SERVER,
+    check_preamble, encode_frame, mac, mac_ok, read_frame, AUTH1, AUTH2, ERROR, HELLO, MAC, META,
+    NONCE, PREAMBLE, ROLE_CLIENT, ROLE_SERVER,
 };
 
 /// What one end of the side channel needs of its agent: its name (for thread names), the
@@ -40,6 +40,8 @@ pub(crate) struct SideChannel {
     pub(crate) name: String,
     pub(crate) compat: u64,
     pub(crate) secret: Option<Vec<u8>>,
+    /// This agent's transports (its `UCX_TLS`), named when a peer finds none in common.
+    pub(crate) transport: String,
     pub(crate) local: Box<dyn Fn() -> Result<Vec<u8>> + Send + Sync>,
     pub(crate) on_peer: Box<dyn Fn(Metadata) -> Result<String> + Send + Sync>,
 }
@@ -122,7 +124,8 @@ fn accept_loop(l: TcpListener, shared: Arc<SideChannel>, stop: Arc<AtomicBool>) 
 fn serve(shared: &SideChannel, mut s: TcpStream, peer: SocketAddr) -> Result<()> {
     let who = peer.to_string();
     setup(&s, &who)?;
-    let (mut kind, mut payload) = read_frame(&mut s, &who)?;
+    preamble(&mut s, &who)?;
+    let (mut kind, mut payload) = read_frame(&mut s, &who).map_err(|e| waited(e, &who))?;
     let auth = |why: &str| Error::Auth {
         peer: who.clone(),
         why: why.to_string(),
@@ -138,7 +141,7 @@ fn serve(shared: &SideChannel, mut s: TcpStream, peer: SocketAddr) -> Result<()>
             let mut m = ns.to_vec();
             m.extend_from_slice(&mac(secret, ROLE_SERVER, &nc, &ns));
             write_frame(&mut s, AUTH2, &m)?;
-            (kind, payload) = read_frame(&mut s, &who)?;
+            (kind, payload) = read_frame(&mut s, &who).map_err(|e| waited(e, &who))?;
             if kind != HELLO
                 || payload.len() < MAC
                 || !mac_ok(secret, ROLE_CLIENT, &ns, &nc, &payload[..MAC])
@@ -195,11 +198,12 @@ pub(crate) fn exchange(
     let mut s = TcpStream::connect_timeout(&addr, timeout)
         .map_err(|e| Error::io(format!("connecting to {who}"), e))?;
     setup(&s, &who)?;
+    preamble(&mut s, &who)?;
     let mut hello = Vec::new();
     if let Some(secret) = &shared.secret {
         let nc = nonce()?;
         write_frame(&mut s, AUTH1, &nc)?;
-        let (kind, p) = read_frame(&mut s, &who)?;
+        let (kind, p) = read_frame(&mut s, &who).map_err(|e| waited(e, &who))?;
         let refuse = |why: String| Error::Auth {
             peer: who.clone(),
             why,
@@ -226,7 +230,7 @@ pub(crate) fn exchange(
     let mine = (shared.local)()?;
     hello.extend_from_slice(&mine);
     write_frame(&mut s, HELLO, &hello)?;
-    let (kind, payload) = read_frame(&mut s, &who)?;
+    let (kind, payload) = read_frame(&mut s, &who).map_err(|e| waited(e, &who))?;
     match kind {
         META => {
             let meta =
@@ -244,9 +248,14 @@ pub(crate) fn exchange(
                     why: format!("listener refused: {why}"),
                 })
             } else {
+                let ours = if why.contains("no transport in common") {
+                    format!(" (this agent offers {:?})", shared.transport)
+                } else {
+                    String::new()
+                };
                 Err(Error::Protocol {
                     peer: who,
-                    why: format!("peer refused: {why}"),
+                    why: format!("peer refused: {why}{ours}"),
                 })
             }
         }
@@ -254,6 +263,49 @@ pub(crate) fn exchange(
             peer: who,
             why: format!("frame kind {k}, expected META"),
         }),
+    }
+}
+
+/// Sends this side's preamble and checks the other's (both send first, so neither waits).
+fn preamble(s: &mut TcpStream, who: &str) -> Result<()> {
+    s.write_all(&PREAMBLE)
+        .map_err(|e| Error::io(format!("writing the side-channel preamble to {who}"), e))?;
+    let mut got = [0u8; PREAMBLE.len()];
+    s.read_exact(&mut got).map_err(|e| {
+        waited(
+            Error::io(format!("reading the side-channel preamble from {who}"), e),
+            who,
+        )
+    })?;
+    check_preamble(&got, who)
+}
+
+/// A read that ran out of time says so, and after how long, instead of the OS's "Resource
+/// temporarily unavailable"; a peer that closed says that.
+fn waited(e: Error, who: &str) -> Error {
+    match e {
+        Error::Io { source, .. }
+            if matches!(
+                source.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            Error::Protocol {
+                peer: who.to_string(),
+                why: format!(
+                    "timed out after {} s waiting for the side-channel handshake (the peer \
+                     accepted and said nothing)",
+                    IO_TIMEOUT.as_secs()
+                ),
+            }
+        }
+        Error::Io { source, .. } if source.kind() == std::io::ErrorKind::UnexpectedEof => {
+            Error::Protocol {
+                peer: who.to_string(),
+                why: "closed the connection during the side-channel handshake".into(),
+            }
+        }
+        e => e,
     }
 }
 

@@ -103,10 +103,14 @@ mod tests {
     #[test]
     fn inbox_waits_and_times_out() {
         let i = Inbox::default();
-        assert!(matches!(
-            i.wait(Duration::from_millis(1)),
-            Err(Error::WaitTimeout(_))
-        ));
+        let e = i.wait(Duration::from_millis(1)).unwrap_err();
+        assert!(matches!(e, Error::WaitTimeout(_)));
+        // With no transfer anywhere, the message must not speak of one.
+        let text = e.to_string();
+        assert!(
+            text.contains("nothing happened") && !text.contains("transfer"),
+            "{text}"
+        );
         i.push(Notification {
             from: "a".into(),
             payload: vec![1],

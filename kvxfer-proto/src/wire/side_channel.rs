@@ -1,6 +1,8 @@
 //! The side channel's frames and its authentication proofs.
 //!
-//! Frames are `u32 length (LE) | u8 kind | payload`, at most [`MAX_FRAME`] bytes, where the
+//! Each side first sends [`PREAMBLE`] (the magic `KVXFSC` and a version), so a peer that is
+//! not a kvxfer side channel (an HTTP server on that port, say) is named as such. Then frames
+//! are `u32 length (LE) | u8 kind | payload`, at most [`MAX_FRAME`] bytes, where the
 //! length counts the kind byte and the payload. With a shared secret both sides prove they
 //! know it before any metadata moves:
 //!
@@ -40,6 +42,45 @@ pub const MAC: usize = 32;
 pub const ROLE_SERVER: &[u8] = b"kvxfer server";
 /// The role string of the client's proof.
 pub const ROLE_CLIENT: &[u8] = b"kvxfer client";
+
+/// What each side sends first: the magic `KVXFSC` and the version, big-endian u16.
+pub const PREAMBLE: [u8; 8] = *b"KVXFSC\x00\x01";
+
+/// Checks the other side's preamble: a stream that does not start with the magic is not a
+/// kvxfer side channel (what it sent is shown, printable bytes only); another version is
+/// named with both.
+pub fn check_preamble(got: &[u8; 8], who: &str) -> Result<()> {
+    if got[..6] != PREAMBLE[..6] {
+        let shown: String = got
+            .iter()
+            .map(|&b| {
+                if (0x20..0x7f).contains(&b) {
+                    b as char
+                } else {
+                    '.'
+                }
+            })
+            .collect();
+        return Err(Error::Protocol {
+            peer: who.to_string(),
+            why: format!(
+                "not a kvxfer side channel: it sent {shown:?} where a kvxfer agent sends \
+                 \"KVXFSC\" (is this the address of an agent's listen?)"
+            ),
+        });
+    }
+    let (theirs, ours) = (
+        u16::from_be_bytes([got[6], got[7]]),
+        u16::from_be_bytes([PREAMBLE[6], PREAMBLE[7]]),
+    );
+    if theirs != ours {
+        return Err(Error::Protocol {
+            peer: who.to_string(),
+            why: format!("side-channel version {theirs}; this kvxfer speaks version {ours}"),
+        });
+    }
+    Ok(())
+}
 
 /// The frame's bytes.
 pub fn encode_frame(kind: u8, payload: &[u8]) -> Vec<u8> {
@@ -132,5 +173,24 @@ mod tests {
             prop_assert_eq!(read_frame(&mut r, "t").unwrap(), (kind, payload));
             prop_assert!(r.is_empty());
         }
+    }
+}
+
+#[cfg(test)]
+mod preamble_tests {
+    use super::*;
+
+    #[test]
+    fn a_foreign_stream_is_named_and_a_version_mismatch_gives_both() {
+        assert!(check_preamble(&PREAMBLE, "p").is_ok());
+        let e = check_preamble(b"HTTP/1.1", "p").unwrap_err().to_string();
+        assert!(
+            e.contains("not a kvxfer side channel") && e.contains("HTTP/1.1"),
+            "{e}"
+        );
+        let mut v = PREAMBLE;
+        v[7] = 9;
+        let e = check_preamble(&v, "p").unwrap_err().to_string();
+        assert!(e.contains("version 9") && e.contains("version 1"), "{e}");
     }
 }

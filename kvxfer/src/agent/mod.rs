@@ -79,6 +79,7 @@ impl Agent {
         }
         let cname = CString::new(cfg.name.clone())
             .map_err(|_| Error::InvalidArgument("agent name contains NUL".into()))?;
+        cfg.transport.check().map_err(Error::InvalidArgument)?;
         let channels = Channels::default();
         let (engine, cmds) = Engine::new(
             &cfg.ucx_settings(),
@@ -587,6 +588,7 @@ fn side_channel(st: &Arc<AgentState>) -> Arc<SideChannel> {
         name: st.name.clone(),
         compat: st.compat,
         secret: st.secret.clone(),
+        transport: st.transport.ucx_tls(),
         local: Box::new(move || a.metadata()),
         on_peer: Box::new(move |meta| load_decoded(&b, meta)),
     })

@@ -56,7 +56,14 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
             }),
         );
     }
-    connected.map(|()| name)
+    connected.map(|()| name.clone()).map_err(|e| match e {
+        // UCS_ERR_UNREACHABLE: none of our transports reaches the peer's worker address.
+        Error::PeerFailed { status, .. } if status.code() == -6 => Error::NoCommonTransport {
+            agent: name,
+            ours: st.transport.ucx_tls(),
+        },
+        e => e,
+    })
 }
 
 /// The lanes towards a newly loaded peer.

@@ -1,0 +1,125 @@
+//! What a new user trips over first, each asserted on its meaning (not a full string): a
+//! transport typo, a zero-length descriptor, a wait with nothing to wait for, a port that is
+//! not kvxfer, a peer that accepts and says nothing, a shared-memory agent meeting a TCP one.
+
+#![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::time::{Duration, Instant};
+
+use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, Transport};
+
+fn agent(name: &str, t: Transport) -> Agent {
+    let name = format!("{name}-{}", std::process::id());
+    Agent::new(AgentConfig::new(name).transport(t).net_devices("lo")).unwrap()
+}
+
+#[test]
+fn a_transport_typo_names_the_known_transports() {
+    let e = Agent::new(AgentConfig::new("typo").transport(Transport::parse("tpc"))).unwrap_err();
+    let text = e.to_string();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+    assert!(
+        text.contains("\"tpc\"") && text.contains("tcp, shm or auto"),
+        "{text}"
+    );
+    assert!(!text.contains("ucp_init"), "{text}");
+}
+
+#[test]
+fn a_zero_length_descriptor_says_zero_length() {
+    let a = agent("zero", Transport::Tcp);
+    let r = a.register(HostBuffer::new(4096).unwrap()).unwrap();
+    let e = a.prep_local(&[Desc::new(r.id(), 0, 0)]).unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.contains("zero length") && !text.contains("outside"),
+        "{text}"
+    );
+}
+
+#[test]
+fn waiting_for_a_notification_does_not_speak_of_a_transfer() {
+    let a = agent("quiet", Transport::Tcp);
+    let e = a.wait_notification(Duration::from_millis(20)).unwrap_err();
+    let text = e.to_string();
+    assert!(matches!(e, Error::WaitTimeout(_)), "{e:?}");
+    assert!(
+        !text.contains("transfer") && text.contains("20ms"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_port_that_is_not_kvxfer_is_named_as_such() {
+    // An HTTP server: reads the request, answers 400, closes.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let t = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut b = [0u8; 64];
+        let _ = s.read(&mut b);
+        let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n");
+    });
+    let a = agent("http", Transport::Tcp);
+    let e = a.connect(addr).unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.contains("not a kvxfer side channel") && text.contains("HTTP/1.1"),
+        "{text}"
+    );
+    assert!(!text.contains("bytes (limit"), "{text}");
+    t.join().unwrap();
+}
+
+#[test]
+fn a_peer_that_accepts_and_says_nothing_times_out_and_says_so() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let t = std::thread::spawn(move || {
+        let (s, _) = l.accept().unwrap();
+        std::thread::sleep(Duration::from_secs(12));
+        drop(s);
+    });
+    let a = agent("silent", Transport::Tcp);
+    let t0 = Instant::now();
+    let e = a.connect(addr).unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.contains("timed out after 10 s") && text.contains("handshake"),
+        "{text}"
+    );
+    assert!(!text.contains("os error 11"), "{text}");
+    assert!(t0.elapsed() < Duration::from_secs(11), "{:?}", t0.elapsed());
+    t.join().unwrap();
+}
+
+#[test]
+fn a_shared_memory_agent_meeting_a_tcp_agent_names_both_transports() {
+    let shm = agent("tr-shm", Transport::Shm);
+    let tcp = agent("tr-tcp", Transport::Tcp);
+    let ra = shm.register(HostBuffer::new(4096).unwrap()).unwrap();
+    let rb = tcp.register(HostBuffer::new(4096).unwrap()).unwrap();
+    let addr = tcp.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let r = shm.connect(addr).and_then(|peer| {
+        let l = shm.prep_local(&[Desc::new(ra.id(), 0, 4096)])?;
+        let rr = shm.prep_remote(&peer, &[Desc::new(rb.id(), 0, 4096)])?;
+        shm.transfer_all(
+            kvxfer::XferOp::Write,
+            &l,
+            &rr,
+            None,
+            Some(Duration::from_secs(5)),
+        )?
+        .wait()
+    });
+    let e = r.unwrap_err();
+    let text = e.to_string();
+    println!("{text}");
+    assert!(
+        text.contains("transport") && text.contains("shm") && text.contains("tcp"),
+        "{text}"
+    );
+    assert!(!text.contains("Destination is unreachable"), "{text}");
+}
