@@ -249,7 +249,10 @@ pub(crate) fn exchange(
                 })
             } else {
                 let ours = if why.contains("no transport in common") {
-                    format!(" (this agent offers {:?})", shared.transport)
+                    format!(
+                        "; that was the listener speaking: this connecting agent offers {:?}",
+                        shared.transport
+                    )
                 } else {
                     String::new()
                 };
