@@ -245,6 +245,18 @@ pub enum Error {
         /// Current generation.
         current: u64,
     },
+    /// The UCX loaded at run time is another release than the one kvxfer was built against
+    /// (bindgen's struct layouts and constants are the build's).
+    #[error(
+        "kvxfer was built against UCX {built} but loaded UCX {loaded}: make the loader find \
+         {built} (an rpath, or LD_LIBRARY_PATH to its lib directory) or build against {loaded}"
+    )]
+    UcxVersion {
+        /// The UCX of the build (its headers).
+        built: String,
+        /// The UCX loaded.
+        loaded: String,
+    },
     /// Two agents share no transport: this one reaches none of the peer's addresses through
     /// the transports it offers.
     #[error(
@@ -374,6 +386,16 @@ pub enum Error {
     Shutdown,
 }
 
+/// Whether the UCX release `loaded` (as `ucp_get_version_string` gives it) can run a build
+/// against `built`: the same major and minor version.
+pub fn ucx_compatible(built: &str, loaded: &str) -> bool {
+    let mm = |v: &str| {
+        let mut it = v.split('.').map(|x| x.trim().parse::<u32>().ok());
+        (it.next().flatten(), it.next().flatten())
+    };
+    mm(built) == mm(loaded)
+}
+
 impl Error {
     /// An I/O error with what was being done.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
@@ -386,3 +408,23 @@ impl Error {
 
 /// Result with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod ucx_version_tests {
+    use super::*;
+
+    #[test]
+    fn major_and_minor_must_match() {
+        assert!(ucx_compatible("1.22.0", "1.22.1"));
+        assert!(!ucx_compatible("1.22.0", "1.13.1"));
+        let e = Error::UcxVersion {
+            built: "1.22.0".into(),
+            loaded: "1.13.1".into(),
+        }
+        .to_string();
+        assert!(
+            e.contains("built against UCX 1.22.0") && e.contains("loaded UCX 1.13.1"),
+            "{e}"
+        );
+    }
+}

@@ -123,3 +123,62 @@ fn a_shared_memory_agent_meeting_a_tcp_agent_names_both_transports() {
     );
     assert!(!text.contains("Destination is unreachable"), "{text}");
 }
+
+/// The other UCX than the one this test was built against, where it is on this machine:
+/// Debian's for a build against the 1.22 wheel, the wheel's for a build against Debian's.
+fn other_ucx_libdir() -> Option<std::path::PathBuf> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let built = Agent::ucx_build_version();
+    let dir = if built.starts_with("1.13") {
+        root.join(".ucx/1.22.0/libucx/lib")
+    } else {
+        std::path::PathBuf::from("/usr/lib/x86_64-linux-gnu")
+    };
+    dir.join("libucp.so.0").exists().then_some(dir)
+}
+
+#[test]
+fn an_agent_on_another_ucx_than_its_build_is_a_clear_error() {
+    if std::env::var_os("KVX_FIRST_HOUR_CHILD").is_some() {
+        match Agent::new(AgentConfig::new("mismatch").transport(Transport::Tcp)) {
+            Ok(a) => println!("AGENT OK on UCX {}", a.ucx_version()),
+            Err(e) => println!("AGENT ERROR {e}"),
+        }
+        return;
+    }
+    let Some(dir) = other_ucx_libdir() else {
+        println!("SKIP: no second UCX here to load against this build");
+        return;
+    };
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "an_agent_on_another_ucx_than_its_build_is_a_clear_error",
+        ])
+        .args(["--nocapture", "--test-threads=1"])
+        .env("KVX_FIRST_HOUR_CHILD", "1")
+        .env("LD_LIBRARY_PATH", &dir)
+        .env("UCX_LOG_LEVEL", "error")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find_map(|l| l.find("AGENT ").map(|i| &l[i..]))
+        .unwrap_or("");
+    println!("{line}");
+    if line.starts_with("AGENT OK") {
+        // The loader kept the build's UCX (an rpath it honours over LD_LIBRARY_PATH): the
+        // other half of the rule, downstream binaries find the UCX they were built with.
+        assert!(
+            line.contains(Agent::ucx_build_version().rsplit_once('.').unwrap().0),
+            "{line}"
+        );
+        return;
+    }
+    assert!(
+        line.contains("built against UCX") && line.contains("loaded UCX"),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
