@@ -53,6 +53,9 @@ fn main() {
         .header("wrapper.h")
         .allowlist_function("ucp_.*")
         .allowlist_function("ucs_status_string")
+        // UCX's log, routed into Rust's `log` (and formatted with the C library's vsnprintf).
+        .allowlist_function("ucs_log_push_handler")
+        .allowlist_function("vsnprintf")
         .allowlist_type("ucp_.*")
         .allowlist_type("ucs_.*")
         .allowlist_var("UCP_.*")

@@ -182,3 +182,26 @@ fn an_agent_on_another_ucx_than_its_build_is_a_clear_error() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn ucx_does_not_print_errors_that_kvxfer_reports_typed() {
+    // The transport-mismatch case in a child without UCX_LOG_LEVEL: UCX logs an ERROR there
+    // ("no active messages transport"), which must reach `log`, not stderr.
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_shared_memory_agent_meeting_a_tcp_agent_names_both_transports",
+        ])
+        .args(["--nocapture", "--test-threads=1"])
+        .env_remove("UCX_LOG_LEVEL")
+        .output()
+        .unwrap();
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{all}");
+    assert!(all.contains("no transport in common"), "{all}");
+    assert!(!all.contains("UCX  ERROR"), "UCX printed on stderr:\n{all}");
+}

@@ -80,6 +80,7 @@ impl Agent {
         let cname = CString::new(cfg.name.clone())
             .map_err(|_| Error::InvalidArgument("agent name contains NUL".into()))?;
         cfg.transport.check().map_err(Error::InvalidArgument)?;
+        raw::route_log();
         let loaded = raw::version_string();
         if !kvxfer_proto::error::ucx_compatible(raw::BUILD_VERSION, &loaded) {
             return Err(Error::UcxVersion {

@@ -5,7 +5,7 @@
 // the casts keep this file compiling against both supported UCX builds.
 #![allow(clippy::unnecessary_cast)]
 
-use std::ffi::{c_void, CStr, CString};
+use std::ffi::{c_char, c_void, CStr, CString};
 use std::ptr::{self, NonNull};
 
 use kvxfer_sys as sys;
@@ -73,6 +73,59 @@ pub(crate) fn status(code: i8) -> UcsStatus {
         .to_str()
         .unwrap_or("unknown UCX status");
     UcsStatus::new(code, text)
+}
+
+/// Routes UCX's log messages into Rust's `log` (target `ucx`) instead of UCX printing them on
+/// stderr, unless the user set `UCX_LOG_LEVEL` (then UCX prints as configured). UCX logs an
+/// `ERROR` beside most failures kvxfer returns as a typed error, so those go to `debug`;
+/// `FATAL` to `error`, `WARN` to `info`, the rest to `trace`. Once per process.
+pub(crate) fn route_log() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    if std::env::var_os("UCX_LOG_LEVEL").is_some() {
+        return;
+    }
+    ONCE.call_once(|| {
+        // SAFETY: `ucx_log` has the handler's signature and never unwinds; UCX keeps the
+        // function pointer, which is static.
+        unsafe { sys::ucs_log_push_handler(Some(ucx_log)) }
+    });
+}
+
+unsafe extern "C" fn ucx_log(
+    file: *const c_char,
+    line: std::ffi::c_uint,
+    _function: *const c_char,
+    level: sys::ucs_log_level_t,
+    _comp: *const sys::ucs_log_component_config_t,
+    message: *const c_char,
+    ap: *mut sys::__va_list_tag,
+) -> sys::ucs_log_func_rc_t {
+    let mut buf = [0 as c_char; 1024];
+    // SAFETY: `message` and `ap` are the format and arguments UCX passes for this call; buf
+    // is writable for its length and vsnprintf always terminates within it.
+    let n = unsafe { sys::vsnprintf(buf.as_mut_ptr(), buf.len() as _, message, ap) };
+    let _ = std::panic::catch_unwind(|| {
+        let text = if n < 0 {
+            std::borrow::Cow::Borrowed("(unformattable UCX message)")
+        } else {
+            // SAFETY: vsnprintf succeeded, so buf holds a NUL-terminated string.
+            unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy()
+        };
+        let file = if file.is_null() {
+            std::borrow::Cow::Borrowed("?")
+        } else {
+            // SAFETY: UCX passes its static __FILE__ string.
+            unsafe { CStr::from_ptr(file) }.to_string_lossy()
+        };
+        let lvl = match level {
+            sys::UCS_LOG_LEVEL_FATAL => log::Level::Error,
+            sys::UCS_LOG_LEVEL_ERROR => log::Level::Debug,
+            sys::UCS_LOG_LEVEL_WARN => log::Level::Info,
+            _ => log::Level::Trace,
+        };
+        log::log!(target: "ucx", lvl, "{file}:{line}: {text}");
+    });
+    sys::UCS_LOG_FUNC_RC_STOP
 }
 
 /// `ucp_get_version_string`: the UCX library loaded at run time.
