@@ -6,12 +6,13 @@
 //! 1. Create an [`Agent`] per worker process and register memory with [`Agent::register`].
 //! 2. Exchange metadata: one side [`Agent::listen`]s, the other [`Agent::connect`]s.
 //! 3. Resolve descriptor lists once with [`Agent::prep_local`] / [`Agent::prep_remote`].
-//! 4. Start transfers with [`Agent::transfer`] and `wait()` (or `.await`) on them.
+//! 4. Start transfers with [`Agent::write`] / [`Agent::read`] (or [`Agent::transfer`] with
+//!    indices) and `wait()` (or `.await`) on them.
 //!
-//! ```no_run
-//! use kvxfer::{Agent, AgentConfig, Desc, HostBuffer, Transport, XferOp};
+//! ```
+//! use kvxfer::{Agent, AgentConfig, Desc, HostBuffer, Transport};
 //! # fn main() -> kvxfer::Result<()> {
-//! let mut decode = Agent::new(AgentConfig::new("decode").transport(Transport::Shm))?;
+//! let decode = Agent::new(AgentConfig::new("decode").transport(Transport::Shm))?;
 //! let prefill = Agent::new(AgentConfig::new("prefill").transport(Transport::Shm))?;
 //! let dst = decode.register(HostBuffer::new(1 << 20)?)?;
 //! let src = prefill.register(HostBuffer::new(1 << 20)?)?;
@@ -20,10 +21,16 @@
 //! let peer = prefill.connect(addr)?; // both sides now know each other
 //! let local = prefill.prep_local(&[Desc::new(src.id(), 0, 4096)])?;
 //! let remote = prefill.prep_remote(&peer, &[Desc::new(dst.id(), 0, 4096)])?;
-//! let stats = prefill.transfer_all(XferOp::Write, &local, &remote, Some(b"req-1"), None)?.wait()?;
+//! let stats = prefill.write(&local, &remote).notify(b"req-1").start()?.wait()?;
 //! let note = decode.wait_notification(std::time::Duration::from_secs(5))?; // data has landed
-//! # let _ = (stats, note); Ok(()) }
+//! println!("wrote {} bytes to {peer:?}; {:?} arrived after them", stats.bytes, note.payload);
+//! # Ok(()) }
 //! ```
+//!
+//! `examples/quickstart.rs` is this program; `examples/two_process.rs` runs the two agents in
+//! two processes, where the writer learns the other side's region ids with
+//! [`Agent::peer_regions`]; `examples/connector.rs` sets the connector up in its natural
+//! order. CI runs all three (`tests/readme_examples.rs`).
 
 // The layers, bottom up (ARCHITECTURE.md has the map): the pure core is `kvxfer_proto`;
 // memory, budget, notify, telemetry and transfer sit on it; the device copy engines and the
@@ -51,11 +58,13 @@ pub use kvxfer_proto::wire;
 pub use kvxfer_proto::wire::metadata;
 pub use kvxfer_proto::{descriptor, error, layout, lifecycle, planning};
 
-pub use agent::{Agent, AgentConfig, PreparedLocal, PreparedRemote, DEFAULT_COMPAT};
+pub use agent::{
+    Agent, AgentConfig, PreparedLocal, PreparedRemote, TransferBuilder, DEFAULT_COMPAT,
+};
 pub use budget::{Charge, MemoryBudget};
 pub use descriptor::{Desc, RegionId};
 pub use error::{Error, MetadataError, Result, Side, UcsStatus};
-pub use kvxfer_proto::types::{GpuPath, Lane, MemKind, PeerInfo, Transport, XferOp};
+pub use kvxfer_proto::types::{GpuPath, Lane, MemKind, PeerInfo, RegionSpan, Transport, XferOp};
 pub use memory::{HostBuffer, Memory, Region};
 pub use notify::Notification;
 pub use transfer::{Transfer, XferStats};

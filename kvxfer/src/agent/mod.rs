@@ -364,6 +364,35 @@ impl Agent {
         exchange(&side_channel(&self.shared), addr, Duration::from_secs(10))
     }
 
+    /// A WRITE of `local` into the peer's `remote`, described by name, posted by
+    /// [`TransferBuilder::start`].
+    pub fn write<'a>(
+        &'a self,
+        local: &'a PreparedLocal,
+        remote: &'a PreparedRemote,
+    ) -> TransferBuilder<'a> {
+        TransferBuilder::new(self, XferOp::Write, local, remote)
+    }
+
+    /// A READ of the peer's `remote` into `local`, described by name.
+    pub fn read<'a>(
+        &'a self,
+        local: &'a PreparedLocal,
+        remote: &'a PreparedRemote,
+    ) -> TransferBuilder<'a> {
+        TransferBuilder::new(self, XferOp::Read, local, remote)
+    }
+
+    /// The regions of peer `peer` (ids, lengths, memory kinds), as its metadata listed them:
+    /// how a process learns the other side's region ids to build descriptors.
+    pub fn peer_regions(&self, peer: &str) -> Result<Vec<RegionSpan>> {
+        let peers = self.shared.peers.read().unwrap_or_else(|e| e.into_inner());
+        let v = peers.get(peer).ok_or_else(|| Error::UnknownPeer {
+            agent: peer.to_string(),
+        })?;
+        Ok(v.spans.clone())
+    }
+
     /// Resolves a list of local descriptors once, for reuse by index.
     pub fn prep_local(&self, descs: &[Desc]) -> Result<PreparedLocal> {
         let regions = self.shared.regions.read();
@@ -600,4 +629,77 @@ fn side_channel(st: &Arc<AgentState>) -> Arc<SideChannel> {
         local: Box::new(move || a.metadata()),
         on_peer: Box::new(move |meta| load_decoded(&b, meta)),
     })
+}
+
+/// A transfer being described; [`TransferBuilder::start`] posts it. Every descriptor of both
+/// lists by default, no notification, no deadline.
+#[derive(Debug)]
+#[must_use = "a transfer is posted by start()"]
+pub struct TransferBuilder<'a> {
+    agent: &'a Agent,
+    op: XferOp,
+    local: &'a PreparedLocal,
+    remote: &'a PreparedRemote,
+    indices: Option<(&'a [usize], &'a [usize])>,
+    notification: Option<&'a [u8]>,
+    deadline: Option<Duration>,
+}
+
+impl<'a> TransferBuilder<'a> {
+    fn new(
+        agent: &'a Agent,
+        op: XferOp,
+        local: &'a PreparedLocal,
+        remote: &'a PreparedRemote,
+    ) -> Self {
+        TransferBuilder {
+            agent,
+            op,
+            local,
+            remote,
+            indices: None,
+            notification: None,
+            deadline: None,
+        }
+    }
+
+    /// Only these descriptors, paired index by index (`local[li[k]]` with `remote[ri[k]]`).
+    pub fn indices(mut self, li: &'a [usize], ri: &'a [usize]) -> Self {
+        self.indices = Some((li, ri));
+        self
+    }
+
+    /// A notification the peer receives after the data has landed.
+    pub fn notify(mut self, payload: &'a [u8]) -> Self {
+        self.notification = Some(payload);
+        self
+    }
+
+    /// Fails the transfer with a typed error if it has not completed within `d`.
+    pub fn deadline(mut self, d: Duration) -> Self {
+        self.deadline = Some(d);
+        self
+    }
+
+    /// Posts it.
+    pub fn start(self) -> Result<Transfer> {
+        match self.indices {
+            Some((li, ri)) => self.agent.transfer(
+                self.op,
+                self.local,
+                li,
+                self.remote,
+                ri,
+                self.notification,
+                self.deadline,
+            ),
+            None => self.agent.transfer_all(
+                self.op,
+                self.local,
+                self.remote,
+                self.notification,
+                self.deadline,
+            ),
+        }
+    }
 }
