@@ -45,7 +45,7 @@ fn loopback(c: &mut Criterion) {
         let rb = b
             .register(HostBuffer::new((BLOCK * BLOCKS) as usize).unwrap())
             .unwrap();
-        let addr = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = b.listen("127.0.0.1:0").unwrap();
         let peer = a.connect(addr).unwrap();
         let ld: Vec<Desc> = slots(BLOCKS, 1)
             .iter()

@@ -62,7 +62,7 @@ fn main() -> kvxfer::Result<()> {
     };
     let prefill = Arc::new(Agent::new(cfg("connector-prefill"))?);
     let decode = Arc::new(Agent::new(cfg("connector-decode"))?);
-    let side = prefill.listen("127.0.0.1:0".parse().expect("an address"))?;
+    let side = prefill.listen("127.0.0.1:0")?;
     // 3. Connectors over them; 4. the caches registered as the engine holds them.
     let ccfg = ConnectorConfig::default();
     let p = AgentConnector::new(prefill, Some(side))

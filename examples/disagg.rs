@@ -220,7 +220,7 @@ fn cache_rss(own: u64, peer: u64, transport: &str) -> u64 {
 fn prefill(a: &Args) {
     let ag = agent("prefill", &a.transport);
     let (region, layout) = cache(&ag, a.concurrency);
-    let side = ag.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let side = ag.listen("127.0.0.1:0").unwrap();
     let ag = Arc::new(ag);
     let producer =
         Arc::new(Producer::new(ag.clone(), layout.clone(), connector_cfg(a), Some(side)).unwrap());

@@ -168,7 +168,7 @@ fn prefill(o: &Opts, g: &KvGeometry, transport: Transport, per_req: usize) {
         )
         .unwrap(),
     );
-    let side = agent.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let side = agent.listen("127.0.0.1:0").unwrap();
     let conn: Box<dyn KvConnector> = Box::new(AgentConnector::new(agent.clone(), Some(side)));
     let producer: Box<dyn KvProducer> = conn
         .producer(&cache.caches(g), &ConnectorConfig::default())

@@ -23,7 +23,7 @@ fn main() -> kvxfer::Result<()> {
             .net_devices("lo"),
     )?;
     let dst = decode.register(HostBuffer::new(1 << 20)?)?;
-    let addr = decode.listen("127.0.0.1:0".parse().expect("an address"))?;
+    let addr = decode.listen("127.0.0.1:0")?;
     let mut child = Command::new(std::env::current_exe().expect("this program"))
         .arg(addr.to_string())
         .stdout(Stdio::piped())
@@ -61,10 +61,7 @@ fn prefill(addr: &str) -> kvxfer::Result<()> {
     let src = a.register(HostBuffer::new(1 << 20)?)?;
     let data: Vec<u8> = (0..64 * 1024).map(|i| (i % 251) as u8).collect();
     src.write(0, &data)?;
-    let peer = a.connect(
-        addr.parse()
-            .map_err(|e| kvxfer::Error::InvalidArgument(format!("{addr}: {e}")))?,
-    )?;
+    let peer = a.connect(addr)?;
     // The peer's regions as its metadata lists them: the id to write into, and its size.
     let regions = a.peer_regions(&peer)?;
     let target = regions.first().ok_or_else(|| kvxfer::Error::UnknownPeer {

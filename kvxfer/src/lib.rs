@@ -17,7 +17,7 @@
 //! let dst = decode.register(HostBuffer::new(1 << 20)?)?;
 //! let src = prefill.register(HostBuffer::new(1 << 20)?)?;
 //! src.write(0, b"kv bytes")?;
-//! let addr = decode.listen("127.0.0.1:0".parse().unwrap())?;
+//! let addr = decode.listen("127.0.0.1:0")?;
 //! let peer = prefill.connect(addr)?; // both sides now know each other
 //! let local = prefill.prep_local(&[Desc::new(src.id(), 0, 4096)])?;
 //! let remote = prefill.prep_remote(&peer, &[Desc::new(dst.id(), 0, 4096)])?;

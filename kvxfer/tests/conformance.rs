@@ -24,7 +24,7 @@ fn agent(role: &str) -> Result<Arc<Agent>> {
 impl Harness for OverAgents {
     fn connectors(&self, consumers: usize) -> Result<Connectors> {
         let p = agent("prefill")?;
-        let side = p.listen("127.0.0.1:0".parse().expect("an address"))?;
+        let side = p.listen("127.0.0.1:0")?;
         let mut cs: Vec<Box<dyn KvConnector>> = Vec::new();
         for _ in 0..consumers {
             cs.push(Box::new(AgentConnector::new(agent("decode")?, None)));

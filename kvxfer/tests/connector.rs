@@ -52,7 +52,7 @@ fn side(
         .register(HostBuffer::new(probe.region_bytes() as usize).unwrap())
         .unwrap();
     let layout = KvLayout::contiguous(g, 16, blocks, packing, order, region.id());
-    let addr = agent.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = agent.listen("127.0.0.1:0").unwrap();
     (
         Side {
             agent: Arc::new(agent),

@@ -88,7 +88,7 @@ fn pair(t: Transport) -> (Agent, SimulatedDevice, Agent, SimulatedDevice) {
 }
 
 fn connect(a: &Agent, b: &Agent) -> String {
-    let addr = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = b.listen("127.0.0.1:0").unwrap();
     a.connect(addr).unwrap()
 }
 
@@ -214,7 +214,7 @@ fn concurrency_above_the_pools_waits_instead_of_allocating() {
         8 * CHUNK as u64,
         "pools charged at registration"
     );
-    let addr = t.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = t.listen("127.0.0.1:0").unwrap();
     let hs: Vec<_> = (0..N)
         .map(|k| {
             let (rid, go) = (rt.id(), go.clone());
@@ -611,7 +611,7 @@ fn connector_on_device_kv(mode: kvxfer::connector::Mode) {
     let (ca, cd, _cr, cx, cl) = side("kvc");
     let data = random(9, pr.len() as usize);
     pd.write(px, &data).unwrap();
-    let paddr = pa.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let paddr = pa.listen("127.0.0.1:0").unwrap();
     let cc = ConnectorConfig {
         mode,
         heartbeat: Duration::from_millis(50),

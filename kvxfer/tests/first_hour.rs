@@ -101,7 +101,7 @@ fn a_shared_memory_agent_meeting_a_tcp_agent_names_both_transports() {
     let tcp = agent("tr-tcp", Transport::Tcp);
     let ra = shm.register(HostBuffer::new(4096).unwrap()).unwrap();
     let rb = tcp.register(HostBuffer::new(4096).unwrap()).unwrap();
-    let addr = tcp.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = tcp.listen("127.0.0.1:0").unwrap();
     let r = shm.connect(addr).and_then(|peer| {
         let l = shm.prep_local(&[Desc::new(ra.id(), 0, 4096)])?;
         let rr = shm.prep_remote(&peer, &[Desc::new(rb.id(), 0, 4096)])?;
@@ -204,4 +204,19 @@ fn ucx_does_not_print_errors_that_kvxfer_reports_typed() {
     assert!(out.status.success(), "{all}");
     assert!(all.contains("no transport in common"), "{all}");
     assert!(!all.contains("UCX  ERROR"), "UCX printed on stderr:\n{all}");
+}
+
+#[test]
+fn a_host_name_is_an_address() {
+    let a = agent("named-a", Transport::Tcp);
+    let b = agent("named-b", Transport::Tcp);
+    let addr = a.listen("localhost:0").unwrap();
+    assert!(addr.ip().is_loopback(), "{addr}");
+    assert_eq!(
+        b.connect(format!("localhost:{}", addr.port())).unwrap(),
+        a.name()
+    );
+    let e = b.connect("no-such-host.invalid:1").unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+    assert!(e.to_string().contains("does not resolve"), "{e}");
 }

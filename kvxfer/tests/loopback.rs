@@ -40,7 +40,7 @@ fn pair_cfg(t: Transport, lanes: bool, tag: &str) -> Pair {
     let rb = b
         .register(HostBuffer::new((BLOCK * SLOTS) as usize).unwrap())
         .unwrap();
-    let addr = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = b.listen("127.0.0.1:0").unwrap();
     let peer_of_a = a.connect(addr).expect("metadata exchange");
     assert_eq!(peer_of_a, b.name());
     Pair {
@@ -207,7 +207,7 @@ fn tcp_lane_target_refuses_unregistered_memory_and_stays_in_step() {
     let rc =
         p.b.register(HostBuffer::new((4 * BLOCK) as usize).unwrap())
             .unwrap();
-    let addr = p.b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = p.b.listen("127.0.0.1:0").unwrap();
     assert_eq!(p.a.connect(addr).unwrap(), p.peer_of_a);
     let remote =
         p.a.prep_remote(&p.peer_of_a, &[Desc::new(rc.id(), 0, 4 * BLOCK)])
@@ -410,7 +410,7 @@ fn tcp_lane_buffers_are_charged_to_the_budgets() {
     let rb = b
         .register(HostBuffer::new((BLOCK * SLOTS) as usize).unwrap())
         .unwrap();
-    let addr = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = b.listen("127.0.0.1:0").unwrap();
     let peer = a.connect(addr).unwrap();
     // 100 scattered blocks: 3,600 bytes of request state on the target, over its 1,000.
     let ld: Vec<Desc> = (0..100)

@@ -22,7 +22,7 @@ fn agent(name: &str, secret: Option<&str>) -> Agent {
 fn shared_secret_is_proven_both_ways_before_metadata_moves() {
     let b = agent("auth-b", Some("open sesame"));
     b.register(HostBuffer::new(4096).unwrap()).unwrap();
-    let addr = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = b.listen("127.0.0.1:0").unwrap();
 
     // Same secret: works, and data moves.
     let a = agent("auth-a", Some("open sesame"));
@@ -53,7 +53,7 @@ fn shared_secret_is_proven_both_ways_before_metadata_moves() {
 
     // A client with a secret refuses a listener that has none (it would learn nothing).
     let open = agent("auth-open", None);
-    let oaddr = open.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let oaddr = open.listen("127.0.0.1:0").unwrap();
     let c = agent("auth-c", Some("open sesame"));
     let e = c.connect(oaddr).unwrap_err();
     assert!(matches!(e, Error::Auth { .. }), "{e}");
@@ -65,7 +65,7 @@ fn shared_secret_is_proven_both_ways_before_metadata_moves() {
 #[test]
 fn garbage_on_the_side_channel_is_refused_and_the_listener_keeps_working() {
     let b = agent("junk-b", None);
-    let addr = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = b.listen("127.0.0.1:0").unwrap();
     let junk: [&[u8]; 5] = [
         b"GET / HTTP/1.1\r\n\r\n",
         &[0xff; 64],
@@ -99,7 +99,7 @@ fn strict_mode_refuses_a_silent_fallback_to_tcp() {
     for (peer_failure, want_ok) in [(true, false), (false, true)] {
         let b = mk("strict-b", peer_failure);
         let rb = b.register(HostBuffer::new(4096).unwrap()).unwrap();
-        let addr = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = b.listen("127.0.0.1:0").unwrap();
         let a = mk("strict-a", peer_failure);
         let ra = a.register(HostBuffer::new(4096).unwrap()).unwrap();
         let peer = a.connect(addr).unwrap();

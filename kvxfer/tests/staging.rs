@@ -32,7 +32,7 @@ fn device_memory_moves_through_a_bounded_pool() {
     const PER: usize = 3 << 20; // one "request": 3 MiB of device memory in 48 pieces
     const THREADS: usize = 6;
     let rb = b.register(HostBuffer::new(PER * THREADS).unwrap()).unwrap();
-    let addr = b.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = b.listen("127.0.0.1:0").unwrap();
     let peer = a.connect(addr).unwrap();
     // 4 chunks of 256 KiB = 1 MiB of staging for 18 MiB moved by 6 concurrent requests.
     let budget = MemoryBudget::new(1 << 20);

@@ -114,7 +114,7 @@ static int child(const char *transport, int to_parent, int from_parent) {
     if (alen != KVX_MAX_ADDRESS) die("listen: room needed", KVX_OK);
   }
   if (sockets() != before) die("a failed kvx_agent_listen left a socket", KVX_OK);
-  CHECK(kvx_agent_listen(b, "127.0.0.1:0", addr, sizeof addr, &alen));
+  CHECK(kvx_agent_listen(b, "localhost:0", addr, sizeof addr, &alen)); /* a host name works */
   if (addr[alen] != 0 || strlen(addr) != alen) die("listen: address not NUL-terminated", KVX_OK);
   uint32_t ids[2] = {kvx_region_id(r), kvx_region_id(cr)};
   write(to_parent, &alen, sizeof alen);

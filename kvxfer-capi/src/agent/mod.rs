@@ -2,7 +2,6 @@
 //! metadata.
 
 use std::ffi::c_char;
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use kvxfer_core::{Agent, AgentConfig, GpuPath, MemoryBudget, Transport};
@@ -411,9 +410,7 @@ pub unsafe extern "C" fn kvx_agent_listen(
         // SAFETY: per this function's contract.
         let a = unsafe { handle(a, "agent") }?;
         // SAFETY: as above.
-        let addr: SocketAddr = unsafe { cstr(addr, "addr") }?
-            .parse()
-            .map_err(|e| fail(kvx_status::KVX_INVALID_ARGUMENT, format!("addr: {e}")))?;
+        let addr = unsafe { cstr(addr, "addr") }?; // a host name or an IP address, and a port
         early_room(cap, KVX_MAX_ADDRESS, out_len)?;
         let bound = a.inner.listen(addr)?.to_string();
         // SAFETY: as above.
@@ -439,9 +436,7 @@ pub unsafe extern "C" fn kvx_agent_connect(
         // SAFETY: per this function's contract.
         let a = unsafe { handle(a, "agent") }?;
         // SAFETY: as above.
-        let addr: SocketAddr = unsafe { cstr(addr, "addr") }?
-            .parse()
-            .map_err(|e| fail(kvx_status::KVX_INVALID_ARGUMENT, format!("addr: {e}")))?;
+        let addr = unsafe { cstr(addr, "addr") }?; // a host name or an IP address, and a port
         early_room(cap, KVX_MAX_NAME + 1, out_len)?;
         let name = a.inner.connect(addr)?;
         // SAFETY: as above.

@@ -16,7 +16,7 @@ mod state;
 
 use std::collections::HashMap;
 use std::ffi::CString;
-use std::net::SocketAddr;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::JoinHandle;
@@ -349,7 +349,8 @@ impl Agent {
 
     /// Listens for peers on `addr` (port 0 picks one): each peer that connects sends its
     /// metadata and receives ours. Returns the bound address.
-    pub fn listen(&self, addr: SocketAddr) -> Result<SocketAddr> {
+    pub fn listen(&self, addr: impl ToSocketAddrs) -> Result<SocketAddr> {
+        let addr = resolve(addr, "listen")?;
         let l = Listener::start(side_channel(&self.shared), addr)?;
         let a = l.addr();
         self.listeners
@@ -360,7 +361,8 @@ impl Agent {
     }
 
     /// Connects to a peer's side channel, exchanges metadata both ways. Returns its name.
-    pub fn connect(&self, addr: SocketAddr) -> Result<String> {
+    pub fn connect(&self, addr: impl ToSocketAddrs) -> Result<String> {
+        let addr = resolve(addr, "connect")?;
         exchange(&side_channel(&self.shared), addr, Duration::from_secs(10))
     }
 
@@ -629,6 +631,14 @@ fn side_channel(st: &Arc<AgentState>) -> Arc<SideChannel> {
         local: Box::new(move || a.metadata()),
         on_peer: Box::new(move |meta| load_decoded(&b, meta)),
     })
+}
+
+/// The first address `addr` names (`"localhost:0"`, `"127.0.0.1:7000"`, a `SocketAddr`).
+fn resolve(addr: impl ToSocketAddrs, what: &str) -> Result<SocketAddr> {
+    addr.to_socket_addrs()
+        .map_err(|e| Error::InvalidArgument(format!("{what}: the address does not resolve: {e}")))?
+        .next()
+        .ok_or_else(|| Error::InvalidArgument(format!("{what}: the address names no host")))
 }
 
 /// A transfer being described; [`TransferBuilder::start`] posts it. Every descriptor of both
