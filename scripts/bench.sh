@@ -11,7 +11,7 @@ if ! command -v cargo >/dev/null; then
   exit 1
 fi
 # shellcheck source=scripts/ucx-env.sh
-source scripts/ucx-env.sh
+KVXFER_SPLIT_TARGET=1 source scripts/ucx-env.sh
 cargo build --release --quiet --bin kvxfer-bench
 exec "$CARGO_TARGET_DIR/release/kvxfer-bench" --transport "shm;tcp" --op write,read \
   --placement random,single --reference --iters 7 "$@"

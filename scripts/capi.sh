@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/ucx-env.sh
-source scripts/ucx-env.sh
+KVXFER_SPLIT_TARGET=1 source scripts/ucx-env.sh
 cargo build --release --quiet -p kvxfer-capi
 out=target/capi
 mkdir -p "$out/include" "$out/lib/pkgconfig"

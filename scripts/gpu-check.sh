@@ -28,7 +28,7 @@ bundle="$root/target/gpu-bundle"
 make_bundle() {
   export KVXFER_UCX=wheel
   # shellcheck source=scripts/ucx-env.sh
-  source scripts/ucx-env.sh
+  KVXFER_SPLIT_TARGET=1 source scripts/ucx-env.sh
   cargo build --release --features cuda --bin kvxfer-bench
   rm -rf "$bundle"
   mkdir -p "$bundle/bin" "$bundle/lib/ucx"

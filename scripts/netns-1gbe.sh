@@ -18,7 +18,7 @@ for t in ip tc; do
   command -v "$t" >/dev/null || { echo "kvxfer: $t (iproute2) is needed" >&2; exit 2; }
 done
 # shellcheck source=scripts/ucx-env.sh
-source scripts/ucx-env.sh
+KVXFER_SPLIT_TARGET=1 source scripts/ucx-env.sh
 cargo build --release --quiet --bin kvxfer-bench
 bench="$CARGO_TARGET_DIR/release/kvxfer-bench"
 rate="${KVX_RATE:-1gbit}"

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 n=${1:-1000}
 # shellcheck source=scripts/ucx-env.sh
-source scripts/ucx-env.sh
+KVXFER_SPLIT_TARGET=1 source scripts/ucx-env.sh
 cargo build --release --quiet --bin kvxfer-bench
 bench="$CARGO_TARGET_DIR/release/kvxfer-bench"
 status=0

@@ -16,7 +16,7 @@ echo "== UCX: Debian libucx-dev (default)"
 (
   export KVXFER_UCX=system
   # shellcheck source=scripts/ucx-env.sh
-  source scripts/ucx-env.sh
+  KVXFER_SPLIT_TARGET=1 source scripts/ucx-env.sh
   cargo fmt --all -- --check
   # No import cycle between files, no file over 800 lines of non-test code, and the pure
   # crate built and tested without pkg-config or libclang.
@@ -35,7 +35,7 @@ echo "== vLLM plugin against the real vllm==0.33.0 (CPU)"
 (
   export KVXFER_UCX=system
   # shellcheck source=scripts/ucx-env.sh
-  source scripts/ucx-env.sh
+  KVXFER_SPLIT_TARGET=1 source scripts/ucx-env.sh
   scripts/vllm-env.sh
   cargo build -p kvxfer-capi
   out=$(KVXFER_LIB="$CARGO_TARGET_DIR/debug/libkvxfer.so" .venv/bin/python -m pytest -q \
@@ -53,7 +53,7 @@ echo "== UCX: 1.22 wheel (libucx-cu12)"
 (
   export KVXFER_UCX=wheel
   # shellcheck source=scripts/ucx-env.sh
-  source scripts/ucx-env.sh
+  KVXFER_SPLIT_TARGET=1 source scripts/ucx-env.sh
   cargo test --workspace 2>&1 | tee -a "$log"
 )
 

@@ -55,5 +55,9 @@ case "${KVXFER_UCX:-system}" in
   *) echo "kvxfer: KVXFER_UCX must be wheel or system" >&2; return 1 2>/dev/null || exit 1 ;;
 esac
 export KVXFER_UCX="${KVXFER_UCX:-system}"
-# Keep the two UCX builds in separate target directories so switching does not rebuild.
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$_kvx_root/target/ucx-$KVXFER_UCX}"
+# kvxfer's own scripts (KVXFER_SPLIT_TARGET=1) keep the two UCX builds in separate target
+# directories so switching does not rebuild. Sourced by hand, it leaves the user's
+# CARGO_TARGET_DIR as it is, set or not.
+if [ "${KVXFER_SPLIT_TARGET:-0}" = 1 ]; then
+  export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$_kvx_root/target/ucx-$KVXFER_UCX}"
+fi

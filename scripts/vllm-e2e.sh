@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/ucx-env.sh
-KVXFER_UCX=system source scripts/ucx-env.sh
+KVXFER_UCX=system KVXFER_SPLIT_TARGET=1 source scripts/ucx-env.sh
 cargo build --release -p kvxfer-capi
 export KVXFER_LIB="$CARGO_TARGET_DIR/release/libkvxfer.so"
 if [ ! -x .venv-cpu/bin/python ] || ! .venv-cpu/bin/python -c 'import vllm' 2>/dev/null; then

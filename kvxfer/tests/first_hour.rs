@@ -220,3 +220,25 @@ fn a_host_name_is_an_address() {
     assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
     assert!(e.to_string().contains("does not resolve"), "{e}");
 }
+
+#[test]
+fn sourcing_ucx_env_leaves_the_users_target_dir_alone() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let probe = |pre: &str| {
+        let out = std::process::Command::new("bash")
+            .arg("-c")
+            .arg(format!(
+                "{pre} source scripts/ucx-env.sh >/dev/null 2>&1; echo \"[${{CARGO_TARGET_DIR-unset}}]\""
+            ))
+            .current_dir(&root)
+            .env_remove("CARGO_TARGET_DIR")
+            .env_remove("KVXFER_SPLIT_TARGET")
+            .env("KVXFER_UCX", "system")
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    assert_eq!(probe(""), "[unset]");
+    assert_eq!(probe("export CARGO_TARGET_DIR=/tmp/mine;"), "[/tmp/mine]");
+    assert!(probe("KVXFER_SPLIT_TARGET=1").ends_with("target/ucx-system]"));
+}
