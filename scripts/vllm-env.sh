@@ -33,4 +33,6 @@ if ! .venv/bin/python -c "import vllm, sys; sys.exit(vllm.__version__ != '$VLLM_
   pip_retry install -q --resume-retries 20 --timeout 60 "vllm==$VLLM_VERSION"
 fi
 .venv/bin/python -c "import pytest" 2>/dev/null || pip_retry install -q pytest
-pip_retry install -q -e python/
+# Editable, for development: the tests point KVXFER_LIB at the debug build, so the release
+# library is not built here (python/tests/test_install.py tests the one-command install).
+KVXFER_SKIP_NATIVE=1 pip_retry install -q -e python/

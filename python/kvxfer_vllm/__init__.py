@@ -5,10 +5,14 @@ Load it with::
     --kv-transfer-config '{"kv_connector":"KvxferConnector",
                            "kv_connector_module_path":"kvxfer_vllm","kv_role":"kv_both"}'
 
-libkvxfer.so is found through ``KVXFER_LIB``, next to this package, or the system loader.
+libkvxfer.so is the one ``pip install`` bundled next to this package, or ``KVXFER_LIB`` (an
+override), or the system loader's. It is loaded at import, so a missing or unloadable library
+is an ImportError that says what to install.
 """
 
 from .lib import KvxferError, Lib  # noqa: F401
+
+Lib.get()
 
 
 def __getattr__(name):

@@ -103,7 +103,16 @@ class Lib:
 
     def __init__(self, path):
         self.path = path
-        L = ctypes.CDLL(path)
+        try:
+            L = ctypes.CDLL(path)
+        except OSError as e:
+            source = "KVXFER_LIB" if os.environ.get("KVXFER_LIB") else "the bundled library"
+            raise ImportError(
+                f"kvxfer: cannot load libkvxfer ({source}: {path}): {e}. Install the plugin with "
+                "`pip install <kvxfer checkout>/python` (it builds and bundles libkvxfer.so; "
+                "needs cargo, pkg-config, libclang-dev and libucx-dev), or set KVXFER_LIB to a "
+                "built libkvxfer.so (cargo build --release -p kvxfer-capi)."
+            ) from e
         self.L = L
         st = c_uint32
         sig = {
