@@ -1098,6 +1098,22 @@ kvx_status kvx_consumer_metrics(const struct kvx_consumer *c,
 kvx_status kvx_agent_peer_gpu_path(const struct kvx_agent *a, const char *peer, kvx_gpu_path *out);
 
 /**
+ * The regions of the peer named `peer`, as its metadata listed them: how a process learns
+ * the other side's region ids. Writes up to `cap` ids to `ids` and their lengths in bytes to
+ * `lens` (either may be NULL to skip it) and the count to `*n`; `KVX_BUFFER_TOO_SMALL` with
+ * the count in `*n` when `cap` is less.
+ *
+ * # Safety
+ * `a` live; `peer` NUL-terminated; `ids` and `lens` NULL or valid for `cap`; `n` valid.
+ */
+kvx_status kvx_agent_peer_regions(const struct kvx_agent *a,
+                                  const char *peer,
+                                  uint32_t *ids,
+                                  uint64_t *lens,
+                                  size_t cap,
+                                  size_t *n);
+
+/**
  * Prometheus text of the agent's memory: budget, device staging chunks, dropped
  * notifications.
  *

@@ -2,7 +2,7 @@
 
 use std::ffi::c_char;
 
-use crate::error::guard;
+use crate::error::{fail, guard};
 use crate::ffi::{cstr, handle, null, put_str};
 use crate::{kvx_agent, kvx_consumer, kvx_gpu_path, kvx_producer, kvx_status};
 
@@ -52,6 +52,54 @@ pub unsafe extern "C" fn kvx_agent_peer_gpu_path(
         };
         // SAFETY: out non-NULL, valid per the contract.
         unsafe { *out = p };
+        Ok(())
+    })
+}
+
+/// The regions of the peer named `peer`, as its metadata listed them: how a process learns
+/// the other side's region ids. Writes up to `cap` ids to `ids` and their lengths in bytes to
+/// `lens` (either may be NULL to skip it) and the count to `*n`; `KVX_BUFFER_TOO_SMALL` with
+/// the count in `*n` when `cap` is less.
+///
+/// # Safety
+/// `a` live; `peer` NUL-terminated; `ids` and `lens` NULL or valid for `cap`; `n` valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_peer_regions(
+    a: *const kvx_agent,
+    peer: *const c_char,
+    ids: *mut u32,
+    lens: *mut u64,
+    cap: usize,
+    n: *mut usize,
+) -> kvx_status {
+    guard("kvx_agent_peer_regions", || {
+        // SAFETY: per this function's contract.
+        let a = unsafe { handle(a, "agent") }?;
+        // SAFETY: as above.
+        let peer = unsafe { cstr(peer, "peer") }?;
+        if n.is_null() {
+            return Err(null("n"));
+        }
+        let regions = a.inner.peer_regions(peer)?;
+        // SAFETY: n non-NULL, valid per the contract.
+        unsafe { *n = regions.len() };
+        if regions.len() > cap {
+            return Err(fail(
+                kvx_status::KVX_BUFFER_TOO_SMALL,
+                format!("{} regions, room for {cap}", regions.len()),
+            ));
+        }
+        for (i, r) in regions.iter().enumerate() {
+            // SAFETY: i < regions.len() <= cap; each pointer NULL or valid for cap entries.
+            unsafe {
+                if !ids.is_null() {
+                    *ids.add(i) = r.id.0;
+                }
+                if !lens.is_null() {
+                    *lens.add(i) = r.len;
+                }
+            }
+        }
         Ok(())
     })
 }

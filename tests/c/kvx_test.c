@@ -366,6 +366,16 @@ int main(int argc, char **argv) {
     CHECK(kvx_agent_peer_gpu_path(a, name, &gp));
     if (gp != KVX_GPU_NONE) die("host-only peers report a GPU path", KVX_OK);
     EXPECT(kvx_agent_peer_gpu_path(a, "nobody", &gp), KVX_UNKNOWN_PEER);
+    /* The peer's region ids from its metadata: the same the child sent over the pipe. */
+    uint32_t pid_[4];
+    uint64_t plen[4];
+    size_t np = 0;
+    EXPECT(kvx_agent_peer_regions(a, name, pid_, plen, 1, &np), KVX_BUFFER_TOO_SMALL);
+    if (np != 2) die("peer regions: count", KVX_OK);
+    CHECK(kvx_agent_peer_regions(a, name, pid_, plen, 4, &np));
+    if (np != 2 || pid_[0] != ids[0] || pid_[1] != ids[1] || plen[1] != 2 * 8 * CBLOCK)
+      die("peer regions: ids or lengths", KVX_OK);
+    EXPECT(kvx_agent_peer_regions(a, "nobody", pid_, plen, 4, &np), KVX_UNKNOWN_PEER);
   }
 
   kvx_desc ld[N], rd[N];
