@@ -40,6 +40,7 @@ import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
@@ -100,6 +101,48 @@ class KvxferConnectorStats(KVConnectorStats):
         return self.data["loads"] == 0 and self.data["failed"] == 0
 
 
+@dataclass
+class KvxferHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """What a worker tells its scheduler after registering its caches (vLLM carries it from
+    every worker to the scheduler: no shared folder): the producer's name and side channel,
+    and the cache's shape that goes into every handoff."""
+
+    template: dict[str, Any]
+
+
+def iface_ipv4(name: str) -> str | None:
+    """The IPv4 address of network interface `name` (Linux), or None."""
+    import fcntl
+    import socket
+    import struct
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        req = struct.pack("256s", name[:15].encode())
+        return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24])  # SIOCGIFADDR
+    except OSError:
+        return None
+    finally:
+        s.close()
+
+
+def _advertised_host(extra: dict[str, Any]) -> str:
+    """Where the side channel listens, which is what every handoff advertises: "host" if set,
+    else the address of the first of "net_devices" (so a decode engine on another host can
+    reach it), else loopback (one host only, said in the log)."""
+    if extra.get("host"):
+        return str(extra["host"])
+    for dev in str(extra.get("net_devices") or "").split(","):
+        addr = iface_ipv4(dev.split(":")[0].strip()) if dev.strip() else None
+        if addr:
+            return addr
+    logger.warning(
+        "kvxfer: no \"host\" and no net_devices with an IPv4 address: the side channel listens "
+        "on 127.0.0.1, which only engines on this host can reach"
+    )
+    return "127.0.0.1"
+
+
 def _rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -129,7 +172,14 @@ class KvxferConnector(KVConnectorBase_V1):
         self.kv_role = tc.kv_role
         self.block_size = vllm_config.cache_config.block_size
         self.rank = _rank()
-        self.template_path = os.path.join(_rundir(self.extra), f"{self.engine_id}-tp{self.rank}.json")
+        # Only with an explicit "rundir" are templates also written to (and read from) files.
+        self.template_path = (
+            os.path.join(_rundir(self.extra), f"{self.engine_id}-tp{self.rank}.json")
+            if self.extra.get("rundir")
+            else None
+        )
+        self._handshake: KvxferHandshakeMetadata | None = None
+        self._templates: dict[int, dict[str, Any]] = {}
         # scheduler side
         self._template: dict[str, Any] | None = None
         self._pending_loads: dict[str, tuple[bytes, list[int], bool]] = {}
@@ -214,9 +264,21 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def _worker_template(self) -> dict[str, Any]:
         if self._template is None:
+            if self.template_path is None:
+                raise RuntimeError(
+                    "kvxfer: no handshake metadata from the workers yet (vLLM passes it with "
+                    "set_xfer_handshake_metadata once they registered their caches)"
+                )
             with open(self.template_path) as f:
                 self._template = json.load(f)
         return self._template
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """Scheduler side: the workers' templates, by TP rank (from vLLM's handshake)."""
+        templates = {r: m.template for r, m in metadata.items() if isinstance(m, KvxferHandshakeMetadata)}
+        if templates:
+            self._template = templates[min(templates)]
+            self._templates = templates
 
     # ------------------------------------------------------------------ worker side
 
@@ -254,7 +316,7 @@ class KvxferConnector(KVConnectorBase_V1):
             gpu_path=ex.get("gpu_path"),
             staging=staging,
         )
-        side = self.agent.listen(f"{ex.get('host', '127.0.0.1')}:{int(ex.get('port', 0))}")
+        side = self.agent.listen(f"{_advertised_host(ex)}:{int(ex.get('port', 0))}")
         device = first.device
         cuda = device.index if device.type == "cuda" else -1
         bases = []
@@ -289,10 +351,16 @@ class KvxferConnector(KVConnectorBase_V1):
             "layers": [[b[0], b[1]] for b in bases],
             "hnd": hnd,
         }
-        tmp = self.template_path + f".{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(tmpl, f)
-        os.replace(tmp, self.template_path)
+        self._handshake = KvxferHandshakeMetadata(tmpl)
+        if self.template_path is not None:
+            tmp = self.template_path + f".{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump(tmpl, f)
+            os.replace(tmp, self.template_path)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """Worker side: what vLLM hands to the scheduler (set_xfer_handshake_metadata)."""
+        return self._handshake
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         if not self.has_connector_metadata():

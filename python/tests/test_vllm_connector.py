@@ -87,6 +87,9 @@ def test_real_scheduler_prefill_side_delays_free_and_returns_a_handoff():
     worker = KvxferConnector(vc, KVConnectorRole.WORKER, kv)
     worker.register_kv_caches(caches)
     s = h.scheduler(vc, kv)
+    # As EngineCore does after the workers registered their caches: no shared folder.
+    assert worker.template_path is None
+    s.connector.set_xfer_handshake_metadata({0: worker.get_handshake_metadata()})
     r = h.request("pre-1", 40, {"do_remote_decode": True}, max_tokens=1)
     s.add_request(r)
     out = s.schedule()
@@ -113,6 +116,7 @@ def _prefill_proc(layout, conn, engine_id):
         worker = KvxferConnector(vc, KVConnectorRole.WORKER, kv)
         worker.register_kv_caches(caches)
         s = h.scheduler(vc, kv)
+        s.connector.set_xfer_handshake_metadata({0: worker.get_handshake_metadata()})
         r = h.request("pre-2", 70, {"do_remote_decode": True}, max_tokens=1)
         s.add_request(r)
         out = s.schedule()
@@ -213,3 +217,24 @@ def test_in_process_connector_through_the_same_bindings():
     cons.close()
     prod.close()
     conn.close()
+
+
+def test_the_side_channel_advertises_the_chosen_interfaces_address():
+    from kvxfer_vllm.connector import _advertised_host, iface_ipv4
+
+    assert iface_ipv4("lo") == "127.0.0.1"
+    assert iface_ipv4("no-such-if0") is None
+    assert _advertised_host({"net_devices": "lo"}) == "127.0.0.1"
+    assert _advertised_host({"host": "198.18.0.7", "net_devices": "lo"}) == "198.18.0.7"
+    others = [d for d in os.listdir("/sys/class/net") if d != "lo" and iface_ipv4(d)]
+    for d in others:
+        # The README's "net_devices": "eth0" advertises eth0's address, not 127.0.0.1.
+        assert _advertised_host({"net_devices": d}) == iface_ipv4(d) != "127.0.0.1"
+    # And a worker's template (what every handoff carries) uses it.
+    vc = h.vllm_config(extra={"transport": "tcp", "net_devices": others[0] if others else "lo"})
+    _, caches, kv = h.kv_caches()
+    w = KvxferConnector(vc, KVConnectorRole.WORKER, kv)
+    w.register_kv_caches(caches)
+    side = w.get_handshake_metadata().template["side_channel"]
+    assert side.startswith((iface_ipv4(others[0]) if others else "127.0.0.1") + ":"), side
+    w.shutdown()
