@@ -18,11 +18,12 @@ tensors or device tensors with a libkvxfer built with ``--features cuda``. Devic
 registered as device memory and never mirrored in host memory (what
 ``kv_buffer_device=cpu`` does in NixlConnector): UCX moves them directly where it has CUDA
 transports, else they stream through a fixed pool of pinned chunks. ``kv_connector_extra_config``:
-``transport`` (default "auto"), ``net_devices``, ``host`` (side channel address, default
-127.0.0.1), ``lease_ms``, ``budget_mib``, ``rundir``, ``metrics_file`` (Prometheus text written
+``transport`` (default "auto"), ``net_devices``, ``host`` (side channel address; default the
+first net device's IPv4 address, else 127.0.0.1), ``port``, ``lease_ms``, ``budget_mib``, ``rundir``, ``metrics_file`` (Prometheus text written
 after every change, for a textfile collector), ``gpu_path`` (device tensors: ``auto``,
 ``direct`` through a CUDA-aware UCX, or ``staged`` through pinned host chunks charged to
-``budget_mib``), ``staging_chunks`` and ``staging_chunk_kib`` (that pool's size, default 8 x
+``budget_mib``; ``kv_buffer_device: "cpu"`` in the transfer config means ``staged``),
+``staging_chunks`` and ``staging_chunk_kib`` (that pool's size, default 8 x
 4096 KiB), ``secret`` (a shared secret both ends prove on the side channel), ``strict``
 (refuse a silent transport fallback). Every option goes to the agent through the C ABI's
 config builder, none through environment variables.
@@ -126,6 +127,18 @@ def iface_ipv4(name: str) -> str | None:
         s.close()
 
 
+def gpu_path_for(kv_buffer_device: str | None, extra: dict[str, Any]) -> str | None:
+    """The agent's GPU path: "gpu_path" if set; else ``kv_buffer_device: "cpu"`` (NixlConnector's
+    host-buffer setting, which the motivating deployments used) maps to kvxfer's staged path,
+    whose pinned chunks are bounded and charged to the budget, never a host mirror of the whole
+    cache; else kvxfer's default (direct where UCX has CUDA transports)."""
+    if extra.get("gpu_path"):
+        return str(extra["gpu_path"])
+    if (kv_buffer_device or "").lower() == "cpu":
+        return "staged"
+    return None
+
+
 def _advertised_host(extra: dict[str, Any]) -> str:
     """Where the side channel listens, which is what every handoff advertises: "host" if set,
     else the address of the first of "net_devices" (so a decode engine on another host can
@@ -167,6 +180,7 @@ class KvxferConnector(KVConnectorBase_V1):
     ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = vllm_config.kv_transfer_config
+        self._tc = tc
         self.engine_id = tc.engine_id
         self.extra = dict(tc.kv_connector_extra_config or {})
         self.kv_role = tc.kv_role
@@ -313,7 +327,7 @@ class KvxferConnector(KVConnectorBase_V1):
             budget,
             secret=str(ex["secret"]).encode() if ex.get("secret") else None,
             strict=bool(ex.get("strict", False)),
-            gpu_path=ex.get("gpu_path"),
+            gpu_path=gpu_path_for(self._tc.kv_buffer_device, ex),
             staging=staging,
         )
         side = self.agent.listen(f"{_advertised_host(ex)}:{int(ex.get('port', 0))}")

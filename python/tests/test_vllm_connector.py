@@ -238,3 +238,19 @@ def test_the_side_channel_advertises_the_chosen_interfaces_address():
     side = w.get_handshake_metadata().template["side_channel"]
     assert side.startswith((iface_ipv4(others[0]) if others else "127.0.0.1") + ":"), side
     w.shutdown()
+
+
+def test_kv_buffer_device_cpu_maps_to_the_bounded_staged_path():
+    from kvxfer_vllm.connector import gpu_path_for
+
+    assert gpu_path_for("cpu", {}) == "staged"
+    assert gpu_path_for("cuda", {}) is None
+    assert gpu_path_for("cpu", {"gpu_path": "direct"}) == "direct"  # an explicit choice wins
+    # Accepted by the real config and a worker with host caches (nothing to stage there).
+    vc = h.vllm_config()
+    vc.kv_transfer_config.kv_buffer_device = "cpu"
+    _, caches, kv = h.kv_caches()
+    w = KvxferConnector(vc, KVConnectorRole.WORKER, kv)
+    w.register_kv_caches(caches)
+    assert "kvxfer_requests_total" in w.prometheus_text()
+    w.shutdown()
