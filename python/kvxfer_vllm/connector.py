@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from . import lib as kx
 
@@ -154,6 +154,39 @@ def _advertised_host(extra: dict[str, Any]) -> str:
         "on 127.0.0.1, which only engines on this host can reach"
     )
     return "127.0.0.1"
+
+
+class KvxferPromMetrics(KVConnectorPromMetrics):
+    """kvxfer's figures in vLLM's own Prometheus registry (served on vLLM's /metrics), per
+    engine: loads, failed loads, bytes moved and skipped (a cached prefix), handoff seconds."""
+
+    # stats key -> (metric name, help)
+    COUNTERS = {
+        "loads": ("vllm:kvxfer_loads_total", "KV handoffs loaded by the decode side."),
+        "failed": ("vllm:kvxfer_load_failures_total", "KV handoffs that failed (their blocks reported invalid)."),
+        "bytes_moved": ("vllm:kvxfer_bytes_moved_total", "KV bytes moved over the wire."),
+        "bytes_skipped": ("vllm:kvxfer_bytes_skipped_total", "KV bytes not moved: the decode side held them (prefix cache)."),
+        "handoff_s": ("vllm:kvxfer_handoff_seconds_total", "Seconds from load start to load done, summed."),
+    }
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            k: self._counter_cls(name=n, documentation=d, labelnames=self._labelnames)
+            for k, (n, d) in self.COUNTERS.items()
+        }
+        self._children: dict[tuple[int, str], Any] = {}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for k, v in (transfer_stats_data or {}).items():
+            c = self._counters.get(k)
+            if c is None or not v:
+                continue
+            child = self._children.get((engine_idx, k))
+            if child is None:
+                child = c.labels(*self.per_engine_labelvalues[engine_idx])
+                self._children[(engine_idx, k)] = child
+            child.inc(v)
 
 
 def _rank() -> int:
@@ -465,6 +498,10 @@ class KvxferConnector(KVConnectorBase_V1):
                 return None
             s, self._stats = self._stats, KvxferConnectorStats()
         return s
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KvxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

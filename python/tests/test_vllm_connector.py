@@ -254,3 +254,17 @@ def test_kv_buffer_device_cpu_maps_to_the_bounded_staged_path():
     w.register_kv_caches(caches)
     assert "kvxfer_requests_total" in w.prometheus_text()
     w.shutdown()
+
+
+def test_figures_reach_vllms_own_prometheus_registry():
+    import prometheus_client
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    vc = h.vllm_config()
+    prom = KVConnectorProm(vc, labelnames=["model_name", "engine"], per_engine_labelvalues={0: ["tiny", "0"]})
+    assert type(prom.prom_metrics).__name__ == "KvxferPromMetrics"
+    stats = KvxferConnector.build_kv_connector_stats({"loads": 2, "failed": 1, "bytes_moved": 4096, "bytes_skipped": 1024, "handoff_s": 0.5})
+    prom.observe(stats.to_dict(), 0)
+    text = prometheus_client.generate_latest(prometheus_client.REGISTRY).decode()
+    assert 'vllm:kvxfer_bytes_moved_total{engine="0",model_name="tiny"} 4096.0' in text, text[-2000:]
+    assert 'vllm:kvxfer_load_failures_total{engine="0",model_name="tiny"} 1.0' in text
