@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::api::LoadFailure;
 use super::config::ConnectorConfig;
-use super::shell::{add_stats, lock, send, state_charge, take_control};
+use super::shell::{add_stats, lock, send, state_charge, take_control, wait_until};
 use crate::agent::Agent;
 use crate::budget::{Charge, MemoryBudget};
 use crate::telemetry::{RequestStats, Telemetry};
@@ -192,37 +192,22 @@ impl Consumer {
         timeout: Duration,
         f: impl Fn(&Load) -> bool,
     ) -> Result<()> {
-        let end = Instant::now() + timeout;
-        let mut st = lock(&self.sh.st);
-        loop {
+        wait_until(&self.sh.st, &self.sh.cv, timeout, |st| {
             match (st.loads.get(request), st.ended.get(request)) {
-                (Some(l), _) if f(l) => return Ok(()),
-                (Some(_), _) => {}
-                (None, Some(Ended::Ok)) => return Ok(()),
-                (None, Some(Ended::Failed(why))) => {
-                    return Err(Error::Handoff {
-                        request: request.to_string(),
-                        why: why.clone(),
-                    })
-                }
-                (None, None) => {
-                    return Err(Error::Handoff {
-                        request: request.to_string(),
-                        why: "no load of this request was started".into(),
-                    })
-                }
+                (Some(l), _) if f(l) => Some(Ok(())),
+                (Some(_), _) => None,
+                (None, Some(Ended::Ok)) => Some(Ok(())),
+                (None, Some(Ended::Failed(why))) => Some(Err(Error::Handoff {
+                    request: request.to_string(),
+                    why: why.clone(),
+                })),
+                (None, None) => Some(Err(Error::Handoff {
+                    request: request.to_string(),
+                    why: "no load of this request was started".into(),
+                })),
             }
-            let now = Instant::now();
-            if now >= end {
-                return Err(Error::WaitTimeout(timeout));
-            }
-            st = self
-                .sh
-                .cv
-                .wait_timeout(st, end - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        })
+        .unwrap_or(Err(Error::WaitTimeout(timeout)))
     }
 
     /// Loads completed since the last call, with their figures.

@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::config::ConnectorConfig;
-use super::shell::{add_stats, lock, send, state_charge, take_control};
+use super::shell::{add_stats, lock, send, state_charge, take_control, wait_until};
 use crate::agent::Agent;
 use crate::budget::Charge;
 use crate::telemetry::{RequestStats, Telemetry};
@@ -221,47 +221,24 @@ impl Producer {
         timeout: Duration,
         fits: impl Fn(&Freed) -> bool,
     ) -> std::result::Result<Option<Freed>, (usize, usize)> {
-        let end = Instant::now() + timeout;
-        let mut st = lock(&self.sh.st);
-        loop {
-            if let Some(f) = st.freed.first() {
-                if !fits(f) {
-                    return Err((f.request.len(), f.blocks.len()));
-                }
-                return Ok(Some(st.freed.remove(0)));
-            }
-            let now = Instant::now();
-            if now >= end {
-                return Ok(None);
-            }
-            st = self
-                .sh
-                .cv
-                .wait_timeout(st, end - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        wait_until(&self.sh.st, &self.sh.cv, timeout, |st| {
+            let f = st.freed.first()?;
+            Some(if fits(f) {
+                Ok(st.freed.remove(0))
+            } else {
+                Err((f.request.len(), f.blocks.len()))
+            })
+        })
+        .transpose()
     }
 
     /// Waits up to `timeout` until `request`'s blocks are freed; returns how.
     pub fn wait_freed(&self, request: &str, timeout: Duration) -> Result<Freed> {
-        let end = Instant::now() + timeout;
-        let mut st = lock(&self.sh.st);
-        loop {
-            if let Some(i) = st.freed.iter().position(|f| f.request == request) {
-                return Ok(st.freed.remove(i));
-            }
-            let now = Instant::now();
-            if now >= end {
-                return Err(Error::WaitTimeout(timeout));
-            }
-            st = self
-                .sh
-                .cv
-                .wait_timeout(st, end - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        wait_until(&self.sh.st, &self.sh.cv, timeout, |st| {
+            let i = st.freed.iter().position(|f| f.request == request)?;
+            Some(st.freed.remove(i))
+        })
+        .ok_or(Error::WaitTimeout(timeout))
     }
 
     /// Requests held now.

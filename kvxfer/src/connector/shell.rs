@@ -2,8 +2,8 @@
 //! charging request state to the budget, adding up transfer figures.
 #![forbid(unsafe_code)]
 
-use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use crate::agent::Agent;
 use crate::budget::{Charge, MemoryBudget};
@@ -18,6 +18,32 @@ pub(crate) const STATE_BYTES_FIXED: u64 = 4096;
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Waits on `cv` up to `timeout` until `ready` returns `Some` for the state in `m` (checked
+/// first, then after every wake-up); `None` when the time ran out. The one deadline loop of
+/// the connector's blocking calls.
+pub(crate) fn wait_until<T, R>(
+    m: &Mutex<T>,
+    cv: &Condvar,
+    timeout: Duration,
+    mut ready: impl FnMut(&mut T) -> Option<R>,
+) -> Option<R> {
+    let end = Instant::now() + timeout;
+    let mut st = lock(m);
+    loop {
+        if let Some(r) = ready(&mut st) {
+            return Some(r);
+        }
+        let now = Instant::now();
+        if now >= end {
+            return None;
+        }
+        st = cv
+            .wait_timeout(st, end - now)
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+    }
 }
 
 /// Sends a control message (already encoded); failures are logged (the peer's lease logic

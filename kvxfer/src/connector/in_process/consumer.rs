@@ -13,7 +13,7 @@ use crate::budget::Charge;
 use crate::connector::api::{KvConsumer, LoadFailure};
 use crate::connector::config::ConnectorConfig;
 use crate::connector::consumer::lapsed;
-use crate::connector::shell::{lock, state_charge};
+use crate::connector::shell::{lock, state_charge, wait_until};
 use crate::telemetry::{RequestStats, Telemetry};
 use kvxfer_proto::connector::{check_load, LoadEvent, LoadProtocol};
 use kvxfer_proto::error::{Error, Result};
@@ -175,37 +175,22 @@ impl InProcessConsumer {
         timeout: Duration,
         done: impl Fn(&Load) -> bool,
     ) -> Result<()> {
-        let end = Instant::now() + timeout;
-        let mut st = lock(&self.sh.st);
-        loop {
+        wait_until(&self.sh.st, &self.sh.cv, timeout, |st| {
             match (st.loads.get(request), st.ended.get(request)) {
-                (Some(l), _) if done(l) => return Ok(()),
-                (Some(_), _) => {}
-                (None, Some(None)) => return Ok(()),
-                (None, Some(Some(why))) => {
-                    return Err(Error::Handoff {
-                        request: request.to_string(),
-                        why: why.clone(),
-                    })
-                }
-                (None, None) => {
-                    return Err(Error::Handoff {
-                        request: request.to_string(),
-                        why: "no load of this request was started".into(),
-                    })
-                }
+                (Some(l), _) if done(l) => Some(Ok(())),
+                (Some(_), _) => None,
+                (None, Some(None)) => Some(Ok(())),
+                (None, Some(Some(why))) => Some(Err(Error::Handoff {
+                    request: request.to_string(),
+                    why: why.clone(),
+                })),
+                (None, None) => Some(Err(Error::Handoff {
+                    request: request.to_string(),
+                    why: "no load of this request was started".into(),
+                })),
             }
-            let now = Instant::now();
-            if now >= end {
-                return Err(Error::WaitTimeout(timeout));
-            }
-            st = self
-                .sh
-                .cv
-                .wait_timeout(st, end - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        })
+        .unwrap_or(Err(Error::WaitTimeout(timeout)))
     }
 }
 

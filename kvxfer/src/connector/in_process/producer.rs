@@ -12,7 +12,7 @@ use super::hub::{Hub, ProducerEnd};
 use crate::budget::Charge;
 use crate::connector::api::KvProducer;
 use crate::connector::config::ConnectorConfig;
-use crate::connector::shell::{lock, state_charge};
+use crate::connector::shell::{lock, state_charge, wait_until};
 use crate::telemetry::{RequestStats, Telemetry};
 use kvxfer_proto::connector::{LayerError, ProducerAction, ProducerCore};
 use kvxfer_proto::error::{Error, Result};
@@ -290,45 +290,15 @@ impl KvProducer for InProcessProducer {
     }
 
     fn next_freed(&self, timeout: Duration) -> Option<Freed> {
-        let end = Instant::now() + timeout;
-        let mut st = lock(&self.sh.st);
-        loop {
-            if let Some(f) = st.freed.pop_front() {
-                return Some(f);
-            }
-            let now = Instant::now();
-            if now >= end {
-                return None;
-            }
-            st = self
-                .sh
-                .cv
-                .wait_timeout(st, end - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        wait_until(&self.sh.st, &self.sh.cv, timeout, |st| st.freed.pop_front())
     }
 
     fn wait_freed(&self, request: &str, timeout: Duration) -> Result<Freed> {
-        let end = Instant::now() + timeout;
-        let mut st = lock(&self.sh.st);
-        loop {
-            if let Some(i) = st.freed.iter().position(|f| f.request == request) {
-                if let Some(f) = st.freed.remove(i) {
-                    return Ok(f);
-                }
-            }
-            let now = Instant::now();
-            if now >= end {
-                return Err(Error::WaitTimeout(timeout));
-            }
-            st = self
-                .sh
-                .cv
-                .wait_timeout(st, end - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        wait_until(&self.sh.st, &self.sh.cv, timeout, |st| {
+            let i = st.freed.iter().position(|f| f.request == request)?;
+            st.freed.remove(i)
+        })
+        .ok_or(Error::WaitTimeout(timeout))
     }
 
     fn held(&self) -> usize {
