@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use kvxfer_core::connector::{
     AgentConnector, CacheTensor, ConnectorConfig, Consumer, Handoff, InProcessConnector, KvCaches,
-    KvConsumer, KvProducer, LayerTensors, Mode, Producer,
+    KvConnector, KvConsumer, KvProducer, LayerTensors, Mode, Producer,
 };
 use kvxfer_core::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking, LayerBase};
 use kvxfer_core::{MemKind, MemoryBudget, RegionId};
@@ -607,6 +607,44 @@ unsafe fn caches_of(
     })
 }
 
+/// The body of `kvx_connector_producer` and `kvx_connector_consumer`: checks the arguments,
+/// describes the caches, makes the side with `make`, writes its handle to `out`.
+///
+/// # Safety
+/// `c` live; `layout` valid; `tensors` valid for `layout->layers`, their memory valid per
+/// `kvx_connector_producer`'s contract; `cfg` NULL or valid; `out` valid.
+#[allow(clippy::too_many_arguments)]
+unsafe fn side_of<T: crate::ffi::Kind>(
+    name: &str,
+    c: *const kvx_connector,
+    layout: *const kvx_layout,
+    tensors: *const kvx_cache_tensor,
+    cuda_device: i32,
+    cfg: *const kvx_connector_config,
+    out: *mut *mut T,
+    make: impl FnOnce(&dyn KvConnector, &KvCaches, &ConnectorConfig) -> Result<T, Fail>,
+) -> kvx_status {
+    guard(name, || {
+        // SAFETY: per this function's contract.
+        let c = unsafe { handle(c, "connector") }?;
+        // SAFETY: as above.
+        let l = unsafe { plain(layout, "layout") }?;
+        // SAFETY: as above.
+        let t = unsafe { slice(tensors, l.layers as usize, "tensors") }?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        // SAFETY: the tensors' memory per this function's contract.
+        let caches = unsafe { caches_of(l, t, cuda_device) }?;
+        // SAFETY: cfg NULL or valid.
+        let cfg = config_of(unsafe { cfg.as_ref() });
+        let side = make(&*c.inner, &caches, &cfg)?;
+        // SAFETY: out valid.
+        unsafe { *out = new_handle(side) };
+        Ok(())
+    })
+}
+
 /// kvxfer's connector over agent `a`: producers and consumers it makes move KV through the
 /// agent (UCX, kvxfer's lanes) to and from other processes and hosts. `side_channel` (may be
 /// NULL): the address of `a`'s `kvx_agent_listen`, put into handoffs. Tensors given to
@@ -694,25 +732,19 @@ pub unsafe extern "C" fn kvx_connector_producer(
     cfg: *const kvx_connector_config,
     out: *mut *mut kvx_producer,
 ) -> kvx_status {
-    guard("kvx_connector_producer", || {
-        // SAFETY: per this function's contract.
-        let c = unsafe { handle(c, "connector") }?;
-        // SAFETY: as above.
-        let l = unsafe { plain(layout, "layout") }?;
-        // SAFETY: as above.
-        let t = unsafe { slice(tensors, l.layers as usize, "tensors") }?;
-        if out.is_null() {
-            return Err(null("out"));
-        }
-        // SAFETY: the tensors' memory per this function's contract.
-        let caches = unsafe { caches_of(l, t, cuda_device) }?;
-        // SAFETY: cfg NULL or valid.
-        let cfg = config_of(unsafe { cfg.as_ref() });
-        let p = c.inner.producer(&caches, &cfg)?;
-        // SAFETY: out valid.
-        unsafe { *out = new_handle(kvx_producer::new(p)) };
-        Ok(())
-    })
+    // SAFETY: per this function's contract, which `side_of` states.
+    unsafe {
+        side_of(
+            "kvx_connector_producer",
+            c,
+            layout,
+            tensors,
+            cuda_device,
+            cfg,
+            out,
+            |k, c, g| Ok(kvx_producer::new(k.producer(c, g)?)),
+        )
+    }
 }
 
 /// As `kvx_connector_producer`, for the decode side.
@@ -728,23 +760,17 @@ pub unsafe extern "C" fn kvx_connector_consumer(
     cfg: *const kvx_connector_config,
     out: *mut *mut kvx_consumer,
 ) -> kvx_status {
-    guard("kvx_connector_consumer", || {
-        // SAFETY: per this function's contract.
-        let c = unsafe { handle(c, "connector") }?;
-        // SAFETY: as above.
-        let l = unsafe { plain(layout, "layout") }?;
-        // SAFETY: as above.
-        let t = unsafe { slice(tensors, l.layers as usize, "tensors") }?;
-        if out.is_null() {
-            return Err(null("out"));
-        }
-        // SAFETY: the tensors' memory per this function's contract.
-        let caches = unsafe { caches_of(l, t, cuda_device) }?;
-        // SAFETY: cfg NULL or valid.
-        let cfg = config_of(unsafe { cfg.as_ref() });
-        let k = c.inner.consumer(&caches, &cfg)?;
-        // SAFETY: out valid.
-        unsafe { *out = new_handle(kvx_consumer::new(k)) };
-        Ok(())
-    })
+    // SAFETY: per this function's contract, which `side_of` states.
+    unsafe {
+        side_of(
+            "kvx_connector_consumer",
+            c,
+            layout,
+            tensors,
+            cuda_device,
+            cfg,
+            out,
+            |k, c, g| Ok(kvx_consumer::new(k.consumer(c, g)?)),
+        )
+    }
 }
