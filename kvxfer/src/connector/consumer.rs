@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::api::LoadFailure;
 use super::config::ConnectorConfig;
-use super::shell::{add_stats, lock, send, state_charge, take_control, wait_until};
+use super::shell::{add_stats, lock, send, state_charge, take_control, wait_until, Registrations};
 use crate::agent::Agent;
 use crate::budget::{Charge, MemoryBudget};
 use crate::telemetry::{RequestStats, Telemetry};
@@ -66,6 +66,9 @@ struct CShared {
 pub struct Consumer {
     sh: Arc<CShared>,
     thread: Option<JoinHandle<()>>,
+    /// Regions its `AgentConnector` registered for it: deregistered after the thread has
+    /// stopped (fields drop after `Drop::drop`).
+    _regs: Option<Registrations>,
 }
 
 impl std::fmt::Debug for Consumer {
@@ -77,6 +80,12 @@ impl std::fmt::Debug for Consumer {
 }
 
 impl Consumer {
+    /// This consumer, owning the registrations made for it.
+    pub(crate) fn owning(mut self, regs: Registrations) -> Consumer {
+        self._regs = Some(regs);
+        self
+    }
+
     /// A consumer over `agent`, whose registered cache `layout` describes.
     pub fn new(agent: Arc<Agent>, layout: KvLayout, cfg: ConnectorConfig) -> Result<Consumer> {
         let sh = Arc::new(CShared {
@@ -103,6 +112,7 @@ impl Consumer {
         Ok(Consumer {
             sh,
             thread: Some(thread),
+            _regs: None,
         })
     }
 

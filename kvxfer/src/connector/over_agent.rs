@@ -9,8 +9,8 @@ use super::api::{KvCaches, KvConnector, KvConsumer, KvProducer, LoadFailure};
 use super::config::ConnectorConfig;
 use super::consumer::Consumer;
 use super::producer::Producer;
+use super::shell::Registrations;
 use crate::agent::Agent;
-use crate::memory::Region;
 use crate::telemetry::{RequestStats, Telemetry};
 use kvxfer_proto::error::Result;
 use kvxfer_proto::lifecycle::Freed;
@@ -78,50 +78,14 @@ impl KvConnector for AgentConnector {
     fn producer(&self, caches: &KvCaches, cfg: &ConnectorConfig) -> Result<Box<dyn KvProducer>> {
         let (layout, regs) = self.register(caches)?;
         let p = Producer::new(self.agent.clone(), layout, cfg.clone(), self.side_channel)?;
-        Ok(Box::new(OverAgent {
-            inner: p,
-            _regs: regs,
-        }))
+        Ok(Box::new(p.owning(regs)))
     }
 
     fn consumer(&self, caches: &KvCaches, cfg: &ConnectorConfig) -> Result<Box<dyn KvConsumer>> {
         let (layout, regs) = self.register(caches)?;
         let c = Consumer::new(self.agent.clone(), layout, cfg.clone())?;
-        Ok(Box::new(OverAgent {
-            inner: c,
-            _regs: regs,
-        }))
+        Ok(Box::new(c.owning(regs)))
     }
-}
-
-/// Regions a connector registered for an engine's tensors, deregistered on drop.
-#[derive(Debug)]
-struct Registrations {
-    agent: Arc<Agent>,
-    regions: Vec<Region>,
-}
-
-impl Drop for Registrations {
-    fn drop(&mut self) {
-        for r in &self.regions {
-            // Transfers of a dropped producer or consumer are over; a peer's read still in
-            // flight makes this `Busy`: the agent then keeps the mapping until it drops.
-            if let Err(e) = self.agent.deregister(r) {
-                log::warn!(
-                    "kvxfer connector: region {} stays registered: {e}",
-                    r.id().0
-                );
-            }
-        }
-    }
-}
-
-/// A producer or consumer with the registrations made for it (dropped after it: fields drop
-/// in order).
-#[derive(Debug)]
-struct OverAgent<T> {
-    inner: T,
-    _regs: Registrations,
 }
 
 impl KvProducer for Producer {
@@ -175,59 +139,5 @@ impl KvConsumer for Consumer {
     }
     fn telemetry(&self) -> &Telemetry {
         Consumer::telemetry(self)
-    }
-}
-
-impl<T: KvProducer> KvProducer for OverAgent<T> {
-    fn publish(
-        &self,
-        request: &str,
-        blocks: &[u32],
-        tokens: u64,
-        layers_done: usize,
-    ) -> Result<Handoff> {
-        self.inner.publish(request, blocks, tokens, layers_done)
-    }
-    fn layer_done(&self, request: &str, layer: usize) -> Result<()> {
-        self.inner.layer_done(request, layer)
-    }
-    fn abort(&self, request: &str) {
-        self.inner.abort(request)
-    }
-    fn next_freed(&self, timeout: Duration) -> Option<Freed> {
-        self.inner.next_freed(timeout)
-    }
-    fn wait_freed(&self, request: &str, timeout: Duration) -> Result<Freed> {
-        self.inner.wait_freed(request, timeout)
-    }
-    fn held(&self) -> usize {
-        self.inner.held()
-    }
-    fn telemetry(&self) -> &Telemetry {
-        self.inner.telemetry()
-    }
-}
-
-impl<T: KvConsumer> KvConsumer for OverAgent<T> {
-    fn start_load(&self, handoff: &Handoff, local_blocks: &[u32]) -> Result<()> {
-        self.inner.start_load(handoff, local_blocks)
-    }
-    fn wait_layer(&self, request: &str, layer: usize, timeout: Duration) -> Result<()> {
-        self.inner.wait_layer(request, layer, timeout)
-    }
-    fn wait(&self, request: &str, timeout: Duration) -> Result<()> {
-        self.inner.wait(request, timeout)
-    }
-    fn next_finished(&self) -> Option<RequestStats> {
-        self.inner.next_finished()
-    }
-    fn next_failed(&self) -> Option<LoadFailure> {
-        self.inner.next_failed()
-    }
-    fn in_progress(&self) -> usize {
-        self.inner.in_progress()
-    }
-    fn telemetry(&self) -> &Telemetry {
-        self.inner.telemetry()
     }
 }

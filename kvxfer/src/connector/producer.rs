@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::config::ConnectorConfig;
-use super::shell::{add_stats, lock, send, state_charge, take_control, wait_until};
+use super::shell::{add_stats, lock, send, state_charge, take_control, wait_until, Registrations};
 use crate::agent::Agent;
 use crate::budget::Charge;
 use crate::telemetry::{RequestStats, Telemetry};
@@ -74,6 +74,9 @@ struct PShared {
 pub struct Producer {
     sh: Arc<PShared>,
     thread: Option<JoinHandle<()>>,
+    /// Regions its `AgentConnector` registered for it: deregistered after the thread has
+    /// stopped (fields drop after `Drop::drop`).
+    _regs: Option<Registrations>,
 }
 
 impl std::fmt::Debug for Producer {
@@ -85,6 +88,12 @@ impl std::fmt::Debug for Producer {
 }
 
 impl Producer {
+    /// This producer, owning the registrations made for it.
+    pub(crate) fn owning(mut self, regs: Registrations) -> Producer {
+        self._regs = Some(regs);
+        self
+    }
+
     /// A producer over `agent`, whose registered cache `layout` describes; `side_channel` is
     /// where consumers reach the agent's [`Agent::listen`] (put into every handoff).
     pub fn new(
@@ -116,6 +125,7 @@ impl Producer {
         Ok(Producer {
             sh,
             thread: Some(thread),
+            _regs: None,
         })
     }
 

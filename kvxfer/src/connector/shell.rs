@@ -2,11 +2,12 @@
 //! charging request state to the budget, adding up transfer figures.
 #![forbid(unsafe_code)]
 
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::agent::Agent;
 use crate::budget::{Charge, MemoryBudget};
+use crate::memory::Region;
 use crate::transfer::XferStats;
 use kvxfer_proto::error::Result;
 use kvxfer_proto::wire::notify::Notification;
@@ -94,6 +95,28 @@ pub(crate) fn take_control(
         handle(n);
         while let Some(n) = agent.try_control(producer) {
             handle(n);
+        }
+    }
+}
+
+/// Regions a connector registered for an engine's tensors, deregistered on drop.
+#[derive(Debug)]
+pub(crate) struct Registrations {
+    pub(crate) agent: Arc<Agent>,
+    pub(crate) regions: Vec<Region>,
+}
+
+impl Drop for Registrations {
+    fn drop(&mut self) {
+        for r in &self.regions {
+            // Transfers of a dropped producer or consumer are over; a peer's read still in
+            // flight makes this `Busy`: the agent then keeps the mapping until it drops.
+            if let Err(e) = self.agent.deregister(r) {
+                log::warn!(
+                    "kvxfer connector: region {} stays registered: {e}",
+                    r.id().0
+                );
+            }
         }
     }
 }
