@@ -442,6 +442,40 @@ typedef struct kvx_cache_tensor {
   uint64_t v_len;
 } kvx_cache_tensor;
 
+/**
+ * One producer rank a decode rank loads from (an entry of `kvx_tp_plan`), and how: the
+ * producer rank's heads `[remote_heads_start, remote_heads_end)` go into the decode rank's
+ * heads `[local_heads_start, local_heads_end)`; both ranges empty: nothing moves, the decode
+ * rank only acknowledges (start the load with no local blocks). `readers`: decode ranks
+ * loading from this producer rank, declared to it so it frees the blocks after the last.
+ */
+typedef struct kvx_tp_read {
+  /**
+   * The producer rank.
+   */
+  uint32_t producer_rank;
+  /**
+   * Decode ranks loading from it.
+   */
+  uint32_t readers;
+  /**
+   * First of the producer rank's heads read.
+   */
+  uint64_t remote_heads_start;
+  /**
+   * Past the last.
+   */
+  uint64_t remote_heads_end;
+  /**
+   * First of this rank's heads written.
+   */
+  uint64_t local_heads_start;
+  /**
+   * Past the last.
+   */
+  uint64_t local_heads_end;
+} kvx_tp_read;
+
 #ifdef __cplusplus
 extern "C" {
 #endif /* __cplusplus */
@@ -1132,6 +1166,41 @@ kvx_status kvx_producer_metrics(const struct kvx_producer *p,
                                 char *buf,
                                 size_t cap,
                                 size_t *out_len);
+
+/**
+ * What decode rank `decode_rank` of a TP `decode_tp` deployment loads from the ranks of a TP
+ * `prefill_tp` one, both over a model of `kv_heads` KV heads in all (each side gives its own
+ * count: different counts are refused). Heads split over ranks as vLLM splits them (per rank
+ * `kv_heads / tp`, or one head replicated on `tp / kv_heads` ranks). Writes the entries, in
+ * producer rank order, to `out` and their count to `*n`; `KVX_BUFFER_TOO_SMALL` with the count
+ * in `*n` when `cap` is less; `KVX_INVALID_ARGUMENT` naming both sides' shapes when the heads
+ * do not split.
+ *
+ * # Safety
+ * `out` NULL or valid for `cap` entries; `n` valid.
+ */
+kvx_status kvx_tp_plan(uint32_t prefill_tp,
+                       uint32_t prefill_kv_heads,
+                       uint32_t decode_tp,
+                       uint32_t decode_kv_heads,
+                       uint32_t decode_rank,
+                       struct kvx_tp_read *out,
+                       size_t cap,
+                       size_t *n);
+
+/**
+ * `kvx_consumer_start_load` with the heads and declared readers of a `kvx_tp_plan` entry
+ * (`read` NULL: as `kvx_consumer_start_load`). Head slices need pull mode.
+ *
+ * # Safety
+ * `c` live; `handoff` valid for `len`; `local_blocks` valid for `n`; `read` NULL or valid.
+ */
+kvx_status kvx_consumer_start_load_with(const struct kvx_consumer *c,
+                                        const uint8_t *handoff,
+                                        size_t len,
+                                        const uint32_t *local_blocks,
+                                        size_t n,
+                                        const struct kvx_tp_read *read);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -323,3 +323,4 @@ pub extern "C" fn kvx_version() -> *const c_char {
 mod agent;
 mod connector;
 mod metrics;
+mod tp;

@@ -12,6 +12,7 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::layout::{KvGeometry, KvLayout};
 use crate::lifecycle::{Freed, Ledger};
+use crate::tp::HeadMap;
 use crate::wire::connector::{Handoff, Mode, PushWant, Refusal, ToConsumer, ToProducer};
 
 /// A consumer that hears "not held" this soon after starting keeps asking: the handoff may
@@ -158,6 +159,20 @@ impl ProducerCore {
     /// A message from consumer `from` at `now`.
     pub fn handle(&mut self, from: &str, msg: ToProducer, now: Duration) -> Vec<ProducerAction> {
         let request = msg.request().to_string();
+        if let Some(n) = msg.readers() {
+            if let Err(e) = self.ledger.declare(&request, from, n as usize, now) {
+                let mut out = self.freed_now();
+                out.push(ProducerAction::Send {
+                    to: from.to_string(),
+                    msg: ToConsumer::Refused {
+                        request,
+                        kind: Some(Refusal::of(&e)),
+                        why: e.to_string(),
+                    },
+                });
+                return out;
+            }
+        }
         match msg {
             ToProducer::Heartbeat { .. } | ToProducer::Want { .. } => {
                 match self.ledger.heartbeat(&request, from, now) {
@@ -287,6 +302,8 @@ pub struct LoadProtocol {
     loaded: Vec<bool>,
     started: Duration,
     last_hb: Duration,
+    /// Readers declared to the producer in every message (the tensor-parallel plan's count).
+    readers: Option<u32>,
 }
 
 impl LoadProtocol {
@@ -303,7 +320,22 @@ impl LoadProtocol {
         nothing: bool,
         now: Duration,
     ) -> (LoadProtocol, ToProducer) {
-        let p = LoadProtocol {
+        let p = LoadProtocol::new(request, producer, mode, layers, want, nothing, now);
+        let first = p.opening();
+        (p, first)
+    }
+
+    /// [`LoadProtocol::start`] without the first message (see [`LoadProtocol::opening`]).
+    pub fn new(
+        request: &str,
+        producer: &str,
+        mode: Mode,
+        layers: usize,
+        want: Option<PushWant>,
+        nothing: bool,
+        now: Duration,
+    ) -> LoadProtocol {
+        LoadProtocol {
             request: request.to_string(),
             producer: producer.to_string(),
             mode,
@@ -313,9 +345,25 @@ impl LoadProtocol {
             loaded: vec![nothing; layers],
             started: now,
             last_hb: now,
-        };
-        let first = if nothing { p.ack() } else { p.renewal() };
-        (p, first)
+            readers: None,
+        }
+    }
+
+    /// Declares `readers` (when `Some`) to the producer in every message: how many consumer
+    /// ranks read this request ([`crate::tp::TpRead::readers`]).
+    pub fn declaring(mut self, readers: Option<u32>) -> LoadProtocol {
+        self.readers = readers;
+        self
+    }
+
+    /// The first message to send: an acknowledgement when nothing moves, else the first
+    /// heartbeat (or push request).
+    pub fn opening(&self) -> ToProducer {
+        if self.complete() {
+            self.ack()
+        } else {
+            self.renewal()
+        }
     }
 
     /// The producer.
@@ -365,6 +413,7 @@ impl LoadProtocol {
     pub fn ack(&self) -> ToProducer {
         ToProducer::Ack {
             request: self.request.clone(),
+            readers: self.readers,
         }
     }
 
@@ -420,25 +469,27 @@ impl LoadProtocol {
             (Some(want), None) => ToProducer::Want {
                 request: self.request.clone(),
                 want: want.clone(),
+                readers: self.readers,
             },
             _ => ToProducer::Heartbeat {
                 request: self.request.clone(),
+                readers: self.readers,
             },
         }
     }
 }
 
 /// What a consumer checks before it loads `h` into `local_blocks` of its cache `local`,
-/// reading the producer's heads `heads` (all when `None`): the same layout (compat hash),
-/// a head range that fills the local cache, blocks inside both caches. Returns the
-/// producer's layout as the handoff describes it, with the heads the consumer reads.
+/// moving the producer's heads `heads.remote` into its heads `heads.local` (every head into
+/// every head when `None`): the same layout but for the head count (compat hash), head ranges
+/// of equal width inside both caches, blocks inside both caches. Returns the producer's layout
+/// as the handoff describes it.
 pub fn check_load(
     local: &KvLayout,
-    heads: Option<std::ops::Range<u64>>,
+    heads: Option<&HeadMap>,
     h: &Handoff,
     local_blocks: &[u32],
 ) -> Result<KvLayout> {
-    let heads = heads.unwrap_or(0..h.kv_heads);
     let want = KvLayout {
         geometry: KvGeometry {
             kv_heads: h.kv_heads,
@@ -449,20 +500,39 @@ pub fn check_load(
     if want.compat_hash() != h.compat {
         return Err(Error::Handoff {
             request: h.request.clone(),
-            why: "the producer's KV layout (layers, head size, dtype, block size, packing, \
-                  order) differs from this consumer's"
-                .into(),
+            why: format!(
+                "the producer's KV layout (layers, head size, dtype, block size, packing, \
+                 order) differs from this consumer's ({} layers of {} heads x {}, {:?}, {} \
+                 tokens a block, {:?}, {:?})",
+                local.geometry.layers,
+                local.geometry.kv_heads,
+                local.geometry.head_dim,
+                local.geometry.dtype,
+                local.block_tokens,
+                local.packing,
+                local.order
+            ),
         });
     }
-    if heads.start >= heads.end
-        || heads.end > h.kv_heads
-        || heads.end - heads.start != local.geometry.kv_heads
+    let all = HeadMap::all(h.kv_heads);
+    let m = heads.unwrap_or(&all);
+    let lh = local.geometry.kv_heads;
+    let (r, l) = (&m.remote, &m.local);
+    // Nothing moves (a cached prompt, or a replica only acknowledged): no heads to check.
+    if !local_blocks.is_empty()
+        && (r.start >= r.end
+            || r.end > h.kv_heads
+            || l.start >= l.end
+            || l.end > lh
+            || r.end - r.start != l.end - l.start
+            || (heads.is_none() && h.kv_heads != lh))
     {
         return Err(Error::Handoff {
             request: h.request.clone(),
             why: format!(
-                "reading heads {heads:?} of the producer's {} into a cache of {} heads",
-                h.kv_heads, local.geometry.kv_heads
+                "reading heads {r:?} of the producer's {} into heads {l:?} of a cache of {lh} \
+                 heads",
+                h.kv_heads
             ),
         });
     }
@@ -630,6 +700,46 @@ mod tests {
     }
 
     #[test]
+    fn consumer_ranks_declare_their_readers_and_the_last_ack_frees() {
+        // Published for one reader (the prefill side does not know the decode TP); two decode
+        // ranks each read half the heads and declare two readers.
+        let mut p = Pair::new(Mode::Pull);
+        p.producer.publish("r1", vec![1, 2], 1, 2, 2, p.now);
+        for c in ["rank0", "rank1"] {
+            let l = LoadProtocol::new("r1", "prefill", Mode::Pull, 2, None, false, p.now)
+                .declaring(Some(2));
+            p.to_producer.push((c.into(), l.opening()));
+            p.loads.push((c.into(), l));
+        }
+        p.step(ms(1));
+        assert!(p.load("rank1").lease_until().is_some());
+        let ack = p.load("rank0").ack();
+        p.to_producer.push(("rank0".into(), ack));
+        p.step(ms(1));
+        assert!(p.freed.is_empty(), "freed after one of two: {:?}", p.freed);
+        let ack = p.load("rank1").ack();
+        p.to_producer.push(("rank1".into(), ack));
+        p.step(ms(1));
+        assert_eq!(p.freed.len(), 1);
+        assert_eq!(p.freed[0].reason, FreeReason::Acked);
+        // A third rank whose plan counts otherwise is refused, typed.
+        p.producer.publish("r2", vec![3], 1, 2, 2, p.now);
+        for (c, n) in [("rank0", 2), ("rank9", 3)] {
+            let l = LoadProtocol::new("r2", "prefill", Mode::Pull, 2, None, false, p.now)
+                .declaring(Some(n));
+            p.to_producer.push((c.into(), l.opening()));
+            p.loads.retain(|(x, _)| x != c);
+            p.loads.push((c.into(), l));
+        }
+        p.step(ms(1));
+        assert!(p
+            .events
+            .iter()
+            .any(|(c, e)| c == "rank9"
+                && matches!(e, LoadEvent::Failed(w) if w.contains("declares 3"))));
+    }
+
+    #[test]
     fn a_silent_consumer_s_lease_expires_at_the_lease_length() {
         let mut p = Pair::new(Mode::Pull);
         p.producer.publish("r1", vec![7], 1, 2, 2, p.now);
@@ -737,6 +847,7 @@ mod tests {
             ToProducer::Want {
                 request: "r1".into(),
                 want: want.clone(),
+                readers: None,
             },
             p.now,
         );
@@ -774,7 +885,8 @@ mod tests {
         assert_eq!(
             first,
             ToProducer::Heartbeat {
-                request: "r1".into()
+                request: "r1".into(),
+                readers: None
             }
         );
         let lease = ToConsumer::Lease {
@@ -810,7 +922,8 @@ mod tests {
         assert_eq!(
             first,
             ToProducer::Ack {
-                request: "r3".into()
+                request: "r3".into(),
+                readers: None
             }
         );
     }
@@ -825,6 +938,7 @@ mod tests {
             "d",
             ToProducer::Heartbeat {
                 request: "r1".into(),
+                readers: None,
             },
             ms(1),
         );
@@ -845,10 +959,60 @@ mod tests {
             .handle(
                 "d",
                 ToProducer::Ack {
-                    request: "r1".into()
+                    request: "r1".into(),
+                    readers: None
                 },
                 ms(2)
             )
             .is_empty());
+    }
+
+    #[test]
+    fn check_load_places_a_head_slice_and_refuses_what_does_not_fit() {
+        use crate::layout::{KvDtype, KvOrder, KvPacking};
+        use crate::types::RegionId;
+        let layout = |heads| {
+            let g = KvGeometry {
+                name: "t".into(),
+                layers: 2,
+                kv_heads: heads,
+                head_dim: 8,
+                dtype: KvDtype::Bf16,
+            };
+            KvLayout::contiguous(g, 4, 16, KvPacking::Fused, KvOrder::Hnd, RegionId(0))
+        };
+        // A producer rank of 2 heads, read into heads 2..4 of a 4-head consumer (TP 2 -> 1).
+        let producer = layout(2);
+        let h = Handoff {
+            request: "r".into(),
+            producer: "p".into(),
+            side_channel: None,
+            blocks: vec![1, 2],
+            tokens: 8,
+            compat: producer.compat_hash(),
+            kv_heads: 2,
+            num_blocks: 16,
+            layers: producer.layers.clone(),
+            mode: Mode::Pull,
+        };
+        let local = layout(4);
+        let m = |r: std::ops::Range<u64>, l: std::ops::Range<u64>| HeadMap {
+            remote: r,
+            local: l,
+        };
+        let remote = check_load(&local, Some(&m(0..2, 2..4)), &h, &[5, 6]).unwrap();
+        assert_eq!(remote.geometry.kv_heads, 2);
+        for bad in [m(0..2, 3..5), m(0..3, 1..4), m(0..1, 0..2), m(1..1, 1..1)] {
+            let e = check_load(&local, Some(&bad), &h, &[5, 6]).unwrap_err();
+            assert!(e.to_string().contains("into heads"), "{bad:?}: {e}");
+        }
+        // Every head into every head needs equal counts, unless nothing moves.
+        assert!(check_load(&local, None, &h, &[5, 6]).is_err());
+        assert!(check_load(&local, None, &h, &[]).is_ok());
+        // Another layout (NHD here) is refused, naming this side's shape.
+        let mut nhd = layout(4);
+        nhd.order = KvOrder::Nhd;
+        let e = check_load(&nhd, Some(&m(0..2, 0..2)), &h, &[5]).unwrap_err();
+        assert!(e.to_string().contains("Nhd"), "{e}");
     }
 }

@@ -1,5 +1,5 @@
 //! kvxfer's pure core: the vocabulary, the errors, descriptor resolution and planning, KV
-//! layout math, the block lifecycle, link planning, and every wire codec. No I/O beyond
+//! layout math, the block lifecycle, link planning, tensor-parallel head mapping, and every wire codec. No I/O beyond
 //! reading a frame from a byte stream, no clock of its own (callers pass `now`), no UCX, no
 //! unsafe code: it builds and tests anywhere (`cargo test -p kvxfer-proto`), and the fuzz
 //! targets depend on it alone.
@@ -16,5 +16,6 @@ pub mod lane;
 pub mod layout;
 pub mod lifecycle;
 pub mod planning;
+pub mod tp;
 pub mod types;
 pub mod wire;

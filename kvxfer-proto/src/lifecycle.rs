@@ -54,6 +54,21 @@ pub enum LeaseError {
         /// The reader refused.
         reader: String,
     },
+    /// A reader declared another count of readers than the request already has.
+    #[error(
+        "request {request:?} has {expected} readers; {reader:?} declares {declared} (the \
+         consumer ranks' tensor-parallel plans disagree)"
+    )]
+    ReadersMismatch {
+        /// The request.
+        request: String,
+        /// Readers it has.
+        expected: usize,
+        /// Readers declared.
+        declared: usize,
+        /// The reader refused.
+        reader: String,
+    },
 }
 
 #[derive(Debug)]
@@ -118,6 +133,36 @@ impl Ledger {
             Some(FreeReason::Aborted) => LeaseError::Aborted(request.to_string()),
             Some(FreeReason::Acked) | None => LeaseError::Unknown(request.to_string()),
         }
+    }
+
+    /// A reader declares how many readers the request has (its tensor-parallel plan counts
+    /// them): the first declaration, before any reader is seen, sets the count (it overrides
+    /// the one published); a later one must agree. Call before the reader's heartbeat or ack.
+    pub fn declare(
+        &mut self,
+        request: &str,
+        reader: &str,
+        readers: usize,
+        now: Duration,
+    ) -> Result<(), LeaseError> {
+        self.expire_one(request, now);
+        let Some(h) = self.held.get_mut(request) else {
+            return Err(self.refuse(request));
+        };
+        let readers = readers.max(1);
+        let first = h.seen.is_empty() && h.acked.is_empty();
+        let known = h.seen.iter().chain(&h.acked).any(|r| r == reader);
+        if first {
+            h.readers = readers;
+        } else if readers != h.readers && !known {
+            return Err(LeaseError::ReadersMismatch {
+                request: request.to_string(),
+                expected: h.readers,
+                declared: readers,
+                reader: reader.to_string(),
+            });
+        }
+        Ok(())
     }
 
     /// A reader's heartbeat: renews the lease and returns the time it has left. Expired leases
@@ -286,6 +331,29 @@ mod tests {
         assert_eq!(l.held(), 1);
         let f = l.ack("r", "rank1", s(3)).unwrap().unwrap();
         assert_eq!(f.reason, FreeReason::Acked);
+    }
+
+    #[test]
+    fn declared_readers_override_the_published_count_and_must_agree() {
+        let mut l = Ledger::new(s(10));
+        l.hold("r", vec![1], 1, s(0));
+        l.declare("r", "rank0", 2, s(1)).unwrap();
+        l.heartbeat("r", "rank0", s(1)).unwrap();
+        assert!(matches!(
+            l.declare("r", "rank1", 3, s(1)),
+            Err(LeaseError::ReadersMismatch {
+                expected: 2,
+                declared: 3,
+                ..
+            })
+        ));
+        l.declare("r", "rank1", 2, s(1)).unwrap();
+        assert_eq!(l.ack("r", "rank0", s(2)).unwrap(), None);
+        assert!(l.ack("r", "rank1", s(2)).unwrap().is_some());
+        assert!(matches!(
+            l.declare("gone", "rank0", 2, s(2)),
+            Err(LeaseError::Unknown(_))
+        ));
     }
 
     #[test]

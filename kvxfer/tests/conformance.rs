@@ -22,15 +22,19 @@ fn agent(role: &str) -> Result<Arc<Agent>> {
 }
 
 impl Harness for OverAgents {
-    fn connectors(&self, consumers: usize) -> Result<Connectors> {
-        let p = agent("prefill")?;
-        let side = p.listen("127.0.0.1:0")?;
+    fn connectors(&self, producers: usize, consumers: usize) -> Result<Connectors> {
+        let mut ps: Vec<Box<dyn KvConnector>> = Vec::new();
+        for _ in 0..producers {
+            let p = agent("prefill")?;
+            let side = p.listen("127.0.0.1:0")?;
+            ps.push(Box::new(AgentConnector::new(p, Some(side))));
+        }
         let mut cs: Vec<Box<dyn KvConnector>> = Vec::new();
         for _ in 0..consumers {
             cs.push(Box::new(AgentConnector::new(agent("decode")?, None)));
         }
         Ok(Connectors {
-            producer: Box::new(AgentConnector::new(p, Some(side))),
+            producers: ps,
             consumers: cs,
         })
     }
@@ -39,13 +43,16 @@ impl Harness for OverAgents {
 struct InProcess;
 
 impl Harness for InProcess {
-    fn connectors(&self, consumers: usize) -> Result<Connectors> {
+    fn connectors(&self, producers: usize, consumers: usize) -> Result<Connectors> {
         let c = InProcessConnector::new();
-        Ok(Connectors {
-            producer: Box::new(c.clone()),
-            consumers: (0..consumers)
+        let each = |n| {
+            (0..n)
                 .map(|_| Box::new(c.clone()) as Box<dyn KvConnector>)
-                .collect(),
+                .collect()
+        };
+        Ok(Connectors {
+            producers: each(producers),
+            consumers: each(consumers),
         })
     }
 }

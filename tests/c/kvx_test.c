@@ -227,7 +227,7 @@ static void in_process(void) {
   unsigned char h[4096];
   size_t hlen = 0;
   CHECK(kvx_producer_publish(p, "ip-1", blocks, 3, 48, 2, h, sizeof h, &hlen));
-  CHECK(kvx_consumer_start_load(c, h, hlen, local, 2));
+  CHECK(kvx_consumer_start_load_with(c, h, hlen, local, 2, NULL)); /* NULL: as start_load */
   CHECK(kvx_consumer_wait(c, "ip-1", 20000));
   for (int k = 0; k < 2; k++)
     for (int j = 0; j < 2; j++) {
@@ -258,6 +258,29 @@ static void in_process(void) {
   free(src);
   free(dst);
   printf("in-process connector: 2 of 3 blocks moved (1 cached), bytes verified, freed on ack\n");
+}
+
+/* Tensor parallelism: what a decode rank loads from which prefill rank, and a geometry that
+ * cannot work refused naming both sides. */
+static void tp_plan(void) {
+  kvx_tp_read r[4];
+  size_t n = 0;
+  CHECK(kvx_tp_plan(2, 4, 1, 4, 0, r, 4, &n));
+  if (n != 2 || r[0].producer_rank != 0 || r[1].producer_rank != 1 || r[1].readers != 1 ||
+      r[1].remote_heads_start != 0 || r[1].remote_heads_end != 2 || r[1].local_heads_start != 2 ||
+      r[1].local_heads_end != 4)
+    die("tp plan 2 -> 1", KVX_OK);
+  EXPECT(kvx_tp_plan(2, 4, 1, 4, 0, r, 1, &n), KVX_BUFFER_TOO_SMALL);
+  if (n != 2) die("tp plan size report", KVX_OK);
+  CHECK(kvx_tp_plan(1, 4, 2, 4, 1, r, 4, &n));
+  if (n != 1 || r[0].readers != 2 || r[0].remote_heads_start != 2 || r[0].local_heads_start != 0)
+    die("tp plan 1 -> 2", KVX_OK);
+  EXPECT(kvx_tp_plan(2, 6, 4, 6, 0, r, 4, &n), KVX_INVALID_ARGUMENT);
+  char m[512];
+  kvx_last_error(m, sizeof m);
+  if (!strstr(m, "prefill TP 2 over 6 KV heads") || !strstr(m, "decode TP 4 over 6 KV heads"))
+    die("tp refusal does not name both sides", KVX_OK);
+  printf("tp plan: 2 -> 1 reads both halves into place, 1 -> 2 declares 2 readers, 6 heads over TP 4 refused\n");
 }
 
 int main(int argc, char **argv) {
@@ -506,6 +529,7 @@ int main(int argc, char **argv) {
     return 1;
   }
   in_process();
+  tp_plan();
   printf("kvx_test %s: ok\n", transport);
   return 0;
 }

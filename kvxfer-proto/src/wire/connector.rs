@@ -157,13 +157,17 @@ pub struct PushWant {
     pub layers: Vec<LayerBase>,
 }
 
-/// Messages to a producer.
+/// Messages to a producer. Each may carry `readers` (`"n"`): how many consumer ranks will
+/// read the request, as the consumer's tensor-parallel plan counts them
+/// ([`crate::tp::plan`]). Absent, the producer keeps the count it published with.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ToProducer {
     /// "Still reading `request`": renews the reader's lease (`hb`).
     Heartbeat {
         /// The request.
         request: String,
+        /// Readers the consumer declares.
+        readers: Option<u32>,
     },
     /// A push consumer's first message, repeated until a lease comes back: its blocks
     /// (`want`). Renews the lease as a heartbeat does.
@@ -172,11 +176,15 @@ pub enum ToProducer {
         request: String,
         /// Where to write.
         want: PushWant,
+        /// Readers the consumer declares.
+        readers: Option<u32>,
     },
     /// "Done with `request`'s blocks" (`ack`): the last reader's frees them.
     Ack {
         /// The request.
         request: String,
+        /// Readers the consumer declares.
+        readers: Option<u32>,
     },
 }
 
@@ -200,7 +208,9 @@ impl Refusal {
             LeaseError::Unknown(_) => Refusal::Unknown,
             LeaseError::Expired(_) => Refusal::Expired,
             LeaseError::Aborted(_) => Refusal::Aborted,
-            LeaseError::TooManyReaders { .. } => Refusal::Readers,
+            LeaseError::TooManyReaders { .. } | LeaseError::ReadersMismatch { .. } => {
+                Refusal::Readers
+            }
         }
     }
 
@@ -267,39 +277,64 @@ impl ToProducer {
     /// The request the message is about.
     pub fn request(&self) -> &str {
         match self {
-            ToProducer::Heartbeat { request }
+            ToProducer::Heartbeat { request, .. }
             | ToProducer::Want { request, .. }
-            | ToProducer::Ack { request } => request,
+            | ToProducer::Ack { request, .. } => request,
+        }
+    }
+
+    /// The readers the consumer declares, if it does.
+    pub fn readers(&self) -> Option<u32> {
+        match self {
+            ToProducer::Heartbeat { readers, .. }
+            | ToProducer::Want { readers, .. }
+            | ToProducer::Ack { readers, .. } => *readers,
         }
     }
 
     /// The notification payload: tag and JSON.
     pub fn encode(&self) -> Vec<u8> {
-        let v = match self {
-            ToProducer::Heartbeat { request } => json!({"t": "hb", "r": request}),
-            ToProducer::Ack { request } => json!({"t": "ack", "r": request}),
-            ToProducer::Want { request, want } => json!({
+        let mut v = match self {
+            ToProducer::Heartbeat { request, .. } => json!({"t": "hb", "r": request}),
+            ToProducer::Ack { request, .. } => json!({"t": "ack", "r": request}),
+            ToProducer::Want { request, want, .. } => json!({
                 "t": "want", "r": request, "blocks": want.blocks,
                 "nb": want.num_blocks,
                 "layers": want.layers.iter().map(base_json).collect::<Vec<_>>(),
             }),
         };
+        if let (Some(n), Value::Object(m)) = (self.readers(), &mut v) {
+            m.insert("n".into(), n.into());
+        }
         tagged(TAG_TO_PRODUCER, &v)
     }
 
     /// Parses a notification payload; `Err` says what is malformed.
     pub fn decode(payload: &[u8]) -> std::result::Result<ToProducer, String> {
         let (kind, request, v) = untag(TAG_TO_PRODUCER, payload)?;
+        let readers = match &v["n"] {
+            Value::Null => None,
+            n => Some(
+                n.as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .filter(|&n| n > 0)
+                    .ok_or(format!("{kind}: readers"))?,
+            ),
+        };
         match kind.as_str() {
-            "hb" => Ok(ToProducer::Heartbeat { request }),
-            "ack" => Ok(ToProducer::Ack { request }),
+            "hb" => Ok(ToProducer::Heartbeat { request, readers }),
+            "ack" => Ok(ToProducer::Ack { request, readers }),
             "want" => {
                 let want = PushWant {
                     blocks: u32_list(&v["blocks"]).ok_or("want: blocks")?,
                     num_blocks: v["nb"].as_u64().ok_or("want: nb")?,
                     layers: bases_from(&v["layers"]).ok_or("want: layers")?,
                 };
-                Ok(ToProducer::Want { request, want })
+                Ok(ToProducer::Want {
+                    request,
+                    want,
+                    readers,
+                })
             }
             other => Err(format!("unknown message {other:?} to a producer")),
         }
@@ -452,8 +487,15 @@ mod tests {
         // What the untyped encoder of the first release put on the wire.
         let hb = ToProducer::Heartbeat {
             request: "r1".into(),
+            readers: None,
         };
         assert_eq!(hb.encode(), b"KXCP{\"r\":\"r1\",\"t\":\"hb\"}");
+        // A declared reader count is one more key; decoders of the first release ignore it.
+        let hb = ToProducer::Heartbeat {
+            request: "r1".into(),
+            readers: Some(2),
+        };
+        assert_eq!(hb.encode(), b"KXCP{\"n\":2,\"r\":\"r1\",\"t\":\"hb\"}");
         let lease = ToConsumer::Lease {
             request: "r1".into(),
             ms: 250,
@@ -479,6 +521,8 @@ mod tests {
         assert!(ToProducer::decode(b"KXCC{\"t\":\"hb\",\"r\":\"x\"}").is_err());
         assert!(ToProducer::decode(b"KXCP{\"t\":\"lease\",\"r\":\"x\"}").is_err());
         assert!(ToProducer::decode(b"KXCP{\"t\":\"hb\"}").is_err());
+        assert!(ToProducer::decode(b"KXCP{\"t\":\"hb\",\"r\":\"x\",\"n\":0}").is_err());
+        assert!(ToProducer::decode(b"KXCP{\"t\":\"ack\",\"r\":\"x\",\"n\":\"2\"}").is_err());
         assert!(ToProducer::decode(b"KXCP{\"t\":\"want\",\"r\":\"x\",\"blocks\":[-1]}").is_err());
         assert!(ToConsumer::decode(b"KXCC{\"t\":\"lease\",\"r\":\"x\"}").is_err());
         assert!(
@@ -491,11 +535,14 @@ mod tests {
         #[test]
         fn to_producer_roundtrip(request in ".{1,16}", kind in 0..3u8,
                                  blocks in proptest::collection::vec(any::<u32>(), 0..8),
-                                 num_blocks in any::<u64>(), layers in bases()) {
+                                 num_blocks in any::<u64>(), layers in bases(),
+                                 readers in proptest::option::of(1u32..)) {
             let m = match kind {
-                0 => ToProducer::Heartbeat { request },
-                1 => ToProducer::Ack { request },
-                _ => ToProducer::Want { request, want: PushWant { blocks, num_blocks, layers } },
+                0 => ToProducer::Heartbeat { request, readers },
+                1 => ToProducer::Ack { request, readers },
+                _ => ToProducer::Want {
+                    request, want: PushWant { blocks, num_blocks, layers }, readers,
+                },
             };
             prop_assert_eq!(ToProducer::decode(&m.encode()), Ok(m));
         }

@@ -26,6 +26,7 @@ use crate::telemetry::{RequestStats, Telemetry};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::layout::{KvGeometry, KvLayout, KvOrder, KvPacking, LayerBase};
 use kvxfer_proto::lifecycle::Freed;
+use kvxfer_proto::tp::{HeadMap, TpRead};
 use kvxfer_proto::types::{MemKind, RegionId};
 use kvxfer_proto::wire::connector::Handoff;
 
@@ -227,6 +228,29 @@ pub struct LoadFailure {
     pub invalid_blocks: Vec<u32>,
 }
 
+/// How one load moves its blocks, beyond which blocks: the heads (tensor parallelism) and the
+/// readers the consumer's side declares. The default moves what the consumer's
+/// [`ConnectorConfig::heads`] says (every head, unless set) into every local head.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LoadSpec {
+    /// The producer's heads to read and the local heads they go to; `None`: the config's.
+    pub heads: Option<HeadMap>,
+    /// Consumer ranks that read this request from this producer, declared to it (it frees the
+    /// blocks after that many acknowledgements); `None`: the count the producer published.
+    pub readers: Option<u32>,
+}
+
+impl LoadSpec {
+    /// The load a tensor-parallel plan ([`kvxfer_proto::tp::plan`]) asks for from one
+    /// producer rank. A read with no heads moves nothing: load it with no local blocks.
+    pub fn from_tp(read: &TpRead) -> LoadSpec {
+        LoadSpec {
+            heads: read.heads.clone(),
+            readers: u32::try_from(read.readers).ok(),
+        }
+    }
+}
+
 /// The decode side: loads handoffs into the engine's blocks.
 pub trait KvConsumer: Send + Sync + Debug {
     /// Starts loading `handoff` into `local_blocks`. `local_blocks` pairs with the *last*
@@ -234,7 +258,20 @@ pub trait KvConsumer: Send + Sync + Debug {
     /// before them (a cached prefix) and only these move; all of them to load everything.
     /// Empty: nothing moves, the producer is only told it may free its blocks. Waits for
     /// budget (backpressure) up to the config's `budget_wait`.
-    fn start_load(&self, handoff: &Handoff, local_blocks: &[u32]) -> Result<()>;
+    fn start_load(&self, handoff: &Handoff, local_blocks: &[u32]) -> Result<()> {
+        self.start_load_with(handoff, local_blocks, &LoadSpec::default())
+    }
+
+    /// [`KvConsumer::start_load`] with the heads and readers of `spec`: a decode rank of
+    /// another tensor-parallel size than the prefill side makes one such load per producer
+    /// rank its plan names, each with its own handoff (the request as that rank published it).
+    /// Head slices need [`Mode::Pull`](super::Mode::Pull): a push producer writes whole blocks.
+    fn start_load_with(
+        &self,
+        handoff: &Handoff,
+        local_blocks: &[u32],
+        spec: &LoadSpec,
+    ) -> Result<()>;
 
     /// Waits until layer `layer` of `request` is in local memory.
     fn wait_layer(&self, request: &str, layer: usize, timeout: Duration) -> Result<()>;

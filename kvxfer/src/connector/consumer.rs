@@ -7,16 +7,19 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::api::LoadFailure;
+use super::api::{LoadFailure, LoadSpec};
 use super::config::ConnectorConfig;
-use super::shell::{add_stats, lock, send, state_charge, take_control, wait_until, Registrations};
+use super::shell::{
+    add_stats, load_plan, lock, send, state_charge, take_control, wait_until, Registrations,
+};
 use crate::agent::Agent;
 use crate::budget::{Charge, MemoryBudget};
 use crate::telemetry::{RequestStats, Telemetry};
 use crate::transfer::Transfer;
-use kvxfer_proto::connector::{check_load, LoadEvent, LoadProtocol};
+use kvxfer_proto::connector::{LoadEvent, LoadProtocol};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::layout::KvLayout;
+use kvxfer_proto::tp::HeadMap;
 use kvxfer_proto::types::XferOp;
 use kvxfer_proto::wire::connector::{Handoff, Mode, PushWant, ToConsumer};
 use kvxfer_proto::wire::notify::Notification;
@@ -24,6 +27,8 @@ use kvxfer_proto::wire::notify::Notification;
 struct Load {
     h: Handoff,
     remote: KvLayout,
+    /// The producer's heads read, and the local heads they land in.
+    heads: HeadMap,
     local_blocks: Vec<u32>,
     skip: usize,
     /// The protocol: lease, ready and landed layers, heartbeats.
@@ -122,8 +127,18 @@ impl Consumer {
     /// is only told it may free its blocks. Waits for budget (backpressure) up to
     /// `budget_wait`.
     pub fn start_load(&self, h: &Handoff, local_blocks: &[u32]) -> Result<()> {
+        self.start_load_with(h, local_blocks, &LoadSpec::default())
+    }
+
+    /// [`Consumer::start_load`] with the heads and readers of `spec` (tensor parallelism).
+    pub fn start_load_with(
+        &self,
+        h: &Handoff,
+        local_blocks: &[u32],
+        spec: &LoadSpec,
+    ) -> Result<()> {
         let sh = &self.sh;
-        let remote = check_load(&sh.layout, sh.cfg.heads.clone(), h, local_blocks)?;
+        let (remote, heads) = load_plan(&sh.layout, &sh.cfg, spec, h, local_blocks)?;
         if lock(&sh.st).loads.contains_key(&h.request) {
             return Err(Error::InvalidArgument(format!(
                 "load {:?} is already in progress",
@@ -151,7 +166,7 @@ impl Consumer {
             num_blocks: sh.layout.num_blocks,
             layers: sh.layout.layers.clone(),
         };
-        let (proto, first) = LoadProtocol::start(
+        let proto = LoadProtocol::new(
             &h.request,
             &h.producer,
             h.mode,
@@ -159,10 +174,13 @@ impl Consumer {
             Some(want),
             local_blocks.is_empty(),
             sh.t0.elapsed(),
-        );
+        )
+        .declaring(spec.readers);
+        let first = proto.opening();
         let load = Load {
             h: h.clone(),
             remote,
+            heads,
             local_blocks: local_blocks.to_vec(),
             skip,
             proto,
@@ -404,7 +422,6 @@ fn consumer_progress(sh: &CShared) {
     let mut hbs: Vec<(String, Vec<u8>)> = Vec::new();
     let mut failures: Vec<(String, Error)> = Vec::new();
     let mut done: Vec<String> = Vec::new();
-    let local_heads = 0..sh.layout.geometry.kv_heads;
     for (req, l) in st.loads.iter_mut() {
         // Until the producer has taken a push request, the heartbeat repeats it.
         if let Some(m) = l.proto.heartbeat_due(sh.t0.elapsed(), sh.cfg.heartbeat) {
@@ -429,16 +446,17 @@ fn consumer_progress(sh: &CShared) {
                         break;
                     }
                     let layer = l.posted;
-                    let heads = sh.cfg.heads.clone().unwrap_or(0..l.h.kv_heads);
                     let r = (|| -> Result<Transfer> {
                         let ld = sh.layout.descs(
                             &l.local_blocks,
                             layer..layer + 1,
-                            local_heads.clone(),
+                            l.heads.local.clone(),
                         )?;
-                        let rd = l
-                            .remote
-                            .descs(&l.h.blocks[l.skip..], layer..layer + 1, heads)?;
+                        let rd = l.remote.descs(
+                            &l.h.blocks[l.skip..],
+                            layer..layer + 1,
+                            l.heads.remote.clone(),
+                        )?;
                         let lp = sh.agent.prep_local(&ld)?;
                         let rp = sh.agent.prep_remote(&l.h.producer, &rd)?;
                         // Bounded by the lease: never read blocks the producer may have freed.

@@ -81,12 +81,13 @@ mod producer;
 mod shell;
 
 pub use api::{
-    CacheTensor, KvCaches, KvConnector, KvConsumer, KvProducer, LayerTensors, LoadFailure,
+    CacheTensor, KvCaches, KvConnector, KvConsumer, KvProducer, LayerTensors, LoadFailure, LoadSpec,
 };
 pub use config::ConnectorConfig;
 pub use consumer::Consumer;
 pub use in_process::InProcessConnector;
 pub use kvxfer_proto::lifecycle::{FreeReason, Freed};
+pub use kvxfer_proto::tp::{plan as tp_plan, HeadMap, TpRead, TpSide};
 pub use kvxfer_proto::wire::connector::{Handoff, Mode};
 pub use over_agent::AgentConnector;
 pub use producer::Producer;

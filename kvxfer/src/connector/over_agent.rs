@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::api::{KvCaches, KvConnector, KvConsumer, KvProducer, LoadFailure};
+use super::api::{KvCaches, KvConnector, KvConsumer, KvProducer, LoadFailure, LoadSpec};
 use super::config::ConnectorConfig;
 use super::consumer::Consumer;
 use super::producer::Producer;
@@ -119,8 +119,13 @@ impl KvProducer for Producer {
 }
 
 impl KvConsumer for Consumer {
-    fn start_load(&self, handoff: &Handoff, local_blocks: &[u32]) -> Result<()> {
-        Consumer::start_load(self, handoff, local_blocks)
+    fn start_load_with(
+        &self,
+        handoff: &Handoff,
+        local_blocks: &[u32],
+        spec: &LoadSpec,
+    ) -> Result<()> {
+        Consumer::start_load_with(self, handoff, local_blocks, spec)
     }
     fn wait_layer(&self, request: &str, layer: usize, timeout: Duration) -> Result<()> {
         Consumer::wait_layer(self, request, layer, timeout)

@@ -106,9 +106,24 @@ impl TestCache {
         heads: std::ops::Range<u64>,
         layers: std::ops::Range<usize>,
     ) -> std::result::Result<(), String> {
+        let all = 0..self.caches.geometry.kv_heads;
+        self.holds_in(blocks, all, src, src_blocks, heads, layers)
+    }
+
+    /// Whether heads `mine` of this cache's `blocks` hold heads `heads` of `src`'s
+    /// `src_blocks` in `layers` (a tensor-parallel slice); the first difference as text.
+    pub fn holds_in(
+        &self,
+        blocks: &[u32],
+        mine: std::ops::Range<u64>,
+        src: &TestCache,
+        src_blocks: &[u32],
+        heads: std::ops::Range<u64>,
+        layers: std::ops::Range<usize>,
+    ) -> std::result::Result<(), String> {
         let mine = self
             .view
-            .descs(blocks, layers.clone(), 0..self.caches.geometry.kv_heads)
+            .descs(blocks, layers.clone(), mine)
             .map_err(|e| e.to_string())?;
         let theirs = src
             .view

@@ -14,10 +14,10 @@
 //!
 //! struct Mine;
 //! impl Harness for Mine {
-//!     fn connectors(&self, consumers: usize) -> kvxfer::Result<Connectors> {
+//!     fn connectors(&self, producers: usize, consumers: usize) -> kvxfer::Result<Connectors> {
 //!         let c = InProcessConnector::new(); // your implementation here
-//!         let consumers = (0..consumers).map(|_| Box::new(c.clone()) as Box<dyn KvConnector>);
-//!         Ok(Connectors { producer: Box::new(c.clone()), consumers: consumers.collect() })
+//!         let each = |n| (0..n).map(|_| Box::new(c.clone()) as Box<dyn KvConnector>).collect();
+//!         Ok(Connectors { producers: each(producers), consumers: each(consumers) })
 //!     }
 //! }
 //! // In a test file: `kvxfer::connector_conformance!(Mine);`. Or case by case:
@@ -26,36 +26,21 @@
 //! ```
 
 mod cache;
+mod harness;
 
 use std::thread;
 use std::time::{Duration, Instant};
 
 pub use cache::{TestCache, BLOCKS, BLOCK_TOKENS, HEADS, LAYERS};
+use harness::{cfg, freed_as, ok, T};
+pub use harness::{Connectors, Harness, Verdict};
+pub use tp::{tp_gqa_replicas, tp_one_to_two, tp_two_to_one, tp_two_to_two};
 
-use super::api::{KvConnector, KvConsumer, KvProducer};
+use super::api::{KvConsumer, KvProducer};
 use super::config::ConnectorConfig;
-use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::error::Error;
 use kvxfer_proto::lifecycle::FreeReason;
 use kvxfer_proto::wire::connector::Mode;
-
-/// The connectors of one case: the prefill side's, and one per decode rank, able to reach it.
-#[derive(Debug)]
-pub struct Connectors {
-    /// Where the producer is made.
-    pub producer: Box<dyn KvConnector>,
-    /// Where each consumer is made (a separate worker each, for implementations that have
-    /// workers).
-    pub consumers: Vec<Box<dyn KvConnector>>,
-}
-
-/// What an implementation provides to be tested: fresh connectors for each case.
-pub trait Harness {
-    /// A producer-side connector and `consumers` consumer-side connectors that reach it.
-    fn connectors(&self, consumers: usize) -> Result<Connectors>;
-}
-
-/// A case's verdict: `Err` with the first violation.
-pub type Verdict = std::result::Result<(), String>;
 
 /// A case of the suite.
 pub type Case = fn(&dyn Harness) -> Verdict;
@@ -74,6 +59,10 @@ pub const CASES: &[(&str, Case)] = &[
     ("concurrent_requests", concurrent_requests),
     ("dropped_consumer", dropped_consumer),
     ("dropped_producer", dropped_producer),
+    ("tp_two_to_two", tp_two_to_two),
+    ("tp_two_to_one", tp_two_to_one),
+    ("tp_one_to_two", tp_one_to_two),
+    ("tp_gqa_replicas", tp_gqa_replicas),
 ];
 
 /// Runs every case; the verdicts by name.
@@ -88,7 +77,8 @@ macro_rules! connector_conformance {
         $crate::connector_conformance!(@cases $harness; full_load, partial_load, all_cached,
             layer_wise_order, push_full_and_partial, abort, lease_expiry,
             two_readers_half_the_heads, failed_load_names_its_blocks, concurrent_requests,
-            dropped_consumer, dropped_producer);
+            dropped_consumer, dropped_producer, tp_two_to_two, tp_two_to_one, tp_one_to_two,
+            tp_gqa_replicas);
     };
     (@cases $harness:expr; $($case:ident),*) => {
         $(
@@ -102,17 +92,6 @@ macro_rules! connector_conformance {
     };
 }
 
-/// Long enough for any wait that should succeed.
-const T: Duration = Duration::from_secs(20);
-
-fn cfg() -> ConnectorConfig {
-    ConnectorConfig {
-        lease: Duration::from_secs(3),
-        heartbeat: Duration::from_millis(50),
-        ..ConnectorConfig::default()
-    }
-}
-
 macro_rules! ensure {
     ($c:expr, $($t:tt)*) => {
         if !$c {
@@ -121,9 +100,8 @@ macro_rules! ensure {
     };
 }
 
-fn ok<T>(r: Result<T>, what: &str) -> std::result::Result<T, String> {
-    r.map_err(|e| format!("{what}: {e}"))
-}
+// After `ensure!`, which its cases use.
+mod tp;
 
 /// One producer and its consumers over fresh caches (the producer's filled, the consumers'
 /// zeroed). Fields drop in order: connector objects before the caches they name.
@@ -145,14 +123,15 @@ fn setup(
     for (heads, _) in &ccfgs {
         dst.push(ok(TestCache::new(*heads, None), "consumer cache")?);
     }
-    let conns = ok(h.connectors(ccfgs.len()), "connectors")?;
+    let conns = ok(h.connectors(1, ccfgs.len()), "connectors")?;
     ensure!(
-        conns.consumers.len() == ccfgs.len(),
-        "asked for {} consumer connectors, got {}",
+        conns.consumers.len() == ccfgs.len() && conns.producers.len() == 1,
+        "asked for 1 and {} connectors, got {} and {}",
         ccfgs.len(),
+        conns.producers.len(),
         conns.consumers.len()
     );
-    let producer = ok(conns.producer.producer(src.caches(), &pcfg), "producer")?;
+    let producer = ok(conns.producers[0].producer(src.caches(), &pcfg), "producer")?;
     let mut consumers = Vec::new();
     for ((c, d), (_, cc)) in conns.consumers.iter().zip(&dst).zip(&ccfgs) {
         consumers.push(ok(c.consumer(d.caches(), cc), "consumer")?);
@@ -173,20 +152,6 @@ fn one(h: &dyn Harness, mode: Mode) -> std::result::Result<Setup, String> {
 
 const ALL: std::ops::Range<u64> = 0..HEADS;
 const LAYERS_ALL: std::ops::Range<usize> = 0..LAYERS as usize;
-
-/// The freed report of `req`, with the reason `want`.
-fn freed_as(p: &dyn KvProducer, req: &str, want: FreeReason, within: Duration) -> Verdict {
-    let f = ok(
-        p.wait_freed(req, within),
-        &format!("waiting for {req:?} to be freed"),
-    )?;
-    ensure!(
-        f.reason == want,
-        "{req:?} freed as {:?}, not {want:?}",
-        f.reason
-    );
-    Ok(())
-}
 
 /// A whole request moves; every byte arrives; the figures say so; the producer frees it on
 /// the acknowledgement.

@@ -10,19 +10,22 @@ use std::time::{Duration, Instant};
 use super::copy::{copy, Caches};
 use super::hub::{ConsumerEnd, Hub};
 use crate::budget::Charge;
-use crate::connector::api::{KvConsumer, LoadFailure};
+use crate::connector::api::{KvConsumer, LoadFailure, LoadSpec};
 use crate::connector::config::ConnectorConfig;
 use crate::connector::consumer::lapsed;
-use crate::connector::shell::{lock, state_charge, wait_until};
+use crate::connector::shell::{load_plan, lock, state_charge, wait_until};
 use crate::telemetry::{RequestStats, Telemetry};
-use kvxfer_proto::connector::{check_load, LoadEvent, LoadProtocol};
+use kvxfer_proto::connector::{LoadEvent, LoadProtocol};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::layout::KvLayout;
+use kvxfer_proto::tp::HeadMap;
 use kvxfer_proto::wire::connector::{Handoff, Mode, PushWant, ToConsumer, ToProducer};
 
 struct Load {
     h: Handoff,
     remote: KvLayout,
+    /// The producer's heads read, and the local heads they land in.
+    heads: HeadMap,
     local_blocks: Vec<u32>,
     skip: usize,
     proto: LoadProtocol,
@@ -195,9 +198,9 @@ impl InProcessConsumer {
 }
 
 impl KvConsumer for InProcessConsumer {
-    fn start_load(&self, h: &Handoff, local_blocks: &[u32]) -> Result<()> {
+    fn start_load_with(&self, h: &Handoff, local_blocks: &[u32], spec: &LoadSpec) -> Result<()> {
         let sh = &self.sh;
-        let remote = check_load(&sh.mem.layout, sh.cfg.heads.clone(), h, local_blocks)?;
+        let (remote, heads) = load_plan(&sh.mem.layout, &sh.cfg, spec, h, local_blocks)?;
         if lock(&sh.st).loads.contains_key(&h.request) {
             return Err(Error::InvalidArgument(format!(
                 "load {:?} is already in progress",
@@ -217,7 +220,7 @@ impl KvConsumer for InProcessConsumer {
             num_blocks: layout.num_blocks,
             layers: layout.layers.clone(),
         };
-        let (proto, first) = LoadProtocol::start(
+        let proto = LoadProtocol::new(
             &h.request,
             &h.producer,
             h.mode,
@@ -225,10 +228,13 @@ impl KvConsumer for InProcessConsumer {
             Some(want),
             local_blocks.is_empty(),
             sh.t0.elapsed(),
-        );
+        )
+        .declaring(spec.readers);
+        let first = proto.opening();
         let load = Load {
             h: h.clone(),
             remote,
+            heads,
             local_blocks: local_blocks.to_vec(),
             skip: h.blocks.len() - local_blocks.len(),
             proto,
@@ -355,7 +361,6 @@ fn consumer_loop(sh: &ConsumerShared) {
                 }
             }
             let mut failures: Vec<(String, Error)> = Vec::new();
-            let local_heads = 0..sh.mem.layout.geometry.kv_heads;
             for (req, l) in st.loads.iter_mut() {
                 if let Some(m) = l.proto.heartbeat_due(now, sh.cfg.heartbeat) {
                     out.push((l.h.producer.clone(), m));
@@ -385,15 +390,16 @@ fn consumer_loop(sh: &ConsumerShared) {
                     ));
                     continue;
                 }
-                let heads = sh.cfg.heads.clone().unwrap_or(0..l.h.kv_heads);
                 let descs = sh
                     .mem
                     .layout
-                    .descs(&l.local_blocks, layer..layer + 1, local_heads.clone())
+                    .descs(&l.local_blocks, layer..layer + 1, l.heads.local.clone())
                     .and_then(|dst| {
-                        let src = l
-                            .remote
-                            .descs(&l.h.blocks[l.skip..], layer..layer + 1, heads)?;
+                        let src = l.remote.descs(
+                            &l.h.blocks[l.skip..],
+                            layer..layer + 1,
+                            l.heads.remote.clone(),
+                        )?;
                         Ok((src, dst))
                     });
                 match descs {

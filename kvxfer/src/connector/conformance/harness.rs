@@ -1,0 +1,61 @@
+//! What an implementation provides to the suite, and the helpers every case uses.
+
+use std::time::Duration;
+
+use crate::connector::api::{KvConnector, KvProducer};
+use crate::connector::config::ConnectorConfig;
+use kvxfer_proto::error::Result;
+use kvxfer_proto::lifecycle::FreeReason;
+
+/// The connectors of one case: one per prefill rank, and one per decode rank, each decode
+/// rank's able to reach every prefill rank.
+#[derive(Debug)]
+pub struct Connectors {
+    /// Where each producer is made (one per prefill rank; most cases use one).
+    pub producers: Vec<Box<dyn KvConnector>>,
+    /// Where each consumer is made (a separate worker each, for implementations that have
+    /// workers).
+    pub consumers: Vec<Box<dyn KvConnector>>,
+}
+
+/// What an implementation provides to be tested: fresh connectors for each case.
+pub trait Harness {
+    /// `producers` producer-side connectors (separate workers, as prefill ranks are) and
+    /// `consumers` consumer-side connectors that reach them.
+    fn connectors(&self, producers: usize, consumers: usize) -> Result<Connectors>;
+}
+
+/// A case's verdict: `Err` with the first violation.
+pub type Verdict = std::result::Result<(), String>;
+
+/// Long enough for any wait that should succeed.
+pub(super) const T: Duration = Duration::from_secs(20);
+
+pub(super) fn cfg() -> ConnectorConfig {
+    ConnectorConfig {
+        lease: Duration::from_secs(3),
+        heartbeat: Duration::from_millis(50),
+        ..ConnectorConfig::default()
+    }
+}
+
+pub(super) fn ok<T>(r: Result<T>, what: &str) -> std::result::Result<T, String> {
+    r.map_err(|e| format!("{what}: {e}"))
+}
+
+/// The freed report of `req`, with the reason `want`.
+pub(super) fn freed_as(
+    p: &dyn KvProducer,
+    req: &str,
+    want: FreeReason,
+    within: Duration,
+) -> Verdict {
+    let f = ok(
+        p.wait_freed(req, within),
+        &format!("waiting for {req:?} to be freed"),
+    )?;
+    if f.reason != want {
+        return Err(format!("{req:?} freed as {:?}, not {want:?}", f.reason));
+    }
+    Ok(())
+}

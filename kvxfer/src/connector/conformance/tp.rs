@@ -1,0 +1,135 @@
+//! Tensor-parallel cases: prefill and decode deployments of equal and unequal TP sizes, each
+//! rank its own producer or consumer, every decode rank loading what
+//! [`kvxfer_proto::tp::plan`] names with [`KvConsumer::start_load_with`], every prefill rank's
+//! blocks freed on acknowledgement (readers declared by the decode ranks, not configured on
+//! the prefill side).
+
+use super::cache::{TestCache, LAYERS};
+use super::harness::{cfg, freed_as, ok, Connectors, Harness, Verdict, T};
+use crate::connector::api::{KvConsumer, KvProducer, LoadSpec};
+use kvxfer_proto::lifecycle::FreeReason;
+use kvxfer_proto::tp::{plan, TpSide};
+
+/// Prefill TP 2 to decode TP 2: rank r reads rank r's heads.
+pub fn tp_two_to_two(h: &dyn Harness) -> Verdict {
+    tp_case(h, 2, 2, 4)
+}
+
+/// Prefill TP 2 to decode TP 1: the decode rank reads both halves, each into its place.
+pub fn tp_two_to_one(h: &dyn Harness) -> Verdict {
+    tp_case(h, 2, 1, 4)
+}
+
+/// Prefill TP 1 to decode TP 2: each decode rank reads half the heads; the prefill rank frees
+/// after both.
+pub fn tp_one_to_two(h: &dyn Harness) -> Verdict {
+    tp_case(h, 1, 2, 4)
+}
+
+/// Grouped-query attention with fewer KV heads than ranks: 2 KV heads, prefill TP 4 (each
+/// head on two ranks) to decode TP 1; the replicas nobody reads are acknowledged and freed.
+pub fn tp_gqa_replicas(h: &dyn Harness) -> Verdict {
+    tp_case(h, 4, 1, 2)
+}
+
+/// Ranks built over fresh caches; fields drop in order (connector objects before caches).
+struct Ranks {
+    producers: Vec<Box<dyn KvProducer>>,
+    consumers: Vec<Box<dyn KvConsumer>>,
+    _connectors: Connectors,
+    src: Vec<TestCache>,
+    dst: Vec<TestCache>,
+}
+
+fn tp_case(h: &dyn Harness, ptp: u64, dtp: u64, kv_heads: u64) -> Verdict {
+    let (pre, dec) = (TpSide::new(ptp, kv_heads), TpSide::new(dtp, kv_heads));
+    let conns = ok(h.connectors(ptp as usize, dtp as usize), "connectors")?;
+    let mut r = Ranks {
+        producers: Vec::new(),
+        consumers: Vec::new(),
+        src: Vec::new(),
+        dst: Vec::new(),
+        _connectors: Connectors {
+            producers: Vec::new(),
+            consumers: Vec::new(),
+        },
+    };
+    for p in 0..ptp {
+        r.src.push(ok(
+            TestCache::new(pre.heads_per_rank(), Some(31 + p)),
+            "cache",
+        )?);
+    }
+    for _ in 0..dtp {
+        r.dst
+            .push(ok(TestCache::new(dec.heads_per_rank(), None), "cache")?);
+    }
+    for (c, s) in conns.producers.iter().zip(&r.src) {
+        r.producers
+            .push(ok(c.producer(s.caches(), &cfg()), "producer")?);
+    }
+    for (c, d) in conns.consumers.iter().zip(&r.dst) {
+        r.consumers
+            .push(ok(c.consumer(d.caches(), &cfg()), "consumer")?);
+    }
+    r._connectors = conns;
+    // Every prefill rank publishes the request under its own name (one consumer may load it
+    // from several ranks), with the default of one reader: the decode ranks declare theirs.
+    let remote = [2, 4, 6];
+    let local = [9, 1, 30];
+    let mut handoffs = Vec::new();
+    for (p, prod) in r.producers.iter().enumerate() {
+        let req = format!("tp#{p}");
+        handoffs.push(ok(
+            prod.publish(&req, &remote, 12, LAYERS as usize),
+            "publish",
+        )?);
+    }
+    for (c, cons) in r.consumers.iter().enumerate() {
+        for read in ok(plan(pre, dec, c as u64), "plan")? {
+            let blocks: &[u32] = if read.heads.is_some() { &local } else { &[] };
+            let hd = &handoffs[read.producer_rank as usize];
+            let what = format!(
+                "decode rank {c} loading from prefill rank {}",
+                read.producer_rank
+            );
+            ok(
+                cons.start_load_with(hd, blocks, &LoadSpec::from_tp(&read)),
+                &what,
+            )?;
+        }
+    }
+    for (c, cons) in r.consumers.iter().enumerate() {
+        for read in ok(plan(pre, dec, c as u64), "plan")? {
+            let req = format!("tp#{}", read.producer_rank);
+            ok(
+                cons.wait(&req, T),
+                &format!("decode rank {c} waiting for {req}"),
+            )?;
+            let Some(m) = read.heads else { continue };
+            let src = &r.src[read.producer_rank as usize];
+            let layers = 0..LAYERS as usize;
+            r.dst[c]
+                .holds_in(
+                    &local,
+                    m.local.clone(),
+                    src,
+                    &remote,
+                    m.remote.clone(),
+                    layers,
+                )
+                .map_err(|e| {
+                    format!(
+                        "decode rank {c}, heads {:?} from prefill rank {}: {e}",
+                        m.local, read.producer_rank
+                    )
+                })?;
+        }
+    }
+    for (p, prod) in r.producers.iter().enumerate() {
+        freed_as(&**prod, &format!("tp#{p}"), FreeReason::Acked, T)
+            .map_err(|e| format!("prefill rank {p}: {e}"))?;
+    }
+    drop(r);
+    Ok(())
+}
