@@ -479,6 +479,25 @@ impl LoadProtocol {
     }
 }
 
+/// The descriptors of one load's `layers`, local and remote, pairing index by index: heads
+/// `heads.local` of `local`'s `local_blocks` and heads `heads.remote` of `remote`'s
+/// `remote_blocks`. A head slice of a cache in NHD order is one descriptor per token, so when
+/// either side is a slice both sides are split per token.
+pub fn load_descs(
+    local: &KvLayout,
+    remote: &KvLayout,
+    heads: &HeadMap,
+    local_blocks: &[u32],
+    remote_blocks: &[u32],
+    layers: std::ops::Range<usize>,
+) -> Result<(Vec<crate::descriptor::Desc>, Vec<crate::descriptor::Desc>)> {
+    let slice = heads.local != (0..local.geometry.kv_heads)
+        || heads.remote != (0..remote.geometry.kv_heads);
+    let l = local.descs_split(local_blocks, layers.clone(), heads.local.clone(), slice)?;
+    let r = remote.descs_split(remote_blocks, layers, heads.remote.clone(), slice)?;
+    Ok((l, r))
+}
+
 /// What a consumer checks before it loads `h` into `local_blocks` of its cache `local`,
 /// moving the producer's heads `heads.remote` into its heads `heads.local` (every head into
 /// every head when `None`): the same layout but for the head count (compat hash), head ranges
@@ -1005,6 +1024,18 @@ mod tests {
         for bad in [m(0..2, 3..5), m(0..3, 1..4), m(0..1, 0..2), m(1..1, 1..1)] {
             let e = check_load(&local, Some(&bad), &h, &[5, 6]).unwrap_err();
             assert!(e.to_string().contains("into heads"), "{bad:?}: {e}");
+        }
+        // Paired descriptors of equal lengths, in NHD as in HND (a 2-head rank into half of a
+        // 4-head cache: NHD splits both sides per token).
+        for order in [KvOrder::Nhd, KvOrder::Hnd] {
+            let (mut lo, mut re) = (local.clone(), remote.clone());
+            lo.order = order;
+            re.order = order;
+            let (a, b) = load_descs(&lo, &re, &m(0..2, 2..4), &[5, 6], &[1, 2], 0..2).unwrap();
+            assert_eq!(a.len(), b.len(), "{order:?}");
+            assert!(a.iter().zip(&b).all(|(x, y)| x.len == y.len), "{order:?}");
+            let per_block = if order == KvOrder::Nhd { 4 } else { 1 };
+            assert_eq!(a.len(), 2 * 2 * per_block, "{order:?}");
         }
         // Every head into every head needs equal counts, unless nothing moves.
         assert!(check_load(&local, None, &h, &[5, 6]).is_err());

@@ -315,6 +315,20 @@ impl KvLayout {
         heads: std::ops::Range<u64>,
         out: &mut Vec<crate::descriptor::Desc>,
     ) -> Result<()> {
+        self.block_descs_split(layer, kv, block, heads, false, out)
+    }
+
+    /// [`KvLayout::block_descs`], one descriptor per token in NHD order when `per_token`,
+    /// even for every head: what pairs with a head slice of another cache in NHD order.
+    pub fn block_descs_split(
+        &self,
+        layer: usize,
+        kv: Kv,
+        block: u32,
+        heads: std::ops::Range<u64>,
+        per_token: bool,
+        out: &mut Vec<crate::descriptor::Desc>,
+    ) -> Result<()> {
         let g = &self.geometry;
         let base = self.layers.get(layer).ok_or_else(|| {
             Error::InvalidArgument(format!("layer {layer} of {}", self.layers.len()))
@@ -344,7 +358,8 @@ impl KvLayout {
         let start = off + u64::from(block) * bb;
         // Bytes of one head's elements for one token (K and V for a fused layout).
         let head_tok = bb / (self.block_tokens * g.kv_heads);
-        if heads.start == 0 && heads.end == g.kv_heads {
+        let split = per_token && self.order == KvOrder::Nhd;
+        if heads.start == 0 && heads.end == g.kv_heads && !split {
             out.push(crate::descriptor::Desc::new(region, start, bb));
             return Ok(());
         }
@@ -377,6 +392,18 @@ impl KvLayout {
         layers: std::ops::Range<usize>,
         heads: std::ops::Range<u64>,
     ) -> Result<Vec<crate::descriptor::Desc>> {
+        self.descs_split(blocks, layers, heads, false)
+    }
+
+    /// [`KvLayout::descs`], one descriptor per token in NHD order when `per_token` (see
+    /// [`KvLayout::block_descs_split`]).
+    pub fn descs_split(
+        &self,
+        blocks: &[u32],
+        layers: std::ops::Range<usize>,
+        heads: std::ops::Range<u64>,
+        per_token: bool,
+    ) -> Result<Vec<crate::descriptor::Desc>> {
         let mut out = Vec::with_capacity(blocks.len() * layers.len() * 2);
         let kvs: &[Kv] = match self.packing {
             KvPacking::Separate => &[Kv::K, Kv::V],
@@ -385,7 +412,7 @@ impl KvLayout {
         for layer in layers {
             for &kv in kvs {
                 for &b in blocks {
-                    self.block_descs(layer, kv, b, heads.clone(), &mut out)?;
+                    self.block_descs_split(layer, kv, b, heads.clone(), per_token, &mut out)?;
                 }
             }
         }

@@ -11,6 +11,18 @@ Disaggregated prefill/decode, pull mode (the decode worker READs), as vLLM's Nix
   ``update_state_after_alloc`` records the blocks vLLM allocated for them; the worker loads
   only those (a locally cached prefix stays) and reports the request received.
 
+Tensor parallelism: every rank is its own agent. Each prefill rank publishes a request under
+``<request>#tp<rank>``; the handoff lists every prefill rank (name, side channel, heads) with
+the prefill TP size and the model's KV heads; each decode rank asks libkvxfer's
+``kvx_tp_plan`` which prefill ranks' heads it reads into which of its own (equal TP: rank to
+rank; prefill TP 2 -> decode TP 1: both halves, each into its place; TP 1 -> TP 2: half each;
+fewer KV heads than ranks: one replica read, the others only acknowledged), loads each, and
+reports the request received when all are in. Every decode rank declares to each prefill rank
+how many decode ranks read from it, so a prefill rank frees the blocks after the last one. A
+geometry that cannot work (heads that do not split over a TP size, a different model, another
+layout, block size, head size or dtype) fails the load with an error naming both sides'
+shapes, and the request's blocks are reported invalid, never silently wrong.
+
 Supported caches: vLLM 0.33's per-layer views ``[num_blocks, num_kv_heads, block_size,
 2*head_size]`` with K and V packed in the last dimension, physical order NHD
 (``KVCacheLayout.LBNHC``, the default) or HND (``LBHNC``), one KV cache group, host (CPU)
@@ -189,6 +201,27 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
             child.inc(v)
 
 
+def _tp_size(vllm_config: "VllmConfig") -> int:
+    try:
+        return int(vllm_config.parallel_config.tensor_parallel_size)
+    except Exception:  # pragma: no cover
+        return 1
+
+
+def _total_kv_heads(vllm_config: "VllmConfig") -> int:
+    return int(vllm_config.model_config.get_total_num_kv_heads())
+
+
+def _shape(t: dict[str, Any]) -> str:
+    """A side's cache shape, for refusals that name both sides."""
+    return (
+        f"TP {t.get('tp', 1)} over {t.get('kv_heads_total', t.get('kv_heads'))} KV heads "
+        f"({t.get('kv_heads')} per rank), {len(t.get('layers', []))} layers, head size "
+        f"{t.get('head_size')}, {t.get('dtype_bytes')}-byte elements, {t.get('block_size')}-token "
+        f"blocks, {'HND' if t.get('hnd') else 'NHD'}"
+    )
+
+
 def _rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -219,6 +252,8 @@ class KvxferConnector(KVConnectorBase_V1):
         self.kv_role = tc.kv_role
         self.block_size = vllm_config.cache_config.block_size
         self.rank = _rank()
+        self.tp_size = _tp_size(vllm_config)
+        self.kv_heads_total = _total_kv_heads(vllm_config)
         # Only with an explicit "rundir" are templates also written to (and read from) files.
         self.template_path = (
             os.path.join(_rundir(self.extra), f"{self.engine_id}-tp{self.rank}.json")
@@ -238,10 +273,14 @@ class KvxferConnector(KVConnectorBase_V1):
         self.consumer: kx.Consumer | None = None
         self.num_layers = 0
         self._by_handoff: dict[str, str] = {}  # handoff request -> local request id
+        # local request id -> (handoff requests still loading, local blocks, any part failed)
+        self._parts: dict[str, tuple[set[str], list[int], bool]] = {}
+        self._shape: dict[str, Any] | None = None
         self._silent: set[str] = set()
         self._finished_seen: set[str] = set()
         self._freed_unreported: set[str] = set()
         self._load_errors: set[int] = set()
+        self._failed_now: set[str] = set()  # failed before or while starting: report received
         self._stats = KvxferConnectorStats()
 
     # ------------------------------------------------------------------ scheduler side
@@ -285,7 +324,8 @@ class KvxferConnector(KVConnectorBase_V1):
         blocks = list(block_ids[0]) if block_ids and isinstance(block_ids[0], (list, tuple)) else list(block_ids or [])
         if not blocks:
             return False, None
-        t = self._worker_template()
+        ranks = self._rank_templates()
+        t = ranks[0]
         tokens = len(request.prompt_token_ids or [])
         # Only the prompt's blocks hold KV (a sampled token may have opened one more).
         blocks = blocks[: -(-tokens // self.block_size)]
@@ -301,6 +341,14 @@ class KvxferConnector(KVConnectorBase_V1):
             "num_blocks": t["num_blocks"],
             "layers": t["layers"],
             "mode": "pull",
+            # Tensor parallelism: every prefill rank, and the shape they share.
+            "tp": len(ranks),
+            "ranks": [
+                {k: r[k] for k in ("producer", "side_channel", "compat", "kv_heads", "num_blocks", "layers")}
+                for r in ranks
+            ],
+            "shape": {k: t.get(k) for k in ("tp", "kv_heads_total", "kv_heads", "head_size", "dtype_bytes", "block_size", "hnd")}
+            | {"layers": t["layers"], "tp": len(ranks)},
         }
         self._pending_publishes[request.request_id] = (blocks, tokens)
         return True, {
@@ -309,22 +357,36 @@ class KvxferConnector(KVConnectorBase_V1):
             "kvxfer_handoff": json.dumps(handoff),
         }
 
+    def _rank_templates(self) -> list[dict[str, Any]]:
+        """Every prefill rank's template, by rank: from vLLM's handshake metadata, else (with
+        an explicit "rundir") from the workers' files."""
+        if not self._templates and self.template_path is not None:
+            d = os.path.dirname(self.template_path)
+            for r in range(self.tp_size):
+                with open(os.path.join(d, f"{self.engine_id}-tp{r}.json")) as f:
+                    self._templates[r] = json.load(f)
+        if not self._templates:
+            raise RuntimeError(
+                "kvxfer: no handshake metadata from the workers yet (vLLM passes it with "
+                "set_xfer_handshake_metadata once they registered their caches)"
+            )
+        ranks = sorted(self._templates)
+        if ranks != list(range(len(ranks))):
+            raise RuntimeError(f"kvxfer: handshake metadata from ranks {ranks}, not 0..{len(ranks) - 1}")
+        return [self._templates[r] for r in ranks]
+
     def _worker_template(self) -> dict[str, Any]:
-        if self._template is None:
-            if self.template_path is None:
-                raise RuntimeError(
-                    "kvxfer: no handshake metadata from the workers yet (vLLM passes it with "
-                    "set_xfer_handshake_metadata once they registered their caches)"
-                )
-            with open(self.template_path) as f:
-                self._template = json.load(f)
-        return self._template
+        return self._rank_templates()[0]
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         """Scheduler side: the workers' templates, by TP rank (from vLLM's handshake)."""
         templates = {r: m.template for r, m in metadata.items() if isinstance(m, KvxferHandshakeMetadata)}
         if templates:
-            self._template = templates[min(templates)]
+            first = templates[min(templates)]
+            for r, t in templates.items():
+                if _shape(t) != _shape(first) or t["compat"] != first["compat"]:
+                    raise ValueError(f"kvxfer: worker ranks disagree: rank {min(templates)}: {_shape(first)}; rank {r}: {_shape(t)}")
+            self._template = first
             self._templates = templates
 
     # ------------------------------------------------------------------ worker side
@@ -397,7 +459,13 @@ class KvxferConnector(KVConnectorBase_V1):
             "num_blocks": nb,
             "layers": [[b[0], b[1]] for b in bases],
             "hnd": hnd,
+            "tp": self.tp_size,
+            "kv_heads_total": self.kv_heads_total,
+            "head_size": c // 2,
+            "dtype_bytes": es,
+            "block_size": bs,
         }
+        self._shape = tmpl
         self._handshake = KvxferHandshakeMetadata(tmpl)
         if self.template_path is not None:
             tmp = self.template_path + f".{os.getpid()}"
@@ -417,22 +485,90 @@ class KvxferConnector(KVConnectorBase_V1):
         for req, (blocks, tokens) in meta.publishes.items():
             if self.producer is None:
                 raise RuntimeError("kvxfer: a publish reached a worker without the producer role")
-            self.producer.publish(req, blocks, tokens, self.num_layers)
+            self.producer.publish(f"{req}#tp{self.rank}", blocks, tokens, self.num_layers)
         for req, (handoff, local, report) in meta.loads.items():
             if self.consumer is None:
                 raise RuntimeError("kvxfer: a load reached a worker without the consumer role")
-            h = json.loads(handoff)
             with self._lock:
-                self._by_handoff[h["request"]] = req
                 if not report:
                     self._silent.add(req)
             try:
-                self.consumer.start_load(handoff, local)
-            except kx.KvxferError:
-                with self._lock:
-                    self._load_errors.update(local)
-                    self._stats.data["failed"] += 1
-                raise
+                parts = self._plan_load(json.loads(handoff), bool(local))
+            except (kx.KvxferError, ValueError, KeyError, TypeError) as e:
+                logger.error("kvxfer: cannot load %s: %s", req, e)
+                self._fail_whole(req, local)
+                continue
+            with self._lock:
+                self._parts[req] = ({p[0]["request"] for p in parts}, list(local), False)
+                for h, _ in parts:
+                    self._by_handoff[h["request"]] = req
+            for h, read in parts:
+                try:
+                    self.consumer.start_load(json.dumps(h).encode(), local if read.moves else [], read)
+                except kx.KvxferError as e:
+                    logger.error("kvxfer: load of %s from %s failed to start: %s", req, h["producer"], e)
+                    with self._lock:
+                        self._part_done(h["request"], failed=True)
+
+    def _plan_load(self, h: dict[str, Any], moves: bool) -> list[tuple[dict[str, Any], "kx.TpRead"]]:
+        """The loads this rank makes for handoff `h`: one per prefill rank its TP plan names,
+        each a libkvxfer handoff of that rank's published request."""
+        ranks = h.get("ranks") or [{k: h[k] for k in ("producer", "side_channel", "compat", "kv_heads", "num_blocks", "layers")}]
+        theirs = h.get("shape") or {}
+        mine = self._shape or {}
+        if theirs:
+            for k in ("head_size", "dtype_bytes", "block_size", "hnd"):
+                if k in theirs and theirs[k] != mine.get(k):
+                    raise ValueError(f"the two sides' caches differ in {k}: prefill {_shape(theirs)}; decode {_shape(mine)}")
+            if len(theirs.get("layers", [])) != len(mine.get("layers", [])):
+                raise ValueError(f"the two sides' caches differ in layers: prefill {_shape(theirs)}; decode {_shape(mine)}")
+        ptp = int(h.get("tp", len(ranks)))
+        pheads = int(theirs.get("kv_heads_total") or ranks[0]["kv_heads"] * ptp)
+        try:
+            plan = kx.tp_plan(ptp, pheads, self.tp_size, self.kv_heads_total, self.rank)
+        except kx.KvxferError as e:
+            raise ValueError(f"{e} (prefill {_shape(theirs) if theirs else f'TP {ptp}'}; decode {_shape(mine)})") from e
+        out = []
+        for read in plan:
+            r = ranks[read.producer_rank]
+            part = {k: h[k] for k in ("v", "blocks", "tokens", "mode")}
+            part.update({k: r[k] for k in ("producer", "side_channel", "compat", "kv_heads", "num_blocks", "layers")})
+            # The request as that prefill rank published it (tensor-parallel prefill ranks
+            # publish under their rank; a handoff of the first release carries no "ranks").
+            part["request"] = f"{h['request']}#tp{read.producer_rank}" if h.get("ranks") else h["request"]
+            out.append((part, read))
+        return out
+
+    def _fail_whole(self, req: str, local: list[int]) -> None:
+        with self._lock:
+            self._load_errors.update(local)
+            self._stats.data["failed"] += 1
+            self._silent.discard(req)
+            self._failed_now.add(req)
+
+    def _part_done(self, handoff_req: str, failed: bool, stats: dict[str, Any] | None = None) -> str | None:
+        """One load of a request ended; returns the local request when it was the last."""
+        req = self._by_handoff.pop(handoff_req, None)
+        if req is None or req not in self._parts:
+            return None
+        pending, local, any_failed = self._parts[req]
+        pending.discard(handoff_req)
+        any_failed = any_failed or failed
+        if stats is not None:
+            self._stats.data["bytes_moved"] += stats["bytes_moved"]
+            self._stats.data["bytes_skipped"] += stats["bytes_skipped"]
+            self._stats.data["handoff_s"] = self._stats.data["handoff_s"] + stats["handoff_ns"] / 1e9
+        if failed:
+            self._load_errors.update(local)
+        if pending:
+            self._parts[req] = (pending, local, any_failed)
+            return None
+        del self._parts[req]
+        self._stats.data["failed" if any_failed else "loads"] += 1
+        if any_failed:
+            self._silent.discard(req)
+            self._failed_now.add(req)
+        return req
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads are asynchronous: vLLM schedules a request only after get_finished reported it.
@@ -452,30 +588,27 @@ class KvxferConnector(KVConnectorBase_V1):
             self._finished_seen |= set(finished_req_ids)
             if self.producer is not None:
                 while (f := self.producer.next_freed()) is not None:
-                    self._freed_unreported.add(f[0])
+                    name = f[0]
+                    suffix = f"#tp{self.rank}"
+                    self._freed_unreported.add(name[: -len(suffix)] if name.endswith(suffix) else name)
                 ready = self._freed_unreported & self._finished_seen
                 sending |= ready
                 self._freed_unreported -= ready
                 self._finished_seen -= ready
             if self.consumer is not None:
                 while (d := self.consumer.next_finished()) is not None:
-                    req = self._by_handoff.pop(d[0], d[0])
-                    st = d[1]
-                    self._stats.data["loads"] += 1
-                    self._stats.data["bytes_moved"] += st["bytes_moved"]
-                    self._stats.data["bytes_skipped"] += st["bytes_skipped"]
-                    self._stats.data["handoff_s"] += st["handoff_ns"] / 1e9
+                    req = self._part_done(d[0], failed=False, stats=d[1])
+                    if req is None:
+                        continue
                     if req in self._silent:
                         self._silent.discard(req)
                     else:
                         recving.add(req)
                 while (fl := self.consumer.next_failed()) is not None:
-                    req = self._by_handoff.pop(fl[0], fl[0])
-                    logger.warning("kvxfer: load of %s failed (%d blocks invalid): %s", req, len(fl[1]), fl[2])
-                    self._load_errors.update(fl[1])
-                    self._stats.data["failed"] += 1
-                    self._silent.discard(req)
-                    recving.add(req)
+                    logger.warning("kvxfer: load of %s failed (%d blocks invalid): %s", fl[0], len(fl[1]), fl[2])
+                    self._part_done(fl[0], failed=True)
+                recving |= self._failed_now
+                self._failed_now = set()
         if (sending or recving) and self.extra.get("metrics_file"):
             self._write_metrics()
         return (sending or None), (recving or None)

@@ -69,6 +69,24 @@ class CacheTensor(Structure):
     _fields_ = [("k", c_void_p), ("k_len", c_uint64), ("v", c_void_p), ("v_len", c_uint64)]
 
 
+class TpRead(Structure):
+    """kvx_tp_read: what a decode rank loads from one prefill rank (kvx_tp_plan)."""
+
+    _fields_ = [
+        ("producer_rank", c_uint32),
+        ("readers", c_uint32),
+        ("remote_heads_start", c_uint64),
+        ("remote_heads_end", c_uint64),
+        ("local_heads_start", c_uint64),
+        ("local_heads_end", c_uint64),
+    ]
+
+    @property
+    def moves(self):
+        """Whether heads move (else the decode rank only acknowledges this prefill rank)."""
+        return self.remote_heads_end > self.remote_heads_start
+
+
 class RequestStats(Structure):
     _fields_ = [
         ("bytes_moved", c_uint64),
@@ -150,6 +168,8 @@ class Lib:
             "kvx_consumer_new": (st, [c_void_p, POINTER(Layout), POINTER(LayerBase), POINTER(ConnectorConfig), POINTER(c_void_p)]),
             "kvx_consumer_free": (None, [c_void_p]),
             "kvx_consumer_start_load": (st, [c_void_p, POINTER(c_uint8), c_size_t, POINTER(c_uint32), c_size_t]),
+            "kvx_consumer_start_load_with": (st, [c_void_p, POINTER(c_uint8), c_size_t, POINTER(c_uint32), c_size_t, POINTER(TpRead)]),
+            "kvx_tp_plan": (st, [c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, POINTER(TpRead), c_size_t, POINTER(c_size_t)]),
             "kvx_consumer_wait_layer": (st, [c_void_p, c_char_p, c_uint32, c_uint64]),
             "kvx_consumer_wait": (st, [c_void_p, c_char_p, c_uint64]),
             "kvx_consumer_next_finished": (st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t), POINTER(RequestStats)]),
@@ -252,6 +272,22 @@ class Agent:
             self.regions = []
             self.lib.L.kvx_agent_free(self.h)
             self.h = None
+
+
+def tp_plan(prefill_tp, prefill_kv_heads, decode_tp, decode_kv_heads, decode_rank):
+    """What decode rank ``decode_rank`` loads from which prefill ranks (``TpRead`` list, in
+    prefill rank order); ``KvxferError`` naming both sides' shapes when the heads cannot split."""
+    lib = Lib.get()
+    cap = max(1, int(prefill_tp))
+    while True:
+        out = (TpRead * cap)()
+        n = c_size_t(0)
+        s = lib.L.kvx_tp_plan(prefill_tp, prefill_kv_heads, decode_tp, decode_kv_heads, decode_rank, out, cap, ctypes.byref(n))
+        if s == KVX_BUFFER_TOO_SMALL and n.value > cap:
+            cap = n.value
+            continue
+        lib.check(s)
+        return [TpRead.from_buffer_copy(out[i]) for i in range(n.value)]
 
 
 def layout_struct(layers, kv_heads, head_dim, dtype_bytes, block_tokens, num_blocks, fused, hnd, bases):
@@ -398,10 +434,13 @@ class Consumer:
         self.lib.check(self.lib.L.kvx_consumer_new(agent.h, ctypes.byref(layout), bases, ctypes.byref(cfg), ctypes.byref(h)))
         self.h = h
 
-    def start_load(self, handoff, local_blocks):
+    def start_load(self, handoff, local_blocks, read=None):
+        """Loads ``handoff`` into ``local_blocks``; ``read``: a ``TpRead`` of ``tp_plan`` (the
+        heads to move and where, and the readers to declare), else every head."""
         hb = (c_uint8 * len(handoff)).from_buffer_copy(handoff)
         arr = (c_uint32 * len(local_blocks))(*local_blocks)
-        self.lib.check(self.lib.L.kvx_consumer_start_load(self.h, hb, len(handoff), arr, len(local_blocks)))
+        ref = ctypes.byref(read) if read is not None else None
+        self.lib.check(self.lib.L.kvx_consumer_start_load_with(self.h, hb, len(handoff), arr, len(local_blocks), ref))
 
     def wait(self, request, timeout_ms=0):
         self.lib.check(self.lib.L.kvx_consumer_wait(self.h, request.encode(), timeout_ms))

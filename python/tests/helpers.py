@@ -46,7 +46,7 @@ def model_dir():
     return d
 
 
-def vllm_config(role="kv_both", extra=None, engine_id=None, prefix_caching=True):
+def vllm_config(role="kv_both", extra=None, engine_id=None, prefix_caching=True, tp=1):
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -64,7 +64,7 @@ def vllm_config(role="kv_both", extra=None, engine_id=None, prefix_caching=True)
         kv_connector_extra_config=extra or {"transport": "tcp", "net_devices": "lo"},
         **({"engine_id": engine_id} if engine_id else {}),
     )
-    return VllmConfig(
+    vc = VllmConfig(
         model_config=mc,
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
         device_config=DeviceConfig("cpu"),
@@ -73,13 +73,17 @@ def vllm_config(role="kv_both", extra=None, engine_id=None, prefix_caching=True)
         ),
         kv_transfer_config=kt,
     )
+    # Tensor parallelism as the workers of a TP deployment see it (the processes of the ranks
+    # are the test's own: no torch.distributed here).
+    vc.parallel_config.tensor_parallel_size = tp
+    return vc
 
 
 def layer_names():
     return [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def kv_cache_config(num_blocks=64, layout="LBNHC"):
+def kv_cache_config(num_blocks=64, layout="LBNHC", kv_heads=KV_HEADS):
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -87,7 +91,7 @@ def kv_cache_config(num_blocks=64, layout="LBNHC"):
         KVCacheTensor,
     )
 
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.bfloat16)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=kv_heads, head_size=HEAD, dtype=torch.bfloat16)
     page = spec.page_size_bytes
     names = layer_names()
     tensor = KVCacheTensor(
@@ -108,12 +112,13 @@ def kv_cache_config(num_blocks=64, layout="LBNHC"):
     return cfg, spec, tensor
 
 
-def kv_caches(num_blocks=64, layout="LBNHC"):
-    """Per-layer views [B, H, N, 2*head] (bf16) over one flat buffer, by vLLM's own code."""
+def kv_caches(num_blocks=64, layout="LBNHC", kv_heads=KV_HEADS):
+    """Per-layer views [B, H, N, 2*head] (bf16) over one flat buffer, by vLLM's own code;
+    `kv_heads`: a tensor-parallel rank's share."""
     from vllm.v1.kv_cache_interface import create_kv_cache_views
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    cfg, spec, tensor = kv_cache_config(num_blocks, layout)
+    cfg, spec, tensor = kv_cache_config(num_blocks, layout, kv_heads)
     raw = torch.zeros(tensor.size, dtype=torch.int8)
     views = create_kv_cache_views(raw, spec, num_blocks, KVCacheLayout[layout], tensor)
     return raw, dict(zip(layer_names(), views)), cfg
@@ -148,3 +153,26 @@ def request(req_id, n_tokens, params=None, max_tokens=1):
     if params is not None:
         r.kv_transfer_params = params
     return r
+
+
+def heads_of(tp, rank, kv_heads=KV_HEADS):
+    """The model's KV heads a rank of a TP `tp` deployment holds, as vLLM splits them (one
+    replicated head per rank when there are fewer heads than ranks)."""
+    per = max(1, kv_heads // tp)
+    rep = tp // kv_heads if tp > kv_heads else 1
+    first = rank // rep * per
+    return list(range(first, first + per))
+
+
+def worker(vc, kv, rank):
+    """A KvxferConnector worker of TP rank `rank` (what vLLM's parallel state would say)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    import kvxfer_vllm.connector as cm
+
+    saved = cm._rank
+    cm._rank = lambda: rank
+    try:
+        return cm.KvxferConnector(vc, KVConnectorRole.WORKER, kv)
+    finally:
+        cm._rank = saved

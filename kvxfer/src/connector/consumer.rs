@@ -16,7 +16,7 @@ use crate::agent::Agent;
 use crate::budget::{Charge, MemoryBudget};
 use crate::telemetry::{RequestStats, Telemetry};
 use crate::transfer::Transfer;
-use kvxfer_proto::connector::{LoadEvent, LoadProtocol};
+use kvxfer_proto::connector::{load_descs, LoadEvent, LoadProtocol};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::layout::KvLayout;
 use kvxfer_proto::tp::HeadMap;
@@ -447,15 +447,13 @@ fn consumer_progress(sh: &CShared) {
                     }
                     let layer = l.posted;
                     let r = (|| -> Result<Transfer> {
-                        let ld = sh.layout.descs(
+                        let (ld, rd) = load_descs(
+                            &sh.layout,
+                            &l.remote,
+                            &l.heads,
                             &l.local_blocks,
-                            layer..layer + 1,
-                            l.heads.local.clone(),
-                        )?;
-                        let rd = l.remote.descs(
                             &l.h.blocks[l.skip..],
                             layer..layer + 1,
-                            l.heads.remote.clone(),
                         )?;
                         let lp = sh.agent.prep_local(&ld)?;
                         let rp = sh.agent.prep_remote(&l.h.producer, &rd)?;

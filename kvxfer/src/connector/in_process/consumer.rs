@@ -15,7 +15,7 @@ use crate::connector::config::ConnectorConfig;
 use crate::connector::consumer::lapsed;
 use crate::connector::shell::{load_plan, lock, state_charge, wait_until};
 use crate::telemetry::{RequestStats, Telemetry};
-use kvxfer_proto::connector::{LoadEvent, LoadProtocol};
+use kvxfer_proto::connector::{load_descs, LoadEvent, LoadProtocol};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::layout::KvLayout;
 use kvxfer_proto::tp::HeadMap;
@@ -390,18 +390,15 @@ fn consumer_loop(sh: &ConsumerShared) {
                     ));
                     continue;
                 }
-                let descs = sh
-                    .mem
-                    .layout
-                    .descs(&l.local_blocks, layer..layer + 1, l.heads.local.clone())
-                    .and_then(|dst| {
-                        let src = l.remote.descs(
-                            &l.h.blocks[l.skip..],
-                            layer..layer + 1,
-                            l.heads.remote.clone(),
-                        )?;
-                        Ok((src, dst))
-                    });
+                let descs = load_descs(
+                    &sh.mem.layout,
+                    &l.remote,
+                    &l.heads,
+                    &l.local_blocks,
+                    &l.h.blocks[l.skip..],
+                    layer..layer + 1,
+                )
+                .map(|(dst, src)| (src, dst));
                 match descs {
                     Ok((src, dst)) => jobs.push(Job {
                         request: req.clone(),

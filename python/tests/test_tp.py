@@ -1,0 +1,217 @@
+"""Tensor parallelism through the real vLLM 0.33.0 objects: a prefill deployment of TP `p` in a
+child process (one KvxferConnector worker per rank, each its own agent, and the real Scheduler
+fed every rank's handshake metadata) hands a request to a decode deployment of TP `d` in this
+process (one worker per rank and the real Scheduler). Caches are laid out by vLLM's own
+create_kv_cache_views with each rank's share of the KV heads, in both layouts (NHD and HND).
+Every decode rank's loaded blocks are compared with the model's heads it holds; every prefill
+rank reports the request sent (freed on the decode ranks' acknowledgements)."""
+
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import helpers as h  # noqa: E402
+
+import torch  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+LAYOUTS = ["LBNHC", "LBHNC"]
+TOKENS = 70  # 5 blocks of 16
+
+
+def _output(sched_out, sampled=None, kv=None):
+    ids = list(sched_out.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[sampled] if sampled is not None else [] for _ in ids],
+        kv_connector_output=kv,
+    )
+
+
+def _truth(seed):
+    """The model's KV per layer, every head: [blocks, KV_HEADS, BLOCK, 2*HEAD] bf16 bits."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(-30000, 30000, (64, h.KV_HEADS, h.BLOCK, 2 * h.HEAD), dtype=torch.int16, generator=g) for _ in range(h.LAYERS)]
+
+
+def _prefill(conn, tp, layouts, engine):
+    try:
+        out = {}
+        keep = []
+        for layout in layouts:
+            vc = h.vllm_config(role="kv_producer", engine_id=f"{engine}-{layout}", tp=tp)
+            truth = _truth(7)
+            workers = []
+            for rank in range(tp):
+                raw, caches, kv = h.kv_caches(layout=layout, kv_heads=len(h.heads_of(tp, rank)))
+                for i, t in enumerate(caches.values()):
+                    t.view(torch.int16).copy_(truth[i][:, h.heads_of(tp, rank)])
+                w = h.worker(vc, kv, rank)
+                w.register_kv_caches(caches)
+                workers.append(w)
+                keep.append((raw, caches))
+            _, _, kv0 = h.kv_caches(layout=layout, kv_heads=len(h.heads_of(tp, 0)))
+            s = h.scheduler(vc, kv0)
+            s.connector.set_xfer_handshake_metadata({r: w.get_handshake_metadata() for r, w in enumerate(workers)})
+            req = f"pre-{layout}"
+            s.add_request(h.request(req, TOKENS, {"do_remote_decode": True}, max_tokens=1))
+            so = s.schedule()
+            eco = s.update_from_output(so, _output(so, sampled=5))
+            params = [o for v in eco.values() for o in v.outputs][0].kv_transfer_params
+            blocks = list(s.kv_cache_manager.get_block_ids(req)[0])
+            so2 = s.schedule()
+            for w in workers:  # vLLM broadcasts the step's metadata to every rank
+                w.bind_connector_metadata(so2.kv_connector_metadata)
+                w.start_load_kv(None)
+                w.clear_connector_metadata()
+            out[layout] = (params, blocks, truth, workers, req)
+        conn.send({k: v[:3] for k, v in out.items()})
+        # Serve until every rank's blocks were acknowledged by every decode rank reading them.
+        sent = {}
+        end = time.time() + 60
+        while time.time() < end and len(sent) < len(out) * tp:
+            for layout, (_, _, _, workers, req) in out.items():
+                for rank, w in enumerate(workers):
+                    got, _ = w.get_finished({req})
+                    if got and req in got:
+                        sent[(layout, rank)] = True
+            time.sleep(0.01)
+        conn.send(("sent", sorted(sent)))
+        for _, (_, _, _, workers, _) in out.items():
+            for w in workers:
+                w.shutdown()
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+
+
+@pytest.mark.parametrize("ptp,dtp", [(2, 2), (2, 1), (1, 2), (4, 1)], ids=["tp2-to-tp2", "tp2-to-tp1", "tp1-to-tp2", "gqa-tp4-to-tp1"])
+def test_tensor_parallel_handoff_both_layouts(ptp, dtp):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_prefill, args=(child, ptp, LAYOUTS, f"kvx-tp-{ptp}{dtp}-{os.getpid()}"))
+    p.start()
+    msg = parent.recv()
+    assert not (isinstance(msg, tuple) and msg[0] == "error"), msg[1]
+    for layout in LAYOUTS:
+        params, remote_blocks, truth = msg[layout]
+        vc = h.vllm_config(role="kv_consumer", engine_id=f"kvx-dec-{layout}-{os.getpid()}", tp=dtp)
+        ranks = []
+        for rank in range(dtp):
+            raw, caches, kv = h.kv_caches(layout=layout, kv_heads=len(h.heads_of(dtp, rank)))
+            w = h.worker(vc, kv, rank)
+            w.register_kv_caches(caches)
+            ranks.append((w, raw, caches))
+        _, _, kv0 = h.kv_caches(layout=layout, kv_heads=len(h.heads_of(dtp, 0)))
+        s = h.scheduler(vc, kv0)
+        r = h.request(f"dec-{layout}", TOKENS, dict(params), max_tokens=4)
+        s.add_request(r)
+        out = s.schedule()
+        assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        local = out.kv_connector_metadata.loads[r.request_id][1]
+        assert len(local) == len(remote_blocks) == 5
+        for w, _, _ in ranks:
+            w.bind_connector_metadata(out.kv_connector_metadata)
+            w.start_load_kv(None)
+            w.clear_connector_metadata()
+        done = set()
+        end = time.time() + 60
+        while time.time() < end and len(done) < dtp:
+            for rank, (w, _, _) in enumerate(ranks):
+                _, rv = w.get_finished(set())
+                if rv and r.request_id in rv:
+                    done.add(rank)
+            time.sleep(0.01)
+        assert done == set(range(dtp)), f"{layout}: ranks {done} of {dtp} received"
+        per_head_block = h.BLOCK * 2 * h.HEAD * 2
+        for rank, (w, _, caches) in enumerate(ranks):
+            assert w.get_block_ids_with_load_errors() == set(), (layout, rank)
+            mine = h.heads_of(dtp, rank)
+            for i, t in enumerate(caches.values()):
+                for lb, rb in zip(local, remote_blocks):
+                    want = truth[i][rb][mine]
+                    assert torch.equal(t[lb].view(torch.int16), want), (layout, rank, i, lb, rb)
+                # Blocks the load did not name stay untouched (zero).
+                others = [b for b in range(64) if b not in local]
+                assert torch.count_nonzero(t[others].view(torch.int16)) == 0, (layout, rank, i)
+            st = w.get_kv_connector_stats()
+            assert st.data["loads"] == 1 and st.data["failed"] == 0, st.data
+            assert st.data["bytes_moved"] == 5 * h.LAYERS * len(mine) * per_head_block, st.data
+            w.shutdown()
+    sent = parent.recv()
+    assert sent[0] == "sent", sent
+    # Every prefill rank, in both layouts, freed on acknowledgement (none left to expire).
+    assert sorted(sent[1]) == sorted((lay, rank) for lay in LAYOUTS for rank in range(ptp)), sent
+    p.join(30)
+
+
+def _handoff_from(tp, shape_over=None):
+    """A handoff as a TP `tp` prefill deployment's scheduler makes it (from its workers'
+    real templates), with its shape changed by `shape_over`."""
+    import json
+
+    vc = h.vllm_config(role="kv_producer", tp=tp)
+    workers = []
+    for rank in range(tp):
+        _, caches, kv = h.kv_caches(kv_heads=len(h.heads_of(tp, rank)))
+        w = h.worker(vc, kv, rank)
+        w.register_kv_caches(caches)
+        workers.append((w, caches))
+    _, _, kv0 = h.kv_caches(kv_heads=len(h.heads_of(tp, 0)))
+    s = h.scheduler(vc, kv0)
+    s.connector.set_xfer_handshake_metadata({r: w.get_handshake_metadata() for r, (w, _) in enumerate(workers)})
+    s.add_request(h.request("pre-bad", 40, {"do_remote_decode": True}, max_tokens=1))
+    so = s.schedule()
+    eco = s.update_from_output(so, _output(so, sampled=5))
+    params = [o for v in eco.values() for o in v.outputs][0].kv_transfer_params
+    hd = json.loads(params["kvxfer_handoff"])
+    hd["shape"].update(shape_over or {})
+    params["kvxfer_handoff"] = json.dumps(hd)
+    return params, workers
+
+
+@pytest.mark.parametrize(
+    "dtp,over,words",
+    [
+        (3, {}, ["do not split over TP 3", "prefill TP 1 over 2 KV heads", "decode TP 3 over 2 KV heads"]),
+        (1, {"hnd": True}, ["differ in hnd", "prefill TP 1 over 2 KV heads", "HND", "NHD"]),
+        (1, {"kv_heads_total": 4}, ["different models", "4 KV heads", "2 KV heads"]),
+    ],
+    ids=["heads-do-not-split", "layouts-differ", "other-model"],
+)
+def test_a_geometry_that_cannot_work_fails_the_load_naming_both_sides(dtp, over, words):
+    """Refused before anything moves, with both sides' shapes in the error; the request's
+    blocks are reported invalid and the request received (vLLM recomputes it), never left
+    waiting or filled with the wrong heads."""
+    import json
+
+    params, producers = _handoff_from(1, over)
+    vc = h.vllm_config(role="kv_consumer", tp=dtp)
+    _, caches, kv = h.kv_caches(kv_heads=max(1, h.KV_HEADS // dtp))
+    w = h.worker(vc, kv, 0)
+    w.register_kv_caches(caches)
+    s = h.scheduler(vc, kv)
+    r = h.request("dec-bad", 40, dict(params), max_tokens=2)
+    s.add_request(r)
+    out = s.schedule()
+    local = out.kv_connector_metadata.loads["dec-bad"][1]
+    w.bind_connector_metadata(out.kv_connector_metadata)
+    with pytest.raises(ValueError) as e:
+        w._plan_load(json.loads(params["kvxfer_handoff"]), True)
+    w.start_load_kv(None)
+    for word in words:
+        assert word in str(e.value), (word, str(e.value))
+    _, rv = w.get_finished(set())
+    assert rv == {"dec-bad"}
+    assert w.get_block_ids_with_load_errors() == set(local) and local
+    assert w.get_kv_connector_stats().data["failed"] == 1
+    assert torch.count_nonzero(torch.stack([t.view(torch.int16) for t in caches.values()])) == 0
+    w.shutdown()
+    for p, _ in producers:
+        p.shutdown()
