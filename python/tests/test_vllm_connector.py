@@ -268,3 +268,31 @@ def test_figures_reach_vllms_own_prometheus_registry():
     text = prometheus_client.generate_latest(prometheus_client.REGISTRY).decode()
     assert 'vllm:kvxfer_bytes_moved_total{engine="0",model_name="tiny"} 4096.0' in text, text[-2000:]
     assert 'vllm:kvxfer_load_failures_total{engine="0",model_name="tiny"} 1.0' in text
+
+
+@pytest.mark.parametrize("layout", ["BLNHC", "BLHNC"])
+def test_block_outermost_layouts_are_refused_naming_the_fix(layout):
+    """vLLM's block-outermost layouts (a block's pages of every layer side by side, so a layer's
+    blocks are not contiguous) are refused at registration, naming the layout setting that
+    works, before anything is registered or advertised."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    cfg, spec, _ = h.kv_cache_config(layout=layout)
+    nb, page = cfg.num_blocks, spec.page_size_bytes
+    lay = KVCacheLayout[layout]
+    outer = lay.value[0] == 1  # B outermost: a block's pages of every layer side by side
+    tensor = KVCacheTensor(
+        size=page * nb * h.LAYERS,
+        layers=h.layer_names(),
+        layer_stride=page if outer else page * nb,
+        block_stride=page * h.LAYERS if outer else page,
+    )
+    raw = torch.zeros(tensor.size, dtype=torch.int8)
+    views = create_kv_cache_views(raw, spec, nb, lay, tensor)
+    w = KvxferConnector(h.vllm_config(), KVConnectorRole.WORKER, cfg)
+    with pytest.raises(ValueError) as e:
+        w.register_kv_caches(dict(zip(h.layer_names(), views)))
+    assert "VLLM_KV_CACHE_LAYOUT=LBNHC or LBHNC" in str(e.value), str(e.value)
+    assert w.agent is None and w.get_handshake_metadata() is None
+    w.shutdown()
