@@ -31,12 +31,12 @@ pub struct kvx_tp_read {
 
 impl kvx_tp_read {
     fn spec(&self) -> LoadSpec {
-        let heads = (self.remote_heads_end > self.remote_heads_start).then_some(HeadMap {
-            remote: self.remote_heads_start..self.remote_heads_end,
-            local: self.local_heads_start..self.local_heads_end,
-        });
         LoadSpec {
-            heads,
+            // Empty ranges: nothing moves (only with no local blocks).
+            heads: Some(HeadMap {
+                remote: self.remote_heads_start..self.remote_heads_end,
+                local: self.local_heads_start..self.local_heads_end,
+            }),
             readers: (self.readers > 0).then_some(self.readers),
         }
     }

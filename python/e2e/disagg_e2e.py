@@ -82,6 +82,10 @@ def llm(a, role=None):
     if role == "kv_producer" and a.prefill_tp > 1:
         kw["tensor_parallel_size"] = a.prefill_tp
         kw["distributed_executor_backend"] = "mp"
+        # vLLM's CPU workers bind one NUMA node each unless told which cores: one core per
+        # rank here (a 2-core VM has one node).
+        cores = os.cpu_count() or 1
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(a.prefill_tp)))
     if role:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvxferConnector",

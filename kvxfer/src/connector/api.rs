@@ -242,10 +242,14 @@ pub struct LoadSpec {
 
 impl LoadSpec {
     /// The load a tensor-parallel plan ([`kvxfer_proto::tp::plan`]) asks for from one
-    /// producer rank. A read with no heads moves nothing: load it with no local blocks.
+    /// producer rank. A read with no heads moves nothing (empty head ranges): load it with no
+    /// local blocks; it acknowledges and counts nothing as moved or skipped.
     pub fn from_tp(read: &TpRead) -> LoadSpec {
         LoadSpec {
-            heads: read.heads.clone(),
+            heads: Some(read.heads.clone().unwrap_or(HeadMap {
+                remote: 0..0,
+                local: 0..0,
+            })),
             readers: u32::try_from(read.readers).ok(),
         }
     }

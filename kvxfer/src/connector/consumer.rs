@@ -320,7 +320,9 @@ fn finish(sh: &CShared, st: &mut CState, req: &str) {
     let s = RequestStats {
         request: req.to_string(),
         bytes_moved: l.bytes,
-        bytes_skipped: l.skip as u64 * per_block,
+        // A head slice skips its share of each cached block.
+        bytes_skipped: l.skip as u64 * per_block * l.heads.width()
+            / sh.layout.geometry.kv_heads.max(1),
         descriptors: l.descs,
         post_time: l.post,
         transfer_time: l.xfer,

@@ -75,7 +75,8 @@ fn tp_case(h: &dyn Harness, ptp: u64, dtp: u64, kv_heads: u64) -> Verdict {
     r._connectors = conns;
     // Every prefill rank publishes the request under its own name (one consumer may load it
     // from several ranks), with the default of one reader: the decode ranks declare theirs.
-    let remote = [2, 4, 6];
+    // Four published blocks; the decode ranks hold the first (a cached prefix): three move.
+    let remote = [2, 4, 6, 8];
     let local = [9, 1, 30];
     let mut handoffs = Vec::new();
     for (p, prod) in r.producers.iter().enumerate() {
@@ -114,7 +115,7 @@ fn tp_case(h: &dyn Harness, ptp: u64, dtp: u64, kv_heads: u64) -> Verdict {
                     &local,
                     m.local.clone(),
                     src,
-                    &remote,
+                    &remote[1..],
                     m.remote.clone(),
                     layers,
                 )
@@ -124,6 +125,29 @@ fn tp_case(h: &dyn Harness, ptp: u64, dtp: u64, kv_heads: u64) -> Verdict {
                         m.local, read.producer_rank
                     )
                 })?;
+        }
+    }
+    // Figures: each load moved and skipped its share of the heads.
+    for (c, cons) in r.consumers.iter().enumerate() {
+        let per_head = r.dst[c].request_block_bytes() / dec.heads_per_rank();
+        let mut done = Vec::new();
+        while let Some(st) = cons.next_finished() {
+            done.push(st);
+        }
+        for read in ok(plan(pre, dec, c as u64), "plan")? {
+            let req = format!("tp#{}", read.producer_rank);
+            let st = done
+                .iter()
+                .find(|s| s.request == req)
+                .ok_or(format!("decode rank {c}: {req} not reported finished"))?;
+            let w = read.heads.as_ref().map_or(0, |m| m.width());
+            let (moved, skipped) = (3 * per_head * w, per_head * w);
+            ensure!(
+                st.bytes_moved == moved && st.bytes_skipped == skipped,
+                "decode rank {c}, {req}: moved {} skipped {}, want {moved} and {skipped}",
+                st.bytes_moved,
+                st.bytes_skipped
+            );
         }
     }
     for (p, prod) in r.producers.iter().enumerate() {

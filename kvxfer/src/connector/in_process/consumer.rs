@@ -100,7 +100,9 @@ impl ConsumerShared {
         let s = RequestStats {
             request: req.to_string(),
             bytes_moved: l.bytes,
-            bytes_skipped: l.skip as u64 * per_block,
+            // A head slice skips its share of each cached block.
+            bytes_skipped: l.skip as u64 * per_block * l.heads.width()
+                / layout.geometry.kv_heads.max(1),
             descriptors: l.descs,
             post_time: Duration::ZERO,
             transfer_time: l.xfer,
