@@ -82,6 +82,7 @@ fn metadata(c: &mut Criterion) {
             name: "prefill-0".into(),
             compat: 7,
             worker_addr: vec![3; 180],
+            epoch: 0x5eed,
             host: Some(HostInfo {
                 boot_id: [1; 16],
                 pid_ns: 4026531836,

@@ -51,6 +51,7 @@ pub(crate) fn status_of(e: &Error) -> kvx_status {
         Error::Io { .. } | Error::Protocol { .. } => KVX_IO,
         Error::Shutdown => KVX_SHUTDOWN,
         Error::Cuda { .. } => KVX_CUDA,
+        Error::NameConflict { .. } => KVX_NAME_CONFLICT,
         _ => KVX_INVALID_ARGUMENT,
     }
 }
@@ -136,6 +137,7 @@ pub extern "C" fn kvx_status_name(s: kvx_status) -> *const c_char {
         KVX_DEREGISTERED => "KVX_DEREGISTERED\0",
         KVX_INVALID_HANDLE => "KVX_INVALID_HANDLE\0",
         KVX_CUDA => "KVX_CUDA\0",
+        KVX_NAME_CONFLICT => "KVX_NAME_CONFLICT\0",
     };
     n.as_ptr().cast()
 }

@@ -81,6 +81,9 @@ pub enum kvx_status {
     /// Device memory cannot be used here: no CUDA driver or device, a library built without
     /// the `cuda` feature, or a forced path that cannot work (the message says which).
     KVX_CUDA = 23,
+    /// Another live agent already holds the name (two agents given one name); a restarted
+    /// agent is not refused.
+    KVX_NAME_CONFLICT = 24,
 }
 
 /// Direction of a transfer, seen from the initiator.

@@ -270,6 +270,15 @@ pub enum Error {
         /// This agent's transports (its `UCX_TLS`).
         ours: String,
     },
+    /// Another live agent already holds this name: two agents (two ranks, say) were given one
+    /// name. A restarted agent (the one before it gone) is not a conflict.
+    #[error("agent name {name:?} is taken by a live agent: {why}")]
+    NameConflict {
+        /// The name.
+        name: String,
+        /// Which incarnations, and how the first was found alive.
+        why: String,
+    },
     /// The connection to a peer failed (the peer died or the link broke).
     #[error("peer {agent:?} failed: {status}")]
     PeerFailed {

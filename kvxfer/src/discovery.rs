@@ -247,6 +247,17 @@ pub(crate) fn exchange(
                     peer: who,
                     why: format!("listener refused: {why}"),
                 })
+            } else if let Some(rest) = why.split_once("is taken by a live agent: ") {
+                // The listener already holds another live agent of this agent's name.
+                Err(Error::NameConflict {
+                    name: rest
+                        .0
+                        .trim_start_matches("agent name ")
+                        .trim()
+                        .trim_matches('"')
+                        .to_string(),
+                    why: format!("{} (the listener {who} refused this agent)", rest.1),
+                })
             } else {
                 let ours = if why.contains("no transport in common") {
                     format!(

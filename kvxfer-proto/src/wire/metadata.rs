@@ -93,6 +93,10 @@ pub struct Metadata {
     pub compat: u64,
     /// UCX worker address.
     pub worker_addr: Vec<u8>,
+    /// This incarnation of the agent: drawn at random when it starts, so that a restarted
+    /// agent (same name, new epoch) is told apart from the one before it, and two live agents
+    /// with one name from each other. 0: not sent (an agent of the first release).
+    pub epoch: u64,
     /// Host identity, for the shared-memory lane.
     pub host: Option<HostInfo>,
     /// TCP stream lane.
@@ -103,6 +107,8 @@ pub struct Metadata {
 
 const FLAG_HOST: u16 = 1;
 const FLAG_LANE: u16 = 2;
+const FLAG_EPOCH: u16 = 4;
+const EPOCH_LEN: usize = 8;
 const HOST_LEN: usize = 16 + 8 + 4;
 
 impl Metadata {
@@ -113,6 +119,7 @@ impl Metadata {
             + self.name.len()
             + ADDR_LEN_BYTES
             + self.worker_addr.len()
+            + if self.epoch != 0 { EPOCH_LEN } else { 0 }
             + self.host.map_or(0, |_| HOST_LEN)
             + self.lane.map_or(0, |l| lane_len(&l))
             + COUNT_BYTES
@@ -122,7 +129,8 @@ impl Metadata {
                 .map(|r| REGION_FIXED_LEN + r.rkey.len() + r.shm.map_or(0, |_| SHM_LEN))
                 .sum::<usize>();
         let flags = if self.host.is_some() { FLAG_HOST } else { 0 }
-            | if self.lane.is_some() { FLAG_LANE } else { 0 };
+            | if self.lane.is_some() { FLAG_LANE } else { 0 }
+            | if self.epoch != 0 { FLAG_EPOCH } else { 0 };
         let mut b = Vec::with_capacity(size);
         b.extend_from_slice(&MAGIC);
         b.extend_from_slice(&WIRE_VERSION.to_le_bytes());
@@ -133,6 +141,9 @@ impl Metadata {
         b.extend_from_slice(self.name.as_bytes());
         b.extend_from_slice(&(self.worker_addr.len() as u32).to_le_bytes());
         b.extend_from_slice(&self.worker_addr);
+        if self.epoch != 0 {
+            b.extend_from_slice(&self.epoch.to_le_bytes());
+        }
         if let Some(h) = &self.host {
             b.extend_from_slice(&h.boot_id);
             b.extend_from_slice(&h.pid_ns.to_le_bytes());
@@ -202,10 +213,11 @@ impl Metadata {
                 expected: expected_compat,
             });
         }
-        if flags & !(FLAG_HOST | FLAG_LANE) != 0 {
+        let known = FLAG_HOST | FLAG_LANE | FLAG_EPOCH;
+        if flags & !known != 0 {
             return Err(MetadataError::Invalid {
                 field: "flags",
-                why: format!("{flags:#x}, only {:#x} are defined", FLAG_HOST | FLAG_LANE),
+                why: format!("{flags:#x}, only {known:#x} are defined"),
             });
         }
         let total = r.u32()? as usize;
@@ -257,6 +269,18 @@ impl Metadata {
             });
         }
         let worker_addr = r.take(addr_len)?.to_vec();
+        let epoch = if flags & FLAG_EPOCH != 0 {
+            let e = r.u64()?;
+            if e == 0 {
+                return Err(MetadataError::Invalid {
+                    field: "epoch",
+                    why: "0 with the epoch flag set".into(),
+                });
+            }
+            e
+        } else {
+            0
+        };
         let host = if flags & FLAG_HOST != 0 {
             Some(HostInfo {
                 boot_id: r.array()?,
@@ -383,6 +407,7 @@ impl Metadata {
             name,
             compat,
             worker_addr,
+            epoch,
             host,
             lane,
             regions,
@@ -453,6 +478,7 @@ mod tests {
             name: "prefill-0".into(),
             compat: 0xdead_beef_0123_4567,
             worker_addr: vec![1, 2, 3, 4, 5],
+            epoch: 0x1234_5678_9abc_def0,
             host: Some(HostInfo {
                 boot_id: [5; 16],
                 pid_ns: 4026531836,
@@ -572,6 +598,31 @@ mod tests {
                 field: "region extent",
                 ..
             })
+        ));
+    }
+
+    #[test]
+    fn the_epoch_is_optional_and_never_zero_on_the_wire() {
+        let m = sample();
+        assert_eq!(
+            Metadata::decode(&m.encode(), m.compat).unwrap().epoch,
+            m.epoch
+        );
+        // A first-release agent sends none: decoded as 0, 8 bytes shorter.
+        let old = Metadata {
+            epoch: 0,
+            ..sample()
+        };
+        assert_eq!(old.encode().len() + 8, m.encode().len());
+        assert_eq!(Metadata::decode(&old.encode(), m.compat).unwrap(), old);
+        // The flag set with a zero epoch is malformed.
+        let mut b = m.encode();
+        let e = m.epoch.to_le_bytes();
+        let i = b.windows(8).position(|w| w == e).unwrap();
+        b[i..i + 8].fill(0);
+        assert!(matches!(
+            Metadata::decode(&b, m.compat),
+            Err(MetadataError::Invalid { field: "epoch", .. })
         ));
     }
 

@@ -106,6 +106,7 @@ impl Agent {
         };
         let shared = Arc::new(AgentState {
             name: cfg.name.clone(),
+            epoch: new_epoch()?,
             compat: cfg.compat,
             max_op: cfg.max_op_bytes,
             cmds,
@@ -621,6 +622,18 @@ impl Drop for Agent {
 }
 
 /// The side channel's view of this agent.
+/// A random, non-zero incarnation number for a new agent.
+fn new_epoch() -> Result<u64> {
+    let mut b = [0u8; 8];
+    std::io::Read::read_exact(
+        &mut std::fs::File::open("/dev/urandom")
+            .map_err(|e| Error::io("opening /dev/urandom", e))?,
+        &mut b,
+    )
+    .map_err(|e| Error::io("reading /dev/urandom", e))?;
+    Ok(u64::from_le_bytes(b).max(1))
+}
+
 fn side_channel(st: &Arc<AgentState>) -> Arc<SideChannel> {
     let (a, b) = (st.clone(), st.clone());
     Arc::new(SideChannel {

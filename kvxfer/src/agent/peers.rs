@@ -10,7 +10,7 @@ use crate::lane::shm::PeerMaps;
 use crate::lane::tcp::link::Link;
 use crate::lane::PeerLanes;
 use kvxfer_proto::error::{Error, Result};
-use kvxfer_proto::types::{GpuPath, MemKind, PeerInfo, RegionSpan, Transport};
+use kvxfer_proto::types::{GpuPath, HostInfo, MemKind, PeerInfo, RegionSpan, Transport};
 use kvxfer_proto::wire::metadata::Metadata;
 
 /// Loads a decoded peer's metadata: builds its lanes (or keeps those built for the same
@@ -25,6 +25,7 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
     }
     let name = meta.name.clone();
     let _serial = st.load_lock.lock().unwrap_or_else(|e| e.into_inner());
+    another_incarnation(st, &meta)?;
     let sum = meta_sum(&meta);
     // The same metadata again (a second handshake): keep the lanes already built.
     let existing = st
@@ -43,6 +44,7 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
     };
     let spans: Vec<RegionSpan> = meta.regions.iter().map(|r| r.span()).collect();
     let unmapped: Vec<bool> = meta.regions.iter().map(|r| r.rkey.is_empty()).collect();
+    let (epoch, lane_addr, host) = (meta.epoch, meta.lane.map(|l| l.addr), meta.host);
     let LoadedPeer { token, connected } = st.cmds.call(|reply| Cmd::LoadPeer { meta, reply })?;
     if let Some(token) = token {
         st.peers.write().unwrap_or_else(|e| e.into_inner()).insert(
@@ -53,6 +55,9 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
                 lanes,
                 unmapped,
                 meta_sum: sum,
+                epoch,
+                lane_addr,
+                host,
             }),
         );
     }
@@ -64,6 +69,74 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
         },
         e => e,
     })
+}
+
+/// How long a lane listener of the incarnation already loaded gets to answer when another
+/// agent offers its name.
+const PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// `meta` names a loaded peer with another epoch: a restart (the incarnation before is gone:
+/// its state, lanes, mapped memory and keys, is dropped here, and transfers prepared for it
+/// fail as stale) or a second live agent with the name (refused, typed). The one before is
+/// alive when its TCP lane still accepts connections at an address the newcomer does not
+/// also claim; with no lane to ask (lanes off), when it ran on this host in another process
+/// than the newcomer's and that process still exists. Without a lane, two agents of one name
+/// on two other hosts, or one after the other in one process, are taken as a restart.
+fn another_incarnation(st: &AgentState, meta: &Metadata) -> Result<()> {
+    let Some(old) = st
+        .peers
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&meta.name)
+        .cloned()
+    else {
+        return Ok(());
+    };
+    if old.epoch == meta.epoch || old.epoch == 0 || meta.epoch == 0 {
+        return Ok(());
+    }
+    let new_lane = meta.lane.map(|l| l.addr);
+    let alive = match old.lane_addr {
+        Some(a) if Some(a) != new_lane => {
+            std::net::TcpStream::connect_timeout(&a, PROBE_TIMEOUT).is_ok()
+        }
+        // The newcomer listens where the old one did: the old one's socket is gone.
+        Some(_) => false,
+        None => process_alive_elsewhere(st, old.host, meta.host),
+    };
+    if alive {
+        return Err(Error::NameConflict {
+            name: meta.name.clone(),
+            why: format!(
+                "epoch {:#018x} is loaded here and still answers at {}; epoch {:#018x} offers \
+                 the same name (give each agent its own name, e.g. one per rank)",
+                old.epoch,
+                old.lane_addr
+                    .map_or("its lane".to_string(), |a| a.to_string()),
+                meta.epoch
+            ),
+        });
+    }
+    log::info!(
+        "kvxfer: peer {:?} restarted (epoch {:#018x} -> {:#018x}): dropping the old one's lanes, \
+         mappings and keys",
+        meta.name,
+        old.epoch,
+        meta.epoch
+    );
+    remove_peer(st, &meta.name)
+}
+
+/// Whether the process of an incarnation without a lane, `old`, is a live process of this host
+/// (same boot, same PID namespace) other than the newcomer's.
+fn process_alive_elsewhere(st: &AgentState, old: Option<HostInfo>, new: Option<HostInfo>) -> bool {
+    let (Some(old), Some(me)) = (old, st.host) else {
+        return false;
+    };
+    let same_host = old.boot_id == me.boot_id && old.pid_ns == me.pid_ns;
+    let same_process =
+        new.is_some_and(|n| n.boot_id == old.boot_id && n.pid_ns == old.pid_ns && n.pid == old.pid);
+    same_host && !same_process && std::path::Path::new(&format!("/proc/{}", old.pid)).exists()
 }
 
 /// The lanes towards a newly loaded peer.

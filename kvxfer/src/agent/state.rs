@@ -20,6 +20,8 @@ use kvxfer_proto::types::{GpuPath, HostInfo, LaneInfo, RegionSpan, Transport};
 /// the engine loaded a peer.
 pub(crate) struct AgentState {
     pub(crate) name: String,
+    /// This incarnation (random, never 0): peers tell a restart from a second agent by it.
+    pub(crate) epoch: u64,
     pub(crate) compat: u64,
     pub(crate) max_op: u64,
     pub(crate) cmds: Commands,
@@ -48,6 +50,7 @@ impl AgentState {
     pub(crate) fn identity(&self) -> LocalIdentity {
         LocalIdentity {
             name: self.name.clone(),
+            epoch: self.epoch,
             compat: self.compat,
             host: self.host,
             lane: self.lane.get().copied(),
@@ -73,4 +76,11 @@ pub(crate) struct PeerView {
     pub(crate) unmapped: Vec<bool>,
     /// Checksum of the metadata the view was built from.
     pub(crate) meta_sum: u64,
+    /// The peer's incarnation (0: a peer that sends none).
+    pub(crate) epoch: u64,
+    /// Where its TCP lane listens, to tell whether it is still alive when another agent
+    /// offers its name.
+    pub(crate) lane_addr: Option<std::net::SocketAddr>,
+    /// Its host and process, for the same check when it has no lane.
+    pub(crate) host: Option<HostInfo>,
 }

@@ -80,6 +80,7 @@ pub(crate) enum Cmd {
 #[derive(Clone, Debug)]
 pub(crate) struct LocalIdentity {
     pub(crate) name: String,
+    pub(crate) epoch: u64,
     pub(crate) compat: u64,
     pub(crate) host: Option<HostInfo>,
     pub(crate) lane: Option<LaneInfo>,
@@ -500,6 +501,7 @@ impl Engine {
     fn metadata(&self, local: LocalIdentity) -> Vec<u8> {
         let LocalIdentity {
             name,
+            epoch,
             compat,
             host,
             lane,
@@ -510,6 +512,7 @@ impl Engine {
             name,
             compat,
             worker_addr: self.worker_addr.clone(),
+            epoch,
             host,
             lane,
             regions: ids

@@ -1,0 +1,95 @@
+//! Agent incarnations (issue 17, epochs without a registry): every agent draws a random epoch
+//! that its metadata carries. A second live agent that offers a name already loaded is refused
+//! (typed, on both sides), and the first keeps being the one transfers reach; a restarted agent
+//! (the one before it gone) replaces it, transfers prepared for the old one fail as stale, and
+//! nothing of the old one is used again.
+
+#![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
+
+use std::time::Duration;
+
+use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, Transport, XferOp};
+
+const LEN: usize = 64 << 10;
+
+fn agent(name: &str) -> Agent {
+    Agent::new(
+        AgentConfig::new(name)
+            .transport(Transport::Tcp)
+            .net_devices("lo"),
+    )
+    .unwrap()
+}
+
+/// A "prefill" agent whose one region is filled with `fill`.
+fn prefill(name: &str, fill: u8) -> (Agent, kvxfer::Region) {
+    let a = agent(name);
+    let r = a.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    r.write(0, &vec![fill; LEN]).unwrap();
+    (a, r)
+}
+
+/// What `d` reads from the peer `name`'s region 0.
+fn read_from(d: &Agent, local: &kvxfer::Region, name: &str) -> kvxfer::Result<Vec<u8>> {
+    let l = d.prep_local(&[Desc::new(local.id(), 0, LEN as u64)])?;
+    let r = d.prep_remote(name, &[Desc::new(kvxfer::RegionId(0), 0, LEN as u64)])?;
+    d.transfer_all(XferOp::Read, &l, &r, None, Some(Duration::from_secs(10)))?
+        .wait()?;
+    let mut out = vec![0u8; LEN];
+    local.read(0, &mut out)?;
+    Ok(out)
+}
+
+#[test]
+fn a_second_live_agent_with_a_taken_name_is_refused_and_a_restart_is_not() {
+    let name = format!("ep-prefill-{}", std::process::id());
+    let d = agent(&format!("ep-decode-{}", std::process::id()));
+    let dl = d.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    let side = d.listen("127.0.0.1:0").unwrap();
+
+    let (p1, _r1) = prefill(&name, 0x11);
+    assert_eq!(p1.connect(side).unwrap(), d.name());
+    assert!(read_from(&d, &dl, &name)
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0x11));
+
+    // Two ranks given one name: the second is refused on both sides, typed, naming the name.
+    let (p2, _r2) = prefill(&name, 0x22);
+    let e = p2.connect(side).unwrap_err();
+    assert!(
+        matches!(&e, Error::NameConflict { name: n, .. } if *n == name),
+        "{e}"
+    );
+    println!("the second agent is told: {e}");
+    let e = d.load_remote_metadata(&p2.metadata().unwrap()).unwrap_err();
+    assert!(matches!(e, Error::NameConflict { .. }), "{e}");
+    println!("the listener says: {e}");
+    // And the first one is still the one a READ reaches.
+    assert!(read_from(&d, &dl, &name)
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0x11));
+    drop(p2);
+
+    // A transfer prepared for the first incarnation, kept across its restart.
+    let l = d.prep_local(&[Desc::new(dl.id(), 0, LEN as u64)]).unwrap();
+    let stale = d
+        .prep_remote(&name, &[Desc::new(kvxfer::RegionId(0), 0, LEN as u64)])
+        .unwrap();
+
+    // The first one goes away and comes back under the same name: accepted, new epoch.
+    drop(p1);
+    let (p3, _r3) = prefill(&name, 0x33);
+    assert_eq!(p3.connect(side).unwrap(), d.name());
+    assert!(read_from(&d, &dl, &name)
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0x33));
+    let e = d
+        .transfer_all(XferOp::Read, &l, &stale, None, Some(Duration::from_secs(5)))
+        .and_then(|t| t.wait())
+        .unwrap_err();
+    assert!(matches!(e, Error::StalePeer { .. }), "{e}");
+    println!("a transfer prepared for the old incarnation: {e}");
+}
