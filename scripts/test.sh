@@ -29,6 +29,12 @@ echo "== UCX: Debian libucx-dev (default)"
   cargo clippy --workspace --all-targets --features cuda -- -D warnings
   cargo test --workspace --features cuda cuda -- --nocapture 2>&1 | grep -E "SKIP|as expected" || true
   cargo test --workspace --features cuda 2>&1 | tee -a "$log"
+  # Discovery through a real etcd (feature etcd; etcd-client needs protoc to build).
+  for p in etcd-server protobuf-compiler; do
+    dpkg -s "$p" >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$p" >/dev/null; }
+  done
+  cargo clippy -p kvxfer --features etcd --all-targets -- -D warnings
+  cargo test -p kvxfer --features etcd --test etcd -- --nocapture 2>&1 | tee -a "$log"
 )
 
 echo "== vLLM plugin against the real vllm==0.33.0 (CPU)"

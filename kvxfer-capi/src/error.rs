@@ -48,7 +48,7 @@ pub(crate) fn status_of(e: &Error) -> kvx_status {
         Error::Canceled => KVX_CANCELED,
         Error::InvalidArgument(_) => KVX_INVALID_ARGUMENT,
         Error::OutOfMemory(_) => KVX_OUT_OF_MEMORY,
-        Error::Io { .. } | Error::Protocol { .. } => KVX_IO,
+        Error::Io { .. } | Error::Protocol { .. } | Error::Registry { .. } => KVX_IO,
         Error::Shutdown => KVX_SHUTDOWN,
         Error::Cuda { .. } => KVX_CUDA,
         Error::NameConflict { .. } => KVX_NAME_CONFLICT,

@@ -279,6 +279,14 @@ pub enum Error {
         /// Which incarnations, and how the first was found alive.
         why: String,
     },
+    /// The registry agents find each other through (etcd) is unreachable or refused a call.
+    #[error("etcd at {endpoints}: {why}")]
+    Registry {
+        /// Its endpoints.
+        endpoints: String,
+        /// What failed.
+        why: String,
+    },
     /// The connection to a peer failed (the peer died or the link broke).
     #[error("peer {agent:?} failed: {status}")]
     PeerFailed {

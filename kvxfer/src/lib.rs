@@ -46,6 +46,7 @@ mod discovery;
 mod lane;
 pub mod memory;
 pub mod notify;
+pub mod registry;
 mod staged;
 pub mod staging;
 pub mod telemetry;

@@ -195,6 +195,17 @@ impl Agent {
         &self.shared.name
     }
 
+    /// This incarnation: random, drawn at start, carried in the metadata; peers tell a restart
+    /// (same name, new epoch) from a second live agent of the name by it.
+    pub fn epoch(&self) -> u64 {
+        self.shared.epoch
+    }
+
+    /// The compatibility hash peers' metadata must carry (`AgentConfig::compat`).
+    pub fn compat(&self) -> u64 {
+        self.shared.compat
+    }
+
     /// The UCX library version loaded at run time.
     pub fn ucx_version(&self) -> &str {
         &self.shared.ucx_version

@@ -1,0 +1,18 @@
+//! How agents find each other by name: the [`Discovery`] interface, with the side channel
+//! ([`SideChannelDiscovery`]: no server, addresses given) and, with the `etcd` feature, etcd
+//! (`EtcdDiscovery`: agents publish their metadata under a namespace, held by a lease, and
+//! watch each other, so a decode worker has every prefill worker loaded before its first
+//! transfer and learns within the lease TTL that one is gone).
+//!
+//! Both end in the same place: the peer's metadata loaded into the agent, where an agent of a
+//! name already loaded with another epoch is told apart as a restart or refused as a second
+//! live agent ([`crate::Error::NameConflict`]).
+#![forbid(unsafe_code)]
+
+mod api;
+#[cfg(feature = "etcd")]
+mod etcd;
+
+pub use api::{Discovery, SideChannelDiscovery};
+#[cfg(feature = "etcd")]
+pub use etcd::{EtcdConfig, EtcdDiscovery};

@@ -1,0 +1,331 @@
+//! Discovery through a real etcd (Debian's `etcd-server`; `scripts/test.sh` installs it):
+//! agents in separate processes find each other by name and move verified bytes; a worker
+//! killed with SIGKILL is gone within its lease TTL and transfers to it fail typed; a worker
+//! restarted under its name is reached at its new epoch with nothing of the old one used; a
+//! second live worker taking a name is refused; etcd stopped and restarted while transfers go
+//! on; etcd absent at start. etcd runs on free ports with its data in a temporary folder and
+//! is stopped at the end. Without the `etcd` feature this file is empty; without an etcd
+//! binary it says SKIP.
+#![cfg(feature = "etcd")]
+#![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvxfer::registry::{Discovery, EtcdConfig, EtcdDiscovery};
+use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, RegionId, Transport, XferOp};
+
+const LEN: usize = 64 << 10;
+const TTL: Duration = Duration::from_secs(2);
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Etcd {
+    child: Option<Child>,
+    dir: PathBuf,
+    client: u16,
+    peer: u16,
+}
+
+impl Etcd {
+    fn start() -> Option<Etcd> {
+        if Command::new("etcd").arg("--version").output().is_err() {
+            eprintln!("SKIP: no etcd binary (apt-get install etcd-server)");
+            return None;
+        }
+        let dir =
+            std::env::temp_dir().join(format!("kvx-etcd-{}-{}", std::process::id(), free_port()));
+        let mut e = Etcd {
+            child: None,
+            dir,
+            client: free_port(),
+            peer: free_port(),
+        };
+        e.run();
+        Some(e)
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client)
+    }
+
+    fn run(&mut self) {
+        let peer = format!("http://127.0.0.1:{}", self.peer);
+        let child = Command::new("etcd")
+            .args(["--name", "kvx", "--data-dir"])
+            .arg(&self.dir)
+            .args([
+                "--listen-client-urls",
+                &self.url(),
+                "--advertise-client-urls",
+                &self.url(),
+            ])
+            .args([
+                "--listen-peer-urls",
+                &peer,
+                "--initial-advertise-peer-urls",
+                &peer,
+            ])
+            .args(["--initial-cluster", &format!("kvx={peer}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let end = Instant::now() + Duration::from_secs(20);
+        while EtcdDiscovery::connect(EtcdConfig::new(&[&self.url()], "/probe")).is_err() {
+            assert!(
+                Instant::now() < end,
+                "etcd did not come up at {}",
+                self.url()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn agent(name: &str) -> Arc<Agent> {
+    Arc::new(
+        Agent::new(
+            AgentConfig::new(name)
+                .transport(Transport::Tcp)
+                .net_devices("lo"),
+        )
+        .unwrap(),
+    )
+}
+
+fn discovery(url: &str, ns: &str) -> Arc<EtcdDiscovery> {
+    EtcdDiscovery::connect(EtcdConfig::new(&[url], ns).ttl(TTL)).unwrap()
+}
+
+/// A worker process: this test binary again, running `worker_child`.
+struct Worker {
+    child: Child,
+}
+
+impl Worker {
+    /// Starts worker `name` whose region holds `fill`; waits until it is published (or says
+    /// why not: `Err` with its words).
+    fn start(url: &str, ns: &str, name: &str, fill: u8) -> Result<Worker, String> {
+        let child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "worker_child",
+                "--ignored",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
+            .env("KVX_ETCD_WORKER", format!("{url} {ns} {name} {fill}"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Owned at once: dropped (killed and waited for) on every path.
+        let mut w = Worker { child };
+        let mut out = BufReader::new(w.child.stdout.take().unwrap());
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if out.read_line(&mut line).unwrap() == 0 {
+                return Err("the worker ended without a word".into());
+            }
+            // libtest prints "test worker_child ... " before the worker's words, on one line.
+            if line.contains("READY ") {
+                std::thread::spawn(move || {
+                    let mut sink = String::new();
+                    let _ = out.read_to_string(&mut sink);
+                });
+                return Ok(w);
+            }
+            if let Some((_, why)) = line.split_once("REFUSED ") {
+                return Err(why.trim().to_string());
+            }
+        }
+    }
+
+    fn kill(mut self) {
+        // SAFETY: kill(2) on our own child's pid; no memory is involved.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A worker: an agent with one region of `fill`, published in etcd, watching the namespace,
+/// until its stdin closes. Started by `Worker::start`; does nothing in a normal run.
+#[test]
+#[ignore = "a worker process of the etcd tests, started by them"]
+fn worker_child() {
+    let Ok(spec) = std::env::var("KVX_ETCD_WORKER") else {
+        return;
+    };
+    let v: Vec<&str> = spec.split(' ').collect();
+    let (url, ns, name, fill) = (v[0], v[1], v[2], v[3].parse::<u8>().unwrap());
+    let a = agent(name);
+    let r = a.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    r.write(0, &vec![fill; LEN]).unwrap();
+    let d = discovery(url, ns);
+    match d.publish(&a).and_then(|()| d.watch(&a)) {
+        Ok(()) => println!("READY {:#x}", a.epoch()),
+        Err(e) => {
+            println!("REFUSED {e}");
+            return;
+        }
+    }
+    let mut s = String::new();
+    let _ = std::io::stdin().read_line(&mut s);
+}
+
+/// What `hub` reads from `name`'s region 0 (its first byte, all bytes checked equal).
+fn read_fill(hub: &Agent, local: &kvxfer::Region, name: &str) -> kvxfer::Result<u8> {
+    let l = hub.prep_local(&[Desc::new(local.id(), 0, LEN as u64)])?;
+    let r = hub.prep_remote(name, &[Desc::new(RegionId(0), 0, LEN as u64)])?;
+    hub.transfer_all(XferOp::Read, &l, &r, None, Some(Duration::from_secs(5)))?
+        .wait()?;
+    let mut b = vec![0u8; LEN];
+    local.read(0, &mut b)?;
+    assert!(b.iter().all(|&x| x == b[0]), "mixed bytes from {name}");
+    Ok(b[0])
+}
+
+fn until<T>(within: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> (T, Duration) {
+    let t0 = Instant::now();
+    loop {
+        if let Some(x) = f() {
+            return (x, t0.elapsed());
+        }
+        assert!(t0.elapsed() < within, "{what}: not within {within:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn agents_find_each_other_by_name_through_etcd() {
+    let Some(mut etcd) = Etcd::start() else {
+        return;
+    };
+    let url = etcd.url();
+    let ns = format!("/kvx-test-{}", std::process::id());
+    let names: Vec<String> = (1..=3)
+        .map(|i| format!("w{i}-{}", std::process::id()))
+        .collect();
+    let mut workers: Vec<Option<Worker>> = names
+        .iter()
+        .zip(1u8..)
+        .map(|(n, f)| Some(Worker::start(&url, &ns, n, f).unwrap()))
+        .collect();
+
+    // The fourth agent: published, and watching, it has every worker loaded before its first
+    // transfer (no side channel, no address given).
+    let hub = agent(&format!("hub-{}", std::process::id()));
+    let local = hub.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    let d = discovery(&url, &ns);
+    d.publish(&hub).unwrap();
+    d.watch(&hub).unwrap();
+    for (n, f) in names.iter().zip(1u8..) {
+        assert!(hub.peer_info(n).is_ok(), "{n} not loaded by the watch");
+        assert_eq!(read_fill(&hub, &local, n).unwrap(), f, "{n}");
+    }
+    println!("3 workers in 3 processes found by name; bytes verified");
+
+    // A second live worker taking a taken name is refused.
+    let why = Worker::start(&url, &ns, &names[1], 0x77).err().unwrap();
+    assert!(why.contains("is taken by a live agent"), "{why}");
+    assert_eq!(read_fill(&hub, &local, &names[1]).unwrap(), 2);
+    println!("a second live {}: {why}", names[1]);
+
+    // SIGKILL: the key goes with the lease, the watch removes the peer, transfers fail typed.
+    workers[0].take().unwrap().kill();
+    let (e, gone) = until(
+        TTL + Duration::from_secs(4),
+        "the killed worker's removal",
+        || read_fill(&hub, &local, &names[0]).err(),
+    );
+    assert!(
+        matches!(
+            e,
+            Error::UnknownPeer { .. } | Error::PeerFailed { .. } | Error::LaneFailed { .. }
+        ),
+        "{e}"
+    );
+    let (_, removed) = until(
+        TTL + Duration::from_secs(4),
+        "the killed worker's key to go",
+        || hub.peer_info(&names[0]).is_err().then_some(()),
+    );
+    println!("SIGKILLed worker: transfers failed after {gone:?} ({e}); removed after {removed:?} (TTL {TTL:?})");
+
+    // Restarted under its name: reached at its new epoch, with new bytes.
+    workers[0] = Some(Worker::start(&url, &ns, &names[0], 0x41).unwrap());
+    let (_, t) = until(Duration::from_secs(10), "the restarted worker", || {
+        (read_fill(&hub, &local, &names[0]).ok() == Some(0x41)).then_some(())
+    });
+    println!("restarted worker reached at its new epoch after {t:?}");
+
+    // etcd goes away: loaded peers keep working.
+    etcd.stop();
+    for _ in 0..3 {
+        assert_eq!(read_fill(&hub, &local, &names[2]).unwrap(), 3);
+    }
+    std::thread::sleep(TTL);
+    assert_eq!(read_fill(&hub, &local, &names[1]).unwrap(), 2);
+    // etcd comes back: workers publish again, the watch resumes and sees a new worker.
+    etcd.run();
+    let w4 = format!("w4-{}", std::process::id());
+    let _w4 = Worker::start(&url, &ns, &w4, 4).unwrap();
+    let (_, t) = until(
+        Duration::from_secs(15),
+        "a worker started after etcd came back",
+        || (read_fill(&hub, &local, &w4).ok() == Some(4)).then_some(()),
+    );
+    let (_, t3) = until(Duration::from_secs(15), "w3 published again", || {
+        d.resolve(&hub, &names[2]).ok()
+    });
+    println!("etcd stopped and restarted: transfers went on; new worker reached after {t:?}; w3 found again after {t3:?}");
+    drop(workers);
+}
+
+#[test]
+fn etcd_absent_at_start_is_a_clear_error() {
+    let url = format!("http://127.0.0.1:{}", free_port());
+    let t0 = Instant::now();
+    let e = EtcdDiscovery::connect(EtcdConfig::new(&[&url], "/x")).unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.contains("etcd") && text.contains(&url) && text.contains("unreachable"),
+        "{text}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    println!("{text} (after {:?})", t0.elapsed());
+}
