@@ -293,6 +293,21 @@ fn agents_find_each_other_by_name_through_etcd() {
     });
     println!("restarted worker reached at its new epoch after {t:?}");
 
+    // A long pause (SIGSTOP past the TTL): the lease is lost and the key goes; once the worker
+    // runs again it takes a new lease and publishes again, and the hub finds it.
+    let w2 = workers[1].as_ref().unwrap().child.id() as i32;
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(w2, libc::SIGSTOP) };
+    let (_, t) = until(TTL + Duration::from_secs(4), "the paused worker's key to go", || {
+        hub.peer_info(&names[1]).is_err().then_some(())
+    });
+    // SAFETY: as above.
+    unsafe { libc::kill(w2, libc::SIGCONT) };
+    let (_, back) = until(Duration::from_secs(10), "the paused worker back", || {
+        (read_fill(&hub, &local, &names[1]).ok() == Some(2)).then_some(())
+    });
+    println!("worker paused past its TTL: removed after {t:?}; published again and reached {back:?} after SIGCONT");
+
     // etcd goes away: loaded peers keep working.
     etcd.stop();
     for _ in 0..3 {
