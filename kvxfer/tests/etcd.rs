@@ -298,9 +298,11 @@ fn agents_find_each_other_by_name_through_etcd() {
     let w2 = workers[1].as_ref().unwrap().child.id() as i32;
     // SAFETY: kill(2) on our own child's pid.
     unsafe { libc::kill(w2, libc::SIGSTOP) };
-    let (_, t) = until(TTL + Duration::from_secs(4), "the paused worker's key to go", || {
-        hub.peer_info(&names[1]).is_err().then_some(())
-    });
+    let (_, t) = until(
+        TTL + Duration::from_secs(4),
+        "the paused worker's key to go",
+        || hub.peer_info(&names[1]).is_err().then_some(()),
+    );
     // SAFETY: as above.
     unsafe { libc::kill(w2, libc::SIGCONT) };
     let (_, back) = until(Duration::from_secs(10), "the paused worker back", || {
@@ -343,4 +345,63 @@ fn etcd_absent_at_start_is_a_clear_error() {
     );
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
     println!("{text} (after {:?})", t0.elapsed());
+}
+
+/// With a shared secret, what etcd holds is useless to a reader without it: sealed (no name,
+/// worker address, keys or lane secret in the clear), not loadable with another secret or
+/// none, and agents that share the secret find each other and move bytes.
+#[test]
+fn with_a_shared_secret_metadata_in_etcd_is_sealed() {
+    let Some(etcd) = Etcd::start() else { return };
+    let url = etcd.url();
+    let ns = format!("/kvx-sealed-{}", std::process::id());
+    let with = |name: &str, secret: Option<&[u8]>| {
+        let mut c = AgentConfig::new(name)
+            .transport(Transport::Tcp)
+            .net_devices("lo");
+        if let Some(s) = secret {
+            c = c.secret(s);
+        }
+        Arc::new(Agent::new(c).unwrap())
+    };
+    let a = with("sealed-a", Some(b"team secret"));
+    let r = a.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    r.write(0, &vec![0x5a; LEN]).unwrap();
+    let d = discovery(&url, &ns);
+    d.publish(&a).unwrap();
+
+    // The raw value, as any etcd reader sees it.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let raw = rt.block_on(async {
+        let mut c = etcd_client::Client::connect([url.as_str()], None)
+            .await
+            .unwrap();
+        let r = c.get(format!("{ns}/agents/sealed-a"), None).await.unwrap();
+        r.kvs()[0].value().to_vec()
+    });
+    let plain = a.metadata().unwrap();
+    assert!(raw.starts_with(b"KXSE"), "not sealed");
+    assert!(
+        !raw.windows(8).any(|w| w == b"sealed-a"),
+        "the name is in the clear"
+    );
+    assert!(
+        !raw.windows(32).any(|w| plain.windows(32).any(|p| p == w)),
+        "plain metadata in the value"
+    );
+
+    let b = with("sealed-b", Some(b"team secret"));
+    let bl = b.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    d.resolve(&b, "sealed-a").unwrap();
+    assert_eq!(read_fill(&b, &bl, "sealed-a").unwrap(), 0x5a);
+    for (name, secret) in [("sealed-c", Some(&b"another"[..])), ("sealed-d", None)] {
+        let x = with(name, secret);
+        let e = d.resolve(&x, "sealed-a").unwrap_err();
+        assert!(matches!(e, Error::Auth { .. }), "{name}: {e}");
+        assert!(x.peer_info("sealed-a").is_err(), "{name} loaded it anyway");
+        println!("{name}: {e}");
+    }
 }

@@ -201,6 +201,11 @@ impl Agent {
         self.shared.epoch
     }
 
+    /// The shared secret peers prove, if one is set.
+    pub(crate) fn secret(&self) -> Option<&[u8]> {
+        self.shared.secret.as_deref()
+    }
+
     /// The compatibility hash peers' metadata must carry (`AgentConfig::compat`).
     pub fn compat(&self) -> u64 {
         self.shared.compat

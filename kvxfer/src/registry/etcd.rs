@@ -22,6 +22,7 @@ use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
 use super::api::Discovery;
+use super::seal::{open, seal};
 use crate::agent::Agent;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::wire::metadata::Metadata;
@@ -172,14 +173,15 @@ impl Discovery for EtcdDiscovery {
         let kv = got.kvs().first().ok_or_else(|| Error::UnknownPeer {
             agent: name.to_string(),
         })?;
-        agent.load_remote_metadata(kv.value()).map(|_| ())
+        let meta = open(agent.secret(), &self.cfg.key(name), kv.value())?;
+        agent.load_remote_metadata(&meta).map(|_| ())
     }
 }
 
 /// Puts `agent`'s metadata under a new lease, unless another live incarnation holds the name.
 async fn publish_once(cfg: &EtcdConfig, mut c: Client, agent: &Agent) -> Result<i64> {
-    let meta = agent.metadata()?;
     let key = cfg.key(agent.name());
+    let meta = seal(agent.secret(), &key, &agent.metadata()?)?;
     let ttl = i64::try_from(cfg.ttl.as_secs().max(1)).unwrap_or(i64::MAX);
     let lease = c
         .lease_grant(ttl, None)
@@ -207,7 +209,9 @@ async fn publish_once(cfg: &EtcdConfig, mut c: Client, agent: &Agent) -> Result<
             continue;
         };
         let Some(kv) = g.kvs().first() else { continue };
-        let theirs = Metadata::decode(kv.value(), agent.compat()).ok();
+        let theirs = open(agent.secret(), &key, kv.value())
+            .ok()
+            .and_then(|m| Metadata::decode(&m, agent.compat()).ok());
         let ours = agent.epoch();
         if theirs.as_ref().is_some_and(|m| m.epoch != ours) && holder_alive(theirs.as_ref()) {
             let _ = c.lease_revoke(lease).await;
@@ -279,15 +283,14 @@ async fn lease_loop(cfg: EtcdConfig, c: Client, agent: Weak<Agent>, mut lease: i
                 }
                 Err(e) => log::warn!("kvxfer: {:?} not published in etcd: {e}", a.name()),
             }
-        } else if now.is_some() && now != last {
+        } else if let Some(m) = now.filter(|m| Some(m) != last.as_ref()) {
+            // New registrations: the key carries the agent's current metadata.
+            let key = cfg.key(a.name());
             let opts = Some(PutOptions::new().with_lease(lease));
-            if let (Some(m), Ok(_)) = (
-                now.clone(),
-                c.clone()
-                    .put(cfg.key(a.name()), now.clone().unwrap_or_default(), opts)
-                    .await,
-            ) {
-                last = Some(m);
+            if let Ok(v) = seal(a.secret(), &key, &m) {
+                if c.clone().put(key, v, opts).await.is_ok() {
+                    last = Some(m);
+                }
             }
         }
     }
@@ -311,7 +314,8 @@ fn load_one(agent: &Agent, key: &[u8], value: &[u8], cfg: &EtcdConfig) {
     if name == agent.name() {
         return;
     }
-    if let Err(e) = agent.load_remote_metadata(value) {
+    let key = String::from_utf8_lossy(key);
+    if let Err(e) = open(agent.secret(), &key, value).and_then(|m| agent.load_remote_metadata(&m)) {
         log::warn!("kvxfer: agent {name:?} from etcd not loaded: {e}");
     }
 }

@@ -12,6 +12,8 @@
 mod api;
 #[cfg(feature = "etcd")]
 mod etcd;
+#[cfg(feature = "etcd")]
+mod seal;
 
 pub use api::{Discovery, SideChannelDiscovery};
 #[cfg(feature = "etcd")]

@@ -1,0 +1,117 @@
+//! Metadata at rest in etcd, for agents with a shared secret: sealed with ChaCha20-Poly1305
+//! (RustCrypto's maintained crate) under a key derived from the secret, so a reader of etcd
+//! without it learns nothing it can use (no worker address, remote key, lane address or lane
+//! secret) and cannot plant metadata that a holder of the secret would load. The key's name is
+//! bound in as associated data: a sealed value moved to another name does not open.
+//!
+//! `SEALED` (4 bytes) | nonce (12) | ciphertext and tag.
+
+use chacha20poly1305::aead::{Aead, KeyInit, Payload};
+use chacha20poly1305::{ChaCha20Poly1305, Key, Nonce};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+use kvxfer_proto::error::{Error, Result};
+
+/// The tag of a sealed value.
+pub(super) const SEALED: &[u8; 4] = b"KXSE";
+const NONCE: usize = 12;
+
+fn cipher(secret: &[u8]) -> Result<ChaCha20Poly1305> {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(secret)
+        .map_err(|e| Error::InvalidArgument(format!("shared secret: {e}")))?;
+    m.update(b"kvxfer etcd metadata v1");
+    let k = m.finalize().into_bytes();
+    Ok(ChaCha20Poly1305::new(Key::from_slice(&k)))
+}
+
+/// `meta` as published under `key`: sealed when there is a secret, else as it is.
+pub(super) fn seal(secret: Option<&[u8]>, key: &str, meta: &[u8]) -> Result<Vec<u8>> {
+    let Some(secret) = secret else {
+        return Ok(meta.to_vec());
+    };
+    let mut nonce = [0u8; NONCE];
+    std::io::Read::read_exact(
+        &mut std::fs::File::open("/dev/urandom")
+            .map_err(|e| Error::io("opening /dev/urandom", e))?,
+        &mut nonce,
+    )
+    .map_err(|e| Error::io("reading /dev/urandom", e))?;
+    let ct = cipher(secret)?
+        .encrypt(
+            Nonce::from_slice(&nonce),
+            Payload {
+                msg: meta,
+                aad: key.as_bytes(),
+            },
+        )
+        .map_err(|_| Error::InvalidArgument("sealing metadata failed".into()))?;
+    let mut out = Vec::with_capacity(SEALED.len() + NONCE + ct.len());
+    out.extend_from_slice(SEALED);
+    out.extend_from_slice(&nonce);
+    out.extend_from_slice(&ct);
+    Ok(out)
+}
+
+/// The metadata in a value read from `key`. A sealed value needs this agent's secret, and an
+/// agent with a secret takes sealed values only.
+pub(super) fn open(secret: Option<&[u8]>, key: &str, value: &[u8]) -> Result<Vec<u8>> {
+    let refuse = |why: &str| Error::Auth {
+        peer: format!("etcd key {key}"),
+        why: why.to_string(),
+    };
+    match (secret, value.strip_prefix(SEALED)) {
+        (None, None) => Ok(value.to_vec()),
+        (None, Some(_)) => Err(refuse(
+            "sealed with a shared secret this agent was not given",
+        )),
+        (Some(_), None) => Err(refuse(
+            "published without the shared secret this agent requires (not loaded)",
+        )),
+        (Some(s), Some(rest)) => {
+            if rest.len() < NONCE {
+                return Err(refuse("sealed value too short"));
+            }
+            let (nonce, ct) = rest.split_at(NONCE);
+            cipher(s)?
+                .decrypt(
+                    Nonce::from_slice(nonce),
+                    Payload {
+                        msg: ct,
+                        aad: key.as_bytes(),
+                    },
+                )
+                .map_err(|_| refuse("sealed with another shared secret (or altered)"))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sealed_opens_only_with_the_secret_and_the_name() {
+        let meta = b"worker address, rkeys, lane secret".to_vec();
+        let v = seal(Some(b"s1"), "/ns/agents/a", &meta).unwrap();
+        assert!(v.starts_with(SEALED) && !v.windows(6).any(|w| w == b"worker"));
+        assert_eq!(open(Some(b"s1"), "/ns/agents/a", &v).unwrap(), meta);
+        for (secret, key) in [
+            (Some(&b"s2"[..]), "/ns/agents/a"),
+            (Some(b"s1"), "/ns/agents/b"),
+            (None, "/ns/agents/a"),
+        ] {
+            assert!(
+                matches!(open(secret, key, &v), Err(Error::Auth { .. })),
+                "{secret:?} {key}"
+            );
+        }
+        let mut bad = v.clone();
+        let n = bad.len();
+        bad[n - 1] ^= 1;
+        assert!(open(Some(b"s1"), "/ns/agents/a", &bad).is_err());
+        assert!(open(Some(b"s1"), "/ns/agents/a", &meta).is_err());
+        assert_eq!(seal(None, "k", &meta).unwrap(), meta);
+        assert_eq!(open(None, "k", &meta).unwrap(), meta);
+    }
+}
