@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::layout::{KvGeometry, KvLayout};
-use crate::lifecycle::{Freed, Ledger};
+use crate::lifecycle::{Freed, LeaseError, Ledger};
 use crate::tp::HeadMap;
 use crate::wire::connector::{Handoff, Mode, PushWant, Refusal, ToConsumer, ToProducer};
 
@@ -161,16 +161,7 @@ impl ProducerCore {
         let request = msg.request().to_string();
         if let Some(n) = msg.readers() {
             if let Err(e) = self.ledger.declare(&request, from, n as usize, now) {
-                let mut out = self.freed_now();
-                out.push(ProducerAction::Send {
-                    to: from.to_string(),
-                    msg: ToConsumer::Refused {
-                        request,
-                        kind: Some(Refusal::of(&e)),
-                        why: e.to_string(),
-                    },
-                });
-                return out;
+                return self.refuse(from, request, &e);
             }
         }
         match msg {
@@ -205,18 +196,7 @@ impl ProducerCore {
                             }],
                         }
                     }
-                    Err(e) => {
-                        let mut out = self.freed_now();
-                        out.push(ProducerAction::Send {
-                            to: from.to_string(),
-                            msg: ToConsumer::Refused {
-                                request,
-                                kind: Some(Refusal::of(&e)),
-                                why: e.to_string(),
-                            },
-                        });
-                        out
-                    }
+                    Err(e) => self.refuse(from, request, &e),
                 }
             }
             ToProducer::Ack { .. } => match self.ledger.ack(&request, from, now) {
@@ -231,6 +211,20 @@ impl ProducerCore {
                 Err(_) => self.freed_now(),
             },
         }
+    }
+
+    /// Expiries noticed, then a typed refusal of `request` to `to`.
+    fn refuse(&mut self, to: &str, request: String, e: &LeaseError) -> Vec<ProducerAction> {
+        let mut out = self.freed_now();
+        out.push(ProducerAction::Send {
+            to: to.to_string(),
+            msg: ToConsumer::Refused {
+                request,
+                kind: Some(Refusal::of(e)),
+                why: e.to_string(),
+            },
+        });
+        out
     }
 
     /// The push target of `reader` for `request` is built (it is not asked for again).

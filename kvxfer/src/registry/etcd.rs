@@ -124,14 +124,19 @@ impl EtcdDiscovery {
         let rev = self
             .rt
             .block_on(load_all(&self.cfg, self.client.clone(), agent))?;
-        let t = self.rt.spawn(watch_loop(
+        self.keep(watch_loop(
             self.cfg.clone(),
             self.client.clone(),
             Arc::downgrade(agent),
             rev,
         ));
-        self.tasks.lock().unwrap_or_else(|e| e.into_inner()).push(t);
         Ok(())
+    }
+
+    /// Runs `task` until `self` drops.
+    fn keep(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        let t = self.rt.spawn(task);
+        self.tasks.lock().unwrap_or_else(|e| e.into_inner()).push(t);
     }
 }
 
@@ -153,13 +158,12 @@ impl Discovery for EtcdDiscovery {
         let lease = self
             .rt
             .block_on(publish_once(&self.cfg, self.client.clone(), agent))?;
-        let t = self.rt.spawn(lease_loop(
+        self.keep(lease_loop(
             self.cfg.clone(),
             self.client.clone(),
             Arc::downgrade(agent),
             lease,
         ));
-        self.tasks.lock().unwrap_or_else(|e| e.into_inner()).push(t);
         Ok(())
     }
 
