@@ -213,6 +213,20 @@ impl ProducerCore {
         }
     }
 
+    /// Push: `reader`'s writes of `request` have landed, which is its acknowledgement.
+    pub fn push_landed(
+        &mut self,
+        reader: &str,
+        request: &str,
+        now: Duration,
+    ) -> Vec<ProducerAction> {
+        let ack = ToProducer::Ack {
+            request: request.to_string(),
+            readers: None,
+        };
+        self.handle(reader, ack, now)
+    }
+
     /// Expiries noticed, then a typed refusal of `request` to `to`.
     fn refuse(&mut self, to: &str, request: String, e: &LeaseError) -> Vec<ProducerAction> {
         let mut out = self.freed_now();

@@ -176,3 +176,17 @@ def worker(vc, kv, rank):
         return cm.KvxferConnector(vc, KVConnectorRole.WORKER, kv)
     finally:
         cm._rank = saved
+
+
+def model_output(sched_out, sampled=None, kv=None):
+    """What the model runner would return for a scheduled step: one sampled token per request
+    (none with `sampled` None) and the connector's output."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(sched_out.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[sampled] if sampled is not None else [] for _ in ids],
+        kv_connector_output=kv,
+    )

@@ -18,21 +18,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 import helpers as h  # noqa: E402
 
 import torch  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 LAYOUTS = ["LBNHC", "LBHNC"]
 TOKENS = 70  # 5 blocks of 16
 
 
-def _output(sched_out, sampled=None, kv=None):
-    ids = list(sched_out.num_scheduled_tokens)
-    return ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[sampled] if sampled is not None else [] for _ in ids],
-        kv_connector_output=kv,
-    )
+_output = h.model_output
 
 
 def _truth(seed):

@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorRole,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvxfer_vllm import KvxferConnector  # noqa: E402
@@ -51,14 +51,7 @@ def test_factory_loads_it_by_module_path_in_both_roles():
         c.shutdown()
 
 
-def _output(sched_out, sampled=None, kv=None):
-    ids = list(sched_out.num_scheduled_tokens)
-    return ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[sampled] if sampled is not None else [] for _ in ids],
-        kv_connector_output=kv,
-    )
+_output = h.model_output
 
 
 def test_real_scheduler_skips_what_the_connector_loads():

@@ -471,14 +471,7 @@ fn producer_pushes(sh: &PShared) {
     let now = sh.t0.elapsed();
     let mut any = false;
     for (req, reader) in acks {
-        for a in st.core.handle(
-            &reader,
-            ToProducer::Ack {
-                request: req,
-                readers: None,
-            },
-            now,
-        ) {
+        for a in st.core.push_landed(&reader, &req, now) {
             if let ProducerAction::Freed(f) = a {
                 st.record_freed(f);
                 any = true;

@@ -445,14 +445,7 @@ fn pushes(sh: &ProducerShared) {
     // The producer saw its copies land: that reader is done with the blocks.
     let now = sh.t0.elapsed();
     for (req, reader) in acks {
-        for a in st.core.handle(
-            &reader,
-            ToProducer::Ack {
-                request: req,
-                readers: None,
-            },
-            now,
-        ) {
+        for a in st.core.push_landed(&reader, &req, now) {
             if let ProducerAction::Freed(f) = a {
                 st.record_freed(f);
             }
