@@ -221,6 +221,11 @@ typedef struct kvx_connector kvx_connector;
 typedef struct kvx_consumer kvx_consumer;
 
 /**
+ * Where agents publish themselves and find each other by name (`kvx_discovery_*`).
+ */
+typedef struct kvx_discovery kvx_discovery;
+
+/**
  * Local descriptors resolved once.
  */
 typedef struct kvx_local_list kvx_local_list;
@@ -1115,6 +1120,56 @@ kvx_status kvx_connector_consumer(const struct kvx_connector *c,
                                   int32_t cuda_device,
                                   const struct kvx_connector_config *cfg,
                                   struct kvx_consumer **out);
+
+/**
+ * Connects to etcd at `endpoints` (comma-separated URLs, e.g. "http://10.0.0.5:2379") for
+ * the namespace `ns` (a key prefix, one per deployment), agents' leases lasting `ttl_ms`
+ * (0: 10 s). An etcd that does not answer is an error naming it; a library built without
+ * the `etcd` feature says so.
+ *
+ * # Safety
+ * `endpoints`, `ns` NUL-terminated; `out` valid.
+ */
+kvx_status kvx_discovery_etcd(const char *endpoints,
+                              const char *ns,
+                              uint64_t ttl_ms,
+                              struct kvx_discovery **out);
+
+/**
+ * Makes `agent` findable by its name (after registering its memory; later registrations are
+ * published too) for as long as `d` lives.
+ *
+ * # Safety
+ * `d`, `agent` live.
+ */
+kvx_status kvx_discovery_publish(const struct kvx_discovery *d, const struct kvx_agent *agent);
+
+/**
+ * Loads every agent of the namespace into `agent` now, and those that appear or change
+ * later; removes those that go (etcd only).
+ *
+ * # Safety
+ * `d`, `agent` live.
+ */
+kvx_status kvx_discovery_watch(const struct kvx_discovery *d, const struct kvx_agent *agent);
+
+/**
+ * Loads the agent named `name` into `agent`.
+ *
+ * # Safety
+ * `d`, `agent` live; `name` NUL-terminated.
+ */
+kvx_status kvx_discovery_resolve(const struct kvx_discovery *d,
+                                 const struct kvx_agent *agent,
+                                 const char *name);
+
+/**
+ * Frees a discovery handle: its agents stay loaded; they are no longer kept published.
+ *
+ * # Safety
+ * `d` live or NULL.
+ */
+void kvx_discovery_free(struct kvx_discovery *d);
 
 /**
  * Prometheus text of the consumer's (or producer's, with `kvx_producer_metrics`) telemetry.

@@ -43,7 +43,9 @@ echo "== vLLM plugin against the real vllm==0.33.0 (CPU)"
   # shellcheck source=scripts/ucx-env.sh
   KVXFER_SPLIT_TARGET=1 source scripts/ucx-env.sh
   scripts/vllm-env.sh
-  cargo build -p kvxfer-capi
+  # With etcd discovery (python/tests/test_etcd.py); etcd-server and protoc came with the
+  # Rust stage above.
+  cargo build -p kvxfer-capi --features etcd
   out=$(KVXFER_LIB="$CARGO_TARGET_DIR/debug/libkvxfer.so" .venv/bin/python -m pytest -q \
     -p no:cacheprovider python/tests 2>&1) && rc=0 || rc=$?
   echo "$out" | tail -n 30

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use crate::error::{fail, set_error, Fail};
 use crate::{
-    kvx_agent, kvx_agent_config, kvx_connector, kvx_consumer, kvx_local_list, kvx_producer,
-    kvx_region, kvx_remote_list, kvx_status, kvx_transfer,
+    kvx_agent, kvx_agent_config, kvx_connector, kvx_consumer, kvx_discovery, kvx_local_list,
+    kvx_producer, kvx_region, kvx_remote_list, kvx_status, kvx_transfer,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -42,7 +42,8 @@ kinds!(
     kvx_producer = 6,
     kvx_consumer = 7,
     kvx_agent_config = 8,
-    kvx_connector = 9
+    kvx_connector = 9,
+    kvx_discovery = 10
 );
 
 pub(crate) fn live() -> std::sync::MutexGuard<'static, std::collections::HashSet<(usize, u8)>> {

@@ -231,6 +231,14 @@ pub struct kvx_agent {
     pub(crate) inner: Arc<Agent>,
 }
 
+/// Where agents publish themselves and find each other by name (`kvx_discovery_*`).
+#[derive(Debug)]
+pub struct kvx_discovery {
+    pub(crate) inner: std::sync::Arc<dyn kvxfer_core::registry::Discovery>,
+    #[cfg(feature = "etcd")]
+    pub(crate) etcd: Option<std::sync::Arc<kvxfer_core::registry::EtcdDiscovery>>,
+}
+
 /// A registered region.
 #[derive(Debug)]
 pub struct kvx_region {
@@ -325,5 +333,6 @@ pub extern "C" fn kvx_version() -> *const c_char {
 // first, as the first release had them.
 mod agent;
 mod connector;
+mod discovery;
 mod metrics;
 mod tp;

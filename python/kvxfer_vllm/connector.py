@@ -37,7 +37,9 @@ after every change, for a textfile collector), ``gpu_path`` (device tensors: ``a
 ``budget_mib``; ``kv_buffer_device: "cpu"`` in the transfer config means ``staged``),
 ``staging_chunks`` and ``staging_chunk_kib`` (that pool's size, default 8 x
 4096 KiB), ``secret`` (a shared secret both ends prove on the side channel), ``strict``
-(refuse a silent transport fallback). Every option goes to the agent through the C ABI's
+(refuse a silent transport fallback), ``discovery`` (``etcd://host:2379``: workers publish
+themselves in etcd and load each other before any handoff; ``namespace``,
+``discovery_ttl_ms``). Every option goes to the agent through the C ABI's
 config builder, none through environment variables.
 """
 
@@ -271,6 +273,7 @@ class KvxferConnector(KVConnectorBase_V1):
         self.agent: kx.Agent | None = None
         self.producer: kx.Producer | None = None
         self.consumer: kx.Consumer | None = None
+        self.discovery: kx.Discovery | None = None
         self.num_layers = 0
         self._by_handoff: dict[str, str] = {}  # handoff request -> local request id
         # local request id -> (handoff requests still loading, local blocks, any part failed)
@@ -450,6 +453,14 @@ class KvxferConnector(KVConnectorBase_V1):
                 self.consumer = conn.consumer(self.layout, tensors, cfg, cuda)
         finally:
             conn.close()
+        # Discovery through etcd: this worker published under its name, every other worker of
+        # the namespace loaded before any handoff names it (no side-channel handshake then).
+        disc = str(ex.get("discovery") or "")
+        if disc:
+            endpoints = ",".join("http://" + e.split("://", 1)[-1] for e in disc.split(","))
+            self.discovery = kx.Discovery(endpoints, str(ex.get("namespace", "/kvxfer")), int(ex.get("discovery_ttl_ms", 0)))
+            self.discovery.publish(self.agent)
+            self.discovery.watch(self.agent)
         compat = self.agent.lib.L.kvx_layout_compat_hash(self.layout, self.bases)
         tmpl = {
             "producer": name,
@@ -654,6 +665,9 @@ class KvxferConnector(KVConnectorBase_V1):
             if x is not None:
                 x.close()
         self.consumer = self.producer = None
+        if self.discovery is not None:
+            self.discovery.close()
+            self.discovery = None
         if self.agent is not None:
             self.agent.close()
             self.agent = None

@@ -169,6 +169,11 @@ class Lib:
             "kvx_consumer_free": (None, [c_void_p]),
             "kvx_consumer_start_load": (st, [c_void_p, POINTER(c_uint8), c_size_t, POINTER(c_uint32), c_size_t]),
             "kvx_consumer_start_load_with": (st, [c_void_p, POINTER(c_uint8), c_size_t, POINTER(c_uint32), c_size_t, POINTER(TpRead)]),
+            "kvx_discovery_etcd": (st, [c_char_p, c_char_p, c_uint64, POINTER(c_void_p)]),
+            "kvx_discovery_publish": (st, [c_void_p, c_void_p]),
+            "kvx_discovery_watch": (st, [c_void_p, c_void_p]),
+            "kvx_discovery_resolve": (st, [c_void_p, c_void_p, c_char_p]),
+            "kvx_discovery_free": (None, [c_void_p]),
             "kvx_tp_plan": (st, [c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, POINTER(TpRead), c_size_t, POINTER(c_size_t)]),
             "kvx_consumer_wait_layer": (st, [c_void_p, c_char_p, c_uint32, c_uint64]),
             "kvx_consumer_wait": (st, [c_void_p, c_char_p, c_uint64]),
@@ -271,6 +276,30 @@ class Agent:
                 self.lib.L.kvx_region_free(r)
             self.regions = []
             self.lib.L.kvx_agent_free(self.h)
+            self.h = None
+
+
+class Discovery:
+    """Agents published in etcd and found by name (libkvxfer built with the etcd feature)."""
+
+    def __init__(self, endpoints, namespace="/kvxfer", ttl_ms=0):
+        self.lib = Lib.get()
+        h = c_void_p()
+        self.lib.check(self.lib.L.kvx_discovery_etcd(endpoints.encode(), namespace.encode(), ttl_ms, ctypes.byref(h)))
+        self.h = h
+
+    def publish(self, agent):
+        self.lib.check(self.lib.L.kvx_discovery_publish(self.h, agent.h))
+
+    def watch(self, agent):
+        self.lib.check(self.lib.L.kvx_discovery_watch(self.h, agent.h))
+
+    def resolve(self, agent, name):
+        self.lib.check(self.lib.L.kvx_discovery_resolve(self.h, agent.h, name.encode()))
+
+    def close(self):
+        if self.h:
+            self.lib.L.kvx_discovery_free(self.h)
             self.h = None
 
 

@@ -530,6 +530,16 @@ int main(int argc, char **argv) {
   }
   in_process();
   tp_plan();
+  {
+    /* Discovery through etcd: an etcd that is not there (or a library built without the etcd
+     * feature) is an error with a message, and writes no handle. */
+    kvx_discovery *d = NULL;
+    char m[512];
+    if (kvx_discovery_etcd("http://127.0.0.1:1", "/kvx-c", 0, &d) == KVX_OK || d != NULL)
+      die("kvx_discovery_etcd without an etcd", KVX_OK);
+    if (kvx_last_error(m, sizeof m) != 0 && strstr(m, "etcd") == NULL) die("etcd error text", KVX_OK);
+    printf("kvx_discovery_etcd without an etcd: %s\n", m);
+  }
   printf("kvx_test %s: ok\n", transport);
   return 0;
 }

@@ -1,0 +1,113 @@
+"""Discovery through a real etcd from the vLLM plugin ("discovery" in kv_connector_extra_config):
+each worker publishes itself and watches the namespace, so the decode worker has the prefill
+worker loaded before the handoff arrives and never dials the side channel the handoff names
+(made unreachable here). Needs a libkvxfer built with the etcd feature (scripts/test.sh builds
+it so) and Debian's etcd-server; skips without an etcd binary."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import helpers as h  # noqa: E402
+
+import torch  # noqa: E402
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def etcd():
+    if shutil.which("etcd") is None:
+        pytest.skip("no etcd binary (apt-get install etcd-server)")
+    d = tempfile.mkdtemp(prefix="kvx-etcd-")
+    client, peer = free_port(), free_port()
+    url, purl = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+    p = subprocess.Popen(
+        ["etcd", "--name", "kvx", "--data-dir", d, "--listen-client-urls", url, "--advertise-client-urls", url,
+         "--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl, "--initial-cluster", f"kvx={purl}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        end = time.time() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", client), timeout=0.2).close()
+                break
+            except OSError:
+                assert time.time() < end, "etcd did not come up"
+                time.sleep(0.1)
+        yield url
+    finally:
+        p.kill()
+        p.wait()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_workers_find_each_other_through_etcd_not_the_side_channel(etcd):
+    from kvxfer_vllm import KvxferConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    ns = f"/kvx-plugin-{os.getpid()}"
+    extra = {"transport": "tcp", "net_devices": "lo", "discovery": etcd.replace("http://", "etcd://"), "namespace": ns}
+    vp = h.vllm_config(role="kv_producer", extra=dict(extra), engine_id=f"etcd-pre-{os.getpid()}")
+    raw, caches, kv = h.kv_caches()
+    raw.copy_(torch.randint(-128, 127, raw.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(3)))
+    pre = KvxferConnector(vp, KVConnectorRole.WORKER, kv)
+    pre.register_kv_caches(caches)
+    s = h.scheduler(vp, kv)
+    s.connector.set_xfer_handshake_metadata({0: pre.get_handshake_metadata()})
+    s.add_request(h.request("e-1", 70, {"do_remote_decode": True}, max_tokens=1))
+    so = s.schedule()
+    eco = s.update_from_output(so, h.model_output(so, sampled=5))
+    params = [o for v in eco.values() for o in v.outputs][0].kv_transfer_params
+    remote = list(s.kv_cache_manager.get_block_ids("e-1")[0])[:5]
+    so2 = s.schedule()
+    pre.bind_connector_metadata(so2.kv_connector_metadata)
+    pre.start_load_kv(None)
+    pre.clear_connector_metadata()
+
+    # The decode worker starts after the prefill worker published: its watch loads it.
+    vd = h.vllm_config(role="kv_consumer", extra=dict(extra), engine_id=f"etcd-dec-{os.getpid()}")
+    _, dcaches, dkv = h.kv_caches()
+    dec = KvxferConnector(vd, KVConnectorRole.WORKER, dkv)
+    dec.register_kv_caches(dcaches)
+    # A side channel nobody can reach (TEST-NET-1): the load must not need it.
+    hd = json.loads(params["kvxfer_handoff"])
+    hd["side_channel"] = "192.0.2.1:9"
+    for r in hd["ranks"]:
+        r["side_channel"] = "192.0.2.1:9"
+    params = dict(params, kvxfer_handoff=json.dumps(hd))
+    sd = h.scheduler(vd, dkv)
+    sd.add_request(h.request("e-dec", 70, params, max_tokens=4))
+    out = sd.schedule()
+    local = out.kv_connector_metadata.loads["e-dec"][1]
+    dec.bind_connector_metadata(out.kv_connector_metadata)
+    t0 = time.time()
+    dec.start_load_kv(None)
+    dec.clear_connector_metadata()
+    got = set()
+    end = time.time() + 30
+    while time.time() < end and "e-dec" not in got:
+        _, rv = dec.get_finished(set())
+        got |= rv or set()
+        time.sleep(0.01)
+    assert "e-dec" in got and dec.get_block_ids_with_load_errors() == set()
+    for name, t in dcaches.items():
+        for lb, rb in zip(local, remote):
+            assert torch.equal(t[lb].view(torch.int16), caches[name][rb].view(torch.int16)), (name, lb, rb)
+    print(f"loaded through etcd discovery in {time.time() - t0:.3f} s; the side channel named was unreachable")
+    dec.shutdown()
+    pre.shutdown()
