@@ -15,7 +15,7 @@ or log-probabilities must differ from the single engine's. The run
 fails if A differs, if B does not, or if no KV moved.
 
     python disagg_e2e.py --model DIR [--prompt-tokens N] [--cached-tokens N] [--max-tokens M]
-                         [--prefill-tp P]
+                         [--prefill-tp P] [--decode-tp D]
 """
 
 import argparse
@@ -79,13 +79,16 @@ def llm(a, role=None):
         block_size=BLOCK,
         enable_prefix_caching=True,
     )
-    if role == "kv_producer" and a.prefill_tp > 1:
-        kw["tensor_parallel_size"] = a.prefill_tp
+    # The single engine runs at the decode engine's TP: the two then compute the decoded
+    # tokens the same way, and differ only in where the prompt's KV came from.
+    tp = {"kv_producer": a.prefill_tp}.get(role or "", a.decode_tp)
+    if tp > 1:
+        kw["tensor_parallel_size"] = tp
         kw["distributed_executor_backend"] = "mp"
         # vLLM's CPU workers bind one NUMA node each unless told which cores: one core per
         # rank here (a 2-core VM has one node).
         cores = os.cpu_count() or 1
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % cores) for r in range(a.prefill_tp)))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(tp))
     if role:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvxferConnector",
@@ -163,7 +166,7 @@ def role_main(a):
 def spawn(a, role):
     cmd = [sys.executable, HERE, "--role", role, "--model", a.model, "--rundir", a.rundir]
     cmd += ["--prompt-tokens", str(a.prompt_tokens), "--max-tokens", str(a.max_tokens)]
-    cmd += ["--cached-tokens", str(a.cached_tokens), "--prefill-tp", str(a.prefill_tp)]
+    cmd += ["--cached-tokens", str(a.cached_tokens), "--prefill-tp", str(a.prefill_tp), "--decode-tp", str(a.decode_tp)]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -211,6 +214,7 @@ def main():
     ap.add_argument("--cached-tokens", type=int, default=96)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--prefill-tp", type=int, default=1)
+    ap.add_argument("--decode-tp", type=int, default=1)
     ap.add_argument("--rundir", default=os.path.join("/tmp", f"kvxfer-e2e-{os.getpid()}"))
     a = ap.parse_args()
     if a.role != "driver":
@@ -265,6 +269,7 @@ def main():
                 "prompt_tokens": a.prompt_tokens,
                 "cached_tokens": a.cached_tokens,
                 "prefill_tp": a.prefill_tp,
+                "decode_tp": a.decode_tp,
             }
         )
     )
