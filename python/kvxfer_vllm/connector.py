@@ -203,6 +203,10 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
             child.inc(v)
 
 
+# What a handoff carries of each prefill rank: one libkvxfer handoff's producer part.
+RANK_KEYS = ("producer", "side_channel", "compat", "kv_heads", "num_blocks", "layers")
+
+
 def _tp_size(vllm_config: "VllmConfig") -> int:
     try:
         return int(vllm_config.parallel_config.tensor_parallel_size)
@@ -347,7 +351,7 @@ class KvxferConnector(KVConnectorBase_V1):
             # Tensor parallelism: every prefill rank, and the shape they share.
             "tp": len(ranks),
             "ranks": [
-                {k: r[k] for k in ("producer", "side_channel", "compat", "kv_heads", "num_blocks", "layers")}
+                {k: r[k] for k in RANK_KEYS}
                 for r in ranks
             ],
             "shape": {k: t.get(k) for k in ("tp", "kv_heads_total", "kv_heads", "head_size", "dtype_bytes", "block_size", "hnd")}
@@ -524,7 +528,7 @@ class KvxferConnector(KVConnectorBase_V1):
     def _plan_load(self, h: dict[str, Any], moves: bool) -> list[tuple[dict[str, Any], "kx.TpRead"]]:
         """The loads this rank makes for handoff `h`: one per prefill rank its TP plan names,
         each a libkvxfer handoff of that rank's published request."""
-        ranks = h.get("ranks") or [{k: h[k] for k in ("producer", "side_channel", "compat", "kv_heads", "num_blocks", "layers")}]
+        ranks = h.get("ranks") or [{k: h[k] for k in RANK_KEYS}]
         theirs = h.get("shape") or {}
         mine = self._shape or {}
         if theirs:
@@ -543,7 +547,7 @@ class KvxferConnector(KVConnectorBase_V1):
         for read in plan:
             r = ranks[read.producer_rank]
             part = {k: h[k] for k in ("v", "blocks", "tokens", "mode")}
-            part.update({k: r[k] for k in ("producer", "side_channel", "compat", "kv_heads", "num_blocks", "layers")})
+            part.update({k: r[k] for k in RANK_KEYS})
             # The request as that prefill rank published it (tensor-parallel prefill ranks
             # publish under their rank; a handoff of the first release carries no "ranks").
             part["request"] = f"{h['request']}#tp{read.producer_rank}" if h.get("ranks") else h["request"]

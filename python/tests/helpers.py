@@ -178,6 +178,23 @@ def worker(vc, kv, rank):
         cm._rank = saved
 
 
+def prefill(sched, workers, req_id, n_tokens):
+    """A prefill engine's step for request `req_id`: scheduled, its one token sampled, finished
+    with a handoff; then the next step's metadata broadcast to every worker (rank), which
+    publishes the blocks. Returns the handoff params and the prompt's blocks."""
+    sched.add_request(request(req_id, n_tokens, {"do_remote_decode": True}, max_tokens=1))
+    so = sched.schedule()
+    eco = sched.update_from_output(so, model_output(so, sampled=5))
+    params = [o for v in eco.values() for o in v.outputs][0].kv_transfer_params
+    blocks = list(sched.kv_cache_manager.get_block_ids(req_id)[0])[: -(-n_tokens // BLOCK)]
+    so2 = sched.schedule()
+    for w in workers:
+        w.bind_connector_metadata(so2.kv_connector_metadata)
+        w.start_load_kv(None)
+        w.clear_connector_metadata()
+    return params, blocks
+
+
 def model_output(sched_out, sampled=None, kv=None):
     """What the model runner would return for a scheduled step: one sampled token per request
     (none with `sampled` None) and the connector's output."""

@@ -15,20 +15,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 import helpers as h  # noqa: E402
 
 import torch  # noqa: E402
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 
 
 def digests(caches, blocks):
     return [[hashlib.sha256(t[b].contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for b in blocks] for t in caches.values()]
-
-
-def out(sched_out, sampled):
-    ids = list(sched_out.num_scheduled_tokens)
-    return ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[sampled] for _ in ids],
-    )
 
 
 def main():
@@ -46,15 +36,7 @@ def main():
         w.register_kv_caches(caches)
         s = h.scheduler(vc, kv)
         s.connector.set_xfer_handshake_metadata({0: w.get_handshake_metadata()})
-        s.add_request(h.request("ns-1", 70, {"do_remote_decode": True}, max_tokens=1))
-        so = s.schedule()
-        eco = s.update_from_output(so, out(so, 5))
-        params = [o for v in eco.values() for o in v.outputs][0].kv_transfer_params
-        blocks = list(s.kv_cache_manager.get_block_ids("ns-1")[0])[:5]
-        so2 = s.schedule()
-        w.bind_connector_metadata(so2.kv_connector_metadata)
-        w.start_load_kv(None)
-        w.clear_connector_metadata()
+        params, blocks = h.prefill(s, [w], "ns-1", 70)
         print(json.dumps({"params": params, "blocks": blocks, "digests": digests(caches, blocks)}), flush=True)
         sent = False
         end = time.time() + 60

@@ -69,15 +69,7 @@ def test_workers_find_each_other_through_etcd_not_the_side_channel(etcd):
     pre.register_kv_caches(caches)
     s = h.scheduler(vp, kv)
     s.connector.set_xfer_handshake_metadata({0: pre.get_handshake_metadata()})
-    s.add_request(h.request("e-1", 70, {"do_remote_decode": True}, max_tokens=1))
-    so = s.schedule()
-    eco = s.update_from_output(so, h.model_output(so, sampled=5))
-    params = [o for v in eco.values() for o in v.outputs][0].kv_transfer_params
-    remote = list(s.kv_cache_manager.get_block_ids("e-1")[0])[:5]
-    so2 = s.schedule()
-    pre.bind_connector_metadata(so2.kv_connector_metadata)
-    pre.start_load_kv(None)
-    pre.clear_connector_metadata()
+    params, remote = h.prefill(s, [pre], "e-1", 70)
 
     # The decode worker starts after the prefill worker published: its watch loads it.
     vd = h.vllm_config(role="kv_consumer", extra=dict(extra), engine_id=f"etcd-dec-{os.getpid()}")

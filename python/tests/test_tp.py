@@ -24,7 +24,6 @@ LAYOUTS = ["LBNHC", "LBHNC"]
 TOKENS = 70  # 5 blocks of 16
 
 
-_output = h.model_output
 
 
 def _truth(seed):
@@ -53,16 +52,8 @@ def _prefill(conn, tp, layouts, engine):
             s = h.scheduler(vc, kv0)
             s.connector.set_xfer_handshake_metadata({r: w.get_handshake_metadata() for r, w in enumerate(workers)})
             req = f"pre-{layout}"
-            s.add_request(h.request(req, TOKENS, {"do_remote_decode": True}, max_tokens=1))
-            so = s.schedule()
-            eco = s.update_from_output(so, _output(so, sampled=5))
-            params = [o for v in eco.values() for o in v.outputs][0].kv_transfer_params
-            blocks = list(s.kv_cache_manager.get_block_ids(req)[0])
-            so2 = s.schedule()
-            for w in workers:  # vLLM broadcasts the step's metadata to every rank
-                w.bind_connector_metadata(so2.kv_connector_metadata)
-                w.start_load_kv(None)
-                w.clear_connector_metadata()
+            # vLLM broadcasts each step's metadata to every rank.
+            params, blocks = h.prefill(s, workers, req, TOKENS)
             out[layout] = (params, blocks, truth, workers, req)
         conn.send({k: v[:3] for k, v in out.items()})
         # Serve until every rank's blocks were acknowledged by every decode rank reading them.
@@ -158,10 +149,7 @@ def _handoff_from(tp, shape_over=None):
     _, _, kv0 = h.kv_caches(kv_heads=len(h.heads_of(tp, 0)))
     s = h.scheduler(vc, kv0)
     s.connector.set_xfer_handshake_metadata({r: w.get_handshake_metadata() for r, (w, _) in enumerate(workers)})
-    s.add_request(h.request("pre-bad", 40, {"do_remote_decode": True}, max_tokens=1))
-    so = s.schedule()
-    eco = s.update_from_output(so, _output(so, sampled=5))
-    params = [o for v in eco.values() for o in v.outputs][0].kv_transfer_params
+    params, _ = h.prefill(s, [w for w, _ in workers], "pre-bad", 40)
     hd = json.loads(params["kvxfer_handoff"])
     hd["shape"].update(shape_over or {})
     params["kvxfer_handoff"] = json.dumps(hd)

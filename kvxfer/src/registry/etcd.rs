@@ -313,12 +313,11 @@ async fn load_all(cfg: &EtcdConfig, mut c: Client, agent: &Arc<Agent>) -> Result
 }
 
 fn load_one(agent: &Agent, key: &[u8], value: &[u8], cfg: &EtcdConfig) {
-    let name = String::from_utf8_lossy(key);
-    let name = name.strip_prefix(&cfg.prefix()).unwrap_or(&name);
+    let key = String::from_utf8_lossy(key);
+    let name = key.strip_prefix(&cfg.prefix()).unwrap_or(&key);
     if name == agent.name() {
         return;
     }
-    let key = String::from_utf8_lossy(key);
     if let Err(e) = open(agent.secret(), &key, value).and_then(|m| agent.load_remote_metadata(&m)) {
         log::warn!("kvxfer: agent {name:?} from etcd not loaded: {e}");
     }
