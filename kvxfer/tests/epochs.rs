@@ -93,3 +93,32 @@ fn a_second_live_agent_with_a_taken_name_is_refused_and_a_restart_is_not() {
     assert!(matches!(e, Error::StalePeer { .. }), "{e}");
     println!("a transfer prepared for the old incarnation: {e}");
 }
+
+/// The server-less discovery: an agent published at its side channel is resolved by name; a
+/// name whose address is another agent's is refused, and an unknown name is `UnknownPeer`.
+#[test]
+fn side_channel_discovery_resolves_names_it_was_given() {
+    use kvxfer::registry::{Discovery, SideChannelDiscovery};
+    use std::sync::Arc;
+    let pid = std::process::id();
+    let (p, _r) = prefill(&format!("sc-prefill-{pid}"), 0x44);
+    let p = Arc::new(p);
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = probe.local_addr().unwrap();
+    drop(probe);
+    SideChannelDiscovery::new(addr).publish(&p).unwrap();
+    let d = agent(&format!("sc-decode-{pid}"));
+    let dl = d.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    let disc = SideChannelDiscovery::new("127.0.0.1:0".parse().unwrap())
+        .with_peer(p.name(), addr)
+        .with_peer("someone-else", addr);
+    disc.resolve(&d, p.name()).unwrap();
+    assert!(read_from(&d, &dl, p.name())
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0x44));
+    let e = disc.resolve(&d, "someone-else").unwrap_err();
+    assert!(e.to_string().contains("not \"someone-else\""), "{e}");
+    let e = disc.resolve(&d, "nobody").unwrap_err();
+    assert!(matches!(e, Error::UnknownPeer { .. }), "{e}");
+}
