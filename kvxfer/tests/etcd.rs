@@ -9,7 +9,7 @@
 #![cfg(feature = "etcd")]
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -122,16 +122,18 @@ fn discovery(url: &str, ns: &str) -> Arc<EtcdDiscovery> {
     EtcdDiscovery::connect(EtcdConfig::new(&[url], ns).ttl(TTL)).unwrap()
 }
 
-/// A worker process: this test binary again, running `worker_child`.
+/// A worker process: this test binary again, running `worker_child`, driven by lines on its
+/// stdin.
 struct Worker {
     child: Child,
+    out: BufReader<std::process::ChildStdout>,
 }
 
 impl Worker {
     /// Starts worker `name` whose region holds `fill`; waits until it is published (or says
     /// why not: `Err` with its words).
     fn start(url: &str, ns: &str, name: &str, fill: u8) -> Result<Worker, String> {
-        let child = Command::new(std::env::current_exe().unwrap())
+        let mut child = Command::new(std::env::current_exe().unwrap())
             .args([
                 "--exact",
                 "worker_child",
@@ -145,27 +147,38 @@ impl Worker {
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap());
         // Owned at once: dropped (killed and waited for) on every path.
-        let mut w = Worker { child };
-        let mut out = BufReader::new(w.child.stdout.take().unwrap());
+        let mut w = Worker { child, out };
+        let line = w.line("READY ", "REFUSED ")?;
+        let _ = line;
+        Ok(w)
+    }
+
+    /// The rest of the first line holding `ok` (Ok) or `refused` (Err).
+    fn line(&mut self, ok: &str, refused: &str) -> Result<String, String> {
         let mut line = String::new();
         loop {
             line.clear();
-            if out.read_line(&mut line).unwrap() == 0 {
+            if self.out.read_line(&mut line).unwrap() == 0 {
                 return Err("the worker ended without a word".into());
             }
             // libtest prints "test worker_child ... " before the worker's words, on one line.
-            if line.contains("READY ") {
-                std::thread::spawn(move || {
-                    let mut sink = String::new();
-                    let _ = out.read_to_string(&mut sink);
-                });
-                return Ok(w);
+            if let Some((_, rest)) = line.split_once(ok) {
+                return Ok(rest.trim().to_string());
             }
-            if let Some((_, why)) = line.split_once("REFUSED ") {
+            if let Some((_, why)) = line.split_once(refused) {
                 return Err(why.trim().to_string());
             }
         }
+    }
+
+    /// Sends the worker a command; its answer.
+    fn ask(&mut self, cmd: &str) -> Result<String, String> {
+        let stdin = self.child.stdin.as_mut().unwrap();
+        writeln!(stdin, "{cmd}").unwrap();
+        stdin.flush().unwrap();
+        self.line("ANSWER ", "FAILED ")
     }
 
     fn kill(mut self) {
@@ -183,7 +196,9 @@ impl Drop for Worker {
 }
 
 /// A worker: an agent with one region of `fill`, published in etcd, watching the namespace,
-/// until its stdin closes. Started by `Worker::start`; does nothing in a normal run.
+/// doing what its stdin says until it closes: `read NAME` (what NAME's region 0 holds, read
+/// through etcd's metadata) and `register FILL` (a second region, registered after
+/// publishing). Started by `Worker::start`; does nothing in a normal run.
 #[test]
 #[ignore = "a worker process of the etcd tests, started by them"]
 fn worker_child() {
@@ -195,6 +210,7 @@ fn worker_child() {
     let a = agent(name);
     let r = a.register(HostBuffer::new(LEN).unwrap()).unwrap();
     r.write(0, &vec![fill; LEN]).unwrap();
+    let local = a.register(HostBuffer::new(LEN).unwrap()).unwrap();
     let d = discovery(url, ns);
     match d.publish(&a).and_then(|()| d.watch(&a)) {
         Ok(()) => println!("READY {:#x}", a.epoch()),
@@ -203,14 +219,47 @@ fn worker_child() {
             return;
         }
     }
-    let mut s = String::new();
-    let _ = std::io::stdin().read_line(&mut s);
+    let mut kept = Vec::new();
+    for line in std::io::stdin().lines() {
+        let Ok(line) = line else { return };
+        let w: Vec<&str> = line.split(' ').collect();
+        let answer = match w.as_slice() {
+            ["read", peer] => read_fill(&a, &local, peer).map(|f| f.to_string()),
+            ["read", peer, region] => {
+                read_region(&a, &local, peer, RegionId(region.parse().unwrap()))
+                    .map(|f| f.to_string())
+            }
+            ["register", f] => {
+                let f = f.parse::<u8>().unwrap();
+                let r = a.register(HostBuffer::new(LEN).unwrap()).unwrap();
+                r.write(0, &vec![f; LEN]).unwrap();
+                let id = r.id().0;
+                kept.push(r);
+                Ok(id.to_string())
+            }
+            _ => Ok(format!("unknown command {line:?}")),
+        };
+        match answer {
+            Ok(x) => println!("ANSWER {x}"),
+            Err(e) => println!("FAILED {e}"),
+        }
+    }
 }
 
 /// What `hub` reads from `name`'s region 0 (its first byte, all bytes checked equal).
 fn read_fill(hub: &Agent, local: &kvxfer::Region, name: &str) -> kvxfer::Result<u8> {
+    read_region(hub, local, name, RegionId(0))
+}
+
+/// What `hub` reads from `name`'s region `region`.
+fn read_region(
+    hub: &Agent,
+    local: &kvxfer::Region,
+    name: &str,
+    region: RegionId,
+) -> kvxfer::Result<u8> {
     let l = hub.prep_local(&[Desc::new(local.id(), 0, LEN as u64)])?;
-    let r = hub.prep_remote(name, &[Desc::new(RegionId(0), 0, LEN as u64)])?;
+    let r = hub.prep_remote(name, &[Desc::new(region, 0, LEN as u64)])?;
     hub.transfer_all(XferOp::Read, &l, &r, None, Some(Duration::from_secs(5)))?
         .wait()?;
     let mut b = vec![0u8; LEN];
@@ -230,25 +279,69 @@ fn until<T>(within: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> (
     }
 }
 
+/// The raw values under `prefix`, as any etcd reader sees them: key, value, mod revision.
+fn raw(url: &str, prefix: &str) -> Vec<(String, Vec<u8>, i64)> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut c = etcd_client::Client::connect([url], None).await.unwrap();
+        let r = c
+            .get(prefix, Some(etcd_client::GetOptions::new().with_prefix()))
+            .await
+            .unwrap();
+        r.kvs()
+            .iter()
+            .map(|kv| {
+                (
+                    String::from_utf8_lossy(kv.key()).into_owned(),
+                    kv.value().to_vec(),
+                    kv.mod_revision(),
+                )
+            })
+            .collect()
+    })
+}
+
+fn peer_failed(e: &Error) -> bool {
+    matches!(e, Error::PeerFailed { .. })
+}
+
 #[test]
 fn agents_find_each_other_by_name_through_etcd() {
     let Some(mut etcd) = Etcd::start() else {
         return;
     };
     let url = etcd.url();
-    let ns = format!("/kvx-test-{}", std::process::id());
-    let names: Vec<String> = (1..=3)
-        .map(|i| format!("w{i}-{}", std::process::id()))
-        .collect();
+    let pid = std::process::id();
+    let ns = format!("/kvx-test-{pid}");
+    let names: Vec<String> = (1..=4).map(|i| format!("w{i}-{pid}")).collect();
     let mut workers: Vec<Option<Worker>> = names
         .iter()
         .zip(1u8..)
         .map(|(n, f)| Some(Worker::start(&url, &ns, n, f).unwrap()))
         .collect();
 
-    // The fourth agent: published, and watching, it has every worker loaded before its first
-    // transfer (no side channel, no address given).
-    let hub = agent(&format!("hub-{}", std::process::id()));
+    // Four agents in four processes: each reads every other one's bytes, found by name only
+    // (no side channel, no address given; the watch had them loaded before the first read).
+    let t0 = Instant::now();
+    for (i, w) in workers.iter_mut().enumerate() {
+        let w = w.as_mut().unwrap();
+        for (j, (n, f)) in names.iter().zip(1u8..).enumerate() {
+            if i != j {
+                let got = w.ask(&format!("read {n}")).unwrap();
+                assert_eq!(got, f.to_string(), "worker {} read {n}", i + 1);
+            }
+        }
+    }
+    println!(
+        "4 agents in 4 processes found each other by name: 12 reads verified in {:?}",
+        t0.elapsed()
+    );
+
+    // A fifth agent here: published, and watching, it has every worker loaded at once.
+    let hub = agent(&format!("hub-{pid}"));
     let local = hub.register(HostBuffer::new(LEN).unwrap()).unwrap();
     let d = discovery(&url, &ns);
     d.publish(&hub).unwrap();
@@ -257,7 +350,39 @@ fn agents_find_each_other_by_name_through_etcd() {
         assert!(hub.peer_info(n).is_ok(), "{n} not loaded by the watch");
         assert_eq!(read_fill(&hub, &local, n).unwrap(), f, "{n}");
     }
-    println!("3 workers in 3 processes found by name; bytes verified");
+
+    // A registration after publishing goes out as an update (one small key), not the blob
+    // again, and watchers apply it.
+    let base_key = format!("{ns}/agents/{}", names[0]);
+    let before = raw(&url, &base_key);
+    let id: u32 = workers[0]
+        .as_mut()
+        .unwrap()
+        .ask("register 81")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let (_, t) = until(Duration::from_secs(10), "the new region at the hub", || {
+        (read_region(&hub, &local, &names[0], RegionId(id)).ok() == Some(81)).then_some(())
+    });
+    let updates = raw(&url, &format!("{ns}/regions/{}/", names[0]));
+    assert_eq!(updates.len(), 1, "{updates:?}");
+    assert!(
+        updates[0].0.ends_with(&format!("/{id}")),
+        "{}",
+        updates[0].0
+    );
+    assert_eq!(raw(&url, &base_key), before, "the base was put again");
+    let w2 = workers[1].as_mut().unwrap();
+    let (_, t2) = until(Duration::from_secs(10), "the new region at w2", || {
+        (w2.ask(&format!("read {} {id}", names[0])).ok().as_deref() == Some("81")).then_some(())
+    });
+    println!(
+        "a region registered after publishing: one update key of {} bytes (the base, {} bytes, \
+         untouched); read at the hub after {t:?}, at w2 after {t2:?}",
+        updates[0].1.len(),
+        before[0].1.len()
+    );
 
     // A second live worker taking a taken name is refused.
     let why = Worker::start(&url, &ns, &names[1], 0x77).err().unwrap();
@@ -265,71 +390,85 @@ fn agents_find_each_other_by_name_through_etcd() {
     assert_eq!(read_fill(&hub, &local, &names[1]).unwrap(), 2);
     println!("a second live {}: {why}", names[1]);
 
-    // SIGKILL: the key goes with the lease, the watch removes the peer, transfers fail typed.
+    // SIGKILL: the key goes with the lease, the watch retires the peer, its transfers fail
+    // with PeerFailed, at once.
     workers[0].take().unwrap().kill();
-    let (e, gone) = until(
+    let (_, gone) = until(
         TTL + Duration::from_secs(4),
-        "the killed worker's removal",
-        || read_fill(&hub, &local, &names[0]).err(),
+        "the killed worker retired",
+        || read_fill(&hub, &local, &names[0]).err().filter(peer_failed),
     );
-    assert!(
-        matches!(
-            e,
-            Error::UnknownPeer { .. } | Error::PeerFailed { .. } | Error::LaneFailed { .. }
-        ),
-        "{e}"
-    );
-    let (_, removed) = until(
-        TTL + Duration::from_secs(4),
-        "the killed worker's key to go",
-        || hub.peer_info(&names[0]).is_err().then_some(()),
-    );
-    println!("SIGKILLed worker: transfers failed after {gone:?} ({e}); removed after {removed:?} (TTL {TTL:?})");
+    let t = Instant::now();
+    let e = read_fill(&hub, &local, &names[0]).unwrap_err();
+    assert!(peer_failed(&e), "{e}");
+    let fast = t.elapsed();
+    assert!(raw(&url, &format!("{ns}/regions/{}/", names[0])).is_empty());
+    let w3 = workers[2].as_mut().unwrap();
+    let (e3, _) = until(Duration::from_secs(5), "w3 to see w1 gone", || {
+        w3.ask(&format!("read {}", names[0])).err()
+    });
+    assert!(e3.contains("failed"), "{e3}");
+    println!("SIGKILLed worker retired {gone:?} after the kill (TTL {TTL:?}); a transfer to it then fails in {fast:?}: {e}; at w3: {e3}");
 
-    // Restarted under its name: reached at its new epoch, with new bytes.
+    // Restarted under its name: reached at its new epoch, with new bytes; nothing of the old
+    // incarnation (its late region) is used.
     workers[0] = Some(Worker::start(&url, &ns, &names[0], 0x41).unwrap());
     let (_, t) = until(Duration::from_secs(10), "the restarted worker", || {
         (read_fill(&hub, &local, &names[0]).ok() == Some(0x41)).then_some(())
     });
-    println!("restarted worker reached at its new epoch after {t:?}");
+    let stale = read_region(&hub, &local, &names[0], RegionId(id)).unwrap_err();
+    assert!(matches!(stale, Error::UnknownRegion { .. }), "{stale}");
+    println!("restarted worker reached at its new epoch after {t:?}; its old region: {stale}");
 
     // A long pause (SIGSTOP past the TTL): the lease is lost and the key goes; once the worker
     // runs again it takes a new lease and publishes again, and the hub finds it.
-    let w2 = workers[1].as_ref().unwrap().child.id() as i32;
+    let w2pid = workers[1].as_ref().unwrap().child.id() as i32;
     // SAFETY: kill(2) on our own child's pid.
-    unsafe { libc::kill(w2, libc::SIGSTOP) };
+    unsafe { libc::kill(w2pid, libc::SIGSTOP) };
     let (_, t) = until(
         TTL + Duration::from_secs(4),
         "the paused worker's key to go",
         || hub.peer_info(&names[1]).is_err().then_some(()),
     );
     // SAFETY: as above.
-    unsafe { libc::kill(w2, libc::SIGCONT) };
+    unsafe { libc::kill(w2pid, libc::SIGCONT) };
     let (_, back) = until(Duration::from_secs(10), "the paused worker back", || {
         (read_fill(&hub, &local, &names[1]).ok() == Some(2)).then_some(())
     });
     println!("worker paused past its TTL: removed after {t:?}; published again and reached {back:?} after SIGCONT");
 
-    // etcd goes away: loaded peers keep working.
+    // etcd goes away: loaded peers keep working, and a worker killed meanwhile is retired
+    // once etcd is back (its lease runs out there).
     etcd.stop();
+    let mut reads = 0;
     for _ in 0..3 {
         assert_eq!(read_fill(&hub, &local, &names[2]).unwrap(), 3);
+        assert_eq!(read_fill(&hub, &local, &names[3]).unwrap(), 4);
+        reads += 2;
     }
+    workers[3].take().unwrap().kill();
     std::thread::sleep(TTL);
     assert_eq!(read_fill(&hub, &local, &names[1]).unwrap(), 2);
-    // etcd comes back: workers publish again, the watch resumes and sees a new worker.
+    assert_eq!(read_fill(&hub, &local, &names[2]).unwrap(), 3);
+    reads += 2;
     etcd.run();
-    let w4 = format!("w4-{}", std::process::id());
-    let _w4 = Worker::start(&url, &ns, &w4, 4).unwrap();
+    // Workers publish again, the watch resumes and sees a new worker.
+    let w5 = format!("w5-{pid}");
+    let _w5 = Worker::start(&url, &ns, &w5, 5).unwrap();
     let (_, t) = until(
         Duration::from_secs(15),
         "a worker started after etcd came back",
-        || (read_fill(&hub, &local, &w4).ok() == Some(4)).then_some(()),
+        || (read_fill(&hub, &local, &w5).ok() == Some(5)).then_some(()),
     );
     let (_, t3) = until(Duration::from_secs(15), "w3 published again", || {
         d.resolve(&hub, &names[2]).ok()
     });
-    println!("etcd stopped and restarted: transfers went on; new worker reached after {t:?}; w3 found again after {t3:?}");
+    let (_, t4) = until(
+        TTL + Duration::from_secs(15),
+        "w4, killed while etcd was down, retired",
+        || read_fill(&hub, &local, &names[3]).err().filter(peer_failed),
+    );
+    println!("etcd stopped and restarted: {reads} transfers verified while it was down; new worker reached after {t:?}; w3 found again after {t3:?}; w4 (killed meanwhile) retired after {t4:?}");
     drop(workers);
 }
 

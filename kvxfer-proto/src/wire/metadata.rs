@@ -73,6 +73,109 @@ pub struct RegionMeta {
 }
 
 impl RegionMeta {
+    /// Encodes one region alone (an update to metadata already sent: a new registration).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(
+            REGION_FIXED_LEN + self.rkey.len() + self.shm.map_or(0, |_| SHM_LEN),
+        );
+        self.encode_into(&mut b);
+        b
+    }
+
+    /// Decodes one region encoded by [`RegionMeta::encode`], as strictly as inside
+    /// [`Metadata::decode`]; trailing bytes are refused.
+    pub fn decode(bytes: &[u8]) -> Result<RegionMeta, MetadataError> {
+        let mut r = Reader { b: bytes, at: 0 };
+        let m = RegionMeta::read(&mut r)?;
+        if r.left() != 0 {
+            return Err(MetadataError::Trailing { extra: r.left() });
+        }
+        Ok(m)
+    }
+
+    fn encode_into(&self, b: &mut Vec<u8>) {
+        b.extend_from_slice(&self.id.0.to_le_bytes());
+        let (kind, dev) = match self.kind {
+            MemKind::Host => (0u8, 0u32),
+            MemKind::Cuda(d) => (1u8, d),
+        };
+        b.push(kind);
+        b.extend_from_slice(&dev.to_le_bytes());
+        b.extend_from_slice(&self.base.to_le_bytes());
+        b.extend_from_slice(&self.len.to_le_bytes());
+        b.extend_from_slice(&(self.rkey.len() as u16).to_le_bytes());
+        b.extend_from_slice(&self.rkey);
+        match &self.shm {
+            None => b.push(0),
+            Some(h) => {
+                b.push(1);
+                b.extend_from_slice(&h.fd.to_le_bytes());
+                b.extend_from_slice(&h.dev.to_le_bytes());
+                b.extend_from_slice(&h.ino.to_le_bytes());
+            }
+        }
+    }
+
+    fn read(r: &mut Reader<'_>) -> Result<RegionMeta, MetadataError> {
+        let id = RegionId(r.u32()?);
+        let kind = match (r.u8()?, r.u32()?) {
+            (0, 0) => MemKind::Host,
+            (1, d) => MemKind::Cuda(d),
+            (k, d) => {
+                return Err(MetadataError::Invalid {
+                    field: "region kind",
+                    why: format!("kind {k} device {d}"),
+                })
+            }
+        };
+        let base = r.u64()?;
+        let len = r.u64()?;
+        if len == 0 || base.checked_add(len).is_none() {
+            return Err(MetadataError::Invalid {
+                field: "region extent",
+                why: format!("region {} base {base:#x} len {len}", id.0),
+            });
+        }
+        let rkey_len = r.u16()? as usize;
+        // No key: device memory on the staged path (only kvxfer's lane reaches it).
+        if rkey_len == 0 && kind == MemKind::Host {
+            return Err(MetadataError::Invalid {
+                field: "rkey",
+                why: format!("host region {} without a remote key", id.0),
+            });
+        }
+        if rkey_len > MAX_RKEY {
+            return Err(MetadataError::TooLarge {
+                field: "rkey",
+                len: rkey_len,
+                max: MAX_RKEY,
+            });
+        }
+        let rkey = r.take(rkey_len)?.to_vec();
+        let shm = match r.u8()? {
+            0 => None,
+            1 => Some(ShmHandle {
+                fd: r.u32()?,
+                dev: r.u64()?,
+                ino: r.u64()?,
+            }),
+            f => {
+                return Err(MetadataError::Invalid {
+                    field: "region shm flag",
+                    why: format!("{f}"),
+                })
+            }
+        };
+        Ok(RegionMeta {
+            id,
+            kind,
+            base,
+            len,
+            rkey,
+            shm,
+        })
+    }
+
     /// The part the bounds check needs.
     pub fn span(&self) -> RegionSpan {
         RegionSpan {
@@ -165,26 +268,7 @@ impl Metadata {
         }
         b.extend_from_slice(&(self.regions.len() as u32).to_le_bytes());
         for r in &self.regions {
-            b.extend_from_slice(&r.id.0.to_le_bytes());
-            let (kind, dev) = match r.kind {
-                MemKind::Host => (0u8, 0u32),
-                MemKind::Cuda(d) => (1u8, d),
-            };
-            b.push(kind);
-            b.extend_from_slice(&dev.to_le_bytes());
-            b.extend_from_slice(&r.base.to_le_bytes());
-            b.extend_from_slice(&r.len.to_le_bytes());
-            b.extend_from_slice(&(r.rkey.len() as u16).to_le_bytes());
-            b.extend_from_slice(&r.rkey);
-            match &r.shm {
-                None => b.push(0),
-                Some(h) => {
-                    b.push(1);
-                    b.extend_from_slice(&h.fd.to_le_bytes());
-                    b.extend_from_slice(&h.dev.to_le_bytes());
-                    b.extend_from_slice(&h.ino.to_le_bytes());
-                }
-            }
+            r.encode_into(&mut b);
         }
         debug_assert_eq!(b.len(), size);
         b
@@ -334,63 +418,7 @@ impl Metadata {
         }
         let mut regions: Vec<RegionMeta> = Vec::with_capacity(count);
         for _ in 0..count {
-            let id = RegionId(r.u32()?);
-            let kind = match (r.u8()?, r.u32()?) {
-                (0, 0) => MemKind::Host,
-                (1, d) => MemKind::Cuda(d),
-                (k, d) => {
-                    return Err(MetadataError::Invalid {
-                        field: "region kind",
-                        why: format!("kind {k} device {d}"),
-                    })
-                }
-            };
-            let base = r.u64()?;
-            let len = r.u64()?;
-            if len == 0 || base.checked_add(len).is_none() {
-                return Err(MetadataError::Invalid {
-                    field: "region extent",
-                    why: format!("region {} base {base:#x} len {len}", id.0),
-                });
-            }
-            let rkey_len = r.u16()? as usize;
-            // No key: device memory on the staged path (only kvxfer's lane reaches it).
-            if rkey_len == 0 && kind == MemKind::Host {
-                return Err(MetadataError::Invalid {
-                    field: "rkey",
-                    why: format!("host region {} without a remote key", id.0),
-                });
-            }
-            if rkey_len > MAX_RKEY {
-                return Err(MetadataError::TooLarge {
-                    field: "rkey",
-                    len: rkey_len,
-                    max: MAX_RKEY,
-                });
-            }
-            let rkey = r.take(rkey_len)?.to_vec();
-            let shm = match r.u8()? {
-                0 => None,
-                1 => Some(ShmHandle {
-                    fd: r.u32()?,
-                    dev: r.u64()?,
-                    ino: r.u64()?,
-                }),
-                f => {
-                    return Err(MetadataError::Invalid {
-                        field: "region shm flag",
-                        why: format!("{f}"),
-                    })
-                }
-            };
-            regions.push(RegionMeta {
-                id,
-                kind,
-                base,
-                len,
-                rkey,
-                shm,
-            });
+            regions.push(RegionMeta::read(&mut r)?);
         }
         if r.left() != 0 {
             return Err(MetadataError::Trailing { extra: r.left() });
@@ -522,6 +550,31 @@ mod tests {
     }
 
     #[test]
+    fn a_region_alone_roundtrips_and_is_checked_like_in_metadata() {
+        for r in sample().regions {
+            let b = r.encode();
+            assert_eq!(RegionMeta::decode(&b).unwrap(), r);
+            let mut long = b.clone();
+            long.push(0);
+            assert!(matches!(
+                RegionMeta::decode(&long),
+                Err(MetadataError::Trailing { extra: 1 })
+            ));
+            assert!(matches!(
+                RegionMeta::decode(&b[..b.len() - 1]),
+                Err(MetadataError::Truncated { .. })
+            ));
+        }
+        let mut host_without_key = sample().regions[0].clone();
+        host_without_key.kind = MemKind::Host;
+        host_without_key.rkey.clear();
+        assert!(matches!(
+            RegionMeta::decode(&host_without_key.encode()),
+            Err(MetadataError::Invalid { field: "rkey", .. })
+        ));
+    }
+
+    #[test]
     fn roundtrip_without_options_and_v6() {
         let mut m = sample();
         m.host = None;
@@ -650,6 +703,7 @@ mod tests {
         #[test]
         fn decoder_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
             let _ = Metadata::decode(&bytes, 0);
+            let _ = RegionMeta::decode(&bytes);
         }
 
         #[test]

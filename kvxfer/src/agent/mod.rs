@@ -14,7 +14,7 @@ mod prepared;
 mod route;
 mod state;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::CString;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -23,7 +23,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub use config::{AgentConfig, DEFAULT_COMPAT};
-use peers::{load_decoded, peer_info, remove_peer};
+use peers::{load_decoded, peer_info, remove_peer, retire_peer};
 pub use prepared::{PreparedLocal, PreparedRemote};
 use route::{check_strict, route, Route};
 use state::AgentState;
@@ -132,6 +132,7 @@ impl Agent {
                 cfg.budget.clone(),
             )),
             canceller,
+            gone: Mutex::new(HashSet::new()),
         });
         // The TCP lane carries every transfer with the TCP transport, and staged device memory
         // with any transport, in either direction: every agent with lanes on serves it, so that
@@ -359,6 +360,13 @@ impl Agent {
         remove_peer(&self.shared, name)
     }
 
+    /// Forgets a peer known to be gone (discovery saw its key vanish): as
+    /// [`Agent::remove_peer`], and later transfers to it fail at once with
+    /// [`Error::PeerFailed`] until metadata of a new incarnation is loaded.
+    pub fn retire_peer(&self, name: &str) -> Result<()> {
+        retire_peer(&self.shared, name)
+    }
+
     /// What the agent knows about a peer, including the transports UCX selected. Connects if
     /// not connected yet.
     pub fn peer_info(&self, name: &str) -> Result<PeerInfo> {
@@ -407,9 +415,7 @@ impl Agent {
     /// how a process learns the other side's region ids to build descriptors.
     pub fn peer_regions(&self, peer: &str) -> Result<Vec<RegionSpan>> {
         let peers = self.shared.peers.read().unwrap_or_else(|e| e.into_inner());
-        let v = peers.get(peer).ok_or_else(|| Error::UnknownPeer {
-            agent: peer.to_string(),
-        })?;
+        let v = peers.get(peer).ok_or_else(|| self.shared.missing(peer))?;
         Ok(v.spans.clone())
     }
 
@@ -454,9 +460,7 @@ impl Agent {
             .unwrap_or_else(|e| e.into_inner())
             .get(peer)
             .cloned()
-            .ok_or_else(|| Error::UnknownPeer {
-                agent: peer.to_string(),
-            })?;
+            .ok_or_else(|| self.shared.missing(peer))?;
         let entries = descriptor::resolve(Side::Remote, descs, &view.spans)?;
         Ok(PreparedRemote {
             peer: peer.to_string(),
@@ -498,6 +502,12 @@ impl Agent {
             .get(&remote.peer)
             .filter(|v| v.token == remote.token)
             .cloned();
+        if view.is_none() {
+            // Gone (its key vanished): fail now, typed, without a trip to the engine.
+            if let e @ Error::PeerFailed { .. } = self.shared.missing(&remote.peer) {
+                return Err(e);
+            }
+        }
         let (route, local_dev) = route(
             &self.shared.transport,
             local,

@@ -47,6 +47,10 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
     let (epoch, lane_addr, host) = (meta.epoch, meta.lane.map(|l| l.addr), meta.host);
     let LoadedPeer { token, connected } = st.cmds.call(|reply| Cmd::LoadPeer { meta, reply })?;
     if let Some(token) = token {
+        st.gone
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&name);
         st.peers.write().unwrap_or_else(|e| e.into_inner()).insert(
             name.clone(),
             Arc::new(PeerView {
@@ -187,6 +191,19 @@ pub(crate) fn remove_peer(st: &AgentState, name: &str) -> Result<()> {
         .unwrap_or_else(|e| e.into_inner())
         .remove(name);
     Ok(())
+}
+
+/// Forgets a peer that is gone: transfers to it fail with `PeerFailed` from now on, until a
+/// new incarnation is loaded. A peer not loaded is marked gone all the same.
+pub(crate) fn retire_peer(st: &AgentState, name: &str) -> Result<()> {
+    st.gone
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(name.to_string());
+    match remove_peer(st, name) {
+        Err(Error::UnknownPeer { .. }) => Ok(()),
+        r => r,
+    }
 }
 
 /// How device memory moves between this agent and the peer `name`: `None` where neither

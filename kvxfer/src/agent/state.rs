@@ -1,6 +1,6 @@
 //! The agent's state: what the agent's threads share, and the tables only the agent writes.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
@@ -12,7 +12,7 @@ use crate::memory::RegionTable;
 use crate::notify::Channels;
 use crate::staging::pool::StagingCell;
 use crate::transfer::Canceller;
-use kvxfer_proto::error::Result;
+use kvxfer_proto::error::{Error, Result, UcsStatus};
 use kvxfer_proto::types::{GpuPath, HostInfo, LaneInfo, RegionSpan, Transport};
 
 /// The agent's state, shared with the threads it starts (side-channel listeners). Only the
@@ -43,6 +43,9 @@ pub(crate) struct AgentState {
     pub(crate) gpu_path: GpuPath,
     pub(crate) staging: Arc<StagingCell>,
     pub(crate) canceller: Canceller,
+    /// Peers known to be gone (their discovery key vanished), until a new incarnation loads:
+    /// transfers to them fail with `PeerFailed`, not as to a name never heard of.
+    pub(crate) gone: Mutex<HashSet<String>>,
 }
 
 impl AgentState {
@@ -57,6 +60,26 @@ impl AgentState {
         }
     }
 
+    /// The error for a peer `name` that is not loaded: `PeerFailed` for one known to be gone,
+    /// else `UnknownPeer`.
+    pub(crate) fn missing(&self, name: &str) -> Error {
+        if self
+            .gone
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(name)
+        {
+            Error::PeerFailed {
+                agent: name.to_string(),
+                status: PEER_GONE,
+            }
+        } else {
+            Error::UnknownPeer {
+                agent: name.to_string(),
+            }
+        }
+    }
+
     /// This agent's metadata, encoded for a peer.
     pub(crate) fn metadata(&self) -> Result<Vec<u8>> {
         self.cmds.call(|reply| Cmd::Metadata {
@@ -65,6 +88,12 @@ impl AgentState {
         })
     }
 }
+
+/// The status of a transfer to a peer whose discovery key vanished (`UCS_ERR_NOT_CONNECTED`).
+pub(crate) const PEER_GONE: UcsStatus = UcsStatus::new(
+    -29,
+    "Not connected: the peer left discovery (its lease ended)",
+);
 
 /// A peer's region table as the caller side sees it, for bounds checks without a round trip.
 #[derive(Debug)]

@@ -2,30 +2,35 @@
 //! gRPC API over tonic; the same client Dynamo's Rust runtime uses), on a runtime of its own
 //! so the rest of kvxfer stays synchronous.
 //!
-//! Keys: `<namespace>/agents/<name>` holds the agent's metadata (its epoch inside), attached to
-//! a lease of `ttl` that a task keeps alive. A worker that dies stops renewing: its key is
-//! deleted within the TTL and every watcher forgets the peer. Publishing a name whose key
-//! holds another epoch takes it over only when that incarnation is gone (its TCP lane no
-//! longer answers); else it is [`Error::NameConflict`]. Watchers load every other agent's
-//! metadata when it appears or changes (prefetch: no handshake on the hot path) and remove
-//! the peer when its key goes. If etcd goes away, loaded peers keep working; the lease task
-//! re-publishes (new lease) and the watch starts again when etcd is back.
+//! Keys (see `assembly`): `<namespace>/agents/<name>` holds the agent's metadata (its epoch
+//! inside) as it was when published, and `<namespace>/regions/<name>/<epoch>/<id>` each region
+//! registered since (an update: one small put, not the whole blob again), all attached to one
+//! lease of `ttl` that a task keeps alive. A worker that dies stops renewing: its keys are
+//! deleted within the TTL and every watcher retires the peer (its transfers fail with
+//! `PeerFailed`). Publishing a name whose key holds another epoch takes it over only when that
+//! incarnation is gone (its TCP lane no longer answers); else it is [`Error::NameConflict`].
+//! Watchers load every other agent's metadata when it appears or changes (prefetch: no
+//! handshake on the hot path). If etcd goes away, loaded peers keep working; the lease task
+//! re-publishes (new lease) and the watch lists the namespace again when etcd is back,
+//! retiring the agents whose keys went meanwhile.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
-    TxnOpResponse, WatchOptions,
+    Client, Compare, CompareOp, ConnectOptions, DeleteOptions, EventType, GetOptions, KeyValue,
+    PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
 };
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
 use super::api::Discovery;
+use super::assembly::{Assembly, Key, Layout};
 use super::seal::{open, seal};
 use crate::agent::Agent;
 use kvxfer_proto::error::{Error, Result};
-use kvxfer_proto::wire::metadata::Metadata;
+use kvxfer_proto::wire::metadata::{Metadata, RegionMeta};
 
 /// Where etcd is and how agents are kept there.
 #[derive(Clone, Debug)]
@@ -57,12 +62,8 @@ impl EtcdConfig {
         self
     }
 
-    fn key(&self, name: &str) -> String {
-        format!("{}/agents/{name}", self.namespace)
-    }
-
-    fn prefix(&self) -> String {
-        format!("{}/agents/", self.namespace)
+    fn layout(&self) -> Layout {
+        Layout::new(&self.namespace)
     }
 }
 
@@ -121,14 +122,19 @@ impl EtcdDiscovery {
     /// Loads every agent of the namespace into `agent` now and keeps doing so (and removes
     /// those whose key goes) while `self` lives.
     pub fn watch(&self, agent: &Arc<Agent>) -> Result<()> {
-        let rev = self
-            .rt
-            .block_on(load_all(&self.cfg, self.client.clone(), agent))?;
+        let mut asm = Assembly::default();
+        let (rev, load_now, _) =
+            self.rt
+                .block_on(load_all(&self.cfg, self.client.clone(), agent, &mut asm))?;
+        for m in load_now.values() {
+            load(agent, m);
+        }
         self.keep(watch_loop(
             self.cfg.clone(),
             self.client.clone(),
             Arc::downgrade(agent),
             rev,
+            asm,
         ));
         Ok(())
     }
@@ -155,99 +161,168 @@ impl Drop for EtcdDiscovery {
 
 impl Discovery for EtcdDiscovery {
     fn publish(&self, agent: &Arc<Agent>) -> Result<()> {
-        let lease = self
+        let published = self
             .rt
             .block_on(publish_once(&self.cfg, self.client.clone(), agent))?;
         self.keep(lease_loop(
             self.cfg.clone(),
             self.client.clone(),
             Arc::downgrade(agent),
-            lease,
+            published,
         ));
         Ok(())
     }
 
     fn resolve(&self, agent: &Agent, name: &str) -> Result<()> {
+        let layout = self.cfg.layout();
         let mut c = self.client.clone();
-        let key = self.cfg.key(name);
-        let got = self
+        let base = self
             .rt
-            .block_on(c.get(key, None))
+            .block_on(c.get(layout.agent(name), None))
             .map_err(|e| etcd_err(&self.cfg, "reading an agent", e))?;
-        let kv = got.kvs().first().ok_or_else(|| Error::UnknownPeer {
+        let kv = base.kvs().first().ok_or_else(|| Error::UnknownPeer {
             agent: name.to_string(),
         })?;
-        let meta = open(agent.secret(), &self.cfg.key(name), kv.value())?;
-        agent.load_remote_metadata(&meta).map(|_| ())
+        let base = decode_base(agent, kv)?;
+        let updates = self
+            .rt
+            .block_on(c.get(
+                layout.regions_of(name, base.epoch),
+                Some(GetOptions::new().with_prefix()),
+            ))
+            .map_err(|e| etcd_err(&self.cfg, "reading an agent's updates", e))?;
+        let mut asm = Assembly::default();
+        let mut meta = asm.base(base);
+        for kv in updates.kvs() {
+            if let Some((n, epoch, r)) = decode_region(agent, &layout, kv) {
+                meta = asm.region(&n, epoch, r).unwrap_or(meta);
+            }
+        }
+        agent.load_remote_metadata(&meta.encode()).map(|_| ())
     }
 }
 
-/// Puts `agent`'s metadata under a new lease, unless another live incarnation holds the name.
-async fn publish_once(cfg: &EtcdConfig, mut c: Client, agent: &Agent) -> Result<i64> {
-    let key = cfg.key(agent.name());
-    let meta = seal(agent.secret(), &key, &agent.metadata()?)?;
+fn decode_base(agent: &Agent, kv: &KeyValue) -> Result<Metadata> {
+    let key = String::from_utf8_lossy(kv.key());
+    let bytes = open(agent.secret(), &key, kv.value())?;
+    Metadata::decode(&bytes, agent.compat()).map_err(|err| Error::Metadata {
+        source_desc: format!("etcd key {key}"),
+        err,
+    })
+}
+
+/// A region update's agent, epoch and region; `None` (logged) when it does not open or decode.
+fn decode_region(
+    agent: &Agent,
+    layout: &Layout,
+    kv: &KeyValue,
+) -> Option<(String, u64, RegionMeta)> {
+    let key = String::from_utf8_lossy(kv.key());
+    let Some(Key::Region { name, epoch, .. }) = layout.parse(&key) else {
+        return None;
+    };
+    let r = open(agent.secret(), &key, kv.value()).and_then(|b| {
+        RegionMeta::decode(&b).map_err(|err| Error::Metadata {
+            source_desc: format!("etcd key {key}"),
+            err,
+        })
+    });
+    match r {
+        Ok(r) => Some((name, epoch, r)),
+        Err(e) => {
+            log::warn!("kvxfer: region update {key} not used: {e}");
+            None
+        }
+    }
+}
+
+/// What this agent has in etcd: its base (as published) and the regions put since.
+struct Published {
+    lease: i64,
+    base: Metadata,
+    /// The base's metadata plus the updates: what a watcher assembles.
+    now: Metadata,
+}
+
+/// Puts `agent`'s metadata under a new lease (and drops this incarnation's older updates, now
+/// in the base), unless another live incarnation holds the name.
+async fn publish_once(cfg: &EtcdConfig, mut c: Client, agent: &Agent) -> Result<Published> {
+    let layout = cfg.layout();
+    let key = layout.agent(agent.name());
+    let plain = agent.metadata()?;
+    let ours = Metadata::decode(&plain, agent.compat()).map_err(|err| Error::Metadata {
+        source_desc: "this agent's own metadata".into(),
+        err,
+    })?;
+    let meta = seal(agent.secret(), &key, &plain)?;
     let ttl = i64::try_from(cfg.ttl.as_secs().max(1)).unwrap_or(i64::MAX);
     let lease = c
         .lease_grant(ttl, None)
         .await
         .map_err(|e| etcd_err(cfg, "granting a lease", e))?
         .id();
+    let ops = || {
+        [
+            TxnOp::put(
+                key.clone(),
+                meta.clone(),
+                Some(PutOptions::new().with_lease(lease)),
+            ),
+            TxnOp::delete(
+                layout.regions_of(agent.name(), ours.epoch),
+                Some(DeleteOptions::new().with_prefix()),
+            ),
+        ]
+    };
+    let done = || Published {
+        lease,
+        base: ours.clone(),
+        now: ours.clone(),
+    };
     for _ in 0..3 {
-        let put = TxnOp::put(
-            key.clone(),
-            meta.clone(),
-            Some(PutOptions::new().with_lease(lease)),
-        );
         let txn = Txn::new()
             .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-            .and_then([put])
+            .and_then(ops())
             .or_else([TxnOp::get(key.clone(), None)]);
         let r = c
             .txn(txn)
             .await
             .map_err(|e| etcd_err(cfg, "publishing", e))?;
         if r.succeeded() {
-            return Ok(lease);
+            return Ok(done());
         }
         let Some(TxnOpResponse::Get(g)) = r.op_responses().into_iter().next() else {
             continue;
         };
         let Some(kv) = g.kvs().first() else { continue };
-        let theirs = open(agent.secret(), &key, kv.value())
-            .ok()
-            .and_then(|m| Metadata::decode(&m, agent.compat()).ok());
-        let ours = agent.epoch();
-        if theirs.as_ref().is_some_and(|m| m.epoch != ours) && holder_alive(theirs.as_ref()) {
+        let theirs = decode_base(agent, kv).ok();
+        if theirs.as_ref().is_some_and(|m| m.epoch != ours.epoch) && holder_alive(theirs.as_ref()) {
             let _ = c.lease_revoke(lease).await;
             return Err(Error::NameConflict {
                 name: agent.name().to_string(),
                 why: format!(
                     "etcd key {key} is held by epoch {:#018x}, which still answers (this is \
-                     epoch {ours:#018x}; give each agent its own name)",
-                    theirs.map_or(0, |m| m.epoch)
+                     epoch {:#018x}; give each agent its own name)",
+                    theirs.map_or(0, |m| m.epoch),
+                    ours.epoch
                 ),
             });
         }
         // Ours (a re-publish), or a gone incarnation's key not expired yet: take it over, as
         // long as nobody changed it since we looked.
-        let put = TxnOp::put(
-            key.clone(),
-            meta.clone(),
-            Some(PutOptions::new().with_lease(lease)),
-        );
         let txn = Txn::new()
             .when([Compare::mod_revision(
                 key.clone(),
                 CompareOp::Equal,
                 kv.mod_revision(),
             )])
-            .and_then([put]);
+            .and_then(ops());
         let r = c
             .txn(txn)
             .await
             .map_err(|e| etcd_err(cfg, "publishing", e))?;
         if r.succeeded() {
-            return Ok(lease);
+            return Ok(done());
         }
     }
     Err(etcd_err(cfg, "publishing", "the key kept changing"))
@@ -260,115 +335,270 @@ fn holder_alive(m: Option<&Metadata>) -> bool {
     })
 }
 
+/// Brings etcd from `p.now` to the agent's metadata `now`: registrations since are put as
+/// updates and deregistered updates deleted; any other change (a region of the base
+/// deregistered, a new lane) re-puts the base. Returns false when etcd did not take it.
+async fn update(
+    cfg: &EtcdConfig,
+    mut c: Client,
+    agent: &Agent,
+    p: &mut Published,
+    now: Metadata,
+) -> bool {
+    let layout = cfg.layout();
+    let same_agent = Metadata {
+        regions: Vec::new(),
+        ..now.clone()
+    } == Metadata {
+        regions: Vec::new(),
+        ..p.base.clone()
+    };
+    let base_kept = p.base.regions.iter().all(|r| now.regions.contains(r));
+    if !same_agent || !base_kept {
+        return match publish_again(cfg, c, agent, p.lease, &now).await {
+            Ok(()) => {
+                p.base = now.clone();
+                p.now = now;
+                true
+            }
+            Err(e) => {
+                log::warn!("kvxfer: {:?}: metadata not re-published: {e}", agent.name());
+                false
+            }
+        };
+    }
+    let opts = Some(PutOptions::new().with_lease(p.lease));
+    let mut ops = Vec::new();
+    for r in now.regions.iter().filter(|r| !p.now.regions.contains(r)) {
+        let key = layout.region(agent.name(), now.epoch, r.id.0);
+        match seal(agent.secret(), &key, &r.encode()) {
+            Ok(v) => ops.push(TxnOp::put(key, v, opts.clone())),
+            Err(e) => {
+                log::warn!("kvxfer: region {} not published: {e}", r.id.0);
+                return false;
+            }
+        }
+    }
+    for r in p.now.regions.iter().filter(|r| !now.regions.contains(r)) {
+        ops.push(TxnOp::delete(
+            layout.region(agent.name(), now.epoch, r.id.0),
+            None,
+        ));
+    }
+    if !ops.is_empty() && c.txn(Txn::new().and_then(ops)).await.is_err() {
+        return false;
+    }
+    p.now = now;
+    true
+}
+
+/// Re-puts the base under the lease held, dropping the updates (now in the base).
+async fn publish_again(
+    cfg: &EtcdConfig,
+    mut c: Client,
+    agent: &Agent,
+    lease: i64,
+    now: &Metadata,
+) -> Result<()> {
+    let layout = cfg.layout();
+    let key = layout.agent(agent.name());
+    let v = seal(agent.secret(), &key, &now.encode())?;
+    let txn = Txn::new().and_then([
+        TxnOp::put(key, v, Some(PutOptions::new().with_lease(lease))),
+        TxnOp::delete(
+            layout.regions_of(agent.name(), now.epoch),
+            Some(DeleteOptions::new().with_prefix()),
+        ),
+    ]);
+    c.txn(txn)
+        .await
+        .map(|_| ())
+        .map_err(|e| etcd_err(cfg, "publishing", e))
+}
+
 /// Keeps the lease alive; re-publishes (new lease) when it was lost or etcd came back; puts
-/// the metadata again when the agent's changed (new registrations).
-async fn lease_loop(cfg: EtcdConfig, c: Client, agent: Weak<Agent>, mut lease: i64) {
+/// new registrations as updates.
+async fn lease_loop(cfg: EtcdConfig, c: Client, agent: Weak<Agent>, mut p: Published) {
     let period = (cfg.ttl / 3).max(Duration::from_millis(200));
-    let mut last = agent.upgrade().and_then(|a| a.metadata().ok());
     loop {
         tokio::time::sleep(period).await;
         let Some(a) = agent.upgrade() else { return };
+        let lease = p.lease;
         let alive = async {
             let (mut keeper, mut stream) = c.clone().lease_keep_alive(lease).await?;
             keeper.keep_alive().await?;
             Ok::<_, etcd_client::Error>(stream.message().await?.is_some_and(|r| r.ttl() > 0))
         };
         let ok = matches!(tokio::time::timeout(cfg.timeout, alive).await, Ok(Ok(true)));
-        let now = a.metadata().ok();
         if !ok {
             match publish_once(&cfg, c.clone(), &a).await {
-                Ok(l) => {
+                Ok(again) => {
                     log::info!(
                         "kvxfer: {:?} published again in etcd (lease lost or etcd back)",
                         a.name()
                     );
-                    lease = l;
-                    last = now;
+                    p = again;
                 }
                 Err(e) => log::warn!("kvxfer: {:?} not published in etcd: {e}", a.name()),
             }
-        } else if let Some(m) = now.filter(|m| Some(m) != last.as_ref()) {
-            // New registrations: the key carries the agent's current metadata.
-            let key = cfg.key(a.name());
-            let opts = Some(PutOptions::new().with_lease(lease));
-            if let Ok(v) = seal(a.secret(), &key, &m) {
-                if c.clone().put(key, v, opts).await.is_ok() {
-                    last = Some(m);
-                }
-            }
+            continue;
+        }
+        let now = a
+            .metadata()
+            .ok()
+            .and_then(|b| Metadata::decode(&b, a.compat()).ok());
+        if let Some(now) = now.filter(|m| *m != p.now) {
+            update(&cfg, c.clone(), &a, &mut p, now).await;
         }
     }
 }
 
-/// Loads every agent of the namespace but `agent` itself; returns the revision seen.
-async fn load_all(cfg: &EtcdConfig, mut c: Client, agent: &Arc<Agent>) -> Result<i64> {
+/// Lists the namespace into `asm`; returns the revision seen, and per agent (but `agent`
+/// itself) the metadata to load. Agents known to `asm` whose keys went are retired.
+async fn load_all(
+    cfg: &EtcdConfig,
+    mut c: Client,
+    agent: &Arc<Agent>,
+    asm: &mut Assembly,
+) -> Result<(i64, HashMap<String, Metadata>, Vec<String>)> {
+    let layout = cfg.layout();
     let r = c
-        .get(cfg.prefix(), Some(GetOptions::new().with_prefix()))
+        .get(layout.all(), Some(GetOptions::new().with_prefix()))
         .await
         .map_err(|e| etcd_err(cfg, "listing agents", e))?;
+    let mut load = HashMap::new();
+    let mut names = HashSet::new();
     for kv in r.kvs() {
-        load_one(agent, kv.key(), kv.value(), cfg);
+        if let Some((name, m)) = apply(agent, &layout, asm, kv, EventType::Put) {
+            names.insert(name.clone());
+            if let Some(m) = m {
+                load.insert(name, m);
+            }
+        }
     }
-    Ok(r.header().map_or(0, |h| h.revision()))
+    let gone = asm.relisted(&names);
+    Ok((r.header().map_or(0, |h| h.revision()), load, gone))
 }
 
-fn load_one(agent: &Agent, key: &[u8], value: &[u8], cfg: &EtcdConfig) {
-    let key = String::from_utf8_lossy(key);
-    let name = key.strip_prefix(&cfg.prefix()).unwrap_or(&key);
+/// Applies one key's put or delete to `asm`: the agent it concerns, and the metadata to load
+/// for it (`Some(None)` for an agent whose base went, as a put of nothing). Keys of `agent`
+/// itself and keys that do not open or decode (logged) are skipped.
+fn apply(
+    agent: &Agent,
+    layout: &Layout,
+    asm: &mut Assembly,
+    kv: &KeyValue,
+    ev: EventType,
+) -> Option<(String, Option<Metadata>)> {
+    let key = String::from_utf8_lossy(kv.key()).into_owned();
+    let k = layout.parse(&key)?;
+    let name = match &k {
+        Key::Agent(n) | Key::Region { name: n, .. } => n.clone(),
+    };
     if name == agent.name() {
-        return;
+        return None;
     }
-    if let Err(e) = open(agent.secret(), &key, value).and_then(|m| agent.load_remote_metadata(&m)) {
-        log::warn!("kvxfer: agent {name:?} from etcd not loaded: {e}");
+    let m = match (k, ev) {
+        (Key::Agent(_), EventType::Put) => match decode_base(agent, kv) {
+            Ok(m) if m.name == name => Some(asm.base(m)),
+            Ok(m) => {
+                log::warn!(
+                    "kvxfer: etcd key {key} holds agent {:?}: not loaded",
+                    m.name
+                );
+                None
+            }
+            Err(e) => {
+                log::warn!("kvxfer: agent {name:?} from etcd not loaded: {e}");
+                None
+            }
+        },
+        (Key::Region { .. }, EventType::Put) => {
+            decode_region(agent, layout, kv).and_then(|(n, e, r)| asm.region(&n, e, r))
+        }
+        (Key::Region { epoch, id, .. }, EventType::Delete) => asm.region_gone(&name, epoch, id),
+        (Key::Agent(_), EventType::Delete) => {
+            asm.agent_gone(&name);
+            None
+        }
+    };
+    Some((name, m))
+}
+
+/// Loads `m` into `agent` (logged when refused).
+fn load(agent: &Agent, m: &Metadata) {
+    if let Err(e) = agent.load_remote_metadata(&m.encode()) {
+        log::warn!("kvxfer: agent {:?} from etcd not loaded: {e}", m.name);
     }
 }
 
-/// Follows the namespace from revision `rev`: loads what appears or changes, removes what
-/// goes; starts over (listing again) when the watch breaks.
-async fn watch_loop(cfg: EtcdConfig, c: Client, agent: Weak<Agent>, mut rev: i64) {
+/// Retires the agents `gone` in `agent`: their transfers fail with `PeerFailed`.
+fn retire(agent: &Agent, gone: &[String]) {
+    for name in gone {
+        if agent.retire_peer(name).is_ok() {
+            log::info!("kvxfer: agent {name:?} left etcd (lease ended): retired");
+        }
+    }
+}
+
+/// Follows the namespace from revision `rev`: loads what appears or changes, retires what
+/// goes; starts over (listing again, retiring what went meanwhile) when the watch breaks.
+async fn watch_loop(
+    cfg: EtcdConfig,
+    c: Client,
+    agent: Weak<Agent>,
+    mut rev: i64,
+    mut asm: Assembly,
+) {
+    let layout = cfg.layout();
     loop {
         let Some(a) = agent.upgrade() else { return };
         let opts = WatchOptions::new()
             .with_prefix()
             .with_start_revision(rev + 1);
-        let stream = c.clone().watch(cfg.prefix(), Some(opts)).await;
+        let stream = c.clone().watch(layout.all(), Some(opts)).await;
         drop(a);
         if let Ok((_watcher, mut stream)) = stream {
             while let Ok(Some(resp)) = stream.message().await {
                 let Some(a) = agent.upgrade() else { return };
+                let mut load_now: Vec<Metadata> = Vec::new();
+                let mut gone: Vec<String> = Vec::new();
                 for ev in resp.events() {
                     let Some(kv) = ev.kv() else { continue };
                     rev = rev.max(kv.mod_revision());
-                    let (a2, key, value, cfg2) = (
-                        a.clone(),
-                        kv.key().to_vec(),
-                        kv.value().to_vec(),
-                        cfg.clone(),
+                    let deleted = ev.event_type() == EventType::Delete;
+                    let is_base = matches!(
+                        layout.parse(&String::from_utf8_lossy(kv.key())),
+                        Some(Key::Agent(_))
                     );
-                    let put = ev.event_type() == EventType::Put;
-                    // Loading talks to the engine and may probe a peer: off the runtime.
-                    let _ = tokio::task::spawn_blocking(move || {
-                        if put {
-                            load_one(&a2, &key, &value, &cfg2);
-                        } else {
-                            let name = String::from_utf8_lossy(&key);
-                            let name = name.strip_prefix(&cfg2.prefix()).unwrap_or(&name);
-                            if name != a2.name() && a2.remove_peer(name).is_ok() {
-                                log::info!(
-                                    "kvxfer: agent {name:?} left etcd (lease ended): removed"
-                                );
-                            }
-                        }
-                    })
-                    .await;
+                    match apply(&a, &layout, &mut asm, kv, ev.event_type()) {
+                        Some((name, _)) if deleted && is_base => gone.push(name),
+                        Some((_, Some(m))) => load_now.push(m),
+                        _ => {}
+                    }
                 }
+                // Loading talks to the engine and may probe a peer: off the runtime.
+                let _ = tokio::task::spawn_blocking(move || {
+                    for m in &load_now {
+                        load(&a, m);
+                    }
+                    retire(&a, &gone);
+                })
+                .await;
             }
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
         // The watch broke (etcd gone or compacted): list again once etcd answers.
         let Some(a) = agent.upgrade() else { return };
-        if let Ok(r) = load_all(&cfg, c.clone(), &a).await {
+        if let Ok((r, load_now, gone)) = load_all(&cfg, c.clone(), &a, &mut asm).await {
             rev = r;
+            let _ = tokio::task::spawn_blocking(move || {
+                for m in load_now.values() {
+                    load(&a, m);
+                }
+                retire(&a, &gone);
+            })
+            .await;
         }
     }
 }

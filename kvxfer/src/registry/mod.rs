@@ -11,6 +11,8 @@
 
 mod api;
 #[cfg(feature = "etcd")]
+mod assembly;
+#[cfg(feature = "etcd")]
 mod etcd;
 #[cfg(feature = "etcd")]
 mod seal;

@@ -1,0 +1,281 @@
+//! What a watcher makes of a namespace's keys, with no I/O: the keys' layout, and the peers'
+//! metadata assembled from a base value and the updates published after it.
+//!
+//! Keys under a namespace `ns`:
+//!
+//! ```text
+//! <ns>/agents/<name>                        the agent's metadata when it (re)published
+//! <ns>/regions/<name>/<epoch:016x>/<id>     one region registered after that (RegionMeta)
+//! ```
+//!
+//! A registration after publishing is one small put, not the whole blob again; every key of
+//! an agent hangs on its lease. Updates of an epoch other than the base's are an old
+//! incarnation's leftovers (or a new one's, ahead of its base) and are never applied to it.
+#![forbid(unsafe_code)]
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use kvxfer_proto::wire::metadata::{Metadata, RegionMeta};
+
+/// What a key of the namespace names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum Key {
+    /// An agent's base metadata.
+    Agent(String),
+    /// A region an agent registered after publishing.
+    Region { name: String, epoch: u64, id: u32 },
+}
+
+/// The key layout of one namespace.
+#[derive(Clone, Debug)]
+pub(super) struct Layout {
+    ns: String,
+}
+
+impl Layout {
+    pub(super) fn new(ns: &str) -> Layout {
+        Layout {
+            ns: ns.trim_end_matches('/').to_string(),
+        }
+    }
+
+    /// Every key of the namespace starts with this.
+    pub(super) fn all(&self) -> String {
+        format!("{}/", self.ns)
+    }
+
+    pub(super) fn agent(&self, name: &str) -> String {
+        format!("{}/agents/{name}", self.ns)
+    }
+
+    /// The prefix of the updates of `name`'s incarnation `epoch`.
+    pub(super) fn regions_of(&self, name: &str, epoch: u64) -> String {
+        format!("{}/regions/{name}/{epoch:016x}/", self.ns)
+    }
+
+    pub(super) fn region(&self, name: &str, epoch: u64, id: u32) -> String {
+        format!("{}{id}", self.regions_of(name, epoch))
+    }
+
+    /// What `key` names; `None` for a key of another layout.
+    pub(super) fn parse(&self, key: &str) -> Option<Key> {
+        let rest = key.strip_prefix(&self.ns)?.strip_prefix('/')?;
+        if let Some(name) = rest.strip_prefix("agents/") {
+            return (!name.is_empty()).then(|| Key::Agent(name.to_string()));
+        }
+        // The name may hold '/': take the epoch and id from the right.
+        let rest = rest.strip_prefix("regions/")?;
+        let mut it = rest.rsplitn(3, '/');
+        let id = it.next()?.parse().ok()?;
+        let epoch = u64::from_str_radix(it.next()?, 16).ok()?;
+        let name = it.next().filter(|n| !n.is_empty())?;
+        Some(Key::Region {
+            name: name.to_string(),
+            epoch,
+            id,
+        })
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    base: Metadata,
+    /// Updates of `base.epoch`, by region id.
+    added: BTreeMap<u32, RegionMeta>,
+}
+
+impl Entry {
+    fn merged(&self) -> Metadata {
+        let mut m = self.base.clone();
+        for r in self.added.values() {
+            if !m.regions.iter().any(|x| x.id == r.id) {
+                m.regions.push(r.clone());
+            }
+        }
+        m
+    }
+}
+
+/// The peers of a namespace as a watcher assembles them. Each method returns the metadata to
+/// load now, if the change makes any.
+#[derive(Debug, Default)]
+pub(super) struct Assembly {
+    peers: HashMap<String, Entry>,
+    /// Updates seen before their base (a watch may deliver them in one batch, either order).
+    early: HashMap<(String, u64), BTreeMap<u32, RegionMeta>>,
+}
+
+impl Assembly {
+    /// An agent's base metadata was put: a new incarnation drops the old one's updates.
+    pub(super) fn base(&mut self, base: Metadata) -> Metadata {
+        let name = base.name.clone();
+        let mut added = self
+            .early
+            .remove(&(name.clone(), base.epoch))
+            .unwrap_or_default();
+        if let Some(old) = self.peers.remove(&name) {
+            if old.base.epoch == base.epoch {
+                added.extend(old.added);
+            }
+        }
+        self.early.retain(|(n, _), _| *n != name);
+        let e = Entry { base, added };
+        let m = e.merged();
+        self.peers.insert(name, e);
+        m
+    }
+
+    /// A region update of `name`'s incarnation `epoch`.
+    pub(super) fn region(&mut self, name: &str, epoch: u64, r: RegionMeta) -> Option<Metadata> {
+        match self.peers.get_mut(name) {
+            Some(e) if e.base.epoch == epoch => {
+                e.added.insert(r.id.0, r);
+                Some(e.merged())
+            }
+            // No base yet, or another incarnation's: held until a base of `epoch` comes (an
+            // old incarnation's leftovers are dropped with the next base, never applied).
+            _ => {
+                self.early
+                    .entry((name.to_string(), epoch))
+                    .or_default()
+                    .insert(r.id.0, r);
+                None
+            }
+        }
+    }
+
+    /// A region update was deleted (the agent deregistered it).
+    pub(super) fn region_gone(&mut self, name: &str, epoch: u64, id: u32) -> Option<Metadata> {
+        if let Some(v) = self.early.get_mut(&(name.to_string(), epoch)) {
+            v.remove(&id);
+        }
+        let e = self.peers.get_mut(name).filter(|e| e.base.epoch == epoch)?;
+        e.added.remove(&id)?;
+        Some(e.merged())
+    }
+
+    /// An agent's base key was deleted (its lease ended): true if it was known.
+    pub(super) fn agent_gone(&mut self, name: &str) -> bool {
+        self.early.retain(|(n, _), _| n != name);
+        self.peers.remove(name).is_some()
+    }
+
+    /// After listing the namespace again: the known agents whose base key is not in `names`
+    /// (deleted while the watch was broken), forgotten here and returned.
+    pub(super) fn relisted(&mut self, names: &HashSet<String>) -> Vec<String> {
+        let gone: Vec<String> = self
+            .peers
+            .keys()
+            .filter(|n| !names.contains(*n))
+            .cloned()
+            .collect();
+        for n in &gone {
+            self.agent_gone(n);
+        }
+        gone
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use kvxfer_proto::types::{MemKind, RegionId};
+
+    fn region(id: u32) -> RegionMeta {
+        RegionMeta {
+            id: RegionId(id),
+            kind: MemKind::Host,
+            base: 0x1000 * u64::from(id + 1),
+            len: 4096,
+            rkey: vec![id as u8; 8],
+            shm: None,
+        }
+    }
+
+    fn meta(name: &str, epoch: u64, ids: &[u32]) -> Metadata {
+        Metadata {
+            name: name.into(),
+            compat: 1,
+            worker_addr: vec![1, 2, 3],
+            epoch,
+            host: None,
+            lane: None,
+            regions: ids.iter().map(|&i| region(i)).collect(),
+        }
+    }
+
+    fn ids(m: &Metadata) -> Vec<u32> {
+        m.regions.iter().map(|r| r.id.0).collect()
+    }
+
+    #[test]
+    fn keys_parse_back_to_what_made_them() {
+        let l = Layout::new("/ns/");
+        assert_eq!(l.agent("p0"), "/ns/agents/p0");
+        assert_eq!(l.parse("/ns/agents/p0"), Some(Key::Agent("p0".into())));
+        assert_eq!(l.parse("/ns/agents/a/b"), Some(Key::Agent("a/b".into())));
+        let k = l.region("a/b", 0xfeed, 7);
+        assert_eq!(k, "/ns/regions/a/b/000000000000feed/7");
+        assert_eq!(
+            l.parse(&k),
+            Some(Key::Region {
+                name: "a/b".into(),
+                epoch: 0xfeed,
+                id: 7
+            })
+        );
+        for foreign in [
+            "/other/agents/x",
+            "/ns/agents/",
+            "/ns/regions/x/zz/1",
+            "/ns/regions/x/1/y",
+            "/ns/regions/1/2",
+            "/ns/else/x",
+            "/nsx/agents/x",
+        ] {
+            assert_eq!(l.parse(foreign), None, "{foreign}");
+        }
+    }
+
+    #[test]
+    fn updates_add_regions_to_the_base_of_their_epoch_only() {
+        let mut a = Assembly::default();
+        assert_eq!(ids(&a.base(meta("p", 5, &[0]))), [0]);
+        assert_eq!(ids(&a.region("p", 5, region(1)).unwrap()), [0, 1]);
+        assert_eq!(ids(&a.region("p", 5, region(2)).unwrap()), [0, 1, 2]);
+        // Deregistered: the update's key is deleted.
+        assert_eq!(ids(&a.region_gone("p", 5, 1).unwrap()), [0, 2]);
+        assert!(a.region_gone("p", 5, 1).is_none());
+        // The same incarnation re-publishing its base keeps its updates.
+        assert_eq!(ids(&a.base(meta("p", 5, &[0]))), [0, 2]);
+        // Another epoch's update is not applied to this one.
+        assert!(a.region("p", 9, region(3)).is_none());
+        // A restart: the old updates are dropped; the new one's early update (seen before its
+        // base) is applied with it.
+        assert_eq!(ids(&a.base(meta("p", 9, &[0]))), [0, 3]);
+    }
+
+    #[test]
+    fn an_update_before_its_base_waits_for_it() {
+        let mut a = Assembly::default();
+        assert!(a.region("q", 2, region(4)).is_none());
+        assert_eq!(ids(&a.base(meta("q", 2, &[0]))), [0, 4]);
+        // A base listing a region also sent as update keeps it once.
+        assert_eq!(ids(&a.region("q", 2, region(0)).unwrap()), [0, 4]);
+    }
+
+    #[test]
+    fn agents_gone_while_the_watch_was_broken_are_found_on_relist() {
+        let mut a = Assembly::default();
+        a.base(meta("a", 1, &[0]));
+        a.base(meta("b", 2, &[0]));
+        a.base(meta("c", 3, &[0]));
+        assert!(a.agent_gone("c"));
+        assert!(!a.agent_gone("c"));
+        let present: HashSet<String> = ["a".to_string()].into();
+        assert_eq!(a.relisted(&present), ["b".to_string()]);
+        assert!(a.relisted(&present).is_empty());
+        assert!(a.region("b", 2, region(1)).is_none(), "b was forgotten");
+    }
+}
