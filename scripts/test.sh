@@ -35,6 +35,9 @@ echo "== UCX: Debian libucx-dev (default)"
   done
   cargo clippy -p kvxfer --features etcd --all-targets -- -D warnings
   cargo test -p kvxfer --features etcd --test etcd -- --nocapture 2>&1 | tee -a "$log"
+  # kvxfer-bench --etcd on both sides.
+  cargo clippy -p libkvxfer --features etcd --all-targets -- -D warnings
+  cargo test -p libkvxfer --features etcd --test bench_etcd -- --nocapture 2>&1 | tee -a "$log"
 )
 
 echo "== vLLM plugin against the real vllm==0.33.0 (CPU)"

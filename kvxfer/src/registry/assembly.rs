@@ -6,6 +6,7 @@
 //! ```text
 //! <ns>/agents/<name>                        the agent's metadata when it (re)published
 //! <ns>/regions/<name>/<epoch:016x>/<id>     one region registered after that (RegionMeta)
+//! <ns>/notes/<name>/<what>                  a note of the agent's (not metadata; not parsed)
 //! ```
 //!
 //! A registration after publishing is one small put, not the whole blob again; every key of
@@ -55,6 +56,11 @@ impl Layout {
 
     pub(super) fn region(&self, name: &str, epoch: u64, id: u32) -> String {
         format!("{}{id}", self.regions_of(name, epoch))
+    }
+
+    /// A note an agent attaches to its name (e.g. a tool's control address).
+    pub(super) fn note(&self, name: &str, what: &str) -> String {
+        format!("{}/notes/{name}/{what}", self.ns)
     }
 
     /// What `key` names; `None` for a key of another layout.

@@ -67,10 +67,19 @@ impl EtcdConfig {
     }
 }
 
+/// Notes attached to an agent's name: (key, value).
+type Notes = Mutex<Vec<(String, Vec<u8>)>>;
+
 /// Discovery through etcd. See the module docs.
 pub struct EtcdDiscovery {
     cfg: EtcdConfig,
     client: Client,
+    /// The lease the published agent holds now (0: none yet), shared with its lease task.
+    lease: Arc<std::sync::atomic::AtomicI64>,
+    /// Notes attached to the published agent's name: put again with every new lease.
+    notes: Arc<Notes>,
+    /// What the published agent has in etcd; the lease task and `refresh` bring it up to date.
+    published: Arc<tokio::sync::Mutex<Option<Published>>>,
     tasks: Mutex<Vec<JoinHandle<()>>>,
     // Last: the runtime shuts down after the tasks were aborted.
     rt: Runtime,
@@ -114,6 +123,9 @@ impl EtcdDiscovery {
         Ok(Arc::new(EtcdDiscovery {
             cfg,
             client,
+            lease: Arc::default(),
+            notes: Arc::default(),
+            published: Arc::default(),
             tasks: Mutex::new(Vec::new()),
             rt,
         }))
@@ -139,6 +151,70 @@ impl EtcdDiscovery {
         Ok(())
     }
 
+    /// Attaches a note `what` = `value` to the agent published through `self` (e.g. a tool's
+    /// control address): held by the agent's lease, so it goes when the agent does, and put
+    /// again when the agent re-publishes. Notes are not sealed: put nothing secret in one.
+    pub fn note(&self, agent: &Agent, what: &str, value: &[u8]) -> Result<()> {
+        let key = self.cfg.layout().note(agent.name(), what);
+        {
+            let mut notes = self.notes.lock().unwrap_or_else(|e| e.into_inner());
+            notes.retain(|(k, _)| *k != key);
+            notes.push((key.clone(), value.to_vec()));
+        }
+        let lease = self.lease.load(std::sync::atomic::Ordering::Acquire);
+        if lease == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "note {what:?}: publish agent {:?} first (a note hangs on its lease)",
+                agent.name()
+            )));
+        }
+        let mut c = self.client.clone();
+        self.rt
+            .block_on(c.put(key, value, Some(PutOptions::new().with_lease(lease))))
+            .map(|_| ())
+            .map_err(|e| etcd_err(&self.cfg, "putting a note", e))
+    }
+
+    /// The note `what` of agent `name`, if it has one.
+    pub fn read_note(&self, name: &str, what: &str) -> Result<Option<Vec<u8>>> {
+        let mut c = self.client.clone();
+        let r = self
+            .rt
+            .block_on(c.get(self.cfg.layout().note(name, what), None))
+            .map_err(|e| etcd_err(&self.cfg, "reading a note", e))?;
+        Ok(r.kvs().first().map(|kv| kv.value().to_vec()))
+    }
+
+    /// Publishes `agent`'s changes since it was published (registrations, as updates) now,
+    /// rather than at the lease task's next round (a third of the TTL): for a caller that
+    /// registered memory and is about to tell a peer to use it.
+    pub fn refresh(&self, agent: &Agent) -> Result<()> {
+        let now = Metadata::decode(&agent.metadata()?, agent.compat()).map_err(|err| {
+            Error::Metadata {
+                source_desc: "this agent's own metadata".into(),
+                err,
+            }
+        })?;
+        self.rt.block_on(async {
+            let mut g = self.published.lock().await;
+            let p = g.as_mut().ok_or_else(|| {
+                Error::InvalidArgument(format!("agent {:?} is not published", agent.name()))
+            })?;
+            if p.now == now {
+                return Ok(());
+            }
+            if update(&self.cfg, self.client.clone(), agent, p, now).await {
+                Ok(())
+            } else {
+                Err(etcd_err(
+                    &self.cfg,
+                    "publishing an update",
+                    "etcd did not take it",
+                ))
+            }
+        })
+    }
+
     /// Runs `task` until `self` drops.
     fn keep(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
         let t = self.rt.spawn(task);
@@ -161,14 +237,24 @@ impl Drop for EtcdDiscovery {
 
 impl Discovery for EtcdDiscovery {
     fn publish(&self, agent: &Arc<Agent>) -> Result<()> {
-        let published = self
-            .rt
-            .block_on(publish_once(&self.cfg, self.client.clone(), agent))?;
-        self.keep(lease_loop(
-            self.cfg.clone(),
+        let published = self.rt.block_on(publish_once(
+            &self.cfg,
             self.client.clone(),
+            agent,
+            &self.notes,
+        ))?;
+        self.lease
+            .store(published.lease, std::sync::atomic::Ordering::Release);
+        *self.published.blocking_lock() = Some(published);
+        self.keep(lease_loop(
+            Ctx {
+                cfg: self.cfg.clone(),
+                c: self.client.clone(),
+                lease: self.lease.clone(),
+                notes: self.notes.clone(),
+                published: self.published.clone(),
+            },
             Arc::downgrade(agent),
-            published,
         ));
         Ok(())
     }
@@ -246,7 +332,12 @@ struct Published {
 
 /// Puts `agent`'s metadata under a new lease (and drops this incarnation's older updates, now
 /// in the base), unless another live incarnation holds the name.
-async fn publish_once(cfg: &EtcdConfig, mut c: Client, agent: &Agent) -> Result<Published> {
+async fn publish_once(
+    cfg: &EtcdConfig,
+    mut c: Client,
+    agent: &Agent,
+    notes: &Notes,
+) -> Result<Published> {
     let layout = cfg.layout();
     let key = layout.agent(agent.name());
     let plain = agent.metadata()?;
@@ -261,18 +352,20 @@ async fn publish_once(cfg: &EtcdConfig, mut c: Client, agent: &Agent) -> Result<
         .await
         .map_err(|e| etcd_err(cfg, "granting a lease", e))?
         .id();
+    let notes: Vec<(String, Vec<u8>)> = notes.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let ops = || {
-        [
-            TxnOp::put(
-                key.clone(),
-                meta.clone(),
-                Some(PutOptions::new().with_lease(lease)),
-            ),
+        let opts = Some(PutOptions::new().with_lease(lease));
+        let mut ops = vec![
+            TxnOp::put(key.clone(), meta.clone(), opts.clone()),
             TxnOp::delete(
                 layout.regions_of(agent.name(), ours.epoch),
                 Some(DeleteOptions::new().with_prefix()),
             ),
-        ]
+        ];
+        for (k, v) in &notes {
+            ops.push(TxnOp::put(k.clone(), v.clone(), opts.clone()));
+        }
+        ops
     };
     let done = || Published {
         lease,
@@ -416,13 +509,25 @@ async fn publish_again(
         .map_err(|e| etcd_err(cfg, "publishing", e))
 }
 
-/// Keeps the lease alive; re-publishes (new lease) when it was lost or etcd came back; puts
-/// new registrations as updates.
-async fn lease_loop(cfg: EtcdConfig, c: Client, agent: Weak<Agent>, mut p: Published) {
+/// What the lease task shares with its `EtcdDiscovery`.
+struct Ctx {
+    cfg: EtcdConfig,
+    c: Client,
+    lease: Arc<std::sync::atomic::AtomicI64>,
+    notes: Arc<Notes>,
+    published: Arc<tokio::sync::Mutex<Option<Published>>>,
+}
+
+/// Keeps the lease alive; re-publishes (new lease, notes again) when it was lost or etcd came
+/// back; puts new registrations as updates.
+async fn lease_loop(ctx: Ctx, agent: Weak<Agent>) {
+    let Ctx { cfg, c, .. } = &ctx;
     let period = (cfg.ttl / 3).max(Duration::from_millis(200));
     loop {
         tokio::time::sleep(period).await;
         let Some(a) = agent.upgrade() else { return };
+        let mut g = ctx.published.lock().await;
+        let Some(p) = g.as_mut() else { return };
         let lease = p.lease;
         let alive = async {
             let (mut keeper, mut stream) = c.clone().lease_keep_alive(lease).await?;
@@ -431,13 +536,15 @@ async fn lease_loop(cfg: EtcdConfig, c: Client, agent: Weak<Agent>, mut p: Publi
         };
         let ok = matches!(tokio::time::timeout(cfg.timeout, alive).await, Ok(Ok(true)));
         if !ok {
-            match publish_once(&cfg, c.clone(), &a).await {
+            match publish_once(cfg, c.clone(), &a, &ctx.notes).await {
                 Ok(again) => {
+                    ctx.lease
+                        .store(again.lease, std::sync::atomic::Ordering::Release);
                     log::info!(
                         "kvxfer: {:?} published again in etcd (lease lost or etcd back)",
                         a.name()
                     );
-                    p = again;
+                    *p = again;
                 }
                 Err(e) => log::warn!("kvxfer: {:?} not published in etcd: {e}", a.name()),
             }
@@ -448,7 +555,7 @@ async fn lease_loop(cfg: EtcdConfig, c: Client, agent: Weak<Agent>, mut p: Publi
             .ok()
             .and_then(|b| Metadata::decode(&b, a.compat()).ok());
         if let Some(now) = now.filter(|m| *m != p.now) {
-            update(&cfg, c.clone(), &a, &mut p, now).await;
+            update(cfg, c.clone(), &a, p, now).await;
         }
     }
 }

@@ -116,6 +116,20 @@ pub(crate) struct Args {
     /// Run against a peer started with --listen at this control address.
     #[arg(long)]
     pub(crate) connect: Option<SocketAddr>,
+    /// Find the other process through etcd at URL (e.g. http://10.0.0.5:2379) instead of
+    /// --listen / --connect: with --serve this process is the peer, else it runs against the
+    /// peer named by --peer. Needs a build with the `etcd` feature.
+    #[arg(long, value_name = "URL", conflicts_with_all = ["listen", "connect"])]
+    pub(crate) etcd: Option<String>,
+    /// With --etcd: serve as the peer.
+    #[arg(long, requires = "etcd")]
+    pub(crate) serve: bool,
+    /// With --etcd: the peer's agent name (the --name it was started with).
+    #[arg(long, default_value = "kvxfer-bench-peer")]
+    pub(crate) peer: String,
+    /// With --etcd: the namespace of both processes' keys.
+    #[arg(long, default_value = "/kvxfer-bench")]
+    pub(crate) namespace: String,
     /// Soak: this many transfers alternating READ and WRITE (after the warm-up), every 100th
     /// verified byte for byte, RSS of both processes reported (JSON fields `soak_*`).
     #[arg(long, default_value_t = 0)]

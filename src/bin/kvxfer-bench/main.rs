@@ -8,7 +8,8 @@
 //! and `--placement` take comma-separated lists: the bench runs every combination (a sweep).
 //!
 //! Two hosts: run `kvxfer-bench --listen 0.0.0.0:0` on one (it prints its control address),
-//! and `kvxfer-bench --connect HOST:PORT` on the other.
+//! and `kvxfer-bench --connect HOST:PORT` on the other; or, through etcd (feature `etcd`),
+//! `kvxfer-bench --etcd URL --serve` on one and `kvxfer-bench --etcd URL` on the other.
 //!
 //! Modules: `cli` (arguments), `plan`, `workload` (buffers, placement, patterns), `peer` (the
 //! peer process), `control` (starting and driving it), `sweep` (cases and runs), `report`
@@ -19,6 +20,7 @@ mod control;
 mod peer;
 mod plan;
 mod reference;
+mod registry;
 mod report;
 mod sweep;
 mod workload;
@@ -38,6 +40,11 @@ fn main() {
     let r = match (&args.cmd, args.listen) {
         (Some(Cmd::Plan(p)), _) => plan(p),
         (None, Some(addr)) => serve(&args, addr),
+        (None, None) if args.serve => args
+            .etcd
+            .as_deref()
+            .map_or(Err("--serve needs --etcd".into()), registry::ip_towards)
+            .and_then(|ip| serve(&args, std::net::SocketAddr::new(ip, 0))),
         (None, None) => sweep(&args),
     };
     if let Err(e) = r {

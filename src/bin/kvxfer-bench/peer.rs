@@ -4,10 +4,13 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 
+use std::sync::Arc;
+
 use kvxfer::Agent;
 
 use crate::cli::{Args, Placement};
 use crate::control::rss_peak;
+use crate::registry::Registry;
 use crate::workload::{agent_config, clear, device, fill, placement, verify, Buf, Device};
 use crate::BoxErr;
 
@@ -21,12 +24,21 @@ pub(crate) fn serve(args: &Args, addr: SocketAddr) -> Result<(), BoxErr> {
     if let Some(d) = &dev {
         cfg = cfg.copy_engine(d.engine.clone());
     }
-    let mut agent = Agent::new(cfg)?;
+    let agent = Arc::new(Agent::new(cfg)?);
     let ip = ctl.local_addr()?.ip();
-    let side = agent.listen(SocketAddr::new(ip, 0))?;
+    let reg = Registry::connect(args)?;
+    let side = match &reg {
+        Some(r) => {
+            r.publish(&agent, ctl.local_addr()?)?;
+            None
+        }
+        None => Some(agent.listen(SocketAddr::new(ip, 0))?),
+    };
+    let side_s = side.map_or("etcd".to_string(), |s| s.to_string());
     println!(
-        "KVXFER-BENCH READY ctl={} side={side} pid={}",
+        "KVXFER-BENCH READY ctl={} side={side_s} agent={} pid={}",
         ctl.local_addr()?,
+        agent.name(),
         std::process::id()
     );
     std::io::stdout().flush()?;
@@ -37,7 +49,12 @@ pub(crate) fn serve(args: &Args, addr: SocketAddr) -> Result<(), BoxErr> {
     };
     loop {
         let (s, _) = ctl.accept()?;
-        if let Err(e) = session(&mut agent, s, ip, side, &mut state, args, &dev) {
+        let at = Session {
+            ip,
+            side: &side_s,
+            reg: reg.as_ref(),
+        };
+        if let Err(e) = session(&agent, s, &at, &mut state, args, &dev) {
             eprintln!("kvxfer-bench peer: session ended: {e}");
         }
         if args.once {
@@ -52,11 +69,18 @@ pub(crate) struct PeerState {
     pub(crate) bs: u64,
 }
 
+/// Where the peer is: its IP, what it tells the initiator to load its metadata from (a side
+/// channel address, or "etcd"), and its etcd registry.
+pub(crate) struct Session<'a> {
+    pub(crate) ip: std::net::IpAddr,
+    pub(crate) side: &'a str,
+    pub(crate) reg: Option<&'a Registry>,
+}
+
 pub(crate) fn session(
-    agent: &mut Agent,
+    agent: &Agent,
     s: TcpStream,
-    ip: std::net::IpAddr,
-    side: SocketAddr,
+    at: &Session<'_>,
     st: &mut PeerState,
     args: &Args,
     dev: &Option<Device>,
@@ -84,7 +108,10 @@ pub(crate) fn session(
                     agent.deregister(&r.region)?;
                 }
                 *region = Some(Buf::new(agent, dev, args, (blocks * *bs) as usize)?);
-                format!("OK {side}")
+                if let Some(r) = at.reg {
+                    r.refresh(agent)?;
+                }
+                format!("OK {}", at.side)
             }
             ["FILL", seed] => match &region {
                 Some(r) => {
@@ -109,7 +136,7 @@ pub(crate) fn session(
                 None => "ERR no SETUP".into(),
             },
             ["TCPREF", bytes, dir, rounds] => {
-                let l = TcpListener::bind(SocketAddr::new(ip, 0))?;
+                let l = TcpListener::bind(SocketAddr::new(at.ip, 0))?;
                 let port = l.local_addr()?.port();
                 let (bytes, rounds): (u64, usize) = (bytes.parse()?, rounds.parse()?);
                 let inbound = *dir == "in";

@@ -11,6 +11,7 @@ use kvxfer::{Agent, Desc, XferOp};
 use crate::cli::{Args, Op, Placement};
 use crate::control::{rss, rss_peak, spawn_peer, Ctl};
 use crate::reference::{memcpy_ref, tcp_ref};
+use crate::registry::Registry;
 use crate::report::{median, print_header, print_row, Progress, Row};
 use crate::workload::{agent_config, clear, device, fill, placement, verify, Buf, Case};
 use crate::BoxErr;
@@ -76,9 +77,14 @@ pub(crate) fn sweep(args: &Args) -> Result<(), BoxErr> {
 
 pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
     let conc = args.concurrency;
-    let (_peer, ctl_addr, local) = match args.connect {
-        Some(a) => (None, a, a.ip().is_loopback()),
-        None => {
+    let reg = Registry::connect(args)?;
+    let (_peer, ctl_addr, local) = match (args.connect, &reg) {
+        (Some(a), _) => (None, a, a.ip().is_loopback()),
+        (None, Some(r)) => {
+            let a = r.control(&args.peer)?;
+            (None, a, a.ip().is_loopback())
+        }
+        (None, None) => {
             let (p, a) = spawn_peer(args, &case.transport)?;
             (Some(p), a, true)
         }
@@ -95,13 +101,12 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         Placement::Random => Placement::Random,
         _ => Placement::Contiguous,
     };
-    let side: SocketAddr = ctl
-        .cmd(&format!(
-            "SETUP {n} {bs} {} {}",
-            slot_placement.name(),
-            args.seed
-        ))?
-        .parse()?;
+    // The peer's side channel address, or "etcd": its metadata is there.
+    let side = ctl.cmd(&format!(
+        "SETUP {n} {bs} {} {}",
+        slot_placement.name(),
+        args.seed
+    ))?;
     let dev = device(args)?;
     let mut cfg = agent_config(args, &case.transport, "init", local);
     if let Some(d) = &dev {
@@ -111,7 +116,13 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
     let bytes_all = n * bs;
     let buf = Buf::new(&agent, &dev, args, bytes_all as usize)?;
     let region = buf.region.clone();
-    let peer = agent.connect(side)?;
+    let peer = match &reg {
+        Some(r) => {
+            r.resolve(&agent, &args.peer)?;
+            args.peer.clone()
+        }
+        None => agent.connect(side.parse::<SocketAddr>()?)?,
+    };
     let rid = kvxfer::RegionId(ctl.cmd("REGION")?.parse()?);
     let (lslots, rslots) = placement(slot_placement, n, args.seed);
     let (ld, rd): (Vec<Desc>, Vec<Desc>) = if case.placement == Placement::Single {

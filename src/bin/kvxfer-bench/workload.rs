@@ -148,10 +148,12 @@ pub(crate) fn agent_config(
     role: &str,
     local_peer: bool,
 ) -> AgentConfig {
-    let name = args
-        .name
-        .clone()
-        .unwrap_or_else(|| format!("bench-{role}-{}", std::process::id()));
+    let name = match (&args.name, args.serve) {
+        (Some(n), _) => n.clone(),
+        // The peer of --etcd: the name the initiator's --peer looks for.
+        (None, true) => args.peer.clone(),
+        (None, false) => format!("bench-{role}-{}", std::process::id()),
+    };
     let mut c = AgentConfig::new(name)
         .transport(Transport::parse(transport))
         .busy_poll(args.busy_poll)
