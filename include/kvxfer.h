@@ -569,6 +569,23 @@ kvx_status kvx_agent_config_set_transport(struct kvx_agent_config *c, const char
 kvx_status kvx_agent_config_set_net_devices(struct kvx_agent_config *c, const char *devices);
 
 /**
+ * Sets where the agent publishes itself and finds peers by name: `url` "etcd://host:2379"
+ * (several endpoints comma-separated), the namespace `ns` (a key prefix starting with '/', one
+ * per deployment), leases of `ttl_ms` (0: 10 s); `url` NULL removes it. `kvx_agent_new_with`
+ * then connects to etcd (an unreachable one is an error creating no agent), publishes the
+ * agent and loads every agent of the namespace as they come and go, for the agent's life.
+ * Needs a library built with the `etcd` feature (else `kvx_agent_new_with` says so).
+ *
+ * # Safety
+ * `c` is a live config not used by another thread during the call; `url` NULL or
+ * NUL-terminated; `ns` NUL-terminated when `url` is not NULL.
+ */
+kvx_status kvx_agent_config_set_discovery(struct kvx_agent_config *c,
+                                          const char *url,
+                                          const char *ns,
+                                          uint64_t ttl_ms);
+
+/**
  * Sets the side channel's shared secret (`len` bytes; `len` 0 removes it): both ends must
  * hold it and prove it before any metadata moves.
  *

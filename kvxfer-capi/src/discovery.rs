@@ -45,10 +45,7 @@ pub unsafe extern "C" fn kvx_discovery_etcd(
                 cfg = cfg.ttl(std::time::Duration::from_millis(ttl_ms));
             }
             let d = EtcdDiscovery::connect(cfg)?;
-            let h = kvx_discovery {
-                inner: d.clone(),
-                etcd: Some(d),
-            };
+            let h = kvx_discovery { inner: d };
             // SAFETY: out non-NULL, valid per the contract.
             unsafe { *out = new_handle(h) };
             Ok(())
@@ -100,12 +97,7 @@ pub unsafe extern "C" fn kvx_discovery_watch(
         let d = unsafe { handle(d, "discovery") }?;
         // SAFETY: as above.
         let a = unsafe { handle(agent, "agent") }?;
-        #[cfg(feature = "etcd")]
-        if let Some(e) = &d.etcd {
-            e.watch(&a.inner)?;
-        }
-        let _ = (d, a);
-        Ok(())
+        Ok(d.inner.watch(&a.inner)?)
     })
 }
 

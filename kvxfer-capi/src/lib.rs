@@ -229,14 +229,15 @@ pub struct kvx_request_stats {
 #[derive(Debug)]
 pub struct kvx_agent {
     pub(crate) inner: Arc<Agent>,
+    /// With a discovery configured: what publishes the agent (held, never read: dropping it
+    /// with the agent ends the publishing).
+    pub(crate) _published: Option<kvxfer_core::registry::Member>,
 }
 
 /// Where agents publish themselves and find each other by name (`kvx_discovery_*`).
 #[derive(Debug)]
 pub struct kvx_discovery {
     pub(crate) inner: std::sync::Arc<dyn kvxfer_core::registry::Discovery>,
-    #[cfg(feature = "etcd")]
-    pub(crate) etcd: Option<std::sync::Arc<kvxfer_core::registry::EtcdDiscovery>>,
 }
 
 /// A registered region.

@@ -539,6 +539,25 @@ int main(int argc, char **argv) {
       die("kvx_discovery_etcd without an etcd", KVX_OK);
     if (kvx_last_error(m, sizeof m) != 0 && strstr(m, "etcd") == NULL) die("etcd error text", KVX_OK);
     printf("kvx_discovery_etcd without an etcd: %s\n", m);
+
+    /* The same from the agent's configuration: a discovery URL that is not etcd's is refused
+     * when set; an etcd that is not there (or a build without etcd) creates no agent; the
+     * URL removed, the config makes an agent again. */
+    kvx_agent_config *c = NULL;
+    kvx_agent *ag = NULL;
+    kvx_status st;
+    if ((st = kvx_agent_config_new("c-disc", &c)) != KVX_OK) die("config", st);
+    EXPECT(kvx_agent_config_set_discovery(c, "consul://x:1", "/kvx-c", 0), KVX_INVALID_ARGUMENT);
+    if ((st = kvx_agent_config_set_discovery(c, "etcd://127.0.0.1:1", "/kvx-c", 2000)) != KVX_OK)
+      die("set_discovery", st);
+    if (kvx_agent_new_with(c, &ag) == KVX_OK || ag != NULL) die("agent with an absent etcd", KVX_OK);
+    kvx_last_error(m, sizeof m);
+    if (strstr(m, "127.0.0.1:1") == NULL) die("the error names the endpoint", KVX_OK);
+    printf("kvx_agent_new_with, discovery at an absent etcd: %s\n", m);
+    if ((st = kvx_agent_config_set_discovery(c, NULL, NULL, 0)) != KVX_OK) die("unset", st);
+    if ((st = kvx_agent_new_with(c, &ag)) != KVX_OK) die("agent without discovery", st);
+    kvx_agent_free(ag);
+    kvx_agent_config_free(c);
   }
   printf("kvx_test %s: ok\n", transport);
   return 0;

@@ -4,6 +4,7 @@
 use std::ffi::c_char;
 use std::sync::Arc;
 
+use kvxfer_core::registry::{join, DiscoveryConfig};
 use kvxfer_core::{Agent, AgentConfig, GpuPath, MemoryBudget, Transport};
 
 use crate::error::{fail, guard, Fail};
@@ -49,7 +50,10 @@ pub unsafe extern "C" fn kvx_agent_new(
         }
         cfg = gpu_env(cfg)?;
         let a = Agent::new(cfg)?;
-        let h = new_handle(kvx_agent { inner: Arc::new(a) });
+        let h = new_handle(kvx_agent {
+            inner: Arc::new(a),
+            _published: None,
+        });
         // SAFETY: out non-NULL and valid per the contract.
         unsafe { *out = h };
         Ok(())
@@ -184,6 +188,43 @@ pub unsafe extern "C" fn kvx_agent_config_set_net_devices(
             cfg.net_devices = match devices.is_null() {
                 true => None,
                 false => Some(cstr(devices, "devices")?.to_string()),
+            };
+            Ok(cfg)
+        })
+    }
+}
+
+/// Sets where the agent publishes itself and finds peers by name: `url` "etcd://host:2379"
+/// (several endpoints comma-separated), the namespace `ns` (a key prefix starting with '/', one
+/// per deployment), leases of `ttl_ms` (0: 10 s); `url` NULL removes it. `kvx_agent_new_with`
+/// then connects to etcd (an unreachable one is an error creating no agent), publishes the
+/// agent and loads every agent of the namespace as they come and go, for the agent's life.
+/// Needs a library built with the `etcd` feature (else `kvx_agent_new_with` says so).
+///
+/// # Safety
+/// `c` is a live config not used by another thread during the call; `url` NULL or
+/// NUL-terminated; `ns` NUL-terminated when `url` is not NULL.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_discovery(
+    c: *mut kvx_agent_config,
+    url: *const c_char,
+    ns: *const c_char,
+    ttl_ms: u64,
+) -> kvx_status {
+    // SAFETY: per this function's contract.
+    unsafe {
+        with_config("kvx_agent_config_set_discovery", c, |mut cfg| {
+            cfg.discovery = match url.is_null() {
+                true => None,
+                false => {
+                    let ttl =
+                        std::time::Duration::from_millis(if ttl_ms == 0 { 10_000 } else { ttl_ms });
+                    Some(DiscoveryConfig::parse(
+                        cstr(url, "url")?,
+                        cstr(ns, "ns")?,
+                        ttl,
+                    )?)
+                }
             };
             Ok(cfg)
         })
@@ -356,8 +397,20 @@ pub unsafe extern "C" fn kvx_agent_new_with(
         if out.is_null() {
             return Err(null("out"));
         }
-        let a = Agent::new(c.inner.clone())?;
-        let h = new_handle(kvx_agent { inner: Arc::new(a) });
+        let h = match c.inner.discovery {
+            None => kvx_agent {
+                inner: Arc::new(Agent::new(c.inner.clone())?),
+                _published: None,
+            },
+            Some(_) => {
+                let m = join(c.inner.clone())?;
+                kvx_agent {
+                    inner: m.agent().clone(),
+                    _published: Some(m),
+                }
+            }
+        };
+        let h = new_handle(h);
         // SAFETY: out non-NULL and valid per the contract.
         unsafe { *out = h };
         Ok(())

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use crate::budget::MemoryBudget;
 use crate::device::copy::CopyEngine;
+use crate::registry::config::DiscoveryConfig;
 use kvxfer_proto::types::{
     GpuPath, Transport, DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES,
 };
@@ -63,6 +64,11 @@ pub struct AgentConfig {
     /// agent starts, half for its peers') and chunk size. Allocated once, at the first
     /// device registration that needs it, from [`AgentConfig::budget`].
     pub staging: (usize, usize),
+    /// Where the agent publishes itself and finds its peers by name (etcd). Acted on by
+    /// [`kvxfer::registry::join`](crate::registry::join), which creates the agent, publishes
+    /// it and watches its namespace; [`Agent::new`](super::Agent::new) refuses a configuration
+    /// with it set rather than ignore it. `None`: peers are reached through the side channel.
+    pub discovery: Option<DiscoveryConfig>,
 }
 
 impl AgentConfig {
@@ -88,7 +94,15 @@ impl AgentConfig {
             gpu_path: GpuPath::Auto,
             copy_engine: None,
             staging: (DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES),
+            discovery: None,
         }
+    }
+
+    /// Sets where the agent publishes itself and finds peers by name; create it with
+    /// [`kvxfer::registry::join`](crate::registry::join).
+    pub fn discovery(mut self, d: DiscoveryConfig) -> Self {
+        self.discovery = Some(d);
+        self
     }
 
     /// Requires peers to prove a shared secret on the side channel.

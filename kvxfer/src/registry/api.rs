@@ -15,6 +15,14 @@ pub trait Discovery: Send + Sync + std::fmt::Debug {
 
     /// Loads the peer `name` into `agent` (its metadata), ready for transfers.
     fn resolve(&self, agent: &Agent, name: &str) -> Result<()>;
+
+    /// Loads every agent findable through `self` into `agent` now, and keeps doing so (and
+    /// retires those that go) while `self` lives. Without a registry to list (the side
+    /// channel), nothing: peers are resolved one by one.
+    fn watch(&self, agent: &Arc<Agent>) -> Result<()> {
+        let _ = agent;
+        Ok(())
+    }
 }
 
 /// Discovery without a server: an agent is findable at its side channel's address, and peers

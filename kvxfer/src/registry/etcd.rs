@@ -131,26 +131,6 @@ impl EtcdDiscovery {
         }))
     }
 
-    /// Loads every agent of the namespace into `agent` now and keeps doing so (and removes
-    /// those whose key goes) while `self` lives.
-    pub fn watch(&self, agent: &Arc<Agent>) -> Result<()> {
-        let mut asm = Assembly::default();
-        let (rev, load_now, _) =
-            self.rt
-                .block_on(load_all(&self.cfg, self.client.clone(), agent, &mut asm))?;
-        for m in load_now.values() {
-            load(agent, m);
-        }
-        self.keep(watch_loop(
-            self.cfg.clone(),
-            self.client.clone(),
-            Arc::downgrade(agent),
-            rev,
-            asm,
-        ));
-        Ok(())
-    }
-
     /// Attaches a note `what` = `value` to the agent published through `self` (e.g. a tool's
     /// control address): held by the agent's lease, so it goes when the agent does, and put
     /// again when the agent re-publishes. Notes are not sealed: put nothing secret in one.
@@ -232,6 +212,17 @@ impl Drop for EtcdDiscovery {
         {
             t.abort();
         }
+        // A clean exit: the agent's keys go now (revoking the lease), so peers retire it at
+        // once instead of a TTL later. Not from inside another runtime (it cannot block there;
+        // the lease then runs out).
+        let lease = self.lease.load(std::sync::atomic::Ordering::Acquire);
+        if lease != 0 && tokio::runtime::Handle::try_current().is_err() {
+            let mut c = self.client.clone();
+            // The timer is made inside the runtime (it needs its reactor).
+            let _ = self.rt.block_on(async move {
+                tokio::time::timeout(Duration::from_secs(1), c.lease_revoke(lease)).await
+            });
+        }
     }
 }
 
@@ -255,6 +246,24 @@ impl Discovery for EtcdDiscovery {
                 published: self.published.clone(),
             },
             Arc::downgrade(agent),
+        ));
+        Ok(())
+    }
+
+    fn watch(&self, agent: &Arc<Agent>) -> Result<()> {
+        let mut asm = Assembly::default();
+        let (rev, load_now, _) =
+            self.rt
+                .block_on(load_all(&self.cfg, self.client.clone(), agent, &mut asm))?;
+        for m in load_now.values() {
+            load(agent, m);
+        }
+        self.keep(watch_loop(
+            self.cfg.clone(),
+            self.client.clone(),
+            Arc::downgrade(agent),
+            rev,
+            asm,
         ));
         Ok(())
     }

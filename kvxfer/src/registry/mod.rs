@@ -12,11 +12,15 @@
 mod api;
 #[cfg(feature = "etcd")]
 mod assembly;
+pub(crate) mod config;
 #[cfg(feature = "etcd")]
 mod etcd;
+mod join;
 #[cfg(feature = "etcd")]
 mod seal;
 
 pub use api::{Discovery, SideChannelDiscovery};
+pub use config::DiscoveryConfig;
 #[cfg(feature = "etcd")]
 pub use etcd::{EtcdConfig, EtcdDiscovery};
+pub use join::{join, Member};
