@@ -65,8 +65,8 @@ fn etcd(d: DiscoveryConfig) -> Result<Arc<dyn Discovery>> {
         ttl,
     } = d;
     let eps: Vec<&str> = endpoints.iter().map(String::as_str).collect();
-    let cfg = super::EtcdConfig::new(&eps, &namespace).ttl(ttl);
-    Ok(super::EtcdDiscovery::connect(cfg)?)
+    let cfg = super::etcd::EtcdConfig::new(&eps, &namespace).ttl(ttl);
+    Ok(super::etcd::EtcdDiscovery::connect(cfg)?)
 }
 
 #[cfg(not(feature = "etcd"))]
