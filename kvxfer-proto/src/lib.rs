@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+pub mod acceptor;
 pub mod connector;
 pub mod descriptor;
 pub mod error;

@@ -1,4 +1,5 @@
-//! Metadata exchange over a TCP side channel; no server needed.
+//! Metadata exchange over a TCP side channel; no server needed. This file is the connecting
+//! end; the listening end is `listener` (the handshake in `kvxfer_proto::acceptor`).
 //!
 //! Frames (`kvxfer_proto::wire::side_channel`) are `u32 length (LE) | u8 kind | payload`. The
 //! connecting agent sends `HELLO(metadata)`; the listener decodes it (strictly, compatibility
@@ -19,11 +20,7 @@
 //! that cannot prove it. MACs are compared in constant time.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::thread::JoinHandle;
+use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use kvxfer_proto::error::{Error, Result};
@@ -46,7 +43,7 @@ pub(crate) struct SideChannel {
     pub(crate) on_peer: Box<dyn Fn(Metadata) -> Result<String> + Send + Sync>,
 }
 
-fn nonce() -> Result<[u8; NONCE]> {
+pub(crate) fn nonce() -> Result<[u8; NONCE]> {
     let mut n = [0u8; NONCE];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut n))
@@ -54,139 +51,6 @@ fn nonce() -> Result<[u8; NONCE]> {
     Ok(n)
 }
 const IO_TIMEOUT: Duration = Duration::from_secs(10);
-
-pub(crate) struct Listener {
-    addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    fd: i32,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl Listener {
-    pub(crate) fn start(shared: Arc<SideChannel>, addr: SocketAddr) -> Result<Listener> {
-        let l = TcpListener::bind(addr).map_err(|e| Error::io(format!("binding {addr}"), e))?;
-        let bound = l
-            .local_addr()
-            .map_err(|e| Error::io("querying the side-channel address", e))?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let fd = l.as_raw_fd();
-        let st = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("kvxfer-listen-{}", shared.name))
-            .spawn(move || accept_loop(l, shared, st))
-            .map_err(|e| Error::io("spawning the side-channel thread", e))?;
-        Ok(Listener {
-            addr: bound,
-            stop,
-            fd,
-            thread: Some(thread),
-        })
-    }
-
-    pub(crate) fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-}
-
-impl Drop for Listener {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        // SAFETY: fd is the listener's socket, still open (the accept thread owns the
-        // TcpListener and is joined below); shutdown wakes a blocked accept with an error.
-        unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-fn accept_loop(l: TcpListener, shared: Arc<SideChannel>, stop: Arc<AtomicBool>) {
-    while !stop.load(Ordering::Acquire) {
-        match l.accept() {
-            Ok((s, peer)) => {
-                // One connection at a time: metadata exchanges are short and bounded by
-                // IO_TIMEOUT, and this keeps a flood of connections from spawning threads.
-                if let Err(e) = serve(&shared, s, peer) {
-                    log::warn!("kvxfer side channel: {peer}: {e}");
-                }
-            }
-            Err(e) => {
-                if stop.load(Ordering::Acquire) {
-                    break;
-                }
-                log::warn!("kvxfer side channel accept: {e}");
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        }
-    }
-}
-
-fn serve(shared: &SideChannel, mut s: TcpStream, peer: SocketAddr) -> Result<()> {
-    let who = peer.to_string();
-    setup(&s, &who)?;
-    preamble(&mut s, &who)?;
-    let (mut kind, mut payload) = read_frame(&mut s, &who).map_err(|e| waited(e, &who))?;
-    let auth = |why: &str| Error::Auth {
-        peer: who.clone(),
-        why: why.to_string(),
-    };
-    match (&shared.secret, kind) {
-        (Some(secret), AUTH1) => {
-            if payload.len() != NONCE {
-                let _ = write_frame(&mut s, ERROR, b"bad AUTH1");
-                return Err(auth("AUTH1 of the wrong size"));
-            }
-            let nc = payload.clone();
-            let ns = nonce()?;
-            let mut m = ns.to_vec();
-            m.extend_from_slice(&mac(secret, ROLE_SERVER, &nc, &ns));
-            write_frame(&mut s, AUTH2, &m)?;
-            (kind, payload) = read_frame(&mut s, &who).map_err(|e| waited(e, &who))?;
-            if kind != HELLO
-                || payload.len() < MAC
-                || !mac_ok(secret, ROLE_CLIENT, &ns, &nc, &payload[..MAC])
-            {
-                let _ = write_frame(&mut s, ERROR, b"authentication failed");
-                return Err(auth("the peer did not prove the shared secret"));
-            }
-            payload.drain(..MAC);
-        }
-        (Some(_), _) => {
-            let _ = write_frame(&mut s, ERROR, b"authentication required");
-            return Err(auth("the peer sent no authentication"));
-        }
-        (None, AUTH1) => {
-            let _ = write_frame(&mut s, ERROR, b"this agent has no shared secret");
-            return Err(auth(
-                "the peer wants a shared secret this agent does not have",
-            ));
-        }
-        (None, _) => {}
-    }
-    if kind != HELLO {
-        let _ = write_frame(&mut s, ERROR, b"expected HELLO");
-        return Err(Error::Protocol {
-            peer: who,
-            why: format!("frame kind {kind}, expected HELLO"),
-        });
-    }
-    let meta = match Metadata::decode(&payload, shared.compat) {
-        Ok(m) => m,
-        Err(err) => {
-            let _ = write_frame(&mut s, ERROR, format!("metadata refused: {err}").as_bytes());
-            return Err(Error::Metadata {
-                source_desc: who,
-                err,
-            });
-        }
-    };
-    if let Err(e) = (shared.on_peer)(meta) {
-        let _ = write_frame(&mut s, ERROR, e.to_string().as_bytes());
-        return Err(e);
-    }
-    let mine = (shared.local)()?;
-    write_frame(&mut s, META, &mine)
-}
 
 /// Connects to `addr`, sends our metadata, loads the peer's. Returns the peer's name.
 pub(crate) fn exchange(

@@ -1,9 +1,10 @@
-//! The lane's target: a listener, one thread per connection, each request checked against
-//! this agent's registered regions and pinned while the stream reads into or sends from them.
+//! The lane's target: a listener behind a [`Gate`] (hellos checked side by side, each with a
+//! deadline, the unproven ones bounded), one thread per connection that proved the lane
+//! secret, each request checked against this agent's registered regions and pinned while the
+//! stream reads into or sends from them.
 
 use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -14,6 +15,7 @@ use super::stream::{
     Stop,
 };
 use crate::budget::Charge;
+use crate::gate::{Admission, Gate, Limits, Verdict};
 use crate::lane::LaneCtx;
 use crate::memory::Pins;
 use crate::staging::pool::{ChunkPair, DeviceStaging};
@@ -29,9 +31,60 @@ const STALL: Duration = Duration::from_secs(30);
 pub(crate) struct Server {
     info: LaneInfo,
     stop: Arc<AtomicBool>,
-    fd: i32,
-    accept: Option<JoinHandle<()>>,
+    gate: Option<Gate>,
     conns: Arc<Mutex<Vec<JoinHandle<()>>>>,
+}
+
+/// An initiator's hello, from its accept to its proof of the lane secret (a real peer sends
+/// it at once; a silent or trickling client is dropped after this).
+const HELLO_DEADLINE: Duration = Duration::from_secs(5);
+/// Connections that have not proven the lane secret yet; the oldest is dropped for a new one.
+const PENDING: usize = 256;
+
+/// A connection at the gate until its hello proved the lane secret: the target's core, fed
+/// the hello, then handed to a serving thread as it is.
+struct Hello {
+    t: LaneTarget,
+    /// The core's clock.
+    t0: Instant,
+}
+
+impl Admission for Hello {
+    fn want(&self) -> usize {
+        if self.t.peer().is_some() || self.t.is_closed() {
+            return 0;
+        }
+        self.t.want().unwrap_or(0)
+    }
+
+    fn on_bytes(&mut self, b: &[u8], _now: Duration) -> Verdict {
+        self.t.on_bytes(b, self.t0.elapsed());
+        if self.t.peer().is_some() {
+            // The welcome stays queued for the serving thread.
+            return Verdict::Admit;
+        }
+        if self.t.is_closed() {
+            return Verdict::Refuse("a bad hello or a wrong lane secret".into());
+        }
+        Verdict::More
+    }
+
+    fn take_output(&mut self) -> Vec<u8> {
+        // Before it is admitted the core only speaks to refuse: its welcome with the reason.
+        let mut out = Vec::new();
+        if self.t.is_closed() {
+            while let Some(ev) = self.t.poll_event() {
+                if let TargetEvent::Transmit(b) = ev {
+                    out.extend_from_slice(&b);
+                }
+            }
+        }
+        out
+    }
+
+    fn expired(&self, _now: Duration) -> bool {
+        self.t.peer().is_none() && self.t0.elapsed() > HELLO_DEADLINE
+    }
 }
 
 impl Server {
@@ -46,33 +99,40 @@ impl Server {
         let info = LaneInfo { addr, secret };
         let stop = Arc::new(AtomicBool::new(false));
         let conns: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
-        let fd = l.as_raw_fd();
         let (st, cs, nm) = (stop.clone(), conns.clone(), name.to_string());
-        let accept = std::thread::Builder::new()
-            .name(format!("kvxfer-lane-{name}"))
-            .spawn(move || {
-                for c in l.incoming() {
-                    if st.load(Ordering::Acquire) {
-                        return;
-                    }
-                    let Ok(c) = c else { continue };
-                    let (st2, sh) = (st.clone(), ctx.clone());
-                    let t = std::thread::Builder::new()
-                        .name(format!("kvxfer-lane-{nm}-conn"))
-                        .spawn(move || serve(c, sh, secret, st2));
-                    if let Ok(t) = t {
-                        let mut g = cs.lock().unwrap_or_else(|e| e.into_inner());
-                        g.retain(|h| !h.is_finished());
-                        g.push(t);
-                    }
-                }
+        let open = move |_who: SocketAddr, _now: Duration| {
+            let t0 = Instant::now();
+            Ok(Hello {
+                t: LaneTarget::new(secret, STALL, t0.elapsed()),
+                t0,
             })
-            .map_err(|e| Error::io("spawning the TCP lane thread", e))?;
+        };
+        // Only a connection that proved the lane secret gets a thread of its own.
+        let admit = move |c: TcpStream, h: Hello| {
+            let (st2, sh) = (st.clone(), ctx.clone());
+            let t = std::thread::Builder::new()
+                .name(format!("kvxfer-lane-{nm}-conn"))
+                .spawn(move || serve(c, sh, h, st2));
+            if let Ok(t) = t {
+                let mut g = cs.lock().unwrap_or_else(|e| e.into_inner());
+                g.retain(|h| !h.is_finished());
+                g.push(t);
+            }
+        };
+        let gate = Gate::start(
+            l,
+            &format!("kvxfer-lane-{name}"),
+            Limits {
+                pending: PENDING,
+                bytes: 1 << 20,
+            },
+            open,
+            admit,
+        )?;
         Ok(Server {
             info,
             stop,
-            fd,
-            accept: Some(accept),
+            gate: Some(gate),
             conns,
         })
     }
@@ -85,12 +145,7 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        // SAFETY: fd is the listener, still open (owned by the accept thread, joined below);
-        // shutdown wakes the blocked accept.
-        unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
-        if let Some(t) = self.accept.take() {
-            let _ = t.join();
-        }
+        self.gate.take();
         let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|e| e.into_inner()));
         for t in conns {
             let _ = t.join();
@@ -158,9 +213,9 @@ fn target_stage(ctx: &LaneCtx, devs: &[Option<u32>]) -> Result<Option<Arc<Device
 /// How long a target waits for staging chunks before refusing a request.
 const STAGE_WAIT: Duration = Duration::from_secs(10);
 
-fn serve(c: TcpStream, ctx: Arc<LaneCtx>, secret: [u8; SECRET_LEN], stop: Arc<AtomicBool>) {
+fn serve(c: TcpStream, ctx: Arc<LaneCtx>, hello: Hello, stop: Arc<AtomicBool>) {
     let peer = c.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-    if let Err(e) = serve_inner(&c, &ctx, secret, &stop) {
+    if let Err(e) = serve_inner(&c, &ctx, hello, &stop) {
         match e {
             Stop::Eof => log::debug!("kvxfer: TCP lane peer {peer} closed"),
             Stop::Io(e) => log::info!("kvxfer: TCP lane peer {peer}: {e}"),
@@ -169,15 +224,9 @@ fn serve(c: TcpStream, ctx: Arc<LaneCtx>, secret: [u8; SECRET_LEN], stop: Arc<At
     }
 }
 
-fn serve_inner(
-    c: &TcpStream,
-    ctx: &LaneCtx,
-    secret: [u8; SECRET_LEN],
-    stop: &AtomicBool,
-) -> Result<(), Stop> {
+fn serve_inner(c: &TcpStream, ctx: &LaneCtx, hello: Hello, stop: &AtomicBool) -> Result<(), Stop> {
     set_timeouts(c)?;
-    let t0 = Instant::now();
-    let mut t = LaneTarget::new(secret, STALL, t0.elapsed());
+    let Hello { mut t, t0 } = hello;
     // The request's budget charge, held until the next request is admitted.
     let mut _charge: Option<Charge> = None;
     loop {

@@ -1,0 +1,176 @@
+//! Hostile and slow clients on every listening socket (the side channel and the TCP lane):
+//! hundreds of connections that say nothing, clients that send a byte every 100 ms, clients
+//! that send a valid header announcing a 16 MiB message and stall; meanwhile a real peer
+//! connects and moves verified bytes, over TCP and in-host, and the agent's threads and file
+//! descriptors stay bounded. A silent client is dropped after the handshake deadline.
+#![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvxfer::metadata::Metadata;
+use kvxfer::wire::side_channel::{FRAME_HEADER_LEN, HELLO, MAX_FRAME, PREAMBLE};
+use kvxfer::{Agent, AgentConfig, Desc, HostBuffer, RegionId, Transport, XferOp};
+
+const LEN: usize = 1 << 20;
+
+fn count(dir: &str) -> usize {
+    std::fs::read_dir(dir).unwrap().count()
+}
+
+fn agent(name: &str, t: Transport) -> Agent {
+    Agent::new(AgentConfig::new(name).transport(t).net_devices("lo")).unwrap()
+}
+
+/// `b` connects to `side`, reads and writes `a`'s region (filled with `fill`): the handshake's
+/// time, and the transfers', bytes verified.
+fn real_peer(b: &Agent, side: SocketAddr, fill: u8) -> (Duration, Duration) {
+    let t = Instant::now();
+    let name = b.connect(side).unwrap();
+    let handshake = t.elapsed();
+    let local = b.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    let l = b
+        .prep_local(&[Desc::new(local.id(), 0, LEN as u64)])
+        .unwrap();
+    let r = b
+        .prep_remote(&name, &[Desc::new(RegionId(0), 0, LEN as u64)])
+        .unwrap();
+    let t = Instant::now();
+    b.transfer_all(XferOp::Read, &l, &r, None, Some(Duration::from_secs(10)))
+        .unwrap()
+        .wait()
+        .unwrap();
+    let mut got = vec![0u8; LEN];
+    local.read(0, &mut got).unwrap();
+    assert!(got.iter().all(|&x| x == fill), "READ bytes");
+    local.write(0, &vec![fill ^ 0xff; LEN]).unwrap();
+    b.transfer_all(XferOp::Write, &l, &r, None, Some(Duration::from_secs(10)))
+        .unwrap()
+        .wait()
+        .unwrap();
+    let moved = t.elapsed();
+    b.deregister(&local).unwrap();
+    (handshake, moved)
+}
+
+/// A client that sends `bytes` one at a time, every 100 ms, until told to stop.
+fn trickle(to: SocketAddr, bytes: Vec<u8>, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let Ok(mut s) = TcpStream::connect(to) else {
+            return;
+        };
+        for b in bytes.iter().cycle() {
+            if stop.load(Ordering::Acquire) || s.write_all(&[*b]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    })
+}
+
+#[test]
+fn idle_slow_and_stalled_clients_delay_no_peer() {
+    for transport in [Transport::Tcp, Transport::Shm] {
+        let a = agent(&format!("hz-a-{transport:?}"), transport.clone());
+        let region = a.register(HostBuffer::new(LEN).unwrap()).unwrap();
+        region.write(0, &vec![0x5c; LEN]).unwrap();
+        let side = a.listen("127.0.0.1:0").unwrap();
+        let lane = Metadata::decode(&a.metadata().unwrap(), a.compat())
+            .unwrap()
+            .lane
+            .unwrap()
+            .addr;
+
+        // The same peer's work with nobody else around, for comparison.
+        let b0 = agent(&format!("hz-b0-{transport:?}"), transport.clone());
+        let (h0, m0) = real_peer(&b0, side, 0x5c);
+        drop(b0);
+        region.write(0, &vec![0x5c; LEN]).unwrap();
+
+        let (threads0, fds0) = (count("/proc/self/task"), count("/proc/self/fd"));
+        // 600 connections that say nothing (over the gates' 256 pending each: the oldest
+        // are dropped), 300 at each socket.
+        let mut idle = Vec::new();
+        for i in 0..600 {
+            let to = if i % 2 == 0 { side } else { lane };
+            idle.push(TcpStream::connect(to).unwrap());
+        }
+        // Stalled: a valid start, then a header announcing the largest message, then nothing.
+        let mut stalled = Vec::new();
+        for _ in 0..10 {
+            let mut s = TcpStream::connect(side).unwrap();
+            let mut b = PREAMBLE.to_vec();
+            b.extend_from_slice(&(MAX_FRAME as u32).to_le_bytes());
+            b.push(HELLO);
+            assert_eq!(b.len(), PREAMBLE.len() + FRAME_HEADER_LEN);
+            s.write_all(&b).unwrap();
+            stalled.push(s);
+            let mut s = TcpStream::connect(lane).unwrap();
+            s.write_all(b"KVXT\x01\x00\xff\x00").unwrap(); // a hello announcing a 255-byte name
+            stalled.push(s);
+        }
+        // Slow: a byte every 100 ms.
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut slow = Vec::new();
+        for _ in 0..10 {
+            slow.push(trickle(side, PREAMBLE.to_vec(), stop.clone()));
+            slow.push(trickle(lane, b"KVXT\x01\x00".to_vec(), stop.clone()));
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        let threads = count("/proc/self/task") - threads0 - slow.len();
+        let fds = count("/proc/self/fd") - fds0 - idle.len() - stalled.len() - slow.len();
+
+        let b = agent(&format!("hz-b-{transport:?}"), transport.clone());
+        let (h, m) = real_peer(&b, side, 0x5c);
+        println!(
+            "{transport:?}: with 600 idle, 20 stalled and 20 slow clients: handshake {h:?} \
+             (alone {h0:?}), 2 MiB moved and verified in {m:?} (alone {m0:?}); the agent gained \
+             {threads} threads and holds {fds} of the clients' sockets (gates bound 256 each)"
+        );
+        // Before the gates, one silent client held the side channel for 10 s each.
+        assert!(h < Duration::from_secs(2), "handshake took {h:?}");
+        assert!(threads <= 4, "{threads} threads for hostile clients");
+        assert!(fds <= 2 * 256 + 20, "{fds} sockets held");
+
+        // The dropped and the expired are closed by the agent: the oldest idle client reads
+        // EOF (dropped for newer ones), and after the deadline so does a stalled one.
+        let mut buf = [0u8; 64];
+        idle[0]
+            .set_read_timeout(Some(Duration::from_secs(2)))
+            .unwrap();
+        let n = read_to_eof(&mut idle[0], &mut buf);
+        assert!(n.is_some(), "the oldest idle client was not dropped");
+        stalled[0]
+            .set_read_timeout(Some(Duration::from_secs(8)))
+            .unwrap();
+        let t = Instant::now();
+        assert!(
+            read_to_eof(&mut stalled[0], &mut buf).is_some(),
+            "a stalled client was kept"
+        );
+        println!(
+            "{transport:?}: a stalled client closed by the agent {:?} later",
+            t.elapsed()
+        );
+        stop.store(true, Ordering::Release);
+        for t in slow {
+            t.join().unwrap();
+        }
+    }
+}
+
+/// Reads until EOF (what the agent sent first, e.g. its preamble, is skipped); `None` when the
+/// connection stayed open past the read timeout.
+fn read_to_eof(s: &mut TcpStream, buf: &mut [u8]) -> Option<()> {
+    loop {
+        match s.read(buf) {
+            Ok(0) => return Some(()),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return Some(()),
+            Err(_) => return None,
+        }
+    }
+}
