@@ -1,5 +1,7 @@
-//! The side channel as a byte stream: frames, then the HELLO payload as metadata.
+//! The side channel as a byte stream: frames, then the HELLO payload as metadata; and the
+//! same bytes fed to the listener's handshake (with and without a secret), as the gate does.
 #![no_main]
+use kvxfer_proto::acceptor::{SideChannelAcceptor, Step};
 use kvxfer_proto::wire::metadata::{Metadata, DEFAULT_COMPAT};
 use kvxfer_proto::wire::side_channel::{encode_frame, read_frame};
 use libfuzzer_sys::fuzz_target;
@@ -13,5 +15,24 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(encode_frame(kind, &payload), &data[at..end]);
         at = end;
         let _ = Metadata::decode(&payload, DEFAULT_COMPAT);
+    }
+    for secret in [None, Some(&b"k"[..])] {
+        let mut a = SideChannelAcceptor::new(
+            "fuzz",
+            secret,
+            [7; 32],
+            Default::default(),
+            Default::default(),
+        );
+        let mut rest = data;
+        while a.want() > 0 && rest.len() >= a.want() {
+            let (now, later) = rest.split_at(a.want());
+            rest = later;
+            if let Step::Hello(m) = a.on_bytes(now) {
+                let _ = Metadata::decode(&m, DEFAULT_COMPAT);
+                a.answer(Err("refused".into()));
+            }
+        }
+        let _ = a.take_output();
     }
 });

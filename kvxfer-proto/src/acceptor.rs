@@ -375,4 +375,23 @@ mod tests {
         assert!(!a.expired(Duration::from_secs(5)));
         assert!(a.expired(Duration::from_secs(6)));
     }
+
+    proptest::proptest! {
+        #[test]
+        fn any_bytes_end_in_a_step_never_a_panic(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256),
+            secret in proptest::prelude::any::<bool>(),
+        ) {
+            let s: Option<&[u8]> = if secret { Some(b"k") } else { None };
+            let mut a = SideChannelAcceptor::new("fuzz", s, [9; NONCE], Duration::ZERO, LIMIT);
+            let mut b = PREAMBLE.to_vec();
+            b.extend_from_slice(&bytes);
+            for step in feed(&mut a, &b) {
+                if let Step::Hello(_) = step {
+                    a.answer(Err("no".into()));
+                }
+            }
+            let _ = a.take_output();
+        }
+    }
 }
