@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 
 use kvxfer_proto::error::{Error, Result};
 
+pub use crate::cgroup::memory_limit as cgroup_memory_limit;
+
 #[derive(Debug, Default)]
 struct State {
     used: u64,
@@ -66,6 +68,35 @@ impl MemoryBudget {
     /// The most bytes ever charged at once.
     pub fn peak(&self) -> u64 {
         self.lock().peak
+    }
+
+    /// Refuses, at start, a worker that cannot fit: its KV caches (`caches` bytes), plus this
+    /// budget's limit (what kvxfer may allocate besides them), plus `reserve` for the rest of
+    /// the process, against `limit` (e.g. [`cgroup_memory_limit`]). The error names every
+    /// figure, so a deployment learns it before the OOM killer does.
+    pub fn check_fits(&self, caches: u64, reserve: u64, limit: u64) -> Result<()> {
+        let budget = self.limit();
+        let need = caches.saturating_add(budget).saturating_add(reserve);
+        if need > limit {
+            let mib = |b: u64| {
+                if b == u64::MAX {
+                    "unlimited".to_string()
+                } else {
+                    format!("{:.0} MiB", b as f64 / (1 << 20) as f64)
+                }
+            };
+            return Err(Error::OutOfMemory(format!(
+                "the KV caches ({}) + kvxfer's budget ({}) + the process's reserve ({}) need {} \
+                 and the memory limit is {}: give the worker more memory, fewer KV blocks, or \
+                 kvxfer a budget (AgentConfig::budget)",
+                mib(caches),
+                mib(budget),
+                mib(reserve),
+                mib(need),
+                mib(limit)
+            )));
+        }
+        Ok(())
     }
 
     /// Charges that had to wait for room.
@@ -148,6 +179,24 @@ impl Drop for Charge {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn caches_that_cannot_fit_are_refused_with_every_figure() {
+        let gib = 1u64 << 30;
+        let b = MemoryBudget::new(256 << 20);
+        assert!(b
+            .check_fits(2 * gib, 256 << 20, 3 * gib + (gib / 2))
+            .is_ok());
+        let e = b
+            .check_fits(4 * gib, 256 << 20, 3 * gib + (gib / 2))
+            .unwrap_err();
+        let t = e.to_string();
+        for f in ["4096 MiB", "256 MiB", "4608 MiB", "3584 MiB"] {
+            assert!(t.contains(f), "{f}: {t}");
+        }
+        // An unlimited budget fits under no limit.
+        assert!(MemoryBudget::unlimited().check_fits(1, 0, 3 * gib).is_err());
+    }
 
     #[test]
     fn waits_for_room_then_completes_and_never_exceeds() {

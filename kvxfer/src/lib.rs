@@ -40,6 +40,7 @@
 mod agent;
 mod backend;
 pub mod budget;
+mod cgroup;
 pub mod connector;
 mod device;
 mod discovery;

@@ -156,6 +156,10 @@ pub(crate) struct Args {
     /// Device staging chunk size, KiB.
     #[arg(long, default_value_t = (kvxfer::staging::DEFAULT_STAGING_CHUNK_BYTES >> 10) as u64)]
     pub(crate) staging_chunk_kib: u64,
+    /// kvxfer's memory budget on both sides, MiB (0: unlimited). Under a cgroup memory limit
+    /// the peer refuses a SETUP whose buffers, this budget and a 256 MiB reserve do not fit.
+    #[arg(long, default_value_t = 256)]
+    pub(crate) budget_mib: u64,
 }
 
 pub(crate) fn parse_gpu_path(s: &str) -> Result<GpuPath, String> {

@@ -6,6 +6,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 
 use std::sync::Arc;
 
+use kvxfer::budget::cgroup_memory_limit;
 use kvxfer::Agent;
 
 use crate::cli::{Args, Placement};
@@ -107,6 +108,13 @@ pub(crate) fn session(
                 if let Some(r) = region.take() {
                     agent.deregister(&r.region)?;
                 }
+                // Under a memory limit, refuse what cannot fit now, not at the OOM killer.
+                if let Some(limit) = cgroup_memory_limit() {
+                    if let Err(e) = agent.budget().check_fits(blocks * *bs, RESERVE, limit) {
+                        writeln!(wr, "ERR {e}")?;
+                        continue;
+                    }
+                }
                 *region = Some(Buf::new(agent, dev, args, (blocks * *bs) as usize)?);
                 if let Some(r) = at.reg {
                     r.refresh(agent)?;
@@ -148,6 +156,14 @@ pub(crate) fn session(
                 format!("OK {port}")
             }
             ["RSS"] => format!("OK {}", rss_peak(std::process::id())),
+            // Peak RSS, kvxfer's budget (peak, limit), the cgroup's limit (0: none).
+            ["MEM"] => format!(
+                "OK {} {} {} {}",
+                rss_peak(std::process::id()),
+                agent.budget().peak(),
+                agent.budget().limit(),
+                cgroup_memory_limit().unwrap_or(0)
+            ),
             ["QUIT"] => {
                 writeln!(wr, "OK")?;
                 return Ok(());
@@ -157,6 +173,9 @@ pub(crate) fn session(
         writeln!(wr, "{reply}")?;
     }
 }
+
+/// Memory the peer keeps for itself besides its buffers and kvxfer's budget (code, heap, UCX).
+const RESERVE: u64 = 256 << 20;
 
 /// Size of each write and read of the plain TCP reference (iperf3 -l 1M).
 pub(crate) const TCP_REF_CHUNK: usize = 1 << 20;

@@ -249,7 +249,12 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         XferOp::Read => verify(&buf, &lslots, bs, data_seed)?,
     };
     let info = agent.peer_info(&peer)?;
-    let peer_rss_peak: u64 = ctl.cmd("RSS")?.parse().unwrap_or(0);
+    let mem: Vec<u64> = ctl
+        .cmd("MEM")?
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    let peer_rss_peak = mem.first().copied().unwrap_or(0);
     let self_rss_peak = rss_peak(std::process::id());
     let (memcpy_ms, tcp_ms) = if args.reference {
         (
@@ -290,6 +295,9 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         "gpu_path": info.gpu_path.map(|p| p.to_string()),
         "rss_peak_self_mib": self_rss_peak as f64 / (1 << 20) as f64,
         "rss_peak_peer_mib": peer_rss_peak as f64 / (1 << 20) as f64,
+        "budget_peak_self_mib": agent.budget().peak() as f64 / (1 << 20) as f64,
+        "budget_peak_peer_mib": mem.get(1).copied().unwrap_or(0) as f64 / (1 << 20) as f64,
+        "memory_limit_peer_mib": mem.get(3).copied().unwrap_or(0) as f64 / (1 << 20) as f64,
     });
     if let Some(st) = agent.staging_stats() {
         j["staging_mib"] = (st.bytes as f64 / (1 << 20) as f64).into();

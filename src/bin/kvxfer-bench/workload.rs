@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use kvxfer::staging::{CopyEngine, SimulatedDevice};
-use kvxfer::{Agent, AgentConfig, HostBuffer, MemKind, Region, Transport};
+use kvxfer::{Agent, AgentConfig, HostBuffer, MemKind, MemoryBudget, Region, Transport};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
@@ -164,7 +164,11 @@ pub(crate) fn agent_config(
         } else {
             None
         })
-        .staging(args.staging_chunks, (args.staging_chunk_kib << 10) as usize);
+        .staging(args.staging_chunks, (args.staging_chunk_kib << 10) as usize)
+        .budget(match args.budget_mib {
+            0 => MemoryBudget::unlimited(),
+            m => MemoryBudget::new(m << 20),
+        });
     c.max_op_bytes = args.max_op;
     match (&args.net_devices, local_peer) {
         (Some(d), _) => c.net_devices(d.clone()),
