@@ -22,6 +22,7 @@ mod plan;
 mod reference;
 mod registry;
 mod report;
+mod signals;
 mod sweep;
 mod workload;
 
@@ -37,6 +38,7 @@ pub(crate) type BoxErr = Box<dyn std::error::Error>;
 fn main() {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("error")).init();
     let args = Args::parse();
+    signals::install();
     let r = match (&args.cmd, args.listen) {
         (Some(Cmd::Plan(p)), _) => plan(p),
         (None, Some(addr)) => serve(&args, addr),
@@ -47,6 +49,16 @@ fn main() {
             .and_then(|ip| serve(&args, std::net::SocketAddr::new(ip, 0))),
         (None, None) => sweep(&args),
     };
+    if signals::stopping() {
+        // Asked to stop: what was in flight finished or was cancelled, memory deregistered,
+        // the agent closed. An order, not a failure.
+        eprintln!(
+            "kvxfer-bench: stopped by {}{}",
+            signals::reason(),
+            r.err().map_or(String::new(), |e| format!(" ({e})"))
+        );
+        return;
+    }
     if let Err(e) = r {
         eprintln!("kvxfer-bench: {e}");
         std::process::exit(1);

@@ -12,6 +12,7 @@ use kvxfer::Agent;
 use crate::cli::{Args, Placement};
 use crate::control::rss_peak;
 use crate::registry::Registry;
+use crate::signals;
 use crate::workload::{agent_config, clear, device, fill, placement, verify, Buf, Device};
 use crate::BoxErr;
 
@@ -48,8 +49,20 @@ pub(crate) fn serve(args: &Args, addr: SocketAddr) -> Result<(), BoxErr> {
         slots: Vec::new(),
         bs: 0,
     };
+    ctl.set_nonblocking(true)?;
     loop {
-        let (s, _) = ctl.accept()?;
+        let s = match ctl.accept() {
+            Ok((s, _)) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if signals::stopping() {
+                    return close(&agent, &mut state);
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        s.set_nonblocking(false)?;
         let at = Session {
             ip,
             side: &side_s,
@@ -58,10 +71,18 @@ pub(crate) fn serve(args: &Args, addr: SocketAddr) -> Result<(), BoxErr> {
         if let Err(e) = session(&agent, s, &at, &mut state, args, &dev) {
             eprintln!("kvxfer-bench peer: session ended: {e}");
         }
-        if args.once {
-            return Ok(());
+        if args.once || signals::stopping() {
+            return close(&agent, &mut state);
         }
     }
+}
+
+/// Deregisters the peer's buffer before the agent closes (asked to stop, or done).
+fn close(agent: &Agent, st: &mut PeerState) -> Result<(), BoxErr> {
+    if let Some(r) = st.region.take() {
+        agent.deregister(&r.region)?;
+    }
+    Ok(())
 }
 
 pub(crate) struct PeerState {
@@ -87,13 +108,30 @@ pub(crate) fn session(
     dev: &Option<Device>,
 ) -> Result<(), BoxErr> {
     let PeerState { region, slots, bs } = st;
+    // Reads wake up every 100 ms to see whether the process was asked to stop.
+    s.set_read_timeout(Some(std::time::Duration::from_millis(100)))?;
     let mut rd = BufReader::new(s.try_clone()?);
     let mut wr = s;
     let mut line = String::new();
     loop {
         line.clear();
-        if rd.read_line(&mut line)? == 0 {
-            return Ok(()); // The initiator went away.
+        loop {
+            match rd.read_line(&mut line) {
+                Ok(0) => return Ok(()), // The initiator went away.
+                Ok(_) => break,
+                // A partial line stays in `line`; the rest follows.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    if signals::stopping() {
+                        return Ok(());
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
         let w: Vec<&str> = line.split_whitespace().collect();
         let reply = match w.as_slice() {

@@ -13,6 +13,7 @@ use crate::control::{rss, rss_peak, spawn_peer, Ctl};
 use crate::reference::{memcpy_ref, tcp_ref};
 use crate::registry::Registry;
 use crate::report::{median, print_header, print_row, Progress, Row};
+use crate::signals;
 use crate::workload::{agent_config, clear, device, fill, placement, verify, Buf, Case};
 use crate::BoxErr;
 
@@ -61,6 +62,9 @@ pub(crate) fn sweep(args: &Args) -> Result<(), BoxErr> {
     }
     let mut failed = false;
     for c in &cases {
+        if signals::stopping() {
+            return Ok(());
+        }
         let r = run(args, c)?;
         if args.json {
             println!("{}", r.json);
@@ -193,6 +197,9 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
     let peer_pid = _peer.as_ref().map(|p| p.0.id());
     let (mut rss10, mut checks, mut bad_checks) = ((0u64, 0u64), 0usize, 0usize);
     for i in 0..total {
+        if signals::stopping() {
+            break;
+        }
         let op = if args.soak > 0 && i % 2 == 1 {
             XferOp::Read
         } else {
@@ -216,7 +223,10 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         let mut post = 0f64;
         ops = 0;
         for x in xs {
-            let st = x.wait()?;
+            // Asked to stop: in flight finishes within the grace, else is cancelled.
+            let Some(st) = signals::wait(x)? else {
+                continue;
+            };
             ops += st.ops;
             lane = st.lane;
             post = post.max(st.post_time.as_secs_f64() * 1e3);
@@ -243,6 +253,10 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         }
     }
     bar.end();
+    if signals::stopping() {
+        let _ = ctl.cmd("QUIT");
+        return Err(format!("after {} of {total} transfers", times.len()).into());
+    }
     let soak_rss_end = (rss(std::process::id()), peer_pid.map_or(0, rss));
     let verified = match op {
         XferOp::Write => ctl.cmd(&format!("VERIFY {data_seed}"))? == "true",

@@ -32,8 +32,12 @@ pub(crate) struct Server {
     info: LaneInfo,
     stop: Arc<AtomicBool>,
     gate: Option<Gate>,
-    conns: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    conns: Arc<Mutex<Vec<Served>>>,
 }
+
+/// A connection's serving thread, and its socket (shut down to stop the thread at once, even
+/// in the middle of a stream).
+type Served = (JoinHandle<()>, Option<TcpStream>);
 
 /// An initiator's hello, from its accept to its proof of the lane secret (a real peer sends
 /// it at once; a silent or trickling client is dropped after this).
@@ -98,7 +102,7 @@ impl Server {
         getrandom(&mut secret)?;
         let info = LaneInfo { addr, secret };
         let stop = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let conns: Arc<Mutex<Vec<Served>>> = Arc::default();
         let (st, cs, nm) = (stop.clone(), conns.clone(), name.to_string());
         let open = move |_who: SocketAddr, _now: Duration| {
             let t0 = Instant::now();
@@ -110,13 +114,14 @@ impl Server {
         // Only a connection that proved the lane secret gets a thread of its own.
         let admit = move |c: TcpStream, h: Hello| {
             let (st2, sh) = (st.clone(), ctx.clone());
+            let sock = c.try_clone().ok();
             let t = std::thread::Builder::new()
                 .name(format!("kvxfer-lane-{nm}-conn"))
                 .spawn(move || serve(c, sh, h, st2));
             if let Ok(t) = t {
                 let mut g = cs.lock().unwrap_or_else(|e| e.into_inner());
-                g.retain(|h| !h.is_finished());
-                g.push(t);
+                g.retain(|(h, _)| !h.is_finished());
+                g.push((t, sock));
             }
         };
         let gate = Gate::start(
@@ -147,7 +152,14 @@ impl Drop for Server {
         self.stop.store(true, Ordering::Release);
         self.gate.take();
         let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|e| e.into_inner()));
-        for t in conns {
+        // A connection in the middle of a stream never times out: closing its socket ends
+        // the stream (the peer's transfer fails typed) and the thread with it.
+        for (_, sock) in &conns {
+            if let Some(s) = sock {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        for (t, _) in conns {
             let _ = t.join();
         }
     }
