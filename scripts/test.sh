@@ -68,6 +68,15 @@ echo "== UCX: 1.22 wheel (libucx-cu12)"
   cargo test --workspace 2>&1 | tee -a "$log"
 )
 
+echo "== Checkers (short): loom, Miri, AddressSanitizer, 10 s of fuzzing per decoder"
+(
+  export KVXFER_UCX=system
+  scripts/sanitizers.sh loom 2>&1 | tee -a "$log"
+  scripts/sanitizers.sh miri 2>&1 | tee -a "$log"
+  scripts/sanitizers.sh asan 2>&1 | tee -a "$log"
+  scripts/fuzz.sh 10
+)
+
 # One closing line over both runs (cargo's own last line is often a crate with no doctests).
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
      END { printf "kvxfer: %d passed, %d failed\n", p, f; exit (f > 0) }' "$log"

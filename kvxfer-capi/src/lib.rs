@@ -337,3 +337,6 @@ mod connector;
 mod discovery;
 mod metrics;
 mod tp;
+
+#[cfg(test)]
+mod handle_tests;

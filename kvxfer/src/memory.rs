@@ -5,7 +5,14 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::Ordering;
+
+// The pin handshake's flags: loom's under `--cfg loom` (scripts/sanitizers.sh loom), which
+// explores every interleaving of `Pins::add` against `RegionInner::retire`.
+#[cfg(loom)]
+pub(crate) use loom::sync::atomic::{fence, AtomicBool, AtomicU32};
+#[cfg(not(loom))]
+pub(crate) use std::sync::atomic::{fence, AtomicBool, AtomicU32};
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 
 use kvxfer_proto::error::{Error, Result};
@@ -245,6 +252,9 @@ impl RegionInner {
         if !self.registered.swap(false, Ordering::SeqCst) {
             return Err(Error::Deregistered { region });
         }
+        // Store-then-load on two locations (Dekker): the fence orders them for any memory
+        // model, not only for SeqCst accesses (and lets loom check it).
+        fence(Ordering::SeqCst);
         let inflight = self.inflight.load(Ordering::SeqCst);
         if inflight > 0 {
             self.registered.store(true, Ordering::SeqCst);
@@ -283,6 +293,8 @@ impl Pins {
         }
         r.inflight.fetch_add(1, Ordering::SeqCst);
         self.regions.push(r.clone());
+        // The other half of the handshake's fence (see `RegionInner::retire`).
+        fence(Ordering::SeqCst);
         if r.registered.load(Ordering::SeqCst) {
             Ok(())
         } else {
@@ -521,5 +533,65 @@ mod tests {
         b.as_mut_slice()[9_999] = 7;
         assert_eq!(b.as_slice()[9_999], 7);
         assert!(HostBuffer::new(0).is_err());
+    }
+}
+
+/// The pin handshake under loom: every interleaving of a transfer pinning a region against
+/// its deregistration. Never both: a pin that saw the region registered, and a retire that
+/// saw it unused (that would free memory a transfer is about to touch).
+#[cfg(all(test, loom))]
+mod loom_model {
+    use super::*;
+
+    fn region() -> Arc<RegionInner> {
+        Arc::new(RegionInner {
+            id: RegionId(7),
+            addr: 0x1000,
+            len: 4096,
+            kind: MemKind::Host,
+            ucx_mapped: true,
+            _backing: None,
+            shm: None,
+            inflight: AtomicU32::new(0),
+            registered: AtomicBool::new(true),
+        })
+    }
+
+    #[test]
+    fn a_pin_and_a_retire_never_both_win() {
+        loom::model(|| {
+            let r = region();
+            let r2 = r.clone();
+            let pin = loom::thread::spawn(move || {
+                let mut p = Pins::default();
+                let ok = p.add(&r2).is_ok();
+                (ok, p)
+            });
+            let retired = r.retire().is_ok();
+            let (pinned, p) = pin.join().unwrap();
+            assert!(!(pinned && retired), "a pinned region was deregistered");
+            // Whoever lost backs off cleanly: a busy retire left it registered.
+            if !retired {
+                assert!(r.registered.load(Ordering::SeqCst) || !pinned);
+            }
+            drop(p);
+            assert_eq!(r.inflight.load(Ordering::SeqCst), 0, "a pin leaked");
+        });
+    }
+
+    #[test]
+    fn a_released_pin_lets_the_next_retire_win() {
+        loom::model(|| {
+            let r = region();
+            let r2 = r.clone();
+            let t = loom::thread::spawn(move || {
+                let mut p = Pins::default();
+                let _ = p.add(&r2);
+                p.release();
+                p.release(); // Released once, however often asked.
+            });
+            t.join().unwrap();
+            assert!(r.retire().is_ok());
+        });
     }
 }

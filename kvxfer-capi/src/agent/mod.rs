@@ -544,7 +544,7 @@ pub unsafe extern "C" fn kvx_agent_load_metadata(
 
 // What an agent does, after its own functions, in the header's order (cbindgen writes the
 // functions in declaration order; blank lines keep rustfmt from sorting these).
-mod region;
+pub(crate) mod region;
 
 mod transfer;
 

@@ -17,7 +17,7 @@ mod state;
 use std::collections::{HashMap, HashSet};
 use std::ffi::CString;
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -278,8 +278,8 @@ impl Agent {
             kind,
             ucx_mapped,
             _backing: backing,
-            inflight: AtomicU32::new(0),
-            registered: AtomicBool::new(false),
+            inflight: crate::memory::AtomicU32::new(0),
+            registered: crate::memory::AtomicBool::new(false),
         });
         // In the table before the engine can put it into metadata, unregistered until the
         // engine has mapped it (lanes refuse it meanwhile).

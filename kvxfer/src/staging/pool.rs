@@ -1,7 +1,14 @@
 //! Fixed pools of host chunks for device memory on the staged path, allocated once and
 //! charged to the memory budget once; an agent's [`StagingCell`] creates them on first use.
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
+
+// The chunk pool's lock and wake-ups: loom's under `--cfg loom` (scripts/sanitizers.sh loom),
+// which explores every interleaving of acquires and releases (its timed wait is a plain wait).
+#[cfg(loom)]
+use loom::sync::{Condvar, Mutex as PoolMutex, MutexGuard as PoolGuard};
+#[cfg(not(loom))]
+use std::sync::{Condvar, Mutex as PoolMutex, MutexGuard as PoolGuard};
 use std::time::{Duration, Instant};
 
 use crate::budget::{Charge, MemoryBudget};
@@ -16,7 +23,7 @@ pub(crate) struct ChunkPool {
     base: *mut u8,
     pub(crate) chunk: usize,
     pub(crate) n: usize,
-    free: Mutex<Free>,
+    free: PoolMutex<Free>,
     cv: Condvar,
 }
 
@@ -42,7 +49,7 @@ impl ChunkPool {
             base,
             chunk: chunk_bytes,
             n: chunks,
-            free: Mutex::new(Free {
+            free: PoolMutex::new(Free {
                 chunks: (0..chunks).rev().collect(),
                 in_use: 0,
                 peak: 0,
@@ -52,7 +59,7 @@ impl ChunkPool {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Free> {
+    fn lock(&self) -> PoolGuard<'_, Free> {
         self.free.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -329,5 +336,41 @@ impl StagingCell {
     /// The pools if they exist.
     pub(crate) fn existing(&self) -> Option<Arc<DeviceStaging>> {
         self.pools.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// The chunk pool's waits under loom: holders that each take two chunks at once from a pool
+/// of three, use them and give them back, in every interleaving: nobody deadlocks or misses a
+/// wake-up, and no chunk is handed to two holders.
+#[cfg(all(test, loom))]
+mod loom_model {
+    use super::*;
+
+    #[test]
+    fn holders_of_two_chunks_never_deadlock_or_share() {
+        loom::model(|| {
+            let mut mem = vec![0u8; 3 * 8];
+            // SAFETY: `mem` (3 chunks of 8 bytes) outlives the pool, dropped at the end.
+            let pool = Arc::new(unsafe { ChunkPool::new(mem.as_mut_ptr(), 3, 8) });
+            let ts: Vec<_> = (0..2)
+                .map(|_| {
+                    let p = pool.clone();
+                    loom::thread::spawn(move || {
+                        let got = p.acquire_n(2, Duration::from_secs(3600)).unwrap();
+                        assert!(p.in_use() <= 3);
+                        for c in got {
+                            p.release(c);
+                        }
+                    })
+                })
+                .collect();
+            for t in ts {
+                t.join().unwrap();
+            }
+            assert_eq!(pool.in_use(), 0);
+            assert!(pool.peak() <= 3);
+            drop(pool);
+            drop(mem);
+        });
     }
 }
