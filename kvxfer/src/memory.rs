@@ -539,7 +539,8 @@ mod tests {
 /// The pin handshake under loom: every interleaving of a transfer pinning a region against
 /// its deregistration. Never both: a pin that saw the region registered, and a retire that
 /// saw it unused (that would free memory a transfer is about to touch).
-#[cfg(all(test, loom))]
+#[cfg(test)]
+#[cfg(loom)]
 mod loom_model {
     use super::*;
 

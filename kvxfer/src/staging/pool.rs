@@ -342,7 +342,8 @@ impl StagingCell {
 /// The chunk pool's waits under loom: holders that each take two chunks at once from a pool
 /// of three, use them and give them back, in every interleaving: nobody deadlocks or misses a
 /// wake-up, and no chunk is handed to two holders.
-#[cfg(all(test, loom))]
+#[cfg(test)]
+#[cfg(loom)]
 mod loom_model {
     use super::*;
 
