@@ -25,11 +25,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvxfer::connector::{ConnectorConfig, Consumer, Handoff, Mode, Producer};
-use kvxfer::layout::{Kv, KvGeometry, KvLayout, KvOrder, KvPacking};
-use kvxfer::{Agent, AgentConfig, HostBuffer, MemoryBudget, Region, Transport};
+use kvxfer::layout::{Kv, KvLayout};
+use kvxfer::{Agent, AgentConfig, MemoryBudget, Region, Transport};
 
-const TOKENS: u64 = 2371;
-const BLOCK_TOKENS: u64 = 16;
+#[path = "common/kv_cache.rs"]
+mod kv_cache;
+
+use kv_cache::{blocks_per_request, cache, fill_or_check, pattern, slot_blocks, TOKENS};
 
 struct Args {
     role: String,
@@ -92,93 +94,6 @@ fn parse() -> Args {
         usage();
     }
     a
-}
-
-fn geometry() -> KvGeometry {
-    KvGeometry::preset("qwen3-0.6b").unwrap()
-}
-
-fn blocks_per_request() -> u64 {
-    TOKENS.div_ceil(BLOCK_TOKENS)
-}
-
-/// A worker's cache: `concurrency` request slots of 149 blocks, one region.
-fn cache(agent: &Agent, slots: usize) -> (Region, KvLayout) {
-    let g = geometry();
-    let nb = blocks_per_request() * slots as u64;
-    let probe = KvLayout::contiguous(
-        g.clone(),
-        BLOCK_TOKENS,
-        nb,
-        KvPacking::Separate,
-        KvOrder::Nhd,
-        kvxfer::RegionId(0),
-    );
-    let region = agent
-        .register(HostBuffer::new(probe.region_bytes() as usize).unwrap())
-        .unwrap();
-    let layout = KvLayout::contiguous(
-        g,
-        BLOCK_TOKENS,
-        nb,
-        KvPacking::Separate,
-        KvOrder::Nhd,
-        region.id(),
-    );
-    (region, layout)
-}
-
-fn slot_blocks(slot: usize) -> Vec<u32> {
-    let n = blocks_per_request() as u32;
-    // Interleave the slot's blocks with the other slots' so they are not contiguous.
-    (0..n).map(|k| slot as u32 * n + (k * 7) % n).collect()
-}
-
-/// The KV "computed" for request `req`, token block `k`, layer and K/V.
-fn pattern(req: u64, k: u64, layer: u64, kv: Kv, out: &mut [u8]) {
-    let mut x =
-        (req.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (k << 20) ^ (layer << 8) ^ (kv as u64)) | 1;
-    for c in out.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
-    }
-}
-
-/// Writes (or checks) the pattern of `req` into token blocks `ks` (indices into the request)
-/// stored at cache blocks `blocks`.
-fn fill_or_check(
-    region: &Region,
-    layout: &KvLayout,
-    req: u64,
-    ks: std::ops::Range<usize>,
-    blocks: &[u32],
-    check: bool,
-) -> bool {
-    let mut want = vec![0u8; layout.block_bytes() as usize];
-    let mut got = vec![0u8; want.len()];
-    let mut d = Vec::new();
-    for layer in 0..layout.layers.len() {
-        for kv in [Kv::K, Kv::V] {
-            for k in ks.clone() {
-                d.clear();
-                layout
-                    .block_descs(layer, kv, blocks[k], 0..layout.geometry.kv_heads, &mut d)
-                    .unwrap();
-                pattern(req, k as u64, layer as u64, kv, &mut want);
-                if check {
-                    region.read(d[0].offset, &mut got).unwrap();
-                    if got != want {
-                        return false;
-                    }
-                } else {
-                    region.write(d[0].offset, &want).unwrap();
-                }
-            }
-        }
-    }
-    true
 }
 
 fn peak_rss() -> u64 {

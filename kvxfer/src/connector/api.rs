@@ -296,3 +296,26 @@ pub trait KvConsumer: Send + Sync + Debug {
     /// Aggregate figures.
     fn telemetry(&self) -> &Telemetry;
 }
+
+/// The error of a failed load of `request`, from why it failed: a reason that already names
+/// the request (the lifecycle's own words) is not wrapped in a second mention of it.
+pub(crate) fn load_failed(request: &str, why: String) -> Error {
+    let own = format!("handoff of request {request:?}");
+    let why = match why.strip_prefix(&own) {
+        Some(rest) => rest.trim_start_matches(':').trim_start().to_string(),
+        None => why,
+    };
+    Error::Handoff {
+        request: request.to_string(),
+        why,
+    }
+}
+
+/// What a failed load is remembered by for a later `wait`: its reason without the request's
+/// name (the error `wait` returns names it).
+pub(crate) fn failure_reason(e: &Error) -> String {
+    match e {
+        Error::Handoff { why, .. } => why.clone(),
+        e => e.to_string(),
+    }
+}

@@ -7,7 +7,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::api::{LoadFailure, LoadSpec};
+use super::api::{failure_reason, load_failed, LoadFailure, LoadSpec};
 use super::config::ConnectorConfig;
 use super::shell::{
     add_stats, load_plan, lock, send, state_charge, take_control, wait_until, Registrations,
@@ -343,7 +343,7 @@ fn fail(sh: &CShared, st: &mut CState, req: &str, e: Error) {
     if l.h.mode == Mode::Pull {
         send(&sh.agent, &l.h.producer, &l.proto.ack().encode());
     }
-    remember(st, req, Ended::Failed(e.to_string()));
+    remember(st, req, Ended::Failed(failure_reason(&e)));
     st.failed.push(LoadFailure {
         request: req.to_string(),
         error: e,
@@ -407,10 +407,7 @@ fn consumer_msg(sh: &CShared, n: Notification) {
             sh.cv.notify_all();
         }
         LoadEvent::Failed(why) => {
-            let e = Error::Handoff {
-                request: req.clone(),
-                why,
-            };
+            let e = load_failed(&req, why);
             fail(sh, &mut st, &req, e);
             drop(st);
             sh.cv.notify_all();

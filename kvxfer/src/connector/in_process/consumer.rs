@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use super::copy::{copy, Caches};
 use super::hub::{ConsumerEnd, Hub};
 use crate::budget::Charge;
-use crate::connector::api::{KvConsumer, LoadFailure, LoadSpec};
+use crate::connector::api::{failure_reason, load_failed, KvConsumer, LoadFailure, LoadSpec};
 use crate::connector::config::ConnectorConfig;
 use crate::connector::consumer::lapsed;
 use crate::connector::shell::{load_plan, lock, state_charge, wait_until};
@@ -118,7 +118,7 @@ impl ConsumerShared {
         let l = st.loads.remove(req)?;
         log::warn!("kvxfer in-process consumer: load of {req:?} failed: {e}");
         self.tel.failed();
-        st.remember(req, Some(e.to_string()));
+        st.remember(req, Some(failure_reason(&e)));
         st.failed.push_back(LoadFailure {
             request: req.to_string(),
             error: e,
@@ -354,10 +354,7 @@ fn consumer_loop(sh: &ConsumerShared) {
                     }
                     LoadEvent::Failed(why) => {
                         ended = true;
-                        let e = Error::Handoff {
-                            request: req.clone(),
-                            why,
-                        };
+                        let e = load_failed(&req, why);
                         out.extend(sh.fail(&mut st, &req, e));
                     }
                 }
