@@ -14,6 +14,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // An example: fail loudly.
 
+#[path = "common/hex.rs"]
+mod hex;
+use hex::{hex, unhex};
 #[path = "common/kv_cache.rs"]
 mod kv_cache;
 
@@ -88,17 +91,6 @@ fn cfg(mode: Mode) -> ConnectorConfig {
         heartbeat: Duration::from_millis(200),
         ..Default::default()
     }
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
 }
 
 /// The prefill worker: publishes each request it is asked for; answers HELD with the blocks

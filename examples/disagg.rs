@@ -18,6 +18,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // An example: fail loudly.
 
+#[path = "common/hex.rs"]
+mod hex;
+use hex::{hex, unhex};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Command, Stdio};
@@ -215,16 +218,6 @@ fn fill_layer(region: &Region, one: &KvLayout, layer: u64, req: u64, blocks: &[u
     }
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap())
-        .collect()
-}
-
 fn decode(a: &Args) {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--role", "prefill", "--transport", &a.transport])
@@ -303,7 +296,7 @@ fn decode(a: &Args) {
                     writeln!(wr, "REQ {req} {slot}").unwrap();
                     let mut line = String::new();
                     rd.read_line(&mut line).unwrap();
-                    let h = Handoff::decode(&unhex(line.trim())).unwrap();
+                    let h = Handoff::decode(&unhex(line.trim()).unwrap()).unwrap();
                     let t = Instant::now();
                     consumer.start_load(&h, &blocks[cached..]).unwrap();
                     consumer.wait(&h.request, Duration::from_secs(300)).unwrap();

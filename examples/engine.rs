@@ -19,6 +19,9 @@
 
 #![allow(clippy::unwrap_used)] // An example: errors end it with a message.
 
+#[path = "common/hex.rs"]
+mod hex;
+use hex::{hex, unhex};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -296,7 +299,7 @@ fn decode(o: &Opts, g: &KvGeometry, transport: Transport, per_req: usize) {
         let (req, prefix, h) = (
             it.next().unwrap().parse::<u32>().unwrap(),
             it.next().unwrap().parse::<usize>().unwrap(),
-            Handoff::decode(&unhex(it.next().unwrap())).unwrap(),
+            Handoff::decode(&unhex(it.next().unwrap()).unwrap()).unwrap(),
         );
         let blocks = cache.alloc(per_req).expect("decode cache full");
         // The prefix cache: these blocks' KV was computed here before (same prompt prefix).
@@ -358,14 +361,4 @@ fn decode(o: &Opts, g: &KvGeometry, transport: Transport, per_req: usize) {
     }
     drop(consumer);
     drop(conn);
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap())
-        .collect()
 }

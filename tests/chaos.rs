@@ -7,25 +7,13 @@
 
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
 
 fn example() -> PathBuf {
-    // target/<profile>/deps/<test> -> target/<profile>/examples/chaos (built here when
-    // `cargo test --test chaos` did not build examples).
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap();
-    let p = dir.join("examples").join("chaos");
-    if !p.exists() {
-        let ok = Command::new(env!("CARGO"))
-            .args(["build", "--example", "chaos"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "building examples/chaos.rs failed");
-    }
-    p
+    common::example("chaos")
 }
 
 #[test]

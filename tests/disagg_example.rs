@@ -5,25 +5,13 @@
 
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
 
 fn example() -> PathBuf {
-    // target/<profile>/deps/<test> -> target/<profile>/examples/disagg. `cargo test` builds
-    // examples, `cargo test --test disagg_example` does not: build it then.
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap();
-    let p = dir.join("examples").join("disagg");
-    if !p.exists() {
-        let ok = Command::new(env!("CARGO"))
-            .args(["build", "--example", "disagg"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "building examples/disagg.rs failed");
-    }
-    p
+    common::example("disagg")
 }
 
 fn run(args: &[&str]) -> serde_json::Value {

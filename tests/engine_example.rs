@@ -4,25 +4,13 @@
 
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
 
 fn example() -> PathBuf {
-    // target/<profile>/deps/<test> -> target/<profile>/examples/engine; built here when a
-    // `cargo test --test engine_example` did not build examples.
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap();
-    let p = dir.join("examples").join("engine");
-    if !p.exists() {
-        let ok = Command::new(env!("CARGO"))
-            .args(["build", "--example", "engine"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "building examples/engine.rs failed");
-    }
-    p
+    common::example("engine")
 }
 
 #[test]

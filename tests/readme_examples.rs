@@ -3,32 +3,12 @@
 
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
 
-use std::path::PathBuf;
+mod common;
+
 use std::process::Command;
 
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let p = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join(name);
-    if !p.exists() {
-        let ok = Command::new(env!("CARGO"))
-            .args(["build", "--example", name])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "building examples/{name}.rs failed");
-    }
-    p
-}
-
 fn run(name: &str) -> String {
-    let out = Command::new(example(name)).output().unwrap();
+    let out = Command::new(common::example(name)).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),

@@ -69,3 +69,22 @@ impl Control {
         l[2..].trim().to_string()
     }
 }
+
+/// The example `name`'s binary (target/<profile>/examples/<name>, next to the test's
+/// target/<profile>/deps/<test>), built here when `cargo test --test ...` did not build
+/// the examples.
+pub fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap();
+    let p = dir.join("examples").join(name);
+    if !p.exists() {
+        let ok = Command::new(env!("CARGO"))
+            .args(["build", "--example", name])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "building examples/{name}.rs failed");
+    }
+    p
+}
