@@ -228,20 +228,18 @@ fn decode(a: &Args) {
     let tally = Arc::new(Tally::default());
     let failures = Arc::new(Mutex::new(std::collections::HashMap::new()));
     let stop = Arc::new(AtomicBool::new(false));
-    let next = Arc::new(AtomicU64::new(0));
     let rss0 = Arc::new(AtomicU64::new(0));
     let t0 = Instant::now();
     let workers: Vec<_> = (0..SLOTS)
         .map(|slot| {
             let failures = failures.clone();
-            let (consumer, region, layout, prefill, tally, stop, next, rss0) = (
+            let (consumer, region, layout, prefill, tally, stop, rss0) = (
                 consumer.clone(),
                 region.clone(),
                 layout.clone(),
                 prefill.clone(),
                 tally.clone(),
                 stop.clone(),
-                next.clone(),
                 rss0.clone(),
             );
             let seed = a.seed;
@@ -254,7 +252,6 @@ fn decode(a: &Args) {
                     // the one before in this slot is req - SLOTS.
                     let req = k * SLOTS as u64 + slot as u64;
                     k += 1;
-                    next.fetch_add(1, Ordering::Relaxed);
                     if req == 400 {
                         rss0.store(rss(), Ordering::Release);
                     }

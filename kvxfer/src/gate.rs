@@ -139,8 +139,10 @@ where
     let t0 = Instant::now();
     let mut conns: Vec<Conn<A>> = Vec::new();
     let mut chunk = vec![0u8; READ_CHUNK];
+    // Rebuilt every wake-up (the connections change), allocated once.
+    let mut fds: Vec<libc::pollfd> = Vec::new();
     while !stop.load(Ordering::Acquire) {
-        let mut fds = Vec::with_capacity(conns.len() + 1);
+        fds.clear();
         fds.push(libc::pollfd {
             fd: l.as_raw_fd(),
             events: libc::POLLIN,
@@ -284,8 +286,7 @@ fn accept_all<A, O>(
             let oldest = conns.iter().position(|c| c.end == End::Open).unwrap_or(0);
             let c = conns.remove(oldest);
             log::info!(
-                "kvxfer: {} handshakes pending (limit {}): dropped the oldest, {}",
-                limits.pending,
+                "kvxfer: {} handshakes pending (the limit): dropped the oldest, {}",
                 limits.pending,
                 c.who
             );

@@ -585,9 +585,9 @@ async fn load_all(
     let mut load = HashMap::new();
     let mut names = HashSet::new();
     for kv in r.kvs() {
-        if let Some((name, m)) = apply(agent, &layout, asm, kv, EventType::Put) {
+        if let Some((name, change)) = apply(agent, &layout, asm, kv, EventType::Put) {
             names.insert(name.clone());
-            if let Some(m) = m {
+            if let Change::Load(m) = change {
                 load.insert(name, m);
             }
         }
@@ -596,16 +596,25 @@ async fn load_all(
     Ok((r.header().map_or(0, |h| h.revision()), load, gone))
 }
 
-/// Applies one key's put or delete to `asm`: the agent it concerns, and the metadata to load
-/// for it (`Some(None)` for an agent whose base went, as a put of nothing). Keys of `agent`
-/// itself and keys that do not open or decode (logged) are skipped.
+/// What one key's put or delete means for an agent.
+enum Change {
+    /// Its assembled metadata changed: load this.
+    Load(Metadata),
+    /// Its base key went (its lease ended): retire it.
+    Gone,
+    /// Nothing to do now.
+    Nothing,
+}
+
+/// Applies one key's put or delete to `asm`: the agent it concerns, and what changed for it.
+/// Keys of `agent` itself and keys that do not open or decode (logged) are skipped.
 fn apply(
     agent: &Agent,
     layout: &Layout,
     asm: &mut Assembly,
     kv: &KeyValue,
     ev: EventType,
-) -> Option<(String, Option<Metadata>)> {
+) -> Option<(String, Change)> {
     let key = String::from_utf8_lossy(kv.key()).into_owned();
     let k = layout.parse(&key)?;
     let name = match &k {
@@ -615,6 +624,10 @@ fn apply(
         return None;
     }
     let m = match (k, ev) {
+        (Key::Agent(_), EventType::Delete) => {
+            asm.agent_gone(&name);
+            return Some((name, Change::Gone));
+        }
         (Key::Agent(_), EventType::Put) => match decode_base(agent, kv) {
             Ok(m) if m.name == name => Some(asm.base(m)),
             Ok(m) => {
@@ -633,12 +646,8 @@ fn apply(
             decode_region(agent, layout, kv).and_then(|(n, e, r)| asm.region(&n, e, r))
         }
         (Key::Region { epoch, id, .. }, EventType::Delete) => asm.region_gone(&name, epoch, id),
-        (Key::Agent(_), EventType::Delete) => {
-            asm.agent_gone(&name);
-            None
-        }
     };
-    Some((name, m))
+    Some((name, m.map_or(Change::Nothing, Change::Load)))
 }
 
 /// Loads `m` into `agent` (logged when refused).
@@ -682,14 +691,9 @@ async fn watch_loop(
                 for ev in resp.events() {
                     let Some(kv) = ev.kv() else { continue };
                     rev = rev.max(kv.mod_revision());
-                    let deleted = ev.event_type() == EventType::Delete;
-                    let is_base = matches!(
-                        layout.parse(&String::from_utf8_lossy(kv.key())),
-                        Some(Key::Agent(_))
-                    );
                     match apply(&a, &layout, &mut asm, kv, ev.event_type()) {
-                        Some((name, _)) if deleted && is_base => gone.push(name),
-                        Some((_, Some(m))) => load_now.push(m),
+                        Some((name, Change::Gone)) => gone.push(name),
+                        Some((_, Change::Load(m))) => load_now.push(m),
                         _ => {}
                     }
                 }
