@@ -312,6 +312,8 @@ pub struct LoadProtocol {
     last_hb: Duration,
     /// Readers declared to the producer in every message (the tensor-parallel plan's count).
     readers: Option<u32>,
+    /// The producer's incarnation that published the handoff (0: unknown).
+    epoch: u64,
 }
 
 impl LoadProtocol {
@@ -354,7 +356,29 @@ impl LoadProtocol {
             started: now,
             last_hb: now,
             readers: None,
+            epoch: 0,
         }
+    }
+
+    /// The load reads what incarnation `epoch` of the producer published (the handoff's
+    /// [`Handoff::epoch`]; 0: unknown, never checked).
+    pub fn of_incarnation(mut self, epoch: u64) -> LoadProtocol {
+        self.epoch = epoch;
+        self
+    }
+
+    /// Why the load cannot complete when `loaded` is the producer's incarnation the agent
+    /// knows now: another one than the handoff's means the producer restarted and the blocks
+    /// it held are gone, whatever the lease or a "not held" answer would say. `None` while
+    /// either is unknown (0) or they agree.
+    pub fn restarted(&self, loaded: u64) -> Option<String> {
+        (self.epoch != 0 && loaded != 0 && loaded != self.epoch && !self.complete()).then(|| {
+            format!(
+                "the producer restarted (epoch {:#018x} published it, {loaded:#018x} runs now): \
+                 its blocks are gone",
+                self.epoch
+            )
+        })
     }
 
     /// Declares `readers` (when `Some`) to the producer in every message: how many consumer
@@ -826,6 +850,27 @@ mod tests {
     }
 
     #[test]
+    fn a_restarted_producer_fails_the_load_at_once() {
+        let (p, _) = LoadProtocol::start("r", "p", Mode::Pull, 2, None, false, ms(0));
+        let p = p.of_incarnation(0xaa);
+        assert_eq!(p.restarted(0xaa), None);
+        assert_eq!(p.restarted(0), None, "unknown now: no verdict");
+        let why = p.restarted(0xbb).unwrap();
+        assert!(
+            why.contains("restarted") && why.contains("0x00000000000000bb"),
+            "{why}"
+        );
+        // A handoff without an epoch is never judged by it.
+        let (q, _) = LoadProtocol::start("r", "p", Mode::Pull, 2, None, false, ms(0));
+        assert_eq!(q.restarted(0xbb), None);
+        // Nor a load already complete.
+        let (mut c, _) = LoadProtocol::start("r", "p", Mode::Pull, 1, None, false, ms(0));
+        c = c.of_incarnation(0xaa);
+        c.mark_loaded(0);
+        assert_eq!(c.restarted(0xbb), None);
+    }
+
+    #[test]
     fn unknown_is_retried_within_the_grace_then_fails() {
         let mut p = Pair::new(Mode::Pull);
         p.start("decode", "r1", Mode::Pull, None);
@@ -1021,6 +1066,7 @@ mod tests {
             num_blocks: 16,
             layers: producer.layers.clone(),
             mode: Mode::Pull,
+            epoch: 7,
         };
         let local = layout(4);
         let m = |r: std::ops::Range<u64>, l: std::ops::Range<u64>| HeadMap {

@@ -464,3 +464,51 @@ fn a_consumer_that_dies_mid_load_leaves_no_stranded_blocks() {
         Err(Error::Handoff { .. })
     ));
 }
+
+#[test]
+fn a_restarted_producer_fails_its_old_handoffs_at_once() {
+    let t = Transport::Tcp;
+    let (p, paddr) = side("rs", &t, 2, 16, KvOrder::Hnd, KvPacking::Fused);
+    let (c, _) = side("rc", &t, 2, 16, KvOrder::Hnd, KvPacking::Fused);
+    let consumer = Consumer::new(c.agent.clone(), c.layout.clone(), cfg(Mode::Pull)).unwrap();
+    let producer =
+        Producer::new(p.agent.clone(), p.layout.clone(), cfg(Mode::Pull), paddr).unwrap();
+    // Published before any layer is computed: the load holds a lease and waits for layers.
+    let old = producer.publish("before", &[1, 2], 32, 0).unwrap();
+    assert_eq!(old.epoch, p.agent.epoch());
+    consumer.start_load(&old, &[3, 4]).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(consumer.in_progress(), 1);
+    // The prefill worker restarts: same name, a new incarnation, its blocks gone.
+    drop(producer);
+    drop(p);
+    let (p2, paddr2) = side("rs", &t, 2, 16, KvOrder::Hnd, KvPacking::Fused);
+    randomize(&p2.region, 9);
+    let producer2 =
+        Producer::new(p2.agent.clone(), p2.layout.clone(), cfg(Mode::Pull), paddr2).unwrap();
+    let new = producer2.publish("after", &[5, 6], 32, 4).unwrap();
+    assert_eq!(new.producer, old.producer);
+    assert_ne!(new.epoch, old.epoch);
+    // The new incarnation's handoff loads it (another epoch than the one loaded) and loads.
+    consumer.start_load(&new, &[7, 8]).unwrap();
+    consumer.wait("after", T).unwrap();
+    check(&p2, &c, &[5, 6], &[7, 8], 0..2);
+    // The old load ends as a restart, not after a lease or a grace for "not held".
+    let e = consumer.wait("before", T).unwrap_err();
+    assert!(
+        matches!(&e, Error::Handoff { why, .. } if why.contains("restarted")),
+        "{e}"
+    );
+    let f = consumer.take_failed().pop().unwrap();
+    assert_eq!(
+        (f.request.as_str(), f.invalid_blocks),
+        ("before", vec![3, 4])
+    );
+    // An old handoff offered again is refused at its start.
+    let e = consumer.start_load(&old, &[3, 4]).unwrap_err();
+    assert!(
+        matches!(&e, Error::Handoff { why, .. } if why.contains("restarted")),
+        "{e}"
+    );
+    assert_eq!(consumer.in_progress(), 0);
+}

@@ -52,6 +52,10 @@ pub struct Handoff {
     pub layers: Vec<LayerBase>,
     /// Pull or push.
     pub mode: Mode,
+    /// The producer agent's incarnation ([`crate::wire::metadata::Metadata::epoch`]; 0:
+    /// unknown, as in handoffs written before it was carried). A consumer that finds another
+    /// incarnation of the producer loaded knows at once the blocks are gone (a restart).
+    pub epoch: u64,
 }
 
 fn base_json(b: &LayerBase) -> Value {
@@ -99,6 +103,7 @@ impl Handoff {
             "num_blocks": self.num_blocks,
             "layers": self.layers.iter().map(base_json).collect::<Vec<_>>(),
             "mode": if self.mode == Mode::Pull { "pull" } else { "push" },
+            "epoch": format!("{:016x}", self.epoch),
         })
         .to_string()
         .into_bytes()
@@ -141,6 +146,11 @@ impl Handoff {
                 "pull" => Mode::Pull,
                 "push" => Mode::Push,
                 _ => return Err(bad("mode")),
+            },
+            epoch: match &v["epoch"] {
+                Value::Null => 0,
+                Value::String(e) => u64::from_str_radix(e, 16).map_err(|_| bad("epoch"))?,
+                _ => return Err(bad("epoch")),
             },
         })
     }
@@ -471,8 +481,23 @@ mod tests {
                 },
             ],
             mode: Mode::Push,
+            epoch: 0x1234_5678_9abc_def0,
         };
         assert_eq!(Handoff::decode(&h.encode()).unwrap(), h);
+        // A handoff of the first format (no epoch) decodes as epoch 0: unknown.
+        let mut old: Value = serde_json::from_slice(&h.encode()).unwrap();
+        old.as_object_mut().unwrap().remove("epoch");
+        let old = Handoff::decode(old.to_string().as_bytes()).unwrap();
+        assert_eq!(
+            old,
+            Handoff {
+                epoch: 0,
+                ..h.clone()
+            }
+        );
+        let mut bad: Value = serde_json::from_slice(&h.encode()).unwrap();
+        bad["epoch"] = json!("not hex");
+        assert!(Handoff::decode(bad.to_string().as_bytes()).is_err());
         assert!(Handoff::decode(b"{").is_err());
         assert!(Handoff::decode(b"{\"v\":2}").is_err());
         let mut j: Value = serde_json::from_slice(&h.encode()).unwrap();

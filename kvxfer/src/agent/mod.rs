@@ -381,6 +381,17 @@ impl Agent {
         peer_info(&self.shared, name)
     }
 
+    /// The incarnation of peer `name` loaded now (0: a peer that sends none), or `None` when
+    /// no incarnation of it is loaded (never connected, removed, or retired).
+    pub fn peer_epoch(&self, name: &str) -> Option<u64> {
+        self.shared
+            .peers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .map(|v| v.epoch)
+    }
+
     /// Listens for peers on `addr` (port 0 picks one): each peer that connects sends its
     /// metadata and receives ours. Returns the bound address.
     pub fn listen(&self, addr: impl ToSocketAddrs) -> Result<SocketAddr> {

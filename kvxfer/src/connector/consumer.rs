@@ -145,16 +145,27 @@ impl Consumer {
                 h.request
             )));
         }
-        if sh.agent.peer_info(&h.producer).is_err() {
-            let addr = h.side_channel.ok_or_else(|| Error::UnknownPeer {
-                agent: h.producer.clone(),
-            })?;
-            let got = sh.agent.connect(addr)?;
-            if got != h.producer {
-                return Err(Error::Handoff {
-                    request: h.request.clone(),
-                    why: format!("{addr} is {got:?}, not the producer {:?}", h.producer),
-                });
+        // Not loaded, or another incarnation than the one that published: (re)load the
+        // producer through its side channel.
+        let loaded = sh.agent.peer_epoch(&h.producer);
+        if loaded.is_none() || (h.epoch != 0 && loaded != Some(h.epoch)) {
+            match h.side_channel.map(|addr| (addr, sh.agent.connect(addr))) {
+                Some((addr, Ok(got))) if got != h.producer => {
+                    return Err(Error::Handoff {
+                        request: h.request.clone(),
+                        why: format!("{addr} is {got:?}, not the producer {:?}", h.producer),
+                    });
+                }
+                Some((_, Ok(_))) => {}
+                // Another incarnation is loaded and the handoff's side channel is gone (or
+                // no side channel came): the epoch check below says why it cannot load.
+                Some((_, Err(_))) | None if loaded.is_some() => {}
+                Some((_, Err(e))) => return Err(e),
+                None => {
+                    return Err(Error::UnknownPeer {
+                        agent: h.producer.clone(),
+                    })
+                }
             }
         }
         let nl = sh.layout.layers.len();
@@ -175,7 +186,18 @@ impl Consumer {
             local_blocks.is_empty(),
             sh.t0.elapsed(),
         )
-        .declaring(spec.readers);
+        .declaring(spec.readers)
+        .of_incarnation(h.epoch);
+        if let Some(why) = sh
+            .agent
+            .peer_epoch(&h.producer)
+            .and_then(|e| proto.restarted(e))
+        {
+            return Err(Error::Handoff {
+                request: h.request.clone(),
+                why,
+            });
+        }
         let first = proto.opening();
         let load = Load {
             h: h.clone(),
@@ -428,6 +450,23 @@ fn consumer_progress(sh: &CShared) {
         }
         if l.inflight.is_empty() && l.proto.lapsed(sh.t0.elapsed()) {
             failures.push((req.clone(), lapsed(req)));
+            continue;
+        }
+        // The producer restarted: its blocks are gone, whatever its new incarnation answers.
+        // (Reads in flight end on their own: the old incarnation's lanes are dropped.)
+        let now_loaded = sh.agent.peer_epoch(&l.h.producer).unwrap_or(0);
+        if let Some(why) = l
+            .proto
+            .restarted(now_loaded)
+            .filter(|_| l.inflight.is_empty())
+        {
+            failures.push((
+                req.clone(),
+                Error::Handoff {
+                    request: req.clone(),
+                    why,
+                },
+            ));
             continue;
         }
         if l.h.mode == Mode::Pull {

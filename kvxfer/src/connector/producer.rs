@@ -184,6 +184,7 @@ impl Producer {
             num_blocks: self.sh.layout.num_blocks,
             layers: self.sh.layout.layers.clone(),
             mode: self.sh.cfg.mode,
+            epoch: self.sh.agent.epoch(),
         })
     }
 

@@ -256,6 +256,7 @@ impl KvProducer for InProcessProducer {
             num_blocks: layout.num_blocks,
             layers: layout.layers.clone(),
             mode: self.sh.cfg.mode,
+            epoch: 0,
         })
     }
 
