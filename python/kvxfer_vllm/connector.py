@@ -203,8 +203,10 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
             child.inc(v)
 
 
-# What a handoff carries of each prefill rank: one libkvxfer handoff's producer part.
-RANK_KEYS = ("producer", "side_channel", "compat", "kv_heads", "num_blocks", "layers")
+# What a handoff carries of each prefill rank: one libkvxfer handoff's producer part. "epoch"
+# (the rank's incarnation) lets a decode rank fail a load at once when that prefill rank
+# restarted; templates of a libkvxfer without it lack it.
+RANK_KEYS = ("producer", "side_channel", "compat", "kv_heads", "num_blocks", "layers", "epoch")
 
 
 def _tp_size(vllm_config: "VllmConfig") -> int:
@@ -351,7 +353,7 @@ class KvxferConnector(KVConnectorBase_V1):
             # Tensor parallelism: every prefill rank, and the shape they share.
             "tp": len(ranks),
             "ranks": [
-                {k: r[k] for k in RANK_KEYS}
+                {k: r[k] for k in RANK_KEYS if k in r}
                 for r in ranks
             ],
             "shape": {k: t.get(k) for k in ("tp", "kv_heads_total", "kv_heads", "head_size", "dtype_bytes", "block_size", "hnd")}
@@ -528,7 +530,7 @@ class KvxferConnector(KVConnectorBase_V1):
     def _plan_load(self, h: dict[str, Any], moves: bool) -> list[tuple[dict[str, Any], "kx.TpRead"]]:
         """The loads this rank makes for handoff `h`: one per prefill rank its TP plan names,
         each a libkvxfer handoff of that rank's published request."""
-        ranks = h.get("ranks") or [{k: h[k] for k in RANK_KEYS}]
+        ranks = h.get("ranks") or [{k: h[k] for k in RANK_KEYS if k in h}]
         theirs = h.get("shape") or {}
         mine = self._shape or {}
         if theirs:
@@ -547,7 +549,7 @@ class KvxferConnector(KVConnectorBase_V1):
         for read in plan:
             r = ranks[read.producer_rank]
             part = {k: h[k] for k in ("v", "blocks", "tokens", "mode")}
-            part.update({k: r[k] for k in RANK_KEYS})
+            part.update({k: r[k] for k in RANK_KEYS if k in r})
             # The request as that prefill rank published it (tensor-parallel prefill ranks
             # publish under their rank; a handoff of the first release carries no "ranks").
             part["request"] = f"{h['request']}#tp{read.producer_rank}" if h.get("ranks") else h["request"]
