@@ -1,0 +1,130 @@
+//! Chaos through the connector: KV-shaped handoffs from a prefill worker process to a decode
+//! worker process, pull or push, partial and full, while a driver (this process) SIGKILLs and
+//! restarts either worker, SIGSTOPs either past its lease, and (with `--netns`) cuts and
+//! restores the link between them. Every completed load is checked byte for byte; every
+//! failed load must come back typed, with its blocks; at the end no block is held on the
+//! prefill side, no request is stuck, and the surviving workers' RSS is flat.
+//!
+//! ```text
+//! cargo run --release --example chaos -- --seconds 60 --mode pull
+//! cargo run --release --example chaos -- --seconds 60 --mode push --transport shm
+//! sudo target/.../examples/chaos --seconds 60 --netns      # the workers in two namespaces
+//! ```
+//!
+//! Requests are 4 blocks of Qwen3-0.6B KV (7.3 MB), partial (a cached prefix of 0-3 blocks)
+//! or full, 4 in flight. The driver talks to its workers over their stdin and stdout (which
+//! reach into a namespace), the workers to each other only through kvxfer. Prints one JSON
+//! line of figures; exits 1 if anything was lost.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // An example: fail loudly.
+
+#[path = "../common/hex.rs"]
+mod hex;
+#[path = "../common/kv_cache.rs"]
+mod kv_cache;
+
+mod driver;
+mod net;
+mod workers;
+
+use std::time::Duration;
+
+use kvxfer::connector::{ConnectorConfig, Mode};
+
+/// Blocks per request.
+const PER_SLOT: u64 = 4;
+/// Requests in flight.
+const SLOTS: usize = 4;
+/// The producer's lease.
+const LEASE: Duration = Duration::from_secs(2);
+/// Tokens per request.
+const TOKENS: u64 = PER_SLOT * 16;
+
+/// The command line, for every role.
+#[derive(Clone)]
+struct Args {
+    role: String,
+    seconds: u64,
+    mode: Mode,
+    transport: String,
+    seed: u64,
+    /// Driver: run the workers in two network namespaces and cut the link between them.
+    netns: bool,
+    /// Worker: the address its side channel binds.
+    bind: String,
+    /// Worker: the network device its transports use.
+    dev: String,
+}
+
+fn parse() -> Args {
+    let mut a = Args {
+        role: "driver".into(),
+        seconds: 30,
+        mode: Mode::Pull,
+        transport: "tcp".into(),
+        seed: 1,
+        netns: false,
+        bind: "127.0.0.1".into(),
+        dev: "lo".into(),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        let mut v = || it.next().expect("a value");
+        match k.as_str() {
+            "--role" => a.role = v(),
+            "--seconds" => a.seconds = v().parse().unwrap(),
+            "--mode" => {
+                a.mode = if v() == "push" {
+                    Mode::Push
+                } else {
+                    Mode::Pull
+                }
+            }
+            "--transport" => a.transport = v(),
+            "--seed" => a.seed = v().parse().unwrap(),
+            "--netns" => a.netns = true,
+            "--bind" => a.bind = v(),
+            "--dev" => a.dev = v(),
+            _ => panic!(
+                "usage: chaos [--seconds N] [--mode pull|push] [--transport tcp|shm] [--seed S] \
+                 [--netns]"
+            ),
+        }
+    }
+    a
+}
+
+fn cfg(mode: Mode) -> ConnectorConfig {
+    ConnectorConfig {
+        mode,
+        lease: LEASE,
+        heartbeat: Duration::from_millis(200),
+        ..Default::default()
+    }
+}
+
+fn mode_name(m: Mode) -> &'static str {
+    if m == Mode::Pull {
+        "pull"
+    } else {
+        "push"
+    }
+}
+
+/// Resident memory of process `pid` (`self` for this one), bytes.
+fn rss(pid: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/statm"))
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .unwrap_or(0)
+        * 4096
+}
+
+fn main() {
+    let a = parse();
+    match a.role.as_str() {
+        "prefill" => workers::prefill(&a),
+        "decode" => workers::decode(&a),
+        _ => driver::run(&a),
+    }
+}

@@ -1,0 +1,232 @@
+//! The two workers. Each reads commands on stdin and answers on stdout, one line each, tagged
+//! with the request they are about; a closed stdin (the driver is gone) ends the worker.
+//!
+//! prefill: `REQ <req> <slot>` -> `H <req> <handoff hex>` | `E <req> <error>`; `HELD` -> `HELD <n>`
+//! decode:  `LOAD <req> <slot> <cached> <handoff hex>` -> `R <req> <outcome> <ms> <blocks> <kind>`;
+//!          `STATE` -> `STATE <loads in progress>`
+
+use std::collections::HashMap;
+use std::io::{BufRead, Write};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvxfer::connector::{Consumer, Handoff, LoadFailure, Producer};
+use kvxfer::{Agent, AgentConfig, Transport};
+
+use crate::hex::{hex, unhex};
+use crate::kv_cache::{cache_of, fill_or_check, slot_blocks_of};
+use crate::{cfg, Args, LEASE, PER_SLOT, SLOTS, TOKENS};
+
+/// Lines to the driver, whole, from any thread.
+#[derive(Clone)]
+struct Out(Arc<Mutex<std::io::Stdout>>);
+
+impl Out {
+    fn say(&self, line: &str) {
+        let mut o = self.0.lock().unwrap();
+        // The driver gone: nothing to tell.
+        let _ = writeln!(o, "{line}").and_then(|()| o.flush());
+    }
+}
+
+fn agent(name: &str, a: &Args) -> Arc<Agent> {
+    Arc::new(
+        Agent::new(
+            AgentConfig::new(name)
+                .transport(Transport::parse(&a.transport))
+                .net_devices(&a.dev),
+        )
+        .unwrap(),
+    )
+}
+
+/// The prefill worker: publishes each request it is asked for into its slot's blocks, once
+/// the request that used them before was freed (acknowledged, or its lease ran out).
+pub fn prefill(a: &Args) {
+    let ag = agent("chaos-prefill", a);
+    let (region, layout) = cache_of(&ag, SLOTS, PER_SLOT);
+    let side = ag.listen((a.bind.as_str(), 0)).unwrap();
+    let producer =
+        Arc::new(Producer::new(ag.clone(), layout.clone(), cfg(a.mode), Some(side)).unwrap());
+    let out = Out(Arc::new(Mutex::new(std::io::stdout())));
+    out.say(&format!("READY side={side}"));
+    let (region, layout) = (Arc::new(region), Arc::new(layout));
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else { break };
+        match line.split_whitespace().collect::<Vec<_>>().as_slice() {
+            ["REQ", req, slot] => {
+                let (req, slot): (u64, usize) = (req.parse().unwrap(), slot.parse().unwrap());
+                let (producer, region, layout, out) = (
+                    producer.clone(),
+                    region.clone(),
+                    layout.clone(),
+                    out.clone(),
+                );
+                std::thread::spawn(move || {
+                    let blocks = slot_blocks_of(slot, PER_SLOT);
+                    if let Some(prev) = req.checked_sub(SLOTS as u64) {
+                        let _ = producer.wait_freed(&format!("req-{prev}"), LEASE * 2);
+                    }
+                    fill_or_check(&region, &layout, req, 0..blocks.len(), &blocks, false);
+                    let nl = layout.layers.len();
+                    out.say(
+                        &match producer.publish(&format!("req-{req}"), &blocks, TOKENS, nl) {
+                            Ok(h) => format!("H {req} {}", hex(&h.encode())),
+                            Err(e) => format!("E {req} {e}"),
+                        },
+                    );
+                });
+            }
+            ["HELD"] => out.say(&format!("HELD {}", producer.held())),
+            _ => {}
+        }
+    }
+}
+
+/// The decode worker: loads each handoff it is given into its slot's blocks (after a cached
+/// prefix it writes itself), then checks every byte, or checks the failure names the blocks.
+pub fn decode(a: &Args) {
+    let ag = agent("chaos-decode", a);
+    let (region, layout) = cache_of(&ag, SLOTS, PER_SLOT);
+    let consumer = Arc::new(Consumer::new(ag.clone(), layout.clone(), cfg(a.mode)).unwrap());
+    let out = Out(Arc::new(Mutex::new(std::io::stdout())));
+    out.say("READY");
+    let (region, layout) = (Arc::new(region), Arc::new(layout));
+    let failures = Arc::new(Mutex::new(HashMap::new()));
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else { break };
+        match line.split_whitespace().collect::<Vec<_>>().as_slice() {
+            ["LOAD", req, slot, cached, h] => {
+                let (req, slot, cached): (u64, usize, usize) = (
+                    req.parse().unwrap(),
+                    slot.parse().unwrap(),
+                    cached.parse().unwrap(),
+                );
+                let h = unhex(h).and_then(|b| Handoff::decode(&b).ok());
+                let (consumer, region, layout, out, failures) = (
+                    consumer.clone(),
+                    region.clone(),
+                    layout.clone(),
+                    out.clone(),
+                    failures.clone(),
+                );
+                std::thread::spawn(move || {
+                    let l = Load {
+                        consumer: &consumer,
+                        region: &region,
+                        layout: &layout,
+                        failures: &failures,
+                    };
+                    let (outcome, ms, blocks, kind) = match h {
+                        Some(h) => l.run(req, slot, cached, &h),
+                        None => ("untyped", 0, 0, "a handoff that does not decode".into()),
+                    };
+                    out.say(&format!("R {req} {outcome} {ms} {blocks} {kind}"));
+                });
+            }
+            ["STATE"] => out.say(&format!("STATE {}", consumer.in_progress())),
+            _ => {}
+        }
+    }
+}
+
+struct Load<'a> {
+    consumer: &'a Consumer,
+    region: &'a kvxfer::Region,
+    layout: &'a kvxfer::layout::KvLayout,
+    /// Failures taken from the consumer that belong to other loads.
+    failures: &'a Mutex<HashMap<String, LoadFailure>>,
+}
+
+impl Load<'_> {
+    /// One load: its outcome, how long it took to end (ms), the blocks a failure named, and
+    /// the kind of error.
+    fn run(
+        &self,
+        req: u64,
+        slot: usize,
+        cached: usize,
+        h: &Handoff,
+    ) -> (&'static str, u64, usize, String) {
+        let blocks = slot_blocks_of(slot, PER_SLOT);
+        // Partial or full: the cached prefix is already here.
+        fill_or_check(self.region, self.layout, req, 0..cached, &blocks, false);
+        let t = Instant::now();
+        if let Err(e) = self.consumer.start_load(h, &blocks[cached..]) {
+            return ("refused", 0, 0, kind(&e));
+        }
+        // A load ends, completed or failed, on its own: waiting is only for it.
+        let mut r = self.consumer.wait(&h.request, LEASE * 5);
+        while matches!(r, Err(kvxfer::Error::WaitTimeout(_)))
+            && t.elapsed() < Duration::from_secs(60)
+        {
+            r = self.consumer.wait(&h.request, LEASE * 5);
+        }
+        let ms = t.elapsed().as_millis() as u64;
+        if std::env::var("CHAOS_DEBUG").is_ok() {
+            eprintln!("chaos decode: req {req}: {ms} ms {r:?}");
+        }
+        match r {
+            Err(kvxfer::Error::WaitTimeout(_)) => ("stuck", ms, 0, String::new()),
+            Ok(()) => {
+                let _ = self.consumer.take_stats(&h.request);
+                let good = fill_or_check(
+                    self.region,
+                    self.layout,
+                    req,
+                    0..blocks.len(),
+                    &blocks,
+                    true,
+                );
+                (
+                    if good { "verified" } else { "bad_bytes" },
+                    ms,
+                    0,
+                    String::new(),
+                )
+            }
+            Err(e) => {
+                // A failed load names its blocks (the ones it was to load). Failures queue in
+                // order; take them all, keep the others'.
+                let f = {
+                    let mut g = self.failures.lock().unwrap();
+                    for f in self.consumer.take_failed() {
+                        g.insert(f.request.clone(), f);
+                    }
+                    g.remove(&h.request)
+                };
+                match f {
+                    Some(f) if f.invalid_blocks == blocks[cached..] => {
+                        ("failed", ms, f.invalid_blocks.len(), kind(&e))
+                    }
+                    f => {
+                        eprintln!(
+                            "chaos: {}: {e} without its blocks {:?}: {f:?}",
+                            h.request,
+                            &blocks[cached..]
+                        );
+                        ("untyped", ms, 0, kind(&e))
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// An error's kind: its text after the request's name, short, on one line.
+fn kind(e: &kvxfer::Error) -> String {
+    let t = e.to_string();
+    let k = t.split_once(": ").map_or(t.as_str(), |(_, rest)| rest);
+    // Epochs and addresses differ from fault to fault; the kind does not.
+    let k: Vec<&str> = k
+        .split_whitespace()
+        .map(|w| {
+            if w.starts_with("0x") || w.contains(':') && w.contains('.') {
+                "*"
+            } else {
+                w
+            }
+        })
+        .collect();
+    k.join(" ").chars().take(60).collect()
+}
