@@ -217,11 +217,11 @@ impl Load<'_> {
 fn kind(e: &kvxfer::Error) -> String {
     let t = e.to_string();
     let k = t.split_once(": ").map_or(t.as_str(), |(_, rest)| rest);
-    // Epochs and addresses differ from fault to fault; the kind does not.
+    // Epochs, addresses and deadlines differ from fault to fault; the kind does not.
     let k: Vec<&str> = k
         .split_whitespace()
         .map(|w| {
-            if w.starts_with("0x") || w.contains(':') && w.contains('.') {
+            if w.bytes().any(|b| b.is_ascii_digit()) {
                 "*"
             } else {
                 w

@@ -47,11 +47,13 @@ mod discovery;
 mod gate;
 mod lane;
 mod listener;
+pub mod live;
 pub mod memory;
 pub mod notify;
 pub mod registry;
 mod staged;
 pub mod staging;
+pub mod stop;
 pub mod telemetry;
 pub mod transfer;
 

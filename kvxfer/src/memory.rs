@@ -338,19 +338,32 @@ impl Drop for Pins {
 #[derive(Default)]
 pub(crate) struct RegionTable(RwLock<HashMap<u32, Arc<RegionInner>>>);
 
+impl Drop for RegionTable {
+    fn drop(&mut self) {
+        let left = self.0.read().unwrap_or_else(|e| e.into_inner()).len();
+        crate::live::regions_changed(false, left);
+    }
+}
+
 impl RegionTable {
     pub(crate) fn insert(&self, r: Arc<RegionInner>) {
-        self.0
+        let new = self
+            .0
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(r.id.0, r);
+            .insert(r.id.0, r)
+            .is_none();
+        crate::live::regions_changed(true, usize::from(new));
     }
 
     pub(crate) fn remove(&self, id: RegionId) {
-        self.0
+        let had = self
+            .0
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(&id.0);
+            .remove(&id.0)
+            .is_some();
+        crate::live::regions_changed(false, usize::from(had));
     }
 
     /// The registered region of kind `kind` that holds `[addr, addr+len)`, and the offset of

@@ -512,3 +512,45 @@ fn a_restarted_producer_fails_its_old_handoffs_at_once() {
     );
     assert_eq!(consumer.in_progress(), 0);
 }
+
+#[test]
+fn a_cancelled_load_ends_with_its_blocks_untouched_and_frees_the_producer() {
+    let t = Transport::Tcp;
+    let (p, paddr) = side("cp", &t, 2, 16, KvOrder::Hnd, KvPacking::Fused);
+    let (c, _) = side("cc", &t, 2, 16, KvOrder::Hnd, KvPacking::Fused);
+    randomize(&p.region, 3);
+    let producer =
+        Producer::new(p.agent.clone(), p.layout.clone(), cfg(Mode::Pull), paddr).unwrap();
+    let consumer = Consumer::new(c.agent.clone(), c.layout.clone(), cfg(Mode::Pull)).unwrap();
+    // Published before its layers are computed: the load waits for them.
+    let h = producer.publish("gone-client", &[1, 2], 32, 0).unwrap();
+    consumer.start_load(&h, &[3, 4]).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    consumer.cancel("gone-client").unwrap();
+    let e = consumer.wait("gone-client", T).unwrap_err();
+    assert!(
+        matches!(&e, Error::Handoff { why, .. } if why == "cancelled"),
+        "{e}"
+    );
+    let f = consumer.take_failed().pop().unwrap();
+    assert_eq!(f.invalid_blocks, vec![3, 4]);
+    // The producer hears this reader is done and frees (not at the lease's end).
+    let freed = producer.wait_freed("gone-client", T).unwrap();
+    assert_eq!(freed.reason, FreeReason::Acked, "{freed:?}");
+    // Layers computed after the cancel never reach the cancelled blocks.
+    for layer in 0..4 {
+        let _ = producer.layer_done("gone-client", layer);
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let nl = c.layout.layers.len();
+    for d in c.layout.descs(&[3, 4], 0..nl, 0..2).unwrap() {
+        assert!(
+            bytes(&c.region, &d).iter().all(|&b| b == 0),
+            "{d:?} was written"
+        );
+    }
+    // Cancelling what already ended, or was never started, changes nothing.
+    consumer.cancel("gone-client").unwrap();
+    consumer.cancel("never").unwrap();
+    assert_eq!(consumer.in_progress(), 0);
+}

@@ -55,6 +55,7 @@ pub struct Agent {
     strict: bool,
     listeners: Mutex<Vec<Listener>>,
     lane_server: Option<Server>,
+    _live: crate::live::Counted,
 }
 
 impl std::fmt::Debug for Agent {
@@ -179,6 +180,7 @@ impl Agent {
             strict: cfg.strict,
             listeners: Mutex::new(Vec::new()),
             lane_server,
+            _live: crate::live::Counted::agent(),
         })
     }
 

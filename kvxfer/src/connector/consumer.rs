@@ -226,6 +226,47 @@ impl Consumer {
         Ok(())
     }
 
+    /// Cancels the pull load of `request` (its client went away, the process is stopping):
+    /// reads in flight are cancelled and waited for, so nothing writes into its blocks once
+    /// this returns; the producer is told this reader is done; the load ends failed
+    /// ("cancelled") with its blocks, as any failed load. A load that already ended stays as
+    /// it ended. A push load cannot be cancelled from here (the producer writes it): that is
+    /// an [`Error::InvalidArgument`].
+    pub fn cancel(&self, request: &str) -> Result<()> {
+        let sh = &self.sh;
+        let inflight = {
+            let mut st = lock(&sh.st);
+            let Some(l) = st.loads.get_mut(request) else {
+                return Ok(());
+            };
+            if l.h.mode == Mode::Push {
+                return Err(Error::InvalidArgument(format!(
+                    "cancel {request:?}: a push load ends when the producer's writes do"
+                )));
+            }
+            // No further read is posted for it.
+            l.posted = usize::MAX;
+            std::mem::take(&mut l.inflight)
+        };
+        for (_, t) in inflight {
+            // Returns once the lanes and UCX no longer touch the blocks, completed or not.
+            let _ = t.cancel();
+        }
+        let mut st = lock(&sh.st);
+        fail(
+            sh,
+            &mut st,
+            request,
+            Error::Handoff {
+                request: request.to_string(),
+                why: "cancelled".into(),
+            },
+        );
+        drop(st);
+        sh.cv.notify_all();
+        Ok(())
+    }
+
     /// Waits until layer `layer` of `request` is in local memory.
     pub fn wait_layer(&self, request: &str, layer: usize, timeout: Duration) -> Result<()> {
         self.wait_until(request, timeout, |l| l.proto.loaded(layer))

@@ -28,6 +28,7 @@ struct Mapping {
     len: usize,
     /// The region's base address in the peer (what descriptors carry).
     base: u64,
+    _live: crate::live::Counted,
 }
 
 impl Drop for Mapping {
@@ -158,6 +159,7 @@ fn map_region(
         ptr: p.cast(),
         len,
         base,
+        _live: crate::live::Counted::peer_mapping(),
     })
 }
 

@@ -22,7 +22,6 @@ mod plan;
 mod reference;
 mod registry;
 mod report;
-mod signals;
 mod sweep;
 mod workload;
 
@@ -38,7 +37,7 @@ pub(crate) type BoxErr = Box<dyn std::error::Error>;
 fn main() {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("error")).init();
     let args = Args::parse();
-    signals::install();
+    kvxfer::stop::install();
     let r = match (&args.cmd, args.listen) {
         (Some(Cmd::Plan(p)), _) => plan(p),
         (None, Some(addr)) => serve(&args, addr),
@@ -49,12 +48,12 @@ fn main() {
             .and_then(|ip| serve(&args, std::net::SocketAddr::new(ip, 0))),
         (None, None) => sweep(&args),
     };
-    if signals::stopping() {
+    if kvxfer::stop::requested() {
         // Asked to stop: what was in flight finished or was cancelled, memory deregistered,
         // the agent closed. An order, not a failure.
         eprintln!(
             "kvxfer-bench: stopped by {}{}",
-            signals::reason(),
+            kvxfer::stop::reason().unwrap_or("a signal"),
             r.err().map_or(String::new(), |e| format!(" ({e})"))
         );
         return;

@@ -12,7 +12,6 @@ use kvxfer::Agent;
 use crate::cli::{Args, Placement};
 use crate::control::rss_peak;
 use crate::registry::Registry;
-use crate::signals;
 use crate::workload::{agent_config, clear, device, fill, placement, verify, Buf, Device};
 use crate::BoxErr;
 
@@ -54,7 +53,7 @@ pub(crate) fn serve(args: &Args, addr: SocketAddr) -> Result<(), BoxErr> {
         let s = match ctl.accept() {
             Ok((s, _)) => s,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if signals::stopping() {
+                if kvxfer::stop::requested() {
                     return close(&agent, &mut state);
                 }
                 std::thread::sleep(std::time::Duration::from_millis(20));
@@ -71,7 +70,7 @@ pub(crate) fn serve(args: &Args, addr: SocketAddr) -> Result<(), BoxErr> {
         if let Err(e) = session(&agent, s, &at, &mut state, args, &dev) {
             eprintln!("kvxfer-bench peer: session ended: {e}");
         }
-        if args.once || signals::stopping() {
+        if args.once || kvxfer::stop::requested() {
             return close(&agent, &mut state);
         }
     }
@@ -126,7 +125,7 @@ pub(crate) fn session(
                         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                     ) =>
                 {
-                    if signals::stopping() {
+                    if kvxfer::stop::requested() {
                         return Ok(());
                     }
                 }

@@ -13,7 +13,6 @@ use crate::control::{rss, rss_peak, spawn_peer, Ctl};
 use crate::reference::{memcpy_ref, tcp_ref};
 use crate::registry::Registry;
 use crate::report::{median, print_header, print_row, Progress, Row};
-use crate::signals;
 use crate::workload::{agent_config, clear, device, fill, placement, verify, Buf, Case};
 use crate::BoxErr;
 
@@ -62,7 +61,7 @@ pub(crate) fn sweep(args: &Args) -> Result<(), BoxErr> {
     }
     let mut failed = false;
     for c in &cases {
-        if signals::stopping() {
+        if kvxfer::stop::requested() {
             return Ok(());
         }
         let r = run(args, c)?;
@@ -197,7 +196,7 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
     let peer_pid = _peer.as_ref().map(|p| p.0.id());
     let (mut rss10, mut checks, mut bad_checks) = ((0u64, 0u64), 0usize, 0usize);
     for i in 0..total {
-        if signals::stopping() {
+        if kvxfer::stop::requested() {
             break;
         }
         let op = if args.soak > 0 && i % 2 == 1 {
@@ -224,7 +223,7 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         ops = 0;
         for x in xs {
             // Asked to stop: in flight finishes within the grace, else is cancelled.
-            let Some(st) = signals::wait(x)? else {
+            let Some(st) = kvxfer::stop::wait(x)? else {
                 continue;
             };
             ops += st.ops;
@@ -253,7 +252,7 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         }
     }
     bar.end();
-    if signals::stopping() {
+    if kvxfer::stop::requested() {
         let _ = ctl.cmd("QUIT");
         return Err(format!("after {} of {total} transfers", times.len()).into());
     }

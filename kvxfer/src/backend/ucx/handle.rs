@@ -54,6 +54,7 @@ impl Context {
         Ok(MemHandle {
             h: Some(h),
             ctx: self.clone(),
+            _live: crate::live::Counted::ucx_registration(),
         })
     }
 }
@@ -72,6 +73,7 @@ pub(crate) struct MemHandle {
     /// None once unmapped.
     h: Option<raw::ucp_mem_h>,
     ctx: Rc<Context>,
+    _live: crate::live::Counted,
 }
 
 impl MemHandle {
