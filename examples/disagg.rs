@@ -135,7 +135,27 @@ fn cache_rss(own: u64, peer: u64, transport: &str) -> u64 {
     }
 }
 
+/// Done, or stopped by a signal: what is left of kvxfer in this process (nothing, once it has
+/// dropped its connector, caches and agent), for the last line on stderr.
+fn stopped(who: &str) {
+    eprintln!(
+        "disagg {who}: {}; left: {}",
+        kvxfer::stop::reason().map_or("done".to_string(), |r| format!("stopped by {r}")),
+        kvxfer::live::live()
+    );
+}
+
 fn prefill(a: &Args) {
+    let extra = serve_prefill(a);
+    // Ended by its decode worker closing the control connections, or by a signal: either
+    // way, what is left of kvxfer in it (nothing).
+    stopped("prefill");
+    println!("PEAK_EXTRA {extra}");
+}
+
+/// The prefill worker until its decode worker closes the control connections (or a signal
+/// stops it); its peak RSS beyond the caches.
+fn serve_prefill(a: &Args) -> u64 {
     let ag = agent("prefill", &a.transport);
     let (region, layout) = cache(&ag, a.concurrency);
     let side = ag.listen("127.0.0.1:0").unwrap();
@@ -153,13 +173,26 @@ fn prefill(a: &Args) {
         let (producer, region, layout) = (producer.clone(), region.clone(), layout.clone());
         let layer_wise = a.layer_wise;
         threads.push(std::thread::spawn(move || {
+            // Woken every 100 ms to see whether the process is stopping.
+            s.set_read_timeout(Some(Duration::from_millis(100)))
+                .unwrap();
             let mut rd = BufReader::new(s.try_clone().unwrap());
             let mut wr = s;
             let mut line = String::new();
             let mut prev: Option<String> = None;
             loop {
                 line.clear();
-                if rd.read_line(&mut line).unwrap_or(0) == 0 {
+                let got = loop {
+                    match rd.read_line(&mut line) {
+                        Ok(n) => break n,
+                        Err(_) if kvxfer::stop::requested() => break 0,
+                        Err(e)
+                            if e.kind() == std::io::ErrorKind::WouldBlock
+                                || e.kind() == std::io::ErrorKind::TimedOut => {}
+                        Err(_) => break 0,
+                    }
+                };
+                if got == 0 {
                     return;
                 }
                 let w: Vec<&str> = line.split_whitespace().collect();
@@ -169,7 +202,13 @@ fn prefill(a: &Args) {
                 };
                 // The slot's blocks are reused once the previous request's were freed.
                 if let Some(p) = prev.take() {
-                    producer.wait_freed(&p, Duration::from_secs(120)).unwrap();
+                    let t = Instant::now();
+                    while let Err(e) = producer.wait_freed(&p, Duration::from_millis(100)) {
+                        assert!(t.elapsed() < Duration::from_secs(120), "{p}: {e}");
+                        if kvxfer::stop::requested() {
+                            return;
+                        }
+                    }
                 }
                 let blocks = slot_blocks(slot);
                 let name = format!("req-{req}");
@@ -200,8 +239,28 @@ fn prefill(a: &Args) {
     for t in threads {
         t.join().unwrap();
     }
-    let extra = peak_rss().saturating_sub(cache_rss(region.len(), region.len(), &a.transport));
-    println!("PEAK_EXTRA {extra}");
+    peak_rss().saturating_sub(cache_rss(region.len(), region.len(), &a.transport))
+}
+
+/// Waits for the load of `request`; `false` once stopped: after SIGTERM the load gets
+/// [`kvxfer::stop::GRACE`] to finish, after SIGINT or a second SIGTERM none, and then a pull
+/// load is cancelled (a push load is left to end with the process).
+fn wait_or_stop(consumer: &Consumer, request: &str) -> bool {
+    let mut since: Option<Instant> = None;
+    loop {
+        match consumer.wait(request, Duration::from_millis(20)) {
+            Ok(()) => return true,
+            Err(kvxfer::Error::WaitTimeout(_)) => {}
+            Err(e) => panic!("{request}: {e}"),
+        }
+        if kvxfer::stop::requested() {
+            let t = *since.get_or_insert_with(Instant::now);
+            if kvxfer::stop::cancel_now() || t.elapsed() >= kvxfer::stop::GRACE {
+                let _ = consumer.cancel(request);
+                return false;
+            }
+        }
+    }
 }
 
 fn fill_layer(region: &Region, one: &KvLayout, layer: u64, req: u64, blocks: &[u32]) {
@@ -283,6 +342,9 @@ fn decode(a: &Args) {
                 let mut wr = s;
                 let blocks = slot_blocks(slot);
                 loop {
+                    if kvxfer::stop::requested() {
+                        return;
+                    }
                     let req = {
                         let mut g = next.lock().unwrap();
                         if *g >= total {
@@ -295,11 +357,18 @@ fn decode(a: &Args) {
                     fill_or_check(&region, &layout, req, 0..cached, &blocks, false);
                     writeln!(wr, "REQ {req} {slot}").unwrap();
                     let mut line = String::new();
-                    rd.read_line(&mut line).unwrap();
+                    let got = rd.read_line(&mut line).unwrap_or(0);
+                    // The prefill worker, stopping, closed the connection.
+                    if got == 0 && kvxfer::stop::requested() {
+                        return;
+                    }
                     let h = Handoff::decode(&unhex(line.trim()).unwrap()).unwrap();
                     let t = Instant::now();
                     consumer.start_load(&h, &blocks[cached..]).unwrap();
-                    consumer.wait(&h.request, Duration::from_secs(300)).unwrap();
+                    // Stopping: the load ended or was cancelled; nothing is left to report.
+                    if !wait_or_stop(&consumer, &h.request) || kvxfer::stop::requested() {
+                        return;
+                    }
                     let ms = t.elapsed().as_secs_f64() * 1e3;
                     let ok = fill_or_check(&region, &layout, req, 0..n, &blocks, true);
                     if !ok {
@@ -311,11 +380,39 @@ fn decode(a: &Args) {
             })
         })
         .collect();
+    // Asked to stop: the prefill worker is told at once, as this process was (SIGINT cancels
+    // at once), so that neither waits on the other.
+    let mut told = 0;
+    while !workers.iter().all(|w| w.is_finished()) {
+        let sig = match (kvxfer::stop::requested(), kvxfer::stop::cancel_now()) {
+            (_, true) => libc::SIGINT,
+            (true, false) => libc::SIGTERM,
+            _ => 0,
+        };
+        if sig != 0 && sig != told {
+            // SAFETY: kill(2) on our own child, not yet waited for.
+            unsafe { libc::kill(child.id() as i32, sig) };
+            told = sig;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
     for w in workers {
         w.join().unwrap();
     }
     let wall = t0.elapsed();
     drop(consumer);
+    if kvxfer::stop::requested() {
+        // In order: the loads ended or were cancelled, the connector is gone; the caches and
+        // the agent go now, and the prefill worker ends as its control connections closed.
+        drop((region, ag));
+        let mut line = String::new();
+        while out.read_line(&mut line).unwrap_or(0) > 0 {
+            line.clear();
+        }
+        let st = child.wait().unwrap();
+        stopped("decode");
+        std::process::exit(if st.success() { 0 } else { 1 });
+    }
     // Ask the prefill worker for its peak: closing the control connections ends it.
     let mut extra_prefill = 0u64;
     let mut line = String::new();
@@ -410,6 +507,7 @@ fn decode(a: &Args) {
 }
 
 fn main() {
+    kvxfer::stop::install();
     let a = parse();
     if a.role == "prefill" {
         prefill(&a);

@@ -148,7 +148,20 @@ fn compute(cache: &mut PagedCache, req: u32, layer: usize, blocks: &[u32]) {
     }
 }
 
+/// Stopped by a signal: the last line on stderr, with what is left of kvxfer (nothing, once
+/// the connector objects and the agent are dropped).
+fn stopped(who: &str) {
+    eprintln!(
+        "engine {who}: stopped by {}; left: {}",
+        kvxfer::stop::reason().unwrap_or("a signal"),
+        kvxfer::live::live()
+    );
+}
+
 fn main() {
+    // SIGTERM/SIGINT end the engines in order (a load in flight is given a grace, then left
+    // to the connector's drop, which cancels it and waits).
+    kvxfer::stop::install();
     let o = opts();
     let role = std::env::args().skip_while(|a| a != "--role").nth(1);
     let g = KvGeometry::preset("qwen3-0.6b").unwrap();
@@ -209,8 +222,11 @@ fn prefill(o: &Opts, g: &KvGeometry, transport: Transport, per_req: usize) {
     let mut next = 0u32;
     let mut in_flight = 0usize;
     let mut freed = 0usize;
-    while freed < o.requests {
-        while (next as usize) < o.requests && in_flight < o.concurrency {
+    while freed < o.requests && !kvxfer::stop::requested() {
+        while (next as usize) < o.requests
+            && in_flight < o.concurrency
+            && !kvxfer::stop::requested()
+        {
             let Some(blocks) = cache.alloc(per_req) else {
                 break;
             };
@@ -221,6 +237,10 @@ fn prefill(o: &Opts, g: &KvGeometry, transport: Transport, per_req: usize) {
             writeln!(to_decode, "{next} {prefix} {}", hex(&h.encode())).unwrap();
             to_decode.flush().unwrap();
             for layer in 0..g.layers as usize {
+                // The forward pass yields to a stopping process between layers.
+                if kvxfer::stop::requested() {
+                    break;
+                }
                 compute(&mut cache, next, layer, &blocks);
                 std::thread::sleep(Duration::from_millis(o.layer_ms));
                 producer.layer_done(&req, layer).unwrap();
@@ -235,6 +255,17 @@ fn prefill(o: &Opts, g: &KvGeometry, transport: Transport, per_req: usize) {
         }
     }
     drop(to_decode);
+    if kvxfer::stop::requested() {
+        // The forward pass stopped: the decode engine's loads in flight wait for layers that
+        // will not come, so it is told to cancel them at once (SIGINT), not to give a grace.
+        // SAFETY: kill(2) on our own child, not yet waited for.
+        unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+        let _ = reports.join();
+        let status = child.wait().unwrap();
+        drop((producer, conn, agent));
+        stopped("prefill");
+        std::process::exit(if status.success() { 0 } else { 1 });
+    }
     let lines = reports.join().unwrap();
     let status = child.wait().unwrap();
     let elapsed = t0.elapsed();
@@ -306,25 +337,34 @@ fn decode(o: &Opts, g: &KvGeometry, transport: Transport, per_req: usize) {
         for layer in 0..g.layers as usize {
             compute(&mut cache, req, layer, &blocks[..prefix]);
         }
+        if kvxfer::stop::requested() {
+            cache.release(&blocks);
+            break;
+        }
         let missing = &blocks[prefix..];
         let result = consumer.start_load(&h, missing).and_then(|()| {
             // The forward pass: attention of each layer waits for that layer only.
             for layer in 0..g.layers as usize {
-                consumer.wait_layer(&h.request, layer, Duration::from_secs(60))?;
+                wait_or_stop(|t| consumer.wait_layer(&h.request, layer, t))?;
             }
-            consumer.wait(&h.request, Duration::from_secs(60))
+            wait_or_stop(|t| consumer.wait(&h.request, t))
         });
+        if kvxfer::stop::requested() {
+            break;
+        }
         // Outside the timed window: every byte of every block, prefix and loaded.
         let verdict = match result {
             Ok(()) => {
+                // A stopping process does not finish checking (nothing is reported).
                 let ok = (0..g.layers as usize).all(|layer| {
-                    blocks.iter().enumerate().all(|(pos, &b)| {
-                        cache
-                            .block(layer, b)
-                            .iter()
-                            .enumerate()
-                            .all(|(i, &x)| x == kv_byte(req, layer, pos, i))
-                    })
+                    kvxfer::stop::requested()
+                        || blocks.iter().enumerate().all(|(pos, &b)| {
+                            cache
+                                .block(layer, b)
+                                .iter()
+                                .enumerate()
+                                .all(|(i, &x)| x == kv_byte(req, layer, pos, i))
+                        })
                 });
                 if ok {
                     "verified".to_string()
@@ -340,6 +380,9 @@ fn decode(o: &Opts, g: &KvGeometry, transport: Transport, per_req: usize) {
                 )
             }
         };
+        if kvxfer::stop::requested() {
+            break;
+        }
         let st = consumer.next_finished();
         let (ms, moved, skipped) = st.map_or((f64::NAN, 0, 0), |s| {
             (
@@ -361,4 +404,26 @@ fn decode(o: &Opts, g: &KvGeometry, transport: Transport, per_req: usize) {
     }
     drop(consumer);
     drop(conn);
+    if kvxfer::stop::requested() {
+        stopped("decode");
+    }
+}
+
+/// Waits with `wait` (given a timeout) up to a minute; once the process is asked to stop,
+/// gives what it waits for [`kvxfer::stop::GRACE`] (none after SIGINT or a second SIGTERM).
+fn wait_or_stop(wait: impl Fn(Duration) -> kvxfer::Result<()>) -> kvxfer::Result<()> {
+    let t0 = Instant::now();
+    let mut since: Option<Instant> = None;
+    loop {
+        match wait(Duration::from_millis(20)) {
+            Err(kvxfer::Error::WaitTimeout(_)) if t0.elapsed() < Duration::from_secs(60) => {}
+            r => return r,
+        }
+        if kvxfer::stop::requested() {
+            let t = *since.get_or_insert_with(Instant::now);
+            if kvxfer::stop::cancel_now() || t.elapsed() >= kvxfer::stop::GRACE {
+                return Err(kvxfer::Error::Canceled);
+            }
+        }
+    }
 }

@@ -1245,6 +1245,34 @@ kvx_status kvx_producer_metrics(const struct kvx_producer *p,
                                 size_t *out_len);
 
 /**
+ * Installs kvxfer's SIGTERM and SIGINT handlers (once; later calls do nothing), replacing
+ * the process's: they only count the signals, which `kvx_stop_requested` reads. For a
+ * program that owns its signals and wants to stop in order: finish or cancel what is in
+ * flight, free its handles, and exit 0.
+ */
+void kvx_stop_signals_install(void);
+
+/**
+ * 0: not asked to stop; 1: asked to stop (a first SIGTERM: take no new work, give what is
+ * in flight a short grace, about 500 ms); 2: cancel what is in flight now (SIGINT, or a
+ * second SIGTERM).
+ */
+int kvx_stop_requested(void);
+
+/**
+ * What kvxfer holds in this process now: agents not freed, regions registered, memory
+ * registrations held with UCX, peers' regions mapped by the shared-memory lane. All zero
+ * once every handle is freed. Each output may be NULL.
+ *
+ * # Safety
+ * Outputs NULL or valid.
+ */
+kvx_status kvx_live(size_t *agents,
+                    size_t *regions,
+                    size_t *ucx_registrations,
+                    size_t *peer_mappings);
+
+/**
  * What decode rank `decode_rank` of a TP `decode_tp` deployment loads from the ranks of a TP
  * `prefill_tp` one, both over a model of `kv_heads` KV heads in all (each side gives its own
  * count: different counts are refused). Heads split over ranks as vLLM splits them (per rank

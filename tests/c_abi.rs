@@ -243,3 +243,54 @@ fn c_program_under_valgrind() {
     );
     println!("{text}");
 }
+
+/// A C program that stops in order: `kvx_test <transport> serve` moves blocks until SIGTERM
+/// (or SIGINT), then frees every handle and exits 0 within a second, `kvx_live` reporting
+/// nothing of kvxfer left in it.
+#[test]
+fn c_program_stops_in_order_on_sigterm_and_sigint() {
+    use std::io::{BufRead, BufReader, Read};
+    use std::time::{Duration, Instant};
+    let exe = compile("stop", false);
+    for t in ["tcp", "shm"] {
+        for (sig, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT")] {
+            let mut c = Command::new(&exe)
+                .args([t, "serve"])
+                .env("UCX_LOG_LEVEL", "error")
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut out = BufReader::new(c.stdout.take().unwrap());
+            let mut line = String::new();
+            out.read_line(&mut line).unwrap();
+            assert_eq!(line, "serving\n");
+            // Moving blocks for a while.
+            std::thread::sleep(Duration::from_millis(500));
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc::kill(c.id() as i32, sig) };
+            let t0 = Instant::now();
+            let st = loop {
+                if let Some(st) = c.try_wait().unwrap() {
+                    break st;
+                }
+                if t0.elapsed() > Duration::from_secs(1) {
+                    let _ = c.kill();
+                    panic!("kvx_test {t} serve still running a second after {name}");
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            };
+            let took = t0.elapsed();
+            let mut said = String::new();
+            out.read_to_string(&mut said).unwrap();
+            assert!(
+                st.success(),
+                "kvx_test {t} serve after {name}: {st}: {said}"
+            );
+            assert!(
+                said.contains("left: 0 agents, 0 regions, 0 UCX registrations, 0 peer mappings"),
+                "{said}"
+            );
+            println!("{t}, {name}: exited 0 after {took:?}: {}", said.trim());
+        }
+    }
+}

@@ -1,12 +1,26 @@
-//! Clean exits: kvxfer-bench's peer and initiator exit 0 within a second of SIGTERM, also in
-//! the middle of transfers, with their memory deregistered and their agent closed; SIGINT
-//! (or a second SIGTERM) cancels a transfer in flight at once, safely: the peer goes on
-//! serving the next initiator, bytes verified.
+//! Clean exits: kvxfer-bench's peer and initiator, and the two-process examples (disagg,
+//! engine), exit 0 within a second of SIGTERM, also in the middle of transfers, with their
+//! memory deregistered and their agents closed (each says what is left of kvxfer in it:
+//! nothing); SIGINT (or a second SIGTERM) cancels a transfer in flight at once, safely: the
+//! bench peer goes on serving the next initiator, bytes verified.
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
+
+mod common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+/// What a process that stopped in order says is left of kvxfer in it.
+const NOTHING_LEFT: &str =
+    "left: 0 agents, 0 regions registered, 0 UCX registrations, 0 peer mappings";
+
+/// One test at a time: each times an exit against a one-second bound on two cores.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 struct Proc(Child);
 
@@ -90,6 +104,7 @@ fn stderr_of(p: &mut Proc) -> String {
 
 #[test]
 fn sigterm_and_sigint_end_every_bench_process_in_order() {
+    let _one = serial();
     for transport in ["tcp", "shm"] {
         let (mut p, ctl) = peer(transport);
         for (sig, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT")] {
@@ -104,6 +119,7 @@ fn sigterm_and_sigint_end_every_bench_process_in_order() {
                 "{transport} initiator after {name}: {st}: {said}"
             );
             assert!(said.contains(&format!("stopped by {name}")), "{said}");
+            assert!(said.contains(NOTHING_LEFT), "{said}");
             println!(
                 "{transport}: initiator exited 0 {t:?} after {name}: {}",
                 said.trim()
@@ -143,6 +159,7 @@ fn sigterm_and_sigint_end_every_bench_process_in_order() {
 
 #[test]
 fn a_peer_stopped_mid_transfer_fails_its_initiator_typed_and_exits_0() {
+    let _one = serial();
     let (mut p, ctl) = peer("tcp");
     let mut i = long_initiator(&ctl, "tcp");
     std::thread::sleep(Duration::from_millis(1500));
@@ -158,4 +175,68 @@ fn a_peer_stopped_mid_transfer_fails_its_initiator_typed_and_exits_0() {
         "peer exited 0 {t:?} after SIGTERM mid-transfer; its initiator: {}",
         said.trim()
     );
+}
+
+/// The two-process examples, stopped in the middle of their handoffs: the parent (which
+/// passes the signal on to its child worker) and the child exit 0 within a second, both
+/// saying nothing of kvxfer is left in them.
+#[test]
+fn the_examples_stop_in_order_mid_handoff() {
+    let _one = serial();
+    let runs: [(&str, &[&str]); 3] = [
+        (
+            "disagg",
+            &[
+                "--requests",
+                "1000000",
+                "--concurrency",
+                "2",
+                "--mode",
+                "pull",
+            ],
+        ),
+        (
+            "disagg",
+            &[
+                "--requests",
+                "1000000",
+                "--concurrency",
+                "2",
+                "--mode",
+                "push",
+            ],
+        ),
+        (
+            "engine",
+            &[
+                "--requests",
+                "1000000",
+                "--prompt-tokens",
+                "1024",
+                "--layer-ms",
+                "2",
+            ],
+        ),
+    ];
+    for (name, args) in runs {
+        for (sig, sname) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT")] {
+            let mut p = Proc(
+                Command::new(common::example(name))
+                    .args(args)
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap(),
+            );
+            // Well into its handoffs (the workers start and connect in well under this).
+            std::thread::sleep(Duration::from_millis(2500));
+            signal(&p, sig);
+            let (st, t) = exit_of(&mut p, Duration::from_secs(1));
+            let said = stderr_of(&mut p);
+            assert!(st.success(), "{name} {args:?} after {sname}: {st}: {said}");
+            assert_eq!(said.matches(NOTHING_LEFT).count(), 2, "{name}: {said}");
+            assert!(said.contains(&format!("stopped by {sname}")), "{said}");
+            println!("{name} {args:?}: exited 0 {t:?} after {sname}");
+        }
+    }
 }

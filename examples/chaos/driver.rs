@@ -18,11 +18,15 @@ type Pending = Arc<Mutex<HashMap<u64, Sender<String>>>>;
 
 const QUERY: u64 = u64::MAX;
 
+/// What a worker that stopped in order says is left.
+const NOTHING_LEFT: &str = "0 agents, 0 regions registered, 0 UCX registrations, 0 peer mappings";
+
 /// One incarnation of a worker as the driver sees it.
 struct Worker {
     child: Mutex<Child>,
     pid: u32,
-    stdin: Mutex<ChildStdin>,
+    /// None once closed (the worker's cue to end).
+    stdin: Mutex<Option<ChildStdin>>,
     pending: Pending,
     started: Instant,
     /// Its RSS once it ran for a while (bytes; 0 before).
@@ -50,7 +54,7 @@ impl Worker {
                 let Ok(line) = line else { break };
                 let mut w = line.split_whitespace();
                 let key = match w.next() {
-                    Some("HELD" | "STATE") => QUERY,
+                    Some("HELD" | "STATE" | "LEFT") => QUERY,
                     _ => w.next().and_then(|r| r.parse().ok()).unwrap_or(QUERY - 1),
                 };
                 if let Some(tx) = p.lock().unwrap().remove(&key) {
@@ -63,7 +67,7 @@ impl Worker {
         let w = Worker {
             child: Mutex::new(child),
             pid,
-            stdin: Mutex::new(stdin),
+            stdin: Mutex::new(Some(stdin)),
             pending,
             started: Instant::now(),
             rss_first: AtomicU64::new(0),
@@ -76,10 +80,41 @@ impl Worker {
     fn ask(&self, key: u64, line: &str) -> Receiver<String> {
         let (tx, rx) = channel();
         self.pending.lock().unwrap().insert(key, tx);
-        if writeln!(self.stdin.lock().unwrap(), "{line}").is_err() {
+        let sent = match self.stdin.lock().unwrap().as_mut() {
+            Some(i) => writeln!(i, "{line}").is_ok(),
+            None => false,
+        };
+        if !sent {
             self.pending.lock().unwrap().remove(&key);
         }
         rx
+    }
+
+    /// Ends the worker in order: SIGTERM and its stdin closed. Its exit status, how long it
+    /// took, and what it said was left of kvxfer in it.
+    fn stop(&self) -> (Option<std::process::ExitStatus>, Duration, String) {
+        let left = {
+            let (tx, rx) = channel();
+            self.pending.lock().unwrap().insert(QUERY, tx);
+            rx
+        };
+        let t = Instant::now();
+        self.signal(libc::SIGTERM);
+        self.stdin.lock().unwrap().take();
+        let said = left
+            .recv_timeout(Duration::from_secs(5))
+            .unwrap_or_default();
+        let mut c = self.child.lock().unwrap();
+        let st = loop {
+            match c.try_wait() {
+                Ok(Some(st)) => break Some(st),
+                Ok(None) if t.elapsed() < Duration::from_secs(5) => {
+                    std::thread::sleep(Duration::from_millis(5))
+                }
+                _ => break None,
+            }
+        };
+        (st, t.elapsed(), said)
     }
 
     fn kill(&self) {
@@ -383,7 +418,17 @@ pub fn run(a: &Args) {
         first > 0 && w.rss() > first + (32 << 20)
     };
     let grew = grew(&p) || grew(&d);
-    let lost = g("bad_bytes") + g("untyped") + g("stuck") + held + in_progress;
+    // Each survivor ends in order on SIGTERM: exit 0 within a second, nothing of kvxfer left.
+    let mut unclean = 0;
+    for (role, w) in [("prefill", &p), ("decode", &d)] {
+        let (st, took, said) = w.stop();
+        let clean = st.is_some_and(|s| s.success())
+            && took < Duration::from_secs(1)
+            && said.ends_with(NOTHING_LEFT);
+        eprintln!("chaos: {role} worker after SIGTERM: {st:?} in {took:?}: {said:?}");
+        unclean += u64::from(!clean);
+    }
+    let lost = g("bad_bytes") + g("untyped") + g("stuck") + held + in_progress + unclean;
     if lost > 0 || g("verified") == 0 || grew {
         eprintln!("chaos: something was lost (or a survivor's RSS grew)");
         drop(_cleanup);

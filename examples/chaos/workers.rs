@@ -42,7 +42,27 @@ fn agent(name: &str, a: &Args) -> Arc<Agent> {
 
 /// The prefill worker: publishes each request it is asked for into its slot's blocks, once
 /// the request that used them before was freed (acknowledged, or its lease ran out).
+/// A worker: serves until its stdin closes (SIGTERM first, from the driver at the end),
+/// then drops what it holds of kvxfer and says what is left: nothing.
 pub fn prefill(a: &Args) {
+    kvxfer::stop::install();
+    serve_prefill(a);
+    left();
+}
+
+/// See [`prefill`].
+pub fn decode(a: &Args) {
+    kvxfer::stop::install();
+    serve_decode(a);
+    left();
+}
+
+fn left() {
+    let mut o = std::io::stdout();
+    let _ = writeln!(o, "LEFT {}", kvxfer::live::live()).and_then(|()| o.flush());
+}
+
+fn serve_prefill(a: &Args) {
     let ag = agent("chaos-prefill", a);
     let (region, layout) = cache_of(&ag, SLOTS, PER_SLOT);
     let side = ag.listen((a.bind.as_str(), 0)).unwrap();
@@ -85,7 +105,7 @@ pub fn prefill(a: &Args) {
 
 /// The decode worker: loads each handoff it is given into its slot's blocks (after a cached
 /// prefix it writes itself), then checks every byte, or checks the failure names the blocks.
-pub fn decode(a: &Args) {
+fn serve_decode(a: &Args) {
     let ag = agent("chaos-decode", a);
     let (region, layout) = cache_of(&ag, SLOTS, PER_SLOT);
     let consumer = Arc::new(Consumer::new(ag.clone(), layout.clone(), cfg(a.mode)).unwrap());

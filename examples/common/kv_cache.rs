@@ -79,7 +79,8 @@ pub fn pattern(req: u64, k: u64, layer: u64, kv: Kv, out: &mut [u8]) {
 }
 
 /// Writes (or checks) the pattern of `req` into token blocks `ks` (indices into the request)
-/// stored at cache blocks `blocks`.
+/// stored at cache blocks `blocks`. Stops early, returning false, once the process is asked
+/// to stop ([`kvxfer::stop`]).
 pub fn fill_or_check(
     region: &Region,
     layout: &KvLayout,
@@ -92,6 +93,10 @@ pub fn fill_or_check(
     let mut got = vec![0u8; want.len()];
     let mut d = Vec::new();
     for layer in 0..layout.layers.len() {
+        // A "forward pass" yields to a stopping process between layers.
+        if kvxfer::stop::requested() {
+            return false;
+        }
         for kv in [Kv::K, Kv::V] {
             for k in ks.clone() {
                 d.clear();

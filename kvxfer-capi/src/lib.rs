@@ -336,6 +336,7 @@ mod agent;
 mod connector;
 mod discovery;
 mod metrics;
+mod process;
 mod tp;
 
 #[cfg(test)]

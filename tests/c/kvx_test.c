@@ -283,8 +283,71 @@ static void tp_plan(void) {
   printf("tp plan: 2 -> 1 reads both halves into place, 1 -> 2 declares 2 readers, 6 heads over TP 4 refused\n");
 }
 
+/* `kvx_test <transport> serve`: a process that moves blocks until it is asked to stop, then
+ * stops in order: a SIGTERM gives the transfer in flight 500 ms, SIGINT (or a second
+ * SIGTERM) cancels it at once; every handle is freed, nothing of kvxfer is left
+ * (kvx_live), and the process exits 0. */
+static int serve_until_stopped(const char *transport) {
+  kvx_stop_signals_install();
+  kvx_agent *a = NULL, *b = NULL;
+  kvx_region *ra = NULL, *rb = NULL;
+  char addr[KVX_MAX_ADDRESS], name[KVX_MAX_NAME + 1];
+  size_t alen = 0, nlen = 0;
+  CHECK(kvx_agent_new("c-serve-a", transport, "lo", 0, &a));
+  CHECK(kvx_agent_new("c-serve-b", transport, "lo", 0, &b));
+  CHECK(kvx_agent_alloc(a, LEN, &ra));
+  CHECK(kvx_agent_alloc(b, LEN, &rb));
+  CHECK(kvx_agent_listen(b, "127.0.0.1:0", addr, sizeof addr, &alen));
+  CHECK(kvx_agent_connect(a, addr, name, sizeof name, &nlen));
+  kvx_desc ld[N], rd[N];
+  fill_descs(ld, kvx_region_id(ra), 0);
+  fill_descs(rd, kvx_region_id(rb), 0);
+  kvx_local_list *l = NULL;
+  kvx_remote_list *rl = NULL;
+  CHECK(kvx_agent_prep_local(a, ld, N, &l));
+  CHECK(kvx_agent_prep_remote(a, name, rd, N, &rl));
+  printf("serving\n");
+  fflush(stdout);
+  unsigned long done = 0;
+  int canceled = 0;
+  while (!kvx_stop_requested()) {
+    kvx_transfer *t = NULL;
+    CHECK(kvx_agent_transfer(a, KVX_WRITE, l, NULL, rl, NULL, N, NULL, 0, 0, &t));
+    int waited_ms = 0, stopping_ms = -1;
+    kvx_status s;
+    while ((s = kvx_transfer_wait(t, 20, NULL)) == KVX_TIMEOUT) {
+      waited_ms += 20;
+      if (kvx_stop_requested() && stopping_ms < 0) stopping_ms = waited_ms;
+      if (kvx_stop_requested() == 2 || (stopping_ms >= 0 && waited_ms - stopping_ms >= 500)) {
+        s = kvx_transfer_cancel(t);
+        canceled = s == KVX_CANCELED;
+        break;
+      }
+    }
+    if (s != KVX_OK && s != KVX_CANCELED) die("a transfer while serving", s);
+    kvx_transfer_free(t);
+    done++;
+  }
+  kvx_local_list_free(l);
+  kvx_remote_list_free(rl);
+  CHECK(kvx_agent_deregister(a, ra));
+  CHECK(kvx_agent_deregister(b, rb));
+  kvx_region_free(ra);
+  kvx_region_free(rb);
+  kvx_agent_free(a);
+  kvx_agent_free(b);
+  size_t live[4] = {1, 1, 1, 1};
+  CHECK(kvx_live(&live[0], &live[1], &live[2], &live[3]));
+  printf("kvx_test serve: stopped (%s) after %lu transfers%s; left: %zu agents, %zu regions, %zu UCX "
+         "registrations, %zu peer mappings\n",
+         kvx_stop_requested() == 2 ? "cancel" : "grace", done, canceled ? ", the last cancelled" : "", live[0],
+         live[1], live[2], live[3]);
+  return live[0] + live[1] + live[2] + live[3] == 0 ? 0 : 1;
+}
+
 int main(int argc, char **argv) {
   const char *transport = argc > 1 ? argv[1] : "tcp";
+  if (argc > 2 && strcmp(argv[2], "serve") == 0) return serve_until_stopped(transport);
   int up[2], down[2];
   if (pipe(up) || pipe(down)) return 1;
   pid_t pid = fork();

@@ -52,9 +52,10 @@ fn main() {
         // Asked to stop: what was in flight finished or was cancelled, memory deregistered,
         // the agent closed. An order, not a failure.
         eprintln!(
-            "kvxfer-bench: stopped by {}{}",
+            "kvxfer-bench: stopped by {}{}; left: {}",
             kvxfer::stop::reason().unwrap_or("a signal"),
-            r.err().map_or(String::new(), |e| format!(" ({e})"))
+            r.err().map_or(String::new(), |e| format!(" ({e})")),
+            kvxfer::live::live()
         );
         return;
     }
