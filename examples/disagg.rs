@@ -251,6 +251,8 @@ fn wait_or_stop(consumer: &Consumer, request: &str) -> bool {
         match consumer.wait(request, Duration::from_millis(20)) {
             Ok(()) => return true,
             Err(kvxfer::Error::WaitTimeout(_)) => {}
+            // The prefill worker, stopping too, ended the load: part of stopping.
+            Err(_) if kvxfer::stop::requested() => return false,
             Err(e) => panic!("{request}: {e}"),
         }
         if kvxfer::stop::requested() {
@@ -364,7 +366,11 @@ fn decode(a: &Args) {
                     }
                     let h = Handoff::decode(&unhex(line.trim()).unwrap()).unwrap();
                     let t = Instant::now();
-                    consumer.start_load(&h, &blocks[cached..]).unwrap();
+                    if let Err(e) = consumer.start_load(&h, &blocks[cached..]) {
+                        // The prefill worker, stopping too, is gone: part of stopping.
+                        assert!(kvxfer::stop::requested(), "{}: {e}", h.request);
+                        return;
+                    }
                     // Stopping: the load ended or was cancelled; nothing is left to report.
                     if !wait_or_stop(&consumer, &h.request) || kvxfer::stop::requested() {
                         return;

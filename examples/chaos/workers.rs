@@ -198,6 +198,29 @@ impl Load<'_> {
                     &blocks,
                     true,
                 );
+                if !good {
+                    // Whose bytes are there instead: an earlier request of this slot's?
+                    let whose: Vec<String> = (0..blocks.len())
+                        .map(|k| {
+                            (0..=8u64)
+                                .map(|back| req.saturating_sub(back * SLOTS as u64))
+                                .find(|&r| {
+                                    fill_or_check(
+                                        self.region,
+                                        self.layout,
+                                        r,
+                                        k..k + 1,
+                                        &blocks,
+                                        true,
+                                    )
+                                })
+                                .map_or("?".to_string(), |r| format!("req {r}"))
+                        })
+                        .collect();
+                    eprintln!(
+                        "chaos decode: req {req} (cached {cached}) completed with wrong bytes; its blocks hold {whose:?}"
+                    );
+                }
                 (
                     if good { "verified" } else { "bad_bytes" },
                     ms,

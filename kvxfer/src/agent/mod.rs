@@ -383,6 +383,15 @@ impl Agent {
         peer_info(&self.shared, name)
     }
 
+    /// Fences the writes peer `name` makes into this agent's memory through the TCP lane:
+    /// its connections are closed and their threads waited for, so nothing it sent before is
+    /// written after this returns (it reconnects for what it sends next). Returns the
+    /// connections closed. Writes through the shared-memory lane or UCX are the writer's own
+    /// and cannot be fenced here.
+    pub fn fence_inbound(&self, name: &str) -> usize {
+        self.lane_server.as_ref().map_or(0, |s| s.fence(name))
+    }
+
     /// The incarnation of peer `name` loaded now (0: a peer that sends none), or `None` when
     /// no incarnation of it is loaded (never connected, removed, or retired).
     pub fn peer_epoch(&self, name: &str) -> Option<u64> {

@@ -54,6 +54,11 @@ struct CState {
     failed: Vec<LoadFailure>,
     ended: HashMap<String, Ended>,
     ended_order: std::collections::VecDeque<String>,
+    /// Loads that failed with reads in flight: reported once those are cancelled and no
+    /// longer write into the blocks (the consumer thread fences them).
+    fencing: Vec<(String, Load, Error)>,
+    /// Their names, while they are fenced: still in progress to `wait`.
+    fencing_names: std::collections::HashSet<String>,
     stop: bool,
 }
 
@@ -104,6 +109,8 @@ impl Consumer {
                 failed: Vec::new(),
                 ended: HashMap::new(),
                 ended_order: Default::default(),
+                fencing: Vec::new(),
+                fencing_names: Default::default(),
                 stop: false,
             }),
             cv: Condvar::new(),
@@ -287,6 +294,7 @@ impl Consumer {
             match (st.loads.get(request), st.ended.get(request)) {
                 (Some(l), _) if f(l) => Some(Ok(())),
                 (Some(_), _) => None,
+                (None, _) if st.fencing_names.contains(request) => None,
                 (None, Some(Ended::Ok)) => Some(Ok(())),
                 (None, Some(Ended::Failed(why))) => Some(Err(Error::Handoff {
                     request: request.to_string(),
@@ -338,7 +346,8 @@ impl Consumer {
 
     /// Loads in progress.
     pub fn in_progress(&self) -> usize {
-        lock(&self.sh.st).loads.len()
+        let st = lock(&self.sh.st);
+        st.loads.len() + st.fencing_names.len()
     }
 
     /// Aggregate telemetry.
@@ -358,6 +367,18 @@ impl Drop for Consumer {
         self.sh.cv.notify_all();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+        // Reads still in flight stop before the engine's blocks are its own again.
+        let (loads, fencing) = {
+            let mut st = lock(&self.sh.st);
+            (
+                std::mem::take(&mut st.loads),
+                std::mem::take(&mut st.fencing),
+            )
+        };
+        let left = loads.into_values().chain(fencing.into_iter().map(|f| f.1));
+        for (_, t) in left.flat_map(|l| l.inflight) {
+            let _ = t.cancel();
         }
     }
 }
@@ -396,10 +417,51 @@ fn finish(sh: &CShared, st: &mut CState, req: &str) {
     remember(st, req, Ended::Ok);
 }
 
+/// Fails the load of `req`. A load that may still have bytes on their way into its blocks is
+/// fenced first, and its failure (and its blocks) reported only after ([`fence`]), so an
+/// engine that reuses the blocks never has a late write land in them: a pull load's reads in
+/// flight are cancelled; a push load's producer has its TCP lane writes into this agent
+/// fenced (what it queued before, in a socket or mid-stream, is dropped).
 fn fail(sh: &CShared, st: &mut CState, req: &str, e: Error) {
     let Some(l) = st.loads.remove(req) else {
         return;
     };
+    if !l.inflight.is_empty() || l.h.mode == Mode::Push {
+        st.fencing_names.insert(req.to_string());
+        st.fencing.push((req.to_string(), l, e));
+        return;
+    }
+    report_failure(sh, st, req, l, e);
+}
+
+/// Cancels the reads of the loads that failed with reads in flight (on the consumer thread,
+/// outside the lock: a cancel returns once nothing writes into the blocks), then reports them.
+fn fence(sh: &CShared) {
+    let fencing = std::mem::take(&mut lock(&sh.st).fencing);
+    if fencing.is_empty() {
+        return;
+    }
+    let mut fenced: Vec<String> = Vec::new();
+    for (req, mut l, e) in fencing {
+        for (_, t) in l.inflight.drain(..) {
+            let _ = t.cancel();
+        }
+        if l.h.mode == Mode::Push && !fenced.contains(&l.h.producer) {
+            let n = sh.agent.fence_inbound(&l.h.producer);
+            log::info!(
+                "kvxfer consumer: {req:?} failed: {n} TCP lane connection(s) of {:?} fenced",
+                l.h.producer
+            );
+            fenced.push(l.h.producer.clone());
+        }
+        let mut st = lock(&sh.st);
+        st.fencing_names.remove(&req);
+        report_failure(sh, &mut st, &req, l, e);
+    }
+    sh.cv.notify_all();
+}
+
+fn report_failure(sh: &CShared, st: &mut CState, req: &str, l: Load, e: Error) {
     log::warn!("kvxfer consumer: load of {req:?} failed: {e}");
     sh.tel.failed();
     // Tell the producer this reader is done with its blocks (it frees them on the last one).
@@ -430,6 +492,7 @@ fn consumer_loop(sh: &CShared) {
         let busy = lock(&sh.st).loads.values().any(|l| !l.inflight.is_empty());
         take_control(&sh.agent, false, busy, |n| consumer_msg(sh, n));
         consumer_progress(sh);
+        fence(sh);
     }
 }
 

@@ -399,6 +399,13 @@ fn push_target(sh: &PShared, want: PushWant, producer_blocks: usize) -> Result<P
 fn producer_pushes(sh: &PShared) {
     let mut st = lock(&sh.st);
     let mut acks: Vec<(String, String)> = Vec::new();
+    // A push that failed is the consumer's to hear at once (else it waits out its lease).
+    let mut refusals: Vec<(String, Vec<u8>)> = Vec::new();
+    let refusal = |req: &str, e: &Error| ToConsumer::Refused {
+        request: req.to_string(),
+        kind: None,
+        why: format!("the push failed: {e}"),
+    };
     let nl = sh.layout.layers.len();
     let heads = 0..sh.layout.geometry.kv_heads;
     let PState { core, reqs, .. } = &mut *st;
@@ -427,6 +434,7 @@ fn producer_pushes(sh: &PShared) {
                     Ok(t) => p.inflight.push((l, t)),
                     Err(e) => {
                         log::warn!("kvxfer producer: push of {req:?} layer {l}: {e}");
+                        refusals.push((p.reader.clone(), refusal(req, &e).encode()));
                         p.failed = true;
                         break;
                     }
@@ -444,6 +452,9 @@ fn producer_pushes(sh: &PShared) {
                         }
                         Err(e) => {
                             log::warn!("kvxfer producer: push of {req:?}: {e}");
+                            if !p.failed {
+                                refusals.push((p.reader.clone(), refusal(req, &e).encode()));
+                            }
                             p.failed = true;
                         }
                     }
@@ -480,6 +491,9 @@ fn producer_pushes(sh: &PShared) {
         }
     }
     drop(st);
+    for (reader, m) in refusals {
+        send(&sh.agent, &reader, &m);
+    }
     if any {
         sh.cv.notify_all();
     }

@@ -272,7 +272,7 @@ fn run_job(inner: &LinkInner, conn: &mut Option<TcpStream>, job: &Job) -> Result
         send_buf(c, &hdr, &mut ctl).map_err(|s| stop_err(inner, s, "request"))?;
         // SAFETY: the pieces come from the job's plan, bounds-checked against its local
         // regions (kinds in `local_dev`), which the job pins until it finishes.
-        unsafe { stream_mixed(c, true, &pieces, &job.local_dev, st, &mut ctl) }
+        unsafe { stream_mixed(c, true, &pieces, &job.local_dev, st, None, &mut ctl) }
             .map_err(|s| stop_err(inner, s, "sending data"))?;
         send_buf(c, note, &mut ctl).map_err(|s| stop_err(inner, s, "notification"))?;
         posted_at = job.started.elapsed();
@@ -284,7 +284,7 @@ fn run_job(inner: &LinkInner, conn: &mut Option<TcpStream>, job: &Job) -> Result
         read_reply(inner, c, K_DATA, job.id, &mut ctl)?;
         let t_hdr = job.started.elapsed();
         // SAFETY: as for a write.
-        unsafe { stream_mixed(c, false, &pieces, &job.local_dev, st, &mut ctl) }
+        unsafe { stream_mixed(c, false, &pieces, &job.local_dev, st, None, &mut ctl) }
             .map_err(|s| stop_err(inner, s, "receiving data"))?;
         log::debug!(
             "kvxfer: read {}: request sent {posted_at:?}, reply {t_hdr:?}, data {:?}",

@@ -35,9 +35,15 @@ pub(crate) struct Server {
     conns: Arc<Mutex<Vec<Served>>>,
 }
 
-/// A connection's serving thread, and its socket (shut down to stop the thread at once, even
-/// in the middle of a stream).
-type Served = (JoinHandle<()>, Option<TcpStream>);
+/// A connection's serving thread, its socket (shut down to stop the thread at once, even in
+/// the middle of a stream), the peer that proved the secret on it, and its fence (set: the
+/// thread moves no further byte into memory).
+struct Served {
+    thread: JoinHandle<()>,
+    sock: Option<TcpStream>,
+    peer: String,
+    fence: Arc<AtomicBool>,
+}
 
 /// An initiator's hello, from its accept to its proof of the lane secret (a real peer sends
 /// it at once; a silent or trickling client is dropped after this).
@@ -115,13 +121,21 @@ impl Server {
         let admit = move |c: TcpStream, h: Hello| {
             let (st2, sh) = (st.clone(), ctx.clone());
             let sock = c.try_clone().ok();
+            let peer = h.t.peer().unwrap_or_default().to_string();
+            let fence = Arc::new(AtomicBool::new(false));
+            let f2 = fence.clone();
             let t = std::thread::Builder::new()
                 .name(format!("kvxfer-lane-{nm}-conn"))
-                .spawn(move || serve(c, sh, h, st2));
-            if let Ok(t) = t {
+                .spawn(move || serve(c, sh, h, st2, &f2));
+            if let Ok(thread) = t {
                 let mut g = cs.lock().unwrap_or_else(|e| e.into_inner());
-                g.retain(|(h, _)| !h.is_finished());
-                g.push((t, sock));
+                g.retain(|s| !s.thread.is_finished());
+                g.push(Served {
+                    thread,
+                    sock,
+                    peer,
+                    fence,
+                });
             }
         };
         let gate = Gate::start(
@@ -145,6 +159,32 @@ impl Server {
     pub(crate) fn info(&self) -> LaneInfo {
         self.info
     }
+
+    /// Fences `peer`'s writes: its connections are closed and their threads waited for, so
+    /// that once this returns nothing it sent before (queued in a socket, or mid-stream) is
+    /// written into memory. It reconnects for what it sends next. Returns the connections
+    /// closed.
+    pub(crate) fn fence(&self, peer: &str) -> usize {
+        let mine: Vec<Served> = {
+            let mut g = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+            let (mine, rest) = std::mem::take(&mut *g)
+                .into_iter()
+                .partition(|s| s.peer == peer);
+            *g = rest;
+            mine
+        };
+        for s in &mine {
+            s.fence.store(true, Ordering::Release);
+            if let Some(c) = &s.sock {
+                let _ = c.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        let n = mine.len();
+        for s in mine {
+            let _ = s.thread.join();
+        }
+        n
+    }
 }
 
 impl Drop for Server {
@@ -154,13 +194,14 @@ impl Drop for Server {
         let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|e| e.into_inner()));
         // A connection in the middle of a stream never times out: closing its socket ends
         // the stream (the peer's transfer fails typed) and the thread with it.
-        for (_, sock) in &conns {
-            if let Some(s) = sock {
-                let _ = s.shutdown(std::net::Shutdown::Both);
+        for s in &conns {
+            s.fence.store(true, Ordering::Release);
+            if let Some(c) = &s.sock {
+                let _ = c.shutdown(std::net::Shutdown::Both);
             }
         }
-        for (t, _) in conns {
-            let _ = t.join();
+        for s in conns {
+            let _ = s.thread.join();
         }
     }
 }
@@ -225,9 +266,9 @@ fn target_stage(ctx: &LaneCtx, devs: &[Option<u32>]) -> Result<Option<Arc<Device
 /// How long a target waits for staging chunks before refusing a request.
 const STAGE_WAIT: Duration = Duration::from_secs(10);
 
-fn serve(c: TcpStream, ctx: Arc<LaneCtx>, hello: Hello, stop: Arc<AtomicBool>) {
+fn serve(c: TcpStream, ctx: Arc<LaneCtx>, hello: Hello, stop: Arc<AtomicBool>, fence: &AtomicBool) {
     let peer = c.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-    if let Err(e) = serve_inner(&c, &ctx, hello, &stop) {
+    if let Err(e) = serve_inner(&c, &ctx, hello, &stop, fence) {
         match e {
             Stop::Eof => log::debug!("kvxfer: TCP lane peer {peer} closed"),
             Stop::Io(e) => log::info!("kvxfer: TCP lane peer {peer}: {e}"),
@@ -236,13 +277,19 @@ fn serve(c: TcpStream, ctx: Arc<LaneCtx>, hello: Hello, stop: Arc<AtomicBool>) {
     }
 }
 
-fn serve_inner(c: &TcpStream, ctx: &LaneCtx, hello: Hello, stop: &AtomicBool) -> Result<(), Stop> {
+fn serve_inner(
+    c: &TcpStream,
+    ctx: &LaneCtx,
+    hello: Hello,
+    stop: &AtomicBool,
+    fence: &AtomicBool,
+) -> Result<(), Stop> {
     set_timeouts(c)?;
     let Hello { mut t, t0 } = hello;
     // The request's budget charge, held until the next request is admitted.
     let mut _charge: Option<Charge> = None;
     loop {
-        match step(c, ctx, &mut t, t0, stop, None)? {
+        match step(c, ctx, &mut t, t0, stop, fence, None)? {
             Flow::Go => {}
             Flow::Admit(table_bytes) => {
                 _charge = None;
@@ -286,7 +333,7 @@ fn serve_inner(c: &TcpStream, ctx: &LaneCtx, hello: Hello, stop: &AtomicBool) ->
                     devs: d,
                     stage: stage.as_deref().zip(pair.as_ref()),
                 });
-                while step(c, ctx, &mut t, t0, stop, pieces.as_ref())? != Flow::Released {}
+                while step(c, ctx, &mut t, t0, stop, fence, pieces.as_ref())? != Flow::Released {}
                 drop(pair);
                 drop(resolved);
             }
@@ -321,6 +368,7 @@ fn step(
     t: &mut LaneTarget,
     t0: Instant,
     stop: &AtomicBool,
+    fence: &AtomicBool,
     pieces: Option<&Pieces<'_>>,
 ) -> Result<Flow, Stop> {
     let Some(ev) = t.poll_event() else {
@@ -363,7 +411,7 @@ fn step(
             // SAFETY: the pieces were resolved against this agent's registered regions, whose
             // kinds `devs` gives, and the resolution's pins hold them registered until the
             // core releases them (after this data).
-            unsafe { stream_mixed(c, send, p.pieces, p.devs, p.stage, &mut ctl) }?;
+            unsafe { stream_mixed(c, send, p.pieces, p.devs, p.stage, Some(fence), &mut ctl) }?;
             t.data_done();
         }
         TargetEvent::Drain { bytes } => {

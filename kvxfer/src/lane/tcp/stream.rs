@@ -6,6 +6,7 @@
 use std::io::Read;
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::staging::pool::{ChunkPair, DeviceStaging};
@@ -51,7 +52,8 @@ fn would_block(e: &std::io::Error) -> bool {
 }
 
 /// Moves the bytes of `pieces` (address, length) through the socket: `writev` from them when
-/// `send`, `readv` into them otherwise. `ctl` is asked after each time-out whether to go on.
+/// `send`, `readv` into them otherwise. `ctl` is asked after each time-out whether to go on;
+/// once `fence` is set, no further batch moves.
 ///
 /// # Safety
 /// Every piece is host memory valid for this direction (readable to send, writable to
@@ -60,6 +62,7 @@ pub(super) unsafe fn stream_pieces(
     s: &TcpStream,
     send: bool,
     pieces: &[(u64, u64)],
+    fence: Option<&AtomicBool>,
     ctl: &mut dyn FnMut() -> Result<(), Stop>,
 ) -> Result<(), Stop> {
     let fd = s.as_raw_fd();
@@ -70,6 +73,10 @@ pub(super) unsafe fn stream_pieces(
         i += 1;
     }
     while i < pieces.len() {
+        // Fenced: not one more batch moves (the agent waits for this thread to end).
+        if fence.is_some_and(|f| f.load(Ordering::Acquire)) {
+            return Err(Stop::Abort(Error::Canceled));
+        }
         iov.clear();
         let mut k = i;
         let mut o = off;
@@ -152,11 +159,12 @@ pub(super) unsafe fn stream_mixed(
     pieces: &[(u64, u64)],
     devs: &[Option<u32>],
     stage: Option<(&DeviceStaging, &ChunkPair<'_>)>,
+    fence: Option<&AtomicBool>,
     ctl: &mut dyn FnMut() -> Result<(), Stop>,
 ) -> Result<(), Stop> {
     if devs.iter().all(Option::is_none) {
         // SAFETY: all pieces are host memory (no device), valid per this function's contract.
-        return unsafe { stream_pieces(s, send, pieces, ctl) };
+        return unsafe { stream_pieces(s, send, pieces, fence, ctl) };
     }
     let mut i = 0;
     while i < pieces.len() {
@@ -167,7 +175,7 @@ pub(super) unsafe fn stream_mixed(
         }
         match (d, stage) {
             // SAFETY: host pieces, valid per this function's contract.
-            (None, _) => unsafe { stream_pieces(s, send, &pieces[i..j], ctl) }?,
+            (None, _) => unsafe { stream_pieces(s, send, &pieces[i..j], fence, ctl) }?,
             (Some(_), None) => {
                 return Err(Stop::Abort(Error::InvalidArgument(
                     "device memory without staging chunks".into(),
@@ -176,7 +184,9 @@ pub(super) unsafe fn stream_mixed(
             (Some(dev), Some((st, pair))) => {
                 let mut stop: Option<Stop> = None;
                 let mut net = |buf: &mut [u8]| {
-                    let r = if send {
+                    let r = if fence.is_some_and(|f| f.load(Ordering::Acquire)) {
+                        Err(Stop::Abort(Error::Canceled))
+                    } else if send {
                         send_buf(s, buf, ctl)
                     } else {
                         recv_buf(s, buf, ctl)
@@ -235,7 +245,7 @@ pub(super) fn send_buf(
     ctl: &mut dyn FnMut() -> Result<(), Stop>,
 ) -> Result<(), Stop> {
     // SAFETY: `b` is a borrowed slice, readable for the whole call.
-    unsafe { stream_pieces(s, true, &[(b.as_ptr() as u64, b.len() as u64)], ctl) }
+    unsafe { stream_pieces(s, true, &[(b.as_ptr() as u64, b.len() as u64)], None, ctl) }
 }
 
 pub(super) fn recv_buf(
@@ -244,7 +254,15 @@ pub(super) fn recv_buf(
     ctl: &mut dyn FnMut() -> Result<(), Stop>,
 ) -> Result<(), Stop> {
     // SAFETY: `b` is a mutably borrowed slice, writable for the whole call.
-    unsafe { stream_pieces(s, false, &[(b.as_mut_ptr() as u64, b.len() as u64)], ctl) }
+    unsafe {
+        stream_pieces(
+            s,
+            false,
+            &[(b.as_mut_ptr() as u64, b.len() as u64)],
+            None,
+            ctl,
+        )
+    }
 }
 
 /// Like recv_buf, but tells `ctl` whether any byte of the message has arrived yet.
