@@ -45,9 +45,11 @@ config builder, none through environment variables.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -245,6 +247,21 @@ def _rundir(extra: dict[str, Any]) -> str:
     return d
 
 
+# Connectors alive in this process: an engine that stops in order (vLLM's engine processes
+# turn SIGTERM into SystemExit) closes them at exit, so the process ends with nothing of
+# libkvxfer left registered or mapped (`kx.live()`), whether or not vLLM called shutdown().
+_ALIVE: "weakref.WeakSet[KvxferConnector]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_alive() -> None:
+    for c in list(_ALIVE):
+        try:
+            c.shutdown()
+        except Exception:  # pragma: no cover - best effort at exit
+            pass
+
+
 class KvxferConnector(KVConnectorBase_V1):
     def __init__(
         self,
@@ -291,6 +308,7 @@ class KvxferConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._failed_now: set[str] = set()  # failed before or while starting: report received
         self._stats = KvxferConnectorStats()
+        _ALIVE.add(self)
 
     # ------------------------------------------------------------------ scheduler side
 

@@ -185,6 +185,7 @@ class Lib:
             "kvx_connector_producer": (st, [c_void_p, POINTER(Layout), POINTER(CacheTensor), c_int32, POINTER(ConnectorConfig), POINTER(c_void_p)]),
             "kvx_connector_consumer": (st, [c_void_p, POINTER(Layout), POINTER(CacheTensor), c_int32, POINTER(ConnectorConfig), POINTER(c_void_p)]),
             "kvx_consumer_metrics": (st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
+            "kvx_live": (st, [POINTER(c_size_t)] * 4),
         }
         for name, (res, args) in sig.items():
             f = getattr(L, name)
@@ -301,6 +302,16 @@ class Discovery:
         if self.h:
             self.lib.L.kvx_discovery_free(self.h)
             self.h = None
+
+
+def live():
+    """What libkvxfer holds in this process now: agents not freed, regions registered, UCX
+    memory registrations, peers' regions mapped. All zero once every object is closed."""
+    lib = Lib.get()
+    n = [c_size_t(0) for _ in range(4)]
+    lib.check(lib.L.kvx_live(*[ctypes.byref(x) for x in n]))
+    keys = ("agents", "regions", "ucx_registrations", "peer_mappings")
+    return dict(zip(keys, (x.value for x in n)))
 
 
 def tp_plan(prefill_tp, prefill_kv_heads, decode_tp, decode_kv_heads, decode_rank):

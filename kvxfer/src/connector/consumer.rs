@@ -564,13 +564,7 @@ fn consumer_progress(sh: &CShared) {
             .restarted(now_loaded)
             .filter(|_| l.inflight.is_empty())
         {
-            failures.push((
-                req.clone(),
-                Error::Handoff {
-                    request: req.clone(),
-                    why,
-                },
-            ));
+            failures.push((req.clone(), load_failed(req, why)));
             continue;
         }
         if l.h.mode == Mode::Pull {
