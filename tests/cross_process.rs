@@ -172,11 +172,20 @@ fn reference_and_concurrency() {
         3 * 256,
         "three requests of 256 random blocks: {j}"
     );
-    for k in ["memcpy_ms", "tcp_ms", "x_memcpy", "x_tcp"] {
+    for k in [
+        "memcpy_ms",
+        "tcp_ms",
+        "tcp_mem_ms",
+        "x_memcpy",
+        "x_tcp",
+        "x_tcp_mem",
+    ] {
         assert!(j[k].as_f64().is_some_and(|x| x > 0.0), "{k}: {j}");
     }
     let x = j["median_ms"].as_f64().unwrap() / j["tcp_ms"].as_f64().unwrap();
     assert!((x - j["x_tcp"].as_f64().unwrap()).abs() < 1e-9);
+    let x = j["median_ms"].as_f64().unwrap() / j["tcp_mem_ms"].as_f64().unwrap();
+    assert!((x - j["x_tcp_mem"].as_f64().unwrap()).abs() < 1e-9);
 }
 
 #[test]

@@ -180,13 +180,19 @@ pub(crate) fn session(
                 Some(r) => format!("OK {}", r.region.id().0),
                 None => "ERR no SETUP".into(),
             },
-            ["TCPREF", bytes, dir, rounds] => {
+            ["TCPREF", bytes, dir, rounds, span @ ..] => {
                 let l = TcpListener::bind(SocketAddr::new(at.ip, 0))?;
                 let port = l.local_addr()?.port();
                 let (bytes, rounds): (u64, usize) = (bytes.parse()?, rounds.parse()?);
+                // The buffer streamed into or from: 1 MiB, cache-hot (iperf3 -l 1M), or as
+                // large as the transfer (the same memory traffic as a KV transfer).
+                let span: usize = match span {
+                    [s] => s.parse()?,
+                    _ => TCP_REF_CHUNK,
+                };
                 let inbound = *dir == "in";
                 std::thread::spawn(move || {
-                    if let Err(e) = tcp_ref_serve(l, bytes, inbound, rounds) {
+                    if let Err(e) = tcp_ref_serve(l, bytes, inbound, rounds, span) {
                         eprintln!("kvxfer-bench peer: TCP reference: {e}");
                     }
                 });
@@ -218,37 +224,52 @@ const RESERVE: u64 = 256 << 20;
 pub(crate) const TCP_REF_CHUNK: usize = 1 << 20;
 
 /// The peer's end of the plain TCP reference: per round, receive `bytes` and answer one byte
-/// (inbound), or on one byte send `bytes` (outbound).
+/// (inbound), or on one byte send `bytes` (outbound), in calls of up to 1 MiB that walk a
+/// buffer of `span` bytes (touched before the first round).
 pub(crate) fn tcp_ref_serve(
     l: TcpListener,
     bytes: u64,
     inbound: bool,
     rounds: usize,
+    span: usize,
 ) -> std::io::Result<()> {
     let (mut s, _) = l.accept()?;
     s.set_nodelay(true)?;
-    let mut buf = vec![0u8; TCP_REF_CHUNK];
+    let mut buf = vec![3u8; span.max(TCP_REF_CHUNK)];
     for _ in 0..rounds {
+        let mut at = 0usize;
+        let mut left = bytes;
         if inbound {
-            let mut left = bytes;
             while left > 0 {
-                let n = s.read(&mut buf[..left.min(TCP_REF_CHUNK as u64) as usize])?;
+                let (w, n) = window(&mut buf, &mut at, left);
+                let n = s.read(&mut w[..n])?;
                 if n == 0 {
                     return Err(std::io::ErrorKind::UnexpectedEof.into());
                 }
+                at += n;
                 left -= n as u64;
             }
             s.write_all(&[1])?;
         } else {
             let mut go = [0u8; 1];
             s.read_exact(&mut go)?;
-            let mut left = bytes;
             while left > 0 {
-                let n = left.min(TCP_REF_CHUNK as u64) as usize;
-                s.write_all(&buf[..n])?;
+                let (w, n) = window(&mut buf, &mut at, left);
+                s.write_all(&w[..n])?;
+                at += n;
                 left -= n as u64;
             }
         }
     }
     Ok(())
+}
+
+/// The next window of a reference stream's buffer, from `at` (wrapping to the start when
+/// fewer than 1 MiB are left in it): the slice and how many bytes of it the call moves.
+pub(crate) fn window<'a>(buf: &'a mut [u8], at: &mut usize, left: u64) -> (&'a mut [u8], usize) {
+    if buf.len() - *at < TCP_REF_CHUNK {
+        *at = 0;
+    }
+    let n = left.min(TCP_REF_CHUNK as u64) as usize;
+    (&mut buf[*at..], n)
 }

@@ -8,7 +8,7 @@ use std::time::Instant;
 use kvxfer::{HostBuffer, XferOp};
 
 use crate::control::Ctl;
-use crate::peer::TCP_REF_CHUNK;
+use crate::peer::{window, TCP_REF_CHUNK};
 use crate::report::median;
 use crate::BoxErr;
 
@@ -32,45 +32,51 @@ pub(crate) fn memcpy_ref(bytes: u64, iters: usize) -> Result<f64, BoxErr> {
 
 /// Median time of a plain TCP stream of `bytes` (1 MiB writes and reads, like `iperf3 -l 1M`)
 /// between this process and the peer, in the direction the transfer moves data; one
-/// unmeasured round first.
+/// unmeasured round first. `span`: the buffers each side walks, 1 MiB (cache-hot, as iperf3)
+/// or the transfer's size (the memory traffic a KV transfer has: every byte read from and
+/// written to RAM once).
 pub(crate) fn tcp_ref(
     ctl: &mut Ctl,
     ctl_addr: SocketAddr,
     bytes: u64,
     op: XferOp,
     iters: usize,
+    span: usize,
 ) -> Result<f64, BoxErr> {
     let inbound = op == XferOp::Write; // data flows into the peer
     let rounds = iters + 1;
     let port: u16 = ctl
         .cmd(&format!(
-            "TCPREF {bytes} {} {rounds}",
+            "TCPREF {bytes} {} {rounds} {span}",
             if inbound { "in" } else { "out" }
         ))?
         .parse()?;
     let mut s = TcpStream::connect(SocketAddr::new(ctl_addr.ip(), port))?;
     s.set_nodelay(true)?;
-    let mut buf = vec![5u8; TCP_REF_CHUNK];
+    let mut buf = vec![5u8; span.max(TCP_REF_CHUNK)];
     let mut t = Vec::new();
     for i in 0..rounds {
         let t0 = Instant::now();
+        let mut at = 0usize;
+        let mut left = bytes;
         if inbound {
-            let mut left = bytes;
             while left > 0 {
-                let n = left.min(TCP_REF_CHUNK as u64) as usize;
-                s.write_all(&buf[..n])?;
+                let (w, n) = window(&mut buf, &mut at, left);
+                s.write_all(&w[..n])?;
+                at += n;
                 left -= n as u64;
             }
             let mut ack = [0u8; 1];
             s.read_exact(&mut ack)?;
         } else {
             s.write_all(&[1])?;
-            let mut left = bytes;
             while left > 0 {
-                let n = s.read(&mut buf[..left.min(TCP_REF_CHUNK as u64) as usize])?;
+                let (w, n) = window(&mut buf, &mut at, left);
+                let n = s.read(&mut w[..n])?;
                 if n == 0 {
                     return Err("TCP reference: peer closed".into());
                 }
+                at += n;
                 left -= n as u64;
             }
         }

@@ -18,6 +18,8 @@ pub(crate) struct Row {
     pub(crate) verified: bool,
     pub(crate) memcpy_ms: Option<f64>,
     pub(crate) tcp_ms: Option<f64>,
+    /// The plain TCP stream walking buffers the size of the transfer.
+    pub(crate) tcp_mem_ms: Option<f64>,
     pub(crate) json: serde_json::Value,
 }
 
@@ -38,8 +40,8 @@ pub(crate) fn print_header(reference: bool) {
     );
     if reference {
         print!(
-            " {:>9} {:>8} {:>9} {:>6}",
-            "memcpy_ms", "x_memcpy", "tcp_ms", "x_tcp"
+            " {:>9} {:>8} {:>9} {:>6} {:>10} {:>9}",
+            "memcpy_ms", "x_memcpy", "tcp_ms", "x_tcp", "tcpmem_ms", "x_tcpmem"
         );
     }
     println!(" {:>8}", "verified");
@@ -63,11 +65,13 @@ pub(crate) fn print_row(r: &Row, reference: bool) {
     if reference {
         let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}"));
         print!(
-            " {:>9} {:>8} {:>9} {:>6}",
+            " {:>9} {:>8} {:>9} {:>6} {:>10} {:>9}",
             f(r.memcpy_ms),
             f(r.memcpy_ms.map(|m| r.median / m)),
             f(r.tcp_ms),
-            f(r.tcp_ms.map(|t| r.median / t))
+            f(r.tcp_ms.map(|t| r.median / t)),
+            f(r.tcp_mem_ms),
+            f(r.tcp_mem_ms.map(|t| r.median / t))
         );
     }
     println!(" {:>8}", r.verified);

@@ -10,6 +10,7 @@ use kvxfer::{Agent, Desc, XferOp};
 
 use crate::cli::{Args, Op, Placement};
 use crate::control::{rss, rss_peak, spawn_peer, Ctl};
+use crate::peer::TCP_REF_CHUNK;
 use crate::reference::{memcpy_ref, tcp_ref};
 use crate::registry::Registry;
 use crate::report::{median, print_header, print_row, Progress, Row};
@@ -269,13 +270,28 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         .collect();
     let peer_rss_peak = mem.first().copied().unwrap_or(0);
     let self_rss_peak = rss_peak(std::process::id());
-    let (memcpy_ms, tcp_ms) = if args.reference {
+    let (memcpy_ms, tcp_ms, tcp_mem_ms) = if args.reference {
         (
             Some(memcpy_ref(bytes_all, args.iters)?),
-            Some(tcp_ref(&mut ctl, ctl_addr, bytes_all, op, args.iters)?),
+            Some(tcp_ref(
+                &mut ctl,
+                ctl_addr,
+                bytes_all,
+                op,
+                args.iters,
+                TCP_REF_CHUNK,
+            )?),
+            Some(tcp_ref(
+                &mut ctl,
+                ctl_addr,
+                bytes_all,
+                op,
+                args.iters,
+                bytes_all as usize,
+            )?),
         )
     } else {
-        (None, None)
+        (None, None, None)
     };
     let _ = ctl.cmd("QUIT");
     let mut sorted = times.clone();
@@ -327,11 +343,13 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         j["soak_rss_peer_mib_end"] = mib(soak_rss_end.1).into();
         j["verified"] = (verified && bad_checks == 0).into();
     }
-    if let (Some(m), Some(t)) = (memcpy_ms, tcp_ms) {
+    if let (Some(m), Some(t), Some(tm)) = (memcpy_ms, tcp_ms, tcp_mem_ms) {
         j["memcpy_ms"] = m.into();
         j["tcp_ms"] = t.into();
+        j["tcp_mem_ms"] = tm.into();
         j["x_memcpy"] = (med / m).into();
         j["x_tcp"] = (med / t).into();
+        j["x_tcp_mem"] = (med / tm).into();
     }
     Ok(Row {
         case: case.clone(),
@@ -350,6 +368,7 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         verified,
         memcpy_ms,
         tcp_ms,
+        tcp_mem_ms,
         json: j,
     })
 }
