@@ -17,6 +17,13 @@ use kvxfer::{Agent, AgentConfig, Desc, HostBuffer, RegionId, Transport, XferOp};
 
 const LEN: usize = 1 << 20;
 
+/// One test at a time: each counts the process's threads and sockets.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn count(dir: &str) -> usize {
     std::fs::read_dir(dir).unwrap().count()
 }
@@ -83,6 +90,7 @@ fn trickle(to: SocketAddr, bytes: Vec<u8>, stop: Arc<AtomicBool>) -> std::thread
 
 #[test]
 fn idle_slow_and_stalled_clients_delay_no_peer() {
+    let _one = serial();
     for transport in [Transport::Tcp, Transport::Shm] {
         let a = agent(&format!("hz-a-{transport:?}"), transport.clone());
         let region = a.register(HostBuffer::new(LEN).unwrap()).unwrap();
@@ -222,6 +230,7 @@ fn listening() -> Vec<(u64, u16)> {
 /// crash the process nor keep a real peer from connecting and moving bytes over UCX.
 #[test]
 fn ucx_own_tcp_socket_survives_idle_garbage_and_slow_clients() {
+    let _one = serial();
     let before: Vec<u64> = listening().into_iter().map(|l| l.0).collect();
     // UCX carries the bytes (no kvxfer lane).
     let mk = |n: &str| {
