@@ -242,26 +242,20 @@ fn serve_prefill(a: &Args) -> u64 {
     peak_rss().saturating_sub(cache_rss(region.len(), region.len(), &a.transport))
 }
 
-/// Waits for the load of `request`; `false` once stopped: after SIGTERM the load gets
-/// [`kvxfer::stop::GRACE`] to finish, after SIGINT or a second SIGTERM none, and then a pull
-/// load is cancelled (a push load is left to end with the process).
+/// Waits for the load of `request`; `false` once stopped ([`kvxfer::stop::wait_with`]: a
+/// grace after SIGTERM, none after SIGINT), a pull load then cancelled (a push load is left to
+/// end with the process).
 fn wait_or_stop(consumer: &Consumer, request: &str) -> bool {
-    let mut since: Option<Instant> = None;
-    loop {
-        match consumer.wait(request, Duration::from_millis(20)) {
-            Ok(()) => return true,
-            Err(kvxfer::Error::WaitTimeout(_)) => {}
-            // The prefill worker, stopping too, ended the load: part of stopping.
-            Err(_) if kvxfer::stop::requested() => return false,
-            Err(e) => panic!("{request}: {e}"),
-        }
-        if kvxfer::stop::requested() {
-            let t = *since.get_or_insert_with(Instant::now);
-            if kvxfer::stop::cancel_now() || t.elapsed() >= kvxfer::stop::GRACE {
+    match kvxfer::stop::wait_with(|t| consumer.wait(request, t)) {
+        Ok(done) => {
+            if !done {
                 let _ = consumer.cancel(request);
-                return false;
             }
+            done
         }
+        // The prefill worker, stopping too, ended the load: part of stopping.
+        Err(_) if kvxfer::stop::requested() => false,
+        Err(e) => panic!("{request}: {e}"),
     }
 }
 

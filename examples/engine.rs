@@ -409,21 +409,11 @@ fn decode(o: &Opts, g: &KvGeometry, transport: Transport, per_req: usize) {
     }
 }
 
-/// Waits with `wait` (given a timeout) up to a minute; once the process is asked to stop,
-/// gives what it waits for [`kvxfer::stop::GRACE`] (none after SIGINT or a second SIGTERM).
+/// Waits with `wait` ([`kvxfer::stop::wait_with`]); once the process is asked to stop, what
+/// it waits for gets a grace (none after SIGINT), then counts as cancelled.
 fn wait_or_stop(wait: impl Fn(Duration) -> kvxfer::Result<()>) -> kvxfer::Result<()> {
-    let t0 = Instant::now();
-    let mut since: Option<Instant> = None;
-    loop {
-        match wait(Duration::from_millis(20)) {
-            Err(kvxfer::Error::WaitTimeout(_)) if t0.elapsed() < Duration::from_secs(60) => {}
-            r => return r,
-        }
-        if kvxfer::stop::requested() {
-            let t = *since.get_or_insert_with(Instant::now);
-            if kvxfer::stop::cancel_now() || t.elapsed() >= kvxfer::stop::GRACE {
-                return Err(kvxfer::Error::Canceled);
-            }
-        }
+    match kvxfer::stop::wait_with(wait)? {
+        true => Ok(()),
+        false => Err(kvxfer::Error::Canceled),
     }
 }

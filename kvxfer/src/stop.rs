@@ -65,26 +65,37 @@ pub fn reason() -> Option<&'static str> {
 /// How long a transfer in flight may go on after the first SIGTERM.
 pub const GRACE: Duration = Duration::from_millis(500);
 
-/// Waits for `x`; once asked to stop, gives it until [`GRACE`] after the signal was seen (none
-/// on SIGINT or a second SIGTERM) and then cancels it, returning once nothing touches its
-/// buffers any more. `Ok(None)`: cancelled.
-pub fn wait(mut x: Transfer) -> Result<Option<XferStats>> {
+/// Waits with `wait` (called again and again with a short timeout while it returns
+/// [`Error::WaitTimeout`]) until what it waits for ends: `Ok(true)`, or its error. Once the
+/// process is asked to stop, it gets [`GRACE`] from then (none after SIGINT or a second
+/// SIGTERM), and then `Ok(false)`: the caller cancels it.
+pub fn wait_with(mut wait: impl FnMut(Duration) -> Result<()>) -> Result<bool> {
     let mut since: Option<Instant> = None;
     loop {
-        match x.wait_timeout(Duration::from_millis(20)) {
-            Ok(st) => return Ok(Some(st)),
+        match wait(Duration::from_millis(20)) {
+            Ok(()) => return Ok(true),
             Err(Error::WaitTimeout(_)) => {}
             Err(e) => return Err(e),
         }
         if requested() {
             let t = *since.get_or_insert_with(Instant::now);
             if cancel_now() || t.elapsed() >= GRACE {
-                return match x.cancel() {
-                    Ok(st) => Ok(Some(st)),
-                    Err(Error::Canceled) => Ok(None),
-                    Err(e) => Err(e),
-                };
+                return Ok(false);
             }
         }
+    }
+}
+
+/// Waits for `x` as [`wait_with`] does, then cancels it if asked to stop, returning once
+/// nothing touches its buffers any more. `Ok(None)`: cancelled.
+pub fn wait(mut x: Transfer) -> Result<Option<XferStats>> {
+    let mut done = None;
+    if wait_with(|t| x.wait_timeout(t).map(|s| done = Some(s)))? {
+        return Ok(done);
+    }
+    match x.cancel() {
+        Ok(st) => Ok(Some(st)),
+        Err(Error::Canceled) => Ok(None),
+        Err(e) => Err(e),
     }
 }
