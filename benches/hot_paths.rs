@@ -118,6 +118,94 @@ fn metadata(c: &mut Criterion) {
     g.finish();
 }
 
+/// Describing and planning one request, flat (a descriptor per block, layer and K/V, resolved
+/// and coalesced into a list of operations) against paged (an entry per layer and K/V with
+/// the block indices, resolved and paired into runs), with the bytes each form holds.
+fn paged(c: &mut Criterion) {
+    use kvxfer::layout::{KvLayout, KvOrder, KvPacking};
+    use kvxfer::paged::{plan_paged, resolve_paged};
+    let mut g = c.benchmark_group("describe_and_plan");
+    // (name, model, blocks of 16 tokens per request, blocks in each cache)
+    for (name, model, n, cache) in [
+        ("qwen3_0.6b_2371_tokens", "qwen3-0.6b", 149u64, 1024u64),
+        ("llama_3_70b_32k_tokens", "llama-3-70b", 2048, 4096),
+    ] {
+        let geo = KvGeometry::preset(model).unwrap();
+        let layout =
+            |r| KvLayout::contiguous(geo.clone(), 16, cache, KvPacking::Separate, KvOrder::Nhd, r);
+        let (ll, rl) = (layout(RegionId(0)), layout(RegionId(0)));
+        let span = |base| {
+            vec![RegionSpan {
+                id: RegionId(0),
+                base,
+                len: ll.region_bytes(),
+                kind: MemKind::Host,
+            }]
+        };
+        let (lt, rt) = (span(0x7f00_0000_0000), span(0x7e00_0000_0000));
+        let lb: Vec<u32> = slots(cache, 1)
+            .into_iter()
+            .take(n as usize)
+            .map(|s| s as u32)
+            .collect();
+        let rb: Vec<u32> = slots(cache, 2)
+            .into_iter()
+            .take(n as usize)
+            .map(|s| s as u32)
+            .collect();
+        let layers = 0..geo.layers as usize;
+        let heads = 0..geo.kv_heads;
+        let flat = || {
+            let ld = ll.descs(&lb, layers.clone(), heads.clone()).unwrap();
+            let rd = rl.descs(&rb, layers.clone(), heads.clone()).unwrap();
+            let idx: Vec<usize> = (0..ld.len()).collect();
+            let l = resolve(Side::Local, &ld, &lt).unwrap();
+            let r = resolve(Side::Remote, &rd, &rt).unwrap();
+            let p = plan(&l, &idx, &r, &idx, 0).unwrap();
+            let held = (ld.capacity() + rd.capacity()) * std::mem::size_of::<Desc>()
+                + idx.capacity() * std::mem::size_of::<usize>()
+                + (l.capacity() + r.capacity())
+                    * std::mem::size_of::<kvxfer::descriptor::Resolved>()
+                + p.ops.capacity() * std::mem::size_of::<kvxfer::descriptor::Op>();
+            (p, held)
+        };
+        let paged = || {
+            let ld = ll.paged(&lb, layers.clone(), heads.clone()).unwrap();
+            let rd = rl.paged(&rb, layers.clone(), heads.clone()).unwrap();
+            let l = resolve_paged(Side::Local, &ld, &lt).unwrap();
+            let r = resolve_paged(Side::Remote, &rd, &rt).unwrap();
+            // The block indices: one list per side, shared by every layer's entry (and by
+            // the resolved entries and runs, which point at it too).
+            let held = (lb.len() + rb.len()) * 4
+                + (ld.capacity() + rd.capacity()) * std::mem::size_of::<kvxfer::paged::Paged>()
+                + (l.capacity() + r.capacity())
+                    * std::mem::size_of::<kvxfer::paged::ResolvedPaged>();
+            let p = plan_paged(l, r).unwrap();
+            let held = held + p.runs.capacity() * std::mem::size_of::<kvxfer::paged::Run>();
+            (p, held)
+        };
+        let (fp, fheld) = flat();
+        let (pp, pheld) = paged();
+        // Same bytes, same operations.
+        assert_eq!(fp.bytes, pp.bytes);
+        assert_eq!(fp.ops, pp.ops().collect::<Vec<_>>());
+        println!(
+            "describe_and_plan/{name}: {} descriptors, {} B; memory held while planning: flat {:.2} MiB, paged {:.3} MiB",
+            fp.descs,
+            fp.bytes,
+            fheld as f64 / (1 << 20) as f64,
+            pheld as f64 / (1 << 20) as f64
+        );
+        g.bench_function(BenchmarkId::new("flat", name), |b| {
+            b.iter(|| black_box(flat()))
+        });
+        g.bench_function(BenchmarkId::new("paged", name), |b| {
+            b.iter(|| black_box(paged()))
+        });
+    }
+    g.finish();
+}
+
 fn layout(c: &mut Criterion) {
     let g = KvGeometry::preset("qwen3-0.6b").unwrap();
     c.bench_function("layout/qwen3_request_descriptors", |b| {
@@ -135,6 +223,6 @@ fn layout(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(30).measurement_time(std::time::Duration::from_secs(2));
-    targets = build, metadata, layout
+    targets = build, metadata, paged, layout
 }
 criterion_main!(benches);

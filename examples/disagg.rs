@@ -34,7 +34,9 @@ use kvxfer::{Agent, AgentConfig, MemoryBudget, Region, Transport};
 #[path = "common/kv_cache.rs"]
 mod kv_cache;
 
-use kv_cache::{blocks_per_request, cache, fill_or_check, pattern, slot_blocks, TOKENS};
+use kv_cache::{
+    blocks_per_request, cache, fill_or_check, pattern, slot_blocks, stamp_or_check, TOKENS,
+};
 
 struct Args {
     role: String,
@@ -47,12 +49,17 @@ struct Args {
     layer_wise: bool,
     json: bool,
     ctl: Option<SocketAddr>,
+    /// The prefill's compute per request, spent asleep (a GPU spends it, not this CPU).
+    compute_ms: f64,
+    /// Stamps at both ends of every block instead of every byte ([`stamp_or_check`]).
+    stamp: bool,
 }
 
 fn usage() -> ! {
     eprintln!(
         "usage: disagg [--requests N] [--prefix-hit F] [--concurrency C] [--budget-mib M]\n\
-         \x20             [--transport tcp|shm] [--mode pull|push] [--layer-wise] [--json]"
+         \x20             [--transport tcp|shm] [--mode pull|push] [--layer-wise] [--json]\n\
+         \x20             [--compute-ms MS] [--check full|stamp]"
     );
     std::process::exit(2)
 }
@@ -69,6 +76,8 @@ fn parse() -> Args {
         layer_wise: false,
         json: false,
         ctl: None,
+        compute_ms: 0.0,
+        stamp: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -90,10 +99,22 @@ fn parse() -> Args {
             "--layer-wise" => a.layer_wise = true,
             "--json" => a.json = true,
             "--ctl" => a.ctl = Some(v().parse().unwrap_or_else(|_| usage())),
+            "--compute-ms" => a.compute_ms = v().parse().unwrap_or_else(|_| usage()),
+            "--check" => {
+                a.stamp = match v().as_str() {
+                    "full" => false,
+                    "stamp" => true,
+                    _ => usage(),
+                }
+            }
             _ => usage(),
         }
     }
-    if !(0.0..=1.0).contains(&a.prefix_hit) || a.concurrency == 0 || a.requests == 0 {
+    if !(0.0..=1.0).contains(&a.prefix_hit)
+        || a.concurrency == 0
+        || a.requests == 0
+        || !(a.compute_ms >= 0.0 && a.compute_ms.is_finite())
+    {
         usage();
     }
     a
@@ -171,7 +192,8 @@ fn serve_prefill(a: &Args) -> u64 {
     for _ in 0..a.concurrency {
         let (s, _) = ctl.accept().unwrap();
         let (producer, region, layout) = (producer.clone(), region.clone(), layout.clone());
-        let layer_wise = a.layer_wise;
+        let (layer_wise, stamp) = (a.layer_wise, a.stamp);
+        let compute = Duration::from_secs_f64(a.compute_ms / 1e3);
         threads.push(std::thread::spawn(move || {
             // Woken every 100 ms to see whether the process is stopping.
             s.set_read_timeout(Some(Duration::from_millis(100)))
@@ -223,10 +245,16 @@ fn serve_prefill(a: &Args) -> u64 {
                             ..(*layout).clone()
                         };
                         fill_layer(&region, &one, layer as u64, req, &blocks);
+                        std::thread::sleep(compute / layout.layers.len() as u32);
                         producer.layer_done(&name, layer).unwrap();
                     }
                 } else {
-                    fill_or_check(&region, &layout, req, 0..n, &blocks, false);
+                    if stamp {
+                        stamp_or_check(&region, &layout, req, 0..n, &blocks, false);
+                    } else {
+                        fill_or_check(&region, &layout, req, 0..n, &blocks, false);
+                    }
+                    std::thread::sleep(compute);
                     let h = producer
                         .publish(&name, &blocks, TOKENS, layout.layers.len())
                         .unwrap();
@@ -279,6 +307,8 @@ fn decode(a: &Args) {
         .args(["--concurrency", &a.concurrency.to_string()])
         .args(["--budget-mib", &a.budget_mib.to_string()])
         .args(["--mode", if a.mode == Mode::Pull { "pull" } else { "push" }])
+        .args(["--compute-ms", &a.compute_ms.to_string()])
+        .args(["--check", if a.stamp { "stamp" } else { "full" }])
         .args(if a.layer_wise {
             &["--layer-wise"][..]
         } else {
@@ -332,6 +362,14 @@ fn decode(a: &Args) {
                 verified.clone(),
             );
             let total = a.requests;
+            let stamp = a.stamp;
+            let fill = move |region: &Region, layout: &KvLayout, req, ks, blocks: &[u32], check| {
+                if stamp {
+                    stamp_or_check(region, layout, req, ks, blocks, check)
+                } else {
+                    fill_or_check(region, layout, req, ks, blocks, check)
+                }
+            };
             std::thread::spawn(move || {
                 let s = TcpStream::connect(ctl).unwrap();
                 let mut rd = BufReader::new(s.try_clone().unwrap());
@@ -350,7 +388,7 @@ fn decode(a: &Args) {
                         *g as u64 - 1
                     };
                     // The decode side's prefix cache already holds the first `cached` blocks.
-                    fill_or_check(&region, &layout, req, 0..cached, &blocks, false);
+                    fill(&region, &layout, req, 0..cached, &blocks, false);
                     writeln!(wr, "REQ {req} {slot}").unwrap();
                     let mut line = String::new();
                     let got = rd.read_line(&mut line).unwrap_or(0);
@@ -370,12 +408,18 @@ fn decode(a: &Args) {
                         return;
                     }
                     let ms = t.elapsed().as_secs_f64() * 1e3;
-                    let ok = fill_or_check(&region, &layout, req, 0..n, &blocks, true);
+                    // The window of this load, for the link's busy time and loads in flight.
+                    let span = (
+                        t.duration_since(t0).as_secs_f64(),
+                        t0.elapsed().as_secs_f64(),
+                    );
+                    // Checked outside the timed window.
+                    let ok = fill(&region, &layout, req, 0..n, &blocks, true);
                     if !ok {
                         *verified.lock().unwrap() = false;
                     }
                     let st: Vec<_> = consumer.take_stats(&h.request).into_iter().collect();
-                    results.lock().unwrap().push((req, ms, ok, st));
+                    results.lock().unwrap().push((req, ms, ok, st, span));
                 }
             })
         })
@@ -437,6 +481,22 @@ fn decode(a: &Args) {
     let mut times: Vec<f64> = res.iter().map(|r| r.1).collect();
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
+    let p99 = times[((times.len() as f64 * 0.99).ceil() as usize).clamp(1, times.len()) - 1];
+    // The link's busy time: the union of the loads' windows; loads in flight: their summed
+    // time over it.
+    let mut spans: Vec<(f64, f64)> = res.iter().map(|r| r.4).collect();
+    spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (mut busy, mut end) = (0.0f64, f64::MIN);
+    for &(s, e) in &spans {
+        if s > end {
+            busy += e - s;
+        } else if e > end {
+            busy += e - end;
+        }
+        end = end.max(e);
+    }
+    let in_flight = times.iter().sum::<f64>() / 1e3 / busy.max(1e-9);
+    let link_bytes_per_s = moved as f64 / busy.max(1e-9);
     let verified = *verified.lock().unwrap() && res.len() == a.requests;
     if !a.json {
         println!(
@@ -444,8 +504,7 @@ fn decode(a: &Args) {
             "request", "handoff_ms", "bytes_moved", "bytes_skipped", "verified"
         );
     }
-    let mut rows: Vec<&(u64, f64, bool, Vec<kvxfer::telemetry::RequestStats>)> =
-        res.iter().collect();
+    let mut rows: Vec<_> = res.iter().collect();
     rows.sort_by_key(|r| r.0);
     for r in &rows {
         let (m, s) = r.3.iter().fold((0, 0), |acc, s| {
@@ -461,7 +520,8 @@ fn decode(a: &Args) {
     let extra = extra_prefill.max(extra_decode);
     let summary = format!(
         "{} requests x {} B, prefix hit {:.3} ({} of {} blocks cached): moved {} B ({:.1}% of full), \
-         skipped {} B; handoff median {:.2} ms; wall {:.2} s; peak RSS beyond caches: decode {:.1} MiB, \
+         skipped {} B; handoff median {:.2} ms, p99 {:.2} ms; {:.2} loads in flight, link {:.2} GB/s \
+         while busy; wall {:.2} s; peak RSS beyond caches: decode {:.1} MiB, \
          prefill {:.1} MiB; budget {} MiB; verified {}",
         a.requests,
         full,
@@ -472,6 +532,9 @@ fn decode(a: &Args) {
         100.0 * moved as f64 / (full * a.requests as u64) as f64,
         skipped,
         median,
+        p99,
+        in_flight,
+        link_bytes_per_s / 1e9,
         wall.as_secs_f64(),
         extra_decode as f64 / (1 << 20) as f64,
         extra_prefill as f64 / (1 << 20) as f64,
@@ -494,6 +557,16 @@ fn decode(a: &Args) {
                 "bytes_skipped": skipped,
                 "moved_fraction": moved as f64 / (full * a.requests as u64) as f64,
                 "handoff_ms_median": median,
+                "handoff_ms_p99": p99,
+                "handoff_ms": times,
+                "loads_in_flight_mean": in_flight,
+                "link_busy_s": busy,
+                "link_bytes_per_s": link_bytes_per_s,
+                "wall_s": wall.as_secs_f64(),
+                "compute_ms": a.compute_ms,
+                "check": if a.stamp { "stamp" } else { "full" },
+                "peak_rss_extra_decode_mib": extra_decode as f64 / (1 << 20) as f64,
+                "peak_rss_extra_prefill_mib": extra_prefill as f64 / (1 << 20) as f64,
                 "peak_rss_extra_mib": extra as f64 / (1 << 20) as f64,
                 "budget_mib": a.budget_mib,
             })

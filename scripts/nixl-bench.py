@@ -19,6 +19,7 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import time
 
 BLOCKS = 8344
@@ -62,7 +63,8 @@ def target(conn, transport, blocks, block):
     while True:
         msg = conn.recv()
         if msg[0] == "stop":
-            break
+            sys.stdout.flush()
+            os._exit(0)
         if msg[0] == "fill":  # content for a READ: data block k at remote slot rs[k]
             _, rs, seed = msg
             data = pattern(blocks, block, seed).reshape(blocks, block)
@@ -160,7 +162,10 @@ def run(args, transport):
             print(json.dumps(rec), flush=True)
     parent.send(("stop",))
     p.join()
-    return out
+    # NIXL 1.5.1's agent teardown at interpreter exit can end the process with a signal after
+    # every result is out (seen as exit code -11/-6): leave without it.
+    sys.stdout.flush()
+    os._exit(0 if all(r["verified"] for r in out) else 1)
 
 
 def main():

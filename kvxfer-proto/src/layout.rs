@@ -395,6 +395,63 @@ impl KvLayout {
         self.descs_split(blocks, layers, heads, false)
     }
 
+    /// [`KvLayout::descs`] in the paged form ([`crate::paged`]): one entry per layer and tensor
+    /// (K then V) holding all of `blocks`, whole blocks or, in HND order, heads `heads` of
+    /// each. A head range in NHD order is one piece per token, not per block: use
+    /// [`KvLayout::descs_split`] for it.
+    pub fn paged(
+        &self,
+        blocks: &[u32],
+        layers: std::ops::Range<usize>,
+        heads: std::ops::Range<u64>,
+    ) -> Result<Vec<crate::paged::Paged>> {
+        let g = &self.geometry;
+        if heads.start >= heads.end || heads.end > g.kv_heads {
+            return Err(Error::InvalidArgument(format!(
+                "heads {heads:?} of {}",
+                g.kv_heads
+            )));
+        }
+        if let Some(&b) = blocks.iter().find(|&&b| u64::from(b) >= self.num_blocks) {
+            return Err(Error::InvalidArgument(format!(
+                "block {b} of {}",
+                self.num_blocks
+            )));
+        }
+        let bb = self.block_bytes();
+        let head_tok = bb / (self.block_tokens * g.kv_heads);
+        let whole = heads.start == 0 && heads.end == g.kv_heads;
+        let (skip, len) = match (whole, self.order) {
+            (true, _) => (0, bb),
+            (false, KvOrder::Hnd) => (
+                heads.start * self.block_tokens * head_tok,
+                (heads.end - heads.start) * self.block_tokens * head_tok,
+            ),
+            (false, KvOrder::Nhd) => {
+                return Err(Error::InvalidArgument(
+                    "a head range in NHD order is one piece per token: use descs_split".into(),
+                ))
+            }
+        };
+        let blocks: std::sync::Arc<[u32]> = blocks.into();
+        let mut out = Vec::with_capacity(layers.len() * self.tensors_per_layer());
+        for layer in layers {
+            let base = self.layers.get(layer).ok_or_else(|| {
+                Error::InvalidArgument(format!("layer {layer} of {}", self.layers.len()))
+            })?;
+            for (region, off) in std::iter::once(base.k).chain(base.v) {
+                out.push(crate::paged::Paged {
+                    region,
+                    offset: off + skip,
+                    block_len: len,
+                    stride: bb,
+                    blocks: blocks.clone(),
+                });
+            }
+        }
+        Ok(out)
+    }
+
     /// [`KvLayout::descs`], one descriptor per token in NHD order when `per_token` (see
     /// [`KvLayout::block_descs_split`]).
     pub fn descs_split(
@@ -571,5 +628,38 @@ mod tests {
             r#"{"num_hidden_layers":2,"num_attention_heads":3,"hidden_size":10}"#
         )
         .is_err());
+    }
+    /// The paged form describes the same bytes as the flat descriptors, in the same order.
+    #[test]
+    fn paged_form_is_the_flat_form_per_layer() {
+        let blocks: Vec<u32> = vec![7, 3, 150, 0, 199];
+        for (packing, order, heads) in [
+            (KvPacking::Separate, KvOrder::Nhd, 0..8),
+            (KvPacking::Fused, KvOrder::Nhd, 0..8),
+            (KvPacking::Separate, KvOrder::Hnd, 2..6),
+            (KvPacking::Fused, KvOrder::Hnd, 4..8),
+        ] {
+            let l = qwen_layout(packing, order);
+            let flat = l.descs(&blocks, 3..9, heads.clone()).unwrap();
+            let paged = l.paged(&blocks, 3..9, heads.clone()).unwrap();
+            assert_eq!(paged.len(), 6 * l.tensors_per_layer());
+            let expanded: Vec<crate::descriptor::Desc> = paged
+                .iter()
+                .flat_map(|p| {
+                    p.blocks.iter().map(move |&b| {
+                        crate::descriptor::Desc::new(
+                            p.region,
+                            p.offset + u64::from(b) * p.stride,
+                            p.block_len,
+                        )
+                    })
+                })
+                .collect();
+            assert_eq!(expanded, flat, "{packing:?} {order:?} {heads:?}");
+        }
+        let l = qwen_layout(KvPacking::Separate, KvOrder::Nhd);
+        assert!(l.paged(&blocks, 0..1, 2..6).is_err()); // NHD head slice: per token
+        assert!(l.paged(&[200], 0..1, 0..8).is_err());
+        assert!(l.paged(&blocks, 27..29, 0..8).is_err());
     }
 }

@@ -16,6 +16,7 @@ pub mod error;
 pub mod lane;
 pub mod layout;
 pub mod lifecycle;
+pub mod paged;
 pub mod planning;
 pub mod tp;
 pub mod types;

@@ -62,7 +62,7 @@ pub mod transfer;
 pub use device::cuda;
 pub use kvxfer_proto::wire;
 pub use kvxfer_proto::wire::metadata;
-pub use kvxfer_proto::{descriptor, error, layout, lifecycle, planning};
+pub use kvxfer_proto::{descriptor, error, layout, lifecycle, paged, planning};
 
 pub use agent::{
     Agent, AgentConfig, PreparedLocal, PreparedRemote, TransferBuilder, DEFAULT_COMPAT,

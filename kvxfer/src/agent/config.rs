@@ -191,6 +191,11 @@ impl AgentConfig {
     }
 
     pub(super) fn ucx_settings(&self) -> Vec<(String, String)> {
+        self.ucx_settings_under(|k| std::env::var_os(k).is_some())
+    }
+
+    /// The settings, given which `UCX_*` variables the environment sets.
+    fn ucx_settings_under(&self, in_env: impl Fn(&str) -> bool) -> Vec<(String, String)> {
         let mut v = vec![("TLS".to_string(), self.transport.ucx_tls())];
         // kvxfer registers its regions explicitly; UCX's registration cache only serves
         // implicit registrations, and its default limits are infinite (memory grows with
@@ -208,10 +213,45 @@ impl AgentConfig {
             v.push(("?IB_RCACHE_MAX_SIZE".into(), "4G".into()));
             v.push(("?IB_RCACHE_MAX_REGIONS".into(), "65536".into()));
         }
+        // NIXL's default: with the rendezvous threshold at "auto", UCX >= 1.15 (protocols v2)
+        // emulates ucp_put over TCP with active messages; at "inf" it posts zero-copy puts
+        // (UCX 1.22, KV-shaped WRITE over tcp/lo: 8,344 blocks 334-385 ms -> 133 ms, one region
+        // 313-377 ms -> 90-102 ms). kvxfer's own notifications are small eager messages, so
+        // nothing of kvxfer needs rendezvous. A user's own UCX_RNDV_THRESH wins.
+        if !in_env("UCX_RNDV_THRESH") {
+            v.push(("RNDV_THRESH".into(), "inf".into()));
+        }
         if let Some(d) = &self.net_devices {
             v.push(("NET_DEVICES".into(), d.clone()));
         }
         v.extend(self.ucx.iter().cloned());
         v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rendezvous_threshold_defaults_to_inf_unless_the_user_sets_it() {
+        let c = AgentConfig::new("a").transport(Transport::Tcp);
+        let set = |v: &[(String, String)]| {
+            v.iter()
+                .find(|(k, _)| k == "RNDV_THRESH")
+                .map(|(_, v)| v.clone())
+        };
+        assert_eq!(
+            set(&c.ucx_settings_under(|_| false)).as_deref(),
+            Some("inf")
+        );
+        assert_eq!(set(&c.ucx_settings_under(|k| k == "UCX_RNDV_THRESH")), None);
+        // AgentConfig::ucx_setting comes last, so it wins over the default too.
+        let c = c.ucx_setting("RNDV_THRESH", "64k");
+        let v = c.ucx_settings_under(|_| false);
+        assert_eq!(
+            v.last().map(|(k, v)| (k.as_str(), v.as_str())),
+            Some(("RNDV_THRESH", "64k"))
+        );
     }
 }
