@@ -23,22 +23,28 @@ fn pair(t: Transport, tag: &str) -> Pair {
     pair_cfg(t, true, tag)
 }
 
-/// `lanes`: kvxfer's own lanes (shared-memory mapping, TCP stream) on, or UCX only.
 fn pair_cfg(t: Transport, lanes: bool, tag: &str) -> Pair {
+    pair_striped(t, lanes, tag, 1, SLOTS)
+}
+
+/// `lanes`: kvxfer's own lanes (shared-memory mapping, TCP stream) on, or UCX only; TCP-lane
+/// transfers striped over `stripes` connections; regions of `slots` blocks.
+fn pair_striped(t: Transport, lanes: bool, tag: &str, stripes: usize, slots: u64) -> Pair {
     let _ = env_logger::builder().is_test(true).try_init();
     let cfg = |n: &str| {
         let c = AgentConfig::new(format!("{n}-{tag}-{}", std::process::id()))
             .transport(t.clone())
-            .lanes(lanes);
+            .lanes(lanes)
+            .stripes(stripes);
         c.net_devices("lo")
     };
     let b = Agent::new(cfg("b")).expect("agent b");
     let a = Agent::new(cfg("a")).expect("agent a");
     let ra = a
-        .register(HostBuffer::new((BLOCK * SLOTS) as usize).unwrap())
+        .register(HostBuffer::new((BLOCK * slots) as usize).unwrap())
         .unwrap();
     let rb = b
-        .register(HostBuffer::new((BLOCK * SLOTS) as usize).unwrap())
+        .register(HostBuffer::new((BLOCK * slots) as usize).unwrap())
         .unwrap();
     let addr = b.listen("127.0.0.1:0").unwrap();
     let peer_of_a = a.connect(addr).expect("metadata exchange");
@@ -68,11 +74,14 @@ fn snapshot(r: &Region) -> Vec<u8> {
 /// Random, distinct block slots on both sides; checks every byte landed where it should and
 /// nothing else changed.
 fn roundtrip(t: Transport, lanes: bool, want: Lane, tag: &str) {
-    let p = pair_cfg(t, lanes, tag);
+    roundtrip_of(pair_cfg(t, lanes, tag), want, 100, SLOTS);
+}
+
+/// [`roundtrip`] of `n` blocks on a pair with regions of `slots` blocks.
+fn roundtrip_of(p: Pair, want: Lane, n: usize, slots: u64) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    let n = 100usize;
-    let mut la: Vec<u64> = (0..SLOTS).collect();
-    let mut lb: Vec<u64> = (0..SLOTS).collect();
+    let mut la: Vec<u64> = (0..slots).collect();
+    let mut lb: Vec<u64> = (0..slots).collect();
     use rand::seq::SliceRandom;
     la.shuffle(&mut rng);
     lb.shuffle(&mut rng);
@@ -142,7 +151,17 @@ fn roundtrip(t: Transport, lanes: bool, want: Lane, tag: &str) {
             XferOp::Write => assert!(snapshot(&p.ra) == va),
             XferOp::Read => assert!(snapshot(&p.rb) == vb),
         }
+        // One notification per transfer, however many connections carried it.
+        assert!(p.b.try_notification().is_none(), "a second notification");
     }
+}
+
+#[test]
+fn tcp_lane_striped_over_four_connections() {
+    // 801 random blocks = 26 MB, above the 16 MiB below which a transfer is not striped; the
+    // cuts fall inside blocks (200.25 blocks a stripe).
+    let p = pair_striped(Transport::Tcp, true, "stripe", 4, 1024);
+    roundtrip_of(p, Lane::Tcp, 801, 1024);
 }
 
 #[test]

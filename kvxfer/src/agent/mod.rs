@@ -142,6 +142,7 @@ impl Agent {
             )),
             canceller,
             gone: Mutex::new(HashSet::new()),
+            stripes: cfg.striping(),
         });
         // The TCP lane carries every transfer with the TCP transport, and staged device memory
         // with any transport, in either direction: every agent with lanes on serves it, so that

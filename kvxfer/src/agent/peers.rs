@@ -165,6 +165,7 @@ fn build_lanes(st: &AgentState, meta: &Metadata) -> PeerLanes {
             spans,
             st.budget.clone(),
             st.staging.clone(),
+            st.stripes.of(&meta.name),
         )));
     }
     lanes

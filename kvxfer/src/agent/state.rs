@@ -46,6 +46,8 @@ pub(crate) struct AgentState {
     /// Peers known to be gone (their discovery key vanished), until a new incarnation loads:
     /// transfers to them fail with `PeerFailed`, not as to a name never heard of.
     pub(crate) gone: Mutex<HashSet<String>>,
+    /// The configuration's TCP-lane striping (default and per peer).
+    pub(crate) stripes: super::config::Striping,
 }
 
 impl AgentState {

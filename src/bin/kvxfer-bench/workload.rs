@@ -157,6 +157,7 @@ pub(crate) fn agent_config(
     let mut c = AgentConfig::new(name)
         .transport(Transport::parse(transport))
         .busy_poll(args.busy_poll)
+        .stripes(args.stripes)
         .lanes(!args.ucx_only)
         .gpu_path(args.gpu_path)
         .peer_failure(if args.no_peer_failure {

@@ -1,8 +1,10 @@
-//! The lane's initiator: one queue and one connection per peer, served in order by one
-//! thread; each job is a request, its data, and the target's reply.
+//! The lane's initiator: one queue per peer, served in order by one thread; each job is a
+//! request, its data, and the target's reply, over one connection, or striped over several
+//! (one scoped thread each) with the notification sent once all of them have landed.
 
 use std::collections::VecDeque;
 use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -11,6 +13,7 @@ use super::stream::{recv_buf, send_buf, set_timeouts, stage_pair, stream_mixed, 
 use crate::budget::MemoryBudget;
 use crate::staging::pool::StagingCell;
 use crate::transfer::{Job, XferStats};
+use kvxfer_proto::descriptor::Op;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::lane::{LaneInitiator, ReplyError, PIECE_BYTES};
 use kvxfer_proto::types::{Lane, LaneInfo, RegionSpan, XferOp};
@@ -20,6 +23,9 @@ use kvxfer_proto::wire::lane::{
 };
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Transfers below this go over one connection even when striping is on: one connection moves
+/// them at full speed, and every stripe costs a thread and a request.
+pub(crate) const STRIPE_MIN_BYTES: u64 = 16 << 20;
 
 struct LinkJob {
     job: Job,
@@ -32,6 +38,8 @@ struct LinkInner {
     spans: Vec<RegionSpan>,
     budget: MemoryBudget,
     staging: Arc<StagingCell>,
+    /// Connections a large transfer is striped over.
+    stripes: usize,
     q: Mutex<(VecDeque<LinkJob>, bool)>,
     cv: Condvar,
 }
@@ -50,6 +58,7 @@ impl Link {
         spans: Vec<RegionSpan>,
         budget: MemoryBudget,
         staging: Arc<StagingCell>,
+        stripes: usize,
     ) -> Link {
         Link {
             inner: Arc::new(LinkInner {
@@ -59,6 +68,7 @@ impl Link {
                 spans,
                 budget,
                 staging,
+                stripes: stripes.max(1),
                 q: Mutex::new((VecDeque::new(), false)),
                 cv: Condvar::new(),
             }),
@@ -105,7 +115,7 @@ impl Drop for Link {
 }
 
 fn link_loop(inner: Arc<LinkInner>) {
-    let mut conn: Option<TcpStream> = None;
+    let mut conns: Vec<Option<TcpStream>> = (0..inner.stripes).map(|_| None).collect();
     loop {
         let j = {
             let mut g = inner.q.lock().unwrap_or_else(|e| e.into_inner());
@@ -120,15 +130,124 @@ fn link_loop(inner: Arc<LinkInner>) {
             }
         };
         let job = &j.job;
-        let r = run_job(&inner, &mut conn, job);
-        if r.is_err() {
-            // The stream may be mid-message: start over on the next job.
-            if let Some(c) = conn.take() {
-                let _ = c.shutdown(std::net::Shutdown::Both);
-            }
-        }
+        let striped = conns.len() > 1
+            && job.plan.bytes >= STRIPE_MIN_BYTES
+            && job.local_dev.is_empty()
+            && job.plan.ops.len() <= MAX_SEGS;
+        let r = if striped {
+            run_striped(&inner, &mut conns, job)
+        } else {
+            let note = job.notification.as_deref().unwrap_or(&[]);
+            run_on(&inner, &mut conns[0], job, &job.plan.ops, note, None)
+                .map(|posted| job.stats(Lane::Tcp, posted))
+        };
         job.finish(r);
     }
+}
+
+/// Runs one request of `job` on `conn`, which it resets on failure (the stream may be
+/// mid-message: the next request starts over on a new connection).
+fn run_on(
+    inner: &LinkInner,
+    conn: &mut Option<TcpStream>,
+    job: &Job,
+    ops: &[Op],
+    note: &[u8],
+    abort: Option<&AtomicBool>,
+) -> Result<Duration> {
+    let r = run_job(inner, conn, job, ops, note, abort);
+    if r.is_err() {
+        if let Some(c) = conn.take() {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+    }
+    r
+}
+
+/// `ops` cut into `n` runs of about equal bytes (an operation across a cut is split).
+fn split_ops(ops: &[Op], n: usize) -> Vec<Vec<Op>> {
+    let total: u64 = ops.iter().map(|o| o.len).sum();
+    let per = total.div_ceil(n.max(1) as u64).max(1);
+    let mut parts: Vec<Vec<Op>> = vec![Vec::new()];
+    let mut room = per;
+    for o in ops {
+        let mut o = *o;
+        while o.len > 0 {
+            if room == 0 {
+                parts.push(Vec::new());
+                room = per;
+            }
+            let take = o.len.min(room);
+            if let Some(p) = parts.last_mut() {
+                p.push(Op { len: take, ..o });
+            }
+            o.local += take;
+            o.remote += take;
+            o.len -= take;
+            room -= take;
+        }
+    }
+    parts
+}
+
+/// Moves `job`'s data over `conns.len()` connections at once, one request each and one scoped
+/// thread each, then its notification (a request without data) on the first connection: the
+/// target hands it out only after every stripe's data has landed. The first failure stops the
+/// other stripes at their next check and is the job's error.
+fn run_striped(inner: &LinkInner, conns: &mut [Option<TcpStream>], job: &Job) -> Result<XferStats> {
+    let parts = split_ops(&job.plan.ops, conns.len());
+    let abort = AtomicBool::new(false);
+    let results: Vec<Result<Duration>> = std::thread::scope(|s| {
+        let handles: Vec<_> = conns
+            .iter_mut()
+            .zip(&parts)
+            .enumerate()
+            .map(|(i, (conn, ops))| {
+                let abort = &abort;
+                std::thread::Builder::new()
+                    .name(format!("kvxfer-stripe-{i}"))
+                    .spawn_scoped(s, move || {
+                        let r = run_on(inner, conn, job, ops, &[], Some(abort));
+                        if r.is_err() {
+                            abort.store(true, Ordering::Release);
+                        }
+                        r
+                    })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| match h {
+                Ok(h) => h
+                    .join()
+                    .unwrap_or_else(|_| Err(lane_err(inner, "a stripe's thread panicked"))),
+                Err(e) => {
+                    abort.store(true, Ordering::Release);
+                    Err(Error::io("spawning a TCP lane stripe", e))
+                }
+            })
+            .collect()
+    });
+    let mut posted = Duration::ZERO;
+    let mut first: Option<Error> = None;
+    for r in results {
+        match r {
+            Ok(p) => posted = posted.max(p),
+            // A stripe stopped by another's failure reports Canceled: keep the cause.
+            Err(e) => {
+                if first.is_none() || matches!(first, Some(Error::Canceled)) {
+                    first = Some(e);
+                }
+            }
+        }
+    }
+    if let Some(e) = first {
+        return Err(e);
+    }
+    if let Some(note) = job.notification.as_deref() {
+        run_on(inner, &mut conns[0], job, &[], note, None)?;
+    }
+    Ok(job.stats(Lane::Tcp, posted))
 }
 
 fn lane_err(inner: &LinkInner, why: impl Into<String>) -> Error {
@@ -181,11 +300,20 @@ fn stop_err(inner: &LinkInner, s: Stop, what: &str) -> Error {
     }
 }
 
-fn run_job(inner: &LinkInner, conn: &mut Option<TcpStream>, job: &Job) -> Result<XferStats> {
+fn run_job(
+    inner: &LinkInner,
+    conn: &mut Option<TcpStream>,
+    job: &Job,
+    plan_ops: &[Op],
+    note: &[u8],
+    abort: Option<&AtomicBool>,
+) -> Result<Duration> {
     let deadline_at = job.deadline.map(|d| job.started + d);
-    let ops = job.plan.ops.len();
+    let ops = plan_ops.len();
+    // A deadline reports the job's operations, not this stripe's.
+    let job_ops = job.plan.ops.len();
     let check = || -> Result<(), Stop> {
-        if job.state.is_canceled() {
+        if job.state.is_canceled() || abort.is_some_and(|a| a.load(Ordering::Acquire)) {
             return Err(Stop::Abort(Error::Canceled));
         }
         if deadline_at.is_some_and(|d| Instant::now() >= d) {
@@ -194,7 +322,7 @@ fn run_job(inner: &LinkInner, conn: &mut Option<TcpStream>, job: &Job) -> Result
                 deadline: job.deadline.unwrap_or_default(),
                 // The stream lane does not count operations as it goes.
                 posted_ops: 0,
-                ops,
+                ops: job_ops,
             }));
         }
         Ok(())
@@ -212,7 +340,6 @@ fn run_job(inner: &LinkInner, conn: &mut Option<TcpStream>, job: &Job) -> Result
         .as_ref()
         .ok_or_else(|| lane_err(inner, "no connection"))?;
     // Segments in the target's terms, and the local pieces.
-    let note = job.notification.as_deref().unwrap_or(&[]);
     // The request header and the piece list, charged to the agent's budget (waits while
     // other transfers hold it, up to the deadline or a minute).
     let wait = deadline_at.map_or(Duration::from_secs(60), |d| {
@@ -236,7 +363,7 @@ fn run_job(inner: &LinkInner, conn: &mut Option<TcpStream>, job: &Job) -> Result
     }
     .encode(&mut hdr);
     let mut pieces = Vec::with_capacity(ops);
-    for o in &job.plan.ops {
+    for o in plan_ops {
         let span = inner
             .spans
             .get(o.rslot as usize)
@@ -292,7 +419,7 @@ fn run_job(inner: &LinkInner, conn: &mut Option<TcpStream>, job: &Job) -> Result
             job.started.elapsed()
         );
     }
-    Ok(job.stats(Lane::Tcp, posted_at))
+    Ok(posted_at)
 }
 
 fn read_reply(
