@@ -47,6 +47,12 @@ def slots(n, seed, random):
 
 
 def env(transport):
+    if os.environ.get("NIXL_BENCH_NO_THP") == "1":
+        # numpy madvises large arrays for transparent huge pages; kvxfer's memfd-backed
+        # buffers are shmem, which this host keeps on 4 KiB pages: compare like with like.
+        import numpy as np
+
+        np._core.multiarray._set_madvise_hugepage(False)
     os.environ["UCX_TLS"] = TLS[transport]
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
