@@ -187,19 +187,28 @@ pub fn plan(
 fn split(ops: &[Op], max_op: u64) -> Vec<Op> {
     let mut out = Vec::with_capacity(ops.len());
     for o in ops {
-        let mut done = 0;
-        while done < o.len {
-            let n = (o.len - done).min(max_op);
-            out.push(Op {
-                local: o.local + done,
-                remote: o.remote + done,
-                len: n,
-                ..*o
-            });
-            done += n;
-        }
+        push_split(*o, max_op, &mut out);
     }
     out
+}
+
+/// Appends `o` to `out` cut into operations of at most `max_op` bytes (0: whole).
+pub(crate) fn push_split(o: Op, max_op: u64, out: &mut Vec<Op>) {
+    if max_op == 0 || o.len <= max_op {
+        out.push(o);
+        return;
+    }
+    let mut done = 0;
+    while done < o.len {
+        let n = (o.len - done).min(max_op);
+        out.push(Op {
+            local: o.local + done,
+            remote: o.remote + done,
+            len: n,
+            ..o
+        });
+        done += n;
+    }
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@
 //! [`PagedPlan::ops`] one at a time, contiguous neighbours merged, or all at once from
 //! [`PagedPlan::expand`] for a path that wants the flat form.
 
-use crate::descriptor::{Op, Plan};
+use crate::descriptor::{push_split, Op, Plan};
 use crate::error::{Error, Result, Side};
 use crate::types::{RegionId, RegionSpan};
 use std::sync::Arc;
@@ -206,21 +206,7 @@ impl PagedPlan {
     pub fn expand(&self, max_op: u64) -> Plan {
         let mut ops: Vec<Op> = Vec::new();
         for o in self.ops() {
-            if max_op == 0 || o.len <= max_op {
-                ops.push(o);
-                continue;
-            }
-            let mut done = 0;
-            while done < o.len {
-                let n = (o.len - done).min(max_op);
-                ops.push(Op {
-                    local: o.local + done,
-                    remote: o.remote + done,
-                    len: n,
-                    ..o
-                });
-                done += n;
-            }
+            push_split(o, max_op, &mut ops);
         }
         Plan {
             ops,
