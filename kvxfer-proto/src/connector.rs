@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::layout::{KvGeometry, KvLayout};
+use crate::layout::{KvGeometry, KvLayout, KvOrder};
 use crate::lifecycle::{Freed, LeaseError, Ledger};
 use crate::tp::HeadMap;
 use crate::wire::connector::{Handoff, Mode, PushWant, Refusal, ToConsumer, ToProducer};
@@ -528,6 +528,27 @@ pub fn load_descs(
     let l = local.descs_split(local_blocks, layers.clone(), heads.local.clone(), slice)?;
     let r = remote.descs_split(remote_blocks, layers, heads.remote.clone(), slice)?;
     Ok((l, r))
+}
+
+/// [`load_descs`] in the paged form ([`crate::paged`]): one entry per layer and tensor on each
+/// side. `None` where a head slice in NHD order needs one piece per token (use
+/// [`load_descs`] then).
+pub fn load_paged(
+    local: &KvLayout,
+    remote: &KvLayout,
+    heads: &HeadMap,
+    local_blocks: &[u32],
+    remote_blocks: &[u32],
+    layers: std::ops::Range<usize>,
+) -> Result<Option<(Vec<crate::paged::Paged>, Vec<crate::paged::Paged>)>> {
+    let slice = heads.local != (0..local.geometry.kv_heads)
+        || heads.remote != (0..remote.geometry.kv_heads);
+    if slice && (local.order == KvOrder::Nhd || remote.order == KvOrder::Nhd) {
+        return Ok(None);
+    }
+    let l = local.paged(local_blocks, layers.clone(), heads.local.clone())?;
+    let r = remote.paged(remote_blocks, layers, heads.remote.clone())?;
+    Ok(Some((l, r)))
 }
 
 /// What a consumer checks before it loads `h` into `local_blocks` of its cache `local`,

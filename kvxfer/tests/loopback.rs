@@ -507,3 +507,81 @@ fn gpu_present() -> bool {
     #[cfg(not(feature = "cuda"))]
     false
 }
+
+#[test]
+fn paged_transfers_move_the_same_bytes_and_refuse_bad_blocks() {
+    use kvxfer::paged::Paged;
+    for (t, lanes, tag) in [
+        (Transport::Tcp, true, "paged-tcp"),
+        (Transport::Shm, true, "paged-shm"),
+        (Transport::Tcp, false, "paged-ucx"),
+    ] {
+        let p = pair_cfg(t, lanes, tag);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        use rand::seq::SliceRandom;
+        // Two "layers" of 64 slots each; 40 blocks of each, at random slots on both sides.
+        let (mut la, mut lb): (Vec<u32>, Vec<u32>) = ((0..64).collect(), (0..64).collect());
+        la.shuffle(&mut rng);
+        lb.shuffle(&mut rng);
+        let (la, lb): (Vec<u32>, Vec<u32>) = (la[..40].to_vec(), lb[..40].to_vec());
+        let side = |r: &Region, blocks: &[u32]| -> Vec<Paged> {
+            let shared: std::sync::Arc<[u32]> = blocks.into();
+            (0..2)
+                .map(|layer| Paged {
+                    region: r.id(),
+                    offset: layer * 64 * BLOCK,
+                    block_len: BLOCK,
+                    stride: BLOCK,
+                    blocks: shared.clone(),
+                })
+                .collect()
+        };
+        let (lp, rp) = (side(&p.ra, &la), side(&p.rb, &lb));
+        for op in [XferOp::Write, XferOp::Read] {
+            let va = fill(&p.ra, rng.gen());
+            let vb = fill(&p.rb, rng.gen());
+            let st =
+                p.a.transfer_paged(op, &p.peer_of_a, &lp, &rp, Some(b"paged"), None)
+                    .unwrap()
+                    .wait()
+                    .unwrap();
+            assert_eq!(st.bytes, 2 * 40 * BLOCK);
+            let (src, mut dst, ss, ds) = match op {
+                XferOp::Write => (va.clone(), vb.clone(), &la, &lb),
+                XferOp::Read => (vb.clone(), va.clone(), &lb, &la),
+            };
+            for layer in 0..2u64 {
+                for k in 0..40 {
+                    let s = ((layer * 64 + u64::from(ss[k])) * BLOCK) as usize;
+                    let d = ((layer * 64 + u64::from(ds[k])) * BLOCK) as usize;
+                    dst[d..d + BLOCK as usize].copy_from_slice(&src[s..s + BLOCK as usize]);
+                }
+            }
+            let got = match op {
+                XferOp::Write => snapshot(&p.rb),
+                XferOp::Read => snapshot(&p.ra),
+            };
+            assert!(got == dst, "{tag} {op}: bytes differ");
+            let note = p.b.wait_notification(Duration::from_secs(10)).unwrap();
+            assert_eq!(note.payload, b"paged");
+        }
+        // A block past the peer's region: typed, before anything moves.
+        let mut bad = rp.clone();
+        bad[1].blocks = vec![0, SLOTS as u32 - 64].into();
+        let mut short = lp.clone();
+        short[1].blocks = vec![0, 1].into();
+        let r =
+            p.a.transfer_paged(XferOp::Write, &p.peer_of_a, &short, &bad, None, None);
+        assert!(
+            matches!(r, Err(Error::OutOfBounds { index: 1, .. })),
+            "{tag}: {r:?}"
+        );
+        // Blocks that do not pair up.
+        let r =
+            p.a.transfer_paged(XferOp::Write, &p.peer_of_a, &short, &rp, None, None);
+        assert!(
+            matches!(r, Err(Error::LengthMismatch { index: 1, .. })),
+            "{tag}: {r:?}"
+        );
+    }
+}

@@ -9,10 +9,12 @@
 
 mod config;
 mod metrics;
+mod paged;
 mod peers;
 mod prepared;
 mod route;
 mod state;
+mod submit;
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::CString;
@@ -25,7 +27,6 @@ use std::time::{Duration, Instant};
 pub use config::{AgentConfig, DEFAULT_COMPAT};
 use peers::{load_decoded, peer_info, remove_peer, retire_peer};
 pub use prepared::{PreparedLocal, PreparedRemote};
-use route::{check_strict, route, Route};
 use state::AgentState;
 
 use crate::backend::ucx::driver::{Cmd, Engine, MEMORY_TYPES};
@@ -36,17 +37,17 @@ use crate::lane::shm::{Carrier, Copier};
 use crate::lane::tcp::server::Server;
 use crate::lane::{host_info, iface_addr, LaneCtx};
 use crate::listener::Listener;
-use crate::memory::{Memory, Pins, Region, RegionInner};
+use crate::memory::{Memory, Region, RegionInner};
 use crate::notify::{Channels, Inbox};
 use crate::staging::pool::{StagingCell, StagingStats};
-use crate::transfer::{Canceller, Job, Transfer, XferState};
+use crate::transfer::{Canceller, Transfer};
 use kvxfer_proto::descriptor::{self, Desc};
 use kvxfer_proto::error::{Error, Result, Side};
 use kvxfer_proto::types::{
     choose_gpu_path, GpuPath, MemKind, PeerInfo, RegionId, RegionSpan, Transport, XferOp,
 };
 use kvxfer_proto::wire::metadata::{Metadata, MAX_NAME};
-use kvxfer_proto::wire::notify::{encode, Notification, MAX_NOTIFICATION};
+use kvxfer_proto::wire::notify::{Notification, MAX_NOTIFICATION};
 
 /// One kvxfer agent. See the module docs for the order of calls.
 pub struct Agent {
@@ -452,28 +453,7 @@ impl Agent {
 
     /// Resolves a list of local descriptors once, for reuse by index.
     pub fn prep_local(&self, descs: &[Desc]) -> Result<PreparedLocal> {
-        let regions = self.shared.regions.read();
-        let mut table: Vec<Arc<RegionInner>> = Vec::new();
-        let mut spans: Vec<RegionSpan> = Vec::new();
-        // Only the regions the list names go into the prepared table.
-        for (index, d) in descs.iter().enumerate() {
-            if spans.iter().any(|s| s.id == d.region) {
-                continue;
-            }
-            let r = regions.get(&d.region.0).ok_or(Error::UnknownRegion {
-                side: Side::Local,
-                index,
-                region: d.region.0,
-            })?;
-            spans.push(RegionSpan {
-                id: r.id,
-                base: r.addr,
-                len: r.len,
-                kind: r.kind,
-            });
-            table.push(r.clone());
-        }
-        drop(regions);
+        let (table, spans) = self.local_regions(descs.iter().map(|d| d.region))?;
         let entries = descriptor::resolve(Side::Local, descs, &spans)?;
         Ok(PreparedLocal {
             entries,
@@ -525,71 +505,16 @@ impl Agent {
             }
         }
         let plan = descriptor::plan(&local.entries, li, &remote.entries, ri, self.shared.max_op)?;
-        let view = self
-            .shared
-            .peers
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&remote.peer)
-            .filter(|v| v.token == remote.token)
-            .cloned();
-        if view.is_none() {
-            // Gone (its key vanished): fail now, typed, without a trip to the engine.
-            if let e @ Error::PeerFailed { .. } = self.shared.missing(&remote.peer) {
-                return Err(e);
-            }
-        }
-        let (route, local_dev) = route(
-            &self.shared.transport,
-            local,
-            &plan,
-            view.as_deref(),
-            &remote.peer,
-        )?;
-        if self.strict && matches!(route, Route::Ucx) {
-            check_strict(&self.shared, &remote.peer)?;
-        }
-        // Pin the local regions the plan uses: deregistering them now fails with Busy.
-        let mut used = vec![false; local.regions.len()];
-        for o in &plan.ops {
-            used[o.lslot as usize] = true;
-        }
-        let pins = Pins::acquire(
-            local
-                .regions
-                .iter()
-                .zip(&used)
-                .filter(|(_, &u)| u)
-                .map(|(r, _)| r.clone())
-                .collect(),
-        )?;
-        let id = self.shared.next_xfer.fetch_add(1, Ordering::Relaxed);
-        let state = Arc::new(XferState::default());
-        let job = Job {
-            id,
+        self.submit(
             op,
-            peer: remote.peer.clone(),
-            token: remote.token,
+            local,
+            &remote.peer,
+            remote.token,
             plan,
-            pins,
-            notification: notification.map(|n| encode(&self.shared.name, n)),
+            notification,
             deadline,
-            started: t0,
-            state: state.clone(),
-            lane_stats: None,
-            local_dev,
-        };
-        match route {
-            Route::Shm(maps) => self.shared.copier.submit(job, maps),
-            Route::Tcp(link) => link.submit(job),
-            // On error the job was dropped with the channel; the engine never saw it.
-            Route::Ucx => self.shared.cmds.post(job)?,
-        }
-        Ok(Transfer {
-            state,
-            id,
-            cancel: self.shared.canceller.clone(),
-        })
+            t0,
+        )
     }
 
     /// Convenience: transfers every pair of two prepared lists of equal length.

@@ -16,7 +16,7 @@ use crate::agent::Agent;
 use crate::budget::{Charge, MemoryBudget};
 use crate::telemetry::{RequestStats, Telemetry};
 use crate::transfer::Transfer;
-use kvxfer_proto::connector::{load_descs, LoadEvent, LoadProtocol};
+use kvxfer_proto::connector::{load_descs, load_paged, LoadEvent, LoadProtocol};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::layout::KvLayout;
 use kvxfer_proto::tp::HeadMap;
@@ -583,6 +583,27 @@ fn consumer_progress(sh: &CShared) {
                     }
                     let layer = l.posted;
                     let r = (|| -> Result<Transfer> {
+                        // Bounded by the lease: never read blocks the producer may have freed.
+                        let within = Some(until - now);
+                        // One entry per tensor of the layer, not one per block, where the
+                        // heads allow it (a head slice in NHD order is one piece per token).
+                        if let Some((lp, rp)) = load_paged(
+                            &sh.layout,
+                            &l.remote,
+                            &l.heads,
+                            &l.local_blocks,
+                            &l.h.blocks[l.skip..],
+                            layer..layer + 1,
+                        )? {
+                            return sh.agent.transfer_paged(
+                                XferOp::Read,
+                                &l.h.producer,
+                                &lp,
+                                &rp,
+                                None,
+                                within,
+                            );
+                        }
                         let (ld, rd) = load_descs(
                             &sh.layout,
                             &l.remote,
@@ -593,9 +614,7 @@ fn consumer_progress(sh: &CShared) {
                         )?;
                         let lp = sh.agent.prep_local(&ld)?;
                         let rp = sh.agent.prep_remote(&l.h.producer, &rd)?;
-                        // Bounded by the lease: never read blocks the producer may have freed.
-                        sh.agent
-                            .transfer_all(XferOp::Read, &lp, &rp, None, Some(until - now))
+                        sh.agent.transfer_all(XferOp::Read, &lp, &rp, None, within)
                     })();
                     match r {
                         Ok(t) => l.inflight.push((layer, t)),

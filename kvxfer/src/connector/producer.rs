@@ -416,19 +416,24 @@ fn producer_pushes(sh: &PShared) {
             while p.posted < ready {
                 let l = p.posted;
                 let res = (|| -> Result<Transfer> {
+                    // Whole blocks: one paged entry per tensor of the layer on each side.
                     let ld = sh
                         .layout
-                        .descs(&src_blocks[p.skip..], l..l + 1, heads.clone())?;
-                    let rd = p.local.descs(&p.blocks, l..l + 1, heads.clone())?;
-                    let lp = sh.agent.prep_local(&ld)?;
-                    let rp = sh.agent.prep_remote(&p.reader, &rd)?;
+                        .paged(&src_blocks[p.skip..], l..l + 1, heads.clone())?;
+                    let rd = p.local.paged(&p.blocks, l..l + 1, heads.clone())?;
                     let note = ToConsumer::Layer {
                         request: req.clone(),
                         layer: l,
                     }
                     .encode();
-                    sh.agent
-                        .transfer_all(XferOp::Write, &lp, &rp, Some(&note), Some(sh.cfg.lease))
+                    sh.agent.transfer_paged(
+                        XferOp::Write,
+                        &p.reader,
+                        &ld,
+                        &rd,
+                        Some(&note),
+                        Some(sh.cfg.lease),
+                    )
                 })();
                 match res {
                     Ok(t) => p.inflight.push((l, t)),

@@ -1,0 +1,55 @@
+//! Transfers described in the paged form ([`kvxfer_proto::paged`]): one entry per layer and
+//! tensor instead of one descriptor per block, resolved against the local region table and
+//! the peer's, paired into runs, and planned once.
+#![forbid(unsafe_code)]
+
+use std::time::{Duration, Instant};
+
+use super::{Agent, PreparedLocal};
+use crate::transfer::Transfer;
+use kvxfer_proto::error::{Result, Side};
+use kvxfer_proto::paged::{plan_paged, resolve_paged, Paged};
+use kvxfer_proto::types::XferOp;
+use kvxfer_proto::wire::notify::MAX_NOTIFICATION;
+
+impl Agent {
+    /// Starts a transfer between `local[i]` and `remote[i]` (the peer's regions), block by
+    /// block, each pair holding as many blocks of the same length; notification and deadline
+    /// as for [`Agent::transfer`]. What [`KvLayout::paged`](kvxfer_proto::layout::KvLayout::paged)
+    /// describes: a request's blocks once per layer and tensor, not once per block.
+    pub fn transfer_paged(
+        &self,
+        op: XferOp,
+        peer: &str,
+        local: &[Paged],
+        remote: &[Paged],
+        notification: Option<&[u8]>,
+        deadline: Option<Duration>,
+    ) -> Result<Transfer> {
+        let t0 = Instant::now();
+        if let Some(n) = notification {
+            if n.len() > MAX_NOTIFICATION {
+                return Err(kvxfer_proto::error::Error::InvalidArgument(format!(
+                    "notification of {} bytes, limit {MAX_NOTIFICATION}",
+                    n.len(),
+                )));
+            }
+        }
+        let (regions, spans) = self.local_regions(local.iter().map(|p| p.region))?;
+        let l = resolve_paged(Side::Local, local, &spans)?;
+        let (token, r) = {
+            let peers = self.shared.peers.read().unwrap_or_else(|e| e.into_inner());
+            let view = peers.get(peer).ok_or_else(|| self.shared.missing(peer))?;
+            (
+                view.token,
+                resolve_paged(Side::Remote, remote, &view.spans)?,
+            )
+        };
+        let plan = plan_paged(l, r)?.expand(self.shared.max_op);
+        let local = PreparedLocal {
+            entries: Vec::new(),
+            regions,
+        };
+        self.submit(op, &local, peer, token, plan, notification, deadline, t0)
+    }
+}

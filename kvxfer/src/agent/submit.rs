@@ -1,0 +1,124 @@
+//! Starting a planned transfer: the local regions a description names, the route (shared
+//! memory, the TCP lane or UCX), the pins, and the job handed to its lane.
+#![forbid(unsafe_code)]
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::route::{check_strict, route, Route};
+use super::{Agent, PreparedLocal};
+use crate::memory::{Pins, RegionInner};
+use crate::transfer::{Job, Transfer, XferState};
+use kvxfer_proto::descriptor;
+use kvxfer_proto::error::{Error, Result, Side};
+use kvxfer_proto::types::{RegionId, RegionSpan, XferOp};
+use kvxfer_proto::wire::notify::encode;
+
+impl Agent {
+    /// The registered regions `ids` names (each once, in order of first mention), and their
+    /// spans; an unknown one fails with the index of its first mention.
+    pub(super) fn local_regions(
+        &self,
+        ids: impl Iterator<Item = RegionId>,
+    ) -> Result<(Vec<Arc<RegionInner>>, Vec<RegionSpan>)> {
+        let regions = self.shared.regions.read();
+        let mut table: Vec<Arc<RegionInner>> = Vec::new();
+        let mut spans: Vec<RegionSpan> = Vec::new();
+        // Only the regions the list names go into the prepared table.
+        for (index, id) in ids.enumerate() {
+            if spans.iter().any(|s| s.id == id) {
+                continue;
+            }
+            let r = regions.get(&id.0).ok_or(Error::UnknownRegion {
+                side: Side::Local,
+                index,
+                region: id.0,
+            })?;
+            spans.push(RegionSpan {
+                id: r.id,
+                base: r.addr,
+                len: r.len,
+                kind: r.kind,
+            });
+            table.push(r.clone());
+        }
+        Ok((table, spans))
+    }
+
+    /// Routes and starts the transfer `plan` between `local`'s regions and the peer's regions
+    /// of entry `token`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn submit(
+        &self,
+        op: XferOp,
+        local: &PreparedLocal,
+        peer: &str,
+        token: u64,
+        plan: descriptor::Plan,
+        notification: Option<&[u8]>,
+        deadline: Option<Duration>,
+        t0: Instant,
+    ) -> Result<Transfer> {
+        let view = self
+            .shared
+            .peers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(peer)
+            .filter(|v| v.token == token)
+            .cloned();
+        if view.is_none() {
+            // Gone (its key vanished): fail now, typed, without a trip to the engine.
+            if let e @ Error::PeerFailed { .. } = self.shared.missing(peer) {
+                return Err(e);
+            }
+        }
+        let (route, local_dev) =
+            route(&self.shared.transport, local, &plan, view.as_deref(), peer)?;
+        if self.strict && matches!(route, Route::Ucx) {
+            check_strict(&self.shared, peer)?;
+        }
+        // Pin the local regions the plan uses: deregistering them now fails with Busy.
+        let mut used = vec![false; local.regions.len()];
+        for o in &plan.ops {
+            used[o.lslot as usize] = true;
+        }
+        let pins = Pins::acquire(
+            local
+                .regions
+                .iter()
+                .zip(&used)
+                .filter(|(_, &u)| u)
+                .map(|(r, _)| r.clone())
+                .collect(),
+        )?;
+        let id = self.shared.next_xfer.fetch_add(1, Ordering::Relaxed);
+        let state = Arc::new(XferState::default());
+        let job = Job {
+            id,
+            op,
+            peer: peer.to_string(),
+            token,
+            plan,
+            pins,
+            notification: notification.map(|n| encode(&self.shared.name, n)),
+            deadline,
+            started: t0,
+            state: state.clone(),
+            lane_stats: None,
+            local_dev,
+        };
+        match route {
+            Route::Shm(maps) => self.shared.copier.submit(job, maps),
+            Route::Tcp(link) => link.submit(job),
+            // On error the job was dropped with the channel; the engine never saw it.
+            Route::Ucx => self.shared.cmds.post(job)?,
+        }
+        Ok(Transfer {
+            state,
+            id,
+            cancel: self.shared.canceller.clone(),
+        })
+    }
+}
