@@ -86,11 +86,14 @@ fn garbage_on_the_side_channel_is_refused_and_the_listener_keeps_working() {
 
 #[test]
 fn strict_mode_refuses_a_silent_fallback_to_tcp() {
-    // With UCX peer-failure detection on, UCX 1.13-1.22 will not use shared memory, and asking
-    // for "sm,tcp" silently runs over TCP: strict mode makes that an error naming it.
+    // With UCX peer-failure detection on, UCX 1.13-1.22 will not use its mapped shared-memory
+    // transports (posix, sysv: no peer-failure handler), and asking for "posix,sysv,tcp"
+    // silently runs over TCP: strict mode makes that an error naming it. (`cma` does handle
+    // peer failure: on UCX 1.22 with kvxfer's RNDV_THRESH=inf, "sm,tcp" gets cma for RMA, which
+    // strict mode rightly lets through.)
     let mk = |name: &str, peer_failure: bool| {
         let mut c = AgentConfig::new(format!("{name}-{}", std::process::id()))
-            .transport(Transport::Custom("sm,tcp".into()))
+            .transport(Transport::Custom("posix,sysv,tcp".into()))
             .net_devices("lo")
             .strict(true);
         c.peer_failure = Some(peer_failure);
