@@ -52,14 +52,7 @@ pub fn resolve(side: Side, descs: &[Desc], table: &[RegionSpan]) -> Result<Vec<R
     for (index, d) in descs.iter().enumerate() {
         let slot = match last {
             Some(s) if table[s].id == d.region => s,
-            _ => table
-                .iter()
-                .position(|r| r.id == d.region)
-                .ok_or(Error::UnknownRegion {
-                    side,
-                    index,
-                    region: d.region.0,
-                })?,
+            _ => region_slot(side, index, d.region, table)?,
         };
         last = Some(slot);
         let r = &table[slot];
@@ -88,6 +81,23 @@ pub fn resolve(side: Side, descs: &[Desc], table: &[RegionSpan]) -> Result<Vec<R
         });
     }
     Ok(out)
+}
+
+/// The slot of `region` in `table`; unknown: an error naming entry `index` of the list.
+pub(crate) fn region_slot(
+    side: Side,
+    index: usize,
+    region: RegionId,
+    table: &[RegionSpan],
+) -> Result<usize> {
+    table
+        .iter()
+        .position(|r| r.id == region)
+        .ok_or(Error::UnknownRegion {
+            side,
+            index,
+            region: region.0,
+        })
 }
 
 /// One operation to post: `len` bytes between a local and a remote address.

@@ -11,7 +11,7 @@
 //! [`PagedPlan::ops`] one at a time, contiguous neighbours merged, or all at once from
 //! [`PagedPlan::expand`] for a path that wants the flat form.
 
-use crate::descriptor::{push_split, Op, Plan};
+use crate::descriptor::{push_split, region_slot, Op, Plan};
 use crate::error::{Error, Result, Side};
 use crate::types::{RegionId, RegionSpan};
 use std::sync::Arc;
@@ -71,14 +71,7 @@ pub fn resolve_paged(
 ) -> Result<Vec<ResolvedPaged>> {
     let mut out = Vec::with_capacity(list.len());
     for (index, p) in list.iter().enumerate() {
-        let slot = table
-            .iter()
-            .position(|r| r.id == p.region)
-            .ok_or(Error::UnknownRegion {
-                side,
-                index,
-                region: p.region.0,
-            })?;
+        let slot = region_slot(side, index, p.region, table)?;
         let r = &table[slot];
         if p.block_len == 0 {
             return Err(Error::ZeroLength {

@@ -58,6 +58,19 @@ pub fn encode(from: &str, payload: &[u8]) -> Vec<u8> {
     v
 }
 
+/// A payload the caller wants sent must fit [`MAX_NOTIFICATION`].
+pub fn check_payload(payload: Option<&[u8]>) -> crate::error::Result<()> {
+    match payload {
+        Some(n) if n.len() > MAX_NOTIFICATION => {
+            Err(crate::error::Error::InvalidArgument(format!(
+                "notification of {} bytes, limit {MAX_NOTIFICATION}",
+                n.len()
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Decodes a wire notification; `None` for malformed input.
 pub fn decode(b: &[u8]) -> Option<Notification> {
     let n = u16::from_le_bytes(b.get(..NAME_LEN_BYTES)?.try_into().ok()?) as usize;

@@ -47,7 +47,7 @@ use kvxfer_proto::types::{
     choose_gpu_path, GpuPath, MemKind, PeerInfo, RegionId, RegionSpan, Transport, XferOp,
 };
 use kvxfer_proto::wire::metadata::{Metadata, MAX_NAME};
-use kvxfer_proto::wire::notify::{Notification, MAX_NOTIFICATION};
+use kvxfer_proto::wire::notify::{check_payload, Notification};
 
 /// One kvxfer agent. See the module docs for the order of calls.
 pub struct Agent {
@@ -496,14 +496,7 @@ impl Agent {
         deadline: Option<Duration>,
     ) -> Result<Transfer> {
         let t0 = Instant::now();
-        if let Some(n) = notification {
-            if n.len() > MAX_NOTIFICATION {
-                return Err(Error::InvalidArgument(format!(
-                    "notification of {} bytes, limit {MAX_NOTIFICATION}",
-                    n.len(),
-                )));
-            }
-        }
+        check_payload(notification)?;
         let plan = descriptor::plan(&local.entries, li, &remote.entries, ri, self.shared.max_op)?;
         self.submit(
             op,

@@ -10,7 +10,7 @@ use crate::transfer::Transfer;
 use kvxfer_proto::error::{Result, Side};
 use kvxfer_proto::paged::{plan_paged, resolve_paged, Paged};
 use kvxfer_proto::types::XferOp;
-use kvxfer_proto::wire::notify::MAX_NOTIFICATION;
+use kvxfer_proto::wire::notify::check_payload;
 
 impl Agent {
     /// Starts a transfer between `local[i]` and `remote[i]` (the peer's regions), block by
@@ -27,14 +27,7 @@ impl Agent {
         deadline: Option<Duration>,
     ) -> Result<Transfer> {
         let t0 = Instant::now();
-        if let Some(n) = notification {
-            if n.len() > MAX_NOTIFICATION {
-                return Err(kvxfer_proto::error::Error::InvalidArgument(format!(
-                    "notification of {} bytes, limit {MAX_NOTIFICATION}",
-                    n.len(),
-                )));
-            }
-        }
+        check_payload(notification)?;
         let (regions, spans) = self.local_regions(local.iter().map(|p| p.region))?;
         let l = resolve_paged(Side::Local, local, &spans)?;
         let (token, r) = {
