@@ -101,7 +101,7 @@ pub(crate) struct Args {
     #[arg(long)]
     pub(crate) busy_poll: bool,
     /// TCP connections one TCP-lane transfer (16 MiB or more) is striped over.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 1)]
     pub(crate) stripes: usize,
     /// Move every byte through UCX (kvxfer's shared-memory and TCP stream lanes off).
     #[arg(long)]
