@@ -626,6 +626,27 @@ kvx_status kvx_agent_config_set_lanes(struct kvx_agent_config *c, int32_t on);
 kvx_status kvx_agent_config_set_gpu_path(struct kvx_agent_config *c, const char *path);
 
 /**
+ * TCP-lane compression: "auto" (the default: compress a transfer where the measured link is
+ * slower than the codec makes worthwhile), "on" or "off".
+ *
+ * # Safety
+ * As `kvx_agent_config_set_transport`.
+ */
+kvx_status kvx_agent_config_set_compression(struct kvx_agent_config *c, const char *mode);
+
+/**
+ * Takes `bytes_per_s` as the link rate to the agent named `peer` (for compression's `auto`)
+ * instead of measuring it.
+ *
+ * # Safety
+ * `c` is a live config not used by another thread during the call; `peer` is a
+ * NUL-terminated string.
+ */
+kvx_status kvx_agent_config_set_link_rate(struct kvx_agent_config *c,
+                                          const char *peer,
+                                          double bytes_per_s);
+
+/**
  * The staging of device memory on the staged path: `chunks` pinned host chunks of
  * `chunk_bytes` (half for transfers the agent starts, half for its peers'), allocated once at
  * the first device registration and charged to the budget.

@@ -6,6 +6,7 @@
 # bytes over the same link. Everything is removed on exit, whatever happens.
 #
 #   sudo scripts/netns-1gbe.sh [kvxfer-bench options]     (default: --op write,read)
+#   sudo scripts/netns-1gbe.sh --data kv --compress off,on,auto   # raw and compressed, side by side
 #
 # Environment: KVX_RATE (default 1gbit), KVX_PREFIX (namespace/link name prefix, default kvx).
 set -euo pipefail

@@ -37,9 +37,10 @@ pub(crate) fn status_of(e: &Error) -> kvx_status {
         | Error::LengthMismatch { .. } => KVX_OUT_OF_BOUNDS,
         Error::UnknownPeer { .. } => KVX_UNKNOWN_PEER,
         Error::StalePeer { .. } => KVX_STALE,
-        Error::PeerFailed { .. } | Error::LaneFailed { .. } | Error::NoCommonTransport { .. } => {
-            KVX_PEER_FAILED
-        }
+        Error::PeerFailed { .. }
+        | Error::LaneFailed { .. }
+        | Error::NoCommonTransport { .. }
+        | Error::Frame { .. } => KVX_PEER_FAILED,
         Error::Handoff { .. } => KVX_HANDOFF,
         Error::Busy { .. } => KVX_BUSY,
         Error::Deregistered { .. } => KVX_DEREGISTERED,

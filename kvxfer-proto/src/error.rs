@@ -401,6 +401,14 @@ pub enum Error {
     /// The agent was shut down.
     #[error("agent is shut down")]
     Shutdown,
+    /// Compressed data from a peer failed its checks (nothing of it was used).
+    #[error("compressed data from {peer}: {source}")]
+    Frame {
+        /// The peer that sent it.
+        peer: String,
+        /// What was wrong.
+        source: crate::compress::frame::FrameError,
+    },
 }
 
 /// Whether the UCX release `loaded` (as `ucp_get_version_string` gives it) can run a build

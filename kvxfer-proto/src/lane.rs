@@ -16,6 +16,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use crate::compress::planes::Transform;
 use crate::wire::lane::{
     encode_reply, encode_welcome, parse_hello, parse_hello_rest, parse_request_header, request_id,
     segments, ReplyHeader, RequestHeader, Segment, HEADER_LEN, HELLO_FIXED_LEN, K_ACK, K_DATA,
@@ -57,15 +58,23 @@ pub enum TargetEvent {
     },
     /// Receive the write's data into the resolved pieces, then call
     /// [`LaneTarget::data_done`].
-    ReceiveData,
-    /// Read and discard `bytes` (a refused write's data, or a refused request's remainder),
-    /// then call [`LaneTarget::data_done`].
+    ReceiveData {
+        /// The data arrives as frames (split by this transform), not raw.
+        frames: Option<Transform>,
+    },
+    /// Read and discard the `bytes` of a refused write's data, then call
+    /// [`LaneTarget::data_done`].
     Drain {
-        /// Bytes to discard.
+        /// Raw bytes to discard.
         bytes: u64,
+        /// They arrive as frames, covering `bytes` raw bytes.
+        frames: Option<Transform>,
     },
     /// Send the read's data from the resolved pieces, then call [`LaneTarget::data_done`].
-    SendData,
+    SendData {
+        /// Send it as frames split by this transform, not raw.
+        frames: Option<Transform>,
+    },
     /// The pieces are no longer needed: drop their pins and staging.
     Release,
     /// Deliver this notification (its data has landed, or left).
@@ -109,8 +118,6 @@ enum Pending {
     Data(RequestHeader, Option<String>),
     /// A read's data is leaving; the notification was read before it.
     Sending(RequestHeader, Vec<u8>),
-    /// A refused request is being drained; then this reply.
-    Refusing(Vec<u8>),
 }
 
 /// One target connection of the TCP lane.
@@ -292,19 +299,20 @@ impl LaneTarget {
         let Pending::Skip(header, why) = std::mem::replace(&mut self.pending, Pending::None) else {
             return self.close("skip without a refused request (a shell bug)".into());
         };
-        let bytes = if header.kind == K_WRITE {
-            total.saturating_add(header.notif_len as u64)
+        // A write's data is drained, then its notification read; either way the refusal
+        // follows and the stream is in step for the next request.
+        if header.kind == K_WRITE {
+            self.events.push_back(TargetEvent::Drain {
+                bytes: total,
+                frames: header.frames,
+            });
+            self.pending = Pending::Data(header, Some(why));
         } else {
-            header.notif_len as u64
-        };
-        self.events.push_back(TargetEvent::Drain { bytes });
-        let kind = if header.kind == K_WRITE {
-            K_ACK
-        } else {
-            K_DATA
-        };
-        // After the drain: the refusal, and the stream is in step for the next request.
-        self.pending = Pending::Refusing(encode_reply(kind, header.id, 1, &why));
+            self.state = State::Note {
+                header,
+                refused: Some(why),
+            };
+        }
     }
 
     /// The shell's answer to [`TargetEvent::Resolve`]: `Err` is why the segments were refused
@@ -316,12 +324,17 @@ impl LaneTarget {
         };
         match (header.kind == K_WRITE, r) {
             (true, Ok(())) => {
-                self.events.push_back(TargetEvent::ReceiveData);
+                self.events.push_back(TargetEvent::ReceiveData {
+                    frames: header.frames,
+                });
                 self.pending = Pending::Data(header, None);
             }
             (true, Err(why)) => {
                 self.events.push_back(TargetEvent::Release);
-                self.events.push_back(TargetEvent::Drain { bytes: total });
+                self.events.push_back(TargetEvent::Drain {
+                    bytes: total,
+                    frames: header.frames,
+                });
                 self.pending = Pending::Data(header, Some(why));
             }
             // A read: its notification comes first, then the reply and the data.
@@ -340,10 +353,6 @@ impl LaneTarget {
     /// The data the last event asked for has moved (received, drained or sent).
     pub fn data_done(&mut self) {
         match std::mem::replace(&mut self.pending, Pending::None) {
-            Pending::Refusing(reply) => {
-                self.events.push_back(TargetEvent::Transmit(reply));
-                self.between_messages();
-            }
             Pending::Data(header, refused) => {
                 if refused.is_none() {
                     self.events.push_back(TargetEvent::Release);
@@ -356,6 +365,22 @@ impl LaneTarget {
                 self.between_messages();
             }
             _ => self.close("data without a request (a shell bug)".into()),
+        }
+    }
+
+    /// The write's data arrived but could not be used (a compressed frame failed its check);
+    /// the shell drained the rest, so the stream is in step: the request is refused with
+    /// `why` after its notification, which is not delivered.
+    pub fn data_failed(&mut self, why: String) {
+        match std::mem::replace(&mut self.pending, Pending::None) {
+            Pending::Data(header, None) => {
+                self.events.push_back(TargetEvent::Release);
+                self.state = State::Note {
+                    header,
+                    refused: Some(why),
+                };
+            }
+            _ => self.close("a data failure without data (a shell bug)".into()),
         }
     }
 
@@ -380,7 +405,9 @@ impl LaneTarget {
                 self.events.push_back(TargetEvent::Transmit(encode_reply(
                     K_DATA, header.id, 0, "",
                 )));
-                self.events.push_back(TargetEvent::SendData);
+                self.events.push_back(TargetEvent::SendData {
+                    frames: header.frames,
+                });
                 self.pending = Pending::Sending(header, note.to_vec());
                 self.state = State::Shell;
             }
@@ -481,6 +508,8 @@ mod tests {
         log: Vec<String>,
         /// The current request's resolved pieces: (region, offset, len).
         pieces: Vec<(usize, usize, usize)>,
+        /// Received data fails its check with this reason (a corrupt compressed frame).
+        fail_data: Option<String>,
     }
 
     impl Shell {
@@ -492,6 +521,7 @@ mod tests {
                 out: Vec::new(),
                 log: Vec::new(),
                 pieces: Vec::new(),
+                fail_data: None,
             }
         }
 
@@ -545,7 +575,13 @@ mod tests {
                             self.log.push(format!("resolve {}", r.is_ok()));
                             t.resolved(r, total);
                         }
-                        TargetEvent::ReceiveData => {
+                        TargetEvent::ReceiveData { .. } if self.fail_data.is_some() => {
+                            let n: usize = self.pieces.iter().map(|p| p.2).sum();
+                            self.take(n);
+                            self.log.push("data failed".into());
+                            t.data_failed(self.fail_data.take().unwrap_or_default());
+                        }
+                        TargetEvent::ReceiveData { .. } => {
                             for (r, o, l) in self.pieces.clone() {
                                 let b = self.take(l);
                                 self.regions[r][o..o + l].copy_from_slice(&b);
@@ -553,12 +589,12 @@ mod tests {
                             self.log.push("data in".into());
                             t.data_done();
                         }
-                        TargetEvent::Drain { bytes } => {
+                        TargetEvent::Drain { bytes, .. } => {
                             self.take(bytes as usize);
                             self.log.push(format!("drain {bytes}"));
                             t.data_done();
                         }
-                        TargetEvent::SendData => {
+                        TargetEvent::SendData { .. } => {
                             for (r, o, l) in self.pieces.clone() {
                                 let b = self.regions[r][o..o + l].to_vec();
                                 self.out.extend(b);
@@ -616,6 +652,7 @@ mod tests {
             id,
             nsegs: segs.len(),
             notif_len: note.len(),
+            frames: None,
         }
         .encode(&mut b);
         for &(region, offset, len) in segs {
@@ -655,6 +692,49 @@ mod tests {
 
     fn note(from: &str, text: &str) -> Vec<u8> {
         notify::encode(from, text.as_bytes())
+    }
+
+    #[test]
+    fn data_that_fails_its_check_is_refused_in_step_and_its_note_not_delivered() {
+        let mut sh = Shell::new(1, 64, 1 << 20);
+        sh.fail_data = Some("compressed data: checksum mismatch".into());
+        let mut t = LaneTarget::new(SECRET, STALL, Duration::ZERO);
+        sh.input.extend(hello(SECRET));
+        sh.input.extend(request(
+            true,
+            1,
+            &[(0, 0, 8)],
+            &[1; 8],
+            &note("prefill", "bad"),
+        ));
+        sh.input.extend(request(
+            true,
+            2,
+            &[(0, 8, 8)],
+            &[2; 8],
+            &note("prefill", "good"),
+        ));
+        sh.drive(&mut t, Duration::ZERO);
+        assert_eq!(
+            sh.log,
+            [
+                "accepted prefill",
+                "admit true",
+                "resolve true",
+                "data failed",
+                "release",
+                "admit true",
+                "resolve true",
+                "data in",
+                "release",
+                "deliver good"
+            ]
+        );
+        let (_, rs, _) = replies(&sh.out);
+        let got: Vec<(u8, u64, u8)> = rs.iter().map(|(r, _)| (r.kind, r.id, r.status)).collect();
+        assert_eq!(got, [(K_ACK, 1, 1), (K_ACK, 2, 0)]);
+        assert!(rs[0].1.contains("checksum"), "{}", rs[0].1);
+        assert_eq!(sh.regions[0][8..16], [2; 8]);
     }
 
     #[test]

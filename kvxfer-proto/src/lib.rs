@@ -10,6 +10,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod acceptor;
+pub mod compress;
 pub mod connector;
 pub mod descriptor;
 pub mod error;

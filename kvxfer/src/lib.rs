@@ -41,6 +41,7 @@ mod agent;
 mod backend;
 pub mod budget;
 mod cgroup;
+mod codec_meter;
 pub mod connector;
 mod device;
 mod discovery;
@@ -68,8 +69,11 @@ pub use agent::{
     Agent, AgentConfig, PreparedLocal, PreparedRemote, TransferBuilder, DEFAULT_COMPAT,
 };
 pub use budget::{Charge, MemoryBudget};
+pub use codec_meter::CodecTotals;
 pub use descriptor::{Desc, RegionId};
 pub use error::{Error, MetadataError, Result, Side, UcsStatus};
+pub use kvxfer_proto::compress;
+pub use kvxfer_proto::compress::policy::Compression;
 pub use kvxfer_proto::types::{GpuPath, Lane, MemKind, PeerInfo, RegionSpan, Transport, XferOp};
 pub use memory::{HostBuffer, Memory, Region};
 pub use notify::Notification;

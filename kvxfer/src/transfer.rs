@@ -33,6 +33,12 @@ pub struct XferStats {
     pub duration: Duration,
     /// Which lane moved the bytes.
     pub lane: Lane,
+    /// Bytes of data that crossed the wire: `bytes`, or fewer when the TCP lane compressed
+    /// them (frame headers included).
+    pub wire_bytes: u64,
+    /// This side's time coding the data (compressing a write, decompressing a read); zero
+    /// when it moved raw.
+    pub codec_time: Duration,
 }
 
 #[derive(Default)]
@@ -125,6 +131,8 @@ impl Job {
             post_time,
             duration: self.started.elapsed(),
             lane,
+            wire_bytes: self.plan.bytes,
+            codec_time: Duration::ZERO,
         }
     }
 

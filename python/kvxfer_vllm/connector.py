@@ -39,7 +39,9 @@ after every change, for a textfile collector), ``gpu_path`` (device tensors: ``a
 4096 KiB), ``secret`` (a shared secret both ends prove on the side channel), ``strict``
 (refuse a silent transport fallback), ``discovery`` (``etcd://host:2379``: workers publish
 themselves in etcd and load each other before any handoff; ``namespace``,
-``discovery_ttl_ms``). Every option goes to the agent through the C ABI's
+``discovery_ttl_ms``), ``compression`` (the TCP lane's: ``auto``, the default, compresses a
+handoff where the measured link is slower than the codec makes worthwhile; ``on``; ``off``).
+Every option goes to the agent through the C ABI's
 config builder, none through environment variables.
 """
 
@@ -451,6 +453,7 @@ class KvxferConnector(KVConnectorBase_V1):
             strict=bool(ex.get("strict", False)),
             gpu_path=gpu_path_for(self._tc.kv_buffer_device, ex),
             staging=staging,
+            compression=ex.get("compression"),
         )
         side = self.agent.listen(f"{_advertised_host(ex)}:{int(ex.get('port', 0))}")
         device = first.device

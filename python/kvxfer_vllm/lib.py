@@ -146,6 +146,7 @@ class Lib:
             "kvx_agent_config_set_strict": (st, [c_void_p, c_int32]),
             "kvx_agent_config_set_lanes": (st, [c_void_p, c_int32]),
             "kvx_agent_config_set_gpu_path": (st, [c_void_p, c_char_p]),
+            "kvx_agent_config_set_compression": (st, [c_void_p, c_char_p]),
             "kvx_agent_config_set_staging": (st, [c_void_p, c_size_t, c_size_t]),
             "kvx_agent_config_set_budget": (st, [c_void_p, c_uint64]),
             "kvx_agent_new_with": (st, [c_void_p, POINTER(c_void_p)]),
@@ -222,10 +223,11 @@ class Lib:
 class Agent:
     """One kvxfer agent, configured through the C ABI's config builder (nothing is passed
     through environment variables). ``secret`` (bytes), ``strict``, ``lanes``, ``gpu_path``
-    ("auto", "direct", "staged") and ``staging`` ((chunks, chunk_bytes)) are optional."""
+    ("auto", "direct", "staged"), ``staging`` ((chunks, chunk_bytes)) and ``compression``
+    ("auto", "on", "off") are optional."""
 
     def __init__(self, name, transport="auto", net_devices=None, budget_bytes=0, *, secret=None,
-                 strict=False, lanes=True, gpu_path=None, staging=None):
+                 strict=False, lanes=True, gpu_path=None, staging=None, compression=None):
         self.lib = Lib.get()
         L = self.lib.L
         cfg = c_void_p()
@@ -247,6 +249,8 @@ class Agent:
                 self.lib.check(L.kvx_agent_config_set_gpu_path(cfg, str(gpu_path).encode()))
             if staging:
                 self.lib.check(L.kvx_agent_config_set_staging(cfg, int(staging[0]), int(staging[1])))
+            if compression:
+                self.lib.check(L.kvx_agent_config_set_compression(cfg, str(compression).encode()))
             h = c_void_p()
             self.lib.check(L.kvx_agent_new_with(cfg, ctypes.byref(h)))
         finally:

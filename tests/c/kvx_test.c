@@ -394,6 +394,12 @@ int main(int argc, char **argv) {
     kvx_last_error(m, sizeof m);
     if (strstr(m, "sideways") == NULL) die("last error does not name the gpu path", KVX_OK);
     EXPECT(kvx_agent_config_set_staging(c, 1, 4096), KVX_INVALID_ARGUMENT);
+    EXPECT(kvx_agent_config_set_compression(c, "maybe"), KVX_INVALID_ARGUMENT);
+    kvx_last_error(m, sizeof m);
+    if (strstr(m, "maybe") == NULL) die("last error does not name the compression mode", KVX_OK);
+    EXPECT(kvx_agent_config_set_link_rate(c, "peer", -1.0), KVX_INVALID_ARGUMENT);
+    CHECK(kvx_agent_config_set_compression(c, "auto"));
+    CHECK(kvx_agent_config_set_link_rate(c, "peer", 125e6));
     EXPECT(kvx_agent_config_set_transport(c, NULL), KVX_NULL_PARAMETER);
     EXPECT(kvx_agent_config_set_strict(NULL, 1), KVX_NULL_PARAMETER);
     EXPECT(kvx_agent_new_with(c, NULL), KVX_NULL_PARAMETER);

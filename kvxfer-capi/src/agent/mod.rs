@@ -317,6 +317,55 @@ pub unsafe extern "C" fn kvx_agent_config_set_gpu_path(
     }
 }
 
+/// TCP-lane compression: "auto" (the default: compress a transfer where the measured link is
+/// slower than the codec makes worthwhile), "on" or "off".
+///
+/// # Safety
+/// As `kvx_agent_config_set_transport`.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_compression(
+    c: *mut kvx_agent_config,
+    mode: *const c_char,
+) -> kvx_status {
+    // SAFETY: per this function's contract.
+    unsafe {
+        with_config("kvx_agent_config_set_compression", c, |cfg| {
+            let s = cstr(mode, "mode")?;
+            let m: kvxfer_core::Compression = s
+                .parse()
+                .map_err(|e: String| fail(kvx_status::KVX_INVALID_ARGUMENT, e))?;
+            Ok(cfg.compression(m))
+        })
+    }
+}
+
+/// Takes `bytes_per_s` as the link rate to the agent named `peer` (for compression's `auto`)
+/// instead of measuring it.
+///
+/// # Safety
+/// `c` is a live config not used by another thread during the call; `peer` is a
+/// NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_link_rate(
+    c: *mut kvx_agent_config,
+    peer: *const c_char,
+    bytes_per_s: f64,
+) -> kvx_status {
+    // SAFETY: per this function's contract.
+    unsafe {
+        with_config("kvx_agent_config_set_link_rate", c, |cfg| {
+            let p = cstr(peer, "peer")?;
+            if !(bytes_per_s.is_finite() && bytes_per_s > 0.0) {
+                return Err(fail(
+                    kvx_status::KVX_INVALID_ARGUMENT,
+                    format!("link rate {bytes_per_s}: a positive number of bytes per second"),
+                ));
+            }
+            Ok(cfg.link_rate(p, bytes_per_s))
+        })
+    }
+}
+
 /// The staging of device memory on the staged path: `chunks` pinned host chunks of
 /// `chunk_bytes` (half for transfers the agent starts, half for its peers'), allocated once at
 /// the first device registration and charged to the budget.

@@ -3,14 +3,20 @@
 //! ```text
 //! hello    initiator → target  "KVXT" | version u16 | name_len u16 | name | secret [16]
 //! welcome  target → initiator  status u8 | msg_len u16 | msg
-//! request  initiator → target  kind u8 (1 write, 2 read) | id u64 | nsegs u32 | notif_len u32
+//! request  initiator → target  kind u8 (1 write, 2 read; bits 4-5: the data as frames, see
+//!                              below) | id u64 | nsegs u32 | notif_len u32
 //!                              | { region u32 | offset u64 | len u64 }*nsegs
 //!                              | write: the data, then the notification
 //!                              | read:  the notification
 //! reply    target → initiator  kind u8 (3 ack, 4 data) | id u64 | status u8 | msg_len u16 | msg
 //!                              | data (read, status 0): the requested bytes in order
 //! ```
+//!
+//! Bits 4-5 of a request's kind: 0, the data travels as it is; 1-3, as the frames of
+//! [`crate::compress::frame`] (both ways: a write's data from the initiator, a read's data
+//! from the target), split by transform none, bf16 or bytes2 respectively. Bits 6-7 are 0.
 
+use crate::compress::planes::Transform;
 use crate::wire::metadata::MAX_NAME;
 use crate::wire::notify;
 
@@ -54,12 +60,15 @@ pub struct RequestHeader {
     pub nsegs: usize,
     /// Notification bytes that follow.
     pub notif_len: usize,
+    /// The data travels as frames split by this transform (None: raw).
+    pub frames: Option<Transform>,
 }
 
 impl RequestHeader {
     /// Appends the header's bytes to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
-        out.push(self.kind);
+        let f = self.frames.map_or(0, |t| t.code() + 1);
+        out.push(self.kind | (f << 4));
         out.extend_from_slice(&self.id.to_le_bytes());
         out.extend_from_slice(&(self.nsegs as u32).to_le_bytes());
         out.extend_from_slice(&(self.notif_len as u32).to_le_bytes());
@@ -68,13 +77,22 @@ impl RequestHeader {
 
 /// Parses and bounds-checks a request header.
 pub fn parse_request_header(hdr: &[u8; HEADER_LEN]) -> std::result::Result<RequestHeader, String> {
-    let kind = hdr[0];
+    let kind = hdr[0] & 0x0f;
+    let frames = match (hdr[0] >> 4) & 0x03 {
+        0 => None,
+        f => Transform::from_code(f - 1),
+    };
     let id = request_id(hdr);
     let nsegs = u32::from_le_bytes([hdr[9], hdr[10], hdr[11], hdr[12]]) as usize;
     let nlen = u32::from_le_bytes([hdr[13], hdr[14], hdr[15], hdr[16]]) as usize;
-    if (kind != K_WRITE && kind != K_READ) || nsegs > MAX_SEGS || nlen > MAX_NOTIF_LEN {
+    if (kind != K_WRITE && kind != K_READ)
+        || hdr[0] & 0xc0 != 0
+        || nsegs > MAX_SEGS
+        || nlen > MAX_NOTIF_LEN
+    {
         return Err(format!(
-            "malformed request kind {kind} nsegs {nsegs} notification {nlen}"
+            "malformed request kind {:#04x} nsegs {nsegs} notification {nlen}",
+            hdr[0]
         ));
     }
     Ok(RequestHeader {
@@ -82,6 +100,7 @@ pub fn parse_request_header(hdr: &[u8; HEADER_LEN]) -> std::result::Result<Reque
         id,
         nsegs,
         notif_len: nlen,
+        frames,
     })
 }
 
@@ -264,6 +283,7 @@ mod tests {
             id: 1,
             nsegs: 2,
             notif_len: 3,
+            frames: None,
         }
         .encode(&mut b);
         assert_eq!(b.len(), HEADER_LEN);
@@ -290,6 +310,8 @@ mod tests {
         let mut h = [0u8; HEADER_LEN];
         h[0] = 9;
         assert!(parse_request_header(&h).is_err());
+        h[0] = K_WRITE | 0x40;
+        assert!(parse_request_header(&h).is_err(), "reserved bits");
         h[0] = K_READ;
         h[9..13].copy_from_slice(&((MAX_SEGS + 1) as u32).to_le_bytes());
         assert!(parse_request_header(&h).is_err());
@@ -318,8 +340,9 @@ mod tests {
     proptest! {
         #[test]
         fn request_roundtrip(write in any::<bool>(), id in any::<u64>(), nsegs in 0..=MAX_SEGS,
-                             notif_len in 0..=MAX_NOTIF_LEN) {
-            let h = RequestHeader { kind: if write { K_WRITE } else { K_READ }, id, nsegs, notif_len };
+                             notif_len in 0..=MAX_NOTIF_LEN, f in 0u8..4) {
+            let frames = f.checked_sub(1).and_then(Transform::from_code);
+            let h = RequestHeader { kind: if write { K_WRITE } else { K_READ }, id, nsegs, notif_len, frames };
             let mut b = Vec::new();
             h.encode(&mut b);
             let a: [u8; HEADER_LEN] = b.as_slice().try_into().unwrap();

@@ -6,6 +6,8 @@ use std::sync::Arc;
 use crate::budget::MemoryBudget;
 use crate::device::copy::CopyEngine;
 use crate::registry::config::DiscoveryConfig;
+use kvxfer_proto::compress::planes::Transform;
+use kvxfer_proto::compress::policy::Compression;
 use kvxfer_proto::types::{
     GpuPath, Transport, DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES,
 };
@@ -79,6 +81,19 @@ pub struct AgentConfig {
     pub stripes: usize,
     /// Per-peer overrides of [`AgentConfig::stripes`], by agent name.
     pub peer_stripes: Vec<(String, usize)>,
+    /// Whether TCP-lane transfers travel compressed (README "Compression"): `Auto` (the
+    /// default) compresses a transfer of 4 MiB or more only where the link is measured slower
+    /// than the codec makes worthwhile (compress rate x ratio on this host and this data), so
+    /// never over loopback; `On` always; `Off` never. Per peer:
+    /// [`AgentConfig::peer_compression`].
+    pub compression: Compression,
+    /// Per-peer overrides of [`AgentConfig::compression`], by agent name.
+    pub peer_compression: Vec<(String, Compression)>,
+    /// Link rates (bytes per second) to peers, by agent name, taken instead of measuring.
+    pub link_rates: Vec<(String, f64)>,
+    /// How compressed frames split values: bf16 (the default: exponent and sign-mantissa
+    /// planes) or any 16-bit type (high and low bytes; fp16 KV).
+    pub compress_transform: Transform,
 }
 
 impl AgentConfig {
@@ -107,7 +122,29 @@ impl AgentConfig {
             discovery: None,
             stripes: 1,
             peer_stripes: Vec::new(),
+            compression: Compression::Auto,
+            peer_compression: Vec::new(),
+            link_rates: Vec::new(),
+            compress_transform: Transform::Bf16,
         }
+    }
+
+    /// Sets whether TCP-lane transfers are compressed (see [`AgentConfig::compression`]).
+    pub fn compression(mut self, c: Compression) -> Self {
+        self.compression = c;
+        self
+    }
+
+    /// Sets compression for transfers to the agent named `peer`.
+    pub fn peer_compression(mut self, peer: impl Into<String>, c: Compression) -> Self {
+        self.peer_compression.push((peer.into(), c));
+        self
+    }
+
+    /// Takes `bytes_per_s` as the link rate to `peer` instead of measuring it.
+    pub fn link_rate(mut self, peer: impl Into<String>, bytes_per_s: f64) -> Self {
+        self.link_rates.push((peer.into(), bytes_per_s));
+        self
     }
 
     /// Stripes a TCP-lane transfer over `n` connections (see [`AgentConfig::stripes`]).
@@ -214,6 +251,16 @@ impl AgentConfig {
         self
     }
 
+    /// The compression part of the configuration, for the agent's state.
+    pub(super) fn compressing(&self) -> Compressing {
+        Compressing {
+            default: self.compression,
+            per_peer: self.peer_compression.clone(),
+            link_rates: self.link_rates.clone(),
+            transform: self.compress_transform,
+        }
+    }
+
     /// The striping part of the configuration, for the agent's state.
     pub(super) fn striping(&self) -> Striping {
         Striping {
@@ -277,6 +324,35 @@ impl Striping {
             .find(|(p, _)| p == peer)
             .map_or(self.default, |&(_, n)| n)
             .max(1)
+    }
+}
+
+/// TCP-lane compression: a default, per-peer overrides and configured link rates (the last
+/// one for a peer wins).
+#[derive(Clone, Debug)]
+pub(crate) struct Compressing {
+    default: Compression,
+    per_peer: Vec<(String, Compression)>,
+    link_rates: Vec<(String, f64)>,
+    pub(crate) transform: Transform,
+}
+
+impl Compressing {
+    /// The mode and the configured link rate for `peer`.
+    pub(crate) fn of(&self, peer: &str) -> (Compression, Option<f64>) {
+        let mode = self
+            .per_peer
+            .iter()
+            .rev()
+            .find(|(p, _)| p == peer)
+            .map_or(self.default, |&(_, c)| c);
+        let rate = self
+            .link_rates
+            .iter()
+            .rev()
+            .find(|(p, r)| p == peer && *r > 0.0)
+            .map(|&(_, r)| r);
+        (mode, rate)
     }
 }
 

@@ -144,6 +144,8 @@ impl Agent {
             canceller,
             gone: Mutex::new(HashSet::new()),
             stripes: cfg.striping(),
+            compressing: cfg.compressing(),
+            codec: Arc::default(),
         });
         // The TCP lane carries every transfer with the TCP transport, and staged device memory
         // with any transport, in either direction: every agent with lanes on serves it, so that
@@ -165,6 +167,7 @@ impl Agent {
                 channels: shared.channels.clone(),
                 staging: shared.staging.clone(),
                 budget: shared.budget.clone(),
+                codec: shared.codec.clone(),
             });
             let srv = Server::start(ip, ctx, &cfg.name)?;
             let _ = shared.lane.set(srv.info());
@@ -196,6 +199,12 @@ impl Agent {
     /// notifications. Labelled with the agent's name.
     pub fn prometheus(&self) -> String {
         metrics::prometheus(&self.shared)
+    }
+
+    /// What the TCP lane's codec did for this agent: frames it compressed (sending) and
+    /// decompressed (receiving), their raw and wire bytes and the coding time.
+    pub fn codec_totals(&self) -> crate::codec_meter::CodecTotals {
+        self.shared.codec.totals()
     }
 
     /// Counters of the device staging chunks, once allocated.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::state::{AgentState, PeerView};
 use crate::backend::ucx::driver::{Cmd, LoadedPeer};
 use crate::lane::shm::PeerMaps;
-use crate::lane::tcp::link::Link;
+use crate::lane::tcp::link::{Compressor, Link};
 use crate::lane::PeerLanes;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::types::{GpuPath, HostInfo, MemKind, PeerInfo, RegionSpan, Transport};
@@ -166,6 +166,11 @@ fn build_lanes(st: &AgentState, meta: &Metadata) -> PeerLanes {
             st.budget.clone(),
             st.staging.clone(),
             st.stripes.of(&meta.name),
+            Compressor {
+                policy: st.compressing.of(&meta.name),
+                transform: st.compressing.transform,
+                meter: st.codec.clone(),
+            },
         )));
     }
     lanes

@@ -48,6 +48,10 @@ pub(crate) struct AgentState {
     pub(crate) gone: Mutex<HashSet<String>>,
     /// The configuration's TCP-lane striping (default and per peer).
     pub(crate) stripes: super::config::Striping,
+    /// The configuration's TCP-lane compression (default, per peer, link rates).
+    pub(crate) compressing: super::config::Compressing,
+    /// What the lanes' codec achieved (initiator links and lane target alike).
+    pub(crate) codec: Arc<crate::codec_meter::CodecMeter>,
 }
 
 impl AgentState {

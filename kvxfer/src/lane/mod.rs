@@ -42,6 +42,7 @@ pub(crate) struct LaneCtx {
     pub(crate) channels: Channels,
     pub(crate) staging: Arc<StagingCell>,
     pub(crate) budget: MemoryBudget,
+    pub(crate) codec: Arc<crate::codec_meter::CodecMeter>,
 }
 
 impl std::fmt::Debug for PeerLanes {

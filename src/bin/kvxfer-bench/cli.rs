@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use kvxfer::GpuPath;
+use kvxfer::{Compression, GpuPath};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub(crate) enum Op {
@@ -140,6 +140,14 @@ pub(crate) struct Args {
     /// Seed for placement and data.
     #[arg(long, default_value_t = 42)]
     pub(crate) seed: u64,
+    /// What the blocks hold: random bytes, or bf16 KV from the generative model of
+    /// `kvdata.rs` (synthetic: no model's weights can be had here), laid out as Qwen3-0.6B.
+    #[arg(long, value_enum, default_value = "random")]
+    pub(crate) data: DataArg,
+    /// TCP-lane compression, comma-separated (each a case): off, on, auto (compress where the
+    /// measured link is slower than the codec makes worthwhile).
+    #[arg(long, value_delimiter = ',', default_value = "auto", value_parser = parse_compression)]
+    pub(crate) compress: Vec<Compression>,
     /// Where both sides' KV buffers live.
     #[arg(long, value_enum, default_value = "host")]
     pub(crate) memory: MemArg,
@@ -163,6 +171,19 @@ pub(crate) struct Args {
     /// the peer refuses a SETUP whose buffers, this budget and a 256 MiB reserve do not fit.
     #[arg(long, default_value_t = 256)]
     pub(crate) budget_mib: u64,
+}
+
+pub(crate) fn parse_compression(s: &str) -> Result<Compression, String> {
+    s.parse()
+}
+
+/// What the bench's blocks hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum DataArg {
+    /// Random bytes (incompressible).
+    Random,
+    /// Synthetic bf16 KV (see `kvdata.rs`).
+    Kv,
 }
 
 pub(crate) fn parse_gpu_path(s: &str) -> Result<GpuPath, String> {
@@ -208,6 +229,16 @@ pub(crate) struct PlanArgs {
     /// Prefill throughput of one prefill worker (tokens/s), to judge whether the handoff pays.
     #[arg(long)]
     pub(crate) prefill_tokens_per_s: Option<f64>,
+    /// Compression's ratio (raw/wire) to plan with, instead of measuring the codec here on
+    /// synthetic KV (`kvxfer-bench --data kv`).
+    #[arg(long)]
+    pub(crate) compress_ratio: Option<f64>,
+    /// One thread's encode rate, MB/s, with --compress-ratio (else measured here).
+    #[arg(long, requires = "compress_ratio")]
+    pub(crate) encode_mbps: Option<f64>,
+    /// One thread's decode rate, MB/s, with --compress-ratio (else measured here).
+    #[arg(long, requires = "compress_ratio")]
+    pub(crate) decode_mbps: Option<f64>,
     /// Print JSON.
     #[arg(long)]
     pub(crate) json: bool,

@@ -16,7 +16,9 @@
 //! (rows, medians), `reference` (memcpy and plain TCP, same run).
 
 mod cli;
+mod codec_report;
 mod control;
+mod kvdata;
 mod peer;
 mod plan;
 mod reference;

@@ -199,6 +199,8 @@ pub(crate) fn session(
                 format!("OK {port}")
             }
             ["RSS"] => format!("OK {}", rss_peak(std::process::id())),
+            // What this side's codec did and the process's CPU time (ns), for per-GB costs.
+            ["CODEC"] => format!("OK {}", crate::codec_report::local_line(agent)),
             // Peak RSS, kvxfer's budget (peak, limit), the cgroup's limit (0: none).
             ["MEM"] => format!(
                 "OK {} {} {} {}",

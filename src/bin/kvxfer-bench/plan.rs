@@ -2,6 +2,12 @@
 
 use kvxfer::layout::KvGeometry;
 
+use kvxfer::compress::codec::{decode_frame, Decoder, Encoder};
+use kvxfer::compress::frame::CHUNK;
+use kvxfer::compress::planes::Transform;
+use kvxfer::compress::policy::{decide, predict, CodecRates, Decision, Estimates, Prediction};
+use kvxfer::Compression;
+
 use crate::cli::PlanArgs;
 use crate::BoxErr;
 
@@ -53,6 +59,7 @@ pub(crate) fn plan(p: &PlanArgs) -> Result<(), BoxErr> {
         prefill_tokens_per_s: p.prefill_tokens_per_s,
     };
     let r = kvxfer::planning::plan(&input);
+    let z = compression(p, &g, r.moved_bytes * p.concurrency.max(1), link)?;
     if p.json {
         println!(
             "{}",
@@ -76,6 +83,12 @@ pub(crate) fn plan(p: &PlanArgs) -> Result<(), BoxErr> {
                 "prefill_s": r.prefill_s,
                 "link_tokens_per_s": r.link_tokens_per_s,
                 "notes": r.notes,
+                "compress_ratio": z.as_ref().map(|z| z.rates.ratio),
+                "compress_encode_bytes_per_s": z.as_ref().map(|z| z.rates.encode),
+                "compress_decode_bytes_per_s": z.as_ref().map(|z| z.rates.decode),
+                "compress_source": z.as_ref().map(|z| z.source.clone()),
+                "handoff_all_compressed_s": z.as_ref().map(|z| z.predicted.compressed.as_secs_f64()),
+                "auto_compresses": z.as_ref().map(|z| z.auto),
             })
         );
         return Ok(());
@@ -110,6 +123,18 @@ pub(crate) fn plan(p: &PlanArgs) -> Result<(), BoxErr> {
         "handoff      {:.3} s per request; {:.3} s for {} at once",
         r.handoff_s, r.handoff_all_s, p.concurrency
     );
+    if let Some(z) = &z {
+        println!(
+            "compressed   {:.3} s for {} at once ({}: ratio {:.3}, encode {:.0} MB/s, decode {:.0} MB/s, one thread each side); auto {}",
+            z.predicted.compressed.as_secs_f64(),
+            p.concurrency,
+            z.source,
+            z.rates.ratio,
+            z.rates.encode / 1e6,
+            z.rates.decode / 1e6,
+            if z.auto { "compresses" } else { "sends raw" }
+        );
+    }
     if let Some(s) = r.prefill_s {
         println!("prefill      {s:.3} s per request");
     }
@@ -123,6 +148,92 @@ pub(crate) fn plan(p: &PlanArgs) -> Result<(), BoxErr> {
         println!("note         {n}");
     }
     Ok(())
+}
+
+/// What compression would do to the handoff.
+struct Compressed {
+    rates: CodecRates,
+    source: String,
+    predicted: Prediction,
+    auto: bool,
+}
+
+/// The codec's rates (given, or measured here on 16 MiB of synthetic KV of this dtype) and the
+/// handoff of `bytes` compressed; None for a dtype the transforms do not split (fp8, fp32).
+fn compression(
+    p: &PlanArgs,
+    g: &kvxfer::layout::KvGeometry,
+    bytes: u64,
+    link: f64,
+) -> Result<Option<Compressed>, BoxErr> {
+    let (rates, source) = match p.compress_ratio {
+        Some(ratio) => (
+            CodecRates {
+                ratio,
+                encode: p.encode_mbps.unwrap_or(f64::INFINITY) * 1e6,
+                decode: p.decode_mbps.unwrap_or(f64::INFINITY) * 1e6,
+            },
+            "given".to_string(),
+        ),
+        None => {
+            if g.dtype.bytes() != 2 {
+                return Ok(None);
+            }
+            let t = if g.dtype == kvxfer::layout::KvDtype::Bf16 {
+                Transform::Bf16
+            } else {
+                Transform::Bytes2
+            };
+            (measure(t)?, "measured here on synthetic KV".to_string())
+        }
+    };
+    let predicted = predict(bytes, link, &rates);
+    let est = Estimates {
+        link: Some(link),
+        codec: Some(rates),
+        since_raw: 0,
+    };
+    let auto = decide(Compression::Auto, bytes, &est).0 == Decision::Compress;
+    Ok(Some(Compressed {
+        rates,
+        source,
+        predicted,
+        auto,
+    }))
+}
+
+/// One thread's encode and decode rates and the ratio on 16 MiB of `kvdata` blocks.
+fn measure(t: Transform) -> Result<CodecRates, BoxErr> {
+    let block = 32 << 10;
+    let mut raw = vec![0u8; 16 << 20];
+    for (k, b) in raw.chunks_mut(block).enumerate() {
+        // Spread over the request's layers and K/V (block k of 8,344).
+        crate::kvdata::kv_block(1, (k as u64 * 16) % 8344, b);
+    }
+    // A first pass warms the buffers (page faults are not the codec's); the second is timed.
+    let mut wire = Vec::new();
+    for c in raw.chunks(CHUNK) {
+        Encoder::new(t)?.encode(c, &mut wire)?;
+    }
+    wire.clear();
+    let mut e = Encoder::new(t)?;
+    for c in raw.chunks(CHUNK) {
+        e.encode(c, &mut wire)?;
+    }
+    let mut d = Decoder::new()?;
+    let t0 = std::time::Instant::now();
+    let (mut at, mut left) = (0, raw.len() as u64);
+    while at < wire.len() {
+        let (out, n) = decode_frame(&mut d, &wire[at..], left)?;
+        left -= out.len() as u64;
+        at += n;
+    }
+    let dec = t0.elapsed().as_secs_f64();
+    Ok(CodecRates {
+        ratio: e.tally.ratio(),
+        encode: e.tally.rate().unwrap_or(f64::INFINITY),
+        decode: raw.len() as f64 / dec.max(1e-9),
+    })
 }
 
 pub(crate) fn human(b: u64) -> String {

@@ -20,6 +20,8 @@ pub(crate) struct Row {
     pub(crate) tcp_ms: Option<f64>,
     /// The plain TCP stream walking buffers the size of the transfer.
     pub(crate) tcp_mem_ms: Option<f64>,
+    /// A line on what compression did, when the run compressed.
+    pub(crate) codec: Option<String>,
     pub(crate) json: serde_json::Value,
 }
 
@@ -75,6 +77,9 @@ pub(crate) fn print_row(r: &Row, reference: bool) {
         );
     }
     println!(" {:>8}", r.verified);
+    if let Some(c) = &r.codec {
+        println!("       {c}");
+    }
     let _ = r.iters;
 }
 

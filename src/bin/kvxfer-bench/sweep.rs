@@ -8,13 +8,14 @@ use std::time::{Duration, Instant};
 use kvxfer::layout::KvGeometry;
 use kvxfer::{Agent, Desc, XferOp};
 
-use crate::cli::{Args, Op, Placement};
+use crate::cli::{Args, DataArg, Op, Placement};
+use crate::codec_report::{CodecRun, CpuClock};
 use crate::control::{rss, rss_peak, spawn_peer, Ctl};
 use crate::peer::TCP_REF_CHUNK;
 use crate::reference::{memcpy_ref, tcp_ref};
 use crate::registry::Registry;
 use crate::report::{median, print_header, print_row, Progress, Row};
-use crate::workload::{agent_config, clear, device, fill, placement, verify, Buf, Case};
+use crate::workload::{agent_config, clear, device, fill, placement, verify, Buf, Case, KV_DATA};
 use crate::BoxErr;
 
 pub(crate) fn cases(args: &Args) -> Result<Vec<Case>, BoxErr> {
@@ -37,13 +38,16 @@ pub(crate) fn cases(args: &Args) -> Result<Vec<Case>, BoxErr> {
                         if b == 0 || s == 0 {
                             return Err("--blocks and --block-size must be > 0".into());
                         }
-                        v.push(Case {
-                            op,
-                            transport: t.trim().to_string(),
-                            blocks: b,
-                            block_size: s,
-                            placement: p,
-                        });
+                        for &compress in &args.compress {
+                            v.push(Case {
+                                op,
+                                transport: t.trim().to_string(),
+                                blocks: b,
+                                block_size: s,
+                                placement: p,
+                                compress,
+                            });
+                        }
                     }
                 }
             }
@@ -112,7 +116,7 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         args.seed
     ))?;
     let dev = device(args)?;
-    let mut cfg = agent_config(args, &case.transport, "init", local);
+    let mut cfg = agent_config(args, &case.transport, "init", local).compression(case.compress);
     if let Some(d) = &dev {
         cfg = cfg.copy_engine(d.engine.clone());
     }
@@ -168,7 +172,8 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         .map(|r| (r * per_req..(r + 1) * per_req).collect())
         .collect();
 
-    let data_seed = args.seed.wrapping_add(1);
+    let data_seed =
+        args.seed.wrapping_add(1) & !KV_DATA | if args.data == DataArg::Kv { KV_DATA } else { 0 };
     if args.soak > 0 {
         // Both sides hold the same blocks: READs and WRITEs keep them equal, so any byte a
         // transfer puts in the wrong place shows up in the periodic checks.
@@ -196,9 +201,14 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
     let mut bar = Progress::new(!args.json && std::io::stderr().is_terminal());
     let peer_pid = _peer.as_ref().map(|p| p.0.id());
     let (mut rss10, mut checks, mut bad_checks) = ((0u64, 0u64), 0usize, 0usize);
+    let mut codec = CodecRun::default();
+    let mut clock: Option<CpuClock> = None;
     for i in 0..total {
         if kvxfer::stop::requested() {
             break;
+        }
+        if i == args.warmup {
+            clock = Some(CpuClock::start(&agent, &mut ctl)?);
         }
         let op = if args.soak > 0 && i % 2 == 1 {
             XferOp::Read
@@ -229,6 +239,9 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
             };
             ops += st.ops;
             lane = st.lane;
+            if i >= args.warmup {
+                codec.add(&st);
+            }
             post = post.max(st.post_time.as_secs_f64() * 1e3);
         }
         let dt = t.elapsed();
@@ -253,6 +266,10 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         }
     }
     bar.end();
+    let cpu = match clock {
+        Some(c) => Some(c.stop(&agent, &mut ctl)?),
+        None => None,
+    };
     if kvxfer::stop::requested() {
         let _ = ctl.cmd("QUIT");
         return Err(format!("after {} of {total} transfers", times.len()).into());
@@ -316,6 +333,7 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         "budget_peak_peer_mib": mem.get(1).copied().unwrap_or(0) as f64 / (1 << 20) as f64,
         "memory_limit_peer_mib": mem.get(3).copied().unwrap_or(0) as f64 / (1 << 20) as f64,
     });
+    codec.report(&mut j, case.compress, args.data, cpu.as_ref());
     if let Some(st) = agent.staging_stats() {
         j["staging_mib"] = (st.bytes as f64 / (1 << 20) as f64).into();
         j["staging_waits"] = st.waits.into();
@@ -357,6 +375,11 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         memcpy_ms,
         tcp_ms,
         tcp_mem_ms,
+        // The line for raw runs too when compression is being compared.
+        codec: codec.summary(
+            cpu.as_ref(),
+            args.data == DataArg::Kv || args.compress.len() > 1,
+        ),
         json: j,
     })
 }

@@ -19,6 +19,7 @@ pub(crate) struct Case {
     pub(crate) blocks: u64,
     pub(crate) block_size: u64,
     pub(crate) placement: Placement,
+    pub(crate) compress: kvxfer::Compression,
 }
 
 impl Case {
@@ -191,8 +192,14 @@ pub(crate) fn placement(p: Placement, n: u64, seed: u64) -> (Vec<u64>, Vec<u64>)
     (l, r)
 }
 
+/// A data seed with this bit set asks for KV-like blocks ([`crate::kvdata`]), not random ones.
+pub(crate) const KV_DATA: u64 = 1 << 63;
+
 /// Deterministic content of block k for a data seed: both processes can compute it.
 pub(crate) fn pattern(seed: u64, k: u64, out: &mut [u8]) {
+    if seed & KV_DATA != 0 {
+        return crate::kvdata::kv_block(seed & !KV_DATA, k, out);
+    }
     let mut x = seed ^ (k.wrapping_mul(0x9e37_79b9_7f4a_7c15)) ^ 0xd1b5_4a32_d192_ed03;
     for c in out.chunks_mut(8) {
         x ^= x << 13;

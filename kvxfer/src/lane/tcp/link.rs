@@ -9,10 +9,16 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::stream::{recv_buf, send_buf, set_timeouts, stage_pair, stream_mixed, Stop};
+use super::framed::{FramesFailed, RECV_BYTES, SEND_BYTES};
+use super::mixed::{stage_pair, stream_mixed, Framing};
+use super::stream::{recv_buf, send_buf, set_timeouts, Stop};
 use crate::budget::MemoryBudget;
+use crate::codec_meter::CodecMeter;
 use crate::staging::pool::StagingCell;
 use crate::transfer::{Job, XferStats};
+use kvxfer_proto::compress::codec::CodecTally;
+use kvxfer_proto::compress::planes::Transform;
+use kvxfer_proto::compress::policy::{blend, decide, Compression, Decision, Estimates, MIN_BYTES};
 use kvxfer_proto::descriptor::Op;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::lane::{LaneInitiator, ReplyError, PIECE_BYTES};
@@ -31,6 +37,23 @@ struct LinkJob {
     job: Job,
 }
 
+/// How a link compresses: its peer's mode and configured link rate, the transform, and the
+/// agent's codec measurements.
+pub(crate) struct Compressor {
+    pub(crate) policy: (Compression, Option<f64>),
+    pub(crate) transform: Transform,
+    pub(crate) meter: Arc<CodecMeter>,
+}
+
+/// What the link measured of itself.
+#[derive(Default)]
+struct LinkRate {
+    /// Bytes per second of its raw transfers of [`MIN_BYTES`] or more.
+    measured: Option<f64>,
+    /// Compressed transfers since the last raw one.
+    since_raw: u32,
+}
+
 struct LinkInner {
     peer: String,
     me: String,
@@ -40,6 +63,8 @@ struct LinkInner {
     staging: Arc<StagingCell>,
     /// Connections a large transfer is striped over.
     stripes: usize,
+    comp: Compressor,
+    rate: Mutex<LinkRate>,
     q: Mutex<(VecDeque<LinkJob>, bool)>,
     cv: Condvar,
 }
@@ -51,6 +76,7 @@ pub(crate) struct Link {
 }
 
 impl Link {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         me: &str,
         peer: &str,
@@ -59,6 +85,7 @@ impl Link {
         budget: MemoryBudget,
         staging: Arc<StagingCell>,
         stripes: usize,
+        comp: Compressor,
     ) -> Link {
         Link {
             inner: Arc::new(LinkInner {
@@ -69,6 +96,8 @@ impl Link {
                 budget,
                 staging,
                 stripes: stripes.max(1),
+                comp,
+                rate: Mutex::default(),
                 q: Mutex::new((VecDeque::new(), false)),
                 cv: Condvar::new(),
             }),
@@ -134,15 +163,123 @@ fn link_loop(inner: Arc<LinkInner>) {
             && job.plan.bytes >= STRIPE_MIN_BYTES
             && job.local_dev.is_empty()
             && job.plan.ops.len() <= MAX_SEGS;
+        let (decision, why) = decide(inner.comp.policy.0, job.plan.bytes, &estimates(&inner));
+        log::debug!(
+            "kvxfer: transfer {} to {}: {decision:?} ({why})",
+            job.id,
+            inner.peer
+        );
+        let frames = (decision == Decision::Compress).then_some(inner.comp.transform);
+        let t0 = Instant::now();
         let r = if striped {
-            run_striped(&inner, &mut conns, job)
+            run_striped(&inner, &mut conns, job, frames)
         } else {
             let note = job.notification.as_deref().unwrap_or(&[]);
-            run_on(&inner, &mut conns[0], job, &job.plan.ops, note, None)
-                .map(|posted| job.stats(Lane::Tcp, posted))
+            run_on(
+                &inner,
+                &mut conns[0],
+                job,
+                &job.plan.ops,
+                note,
+                None,
+                frames,
+            )
+            .map(|(posted, tally)| with_codec(job.stats(Lane::Tcp, posted), &tally))
         };
+        if r.is_ok() {
+            learn(&inner, job, frames.is_some(), t0.elapsed());
+            // The data is real KV and still pinned: in auto, a large raw transfer before the
+            // codec was ever measured measures it on a sample of this data (about 2 ms), so
+            // that the next transfer can be decided.
+            let unmeasured = decision == Decision::Calibrate
+                || (inner.comp.policy.0 == Compression::Auto
+                    && frames.is_none()
+                    && job.plan.bytes >= MIN_BYTES
+                    && inner.comp.meter.rates().is_none());
+            if unmeasured && job.local_dev.is_empty() {
+                calibrate(&inner, job);
+            }
+        }
         job.finish(r);
     }
+}
+
+/// The estimates the policy weighs for this link's next transfer.
+fn estimates(inner: &LinkInner) -> Estimates {
+    let r = inner.rate.lock().unwrap_or_else(|e| e.into_inner());
+    Estimates {
+        link: inner.comp.policy.1.or(r.measured),
+        codec: inner.comp.meter.rates(),
+        since_raw: r.since_raw,
+    }
+}
+
+/// A finished transfer's lesson: a raw one of [`MIN_BYTES`] or more measures the link.
+fn learn(inner: &LinkInner, job: &Job, framed: bool, took: Duration) {
+    let mut r = inner.rate.lock().unwrap_or_else(|e| e.into_inner());
+    if framed {
+        r.since_raw = r.since_raw.saturating_add(1);
+    } else if job.plan.bytes >= MIN_BYTES && !took.is_zero() {
+        r.measured = Some(blend(
+            r.measured,
+            job.plan.bytes as f64 / took.as_secs_f64(),
+        ));
+        r.since_raw = 0;
+    }
+}
+
+/// Bytes of a transfer's data the codec is measured on, in [`SAMPLE_PIECES`] pieces spread
+/// over it (layers differ).
+const SAMPLE_BYTES: u64 = 1 << 20;
+const SAMPLE_PIECES: u64 = 8;
+
+/// Codes a sample of `job`'s local data (the source of a write, the landed data of a read).
+fn calibrate(inner: &LinkInner, job: &Job) {
+    let total = job.plan.bytes;
+    let piece = (SAMPLE_BYTES / SAMPLE_PIECES) & !1;
+    if total < SAMPLE_BYTES || piece == 0 {
+        return;
+    }
+    let mut sample = Vec::with_capacity(SAMPLE_BYTES as usize);
+    let mut ops = job.plan.ops.iter();
+    let mut at = 0u64; // byte offset of the current op's start in the transfer
+    let mut cur = ops.next();
+    for k in 0..SAMPLE_PIECES {
+        let mut want = (total / SAMPLE_PIECES * k) & !1;
+        let mut need = piece;
+        while need > 0 {
+            let Some(o) = cur else { break };
+            if want >= at + o.len {
+                at += o.len;
+                cur = ops.next();
+                continue;
+            }
+            let off = want - at;
+            let take = need.min(o.len - off);
+            // SAFETY: [o.local + off, +take) lies inside one of the plan's operations, local
+            // host memory (no device pieces) that the job pins until it finishes, after this.
+            let b =
+                unsafe { std::slice::from_raw_parts((o.local + off) as *const u8, take as usize) };
+            sample.extend_from_slice(b);
+            want += take;
+            need -= take;
+        }
+    }
+    let r = inner.comp.meter.calibrate(inner.comp.transform, &sample);
+    log::debug!(
+        "kvxfer: codec measured on {} bytes of transfer {}: {r:?}",
+        sample.len(),
+        job.id
+    );
+}
+
+/// `stats` with what the codec did for it (when it was compressed).
+fn with_codec(mut stats: XferStats, tally: &CodecTally) -> XferStats {
+    if tally.frames > 0 {
+        stats.wire_bytes = tally.wire;
+        stats.codec_time = tally.busy;
+    }
+    stats
 }
 
 /// Runs one request of `job` on `conn`, which it resets on failure (the stream may be
@@ -154,8 +291,9 @@ fn run_on(
     ops: &[Op],
     note: &[u8],
     abort: Option<&AtomicBool>,
-) -> Result<Duration> {
-    let r = run_job(inner, conn, job, ops, note, abort);
+    frames: Option<Transform>,
+) -> Result<(Duration, CodecTally)> {
+    let r = run_job(inner, conn, job, ops, note, abort, frames);
     if r.is_err() {
         if let Some(c) = conn.take() {
             let _ = c.shutdown(std::net::Shutdown::Both);
@@ -194,10 +332,15 @@ fn split_ops(ops: &[Op], n: usize) -> Vec<Vec<Op>> {
 /// thread each, then its notification (a request without data) on the first connection: the
 /// target hands it out only after every stripe's data has landed. The first failure stops the
 /// other stripes at their next check and is the job's error.
-fn run_striped(inner: &LinkInner, conns: &mut [Option<TcpStream>], job: &Job) -> Result<XferStats> {
+fn run_striped(
+    inner: &LinkInner,
+    conns: &mut [Option<TcpStream>],
+    job: &Job,
+    frames: Option<Transform>,
+) -> Result<XferStats> {
     let parts = split_ops(&job.plan.ops, conns.len());
     let abort = AtomicBool::new(false);
-    let results: Vec<Result<Duration>> = std::thread::scope(|s| {
+    let results: Vec<Result<(Duration, CodecTally)>> = std::thread::scope(|s| {
         let handles: Vec<_> = conns
             .iter_mut()
             .zip(&parts)
@@ -207,7 +350,7 @@ fn run_striped(inner: &LinkInner, conns: &mut [Option<TcpStream>], job: &Job) ->
                 std::thread::Builder::new()
                     .name(format!("kvxfer-stripe-{i}"))
                     .spawn_scoped(s, move || {
-                        let r = run_on(inner, conn, job, ops, &[], Some(abort));
+                        let r = run_on(inner, conn, job, ops, &[], Some(abort), frames);
                         if r.is_err() {
                             abort.store(true, Ordering::Release);
                         }
@@ -229,10 +372,14 @@ fn run_striped(inner: &LinkInner, conns: &mut [Option<TcpStream>], job: &Job) ->
             .collect()
     });
     let mut posted = Duration::ZERO;
+    let mut tally = CodecTally::default();
     let mut first: Option<Error> = None;
     for r in results {
         match r {
-            Ok(p) => posted = posted.max(p),
+            Ok((p, t)) => {
+                posted = posted.max(p);
+                tally.add(&t);
+            }
             // A stripe stopped by another's failure reports Canceled: keep the cause.
             Err(e) => {
                 if first.is_none() || matches!(first, Some(Error::Canceled)) {
@@ -245,9 +392,9 @@ fn run_striped(inner: &LinkInner, conns: &mut [Option<TcpStream>], job: &Job) ->
         return Err(e);
     }
     if let Some(note) = job.notification.as_deref() {
-        run_on(inner, &mut conns[0], job, &[], note, None)?;
+        run_on(inner, &mut conns[0], job, &[], note, None, None)?;
     }
-    Ok(job.stats(Lane::Tcp, posted))
+    Ok(with_codec(job.stats(Lane::Tcp, posted), &tally))
 }
 
 fn lane_err(inner: &LinkInner, why: impl Into<String>) -> Error {
@@ -307,7 +454,10 @@ fn run_job(
     plan_ops: &[Op],
     note: &[u8],
     abort: Option<&AtomicBool>,
-) -> Result<Duration> {
+    frames: Option<Transform>,
+) -> Result<(Duration, CodecTally)> {
+    // A request without data (a striped job's notification) goes raw.
+    let frames = frames.filter(|_| !plan_ops.is_empty());
     let deadline_at = job.deadline.map(|d| job.started + d);
     let ops = plan_ops.len();
     // A deadline reports the job's operations, not this stripe's.
@@ -345,8 +495,13 @@ fn run_job(
     let wait = deadline_at.map_or(Duration::from_secs(60), |d| {
         d.saturating_duration_since(Instant::now())
     });
+    let codec_bytes = match (frames, job.op) {
+        (None, _) => 0,
+        (Some(_), XferOp::Write) => SEND_BYTES,
+        (Some(_), XferOp::Read) => RECV_BYTES,
+    };
     let _charge = inner.budget.charge(
-        (HEADER_LEN + ops * SEG_LEN + ops * PIECE_BYTES) as u64,
+        (HEADER_LEN + ops * SEG_LEN + ops * PIECE_BYTES) as u64 + codec_bytes,
         "TCP lane request",
         wait,
     )?;
@@ -360,6 +515,7 @@ fn run_job(
         id: job.id,
         nsegs: ops,
         notif_len: note.len(),
+        frames,
     }
     .encode(&mut hdr);
     let mut pieces = Vec::with_capacity(ops);
@@ -394,16 +550,42 @@ fn run_job(
         None => None,
     };
     let st = stage.as_deref().zip(pair.as_ref());
+    let framing = frames.map(|transform| Framing {
+        transform,
+        peer: &inner.peer,
+    });
+    let data_err = |e: FramesFailed, what: &str| match e {
+        FramesFailed::Stop(s) => stop_err(inner, s, what),
+        FramesFailed::Corrupt { error, .. } => Error::Frame {
+            peer: inner.peer.clone(),
+            source: error,
+        },
+    };
     let posted_at;
+    let tally;
     if job.op == XferOp::Write {
         send_buf(c, &hdr, &mut ctl).map_err(|s| stop_err(inner, s, "request"))?;
         // SAFETY: the pieces come from the job's plan, bounds-checked against its local
         // regions (kinds in `local_dev`), which the job pins until it finishes.
-        unsafe { stream_mixed(c, true, &pieces, &job.local_dev, st, None, &mut ctl) }
-            .map_err(|s| stop_err(inner, s, "sending data"))?;
+        tally = unsafe {
+            stream_mixed(
+                c,
+                true,
+                &pieces,
+                &job.local_dev,
+                st,
+                framing,
+                None,
+                &mut ctl,
+            )
+        }
+        .map_err(|e| data_err(e, "sending data"))?;
         send_buf(c, note, &mut ctl).map_err(|s| stop_err(inner, s, "notification"))?;
         posted_at = job.started.elapsed();
         read_reply(inner, c, K_ACK, job.id, &mut ctl)?;
+        if frames.is_some() {
+            inner.comp.meter.encoded(&tally);
+        }
     } else {
         hdr.extend_from_slice(note);
         send_buf(c, &hdr, &mut ctl).map_err(|s| stop_err(inner, s, "request"))?;
@@ -411,15 +593,29 @@ fn run_job(
         read_reply(inner, c, K_DATA, job.id, &mut ctl)?;
         let t_hdr = job.started.elapsed();
         // SAFETY: as for a write.
-        unsafe { stream_mixed(c, false, &pieces, &job.local_dev, st, None, &mut ctl) }
-            .map_err(|s| stop_err(inner, s, "receiving data"))?;
+        tally = unsafe {
+            stream_mixed(
+                c,
+                false,
+                &pieces,
+                &job.local_dev,
+                st,
+                framing,
+                None,
+                &mut ctl,
+            )
+        }
+        .map_err(|e| data_err(e, "receiving data"))?;
+        if frames.is_some() {
+            inner.comp.meter.decoded(&tally);
+        }
         log::debug!(
             "kvxfer: read {}: request sent {posted_at:?}, reply {t_hdr:?}, data {:?}",
             job.id,
             job.started.elapsed()
         );
     }
-    Ok(posted_at)
+    Ok((posted_at, tally))
 }
 
 fn read_reply(

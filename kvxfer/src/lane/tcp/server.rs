@@ -10,10 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::stream::{
-    drain, recv_buf, recv_first, send_buf, set_timeouts, stage_pair, stream_mixed, sum_segments,
-    Stop,
-};
+use super::framed::{drain_frames, FramesFailed, RECV_BYTES, SEND_BYTES};
+use super::mixed::{stage_pair, stream_mixed, Framing};
+use super::stream::{drain, recv_buf, recv_first, send_buf, set_timeouts, sum_segments, Stop};
 use crate::budget::Charge;
 use crate::gate::{Admission, Gate, Limits, Verdict};
 use crate::lane::LaneCtx;
@@ -393,29 +392,72 @@ fn step(
         t.on_bytes(&buf, t0.elapsed());
         return Ok(Flow::Go);
     };
+    let peer = t.peer().unwrap_or_default().to_string();
     let mut ctl = || tick(t, t0, stop);
     match ev {
         TargetEvent::Transmit(b) => send_buf(c, &b, &mut ctl)?,
         TargetEvent::Accepted { name } => log::debug!("kvxfer: TCP lane peer {name:?} accepted"),
-        TargetEvent::Admit { table_bytes, .. } => return Ok(Flow::Admit(table_bytes)),
+        TargetEvent::Admit {
+            table_bytes,
+            header,
+        } => {
+            // Compressed data: the frame buffers and planes, charged with the table.
+            let codec = if header.frames.is_some() {
+                RECV_BYTES.max(SEND_BYTES)
+            } else {
+                0
+            };
+            return Ok(Flow::Admit(table_bytes + codec));
+        }
         TargetEvent::SkipSegments { nsegs } => {
             let total = sum_segments(c, nsegs, &mut ctl)?;
             t.skipped(total);
         }
         TargetEvent::Resolve { segments, .. } => return Ok(Flow::Resolve(segments)),
-        TargetEvent::ReceiveData | TargetEvent::SendData => {
-            let send = ev == TargetEvent::SendData;
+        TargetEvent::ReceiveData { frames } | TargetEvent::SendData { frames } => {
+            let send = matches!(ev, TargetEvent::SendData { .. });
             let p = pieces.ok_or_else(|| {
                 Stop::Abort(Error::InvalidArgument("data without pieces (a bug)".into()))
             })?;
+            let framing = frames.map(|transform| Framing {
+                transform,
+                peer: &peer,
+            });
             // SAFETY: the pieces were resolved against this agent's registered regions, whose
             // kinds `devs` gives, and the resolution's pins hold them registered until the
             // core releases them (after this data).
-            unsafe { stream_mixed(c, send, p.pieces, p.devs, p.stage, Some(fence), &mut ctl) }?;
+            let r = unsafe {
+                stream_mixed(
+                    c,
+                    send,
+                    p.pieces,
+                    p.devs,
+                    p.stage,
+                    framing,
+                    Some(fence),
+                    &mut ctl,
+                )
+            };
+            match r {
+                Ok(tally) if frames.is_some() && send => ctx.codec.encoded(&tally),
+                Ok(tally) if frames.is_some() => ctx.codec.decoded(&tally),
+                Ok(_) => {}
+                Err(FramesFailed::Stop(s)) => return Err(s),
+                Err(FramesFailed::Corrupt { left, error }) => {
+                    // The frame arrived whole: the rest is drained and the write refused.
+                    log::info!("kvxfer: TCP lane peer {peer}: compressed data refused: {error}");
+                    drain_frames(c, left, &peer, &mut ctl)?;
+                    t.data_failed(format!("compressed data: {error}"));
+                    return Ok(Flow::Go);
+                }
+            }
             t.data_done();
         }
-        TargetEvent::Drain { bytes } => {
-            drain(c, bytes, &mut ctl)?;
+        TargetEvent::Drain { bytes, frames } => {
+            match frames {
+                Some(_) => drain_frames(c, bytes, &peer, &mut ctl)?,
+                None => drain(c, bytes, &mut ctl)?,
+            }
             t.data_done();
         }
         TargetEvent::Release => return Ok(Flow::Released),

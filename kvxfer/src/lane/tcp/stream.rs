@@ -7,9 +7,8 @@ use std::io::Read;
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::staging::pool::{ChunkPair, DeviceStaging};
 use kvxfer_proto::error::Error;
 use kvxfer_proto::wire::lane::{Segment, SEG_LEN};
 
@@ -152,98 +151,6 @@ pub(super) unsafe fn stream_pieces(
         }
     }
     Ok(())
-}
-
-/// Like [`stream_pieces`], with pieces of device memory (`devs[k]` is the device of piece k,
-/// `devs` empty: all host) moved through the two staging chunks of `stage`.
-///
-/// # Safety
-/// Every piece is valid memory of its kind (host, or device `devs[k]`) for this direction,
-/// pinned against deregistration, until the call returns.
-pub(super) unsafe fn stream_mixed(
-    s: &TcpStream,
-    send: bool,
-    pieces: &[(u64, u64)],
-    devs: &[Option<u32>],
-    stage: Option<(&DeviceStaging, &ChunkPair<'_>)>,
-    fence: Option<&AtomicBool>,
-    ctl: &mut dyn FnMut() -> Result<(), Stop>,
-) -> Result<(), Stop> {
-    if devs.iter().all(Option::is_none) {
-        // SAFETY: all pieces are host memory (no device), valid per this function's contract.
-        return unsafe { stream_pieces(s, send, pieces, fence, ctl) };
-    }
-    let mut i = 0;
-    while i < pieces.len() {
-        let d = devs[i];
-        let mut j = i + 1;
-        while j < pieces.len() && devs[j] == d {
-            j += 1;
-        }
-        match (d, stage) {
-            // SAFETY: host pieces, valid per this function's contract.
-            (None, _) => unsafe { stream_pieces(s, send, &pieces[i..j], fence, ctl) }?,
-            (Some(_), None) => {
-                return Err(Stop::Abort(Error::InvalidArgument(
-                    "device memory without staging chunks".into(),
-                )))
-            }
-            (Some(dev), Some((st, pair))) => {
-                let mut stop: Option<Stop> = None;
-                let mut net = |buf: &mut [u8]| {
-                    let r = if fence.is_some_and(|f| f.load(Ordering::Acquire)) {
-                        Err(Stop::Abort(Error::Canceled))
-                    } else if send {
-                        send_buf(s, buf, ctl)
-                    } else {
-                        recv_buf(s, buf, ctl)
-                    };
-                    r.map_err(|e| {
-                        stop = Some(e);
-                        Error::Canceled
-                    })
-                };
-                let engine = st.engine().as_ref();
-                // SAFETY: these pieces are device memory of `dev` (this function's contract).
-                let r = unsafe {
-                    crate::staging::pipeline::stream_device(
-                        engine,
-                        dev,
-                        pair,
-                        send,
-                        &pieces[i..j],
-                        &mut net,
-                    )
-                };
-                if let Some(st) = stop {
-                    return Err(st);
-                }
-                r.map_err(Stop::Abort)?;
-            }
-        }
-        i = j;
-    }
-    Ok(())
-}
-
-/// Two staging chunks from `pool` (initiator or target side), waiting in ticks so that `ctl`
-/// can end the wait; None after `max`.
-pub(super) fn stage_pair<'a>(
-    st: &'a DeviceStaging,
-    initiator: bool,
-    max: Duration,
-    ctl: &mut dyn FnMut() -> Result<(), Stop>,
-) -> Result<Option<ChunkPair<'a>>, Stop> {
-    let t0 = Instant::now();
-    loop {
-        if let Some(p) = st.pair(initiator, TICK) {
-            return Ok(Some(p));
-        }
-        ctl()?;
-        if t0.elapsed() >= max {
-            return Ok(None);
-        }
-    }
 }
 
 pub(super) fn send_buf(

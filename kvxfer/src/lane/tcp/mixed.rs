@@ -1,0 +1,177 @@
+//! A request's data over the stream whatever its memory and its form: host pieces straight
+//! from and into memory, device pieces through staging chunks, each raw or as compressed
+//! frames.
+
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use super::framed::{recv_frames, send_frames, FramesFailed};
+use super::stream::{recv_buf, send_buf, stream_pieces, Stop, TICK};
+use crate::staging::pool::{ChunkPair, DeviceStaging};
+use kvxfer_proto::compress::codec::CodecTally;
+use kvxfer_proto::compress::planes::Transform;
+use kvxfer_proto::error::Error;
+
+/// The data travels as frames split by `transform`; `peer` names the sender in errors.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Framing<'a> {
+    pub(super) transform: Transform,
+    pub(super) peer: &'a str,
+}
+
+/// Host pieces, raw or framed.
+///
+/// # Safety
+/// Every piece is host memory valid for this direction until the call returns.
+unsafe fn host(
+    s: &TcpStream,
+    send: bool,
+    pieces: &[(u64, u64)],
+    framing: Option<Framing<'_>>,
+    fence: Option<&AtomicBool>,
+    ctl: &mut dyn FnMut() -> Result<(), Stop>,
+) -> Result<CodecTally, FramesFailed> {
+    match framing {
+        // SAFETY: the pieces are valid host memory for this direction (this function's
+        // contract).
+        None => unsafe { stream_pieces(s, send, pieces, fence, ctl) }
+            .map(|()| CodecTally::default())
+            .map_err(FramesFailed::Stop),
+        Some(f) if send => {
+            // SAFETY: as above; readable, since this side sends.
+            unsafe { send_frames(s, pieces, f.transform, fence, ctl) }.map_err(FramesFailed::Stop)
+        }
+        // SAFETY: as above; writable, since this side receives.
+        Some(f) => unsafe { recv_frames(s, pieces, f.peer, fence, ctl) },
+    }
+}
+
+/// Like [`stream_pieces`], with pieces of device memory (`devs[k]` is the device of piece k,
+/// `devs` empty: all host) moved through the two staging chunks of `stage`, and the data as
+/// frames where `framing` says so. Returns what the codec did (nothing when raw).
+///
+/// A frame that fails its check in host memory leaves the stream in step
+/// ([`FramesFailed::Corrupt`] counts the raw bytes still to come); one in a staging chunk
+/// ends the connection.
+///
+/// # Safety
+/// Every piece is valid memory of its kind (host, or device `devs[k]`) for this direction,
+/// pinned against deregistration, until the call returns.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn stream_mixed(
+    s: &TcpStream,
+    send: bool,
+    pieces: &[(u64, u64)],
+    devs: &[Option<u32>],
+    stage: Option<(&DeviceStaging, &ChunkPair<'_>)>,
+    framing: Option<Framing<'_>>,
+    fence: Option<&AtomicBool>,
+    ctl: &mut dyn FnMut() -> Result<(), Stop>,
+) -> Result<CodecTally, FramesFailed> {
+    if devs.iter().all(Option::is_none) {
+        // SAFETY: all pieces are host memory (no device), valid per this function's contract.
+        return unsafe { host(s, send, pieces, framing, fence, ctl) };
+    }
+    let mut tally = CodecTally::default();
+    let mut i = 0;
+    while i < pieces.len() {
+        let d = devs[i];
+        let mut j = i + 1;
+        while j < pieces.len() && devs[j] == d {
+            j += 1;
+        }
+        match (d, stage) {
+            (None, _) => {
+                // SAFETY: host pieces, valid per this function's contract.
+                match unsafe { host(s, send, &pieces[i..j], framing, fence, ctl) } {
+                    Ok(t) => tally.add(&t),
+                    Err(FramesFailed::Corrupt { left, error }) => {
+                        let later: u64 = pieces[j..].iter().map(|p| p.1).sum();
+                        return Err(FramesFailed::Corrupt {
+                            left: left + later,
+                            error,
+                        });
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            (Some(_), None) => {
+                return Err(FramesFailed::Stop(Stop::Abort(Error::InvalidArgument(
+                    "device memory without staging chunks".into(),
+                ))))
+            }
+            (Some(dev), Some((st, pair))) => {
+                let mut stop: Option<Stop> = None;
+                let mut net = |buf: &mut [u8]| {
+                    let piece = [(buf.as_mut_ptr() as u64, buf.len() as u64)];
+                    let r = if fence.is_some_and(|f| f.load(Ordering::Acquire)) {
+                        Err(Stop::Abort(Error::Canceled))
+                    } else {
+                        match framing {
+                            None if send => send_buf(s, buf, ctl),
+                            None => recv_buf(s, buf, ctl),
+                            // SAFETY: the staging chunk is a buffer this closure borrows
+                            // mutably for the call.
+                            Some(_) => match unsafe { host(s, send, &piece, framing, None, ctl) } {
+                                Ok(t) => {
+                                    tally.add(&t);
+                                    Ok(())
+                                }
+                                Err(FramesFailed::Stop(e)) => Err(e),
+                                Err(FramesFailed::Corrupt { error, .. }) => {
+                                    Err(Stop::Abort(Error::Frame {
+                                        peer: framing.map(|f| f.peer).unwrap_or("").to_string(),
+                                        source: error,
+                                    }))
+                                }
+                            },
+                        }
+                    };
+                    r.map_err(|e| {
+                        stop = Some(e);
+                        Error::Canceled
+                    })
+                };
+                let engine = st.engine().as_ref();
+                // SAFETY: these pieces are device memory of `dev` (this function's contract).
+                let r = unsafe {
+                    crate::staging::pipeline::stream_device(
+                        engine,
+                        dev,
+                        pair,
+                        send,
+                        &pieces[i..j],
+                        &mut net,
+                    )
+                };
+                if let Some(st) = stop {
+                    return Err(FramesFailed::Stop(st));
+                }
+                r.map_err(|e| FramesFailed::Stop(Stop::Abort(e)))?;
+            }
+        }
+        i = j;
+    }
+    Ok(tally)
+}
+
+/// Two staging chunks from `pool` (initiator or target side), waiting in ticks so that `ctl`
+/// can end the wait; None after `max`.
+pub(super) fn stage_pair<'a>(
+    st: &'a DeviceStaging,
+    initiator: bool,
+    max: Duration,
+    ctl: &mut dyn FnMut() -> Result<(), Stop>,
+) -> Result<Option<ChunkPair<'a>>, Stop> {
+    let t0 = Instant::now();
+    loop {
+        if let Some(p) = st.pair(initiator, TICK) {
+            return Ok(Some(p));
+        }
+        ctl()?;
+        if t0.elapsed() >= max {
+            return Ok(None);
+        }
+    }
+}
