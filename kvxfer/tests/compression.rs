@@ -136,9 +136,12 @@ fn roundtrip(p: &Pair, data: &dyn Fn(u64) -> Vec<u8>) -> Vec<kvxfer::XferStats> 
 #[test]
 fn compressed_transfers_move_exactly_the_bytes() {
     let len = (BLOCK * SLOTS) as usize;
-    for stripes in [1, 3] {
-        let p = pair(&format!("on{stripes}"), |c| {
-            c.compression(Compression::On).stripes(stripes)
+    // One connection, three stripes, and three coding threads per transfer.
+    for (stripes, threads) in [(1, 1), (3, 1), (1, 3)] {
+        let p = pair(&format!("on{stripes}{threads}"), |c| {
+            c.compression(Compression::On)
+                .stripes(stripes)
+                .compress_threads(threads)
         });
         // KV-like data compresses; random bytes go as stored planes, never larger than raw
         // plus the frame headers.

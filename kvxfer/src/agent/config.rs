@@ -94,6 +94,9 @@ pub struct AgentConfig {
     /// How compressed frames split values: bf16 (the default: exponent and sign-mantissa
     /// planes) or any 16-bit type (high and low bytes; fp16 KV).
     pub compress_transform: Transform,
+    /// Threads coding one compressed transfer (each about 1 GB/s of raw bytes on the
+    /// bench's KV; the policy counts them). Default: a quarter of the CPUs, 1 to 4.
+    pub compress_threads: usize,
 }
 
 impl AgentConfig {
@@ -126,6 +129,9 @@ impl AgentConfig {
             peer_compression: Vec::new(),
             link_rates: Vec::new(),
             compress_transform: Transform::Bf16,
+            compress_threads: std::thread::available_parallelism()
+                .map(|n| (n.get() / 4).clamp(1, 4))
+                .unwrap_or(1),
         }
     }
 
@@ -138,6 +144,12 @@ impl AgentConfig {
     /// Sets compression for transfers to the agent named `peer`.
     pub fn peer_compression(mut self, peer: impl Into<String>, c: Compression) -> Self {
         self.peer_compression.push((peer.into(), c));
+        self
+    }
+
+    /// Codes a compressed transfer on `n` threads (see [`AgentConfig::compress_threads`]).
+    pub fn compress_threads(mut self, n: usize) -> Self {
+        self.compress_threads = n.max(1);
         self
     }
 
@@ -258,6 +270,7 @@ impl AgentConfig {
             per_peer: self.peer_compression.clone(),
             link_rates: self.link_rates.clone(),
             transform: self.compress_transform,
+            threads: self.compress_threads.max(1),
         }
     }
 
@@ -335,6 +348,7 @@ pub(crate) struct Compressing {
     per_peer: Vec<(String, Compression)>,
     link_rates: Vec<(String, f64)>,
     pub(crate) transform: Transform,
+    pub(crate) threads: usize,
 }
 
 impl Compressing {

@@ -168,6 +168,7 @@ impl Agent {
                 staging: shared.staging.clone(),
                 budget: shared.budget.clone(),
                 codec: shared.codec.clone(),
+                compress_threads: cfg.compress_threads.max(1),
             });
             let srv = Server::start(ip, ctx, &cfg.name)?;
             let _ = shared.lane.set(srv.info());

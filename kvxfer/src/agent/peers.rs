@@ -170,6 +170,7 @@ fn build_lanes(st: &AgentState, meta: &Metadata) -> PeerLanes {
                 policy: st.compressing.of(&meta.name),
                 transform: st.compressing.transform,
                 meter: st.codec.clone(),
+                threads: st.compressing.threads,
             },
         )));
     }

@@ -43,6 +43,8 @@ pub(crate) struct LaneCtx {
     pub(crate) staging: Arc<StagingCell>,
     pub(crate) budget: MemoryBudget,
     pub(crate) codec: Arc<crate::codec_meter::CodecMeter>,
+    /// Threads coding the data of a compressed read this target sends.
+    pub(crate) compress_threads: usize,
 }
 
 impl std::fmt::Debug for PeerLanes {

@@ -148,6 +148,10 @@ pub(crate) struct Args {
     /// measured link is slower than the codec makes worthwhile).
     #[arg(long, value_delimiter = ',', default_value = "auto", value_parser = parse_compression)]
     pub(crate) compress: Vec<Compression>,
+    /// Threads coding one compressed transfer, on both sides (0: the library's default, a
+    /// quarter of the CPUs, 1 to 4).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) compress_threads: usize,
     /// Where both sides' KV buffers live.
     #[arg(long, value_enum, default_value = "host")]
     pub(crate) memory: MemArg,

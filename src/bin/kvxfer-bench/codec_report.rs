@@ -78,7 +78,7 @@ impl CodecRun {
         );
         if let Some(c) = cpu {
             l += &format!(
-                "; CPU ms/GB here {} (coding {}), peer {} (coding {})",
+                "; CPU ms/GB here {} (coding, wall {}), peer {} (coding, wall {})",
                 per_gb(Some(c.self_cpu_ns)),
                 per_gb(Some(c.self_codec_ns)),
                 per_gb(c.peer_cpu_ns),

@@ -82,6 +82,8 @@ pub(crate) fn spawn_peer(args: &Args, transport: &str) -> Result<(Peer, SocketAd
         &args.staging_chunks.to_string(),
         "--staging-chunk-kib",
         &args.staging_chunk_kib.to_string(),
+        "--compress-threads",
+        &args.compress_threads.to_string(),
     ]);
     let mut child = cmd.stdout(Stdio::piped()).stdin(Stdio::null()).spawn()?;
     let out = child.stdout.take().ok_or("no stdout from peer")?;

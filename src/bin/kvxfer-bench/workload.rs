@@ -171,6 +171,9 @@ pub(crate) fn agent_config(
             0 => MemoryBudget::unlimited(),
             m => MemoryBudget::new(m << 20),
         });
+    if args.compress_threads > 0 {
+        c = c.compress_threads(args.compress_threads);
+    }
     c.max_op_bytes = args.max_op;
     match (&args.net_devices, local_peer) {
         (Some(d), _) => c.net_devices(d.clone()),

@@ -12,10 +12,10 @@ use kvxfer_proto::compress::frame::{zstd_bound, FrameError, FrameHeader, CHUNK, 
 use kvxfer_proto::compress::planes::Transform;
 use kvxfer_proto::error::Error;
 
-/// Frames coded ahead of the wire: the coding thread runs this many frames ahead at most.
+/// Frames each coding thread runs ahead of the wire at most.
 const AHEAD: usize = 2;
-/// Bytes a sending side holds: the frames in the channel and on the wire, the chunk and the
-/// planes being coded.
+/// Bytes a sending side holds per coding thread: its frames in the channel and on the wire,
+/// the chunk and the planes being coded.
 pub(crate) const SEND_BYTES: u64 =
     ((AHEAD + 2) * (HEADER_LEN + CHUNK + CHUNK / 128) + 3 * CHUNK) as u64;
 /// Bytes a receiving side holds: one frame's payload, its chunk and its planes.
@@ -71,6 +71,7 @@ impl<'a> Cursor<'a> {
         }
     }
 
+    /// Skips `n` bytes.
     fn advance(&mut self, mut n: u64) {
         while self.i < self.pieces.len() {
             let left = self.pieces[self.i].1 - self.off;
@@ -96,8 +97,9 @@ fn codec_io(e: std::io::Error) -> Stop {
     Stop::Abort(Error::io("starting zstd", e))
 }
 
-/// Sends the bytes of `pieces` as frames split by `t`: a scoped thread gathers and codes chunk
-/// k+1 while this one writes frame k. Returns what the coding did.
+/// Sends the bytes of `pieces` as frames split by `t`, coded by `threads` scoped threads
+/// (thread j codes chunks j, j + threads, ...) while this one writes the frames in order.
+/// Returns what the coding did (busy: the threads' coding time summed).
 ///
 /// # Safety
 /// Every piece is memory readable for its length until the call returns.
@@ -105,50 +107,69 @@ pub(super) unsafe fn send_frames(
     s: &TcpStream,
     pieces: &[(u64, u64)],
     t: Transform,
+    threads: usize,
     fence: Option<&AtomicBool>,
     ctl: &mut dyn FnMut() -> Result<(), Stop>,
 ) -> Result<CodecTally, Stop> {
-    let (tx, rx) = sync_channel::<std::io::Result<Vec<u8>>>(AHEAD);
-    let (back_tx, back_rx) = channel::<Vec<u8>>();
+    let k = threads.max(1);
     let stop = AtomicBool::new(false);
     std::thread::scope(|sc| {
         let stop = &stop;
-        let coder = std::thread::Builder::new()
-            .name("kvxfer-frames".into())
-            .spawn_scoped(sc, move || -> std::io::Result<CodecTally> {
-                let mut enc = Encoder::new(t)?;
-                let mut cur = Cursor::new(pieces);
-                let mut chunk = Vec::with_capacity(CHUNK);
-                while !stop.load(Ordering::Acquire) {
-                    chunk.clear();
-                    // SAFETY: the pieces are readable until send_frames returns (its
-                    // contract), and this scoped thread ends before it does.
-                    unsafe { cur.gather(&mut chunk, CHUNK) };
-                    if chunk.is_empty() {
-                        break;
+        let mut rxs = Vec::with_capacity(k);
+        let mut backs = Vec::with_capacity(k);
+        let mut coders = Vec::with_capacity(k);
+        for j in 0..k {
+            let (tx, rx) = sync_channel::<std::io::Result<Vec<u8>>>(AHEAD);
+            let (back_tx, back_rx) = channel::<Vec<u8>>();
+            rxs.push(rx);
+            backs.push(back_tx);
+            let coder = std::thread::Builder::new()
+                .name(format!("kvxfer-frames-{j}"))
+                .spawn_scoped(sc, move || -> std::io::Result<CodecTally> {
+                    let mut enc = Encoder::new(t)?;
+                    let mut cur = Cursor::new(pieces);
+                    cur.advance((j * CHUNK) as u64);
+                    let mut chunk = Vec::with_capacity(CHUNK);
+                    while !stop.load(Ordering::Acquire) {
+                        chunk.clear();
+                        // SAFETY: the pieces are readable until send_frames returns (its
+                        // contract), and this scoped thread ends before it does.
+                        unsafe { cur.gather(&mut chunk, CHUNK) };
+                        if chunk.is_empty() {
+                            break;
+                        }
+                        let mut out = back_rx.try_recv().unwrap_or_default();
+                        out.clear();
+                        if let Err(e) = enc.encode(&chunk, &mut out) {
+                            let _ = tx.send(Err(std::io::Error::new(e.kind(), e.to_string())));
+                            return Err(e);
+                        }
+                        if tx.send(Ok(out)).is_err() {
+                            break;
+                        }
+                        cur.advance(((k - 1) * CHUNK) as u64);
                     }
-                    let mut out = back_rx.try_recv().unwrap_or_default();
-                    out.clear();
-                    if let Err(e) = enc.encode(&chunk, &mut out) {
-                        let _ = tx.send(Err(std::io::Error::new(e.kind(), e.to_string())));
-                        return Err(e);
-                    }
-                    if tx.send(Ok(out)).is_err() {
-                        break;
-                    }
+                    Ok(enc.tally)
+                });
+            match coder {
+                Ok(h) => coders.push(h),
+                Err(e) => {
+                    stop.store(true, Ordering::Release);
+                    return Err(Stop::Abort(Error::io("spawning a frame coder", e)));
                 }
-                Ok(enc.tally)
-            })
-            .map_err(|e| Stop::Abort(Error::io("spawning the frame coder", e)))?;
+            }
+        }
+        // Frame i comes from coder i % k; the first one missing is the end of the data.
         let mut r: Result<(), Stop> = Ok(());
-        for f in rx.iter() {
+        for i in 0.. {
+            let Ok(f) = rxs[i % k].recv() else { break };
             let sent = match f {
                 Err(e) => Err(codec_io(e)),
                 Ok(_) if fence.is_some_and(|f| f.load(Ordering::Acquire)) => {
                     Err(Stop::Abort(Error::Canceled))
                 }
                 Ok(buf) => send_buf(s, &buf, ctl).map(|()| {
-                    let _ = back_tx.send(buf);
+                    let _ = backs[i % k].send(buf);
                 }),
             };
             if let Err(e) = sent {
@@ -157,12 +178,23 @@ pub(super) unsafe fn send_frames(
             }
         }
         stop.store(true, Ordering::Release);
-        drop(rx);
-        let tally = coder
-            .join()
-            .map_err(|_| Stop::Abort(Error::InvalidArgument("the frame coder panicked".into())))?;
+        drop(rxs);
+        let mut tally = CodecTally::default();
+        let mut coded: std::io::Result<()> = Ok(());
+        for h in coders {
+            match h.join() {
+                Ok(Ok(t)) => tally.add(&t),
+                Ok(Err(e)) => coded = Err(e),
+                Err(_) => {
+                    return Err(Stop::Abort(Error::InvalidArgument(
+                        "a frame coder panicked".into(),
+                    )))
+                }
+            }
+        }
         r?;
-        tally.map_err(codec_io)
+        coded.map_err(codec_io)?;
+        Ok(tally)
     })
 }
 

@@ -18,7 +18,9 @@ use crate::staging::pool::StagingCell;
 use crate::transfer::{Job, XferStats};
 use kvxfer_proto::compress::codec::CodecTally;
 use kvxfer_proto::compress::planes::Transform;
-use kvxfer_proto::compress::policy::{blend, decide, Compression, Decision, Estimates, MIN_BYTES};
+use kvxfer_proto::compress::policy::{
+    blend, decide, CodecRates, Compression, Decision, Estimates, MIN_BYTES,
+};
 use kvxfer_proto::descriptor::Op;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::lane::{LaneInitiator, ReplyError, PIECE_BYTES};
@@ -43,6 +45,8 @@ pub(crate) struct Compressor {
     pub(crate) policy: (Compression, Option<f64>),
     pub(crate) transform: Transform,
     pub(crate) meter: Arc<CodecMeter>,
+    /// Threads coding a compressed write (the peer is assumed to code its reads with as many).
+    pub(crate) threads: usize,
 }
 
 /// What the link measured of itself.
@@ -207,9 +211,14 @@ fn link_loop(inner: Arc<LinkInner>) {
 /// The estimates the policy weighs for this link's next transfer.
 fn estimates(inner: &LinkInner) -> Estimates {
     let r = inner.rate.lock().unwrap_or_else(|e| e.into_inner());
+    let threads = inner.comp.threads.max(1) as f64;
     Estimates {
         link: inner.comp.policy.1.or(r.measured),
-        codec: inner.comp.meter.rates(),
+        // The meter's encode rate is one thread's.
+        codec: inner.comp.meter.rates().map(|c| CodecRates {
+            encode: c.encode * threads,
+            ..c
+        }),
         since_raw: r.since_raw,
     }
 }
@@ -497,7 +506,7 @@ fn run_job(
     });
     let codec_bytes = match (frames, job.op) {
         (None, _) => 0,
-        (Some(_), XferOp::Write) => SEND_BYTES,
+        (Some(_), XferOp::Write) => SEND_BYTES * inner.comp.threads.max(1) as u64,
         (Some(_), XferOp::Read) => RECV_BYTES,
     };
     let _charge = inner.budget.charge(
@@ -553,6 +562,7 @@ fn run_job(
     let framing = frames.map(|transform| Framing {
         transform,
         peer: &inner.peer,
+        threads: inner.comp.threads,
     });
     let data_err = |e: FramesFailed, what: &str| match e {
         FramesFailed::Stop(s) => stop_err(inner, s, what),

@@ -18,6 +18,8 @@ use kvxfer_proto::error::Error;
 pub(super) struct Framing<'a> {
     pub(super) transform: Transform,
     pub(super) peer: &'a str,
+    /// Threads coding a sent stream.
+    pub(super) threads: usize,
 }
 
 /// Host pieces, raw or framed.
@@ -40,7 +42,8 @@ unsafe fn host(
             .map_err(FramesFailed::Stop),
         Some(f) if send => {
             // SAFETY: as above; readable, since this side sends.
-            unsafe { send_frames(s, pieces, f.transform, fence, ctl) }.map_err(FramesFailed::Stop)
+            unsafe { send_frames(s, pieces, f.transform, f.threads, fence, ctl) }
+                .map_err(FramesFailed::Stop)
         }
         // SAFETY: as above; writable, since this side receives.
         Some(f) => unsafe { recv_frames(s, pieces, f.peer, fence, ctl) },

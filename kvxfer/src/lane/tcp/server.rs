@@ -403,7 +403,7 @@ fn step(
         } => {
             // Compressed data: the frame buffers and planes, charged with the table.
             let codec = if header.frames.is_some() {
-                RECV_BYTES.max(SEND_BYTES)
+                RECV_BYTES.max(SEND_BYTES * ctx.compress_threads.max(1) as u64)
             } else {
                 0
             };
@@ -422,6 +422,7 @@ fn step(
             let framing = frames.map(|transform| Framing {
                 transform,
                 peer: &peer,
+                threads: ctx.compress_threads,
             });
             // SAFETY: the pieces were resolved against this agent's registered regions, whose
             // kinds `devs` gives, and the resolution's pins hold them registered until the
