@@ -235,7 +235,8 @@ fn lane_client(b: &Agent) -> TcpStream {
     c
 }
 
-fn framed_write(c: &mut TcpStream, id: u64, region: u32, frames: &[u8], raw: u64) -> (u8, String) {
+/// A compressed write's header and its one segment: `raw` bytes at the start of `region`.
+fn framed_request(id: u64, region: u32, raw: u64) -> Vec<u8> {
     let mut b = Vec::new();
     RequestHeader {
         kind: K_WRITE,
@@ -251,6 +252,11 @@ fn framed_write(c: &mut TcpStream, id: u64, region: u32, frames: &[u8], raw: u64
         len: raw,
     }
     .encode(&mut b);
+    b
+}
+
+fn framed_write(c: &mut TcpStream, id: u64, region: u32, frames: &[u8], raw: u64) -> (u8, String) {
+    let mut b = framed_request(id, region, raw);
     b.extend_from_slice(frames);
     c.write_all(&b).unwrap();
     let mut h = [0u8; REPLY_FIXED_LEN];
@@ -298,21 +304,7 @@ fn a_corrupt_frame_is_refused_and_nothing_of_it_lands() {
     );
     // A truncated stream (the connection closes mid-frame) leaves no data and no notification.
     let mut c = lane_client(&p.b);
-    let mut b = Vec::new();
-    RequestHeader {
-        kind: K_WRITE,
-        id: 3,
-        nsegs: 1,
-        notif_len: 0,
-        frames: Some(Transform::Bf16),
-    }
-    .encode(&mut b);
-    Segment {
-        region,
-        offset: 0,
-        len: raw_len as u64,
-    }
-    .encode(&mut b);
+    let mut b = framed_request(3, region, raw_len as u64);
     p.rb.write(0, &vec![0u8; raw_len]).unwrap();
     b.extend_from_slice(&frames[..frames.len() / 2]);
     c.write_all(&b).unwrap();

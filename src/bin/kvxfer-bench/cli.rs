@@ -243,6 +243,10 @@ pub(crate) struct PlanArgs {
     /// One thread's decode rate, MB/s, with --compress-ratio (else measured here).
     #[arg(long, requires = "compress_ratio")]
     pub(crate) decode_mbps: Option<f64>,
+    /// Threads coding one transfer (the agent's `compress_threads`): the encode rate scales
+    /// with them; decoding is one thread.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) compress_threads: usize,
     /// Print JSON.
     #[arg(long)]
     pub(crate) json: bool,

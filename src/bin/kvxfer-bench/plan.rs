@@ -125,12 +125,13 @@ pub(crate) fn plan(p: &PlanArgs) -> Result<(), BoxErr> {
     );
     if let Some(z) = &z {
         println!(
-            "compressed   {:.3} s for {} at once ({}: ratio {:.3}, encode {:.0} MB/s, decode {:.0} MB/s, one thread each side); auto {}",
+            "compressed   {:.3} s for {} at once ({}: ratio {:.3}, encode {:.0} MB/s on {} thread(s), decode {:.0} MB/s on one); auto {}",
             z.predicted.compressed.as_secs_f64(),
             p.concurrency,
             z.source,
             z.rates.ratio,
             z.rates.encode / 1e6,
+            p.compress_threads.max(1),
             z.rates.decode / 1e6,
             if z.auto { "compresses" } else { "sends raw" }
         );
@@ -186,6 +187,11 @@ fn compression(
             };
             (measure(t)?, "measured here on synthetic KV".to_string())
         }
+    };
+    let threads = p.compress_threads.max(1) as f64;
+    let rates = CodecRates {
+        encode: rates.encode * threads,
+        ..rates
     };
     let predicted = predict(bytes, link, &rates);
     let est = Estimates {

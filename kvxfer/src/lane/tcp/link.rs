@@ -249,6 +249,13 @@ fn calibrate(inner: &LinkInner, job: &Job) {
     if total < SAMPLE_BYTES || piece == 0 {
         return;
     }
+    // The sample, its frames and the codec's planes, from the budget; none free: not now.
+    let Ok(_charge) = inner
+        .budget
+        .try_charge(6 * SAMPLE_BYTES, "measuring the codec")
+    else {
+        return;
+    };
     let mut sample = Vec::with_capacity(SAMPLE_BYTES as usize);
     let mut ops = job.plan.ops.iter();
     let mut at = 0u64; // byte offset of the current op's start in the transfer
@@ -571,25 +578,17 @@ fn run_job(
             source: error,
         },
     };
+    // The data, sent (a write) or received (a read).
+    let data = |send: bool, ctl: &mut dyn FnMut() -> Result<(), Stop>| {
+        // SAFETY: the pieces come from the job's plan, bounds-checked against its local
+        // regions (kinds in `local_dev`), which the job pins until it finishes.
+        unsafe { stream_mixed(c, send, &pieces, &job.local_dev, st, framing, None, ctl) }
+    };
     let posted_at;
     let tally;
     if job.op == XferOp::Write {
         send_buf(c, &hdr, &mut ctl).map_err(|s| stop_err(inner, s, "request"))?;
-        // SAFETY: the pieces come from the job's plan, bounds-checked against its local
-        // regions (kinds in `local_dev`), which the job pins until it finishes.
-        tally = unsafe {
-            stream_mixed(
-                c,
-                true,
-                &pieces,
-                &job.local_dev,
-                st,
-                framing,
-                None,
-                &mut ctl,
-            )
-        }
-        .map_err(|e| data_err(e, "sending data"))?;
+        tally = data(true, &mut ctl).map_err(|e| data_err(e, "sending data"))?;
         send_buf(c, note, &mut ctl).map_err(|s| stop_err(inner, s, "notification"))?;
         posted_at = job.started.elapsed();
         read_reply(inner, c, K_ACK, job.id, &mut ctl)?;
@@ -602,20 +601,7 @@ fn run_job(
         posted_at = job.started.elapsed();
         read_reply(inner, c, K_DATA, job.id, &mut ctl)?;
         let t_hdr = job.started.elapsed();
-        // SAFETY: as for a write.
-        tally = unsafe {
-            stream_mixed(
-                c,
-                false,
-                &pieces,
-                &job.local_dev,
-                st,
-                framing,
-                None,
-                &mut ctl,
-            )
-        }
-        .map_err(|e| data_err(e, "receiving data"))?;
+        tally = data(false, &mut ctl).map_err(|e| data_err(e, "receiving data"))?;
         if frames.is_some() {
             inner.comp.meter.decoded(&tally);
         }
