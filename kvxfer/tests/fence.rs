@@ -13,11 +13,23 @@ const LEN: usize = 64 << 20;
 
 #[test]
 fn nothing_a_fenced_peer_sent_lands_after_the_fence() {
+    fenced_mid_stream(1);
+}
+
+#[test]
+fn a_striped_transfer_is_fenced_whole() {
+    // Four connections per transfer, opened by the stripes' threads as the transfer starts:
+    // one still at the gate when the fence comes is closed when its hello is proven.
+    fenced_mid_stream(4);
+}
+
+fn fenced_mid_stream(stripes: usize) {
     let mk = |n: &str| {
         Agent::new(
-            AgentConfig::new(format!("{n}-{}", std::process::id()))
+            AgentConfig::new(format!("{n}-{stripes}-{}", std::process::id()))
                 .transport(Transport::Tcp)
-                .net_devices("lo"),
+                .net_devices("lo")
+                .stripes(stripes),
         )
         .unwrap()
     };
@@ -65,4 +77,47 @@ fn nothing_a_fenced_peer_sent_lands_after_the_fence() {
     src.write(0, &vec![fill + 1; LEN]).unwrap();
     w.write(&l, &r).start().unwrap().wait().unwrap();
     assert!(snapshot().iter().all(|&b| b == fill + 1));
+}
+
+#[test]
+fn a_connection_still_at_the_gate_when_its_peer_is_fenced_is_not_served() {
+    use kvxfer::wire::lane::{Hello, WELCOME_FIXED_LEN};
+    use kvxfer::wire::metadata::{Metadata, DEFAULT_COMPAT};
+    use std::io::{Read, Write};
+    let t = Agent::new(
+        AgentConfig::new(format!("gate-target-{}", std::process::id()))
+            .transport(Transport::Tcp)
+            .net_devices("lo"),
+    )
+    .unwrap();
+    let lane = Metadata::decode(&t.metadata().unwrap(), DEFAULT_COMPAT)
+        .unwrap()
+        .lane
+        .unwrap();
+    let hello = Hello {
+        name: "gate-writer",
+        secret: lane.secret,
+    }
+    .encode();
+    let connect = || {
+        let c = std::net::TcpStream::connect(lane.addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        c
+    };
+    // Accepted, its hello not finished: then its peer is fenced, then the hello completes.
+    let mut c = connect();
+    c.write_all(&hello[..hello.len() - 1]).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    t.fence_inbound("gate-writer");
+    c.write_all(&hello[hello.len() - 1..]).unwrap();
+    let mut w = [0u8; WELCOME_FIXED_LEN];
+    match c.read(&mut w) {
+        Ok(0) | Err(_) => {}
+        Ok(n) => panic!("a connection opened before the fence was served ({n} bytes of welcome)"),
+    }
+    // A connection opened after the fence is served.
+    let mut c = connect();
+    c.write_all(&hello).unwrap();
+    c.read_exact(&mut w).unwrap();
+    assert_eq!(w[0], 0, "a reconnect after the fence was refused");
 }

@@ -31,7 +31,16 @@ pub(crate) struct Server {
     info: LaneInfo,
     stop: Arc<AtomicBool>,
     gate: Option<Gate>,
-    conns: Arc<Mutex<Vec<Served>>>,
+    conns: Arc<Mutex<Conns>>,
+}
+
+/// The serving connections, and when each peer was last fenced: a connection accepted before
+/// its peer's fence but admitted after it (its hello was still at the gate) is closed, not
+/// served. Both under one lock, so that no admission slips between a fence and its check.
+#[derive(Default)]
+struct Conns {
+    served: Vec<Served>,
+    fenced: std::collections::HashMap<String, Instant>,
 }
 
 /// A connection's serving thread, its socket (shut down to stop the thread at once, even in
@@ -107,7 +116,7 @@ impl Server {
         getrandom(&mut secret)?;
         let info = LaneInfo { addr, secret };
         let stop = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<Vec<Served>>> = Arc::default();
+        let conns: Arc<Mutex<Conns>> = Arc::default();
         let (st, cs, nm) = (stop.clone(), conns.clone(), name.to_string());
         let open = move |_who: SocketAddr, _now: Duration| {
             let t0 = Instant::now();
@@ -121,15 +130,21 @@ impl Server {
             let (st2, sh) = (st.clone(), ctx.clone());
             let sock = c.try_clone().ok();
             let peer = h.t.peer().unwrap_or_default().to_string();
+            let mut g = cs.lock().unwrap_or_else(|e| e.into_inner());
+            if g.fenced.get(&peer).is_some_and(|&at| h.t0 <= at) {
+                // Opened before the peer was fenced: what it carries was sent before the fence.
+                log::info!("kvxfer: TCP lane: a connection of fenced peer {peer:?} refused");
+                let _ = c.shutdown(std::net::Shutdown::Both);
+                return;
+            }
             let fence = Arc::new(AtomicBool::new(false));
             let f2 = fence.clone();
             let t = std::thread::Builder::new()
                 .name(format!("kvxfer-lane-{nm}-conn"))
                 .spawn(move || serve(c, sh, h, st2, &f2));
             if let Ok(thread) = t {
-                let mut g = cs.lock().unwrap_or_else(|e| e.into_inner());
-                g.retain(|s| !s.thread.is_finished());
-                g.push(Served {
+                g.served.retain(|s| !s.thread.is_finished());
+                g.served.push(Served {
                     thread,
                     sock,
                     peer,
@@ -159,17 +174,19 @@ impl Server {
         self.info
     }
 
-    /// Fences `peer`'s writes: its connections are closed and their threads waited for, so
-    /// that once this returns nothing it sent before (queued in a socket, or mid-stream) is
-    /// written into memory. It reconnects for what it sends next. Returns the connections
-    /// closed.
+    /// Fences `peer`'s writes: its connections are closed and their threads waited for, and
+    /// a connection it opened before now that is still proving its hello is closed when it
+    /// does, so that once this returns nothing it sent before (queued in a socket, at the gate,
+    /// or mid-stream) is written into memory. It reconnects for what it sends next. Returns
+    /// the connections closed.
     pub(crate) fn fence(&self, peer: &str) -> usize {
         let mine: Vec<Served> = {
             let mut g = self.conns.lock().unwrap_or_else(|e| e.into_inner());
-            let (mine, rest) = std::mem::take(&mut *g)
+            g.fenced.insert(peer.to_string(), Instant::now());
+            let (mine, rest) = std::mem::take(&mut g.served)
                 .into_iter()
                 .partition(|s| s.peer == peer);
-            *g = rest;
+            g.served = rest;
             mine
         };
         for s in &mine {
@@ -190,7 +207,8 @@ impl Drop for Server {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
         self.gate.take();
-        let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|e| e.into_inner()));
+        let conns =
+            std::mem::take(&mut self.conns.lock().unwrap_or_else(|e| e.into_inner()).served);
         // A connection in the middle of a stream never times out: closing its socket ends
         // the stream (the peer's transfer fails typed) and the thread with it.
         for s in &conns {
