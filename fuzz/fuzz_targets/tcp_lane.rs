@@ -1,8 +1,8 @@
-//! The TCP lane's target side: hello, request header, segment table.
+//! The TCP lane's target side: hello, request header, segment table or paged table.
 #![no_main]
 use kvxfer_proto::wire::lane::{
-    parse_hello, parse_request_header, parse_segments, RequestHeader, Segment, HEADER_LEN,
-    HELLO_FIXED_LEN, K_READ, K_WRITE, SEG_LEN,
+    encode_paged, paged_table_len, parse_hello, parse_paged, parse_request_header,
+    parse_segments, RequestHeader, Segment, HEADER_LEN, HELLO_FIXED_LEN, K_READ, K_WRITE, SEG_LEN,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -17,6 +17,19 @@ fuzz_target!(|data: &[u8]| {
             RequestHeader { ..h }.encode(&mut b);
             assert_eq!(b, &data[..HEADER_LEN]);
             let rest = &data[HEADER_LEN..];
+            if h.paged {
+                // A table that parses says what it holds, and its entries survive a re-encode
+                // (lists it does not use are dropped, so the bytes may differ).
+                if let Ok(t) = parse_paged(&rest[..h.nsegs.min(rest.len())]) {
+                    let sum: u64 = t.entries.iter().map(|e| e.bytes()).sum();
+                    assert_eq!(sum, t.total);
+                    let mut again = Vec::new();
+                    encode_paged(&t.entries, &mut again);
+                    assert_eq!(again.len(), paged_table_len(&t.entries));
+                    assert_eq!(parse_paged(&again).unwrap(), t);
+                }
+                return;
+            }
             let n = (h.nsegs * SEG_LEN).min(rest.len() / SEG_LEN * SEG_LEN);
             let segs = parse_segments(&rest[..n]).unwrap();
             assert_eq!(segs.len(), n / SEG_LEN);

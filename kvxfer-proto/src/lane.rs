@@ -17,10 +17,11 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use crate::compress::planes::Transform;
+use crate::paged::WINDOW_BLOCKS;
 use crate::wire::lane::{
-    encode_reply, encode_welcome, parse_hello, parse_hello_rest, parse_request_header, request_id,
-    segments, ReplyHeader, RequestHeader, Segment, HEADER_LEN, HELLO_FIXED_LEN, K_ACK, K_DATA,
-    K_WRITE, SECRET_LEN, SEG_LEN,
+    encode_reply, encode_welcome, parse_hello, parse_hello_rest, parse_paged, parse_request_header,
+    request_id, segments, ReplyHeader, RequestHeader, Table, HEADER_LEN, HELLO_FIXED_LEN, K_ACK,
+    K_DATA, K_WRITE, SECRET_LEN, SEG_LEN,
 };
 use crate::wire::notify::{self, Notification};
 
@@ -48,13 +49,19 @@ pub enum TargetEvent {
         /// Segments to skip.
         nsegs: usize,
     },
-    /// Resolve these segments against the registered regions (and pin them), then call
+    /// A refused request's paged table follows: read and discard its `bytes`, its first 8
+    /// the total ([`crate::wire::lane::paged_total`]), then call [`LaneTarget::skipped`].
+    SkipPaged {
+        /// Bytes of the table.
+        bytes: usize,
+    },
+    /// Resolve this table against the registered regions (and pin them), then call
     /// [`LaneTarget::resolved`].
     Resolve {
         /// The request.
         header: RequestHeader,
-        /// Its segments.
-        segments: Vec<Segment>,
+        /// Its segments, or its paged entries.
+        table: Table,
     },
     /// Receive the write's data into the resolved pieces, then call
     /// [`LaneTarget::data_done`].
@@ -155,7 +162,7 @@ impl LaneTarget {
             State::HelloFixed => Some(HELLO_FIXED_LEN),
             State::HelloRest { name_len } => Some(name_len + SECRET_LEN),
             State::Header => Some(HEADER_LEN),
-            State::Segments { header } => Some(header.nsegs * SEG_LEN),
+            State::Segments { header } => Some(header.table_len()),
             State::Note { header, .. } => Some(header.notif_len),
             State::Shell | State::Closed => None,
         }
@@ -239,7 +246,7 @@ impl LaneTarget {
                 };
                 match parse_request_header(&h) {
                     Ok(header) => {
-                        let table_bytes = (header.nsegs * (SEG_LEN + PIECE_BYTES)) as u64;
+                        let table_bytes = table_bytes(&header);
                         self.pending = Pending::Admit(header.clone());
                         self.events.push_back(TargetEvent::Admit {
                             header,
@@ -255,15 +262,21 @@ impl LaneTarget {
                     }
                 }
             }
-            State::Segments { header } => match segments(b) {
-                Ok(segs) => {
-                    let segments: Vec<Segment> = segs.collect();
-                    self.pending = Pending::Resolve(header.clone());
-                    self.events
-                        .push_back(TargetEvent::Resolve { header, segments });
+            State::Segments { header } => {
+                let table = if header.paged {
+                    parse_paged(b).map(Table::Paged)
+                } else {
+                    segments(b).map(|s| Table::Flat(s.collect()))
+                };
+                match table {
+                    Ok(table) => {
+                        self.pending = Pending::Resolve(header.clone());
+                        self.events
+                            .push_back(TargetEvent::Resolve { header, table });
+                    }
+                    Err(why) => self.close(why),
                 }
-                Err(why) => self.close(why),
-            },
+            }
             State::Note { header, refused } => self.after_note(header, refused, b),
             State::Shell => self.close("bytes while the shell was busy (a shell bug)".into()),
             State::Closed => self.state = State::Closed,
@@ -276,18 +289,25 @@ impl LaneTarget {
             return self.close("admission without a request (a shell bug)".into());
         };
         match r {
-            Ok(()) if header.nsegs == 0 => {
+            Ok(()) if header.nsegs == 0 && !header.paged => {
                 self.pending = Pending::Resolve(header.clone());
                 self.events.push_back(TargetEvent::Resolve {
                     header,
-                    segments: Vec::new(),
+                    table: Table::Flat(Vec::new()),
                 });
             }
             Ok(()) => self.state = State::Segments { header },
             Err(why) => {
-                // The table cannot be skipped without reading it: sum it as it streams by.
-                self.events.push_back(TargetEvent::SkipSegments {
-                    nsegs: header.nsegs,
+                // The table cannot be skipped without reading it: sum it as it streams by (a
+                // paged one says its total first).
+                self.events.push_back(if header.paged {
+                    TargetEvent::SkipPaged {
+                        bytes: header.nsegs,
+                    }
+                } else {
+                    TargetEvent::SkipSegments {
+                        nsegs: header.nsegs,
+                    }
                 });
                 self.pending = Pending::Skip(header, why);
             }
@@ -446,6 +466,16 @@ impl LaneTarget {
 /// Bytes the target holds per segment once resolved (address and length).
 pub const PIECE_BYTES: usize = 16;
 
+/// Bytes a target holds for a request's table: the flat segments and their resolved pieces;
+/// a paged table, its parsed form (at most twice its bytes) and one window's pieces.
+pub fn table_bytes(h: &RequestHeader) -> u64 {
+    if h.paged {
+        (3 * h.nsegs + WINDOW_BLOCKS * (PIECE_BYTES + 4)) as u64
+    } else {
+        (h.nsegs * (SEG_LEN + PIECE_BYTES)) as u64
+    }
+}
+
 /// Why an initiator gives up on a reply.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ReplyError {
@@ -493,7 +523,12 @@ impl LaneInitiator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::lane::{Hello, REPLY_FIXED_LEN, WELCOME_FIXED_LEN};
+    use crate::paged::Paged;
+    use crate::types::RegionId;
+    use crate::wire::lane::{
+        encode_paged, paged_table_len, paged_total, Hello, Segment, K_READ, REPLY_FIXED_LEN,
+        WELCOME_FIXED_LEN,
+    };
 
     const SECRET: [u8; SECRET_LEN] = [7; SECRET_LEN];
     const STALL: Duration = Duration::from_secs(30);
@@ -550,8 +585,28 @@ mod tests {
                             let total = segments(&raw).unwrap().map(|s| s.len).sum();
                             t.skipped(total);
                         }
-                        TargetEvent::Resolve { segments, .. } => {
-                            let total = segments.iter().map(|s| s.len).sum();
+                        TargetEvent::SkipPaged { bytes } => {
+                            let raw = self.take(bytes);
+                            t.skipped(paged_total(raw[..8].try_into().unwrap()));
+                        }
+                        TargetEvent::Resolve { table, .. } => {
+                            let total = table.total();
+                            // The in-memory shell expands a paged table (the real one walks it
+                            // a window at a time).
+                            let segments: Vec<Segment> = match table {
+                                Table::Flat(s) => s,
+                                Table::Paged(p) => p
+                                    .entries
+                                    .iter()
+                                    .flat_map(|e| {
+                                        e.blocks.iter().map(move |&b| Segment {
+                                            region: e.region.0,
+                                            offset: e.offset + u64::from(b) * e.stride,
+                                            len: e.block_len,
+                                        })
+                                    })
+                                    .collect(),
+                            };
                             self.pieces.clear();
                             let mut r = Ok(());
                             for s in &segments {
@@ -653,6 +708,7 @@ mod tests {
             nsegs: segs.len(),
             notif_len: note.len(),
             frames: None,
+            paged: false,
         }
         .encode(&mut b);
         for &(region, offset, len) in segs {
@@ -836,6 +892,135 @@ mod tests {
         let delivered: Vec<&String> = sh.log.iter().filter(|l| l.starts_with("deliver")).collect();
         assert_eq!(delivered, ["deliver ok"]);
         assert!(sh.input.is_empty());
+    }
+
+    /// A paged request: its table parsed whole, not a segment per block.
+    fn paged_request(write: bool, id: u64, entries: &[Paged], data: &[u8], note: &[u8]) -> Vec<u8> {
+        let mut b = Vec::new();
+        RequestHeader {
+            kind: if write { K_WRITE } else { K_READ },
+            id,
+            nsegs: paged_table_len(entries),
+            notif_len: note.len(),
+            frames: None,
+            paged: true,
+        }
+        .encode(&mut b);
+        encode_paged(entries, &mut b);
+        if write {
+            b.extend_from_slice(data);
+        }
+        b.extend_from_slice(note);
+        b
+    }
+
+    #[test]
+    fn paged_requests_land_block_by_block_and_refused_ones_stay_in_step() {
+        let blocks: std::sync::Arc<[u32]> = vec![3, 0, 2].into();
+        let entry = |region: u32, offset: u64| Paged {
+            region: RegionId(region),
+            offset,
+            block_len: 4,
+            stride: 8,
+            blocks: blocks.clone(),
+        };
+        // Budget for a small paged table (its window's pieces included), not a large one.
+        let small = table_bytes(&RequestHeader {
+            kind: K_WRITE,
+            id: 0,
+            nsegs: paged_table_len(&[entry(0, 0), entry(1, 1)]),
+            notif_len: 0,
+            frames: None,
+            paged: true,
+        });
+        let mut sh = Shell::new(2, 64, small);
+        let mut t = LaneTarget::new(SECRET, STALL, Duration::ZERO);
+        sh.input.extend(hello(SECRET));
+        let data: Vec<u8> = (1..=24).collect();
+        // 1: two entries sharing one list of 3 blocks: 24 bytes land at blocks 3, 0, 2.
+        sh.input.extend(paged_request(
+            true,
+            1,
+            &[entry(0, 0), entry(1, 1)],
+            &data,
+            &note("prefill", "paged"),
+        ));
+        // 2: block 7 of region 0 ends past its 64 bytes: refused, drained.
+        let past = Paged {
+            blocks: vec![7].into(),
+            ..entry(0, 8)
+        };
+        sh.input.extend(paged_request(
+            true,
+            2,
+            &[past],
+            &[9; 4],
+            &note("prefill", "no"),
+        ));
+        // 3: over budget: skipped by its total, drained, refused.
+        let many: Vec<Paged> = (0..64)
+            .map(|_| Paged {
+                blocks: vec![0].into(),
+                ..entry(0, 0)
+            })
+            .collect();
+        sh.input.extend(paged_request(
+            true,
+            3,
+            &many,
+            &[9; 256],
+            &note("prefill", "no"),
+        ));
+        // 4: a paged read of what 1 wrote to region 1.
+        sh.input
+            .extend(paged_request(false, 4, &[entry(1, 1)], &[], &[]));
+        sh.drive(&mut t, Duration::ZERO);
+        let (_, rs, back) = replies(&sh.out);
+        let got: Vec<(u8, u64, u8)> = rs.iter().map(|(r, _)| (r.kind, r.id, r.status)).collect();
+        assert_eq!(
+            got,
+            [(K_ACK, 1, 0), (K_ACK, 2, 1), (K_ACK, 3, 1), (K_DATA, 4, 0)]
+        );
+        assert!(rs[1].1.contains("outside"), "{}", rs[1].1);
+        assert!(rs[2].1.contains("over budget"), "{}", rs[2].1);
+        assert_eq!(sh.regions[0][24..28], data[..4], "block 3");
+        assert_eq!(sh.regions[0][0..4], data[4..8], "block 0");
+        assert_eq!(sh.regions[0][16..20], data[8..12], "block 2");
+        assert_eq!(sh.regions[1][25..29], data[12..16]);
+        assert_eq!(back, data[12..]);
+        let delivered: Vec<&String> = sh.log.iter().filter(|l| l.starts_with("deliver")).collect();
+        assert_eq!(delivered, ["deliver paged"]);
+        assert!(sh.input.is_empty());
+    }
+
+    #[test]
+    fn a_malformed_paged_table_closes_the_connection() {
+        let mut sh = Shell::new(1, 64, 1 << 20);
+        let mut t = LaneTarget::new(SECRET, STALL, Duration::ZERO);
+        sh.input.extend(hello(SECRET));
+        let mut req = paged_request(
+            true,
+            1,
+            &[Paged {
+                region: RegionId(0),
+                offset: 0,
+                block_len: 4,
+                stride: 4,
+                blocks: vec![0].into(),
+            }],
+            &[1; 4],
+            &[],
+        );
+        // The total says 5 bytes; the entry holds 4.
+        req[HEADER_LEN] = 5;
+        sh.input.extend(req);
+        sh.drive(&mut t, Duration::ZERO);
+        assert!(t.is_closed());
+        assert!(
+            sh.log.last().unwrap().contains("says 5 bytes"),
+            "{:?}",
+            sh.log
+        );
     }
 
     #[test]

@@ -107,6 +107,60 @@ pub fn resolve_paged(
     Ok(out)
 }
 
+/// Most blocks in one window of a paged transfer's data ([`Windows`]).
+pub const WINDOW_BLOCKS: usize = 4096;
+/// Most bytes in one window, unless its single block is larger.
+pub const WINDOW_BYTES: u64 = 64 << 20;
+
+/// A walk through the blocks of a resolved list, one window at a time: up to
+/// [`WINDOW_BLOCKS`] blocks and [`WINDOW_BYTES`] bytes (at least one block), expanded into
+/// pieces only for the window, so that a path moving a paged transfer holds one window's
+/// pieces, never the whole request's. Block k has the same length on both sides of a
+/// [`PagedPlan`], so both ends cut the same windows from their own lists: each window's bytes
+/// move as a request of their own would.
+#[derive(Clone, Debug, Default)]
+pub struct Windows {
+    entry: usize,
+    k: usize,
+}
+
+impl Windows {
+    /// Appends the next window of `list` to `pieces` as (address, length) and the region slot
+    /// of each piece to `slots`, blocks contiguous in memory and in the same entry merged.
+    /// Returns the window's bytes: 0 once the list is done.
+    pub fn next(
+        &mut self,
+        list: &[ResolvedPaged],
+        pieces: &mut Vec<(u64, u64)>,
+        slots: &mut Vec<u32>,
+    ) -> u64 {
+        let mut blocks = 0usize;
+        let mut bytes = 0u64;
+        while let Some(e) = list.get(self.entry) {
+            if self.k >= e.blocks.len() {
+                self.entry += 1;
+                self.k = 0;
+                continue;
+            }
+            if blocks > 0 && (blocks >= WINDOW_BLOCKS || bytes + e.block_len > WINDOW_BYTES) {
+                break;
+            }
+            let a = e.addr(e.blocks[self.k]);
+            match pieces.last_mut() {
+                Some(p) if blocks > 0 && self.k > 0 && p.0 + p.1 == a => p.1 += e.block_len,
+                _ => {
+                    pieces.push((a, e.block_len));
+                    slots.push(e.slot);
+                }
+            }
+            self.k += 1;
+            blocks += 1;
+            bytes += e.block_len;
+        }
+        bytes
+    }
+}
+
 /// One pair of paged entries: block `local.blocks[k]` moves to (or from) `remote.blocks[k]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Run {
@@ -324,6 +378,107 @@ mod tests {
                 assert!(got.ops.len() >= want.ops.len());
             }
         }
+    }
+
+    /// The windows of both sides of a plan cut the same bytes, hold at most their bounds, and
+    /// together move what the flat form moves, in order.
+    #[test]
+    fn windows_cut_both_sides_alike_and_cover_the_plan() {
+        let t = table();
+        let lb: Arc<[u32]> = (0..5000u32).map(|b| (b * 7919) % 5000).collect();
+        let rb: Arc<[u32]> = (0..5000u32).collect();
+        let lp = vec![
+            Paged {
+                region: RegionId(3),
+                offset: 0,
+                block_len: 128,
+                stride: 128,
+                blocks: lb.clone(),
+            },
+            Paged {
+                region: RegionId(3),
+                offset: 640_000,
+                block_len: 64,
+                stride: 64,
+                blocks: (0..3u32).collect(),
+            },
+        ];
+        let rp = vec![
+            Paged {
+                region: RegionId(9),
+                offset: 0,
+                block_len: 128,
+                stride: 128,
+                blocks: rb,
+            },
+            Paged {
+                region: RegionId(9),
+                offset: 700_000,
+                block_len: 64,
+                stride: 64,
+                blocks: (0..3u32).collect(),
+            },
+        ];
+        let plan = plan_paged(
+            resolve_paged(Side::Local, &lp, &t).unwrap(),
+            resolve_paged(Side::Remote, &rp, &t).unwrap(),
+        )
+        .unwrap();
+        let side = |remote: bool| -> Vec<ResolvedPaged> {
+            plan.runs
+                .iter()
+                .map(|r| {
+                    if remote {
+                        r.remote.clone()
+                    } else {
+                        r.local.clone()
+                    }
+                })
+                .collect()
+        };
+        let (l, r) = (side(false), side(true));
+        let (mut wl, mut wr) = (Windows::default(), Windows::default());
+        let (mut all_l, mut all_r) = (Vec::new(), Vec::new());
+        let mut windows = 0;
+        loop {
+            let (mut pl, mut sl, mut pr, mut sr) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let (bl, br) = (wl.next(&l, &mut pl, &mut sl), wr.next(&r, &mut pr, &mut sr));
+            assert_eq!(bl, br, "window {windows}");
+            if bl == 0 {
+                break;
+            }
+            assert!(bl <= WINDOW_BYTES);
+            assert!(pl.len() <= WINDOW_BLOCKS && pr.len() <= WINDOW_BLOCKS);
+            assert_eq!(pl.iter().map(|p| p.1).sum::<u64>(), bl);
+            assert_eq!(pr.iter().map(|p| p.1).sum::<u64>(), br);
+            assert_eq!(sl.len(), pl.len());
+            assert!(sr.iter().all(|&s| s == 1));
+            all_l.extend(pl);
+            all_r.extend(pr);
+            windows += 1;
+        }
+        assert_eq!(windows, 2, "5003 blocks: a full window and the rest");
+        // The remote side is contiguous within an entry: merged, but never across windows.
+        assert_eq!(all_r.len(), 3);
+        // Byte by byte, the windows pair the same addresses as the flat plan.
+        let stream = |v: &[(u64, u64)]| -> Vec<u64> {
+            v.iter()
+                .flat_map(|&(a, n)| (a..a + n).step_by(64))
+                .collect()
+        };
+        let flat = plan.expand(0);
+        let want_l: Vec<u64> = flat
+            .ops
+            .iter()
+            .flat_map(|o| (o.local..o.local + o.len).step_by(64))
+            .collect();
+        let want_r: Vec<u64> = flat
+            .ops
+            .iter()
+            .flat_map(|o| (o.remote..o.remote + o.len).step_by(64))
+            .collect();
+        assert_eq!(stream(&all_l), want_l);
+        assert_eq!(stream(&all_r), want_r);
     }
 
     #[test]

@@ -10,8 +10,9 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use crate::memory::Pins;
-use kvxfer_proto::descriptor::Plan;
+use kvxfer_proto::descriptor::{Op, Plan};
 use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::paged::PagedPlan;
 use kvxfer_proto::types::{Lane, XferOp};
 
 /// What a completed transfer did, for telemetry.
@@ -96,6 +97,85 @@ pub struct Transfer {
 /// Asks whoever moves a transfer to stop it (by transfer id).
 pub(crate) type Canceller = Arc<dyn Fn(u64) + Send + Sync>;
 
+/// What a job moves: a flat list of operations, or paged runs ([`PagedPlan`]), which the TCP
+/// lane carries as they are, over the wire too. The UCX engine and the shared-memory lane post
+/// from a list: [`Agent::submit`](crate::agent::Agent) hands them the flat form, so they never
+/// see a paged job.
+pub(crate) enum Work {
+    Flat(Plan),
+    Paged(PagedPlan),
+}
+
+impl Default for Work {
+    fn default() -> Self {
+        Work::Flat(Plan::default())
+    }
+}
+
+impl Work {
+    pub(crate) fn bytes(&self) -> u64 {
+        match self {
+            Work::Flat(p) => p.bytes,
+            Work::Paged(p) => p.bytes,
+        }
+    }
+
+    /// Descriptor pairs (block pairs for a paged job).
+    pub(crate) fn descs(&self) -> usize {
+        match self {
+            Work::Flat(p) => p.descs,
+            Work::Paged(p) => p.blocks,
+        }
+    }
+
+    /// Operations: the flat list's, or a paged job's block pairs (contiguous ones are merged
+    /// as they move, so this is their most).
+    pub(crate) fn op_count(&self) -> usize {
+        match self {
+            Work::Flat(p) => p.ops.len(),
+            Work::Paged(p) => p.blocks,
+        }
+    }
+
+    /// The flat list (empty for a paged job, which only the TCP lane receives).
+    pub(crate) fn ops(&self) -> &[Op] {
+        match self {
+            Work::Flat(p) => &p.ops,
+            Work::Paged(_) => &[],
+        }
+    }
+
+    /// Every operation, in order, without building a list.
+    pub(crate) fn iter_ops(&self) -> Box<dyn Iterator<Item = Op> + '_> {
+        match self {
+            Work::Flat(p) => Box::new(p.ops.iter().copied()),
+            Work::Paged(p) => Box::new(p.ops()),
+        }
+    }
+
+    /// The region slots used on the local (`remote` false) or remote side, with repeats.
+    pub(crate) fn slots(&self, remote: bool) -> Box<dyn Iterator<Item = u32> + '_> {
+        match self {
+            Work::Flat(p) => Box::new(
+                p.ops
+                    .iter()
+                    .map(move |o| if remote { o.rslot } else { o.lslot }),
+            ),
+            Work::Paged(p) => {
+                Box::new(p.runs.iter().map(
+                    move |r| {
+                        if remote {
+                            r.remote.slot
+                        } else {
+                            r.local.slot
+                        }
+                    },
+                ))
+            }
+        }
+    }
+}
+
 /// A transfer as the agent hands it to the lane that moves it (the UCX engine, the shared
 /// memory lane or the TCP lane). Its local regions are pinned for as long as it lives; it ends
 /// in exactly one place, [`Job::finish`].
@@ -105,7 +185,7 @@ pub(crate) struct Job {
     pub(crate) peer: String,
     /// The peer entry the remote descriptors were prepared against.
     pub(crate) token: u64,
-    pub(crate) plan: Plan,
+    pub(crate) plan: Work,
     /// The local regions the plan uses.
     pub(crate) pins: Pins,
     pub(crate) notification: Option<Vec<u8>>,
@@ -125,13 +205,13 @@ impl Job {
         XferStats {
             peer: self.peer.clone(),
             op: self.op,
-            bytes: self.plan.bytes,
-            descs: self.plan.descs,
-            ops: self.plan.ops.len(),
+            bytes: self.plan.bytes(),
+            descs: self.plan.descs(),
+            ops: self.plan.op_count(),
             post_time,
             duration: self.started.elapsed(),
             lane,
-            wire_bytes: self.plan.bytes,
+            wire_bytes: self.plan.bytes(),
             codec_time: Duration::ZERO,
         }
     }
@@ -151,7 +231,7 @@ impl Job {
             op: self.op,
             peer: self.peer.clone(),
             token: self.token,
-            plan: Plan::default(),
+            plan: Work::default(),
             pins: Pins::default(),
             notification: self.notification.clone(),
             deadline: self.deadline,

@@ -244,6 +244,7 @@ fn framed_request(id: u64, region: u32, raw: u64) -> Vec<u8> {
         nsegs: 1,
         notif_len: 0,
         frames: Some(Transform::Bf16),
+        paged: false,
     }
     .encode(&mut b);
     Segment {

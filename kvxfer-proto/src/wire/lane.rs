@@ -4,8 +4,9 @@
 //! hello    initiator → target  "KVXT" | version u16 | name_len u16 | name | secret [16]
 //! welcome  target → initiator  status u8 | msg_len u16 | msg
 //! request  initiator → target  kind u8 (1 write, 2 read; bits 4-5: the data as frames, see
-//!                              below) | id u64 | nsegs u32 | notif_len u32
+//!                              below; bit 6: a paged table) | id u64 | nsegs u32 | notif_len u32
 //!                              | { region u32 | offset u64 | len u64 }*nsegs
+//!                                (paged: the paged table below, of nsegs bytes)
 //!                              | write: the data, then the notification
 //!                              | read:  the notification
 //! reply    target → initiator  kind u8 (3 ack, 4 data) | id u64 | status u8 | msg_len u16 | msg
@@ -14,9 +15,27 @@
 //!
 //! Bits 4-5 of a request's kind: 0, the data travels as it is; 1-3, as the frames of
 //! [`crate::compress::frame`] (both ways: a write's data from the initiator, a read's data
-//! from the target), split by transform none, bf16 or bytes2 respectively. Bits 6-7 are 0.
+//! from the target), split by transform none, bf16 or bytes2 respectively. Bit 6 ([`K_PAGED`]):
+//! the blocks are described in the paged form ([`crate::paged`]) instead of one segment each:
+//!
+//! ```text
+//! paged table  total u64 | nlists u32 | nentries u32
+//!              | { count u32 | block u32 * count } * nlists
+//!              | { region u32 | offset u64 | block_len u64 | stride u64 | list u32 } * nentries
+//! ```
+//!
+//! Entry e moves the blocks of list `list`, in order, block b being the `block_len` bytes at
+//! `offset + b * stride` of `region`; the entries share their lists (a request's block indices
+//! travel once, not once per layer); `total` is the sum of the entries' bytes, which a target
+//! that refuses the request drains without decoding the rest. The data of a paged request moves
+//! in windows ([`crate::paged::Windows`]) cut at the same blocks on both ends. Bit 7 is 0.
+
+use std::collections::HashMap;
+use std::sync::Arc;
 
 use crate::compress::planes::Transform;
+use crate::paged::Paged;
+use crate::types::RegionId;
 use crate::wire::metadata::MAX_NAME;
 use crate::wire::notify;
 
@@ -46,6 +65,14 @@ pub const SEG_LEN: usize = 4 + 8 + 8;
 pub const REPLY_FIXED_LEN: usize = 1 + 8 + 1 + 2;
 /// Most segments in one request (20 MiB of header).
 pub const MAX_SEGS: usize = 1 << 20;
+/// Request kind bit: the segment table is a paged table of `nsegs` bytes.
+pub const K_PAGED: u8 = 0x40;
+/// Most bytes of a paged table (the flat table's limit).
+pub const MAX_PAGED_TABLE: usize = MAX_SEGS * SEG_LEN;
+/// Bytes of a paged table before its lists: total, list count, entry count.
+pub const PAGED_FIXED_LEN: usize = 8 + 4 + 4;
+/// Bytes of one paged entry: region, offset, block length, stride, list.
+pub const PAGED_ENTRY_LEN: usize = 4 + 8 + 8 + 8 + 4;
 /// Longest notification a request carries (an encoded notification).
 pub const MAX_NOTIF_LEN: usize = notify::MAX_ENCODED;
 
@@ -56,19 +83,31 @@ pub struct RequestHeader {
     pub kind: u8,
     /// Initiator's transfer id.
     pub id: u64,
-    /// Segments that follow.
+    /// Segments that follow (paged: bytes of the paged table).
     pub nsegs: usize,
     /// Notification bytes that follow.
     pub notif_len: usize,
     /// The data travels as frames split by this transform (None: raw).
     pub frames: Option<Transform>,
+    /// The table is a paged table ([`encode_paged`]) of `nsegs` bytes.
+    pub paged: bool,
 }
 
 impl RequestHeader {
+    /// Bytes of the table that follows the header.
+    pub fn table_len(&self) -> usize {
+        if self.paged {
+            self.nsegs
+        } else {
+            self.nsegs * SEG_LEN
+        }
+    }
+
     /// Appends the header's bytes to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         let f = self.frames.map_or(0, |t| t.code() + 1);
-        out.push(self.kind | (f << 4));
+        let p = if self.paged { K_PAGED } else { 0 };
+        out.push(self.kind | (f << 4) | p);
         out.extend_from_slice(&self.id.to_le_bytes());
         out.extend_from_slice(&(self.nsegs as u32).to_le_bytes());
         out.extend_from_slice(&(self.notif_len as u32).to_le_bytes());
@@ -85,9 +124,15 @@ pub fn parse_request_header(hdr: &[u8; HEADER_LEN]) -> std::result::Result<Reque
     let id = request_id(hdr);
     let nsegs = u32::from_le_bytes([hdr[9], hdr[10], hdr[11], hdr[12]]) as usize;
     let nlen = u32::from_le_bytes([hdr[13], hdr[14], hdr[15], hdr[16]]) as usize;
+    let paged = hdr[0] & K_PAGED != 0;
+    let table_ok = if paged {
+        (PAGED_FIXED_LEN..=MAX_PAGED_TABLE).contains(&nsegs)
+    } else {
+        nsegs <= MAX_SEGS
+    };
     if (kind != K_WRITE && kind != K_READ)
-        || hdr[0] & 0xc0 != 0
-        || nsegs > MAX_SEGS
+        || hdr[0] & 0x80 != 0
+        || !table_ok
         || nlen > MAX_NOTIF_LEN
     {
         return Err(format!(
@@ -101,6 +146,7 @@ pub fn parse_request_header(hdr: &[u8; HEADER_LEN]) -> std::result::Result<Reque
         nsegs,
         notif_len: nlen,
         frames,
+        paged,
     })
 }
 
@@ -162,6 +208,188 @@ pub fn segments(raw: &[u8]) -> std::result::Result<impl Iterator<Item = Segment>
         a.copy_from_slice(s);
         Segment::read(&a)
     }))
+}
+
+/// What a request's table describes: one segment per piece, or the paged form.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Table {
+    /// One segment per piece.
+    Flat(Vec<Segment>),
+    /// Entries of blocks ([`parse_paged`]).
+    Paged(PagedTable),
+}
+
+impl Table {
+    /// The bytes the table moves.
+    pub fn total(&self) -> u64 {
+        match self {
+            Table::Flat(segs) => segs.iter().fold(0u64, |a, s| a.saturating_add(s.len)),
+            Table::Paged(p) => p.total,
+        }
+    }
+}
+
+/// A parsed paged table: the entries (regions of the target), their lists shared.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PagedTable {
+    /// The bytes of all entries.
+    pub total: u64,
+    /// The entries, in transfer order.
+    pub entries: Vec<Paged>,
+}
+
+/// Bytes of the paged table of `entries` ([`encode_paged`]).
+pub fn paged_table_len(entries: &[Paged]) -> usize {
+    let mut lists = Lists::default();
+    let mut len = PAGED_FIXED_LEN + entries.len() * PAGED_ENTRY_LEN;
+    for e in entries {
+        if let (_, true) = lists.index(&e.blocks) {
+            len += 4 + 4 * e.blocks.len();
+        }
+    }
+    len
+}
+
+/// The distinct block lists of a table, in order of first use (the same `Arc` is one list).
+#[derive(Default)]
+struct Lists<'a> {
+    seen: HashMap<(*const u32, usize), u32>,
+    order: Vec<&'a Arc<[u32]>>,
+}
+
+impl<'a> Lists<'a> {
+    /// The list's index, and whether it is new.
+    fn index(&mut self, b: &'a Arc<[u32]>) -> (u32, bool) {
+        let key = (b.as_ptr(), b.len());
+        if let Some(&i) = self.seen.get(&key) {
+            return (i, false);
+        }
+        let i = self.order.len() as u32;
+        self.seen.insert(key, i);
+        self.order.push(b);
+        (i, true)
+    }
+}
+
+/// Appends the paged table of `entries` to `out` (its length: [`paged_table_len`]).
+pub fn encode_paged(entries: &[Paged], out: &mut Vec<u8>) {
+    let mut lists = Lists::default();
+    let idx: Vec<u32> = entries.iter().map(|e| lists.index(&e.blocks).0).collect();
+    let total = entries
+        .iter()
+        .fold(0u64, |a, e| a.saturating_add(e.bytes()));
+    out.extend_from_slice(&total.to_le_bytes());
+    out.extend_from_slice(&(lists.order.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
+    for l in &lists.order {
+        out.extend_from_slice(&(l.len() as u32).to_le_bytes());
+        for b in l.iter() {
+            out.extend_from_slice(&b.to_le_bytes());
+        }
+    }
+    for (e, i) in entries.iter().zip(idx) {
+        out.extend_from_slice(&e.region.0.to_le_bytes());
+        out.extend_from_slice(&e.offset.to_le_bytes());
+        out.extend_from_slice(&e.block_len.to_le_bytes());
+        out.extend_from_slice(&e.stride.to_le_bytes());
+        out.extend_from_slice(&i.to_le_bytes());
+    }
+}
+
+/// The `total` a paged table starts with (what a refused write's data adds up to).
+pub fn paged_total(prefix: &[u8; 8]) -> u64 {
+    u64::from_le_bytes(*prefix)
+}
+
+/// A little-endian reader over a table that fails, with what it was reading, past the end.
+struct Reader<'a> {
+    b: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize, what: &str) -> std::result::Result<&'a [u8], String> {
+        if self.b.len() < n {
+            return Err(format!("paged table ends inside {what}"));
+        }
+        let (h, t) = self.b.split_at(n);
+        self.b = t;
+        Ok(h)
+    }
+
+    fn u32(&mut self, what: &str) -> std::result::Result<u32, String> {
+        let mut a = [0u8; 4];
+        a.copy_from_slice(self.take(4, what)?);
+        Ok(u32::from_le_bytes(a))
+    }
+
+    fn u64(&mut self, what: &str) -> std::result::Result<u64, String> {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(self.take(8, what)?);
+        Ok(u64::from_le_bytes(a))
+    }
+}
+
+/// Parses a paged table: every list inside the table, every entry naming a list, no trailing
+/// bytes, and `total` equal to the entries' bytes. The bounds of each entry against the
+/// target's regions are the target's to check ([`crate::paged::resolve_paged`]).
+pub fn parse_paged(raw: &[u8]) -> std::result::Result<PagedTable, String> {
+    let mut r = Reader { b: raw };
+    let total = r.u64("the total")?;
+    let nlists = r.u32("the list count")? as usize;
+    let nentries = r.u32("the entry count")? as usize;
+    // Every list takes 4 bytes at least, every entry its size: no count can promise more
+    // than the table holds.
+    if nlists.saturating_mul(4) > r.b.len() || nentries.saturating_mul(PAGED_ENTRY_LEN) > r.b.len()
+    {
+        return Err(format!(
+            "paged table of {} bytes claims {nlists} lists and {nentries} entries",
+            raw.len()
+        ));
+    }
+    let mut lists: Vec<Arc<[u32]>> = Vec::with_capacity(nlists);
+    for k in 0..nlists {
+        let n = r.u32("a list's length")? as usize;
+        let b = r.take(n.saturating_mul(4), "a list")?;
+        if b.len() != n * 4 {
+            return Err(format!("list #{k} of {n} blocks overflows"));
+        }
+        lists.push(
+            b.chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        );
+    }
+    let mut entries = Vec::with_capacity(nentries);
+    let mut sum = 0u64;
+    for k in 0..nentries {
+        let region = r.u32("an entry")?;
+        let offset = r.u64("an entry")?;
+        let block_len = r.u64("an entry")?;
+        let stride = r.u64("an entry")?;
+        let list = r.u32("an entry")? as usize;
+        let blocks = lists
+            .get(list)
+            .ok_or_else(|| format!("entry #{k} names list {list} of {nlists}"))?
+            .clone();
+        sum = (blocks.len() as u64)
+            .checked_mul(block_len)
+            .and_then(|b| sum.checked_add(b))
+            .ok_or_else(|| format!("entry #{k}: the table's bytes overflow"))?;
+        entries.push(Paged {
+            region: RegionId(region),
+            offset,
+            block_len,
+            stride,
+            blocks,
+        });
+    }
+    if !r.b.is_empty() {
+        return Err(format!("{} bytes after the paged table", r.b.len()));
+    }
+    if sum != total {
+        return Err(format!("paged table says {total} bytes, its entries {sum}"));
+    }
+    Ok(PagedTable { total, entries })
 }
 
 /// An initiator's hello.
@@ -284,6 +512,7 @@ mod tests {
             nsegs: 2,
             notif_len: 3,
             frames: None,
+            paged: false,
         }
         .encode(&mut b);
         assert_eq!(b.len(), HEADER_LEN);
@@ -310,8 +539,18 @@ mod tests {
         let mut h = [0u8; HEADER_LEN];
         h[0] = 9;
         assert!(parse_request_header(&h).is_err());
-        h[0] = K_WRITE | 0x40;
+        h[0] = K_WRITE | 0x80;
         assert!(parse_request_header(&h).is_err(), "reserved bits");
+        h[0] = K_WRITE | K_PAGED;
+        h[9..13].copy_from_slice(&((PAGED_FIXED_LEN - 1) as u32).to_le_bytes());
+        assert!(
+            parse_request_header(&h).is_err(),
+            "paged table shorter than its fixed part"
+        );
+        h[9..13].copy_from_slice(&((MAX_PAGED_TABLE + 1) as u32).to_le_bytes());
+        assert!(parse_request_header(&h).is_err(), "paged table too long");
+        h[9..13].copy_from_slice(&(PAGED_FIXED_LEN as u32).to_le_bytes());
+        assert!(parse_request_header(&h).unwrap().paged);
         h[0] = K_READ;
         h[9..13].copy_from_slice(&((MAX_SEGS + 1) as u32).to_le_bytes());
         assert!(parse_request_header(&h).is_err());
@@ -339,10 +578,10 @@ mod tests {
 
     proptest! {
         #[test]
-        fn request_roundtrip(write in any::<bool>(), id in any::<u64>(), nsegs in 0..=MAX_SEGS,
-                             notif_len in 0..=MAX_NOTIF_LEN, f in 0u8..4) {
+        fn request_roundtrip(write in any::<bool>(), id in any::<u64>(), nsegs in PAGED_FIXED_LEN..=MAX_SEGS,
+                             notif_len in 0..=MAX_NOTIF_LEN, f in 0u8..4, paged in any::<bool>()) {
             let frames = f.checked_sub(1).and_then(Transform::from_code);
-            let h = RequestHeader { kind: if write { K_WRITE } else { K_READ }, id, nsegs, notif_len, frames };
+            let h = RequestHeader { kind: if write { K_WRITE } else { K_READ }, id, nsegs, notif_len, frames, paged };
             let mut b = Vec::new();
             h.encode(&mut b);
             let a: [u8; HEADER_LEN] = b.as_slice().try_into().unwrap();
@@ -357,6 +596,36 @@ mod tests {
             }
             prop_assert_eq!(b.len(), segs.len() * SEG_LEN);
             prop_assert_eq!(parse_segments(&b), Ok(segs));
+        }
+
+        #[test]
+        fn paged_roundtrip(lists in proptest::collection::vec(proptest::collection::vec(any::<u32>(), 0..40), 1..4),
+                           entries in proptest::collection::vec((any::<u32>(), any::<u64>(), 1u64..1 << 20, any::<u64>(), any::<usize>()), 0..24)) {
+            let lists: Vec<Arc<[u32]>> = lists.into_iter().map(Into::into).collect();
+            let entries: Vec<Paged> = entries.into_iter().map(|(region, offset, block_len, stride, l)| Paged {
+                region: RegionId(region), offset, block_len, stride, blocks: lists[l % lists.len()].clone(),
+            }).collect();
+            let mut b = Vec::new();
+            encode_paged(&entries, &mut b);
+            prop_assert_eq!(b.len(), paged_table_len(&entries));
+            let t = parse_paged(&b).unwrap();
+            prop_assert_eq!(t.total, entries.iter().map(Paged::bytes).sum::<u64>());
+            prop_assert_eq!(paged_total(b[..8].try_into().unwrap()), t.total);
+            prop_assert_eq!(&t.entries, &entries);
+            // Every cut and every flipped byte is an error or a table that says what it holds.
+            for cut in 0..b.len() {
+                prop_assert!(parse_paged(&b[..cut]).is_err());
+            }
+            let mut longer = b.clone();
+            longer.push(0);
+            prop_assert!(parse_paged(&longer).is_err());
+        }
+
+        #[test]
+        fn paged_tables_from_anywhere_parse_or_fail_typed(raw in proptest::collection::vec(any::<u8>(), 0..256)) {
+            if let Ok(t) = parse_paged(&raw) {
+                prop_assert_eq!(t.total, t.entries.iter().map(Paged::bytes).sum::<u64>());
+            }
         }
 
         #[test]

@@ -513,7 +513,7 @@ impl Agent {
             local,
             &remote.peer,
             remote.token,
-            plan,
+            crate::transfer::Work::Flat(plan),
             notification,
             deadline,
             t0,

@@ -6,10 +6,10 @@
 use std::time::{Duration, Instant};
 
 use super::{Agent, PreparedLocal};
-use crate::transfer::Transfer;
+use crate::transfer::{Transfer, Work};
 use kvxfer_proto::error::{Result, Side};
 use kvxfer_proto::paged::{plan_paged, resolve_paged, Paged};
-use kvxfer_proto::types::XferOp;
+use kvxfer_proto::types::{MemKind, XferOp};
 use kvxfer_proto::wire::notify::check_payload;
 
 impl Agent {
@@ -30,15 +30,22 @@ impl Agent {
         check_payload(notification)?;
         let (regions, spans) = self.local_regions(local.iter().map(|p| p.region))?;
         let l = resolve_paged(Side::Local, local, &spans)?;
-        let (token, r) = {
+        let (token, r, remote_dev) = {
             let peers = self.shared.peers.read().unwrap_or_else(|e| e.into_inner());
             let view = peers.get(peer).ok_or_else(|| self.shared.missing(peer))?;
-            (
-                view.token,
-                resolve_paged(Side::Remote, remote, &view.spans)?,
-            )
+            let r = resolve_paged(Side::Remote, remote, &view.spans)?;
+            let dev = r
+                .iter()
+                .any(|e| view.spans[e.slot as usize].kind != MemKind::Host);
+            (view.token, r, dev)
         };
-        let plan = plan_paged(l, r)?.expand(self.shared.max_op);
+        let plan = plan_paged(l, r)?;
+        // Device memory takes the routes that stage or map it, which post from a list.
+        let plan = if remote_dev || regions.iter().any(|r| r.kind != MemKind::Host) {
+            Work::Flat(plan.expand(self.shared.max_op))
+        } else {
+            Work::Paged(plan)
+        };
         let local = PreparedLocal {
             entries: Vec::new(),
             regions,

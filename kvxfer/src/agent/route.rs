@@ -8,7 +8,7 @@ use super::prepared::PreparedLocal;
 use super::state::{AgentState, PeerView};
 use crate::lane::shm::PeerMaps;
 use crate::lane::tcp::link::Link;
-use kvxfer_proto::descriptor::Plan;
+use crate::transfer::Work;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::types::{MemKind, Transport};
 
@@ -32,7 +32,7 @@ pub(crate) enum Route {
 pub(crate) fn route(
     transport: &Transport,
     local: &PreparedLocal,
-    plan: &Plan,
+    plan: &Work,
     view: Option<&PeerView>,
     peer: &str,
 ) -> Result<(Route, Vec<Option<u32>>)> {
@@ -42,7 +42,7 @@ pub(crate) fn route(
     let local_has = local.regions.iter().any(|r| r.kind != MemKind::Host);
     let remote_dev = view.filter(|v| v.spans.iter().any(|s| s.kind != MemKind::Host));
     if local_has || remote_dev.is_some() {
-        for o in &plan.ops {
+        for o in plan.iter_ops() {
             let r = &local.regions[o.lslot as usize];
             let d = match r.kind {
                 MemKind::Host => None,

@@ -9,8 +9,7 @@ use std::time::{Duration, Instant};
 use super::route::{check_strict, route, Route};
 use super::{Agent, PreparedLocal};
 use crate::memory::{Pins, RegionInner};
-use crate::transfer::{Job, Transfer, XferState};
-use kvxfer_proto::descriptor;
+use crate::transfer::{Job, Transfer, Work, XferState};
 use kvxfer_proto::error::{Error, Result, Side};
 use kvxfer_proto::types::{RegionId, RegionSpan, XferOp};
 use kvxfer_proto::wire::notify::encode;
@@ -47,7 +46,8 @@ impl Agent {
     }
 
     /// Routes and starts the transfer `plan` between `local`'s regions and the peer's regions
-    /// of entry `token`.
+    /// of entry `token`. A paged plan stays paged on the TCP lane, which carries that form;
+    /// the other lanes post from a list and get the flat form.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn submit(
         &self,
@@ -55,7 +55,7 @@ impl Agent {
         local: &PreparedLocal,
         peer: &str,
         token: u64,
-        plan: descriptor::Plan,
+        plan: Work,
         notification: Option<&[u8]>,
         deadline: Option<Duration>,
         t0: Instant,
@@ -79,10 +79,16 @@ impl Agent {
         if self.strict && matches!(route, Route::Ucx) {
             check_strict(&self.shared, peer)?;
         }
+        let plan = match plan {
+            Work::Paged(p) if !matches!(route, Route::Tcp(_)) || !local_dev.is_empty() => {
+                Work::Flat(p.expand(self.shared.max_op))
+            }
+            w => w,
+        };
         // Pin the local regions the plan uses: deregistering them now fails with Busy.
         let mut used = vec![false; local.regions.len()];
-        for o in &plan.ops {
-            used[o.lslot as usize] = true;
+        for s in plan.slots(false) {
+            used[s as usize] = true;
         }
         let pins = Pins::acquire(
             local

@@ -12,8 +12,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use crate::transfer::Job;
-use kvxfer_proto::descriptor::Plan;
+use crate::transfer::{Job, Work};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::types::{Lane, XferOp};
 use kvxfer_proto::wire::metadata::{HostInfo, Metadata};
@@ -84,10 +83,9 @@ impl PeerMaps {
     }
 
     /// Whether every remote range of `plan` lies in a mapped region.
-    pub(crate) fn covers(&self, plan: &Plan) -> bool {
-        plan.ops
-            .iter()
-            .all(|o| matches!(self.maps.get(o.rslot as usize), Some(Some(_))))
+    pub(crate) fn covers(&self, plan: &Work) -> bool {
+        plan.slots(true)
+            .all(|s| matches!(self.maps.get(s as usize), Some(Some(_))))
     }
 
     /// The local pointer for `len` bytes at the peer's address `addr` in slot `slot`.
@@ -228,7 +226,7 @@ impl Copier {
 
     /// Starts copying `job` through `maps`. The job's regions are pinned by the caller.
     pub(crate) fn submit(&self, job: Job, maps: Arc<PeerMaps>) {
-        let total = job.plan.bytes;
+        let total = job.plan.bytes();
         let parts = if total < SPLIT_MIN { 1 } else { self.n as u64 };
         let j = Arc::new(ShmJob {
             job,
@@ -301,7 +299,7 @@ fn run(t: Task) {
     let deadline_at = j.job.deadline.map(|d| j.job.started + d);
     let mut at = 0u64; // byte offset of the current op in the transfer
     let mut ops_done = 0usize;
-    for o in &j.job.plan.ops {
+    for o in j.job.plan.ops() {
         let (start, end) = (at, at + o.len);
         at = end;
         if end <= t.from {
@@ -321,7 +319,7 @@ fn run(t: Task) {
                     agent: j.job.peer.clone(),
                     deadline: j.job.deadline.unwrap_or_default(),
                     posted_ops: j.done_ops.load(Ordering::Relaxed),
-                    ops: j.job.plan.ops.len(),
+                    ops: j.job.plan.ops().len(),
                 },
             );
             break;

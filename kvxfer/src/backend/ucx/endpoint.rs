@@ -165,7 +165,7 @@ impl Engine {
                 .iter_mut()
                 .filter(|(_, a)| a.job.token == token && a.phase == Phase::Posting)
             {
-                if a.next < a.job.plan.ops.len() {
+                if a.next < a.job.plan.ops().len() {
                     // Partly posted: its flush may still succeed, but the data is incomplete.
                     a.error.get_or_insert(Error::PeerFailed {
                         agent: name.clone(),

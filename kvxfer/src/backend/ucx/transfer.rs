@@ -98,8 +98,8 @@ impl Engine {
             let write = a.job.op == XferOp::Write;
             let stop = a.canceled || a.error.is_some();
             if !stop {
-                let end = (a.next + POST_BATCH).min(a.job.plan.ops.len());
-                for o in &a.job.plan.ops[a.next..end] {
+                let end = (a.next + POST_BATCH).min(a.job.plan.ops().len());
+                for o in &a.job.plan.ops()[a.next..end] {
                     let Some(rkey) = p.rkeys[o.rslot as usize].as_ref().map(Rkey::as_ptr) else {
                         // Staged device memory: the agent routes it to the TCP lane; never
                         // hand UCX a region it cannot reach.
@@ -139,7 +139,7 @@ impl Engine {
                 }
                 a.next = end;
             }
-            if a.next >= a.job.plan.ops.len() || a.canceled || a.error.is_some() {
+            if a.next >= a.job.plan.ops().len() || a.canceled || a.error.is_some() {
                 post_flush(a, id, ep);
             }
         }
@@ -169,7 +169,7 @@ impl Engine {
                 agent: a.job.peer.clone(),
                 deadline: a.job.deadline.unwrap_or_default(),
                 posted_ops: a.next,
-                ops: a.job.plan.ops.len(),
+                ops: a.job.plan.ops().len(),
             });
             let token = a.job.token;
             // In any phase: close_peer first ends the posting of every transfer on the peer

@@ -10,11 +10,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::framed::{FramesFailed, RECV_BYTES, SEND_BYTES};
-use super::mixed::{stage_pair, stream_mixed, Framing};
+use super::mixed::{stage_pair, stream_mixed, stream_windows, Framing};
 use super::stream::{recv_buf, send_buf, set_timeouts, Stop};
 use crate::budget::MemoryBudget;
 use crate::codec_meter::CodecMeter;
 use crate::staging::pool::StagingCell;
+use crate::transfer::Work;
 use crate::transfer::{Job, XferStats};
 use kvxfer_proto::compress::codec::CodecTally;
 use kvxfer_proto::compress::planes::Transform;
@@ -24,10 +25,12 @@ use kvxfer_proto::compress::policy::{
 use kvxfer_proto::descriptor::Op;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::lane::{LaneInitiator, ReplyError, PIECE_BYTES};
+use kvxfer_proto::paged::{Paged, ResolvedPaged, Run, WINDOW_BLOCKS};
 use kvxfer_proto::types::{Lane, LaneInfo, RegionSpan, XferOp};
 use kvxfer_proto::wire::lane::{
-    parse_welcome, Hello, ReplyHeader, RequestHeader, Segment, HEADER_LEN, K_ACK, K_DATA, K_READ,
-    K_WRITE, MAX_SEGS, REPLY_FIXED_LEN, SEG_LEN, WELCOME_FIXED_LEN,
+    encode_paged, paged_table_len, parse_welcome, Hello, ReplyHeader, RequestHeader, Segment,
+    HEADER_LEN, K_ACK, K_DATA, K_READ, K_WRITE, MAX_PAGED_TABLE, MAX_SEGS, REPLY_FIXED_LEN,
+    SEG_LEN, WELCOME_FIXED_LEN,
 };
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -164,10 +167,13 @@ fn link_loop(inner: Arc<LinkInner>) {
         };
         let job = &j.job;
         let striped = conns.len() > 1
-            && job.plan.bytes >= STRIPE_MIN_BYTES
+            && job.plan.bytes() >= STRIPE_MIN_BYTES
             && job.local_dev.is_empty()
-            && job.plan.ops.len() <= MAX_SEGS;
-        let (decision, why) = decide(inner.comp.policy.0, job.plan.bytes, &estimates(&inner));
+            && match &job.plan {
+                Work::Flat(p) => p.ops.len() <= MAX_SEGS,
+                Work::Paged(p) => p.runs.len() > 1,
+            };
+        let (decision, why) = decide(inner.comp.policy.0, job.plan.bytes(), &estimates(&inner));
         log::debug!(
             "kvxfer: transfer {} to {}: {decision:?} ({why})",
             job.id,
@@ -179,16 +185,12 @@ fn link_loop(inner: Arc<LinkInner>) {
             run_striped(&inner, &mut conns, job, frames)
         } else {
             let note = job.notification.as_deref().unwrap_or(&[]);
-            run_on(
-                &inner,
-                &mut conns[0],
-                job,
-                &job.plan.ops,
-                note,
-                None,
-                frames,
-            )
-            .map(|(posted, tally)| with_codec(job.stats(Lane::Tcp, posted), &tally))
+            let part = match &job.plan {
+                Work::Flat(p) => Part::Ops(&p.ops),
+                Work::Paged(p) => Part::Runs(&p.runs),
+            };
+            run_on(&inner, &mut conns[0], job, part, note, None, frames)
+                .map(|(posted, tally)| with_codec(job.stats(Lane::Tcp, posted), &tally))
         };
         if r.is_ok() {
             learn(&inner, job, frames.is_some(), t0.elapsed());
@@ -198,7 +200,7 @@ fn link_loop(inner: Arc<LinkInner>) {
             let unmeasured = decision == Decision::Calibrate
                 || (inner.comp.policy.0 == Compression::Auto
                     && frames.is_none()
-                    && job.plan.bytes >= MIN_BYTES
+                    && job.plan.bytes() >= MIN_BYTES
                     && inner.comp.meter.rates().is_none());
             if unmeasured && job.local_dev.is_empty() {
                 calibrate(&inner, job);
@@ -228,10 +230,10 @@ fn learn(inner: &LinkInner, job: &Job, framed: bool, took: Duration) {
     let mut r = inner.rate.lock().unwrap_or_else(|e| e.into_inner());
     if framed {
         r.since_raw = r.since_raw.saturating_add(1);
-    } else if job.plan.bytes >= MIN_BYTES && !took.is_zero() {
+    } else if job.plan.bytes() >= MIN_BYTES && !took.is_zero() {
         r.measured = Some(blend(
             r.measured,
-            job.plan.bytes as f64 / took.as_secs_f64(),
+            job.plan.bytes() as f64 / took.as_secs_f64(),
         ));
         r.since_raw = 0;
     }
@@ -244,7 +246,7 @@ const SAMPLE_PIECES: u64 = 8;
 
 /// Codes a sample of `job`'s local data (the source of a write, the landed data of a read).
 fn calibrate(inner: &LinkInner, job: &Job) {
-    let total = job.plan.bytes;
+    let total = job.plan.bytes();
     let piece = (SAMPLE_BYTES / SAMPLE_PIECES) & !1;
     if total < SAMPLE_BYTES || piece == 0 {
         return;
@@ -257,7 +259,7 @@ fn calibrate(inner: &LinkInner, job: &Job) {
         return;
     };
     let mut sample = Vec::with_capacity(SAMPLE_BYTES as usize);
-    let mut ops = job.plan.ops.iter();
+    let mut ops = job.plan.iter_ops();
     let mut at = 0u64; // byte offset of the current op's start in the transfer
     let mut cur = ops.next();
     for k in 0..SAMPLE_PIECES {
@@ -300,22 +302,61 @@ fn with_codec(mut stats: XferStats, tally: &CodecTally) -> XferStats {
 
 /// Runs one request of `job` on `conn`, which it resets on failure (the stream may be
 /// mid-message: the next request starts over on a new connection).
+/// What one request of a job moves: operations of a flat plan, or runs of a paged one (sent
+/// as a paged table, the data a window at a time).
+#[derive(Clone, Copy)]
+enum Part<'a> {
+    Ops(&'a [Op]),
+    Runs(&'a [Run]),
+}
+
+impl Part<'_> {
+    fn is_empty(&self) -> bool {
+        match self {
+            Part::Ops(o) => o.is_empty(),
+            Part::Runs(r) => r.is_empty(),
+        }
+    }
+}
+
 fn run_on(
     inner: &LinkInner,
     conn: &mut Option<TcpStream>,
     job: &Job,
-    ops: &[Op],
+    part: Part<'_>,
     note: &[u8],
     abort: Option<&AtomicBool>,
     frames: Option<Transform>,
 ) -> Result<(Duration, CodecTally)> {
-    let r = run_job(inner, conn, job, ops, note, abort, frames);
+    let r = run_job(inner, conn, job, part, note, abort, frames);
     if r.is_err() {
         if let Some(c) = conn.take() {
             let _ = c.shutdown(std::net::Shutdown::Both);
         }
     }
     r
+}
+
+/// `runs` cut into at most `n` parts of about equal bytes, whole runs each (a paged job's
+/// runs are its layers' tensors: many, and alike).
+fn split_runs(runs: &[Run], n: usize) -> Vec<&[Run]> {
+    let bytes = |r: &Run| r.local.block_len * r.local.blocks.len() as u64;
+    let total: u64 = runs.iter().map(bytes).sum();
+    let per = total.div_ceil(n.max(1) as u64).max(1);
+    let mut parts = Vec::with_capacity(n);
+    let (mut start, mut acc) = (0, 0u64);
+    for (i, r) in runs.iter().enumerate() {
+        acc += bytes(r);
+        if acc >= per && parts.len() + 1 < n {
+            parts.push(&runs[start..=i]);
+            start = i + 1;
+            acc = 0;
+        }
+    }
+    if start < runs.len() {
+        parts.push(&runs[start..]);
+    }
+    parts
 }
 
 /// `ops` cut into `n` runs of about equal bytes (an operation across a cut is split).
@@ -354,19 +395,29 @@ fn run_striped(
     job: &Job,
     frames: Option<Transform>,
 ) -> Result<XferStats> {
-    let parts = split_ops(&job.plan.ops, conns.len());
+    let owned;
+    let parts: Vec<Part<'_>> = match &job.plan {
+        Work::Flat(p) => {
+            owned = split_ops(&p.ops, conns.len());
+            owned.iter().map(|o| Part::Ops(o)).collect()
+        }
+        Work::Paged(p) => split_runs(&p.runs, conns.len())
+            .into_iter()
+            .map(Part::Runs)
+            .collect(),
+    };
     let abort = AtomicBool::new(false);
     let results: Vec<Result<(Duration, CodecTally)>> = std::thread::scope(|s| {
         let handles: Vec<_> = conns
             .iter_mut()
             .zip(&parts)
             .enumerate()
-            .map(|(i, (conn, ops))| {
+            .map(|(i, (conn, &part))| {
                 let abort = &abort;
                 std::thread::Builder::new()
                     .name(format!("kvxfer-stripe-{i}"))
                     .spawn_scoped(s, move || {
-                        let r = run_on(inner, conn, job, ops, &[], Some(abort), frames);
+                        let r = run_on(inner, conn, job, part, &[], Some(abort), frames);
                         if r.is_err() {
                             abort.store(true, Ordering::Release);
                         }
@@ -408,7 +459,7 @@ fn run_striped(
         return Err(e);
     }
     if let Some(note) = job.notification.as_deref() {
-        run_on(inner, &mut conns[0], job, &[], note, None, None)?;
+        run_on(inner, &mut conns[0], job, Part::Ops(&[]), note, None, None)?;
     }
     Ok(with_codec(job.stats(Lane::Tcp, posted), &tally))
 }
@@ -467,17 +518,16 @@ fn run_job(
     inner: &LinkInner,
     conn: &mut Option<TcpStream>,
     job: &Job,
-    plan_ops: &[Op],
+    part: Part<'_>,
     note: &[u8],
     abort: Option<&AtomicBool>,
     frames: Option<Transform>,
 ) -> Result<(Duration, CodecTally)> {
     // A request without data (a striped job's notification) goes raw.
-    let frames = frames.filter(|_| !plan_ops.is_empty());
+    let frames = frames.filter(|_| !part.is_empty());
     let deadline_at = job.deadline.map(|d| job.started + d);
-    let ops = plan_ops.len();
     // A deadline reports the job's operations, not this stripe's.
-    let job_ops = job.plan.ops.len();
+    let job_ops = job.plan.op_count();
     let check = || -> Result<(), Stop> {
         if job.state.is_canceled() || abort.is_some_and(|a| a.load(Ordering::Acquire)) {
             return Err(Stop::Abort(Error::Canceled));
@@ -505,9 +555,8 @@ fn run_job(
     let c = conn
         .as_ref()
         .ok_or_else(|| lane_err(inner, "no connection"))?;
-    // Segments in the target's terms, and the local pieces.
-    // The request header and the piece list, charged to the agent's budget (waits while
-    // other transfers hold it, up to the deadline or a minute).
+    // The request header, its table and the local pieces, charged to the agent's budget
+    // (waits while other transfers hold it, up to the deadline or a minute).
     let wait = deadline_at.map_or(Duration::from_secs(60), |d| {
         d.saturating_duration_since(Instant::now())
     });
@@ -516,12 +565,52 @@ fn run_job(
         (Some(_), XferOp::Write) => SEND_BYTES * inner.comp.threads.max(1) as u64,
         (Some(_), XferOp::Read) => RECV_BYTES,
     };
+    // A paged part's table in the target's terms: its runs' remote sides, lists shared.
+    let remote: Vec<Paged> = match part {
+        Part::Ops(_) => Vec::new(),
+        Part::Runs(runs) => runs
+            .iter()
+            .map(|r| {
+                let span = inner.spans.get(r.remote.slot as usize).ok_or_else(|| {
+                    lane_err(inner, format!("remote slot {} unknown", r.remote.slot))
+                })?;
+                Ok(Paged {
+                    region: span.id,
+                    offset: r.remote.base - span.base,
+                    block_len: r.remote.block_len,
+                    stride: r.remote.stride,
+                    blocks: r.remote.blocks.clone(),
+                })
+            })
+            .collect::<Result<_>>()?,
+    };
+    // Bytes of the table, and what this side holds besides: the pieces, or a paged part's
+    // entries and one window's pieces.
+    let (table_len, held) = match part {
+        Part::Ops(o) => (o.len() * SEG_LEN, o.len() * PIECE_BYTES),
+        Part::Runs(r) => (
+            paged_table_len(&remote),
+            r.len() * (std::mem::size_of::<Paged>() + std::mem::size_of::<ResolvedPaged>())
+                + WINDOW_BLOCKS * (PIECE_BYTES + 4),
+        ),
+    };
+    if table_len > MAX_PAGED_TABLE {
+        return Err(Error::InvalidArgument(match part {
+            Part::Ops(o) => format!(
+                "{} operations in one transfer, the TCP lane takes {MAX_SEGS}",
+                o.len()
+            ),
+            Part::Runs(_) => {
+                format!("a paged table of {table_len} bytes, the TCP lane takes {MAX_PAGED_TABLE}")
+            }
+        }));
+    }
     let _charge = inner.budget.charge(
-        (HEADER_LEN + ops * SEG_LEN + ops * PIECE_BYTES) as u64 + codec_bytes,
+        (HEADER_LEN + table_len + held) as u64 + codec_bytes,
         "TCP lane request",
         wait,
     )?;
-    let mut hdr = Vec::with_capacity(HEADER_LEN + ops * SEG_LEN + note.len());
+    let mut hdr = Vec::with_capacity(HEADER_LEN + table_len + note.len());
     RequestHeader {
         kind: if job.op == XferOp::Write {
             K_WRITE
@@ -529,30 +618,40 @@ fn run_job(
             K_READ
         },
         id: job.id,
-        nsegs: ops,
+        nsegs: match part {
+            Part::Ops(o) => o.len(),
+            Part::Runs(_) => table_len,
+        },
         notif_len: note.len(),
         frames,
+        paged: matches!(part, Part::Runs(_)),
     }
     .encode(&mut hdr);
-    let mut pieces = Vec::with_capacity(ops);
-    for o in plan_ops {
-        let span = inner
-            .spans
-            .get(o.rslot as usize)
-            .ok_or_else(|| lane_err(inner, format!("remote slot {} unknown", o.rslot)))?;
-        Segment {
-            region: span.id.0,
-            offset: o.remote - span.base,
-            len: o.len,
+    let mut pieces = Vec::new();
+    let mut local: Vec<ResolvedPaged> = Vec::new();
+    match part {
+        Part::Ops(ops) => {
+            pieces.reserve_exact(ops.len());
+            for o in ops {
+                let span = inner
+                    .spans
+                    .get(o.rslot as usize)
+                    .ok_or_else(|| lane_err(inner, format!("remote slot {} unknown", o.rslot)))?;
+                Segment {
+                    region: span.id.0,
+                    offset: o.remote - span.base,
+                    len: o.len,
+                }
+                .encode(&mut hdr);
+                pieces.push((o.local, o.len));
+            }
         }
-        .encode(&mut hdr);
-        pieces.push((o.local, o.len));
+        Part::Runs(runs) => {
+            encode_paged(&remote, &mut hdr);
+            local = runs.iter().map(|r| r.local.clone()).collect();
+        }
     }
-    if ops > MAX_SEGS {
-        return Err(Error::InvalidArgument(format!(
-            "{ops} operations in one transfer, the TCP lane takes {MAX_SEGS}"
-        )));
-    }
+    drop(remote);
     let mut ctl = check;
     // Local device memory: two chunks of this agent's initiator pool, taken before the request
     // goes out (a transfer holding chunks never waits for more).
@@ -580,9 +679,17 @@ fn run_job(
     };
     // The data, sent (a write) or received (a read).
     let data = |send: bool, ctl: &mut dyn FnMut() -> Result<(), Stop>| {
-        // SAFETY: the pieces come from the job's plan, bounds-checked against its local
-        // regions (kinds in `local_dev`), which the job pins until it finishes.
-        unsafe { stream_mixed(c, send, &pieces, &job.local_dev, st, framing, None, ctl) }
+        // SAFETY: the pieces (or the runs' local blocks) come from the job's plan,
+        // bounds-checked against its local regions (kinds in `local_dev`; a paged job's are
+        // host memory), which the job pins until it finishes.
+        unsafe {
+            match part {
+                Part::Ops(_) => {
+                    stream_mixed(c, send, &pieces, &job.local_dev, st, framing, None, ctl)
+                }
+                Part::Runs(_) => stream_windows(c, send, &local, &[], st, framing, None, ctl),
+            }
+        }
     };
     let posted_at;
     let tally;

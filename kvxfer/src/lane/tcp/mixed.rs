@@ -12,6 +12,7 @@ use crate::staging::pool::{ChunkPair, DeviceStaging};
 use kvxfer_proto::compress::codec::CodecTally;
 use kvxfer_proto::compress::planes::Transform;
 use kvxfer_proto::error::Error;
+use kvxfer_proto::paged::{ResolvedPaged, Windows, WINDOW_BLOCKS};
 
 /// The data travels as frames split by `transform`; `peer` names the sender in errors.
 #[derive(Clone, Copy, Debug)]
@@ -157,6 +158,66 @@ pub(super) unsafe fn stream_mixed(
         i = j;
     }
     Ok(tally)
+}
+
+/// A paged request's data: [`stream_mixed`] over one window of `list`'s blocks at a time
+/// ([`Windows`]: both ends cut the same windows), so that only a window's pieces are ever
+/// expanded. `slot_devs[s]` is the device of the regions in slot `s` (empty: all host).
+///
+/// # Safety
+/// Every block of `list` is valid memory of its slot's kind for this direction, pinned against
+/// deregistration, until the call returns.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn stream_windows(
+    s: &TcpStream,
+    send: bool,
+    list: &[ResolvedPaged],
+    slot_devs: &[Option<u32>],
+    stage: Option<(&DeviceStaging, &ChunkPair<'_>)>,
+    framing: Option<Framing<'_>>,
+    fence: Option<&AtomicBool>,
+    ctl: &mut dyn FnMut() -> Result<(), Stop>,
+) -> Result<CodecTally, FramesFailed> {
+    let total: u64 = list
+        .iter()
+        .map(|e| e.block_len * e.blocks.len() as u64)
+        .sum();
+    let device = slot_devs.iter().any(Option::is_some);
+    let mut w = Windows::default();
+    let mut pieces = Vec::with_capacity(WINDOW_BLOCKS);
+    let mut slots = Vec::with_capacity(WINDOW_BLOCKS);
+    let mut devs = Vec::new();
+    let mut done = 0u64;
+    let mut tally = CodecTally::default();
+    loop {
+        pieces.clear();
+        slots.clear();
+        devs.clear();
+        let n = w.next(list, &mut pieces, &mut slots);
+        if n == 0 {
+            return Ok(tally);
+        }
+        if device {
+            devs.extend(
+                slots
+                    .iter()
+                    .map(|&s| slot_devs.get(s as usize).copied().flatten()),
+            );
+        }
+        // SAFETY: the window's pieces are blocks of `list`, valid per this function's contract;
+        // `devs` gives their kinds.
+        match unsafe { stream_mixed(s, send, &pieces, &devs, stage, framing, fence, ctl) } {
+            Ok(t) => tally.add(&t),
+            Err(FramesFailed::Corrupt { left, error }) => {
+                return Err(FramesFailed::Corrupt {
+                    left: left + (total - done - n),
+                    error,
+                })
+            }
+            Err(e) => return Err(e),
+        }
+        done += n;
+    }
 }
 
 /// Two staging chunks from `pool` (initiator or target side), waiting in ticks so that `ctl`

@@ -11,17 +11,20 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::framed::{drain_frames, FramesFailed, RECV_BYTES, SEND_BYTES};
-use super::mixed::{stage_pair, stream_mixed, Framing};
-use super::stream::{drain, recv_buf, recv_first, send_buf, set_timeouts, sum_segments, Stop};
+use super::mixed::{stage_pair, stream_mixed, stream_windows, Framing};
+use super::stream::{
+    drain, recv_buf, recv_first, send_buf, set_timeouts, skip_paged, sum_segments, Stop,
+};
 use crate::budget::Charge;
 use crate::gate::{Admission, Gate, Limits, Verdict};
 use crate::lane::LaneCtx;
 use crate::memory::Pins;
 use crate::staging::pool::{ChunkPair, DeviceStaging};
-use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::error::{Error, Result, Side};
 use kvxfer_proto::lane::{LaneTarget, TargetEvent};
-use kvxfer_proto::types::{LaneInfo, MemKind};
-use kvxfer_proto::wire::lane::{Segment, SECRET_LEN};
+use kvxfer_proto::paged::{resolve_paged, Paged, ResolvedPaged};
+use kvxfer_proto::types::{LaneInfo, MemKind, RegionId, RegionSpan};
+use kvxfer_proto::wire::lane::{Segment, Table, SECRET_LEN};
 
 /// A peer that sends nothing for this long in the middle of a message is dropped.
 const STALL: Duration = Duration::from_secs(30);
@@ -235,7 +238,7 @@ fn getrandom(b: &mut [u8]) -> Result<()> {
 fn resolve_segs(ctx: &LaneCtx, segs: &[Segment]) -> Result<Resolved, String> {
     let regions = ctx.regions.read();
     let mut pins = Pins::default();
-    let mut pieces = Vec::with_capacity(segs.len());
+    let mut pieces: Vec<(u64, u64)> = Vec::with_capacity(segs.len());
     let mut devs: Vec<Option<u32>> = Vec::new();
     for (k, s) in segs.iter().enumerate() {
         let (id, off, len) = (s.region, s.offset, s.len);
@@ -262,11 +265,80 @@ fn resolve_segs(ctx: &LaneCtx, segs: &[Segment]) -> Result<Resolved, String> {
         }
         pieces.push((r.addr + off, len));
     }
-    Ok((pins, pieces, devs))
+    Ok(Resolved {
+        _pins: pins,
+        data: Data::Flat(pieces),
+        devs,
+    })
 }
 
-/// Pins, pieces and their devices (empty: all host).
-type Resolved = (Pins, Vec<(u64, u64)>, Vec<Option<u32>>);
+/// Checks a paged table's entries against the registered regions (each block inside its
+/// region, the largest index deciding: nothing is expanded) and pins the regions.
+fn resolve_entries(ctx: &LaneCtx, entries: &[Paged]) -> Result<Resolved, String> {
+    let regions = ctx.regions.read();
+    let mut pins = Pins::default();
+    let mut spans: Vec<RegionSpan> = Vec::new();
+    let mut devs: Vec<Option<u32>> = Vec::new();
+    for (k, e) in entries.iter().enumerate() {
+        let id = e.region.0;
+        if spans.iter().any(|s| s.id.0 == id) {
+            continue;
+        }
+        let r = regions
+            .get(&id)
+            .ok_or_else(|| format!("entry #{k}: region {id} is not registered"))?;
+        if pins.add(r).is_err() {
+            return Err(format!("entry #{k}: region {id} is being deregistered"));
+        }
+        spans.push(RegionSpan {
+            id: RegionId(id),
+            base: r.addr,
+            len: r.len,
+            kind: r.kind,
+        });
+        devs.push(match r.kind {
+            MemKind::Host => None,
+            MemKind::Cuda(d) => Some(d),
+        });
+    }
+    let list = resolve_paged(Side::Local, entries, &spans).map_err(|e| match e {
+        Error::OutOfBounds {
+            index,
+            region,
+            offset,
+            len,
+            region_len,
+            ..
+        } => format!(
+            "entry #{index}: block [{offset}, +{len}) is outside region {region} of {region_len} bytes"
+        ),
+        Error::ZeroLength { index, .. } => format!("entry #{index}: blocks of 0 bytes"),
+        e => e.to_string(),
+    })?;
+    if devs.iter().all(Option::is_none) {
+        devs.clear();
+    }
+    Ok(Resolved {
+        _pins: pins,
+        data: Data::Paged(list),
+        devs,
+    })
+}
+
+/// A resolved request: its pins, where its data goes, and the devices (per piece of a flat
+/// table, per region slot of a paged one; empty: all host).
+struct Resolved {
+    /// Held: the regions stay registered while the data moves.
+    _pins: Pins,
+    data: Data,
+    devs: Vec<Option<u32>>,
+}
+
+/// Where a request's data goes: its pieces, or its paged entries walked a window at a time.
+enum Data {
+    Flat(Vec<(u64, u64)>),
+    Paged(Vec<ResolvedPaged>),
+}
 
 /// The target's staging for a request with device pieces: Ok(None) when it has none.
 fn target_stage(ctx: &LaneCtx, devs: &[Option<u32>]) -> Result<Option<Arc<DeviceStaging>>, String> {
@@ -318,13 +390,16 @@ fn serve_inner(
                     Err(e) => t.admitted(Err(e.to_string())),
                 }
             }
-            Flow::Resolve(segs) => {
+            Flow::Resolve(table) => {
                 // The pieces, their staging, their chunks: held until the core releases them.
-                let total: u64 = segs.iter().fold(0u64, |a, s| a.saturating_add(s.len));
-                let mut resolved = resolve_segs(ctx, &segs);
-                drop(segs);
+                let total = table.total();
+                let mut resolved = match &table {
+                    Table::Flat(segs) => resolve_segs(ctx, segs),
+                    Table::Paged(p) => resolve_entries(ctx, &p.entries),
+                };
+                drop(table);
                 let stage = match &resolved {
-                    Ok((_, _, devs)) => match target_stage(ctx, devs) {
+                    Ok(r) => match target_stage(ctx, &r.devs) {
                         Ok(s) => s,
                         Err(why) => {
                             resolved = Err(why);
@@ -345,9 +420,9 @@ fn serve_inner(
                     None => None,
                 };
                 t.resolved(resolved.as_ref().map(|_| ()).map_err(Clone::clone), total);
-                let pieces = resolved.as_ref().ok().map(|(_, p, d)| Pieces {
-                    pieces: p,
-                    devs: d,
+                let pieces = resolved.as_ref().ok().map(|r| Pieces {
+                    data: &r.data,
+                    devs: &r.devs,
                     stage: stage.as_deref().zip(pair.as_ref()),
                 });
                 while step(c, ctx, &mut t, t0, stop, fence, pieces.as_ref())? != Flow::Released {}
@@ -359,9 +434,9 @@ fn serve_inner(
     }
 }
 
-/// A request's resolved pieces, their devices and the staging chunks for device pieces.
+/// A request's resolved data, its devices and the staging chunks for device pieces.
 struct Pieces<'a> {
-    pieces: &'a [(u64, u64)],
+    data: &'a Data,
     devs: &'a [Option<u32>],
     stage: Option<(&'a DeviceStaging, &'a ChunkPair<'a>)>,
 }
@@ -372,8 +447,8 @@ enum Flow {
     Go,
     /// Charge this many bytes, then answer the core.
     Admit(u64),
-    /// Resolve these segments and hold them until released.
-    Resolve(Vec<Segment>),
+    /// Resolve this table and hold it until released.
+    Resolve(Table),
     /// The core released the current request's pieces.
     Released,
 }
@@ -431,7 +506,11 @@ fn step(
             let total = sum_segments(c, nsegs, &mut ctl)?;
             t.skipped(total);
         }
-        TargetEvent::Resolve { segments, .. } => return Ok(Flow::Resolve(segments)),
+        TargetEvent::SkipPaged { bytes } => {
+            let total = skip_paged(c, bytes, &mut ctl)?;
+            t.skipped(total);
+        }
+        TargetEvent::Resolve { table, .. } => return Ok(Flow::Resolve(table)),
         TargetEvent::ReceiveData { frames } | TargetEvent::SendData { frames } => {
             let send = matches!(ev, TargetEvent::SendData { .. });
             let p = pieces.ok_or_else(|| {
@@ -442,20 +521,32 @@ fn step(
                 peer: &peer,
                 threads: ctx.compress_threads,
             });
-            // SAFETY: the pieces were resolved against this agent's registered regions, whose
-            // kinds `devs` gives, and the resolution's pins hold them registered until the
-            // core releases them (after this data).
+            // SAFETY: the pieces (or the paged entries' blocks) were resolved against this
+            // agent's registered regions, whose kinds `devs` gives, and the resolution's pins
+            // hold them registered until the core releases them (after this data).
             let r = unsafe {
-                stream_mixed(
-                    c,
-                    send,
-                    p.pieces,
-                    p.devs,
-                    p.stage,
-                    framing,
-                    Some(fence),
-                    &mut ctl,
-                )
+                match p.data {
+                    Data::Flat(pieces) => stream_mixed(
+                        c,
+                        send,
+                        pieces,
+                        p.devs,
+                        p.stage,
+                        framing,
+                        Some(fence),
+                        &mut ctl,
+                    ),
+                    Data::Paged(list) => stream_windows(
+                        c,
+                        send,
+                        list,
+                        p.devs,
+                        p.stage,
+                        framing,
+                        Some(fence),
+                        &mut ctl,
+                    ),
+                }
             };
             match r {
                 Ok(tally) if frames.is_some() && send => ctx.codec.encoded(&tally),

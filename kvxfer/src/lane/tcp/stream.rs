@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use kvxfer_proto::error::Error;
-use kvxfer_proto::wire::lane::{Segment, SEG_LEN};
+use kvxfer_proto::wire::lane::{paged_total, Segment, SEG_LEN};
 
 /// How often blocked socket calls come back to check cancel, deadline and shutdown.
 pub(super) const TICK: Duration = Duration::from_millis(100);
@@ -218,6 +218,30 @@ pub(super) fn sum_segments(
         left -= k;
     }
     Ok(total)
+}
+
+/// Reads a refused request's paged table of `n` bytes in fixed-size chunks and returns the
+/// total it starts with.
+pub(super) fn skip_paged(
+    c: &TcpStream,
+    n: usize,
+    ctl: &mut dyn FnMut() -> Result<(), Stop>,
+) -> Result<u64, Stop> {
+    let mut chunk = vec![0u8; (SEG_LEN * SKIP_SEGS).min(n)];
+    let mut left = n;
+    let mut total = None;
+    while left > 0 {
+        let k = left.min(chunk.len());
+        recv_buf(c, &mut chunk[..k], ctl)?;
+        if total.is_none() {
+            // The header checked that a paged table holds at least its fixed part.
+            let mut t = [0u8; 8];
+            t.copy_from_slice(&chunk[..8]);
+            total = Some(paged_total(&t));
+        }
+        left -= k;
+    }
+    Ok(total.unwrap_or(0))
 }
 
 pub(super) fn drain(
