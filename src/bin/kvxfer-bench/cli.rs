@@ -106,6 +106,10 @@ pub(crate) struct Args {
     /// Move every byte through UCX (kvxfer's shared-memory and TCP stream lanes off).
     #[arg(long)]
     pub(crate) ucx_only: bool,
+    /// Describe each request in the paged form (`Agent::transfer_paged`: one entry of block
+    /// indices) instead of one descriptor per block; the TCP lane carries it as it is.
+    #[arg(long)]
+    pub(crate) paged: bool,
     /// Serve as the peer: listen for a kvxfer-bench --connect on ADDR (port 0 allowed).
     #[arg(long)]
     pub(crate) listen: Option<SocketAddr>,

@@ -6,6 +6,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use kvxfer::layout::KvGeometry;
+use kvxfer::paged::Paged;
 use kvxfer::{Agent, Desc, XferOp};
 
 use crate::cli::{Args, DataArg, Op, Placement};
@@ -171,6 +172,37 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
     let sel: Vec<Vec<usize>> = (0..conc as usize)
         .map(|r| (r * per_req..(r + 1) * per_req).collect())
         .collect();
+    // --paged: each request as one entry per side, its block indices (a single region: one
+    // block of the request's bytes).
+    let paged: Vec<(Vec<Paged>, Vec<Paged>)> = if !args.paged {
+        Vec::new()
+    } else {
+        let entry = |id: kvxfer::RegionId, slots: &[u64], len: u64| Paged {
+            region: id,
+            offset: 0,
+            block_len: len,
+            stride: len,
+            blocks: slots.iter().map(|&s| s as u32).collect(),
+        };
+        (0..conc as usize)
+            .map(|r| {
+                if case.placement == Placement::Single {
+                    let per = case.blocks * bs;
+                    let one = [r as u64];
+                    (
+                        vec![entry(region.id(), &one, per)],
+                        vec![entry(rid, &one, per)],
+                    )
+                } else {
+                    let k = r * per_req..(r + 1) * per_req;
+                    (
+                        vec![entry(region.id(), &lslots[k.clone()], bs)],
+                        vec![entry(rid, &rslots[k], bs)],
+                    )
+                }
+            })
+            .collect()
+    };
 
     let data_seed =
         args.seed.wrapping_add(1) & !KV_DATA | if args.data == DataArg::Kv { KV_DATA } else { 0 };
@@ -216,20 +248,17 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
             op
         };
         let t = Instant::now();
-        let xs = sel
-            .iter()
-            .map(|s| {
-                agent.transfer(
-                    op,
-                    &local_list,
-                    s,
-                    &remote_list,
-                    s,
-                    None,
-                    Some(Duration::from_secs(600)),
-                )
-            })
-            .collect::<kvxfer::Result<Vec<_>>>()?;
+        let deadline = Some(Duration::from_secs(600));
+        let xs = if args.paged {
+            paged
+                .iter()
+                .map(|(l, r)| agent.transfer_paged(op, &peer, l, r, None, deadline))
+                .collect::<kvxfer::Result<Vec<_>>>()?
+        } else {
+            sel.iter()
+                .map(|s| agent.transfer(op, &local_list, s, &remote_list, s, None, deadline))
+                .collect::<kvxfer::Result<Vec<_>>>()?
+        };
         let mut post = 0f64;
         ops = 0;
         for x in xs {
