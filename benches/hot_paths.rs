@@ -120,10 +120,14 @@ fn metadata(c: &mut Criterion) {
 
 /// Describing and planning one request, flat (a descriptor per block, layer and K/V, resolved
 /// and coalesced into a list of operations) against paged (an entry per layer and K/V with
-/// the block indices, resolved and paired into runs), with the bytes each form holds.
+/// the block indices, resolved and paired into runs), with the bytes each form holds; then the
+/// TCP lane's request table of each form, encoded and parsed.
 fn paged(c: &mut Criterion) {
     use kvxfer::layout::{KvLayout, KvOrder, KvPacking};
-    use kvxfer::paged::{plan_paged, resolve_paged};
+    use kvxfer::paged::{plan_paged, resolve_paged, Paged};
+    use kvxfer::wire::lane::{
+        encode_paged, paged_table_len, parse_paged, segments, Segment, SEG_LEN,
+    };
     let mut g = c.benchmark_group("describe_and_plan");
     // (name, model, blocks of 16 tokens per request, blocks in each cache)
     for (name, model, n, cache) in [
@@ -201,6 +205,49 @@ fn paged(c: &mut Criterion) {
         });
         g.bench_function(BenchmarkId::new("paged", name), |b| {
             b.iter(|| black_box(paged()))
+        });
+        // The TCP lane's request table, built by the initiator and parsed by the target: a
+        // segment per operation, or the paged table (lists shared by every entry).
+        let flat_table = || {
+            let mut b = Vec::with_capacity(fp.ops.len() * SEG_LEN);
+            for o in &fp.ops {
+                Segment {
+                    region: 0,
+                    offset: o.remote - 0x7e00_0000_0000,
+                    len: o.len,
+                }
+                .encode(&mut b);
+            }
+            let segs: Vec<Segment> = segments(&b).unwrap().collect();
+            (b.len(), segs.len())
+        };
+        let paged_table = || {
+            let remote: Vec<Paged> = pp
+                .runs
+                .iter()
+                .map(|r| Paged {
+                    region: RegionId(0),
+                    offset: r.remote.base - 0x7e00_0000_0000,
+                    block_len: r.remote.block_len,
+                    stride: r.remote.stride,
+                    blocks: r.remote.blocks.clone(),
+                })
+                .collect();
+            let mut b = Vec::with_capacity(paged_table_len(&remote));
+            encode_paged(&remote, &mut b);
+            let t = parse_paged(&b).unwrap();
+            (b.len(), t.entries.len())
+        };
+        println!(
+            "lane_table/{name}: flat {} B, paged {} B on the wire",
+            flat_table().0,
+            paged_table().0
+        );
+        g.bench_function(BenchmarkId::new("lane_table_flat", name), |b| {
+            b.iter(|| black_box(flat_table()))
+        });
+        g.bench_function(BenchmarkId::new("lane_table_paged", name), |b| {
+            b.iter(|| black_box(paged_table()))
         });
     }
     g.finish();
