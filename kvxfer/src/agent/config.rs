@@ -75,11 +75,10 @@ pub struct AgentConfig {
     /// more, in host memory): for links one core cannot fill. On a 2-core host over loopback,
     /// the KV-shaped READ of 8,344 random blocks took 142 ms over one connection (1.67x a
     /// plain TCP stream), 87 ms over 2 and 4 (medians of 3 alternated rounds); see README
-    /// "Striping". Default 1. `tests/fence.rs` failed once with 4 stripes (bytes landed after
-    /// `Agent::fence_inbound`); a window that explains it: a connection accepted before the
-    /// fence but admitted after it (its hello still at the gate) was served. The fence now
-    /// closes such a connection (a deterministic test covers it); 4 as the default waits for
-    /// full CI runs with it. Per peer: [`AgentConfig::peer_stripes`].
+    /// "Striping". Default 4, the best measured there; over 1 GbE one connection already runs
+    /// at line rate and 4 are as fast. [`Agent::fence_inbound`](super::Agent::fence_inbound)
+    /// covers every stripe: it also closes a connection accepted before the fence whose hello
+    /// was still at the gate. Per peer: [`AgentConfig::peer_stripes`].
     pub stripes: usize,
     /// Per-peer overrides of [`AgentConfig::stripes`], by agent name.
     pub peer_stripes: Vec<(String, usize)>,
@@ -125,7 +124,7 @@ impl AgentConfig {
             copy_engine: None,
             staging: (DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES),
             discovery: None,
-            stripes: 1,
+            stripes: 4,
             peer_stripes: Vec::new(),
             compression: Compression::Auto,
             peer_compression: Vec::new(),

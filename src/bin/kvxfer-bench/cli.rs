@@ -100,8 +100,9 @@ pub(crate) struct Args {
     /// Spin instead of sleeping on the worker's event fd.
     #[arg(long)]
     pub(crate) busy_poll: bool,
-    /// TCP connections one TCP-lane transfer (16 MiB or more) is striped over.
-    #[arg(long, default_value_t = 1)]
+    /// TCP connections one TCP-lane transfer (16 MiB or more) is striped over (the library's
+    /// default, 4).
+    #[arg(long, default_value_t = 4)]
     pub(crate) stripes: usize,
     /// Move every byte through UCX (kvxfer's shared-memory and TCP stream lanes off).
     #[arg(long)]
