@@ -613,7 +613,8 @@ mod tests {
             prop_assert_eq!(paged_total(b[..8].try_into().unwrap()), t.total);
             prop_assert_eq!(&t.entries, &entries);
             // Every cut and every flipped byte is an error or a table that says what it holds.
-            for cut in 0..b.len() {
+            // Under Miri (~1000x slower) every 97th cut.
+            for cut in (0..b.len()).step_by(if cfg!(miri) { 97 } else { 1 }) {
                 prop_assert!(parse_paged(&b[..cut]).is_err());
             }
             let mut longer = b.clone();
