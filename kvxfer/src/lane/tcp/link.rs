@@ -171,7 +171,7 @@ fn link_loop(inner: Arc<LinkInner>) {
             && job.local_dev.is_empty()
             && match &job.plan {
                 Work::Flat(p) => p.ops.len() <= MAX_SEGS,
-                Work::Paged(p) => p.runs.len() > 1,
+                Work::Paged(_) => true,
             };
         let (decision, why) = decide(inner.comp.policy.0, job.plan.bytes(), &estimates(&inner));
         log::debug!(
@@ -337,24 +337,42 @@ fn run_on(
     r
 }
 
-/// `runs` cut into at most `n` parts of about equal bytes, whole runs each (a paged job's
-/// runs are its layers' tensors: many, and alike).
-fn split_runs(runs: &[Run], n: usize) -> Vec<&[Run]> {
+/// `runs` cut into at most `n` parts of about equal bytes, at block boundaries: a run across a
+/// cut is split in two, each half with its own copy of its block indices (4 bytes a block per
+/// side; a run that stays whole keeps its shared list).
+fn split_runs(runs: &[Run], n: usize) -> Vec<Vec<Run>> {
     let bytes = |r: &Run| r.local.block_len * r.local.blocks.len() as u64;
     let total: u64 = runs.iter().map(bytes).sum();
     let per = total.div_ceil(n.max(1) as u64).max(1);
-    let mut parts = Vec::with_capacity(n);
-    let (mut start, mut acc) = (0, 0u64);
-    for (i, r) in runs.iter().enumerate() {
-        acc += bytes(r);
-        if acc >= per && parts.len() + 1 < n {
-            parts.push(&runs[start..=i]);
-            start = i + 1;
-            acc = 0;
+    let mut parts: Vec<Vec<Run>> = vec![Vec::new()];
+    let mut room = per;
+    for r in runs {
+        let (len, nb) = (r.local.block_len, r.local.blocks.len());
+        let mut k = 0;
+        while k < nb {
+            if room == 0 {
+                parts.push(Vec::new());
+                room = per;
+            }
+            let take = (room.div_ceil(len) as usize).clamp(1, nb - k);
+            let sub = if take == nb {
+                r.clone()
+            } else {
+                let cut = |side: &ResolvedPaged| ResolvedPaged {
+                    blocks: side.blocks[k..k + take].into(),
+                    ..side.clone()
+                };
+                Run {
+                    local: cut(&r.local),
+                    remote: cut(&r.remote),
+                }
+            };
+            if let Some(p) = parts.last_mut() {
+                p.push(sub);
+            }
+            room = room.saturating_sub(take as u64 * len);
+            k += take;
         }
-    }
-    if start < runs.len() {
-        parts.push(&runs[start..]);
     }
     parts
 }
@@ -395,16 +413,21 @@ fn run_striped(
     job: &Job,
     frames: Option<Transform>,
 ) -> Result<XferStats> {
-    let owned;
+    let (ops, runs);
     let parts: Vec<Part<'_>> = match &job.plan {
         Work::Flat(p) => {
-            owned = split_ops(&p.ops, conns.len());
-            owned.iter().map(|o| Part::Ops(o)).collect()
+            ops = split_ops(&p.ops, conns.len());
+            ops.iter().map(|o| Part::Ops(o)).collect()
         }
-        Work::Paged(p) => split_runs(&p.runs, conns.len())
-            .into_iter()
-            .map(Part::Runs)
-            .collect(),
+        // Fewer blocks than stripes (one large block): cut inside them, as operations.
+        Work::Paged(p) if p.blocks < conns.len() => {
+            ops = split_ops(&p.expand(0).ops, conns.len());
+            ops.iter().map(|o| Part::Ops(o)).collect()
+        }
+        Work::Paged(p) => {
+            runs = split_runs(&p.runs, conns.len());
+            runs.iter().map(|r| Part::Runs(r)).collect()
+        }
     };
     let abort = AtomicBool::new(false);
     let results: Vec<Result<(Duration, CodecTally)>> = std::thread::scope(|s| {
@@ -743,4 +766,70 @@ fn read_reply(
         ),
         ReplyError::Refused(msg) => lane_err(inner, format!("peer refused: {msg}")),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn side(blocks: &[u32], slot: u32) -> ResolvedPaged {
+        ResolvedPaged {
+            base: 0x1000 * u64::from(slot + 1),
+            block_len: 64,
+            stride: 64,
+            slot,
+            blocks: blocks.into(),
+        }
+    }
+
+    /// Parts of about equal bytes, at most `n`, that move the same block pairs in the same
+    /// order; a run left whole keeps its shared list.
+    #[test]
+    fn runs_split_at_blocks_into_balanced_parts() {
+        let one: Vec<u32> = (0..1001).rev().collect();
+        let runs = vec![
+            Run {
+                local: side(&one, 0),
+                remote: side(&one, 1),
+            },
+            Run {
+                local: side(&[5, 6], 2),
+                remote: side(&[7, 8], 3),
+            },
+        ];
+        let pairs = |rs: &[Run]| -> Vec<(u32, u32, u32)> {
+            rs.iter()
+                .flat_map(|r| {
+                    r.local
+                        .blocks
+                        .iter()
+                        .zip(r.remote.blocks.iter())
+                        .map(move |(&l, &m)| (r.local.slot, l, m))
+                })
+                .collect()
+        };
+        for n in 1..=6 {
+            let parts = split_runs(&runs, n);
+            assert!(
+                !parts.is_empty() && parts.len() <= n,
+                "n {n}: {}",
+                parts.len()
+            );
+            let all: Vec<Run> = parts.iter().flatten().cloned().collect();
+            assert_eq!(pairs(&all), pairs(&runs), "n {n}");
+            let bytes: Vec<u64> = parts
+                .iter()
+                .map(|p| p.iter().map(|r| 64 * r.local.blocks.len() as u64).sum())
+                .collect();
+            let per = (1003 * 64u64).div_ceil(n as u64);
+            for b in &bytes[..bytes.len() - 1] {
+                assert!(*b >= per && *b < per + 64, "n {n}: {bytes:?}");
+            }
+        }
+        let whole = split_runs(&runs, 1);
+        assert!(Arc::ptr_eq(
+            &whole[0][0].local.blocks,
+            &runs[0].local.blocks
+        ));
+    }
 }
