@@ -5,17 +5,16 @@
 
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
 
-use std::io::{Read, Write};
+#[path = "support/lane_client.rs"]
+mod lane_client;
+
+use std::io::Write;
 use std::net::TcpStream;
 use std::time::Duration;
 
 use kvxfer::compress::codec::Encoder;
 use kvxfer::compress::planes::Transform;
-use kvxfer::wire::lane::{
-    encode_welcome, Hello, ReplyHeader, RequestHeader, Segment, K_ACK, K_WRITE, REPLY_FIXED_LEN,
-    WELCOME_FIXED_LEN,
-};
-use kvxfer::wire::metadata::{Metadata, DEFAULT_COMPAT};
+use kvxfer::wire::lane::{RequestHeader, Segment, K_WRITE};
 use kvxfer::{Agent, AgentConfig, Compression, Desc, HostBuffer, Region, Transport, XferOp};
 use rand::{Rng, RngCore, SeedableRng};
 
@@ -215,26 +214,6 @@ fn auto_follows_the_link_rate() {
     }
 }
 
-/// Speaks the lane protocol to `b` by hand: hello, then writes of `frames` into `rb`.
-fn lane_client(b: &Agent) -> TcpStream {
-    let meta = Metadata::decode(&b.metadata().unwrap(), DEFAULT_COMPAT).unwrap();
-    let lane = meta.lane.unwrap();
-    let mut c = TcpStream::connect(lane.addr).unwrap();
-    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    c.write_all(
-        &Hello {
-            name: "hand",
-            secret: lane.secret,
-        }
-        .encode(),
-    )
-    .unwrap();
-    let mut w = [0u8; WELCOME_FIXED_LEN];
-    c.read_exact(&mut w).unwrap();
-    assert_eq!(w.to_vec(), encode_welcome(0, ""), "welcome");
-    c
-}
-
 /// A compressed write's header and its one segment: `raw` bytes at the start of `region`.
 fn framed_request(id: u64, region: u32, raw: u64) -> Vec<u8> {
     let mut b = Vec::new();
@@ -259,14 +238,7 @@ fn framed_request(id: u64, region: u32, raw: u64) -> Vec<u8> {
 fn framed_write(c: &mut TcpStream, id: u64, region: u32, frames: &[u8], raw: u64) -> (u8, String) {
     let mut b = framed_request(id, region, raw);
     b.extend_from_slice(frames);
-    c.write_all(&b).unwrap();
-    let mut h = [0u8; REPLY_FIXED_LEN];
-    c.read_exact(&mut h).unwrap();
-    let r = ReplyHeader::read(&h);
-    let mut msg = vec![0u8; r.msg_len];
-    c.read_exact(&mut msg).unwrap();
-    assert_eq!((r.kind, r.id), (K_ACK, id));
-    (r.status, String::from_utf8_lossy(&msg).into_owned())
+    lane_client::write(c, id, &b)
 }
 
 #[test]
@@ -280,7 +252,7 @@ fn a_corrupt_frame_is_refused_and_nothing_of_it_lands() {
         e.encode(c, &mut frames).unwrap();
     }
     let before = snapshot(&p.rb);
-    let mut c = lane_client(&p.b);
+    let mut c = lane_client::connect(&p.b);
     let region = p.rb.id().0;
     // A byte flipped inside the second frame's planes: that frame fails its checksum or its
     // zstd decode; the third is drained; the write is refused with the reason.
@@ -304,7 +276,7 @@ fn a_corrupt_frame_is_refused_and_nothing_of_it_lands() {
         "the good write's bytes"
     );
     // A truncated stream (the connection closes mid-frame) leaves no data and no notification.
-    let mut c = lane_client(&p.b);
+    let mut c = lane_client::connect(&p.b);
     let mut b = framed_request(3, region, raw_len as u64);
     p.rb.write(0, &vec![0u8; raw_len]).unwrap();
     b.extend_from_slice(&frames[..frames.len() / 2]);

@@ -5,17 +5,15 @@
 
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
 
-use std::io::{Read, Write};
+#[path = "support/lane_client.rs"]
+mod lane_client;
+
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvxfer::paged::{Paged, WINDOW_BLOCKS};
-use kvxfer::wire::lane::{
-    encode_paged, encode_welcome, paged_table_len, Hello, ReplyHeader, RequestHeader, K_ACK,
-    K_WRITE, MAX_SEGS, REPLY_FIXED_LEN, WELCOME_FIXED_LEN,
-};
-use kvxfer::wire::metadata::{Metadata, DEFAULT_COMPAT};
+use kvxfer::wire::lane::{encode_paged, paged_table_len, RequestHeader, K_WRITE, MAX_SEGS};
 use kvxfer::{Agent, AgentConfig, Compression, Desc, HostBuffer, Lane, Region, Transport, XferOp};
 use rand::seq::SliceRandom;
 use rand::{RngCore, SeedableRng};
@@ -199,26 +197,6 @@ fn more_blocks_than_a_flat_table_takes_move_paged() {
     assert!(e.to_string().contains("operations in one transfer"), "{e}");
 }
 
-/// Speaks the lane protocol to `b` by hand: the hello.
-fn lane_client(b: &Agent) -> TcpStream {
-    let meta = Metadata::decode(&b.metadata().unwrap(), DEFAULT_COMPAT).unwrap();
-    let lane = meta.lane.unwrap();
-    let mut c = TcpStream::connect(lane.addr).unwrap();
-    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    c.write_all(
-        &Hello {
-            name: "hand",
-            secret: lane.secret,
-        }
-        .encode(),
-    )
-    .unwrap();
-    let mut w = [0u8; WELCOME_FIXED_LEN];
-    c.read_exact(&mut w).unwrap();
-    assert_eq!(w.to_vec(), encode_welcome(0, ""), "welcome");
-    c
-}
-
 /// A paged write of `data` into `entries`, by hand; the reply's status and message.
 fn paged_write(c: &mut TcpStream, id: u64, entries: &[Paged], data: &[u8]) -> (u8, String) {
     let mut b = Vec::new();
@@ -233,14 +211,7 @@ fn paged_write(c: &mut TcpStream, id: u64, entries: &[Paged], data: &[u8]) -> (u
     .encode(&mut b);
     encode_paged(entries, &mut b);
     b.extend_from_slice(data);
-    c.write_all(&b).unwrap();
-    let mut h = [0u8; REPLY_FIXED_LEN];
-    c.read_exact(&mut h).unwrap();
-    let r = ReplyHeader::read(&h);
-    let mut msg = vec![0u8; r.msg_len];
-    c.read_exact(&mut msg).unwrap();
-    assert_eq!((r.kind, r.id), (K_ACK, id));
-    (r.status, String::from_utf8_lossy(&msg).into_owned())
+    lane_client::write(c, id, &b)
 }
 
 #[test]
@@ -248,7 +219,7 @@ fn a_paged_request_outside_the_region_is_refused_in_step() {
     let len = 1 << 20;
     let p = pair("pw-hostile", len, |c| c);
     let before = snapshot(&p.rb);
-    let mut c = lane_client(&p.b);
+    let mut c = lane_client::connect(&p.b);
     let entry = |blocks: Vec<u32>, stride: u64| Paged {
         region: p.rb.id(),
         offset: 0,
