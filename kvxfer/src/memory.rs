@@ -96,6 +96,64 @@ impl HostBuffer {
         })
     }
 
+    /// Allocates `len` zeroed bytes on transparent huge pages: a private anonymous mapping
+    /// aligned to 2 MiB and advised `MADV_HUGEPAGE` (honoured where the kernel's THP mode is
+    /// `always` or `madvise`). The kernel walks one page table entry per 2 MiB instead of 512,
+    /// which speeds the kernel's copies through it (UCX's `cma` and TCP). It is private, so a
+    /// same-host peer cannot map it: kvxfer's shared-memory lane does not cover it, and
+    /// transfers of it take the TCP lane or UCX.
+    pub fn huge(len: usize) -> Result<Self> {
+        const HUGE: usize = 2 << 20;
+        if len == 0 {
+            return Err(Error::InvalidArgument("host buffer of 0 bytes".into()));
+        }
+        let map_len = len
+            .checked_add(HUGE - 1)
+            .map(|l| l / HUGE * HUGE)
+            .ok_or_else(|| Error::InvalidArgument(format!("host buffer of {len} bytes")))?;
+        let over = map_len + HUGE;
+        // SAFETY: a fresh private anonymous mapping (over > 0); no existing memory is affected.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                over,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::OutOfMemory(format!(
+                "mapping {len} bytes of host memory: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        let base = p as usize;
+        let start = base.next_multiple_of(HUGE);
+        let (head, tail) = (start - base, base + over - (start + map_len));
+        // SAFETY: [base, start) and [start + map_len, base + over) are the unaligned ends of
+        // the mapping just made, which nothing uses; the aligned middle stays mapped.
+        unsafe {
+            if head > 0 {
+                libc::munmap(p, head);
+            }
+            if tail > 0 {
+                libc::munmap((start + map_len) as *mut libc::c_void, tail);
+            }
+            // Advice only: where THP is off the buffer stays on small pages.
+            libc::madvise(start as *mut libc::c_void, map_len, libc::MADV_HUGEPAGE);
+        }
+        let ptr = NonNull::new(start as *mut u8)
+            .ok_or_else(|| Error::OutOfMemory(format!("mapping {len} bytes: NULL")))?;
+        Ok(HostBuffer {
+            ptr,
+            len,
+            map_len,
+            fd: None,
+        })
+    }
+
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.len
@@ -546,6 +604,25 @@ mod tests {
         b.as_mut_slice()[9_999] = 7;
         assert_eq!(b.as_slice()[9_999], 7);
         assert!(HostBuffer::new(0).is_err());
+    }
+
+    #[test]
+    fn huge_buffer_is_2mib_aligned_zeroed_private_and_freed() {
+        for len in [2, 3 << 20, 4 << 20] {
+            let mut b = HostBuffer::huge(len).unwrap();
+            assert_eq!(b.as_slice().as_ptr() as usize % (2 << 20), 0, "{len}");
+            assert_eq!(b.len(), len);
+            assert!(b.as_slice().iter().all(|&x| x == 0));
+            b.as_mut_slice()[len - 1] = 9;
+            b.as_mut_slice()[0] = 8;
+            assert_eq!((b.as_slice()[0], b.as_slice()[len - 1]), (8, 9));
+            assert!(!b.is_shareable() && b.shm_handle().is_none());
+        }
+        assert!(HostBuffer::huge(0).is_err());
+        // Dropped buffers give their mappings back: many of them do not add up.
+        for _ in 0..64 {
+            drop(HostBuffer::huge(64 << 20).unwrap());
+        }
     }
 }
 

@@ -16,6 +16,9 @@ pub(crate) enum Op {
 pub(crate) enum MemArg {
     /// Host memory (memfd-backed).
     Host,
+    /// Host memory on transparent huge pages (`HostBuffer::huge`: private, so kvxfer's
+    /// shared-memory lane does not cover it).
+    Thp,
     /// Simulated device memory (reached only through a copy engine): the staged path on a
     /// machine without a GPU.
     Sim,

@@ -71,6 +71,7 @@ pub(crate) fn spawn_peer(args: &Args, transport: &str) -> Result<(Peer, SocketAd
         "--memory",
         match args.memory {
             MemArg::Host => "host",
+            MemArg::Thp => "thp",
             MemArg::Sim => "sim",
             MemArg::Cuda => "cuda",
         },

@@ -38,7 +38,7 @@ pub(crate) struct Device {
 
 pub(crate) fn device(args: &Args) -> Result<Option<Device>, BoxErr> {
     match args.memory {
-        MemArg::Host => Ok(None),
+        MemArg::Host | MemArg::Thp => Ok(None),
         MemArg::Sim => {
             let sim = SimulatedDevice::new();
             Ok(Some(Device {
@@ -73,8 +73,12 @@ impl Buf {
         len: usize,
     ) -> Result<Buf, BoxErr> {
         let Some(d) = dev else {
+            let b = match args.memory {
+                MemArg::Thp => HostBuffer::huge(len)?,
+                _ => HostBuffer::new(len)?,
+            };
             return Ok(Buf {
-                region: agent.register(HostBuffer::new(len)?)?,
+                region: agent.register(b)?,
                 dev: None,
             });
         };
