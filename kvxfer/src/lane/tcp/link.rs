@@ -300,8 +300,6 @@ fn with_codec(mut stats: XferStats, tally: &CodecTally) -> XferStats {
     stats
 }
 
-/// Runs one request of `job` on `conn`, which it resets on failure (the stream may be
-/// mid-message: the next request starts over on a new connection).
 /// What one request of a job moves: operations of a flat plan, or runs of a paged one (sent
 /// as a paged table, the data a window at a time).
 #[derive(Clone, Copy)]
@@ -319,6 +317,8 @@ impl Part<'_> {
     }
 }
 
+/// Runs one request of `job` on `conn`, which it resets on failure (the stream may be
+/// mid-message: the next request starts over on a new connection).
 fn run_on(
     inner: &LinkInner,
     conn: &mut Option<TcpStream>,
