@@ -51,8 +51,8 @@ fn would_block(e: &std::io::Error) -> bool {
 }
 
 /// Moves the bytes of `pieces` (address, length) through the socket: `writev` from them when
-/// `send`, `readv` into them otherwise. `ctl` is asked after each time-out and between batches
-/// whether to go on; once `fence` is set, no further batch moves.
+/// `send`, `readv` into them otherwise. `ctl` is asked after each time-out whether to go on;
+/// once `fence` is set, no further batch moves.
 ///
 /// # Safety
 /// Every piece is host memory valid for this direction (readable to send, writable to
@@ -148,11 +148,6 @@ pub(super) unsafe fn stream_pieces(
         while i < pieces.len() && pieces[i].1 == off {
             i += 1;
             off = 0;
-        }
-        // Between batches too, not only after time-outs: a cancel (or a stop, or a deadline)
-        // takes effect within a batch while the data flows.
-        if i < pieces.len() {
-            ctl()?;
         }
     }
     Ok(())
