@@ -10,8 +10,9 @@
 //! skipped while its lengths are summed) → resolution against the target's regions → the data
 //! (received, drained, or sent) → the notification → the reply; a notification is delivered
 //! only after the data. A refused request is drained so that the stream stays in step. A peer
-//! that stops in the middle of a message for longer than the stall limit is dropped; between
-//! requests it may stay silent.
+//! that moves no byte for longer than the stall limit in the middle of a message is dropped
+//! (the clock restarts whenever bytes move, so a long transfer that flows is never cut);
+//! between requests it may stay silent.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -135,14 +136,14 @@ pub struct LaneTarget {
     state: State,
     pending: Pending,
     peer: Option<String>,
-    /// When the current message started (None: between messages).
+    /// When bytes of the current message last moved (None: between messages).
     message_since: Option<Duration>,
     events: VecDeque<TargetEvent>,
 }
 
 impl LaneTarget {
-    /// A connection accepted at `now`, whose initiator must present `secret`; a peer silent
-    /// for `stall` in the middle of a message (its hello included) is dropped.
+    /// A connection accepted at `now`, whose initiator must present `secret`; a peer that
+    /// moves no byte for `stall` in the middle of a message (its hello included) is dropped.
     pub fn new(secret: [u8; SECRET_LEN], stall: Duration, now: Duration) -> LaneTarget {
         LaneTarget {
             secret,
@@ -188,12 +189,16 @@ impl LaneTarget {
         self.events.pop_front()
     }
 
-    /// The first bytes of a message have arrived at `now` (for the stall clock).
-    pub fn started(&mut self, now: Duration) {
-        self.message_since.get_or_insert(now);
+    /// Bytes of a message moved at `now` (control bytes, or data in either direction): the
+    /// stall clock restarts. Between messages, the first bytes of the next one start it.
+    pub fn progress(&mut self, now: Duration) {
+        if self.state != State::Closed {
+            self.message_since = Some(now);
+        }
     }
 
-    /// The clock at `now`: a peer stalled inside a message is dropped.
+    /// The clock at `now`: a peer that moved no byte for the stall limit inside a message is
+    /// dropped.
     pub fn handle_timeout(&mut self, now: Duration) {
         if let Some(t) = self.message_since {
             if self.state != State::Closed && now.saturating_sub(t) > self.stall {
@@ -204,7 +209,7 @@ impl LaneTarget {
 
     /// The `want()` bytes the shell read, at `now`.
     pub fn on_bytes(&mut self, b: &[u8], now: Duration) {
-        self.started(now);
+        self.progress(now);
         match std::mem::replace(&mut self.state, State::Shell) {
             State::HelloFixed => {
                 let Ok(fixed) = <[u8; HELLO_FIXED_LEN]>::try_from(b) else {
@@ -1075,8 +1080,39 @@ mod tests {
         t.handle_timeout(s(10_000));
         assert!(!t.is_closed() && t.idle());
         // A header's first bytes, then silence: dropped.
-        t.started(s(10_000));
+        t.progress(s(10_000));
         t.handle_timeout(s(10_000) + STALL + s(1));
+        assert!(t.is_closed());
+    }
+
+    #[test]
+    fn data_that_keeps_moving_is_never_cut_and_data_that_stops_is() {
+        let s = Duration::from_secs;
+        let mut sh = Shell::new(1, 8, 1 << 20);
+        let mut t = LaneTarget::new(SECRET, STALL, s(0));
+        sh.input.extend(hello(SECRET));
+        sh.drive(&mut t, s(1));
+        // A message starts at 2 s and its bytes keep moving for ten times the stall limit, a
+        // batch every 10 s (the shell reports each batch of data as progress; the shell-level
+        // test with a real socket is kvxfer's hostile_clients).
+        t.progress(s(2));
+        let mut now = s(2);
+        while now < s(2) + 10 * STALL {
+            now += s(10);
+            t.progress(now);
+            t.handle_timeout(now + s(9));
+            assert!(!t.is_closed(), "cut at {now:?} while the data moved");
+        }
+        // Then nothing moves: dropped once the limit passes, not before.
+        t.handle_timeout(now + STALL);
+        assert!(!t.is_closed());
+        t.handle_timeout(now + STALL + s(1));
+        assert!(t.is_closed());
+        assert!(
+            matches!(t.poll_event(), Some(TargetEvent::Close { why }) if why.contains("stalled"))
+        );
+        // A closed connection stays closed whatever moves.
+        t.progress(now + 2 * STALL);
         assert!(t.is_closed());
     }
 

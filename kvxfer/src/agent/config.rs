@@ -98,6 +98,11 @@ pub struct AgentConfig {
     /// Threads coding one compressed transfer (each about 1 GB/s of raw bytes on the
     /// bench's KV; the policy counts them). Default: a quarter of the CPUs, 1 to 4.
     pub compress_threads: usize,
+    /// How long this agent's TCP lane target waits for a peer that moves no byte in the middle
+    /// of a message (its hello, a request, the data) before dropping the connection; the clock
+    /// restarts whenever bytes move, so a long transfer that flows is never cut. Between
+    /// requests a peer may stay silent. Default 30 s.
+    pub lane_stall: std::time::Duration,
 }
 
 impl AgentConfig {
@@ -133,7 +138,15 @@ impl AgentConfig {
             compress_threads: std::thread::available_parallelism()
                 .map(|n| (n.get() / 4).clamp(1, 4))
                 .unwrap_or(1),
+            lane_stall: std::time::Duration::from_secs(30),
         }
+    }
+
+    /// Sets how long the TCP lane target waits for a stalled peer (see
+    /// [`AgentConfig::lane_stall`]); at least one socket tick (100 ms).
+    pub fn lane_stall(mut self, d: std::time::Duration) -> Self {
+        self.lane_stall = d.max(std::time::Duration::from_millis(100));
+        self
     }
 
     /// Sets whether TCP-lane transfers are compressed (see [`AgentConfig::compression`]).

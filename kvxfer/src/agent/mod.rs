@@ -169,6 +169,7 @@ impl Agent {
                 budget: shared.budget.clone(),
                 codec: shared.codec.clone(),
                 compress_threads: cfg.compress_threads.max(1),
+                stall: cfg.lane_stall,
             });
             let srv = Server::start(ip, ctx, &cfg.name)?;
             let _ = shared.lane.set(srv.info());

@@ -45,6 +45,8 @@ pub(crate) struct LaneCtx {
     pub(crate) codec: Arc<crate::codec_meter::CodecMeter>,
     /// Threads coding the data of a compressed read this target sends.
     pub(crate) compress_threads: usize,
+    /// How long a peer may move no byte mid-message ([`crate::AgentConfig::lane_stall`]).
+    pub(crate) stall: std::time::Duration,
 }
 
 impl std::fmt::Debug for PeerLanes {

@@ -6,7 +6,7 @@ use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, sync_channel};
 
-use super::stream::{drain, recv_buf, send_buf, Stop};
+use super::stream::{drain, recv_buf, send_buf, Ctl, Stop};
 use kvxfer_proto::compress::codec::{CodecTally, Decoder, Encoder};
 use kvxfer_proto::compress::frame::{zstd_bound, FrameError, FrameHeader, CHUNK, HEADER_LEN};
 use kvxfer_proto::compress::planes::Transform;
@@ -109,7 +109,7 @@ pub(super) unsafe fn send_frames(
     t: Transform,
     threads: usize,
     fence: Option<&AtomicBool>,
-    ctl: &mut dyn FnMut() -> Result<(), Stop>,
+    ctl: &mut Ctl<'_>,
 ) -> Result<CodecTally, Stop> {
     let k = threads.max(1);
     let stop = AtomicBool::new(false);
@@ -209,7 +209,7 @@ pub(super) unsafe fn recv_frames(
     pieces: &[(u64, u64)],
     peer: &str,
     fence: Option<&AtomicBool>,
-    ctl: &mut dyn FnMut() -> Result<(), Stop>,
+    ctl: &mut Ctl<'_>,
 ) -> Result<CodecTally, FramesFailed> {
     let mut left: u64 = pieces.iter().map(|p| p.1).sum();
     let mut dec = Decoder::new().map_err(|e| FramesFailed::Stop(codec_io(e)))?;
@@ -255,7 +255,7 @@ pub(super) fn drain_frames(
     s: &TcpStream,
     mut raw: u64,
     peer: &str,
-    ctl: &mut dyn FnMut() -> Result<(), Stop>,
+    ctl: &mut Ctl<'_>,
 ) -> Result<(), Stop> {
     while raw > 0 {
         let mut hb = [0u8; HEADER_LEN];

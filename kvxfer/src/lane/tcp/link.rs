@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use super::framed::{FramesFailed, RECV_BYTES, SEND_BYTES};
 use super::mixed::{stage_pair, stream_mixed, stream_windows, Framing};
-use super::stream::{recv_buf, send_buf, set_timeouts, Stop};
+use super::stream::{recv_buf, send_buf, set_timeouts, Ctl, Stop};
 use crate::budget::MemoryBudget;
 use crate::codec_meter::CodecMeter;
 use crate::staging::pool::StagingCell;
@@ -505,7 +505,7 @@ fn connect(inner: &LinkInner) -> Result<TcpStream> {
     }
     .encode();
     let t0 = Instant::now();
-    let mut ctl = || -> Result<(), Stop> {
+    let mut ctl = |_moved: bool| -> Result<(), Stop> {
         if t0.elapsed() > CONNECT_TIMEOUT {
             Err(Stop::Abort(Error::InvalidArgument(
                 "hello timed out".into(),
@@ -675,7 +675,8 @@ fn run_job(
         }
     }
     drop(remote);
-    let mut ctl = check;
+    // Cancel, a failed stripe and the deadline end the job; progress changes nothing here.
+    let mut ctl = |_moved: bool| check();
     // Local device memory: two chunks of this agent's initiator pool, taken before the request
     // goes out (a transfer holding chunks never waits for more).
     let stage = match job.local_dev.iter().flatten().next() {
@@ -701,7 +702,7 @@ fn run_job(
         },
     };
     // The data, sent (a write) or received (a read).
-    let data = |send: bool, ctl: &mut dyn FnMut() -> Result<(), Stop>| {
+    let data = |send: bool, ctl: &mut Ctl<'_>| {
         // SAFETY: the pieces (or the runs' local blocks) come from the job's plan,
         // bounds-checked against its local regions (kinds in `local_dev`; a paged job's are
         // host memory), which the job pins until it finishes.
@@ -749,7 +750,7 @@ fn read_reply(
     c: &TcpStream,
     kind: u8,
     id: u64,
-    ctl: &mut dyn FnMut() -> Result<(), Stop>,
+    ctl: &mut Ctl<'_>,
 ) -> Result<()> {
     let mut h = [0u8; REPLY_FIXED_LEN];
     recv_buf(c, &mut h, ctl).map_err(|s| stop_err(inner, s, "waiting for the reply"))?;

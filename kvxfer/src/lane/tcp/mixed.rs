@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::framed::{recv_frames, send_frames, FramesFailed};
-use super::stream::{recv_buf, send_buf, stream_pieces, Stop, TICK};
+use super::stream::{recv_buf, send_buf, stream_pieces, Ctl, Stop, TICK};
 use crate::staging::pool::{ChunkPair, DeviceStaging};
 use kvxfer_proto::compress::codec::CodecTally;
 use kvxfer_proto::compress::planes::Transform;
@@ -33,7 +33,7 @@ unsafe fn host(
     pieces: &[(u64, u64)],
     framing: Option<Framing<'_>>,
     fence: Option<&AtomicBool>,
-    ctl: &mut dyn FnMut() -> Result<(), Stop>,
+    ctl: &mut Ctl<'_>,
 ) -> Result<CodecTally, FramesFailed> {
     match framing {
         // SAFETY: the pieces are valid host memory for this direction (this function's
@@ -71,7 +71,7 @@ pub(super) unsafe fn stream_mixed(
     stage: Option<(&DeviceStaging, &ChunkPair<'_>)>,
     framing: Option<Framing<'_>>,
     fence: Option<&AtomicBool>,
-    ctl: &mut dyn FnMut() -> Result<(), Stop>,
+    ctl: &mut Ctl<'_>,
 ) -> Result<CodecTally, FramesFailed> {
     if devs.iter().all(Option::is_none) {
         // SAFETY: all pieces are host memory (no device), valid per this function's contract.
@@ -176,7 +176,7 @@ pub(super) unsafe fn stream_windows(
     stage: Option<(&DeviceStaging, &ChunkPair<'_>)>,
     framing: Option<Framing<'_>>,
     fence: Option<&AtomicBool>,
-    ctl: &mut dyn FnMut() -> Result<(), Stop>,
+    ctl: &mut Ctl<'_>,
 ) -> Result<CodecTally, FramesFailed> {
     let total: u64 = list
         .iter()
@@ -226,14 +226,14 @@ pub(super) fn stage_pair<'a>(
     st: &'a DeviceStaging,
     initiator: bool,
     max: Duration,
-    ctl: &mut dyn FnMut() -> Result<(), Stop>,
+    ctl: &mut Ctl<'_>,
 ) -> Result<Option<ChunkPair<'a>>, Stop> {
     let t0 = Instant::now();
     loop {
         if let Some(p) = st.pair(initiator, TICK) {
             return Ok(Some(p));
         }
-        ctl()?;
+        ctl(false)?;
         if t0.elapsed() >= max {
             return Ok(None);
         }

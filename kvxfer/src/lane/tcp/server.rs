@@ -26,8 +26,8 @@ use kvxfer_proto::paged::{resolve_paged, Paged, ResolvedPaged};
 use kvxfer_proto::types::{LaneInfo, MemKind, RegionId, RegionSpan};
 use kvxfer_proto::wire::lane::{Segment, Table, SECRET_LEN};
 
-/// A peer that sends nothing for this long in the middle of a message is dropped.
-const STALL: Duration = Duration::from_secs(30);
+/// How long a request waits for its table's budget before it is refused.
+const BUDGET_WAIT: Duration = Duration::from_secs(30);
 
 /// The lane's listener and its connections.
 pub(crate) struct Server {
@@ -121,10 +121,11 @@ impl Server {
         let stop = Arc::new(AtomicBool::new(false));
         let conns: Arc<Mutex<Conns>> = Arc::default();
         let (st, cs, nm) = (stop.clone(), conns.clone(), name.to_string());
+        let stall = ctx.stall;
         let open = move |_who: SocketAddr, _now: Duration| {
             let t0 = Instant::now();
             Ok(Hello {
-                t: LaneTarget::new(secret, STALL, t0.elapsed()),
+                t: LaneTarget::new(secret, stall, t0.elapsed()),
                 t0,
             })
         };
@@ -364,6 +365,9 @@ fn serve(c: TcpStream, ctx: Arc<LaneCtx>, hello: Hello, stop: Arc<AtomicBool>, f
             Stop::Abort(e) => log::info!("kvxfer: TCP lane peer {peer} dropped: {e}"),
         }
     }
+    // The server keeps a clone of the socket (to fence it) until it prunes finished threads:
+    // shut it down now, so that a dropped peer sees the close at once.
+    let _ = c.shutdown(std::net::Shutdown::Both);
 }
 
 fn serve_inner(
@@ -382,7 +386,10 @@ fn serve_inner(
             Flow::Go => {}
             Flow::Admit(table_bytes) => {
                 _charge = None;
-                match ctx.budget.charge(table_bytes, "TCP lane request", STALL) {
+                match ctx
+                    .budget
+                    .charge(table_bytes, "TCP lane request", BUDGET_WAIT)
+                {
                     Ok(ch) => {
                         _charge = Some(ch);
                         t.admitted(Ok(()));
@@ -410,7 +417,9 @@ fn serve_inner(
                 };
                 let pair = match &stage {
                     Some(st) => {
-                        let p = stage_pair(st, false, STAGE_WAIT, &mut || tick(&mut t, t0, stop))?;
+                        let p = stage_pair(st, false, STAGE_WAIT, &mut |moved| {
+                            tick(&mut t, t0, stop, moved)
+                        })?;
                         if p.is_none() {
                             resolved =
                                 Err(format!("all staging chunks stayed busy for {STAGE_WAIT:?}"));
@@ -473,20 +482,15 @@ fn step(
         if t.idle() {
             // Between requests only shutdown ends the wait; once a byte arrived, the stall
             // clock runs.
-            recv_first(c, &mut buf, &mut |started| {
-                if started {
-                    t.started(t0.elapsed());
-                }
-                tick(t, t0, stop)
-            })?;
+            recv_first(c, &mut buf, &mut |moved| tick(t, t0, stop, moved))?;
         } else {
-            recv_buf(c, &mut buf, &mut || tick(t, t0, stop))?;
+            recv_buf(c, &mut buf, &mut |moved| tick(t, t0, stop, moved))?;
         }
         t.on_bytes(&buf, t0.elapsed());
         return Ok(Flow::Go);
     };
     let peer = t.peer().unwrap_or_default().to_string();
-    let mut ctl = || tick(t, t0, stop);
+    let mut ctl = |moved| tick(t, t0, stop, moved);
     match ev {
         TargetEvent::Transmit(b) => send_buf(c, &b, &mut ctl)?,
         TargetEvent::Accepted { name } => log::debug!("kvxfer: TCP lane peer {name:?} accepted"),
@@ -577,13 +581,18 @@ fn step(
     Ok(Flow::Go)
 }
 
-/// Called whenever a socket call times out: shutdown ends the connection, and so does a peer
-/// stalled mid-message.
-fn tick(t: &mut LaneTarget, t0: Instant, stop: &AtomicBool) -> Result<(), Stop> {
+/// The byte movers' [`Ctl`](super::stream::Ctl): called after every socket time-out and between batches. Shutdown
+/// ends the connection, and so does a peer that moved no byte mid-message for the stall limit;
+/// bytes that moved (`moved`) restart that clock.
+fn tick(t: &mut LaneTarget, t0: Instant, stop: &AtomicBool, moved: bool) -> Result<(), Stop> {
     if stop.load(Ordering::Acquire) {
         return Err(Stop::Abort(Error::Shutdown));
     }
-    t.handle_timeout(t0.elapsed());
+    let now = t0.elapsed();
+    if moved {
+        t.progress(now);
+    }
+    t.handle_timeout(now);
     if t.is_closed() {
         return Err(Stop::Abort(Error::InvalidArgument(
             "peer stalled mid-message".into(),

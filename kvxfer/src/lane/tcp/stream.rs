@@ -22,6 +22,12 @@ const BATCH_BYTES: u64 = 1 << 20;
 /// Segments read per call while skipping a refused request's table.
 const SKIP_SEGS: usize = 3276;
 
+/// What the byte movers ask whether to go on: after every socket time-out (`false`: nothing
+/// moved since the last call) and after every batch that moved bytes while more remain
+/// (`true`). So a cancel, a stop or a deadline takes effect within a batch while data flows,
+/// and a stall clock tells a silent peer from a long transfer.
+pub(super) type Ctl<'a> = dyn FnMut(bool) -> Result<(), Stop> + 'a;
+
 /// Why an I/O loop stopped early.
 pub(super) enum Stop {
     Io(std::io::Error),
@@ -51,8 +57,8 @@ fn would_block(e: &std::io::Error) -> bool {
 }
 
 /// Moves the bytes of `pieces` (address, length) through the socket: `writev` from them when
-/// `send`, `readv` into them otherwise. `ctl` is asked after each time-out whether to go on;
-/// once `fence` is set, no further batch moves.
+/// `send`, `readv` into them otherwise. `ctl` is asked after each time-out and between batches
+/// whether to go on ([`Ctl`]); once `fence` is set, no further batch moves.
 ///
 /// # Safety
 /// Every piece is host memory valid for this direction (readable to send, writable to
@@ -62,7 +68,7 @@ pub(super) unsafe fn stream_pieces(
     send: bool,
     pieces: &[(u64, u64)],
     fence: Option<&AtomicBool>,
-    ctl: &mut dyn FnMut() -> Result<(), Stop>,
+    ctl: &mut Ctl<'_>,
 ) -> Result<(), Stop> {
     let fd = s.as_raw_fd();
     let mut i = 0usize;
@@ -121,7 +127,7 @@ pub(super) unsafe fn stream_pieces(
         if r < 0 {
             let e = std::io::Error::last_os_error();
             if would_block(&e) {
-                ctl()?;
+                ctl(false)?;
                 continue;
             }
             return Err(Stop::Io(e));
@@ -149,24 +155,21 @@ pub(super) unsafe fn stream_pieces(
             i += 1;
             off = 0;
         }
+        // Between batches too, not only after time-outs: a cancel takes effect while the data
+        // flows, and the target's stall clock restarts.
+        if i < pieces.len() {
+            ctl(true)?;
+        }
     }
     Ok(())
 }
 
-pub(super) fn send_buf(
-    s: &TcpStream,
-    b: &[u8],
-    ctl: &mut dyn FnMut() -> Result<(), Stop>,
-) -> Result<(), Stop> {
+pub(super) fn send_buf(s: &TcpStream, b: &[u8], ctl: &mut Ctl<'_>) -> Result<(), Stop> {
     // SAFETY: `b` is a borrowed slice, readable for the whole call.
     unsafe { stream_pieces(s, true, &[(b.as_ptr() as u64, b.len() as u64)], None, ctl) }
 }
 
-pub(super) fn recv_buf(
-    s: &TcpStream,
-    b: &mut [u8],
-    ctl: &mut dyn FnMut() -> Result<(), Stop>,
-) -> Result<(), Stop> {
+pub(super) fn recv_buf(s: &TcpStream, b: &mut [u8], ctl: &mut Ctl<'_>) -> Result<(), Stop> {
     // SAFETY: `b` is a mutably borrowed slice, writable for the whole call.
     unsafe {
         stream_pieces(
@@ -179,19 +182,22 @@ pub(super) fn recv_buf(
     }
 }
 
-/// Like recv_buf, but tells `ctl` whether any byte of the message has arrived yet.
-pub(super) fn recv_first(
-    c: &TcpStream,
-    b: &mut [u8],
-    ctl: &mut dyn FnMut(bool) -> Result<(), Stop>,
-) -> Result<(), Stop> {
+/// Like recv_buf, for the first bytes of a message that may be long in coming: `ctl` is asked
+/// only after time-outs, and told whether bytes arrived since its last call.
+pub(super) fn recv_first(c: &TcpStream, b: &mut [u8], ctl: &mut Ctl<'_>) -> Result<(), Stop> {
     let mut got = 0usize;
+    let mut moved = false;
     let mut r: &TcpStream = c;
     while got < b.len() {
         match r.read(&mut b[got..]) {
             Ok(0) => return Err(Stop::Eof),
-            Ok(n) => got += n,
-            Err(e) if would_block(&e) => ctl(got > 0)?,
+            Ok(n) => {
+                got += n;
+                moved = true;
+            }
+            Err(e) if would_block(&e) => {
+                ctl(std::mem::take(&mut moved))?;
+            }
             Err(e) => return Err(Stop::Io(e)),
         }
     }
@@ -199,11 +205,7 @@ pub(super) fn recv_first(
 }
 
 /// Reads a segment table of `n` entries in fixed-size chunks and returns the sum of lengths.
-pub(super) fn sum_segments(
-    c: &TcpStream,
-    n: usize,
-    ctl: &mut dyn FnMut() -> Result<(), Stop>,
-) -> Result<u64, Stop> {
+pub(super) fn sum_segments(c: &TcpStream, n: usize, ctl: &mut Ctl<'_>) -> Result<u64, Stop> {
     let mut chunk = vec![0u8; SEG_LEN * SKIP_SEGS];
     let mut left = n;
     let mut total = 0u64;
@@ -222,11 +224,7 @@ pub(super) fn sum_segments(
 
 /// Reads a refused request's paged table of `n` bytes in fixed-size chunks and returns the
 /// total it starts with.
-pub(super) fn skip_paged(
-    c: &TcpStream,
-    n: usize,
-    ctl: &mut dyn FnMut() -> Result<(), Stop>,
-) -> Result<u64, Stop> {
+pub(super) fn skip_paged(c: &TcpStream, n: usize, ctl: &mut Ctl<'_>) -> Result<u64, Stop> {
     let mut chunk = vec![0u8; (SEG_LEN * SKIP_SEGS).min(n)];
     let mut left = n;
     let mut total = None;
@@ -244,11 +242,7 @@ pub(super) fn skip_paged(
     Ok(total.unwrap_or(0))
 }
 
-pub(super) fn drain(
-    c: &TcpStream,
-    mut n: u64,
-    ctl: &mut dyn FnMut() -> Result<(), Stop>,
-) -> Result<(), Stop> {
+pub(super) fn drain(c: &TcpStream, mut n: u64, ctl: &mut Ctl<'_>) -> Result<(), Stop> {
     let mut scratch = vec![0u8; 64 * 1024];
     while n > 0 {
         let k = n.min(scratch.len() as u64) as usize;
