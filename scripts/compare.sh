@@ -2,7 +2,8 @@
 # One sitting, runs alternated: kvxfer's lanes, kvxfer --ucx-only on Debian's UCX 1.13 and on
 # the UCX 1.22 wheel, NIXL 1.5.1 (its own UCX 1.23), with memcpy and plain-TCP references
 # measured inside the kvxfer runs; every op x placement x transport (tcp, shm) on the KV-shaped
-# request (8,344 x 32 KiB = 273 MB). ROUNDS rounds, each running every implementation once in
+# request (8,344 x 32 KiB = 273 MB); the UCX path on memfd host memory and on transparent huge
+# pages (`--memory thp`; NIXL's numpy buffers are on huge pages). ROUNDS rounds, each running every implementation once in
 # turn (ABCD ABCD ...); prints a table of medians over the rounds' medians and writes all JSON
 # lines to OUT (default target/compare.jsonl).
 #
@@ -44,6 +45,11 @@ for r in $(seq 1 "$ROUNDS"); do
   "$SYS" --transport "shm;tcp" --ucx-only "${COMMON[@]}" | tag "kvxfer ucx-only" >>"$OUT"
   LD_LIBRARY_PATH="$WHEEL_LIB" "$WHEEL" --transport "shm;tcp" --ucx-only "${COMMON[@]}" \
     | tag "kvxfer ucx-only" >>"$OUT"
+  # The same on transparent huge pages (HostBuffer::huge), as NIXL's numpy buffers are.
+  "$SYS" --transport "shm;tcp" --ucx-only --memory thp "${COMMON[@]}" \
+    | tag "kvxfer ucx-only" >>"$OUT"
+  LD_LIBRARY_PATH="$WHEEL_LIB" "$WHEEL" --transport "shm;tcp" --ucx-only --memory thp \
+    "${COMMON[@]}" | tag "kvxfer ucx-only" >>"$OUT"
   if [ -n "${BEFORE:-}" ]; then
     "$BEFORE" --transport "shm;tcp" "${COMMON[@]}" | tag "before: kvxfer lanes" >>"$OUT"
     # The UCX path before kvxfer set UCX_RNDV_THRESH=inf: the user's own setting wins.
@@ -69,17 +75,20 @@ for l in open(sys.argv[1]):
     ucx = r.get("ucx_version") or r.get("ucx", "")
     if r["impl"].startswith("nixl"):
         ucx = "1.23 (bundled)"
+    impl = r["impl"]
+    if r.get("memory") == "thp":
+        impl += " thp"
     key = (r["op"], r["placement"], t)
-    runs[(key, r["impl"], ucx)].append(r["median_ms"])
+    runs[(key, impl, ucx)].append(r["median_ms"])
     for f in ("memcpy_ms", "tcp_ms", "tcp_mem_ms"):
         if r.get(f):
             refs[key][f].append(r[f])
-print(f"{'op':6} {'placement':9} {'transport':9} {'implementation':24} {'UCX':15} {'median ms':>9} {'x plain TCP':>11} {'x memcpy':>8}")
+print(f"{'op':6} {'placement':9} {'transport':9} {'implementation':28} {'UCX':15} {'median ms':>9} {'x plain TCP':>11} {'x memcpy':>8}")
 for (key, impl, ucx), v in sorted(runs.items()):
     m = statistics.median(v)
     tcp = statistics.median(refs[key]["tcp_ms"]) if refs[key]["tcp_ms"] else float("nan")
     mc = statistics.median(refs[key]["memcpy_ms"]) if refs[key]["memcpy_ms"] else float("nan")
-    print(f"{key[0]:6} {key[1]:9} {key[2]:9} {impl:24} {ucx:15} {m:9.1f} {m/tcp:11.2f} {m/mc:8.2f}")
+    print(f"{key[0]:6} {key[1]:9} {key[2]:9} {impl:28} {ucx:15} {m:9.1f} {m/tcp:11.2f} {m/mc:8.2f}")
 for key in sorted(refs):
     rr = refs[key]
     print(f"{key[0]:6} {key[1]:9} {key[2]:9} reference: memcpy {statistics.median(rr['memcpy_ms']):.1f} ms, "

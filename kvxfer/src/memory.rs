@@ -40,14 +40,7 @@ impl HostBuffer {
     /// Allocates `len` zeroed bytes aligned to the page size.
     pub fn new(len: usize) -> Result<Self> {
         use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-        if len == 0 {
-            return Err(Error::InvalidArgument("host buffer of 0 bytes".into()));
-        }
-        let page = page_size();
-        let map_len = len
-            .checked_add(page - 1)
-            .map(|l| l / page * page)
-            .ok_or_else(|| Error::InvalidArgument(format!("host buffer of {len} bytes")))?;
+        let map_len = rounded_len(len, page_size())?;
         // SAFETY: the name is a NUL-terminated literal; flags are valid.
         let raw = unsafe { libc::memfd_create(c"kvxfer-kv".as_ptr(), libc::MFD_CLOEXEC) };
         let fd = if raw >= 0 {
@@ -68,26 +61,7 @@ impl HostBuffer {
             Some(fd) => (libc::MAP_SHARED, fd.as_raw_fd()),
             None => (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1),
         };
-        // SAFETY: a fresh mapping of map_len bytes (non-zero) of our own file or anonymous
-        // memory; no existing memory is affected.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                flags,
-                f,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(Error::OutOfMemory(format!(
-                "mapping {len} bytes of host memory: {}",
-                std::io::Error::last_os_error()
-            )));
-        }
-        let ptr = NonNull::new(p.cast::<u8>())
-            .ok_or_else(|| Error::OutOfMemory(format!("mapping {len} bytes: NULL")))?;
+        let ptr = map_fresh(len, map_len, flags, f)?;
         Ok(HostBuffer {
             ptr,
             len,
@@ -104,31 +78,14 @@ impl HostBuffer {
     /// transfers of it take the TCP lane or UCX.
     pub fn huge(len: usize) -> Result<Self> {
         const HUGE: usize = 2 << 20;
-        if len == 0 {
-            return Err(Error::InvalidArgument("host buffer of 0 bytes".into()));
-        }
-        let map_len = len
-            .checked_add(HUGE - 1)
-            .map(|l| l / HUGE * HUGE)
+        let map_len = rounded_len(len, HUGE)?;
+        let over = map_len
+            .checked_add(HUGE)
             .ok_or_else(|| Error::InvalidArgument(format!("host buffer of {len} bytes")))?;
-        let over = map_len + HUGE;
-        // SAFETY: a fresh private anonymous mapping (over > 0); no existing memory is affected.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                over,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(Error::OutOfMemory(format!(
-                "mapping {len} bytes of host memory: {}",
-                std::io::Error::last_os_error()
-            )));
-        }
+        let p: *mut libc::c_void =
+            map_fresh(len, over, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1)?
+                .as_ptr()
+                .cast();
         let base = p as usize;
         let start = base.next_multiple_of(HUGE);
         let (head, tail) = (start - base, base + over - (start + map_len));
@@ -579,6 +536,46 @@ impl Region {
             }),
         }
     }
+}
+
+/// `len` (non-zero) rounded up to a multiple of `unit`.
+fn rounded_len(len: usize, unit: usize) -> Result<usize> {
+    if len == 0 {
+        return Err(Error::InvalidArgument("host buffer of 0 bytes".into()));
+    }
+    len.checked_add(unit - 1)
+        .map(|l| l / unit * unit)
+        .ok_or_else(|| Error::InvalidArgument(format!("host buffer of {len} bytes")))
+}
+
+/// A fresh read-write mapping of `map_len` bytes (for a buffer of `len`) of the file `fd`, or
+/// anonymous memory with `fd` -1.
+fn map_fresh(
+    len: usize,
+    map_len: usize,
+    flags: libc::c_int,
+    fd: libc::c_int,
+) -> Result<NonNull<u8>> {
+    // SAFETY: a fresh mapping of map_len bytes (non-zero: a rounded non-zero length) of the
+    // caller's own file or anonymous memory; no existing memory is affected.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            map_len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            flags,
+            fd,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(Error::OutOfMemory(format!(
+            "mapping {len} bytes of host memory: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    NonNull::new(p.cast::<u8>())
+        .ok_or_else(|| Error::OutOfMemory(format!("mapping {len} bytes: NULL")))
 }
 
 /// The system page size.
