@@ -17,6 +17,7 @@
 #   scripts/gpu-check.sh          on the GPU machine: runs the checks with the bundle (building
 #                                 it first if it is missing). Under 8 minutes including a build.
 #
+# GPU_CHECK_RUN_TIMEOUT (seconds, default 150) bounds each of the six runs.
 # Without a GPU it says SKIP with the reason and exits 0. GPU_CHECK_MEMORY=sim runs the same
 # script on a CPU machine with simulated device memory (a dry run of the script itself; the
 # direct path then fails at registration, as it must: UCX cannot reach simulated memory).
@@ -41,6 +42,9 @@ make_bundle() {
     case "$m" in *perftest*) ;; *) cp "$m" "$bundle/lib/ucx/" ;; esac
   done
   strip --strip-unneeded "$bundle"/lib/*.so.0 "$bundle"/lib/ucx/*.so.0
+  # The wheel's vendored libraries (libucm_cuda needs its own libcudart-<hash>.so.12), which
+  # the modules find through an rpath into the wheel's tree: here through LD_LIBRARY_PATH.
+  cp "$KVXFER_UCX_PREFIX"/../libucx_cu12.libs/*.so* "$bundle/lib/"
   cp "$KVXFER_UCX_BIN/ucx_info" "$bundle/bin/"
   du -sh "$bundle"
 }
@@ -70,7 +74,7 @@ run() {
   local label="$1"
   shift
   echo "== $label" >&2
-  if ! timeout 150 "$bench" --model qwen3-0.6b --iters 5 --warmup 2 --reference --json "$@" >>"$out"; then
+  if ! timeout "${GPU_CHECK_RUN_TIMEOUT:-150}" "$bench" --model qwen3-0.6b --iters 5 --warmup 2 --reference --json "$@" >>"$out"; then
     echo "{\"label\": \"$label\", \"failed\": true}" >>"$out"
   fi
 }
@@ -88,18 +92,26 @@ done
 # what cuda_ipc gives.
 run "$mem direct write, peer-failure detection off" --memory "$mem" --gpu-path direct \
   --transport auto --op write --no-peer-failure
+# Device memory from the stream-ordered pool (cuMemAllocAsync, cudarc's default; PyTorch's
+# cudaMallocAsync backend) cannot be exported by legacy CUDA IPC: UCX then moves it by
+# software emulation over its host transports. The rows above use cuMemAlloc (PyTorch's
+# default caching allocator).
+if [ "$mem" = cuda ]; then
+  run "cuda direct write, pool memory" --memory cuda --cuda-alloc pool --gpu-path direct \
+    --transport auto --op write
+fi
 
 rc=0
 python3 - "$out" <<'EOF' || rc=$?
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-print(f"{'memory':<6} {'path':<7} {'op':<6} {'lane':<5} {'ucx transports':<28} {'MB':>5} "
+print(f"{'memory':<11} {'path':<7} {'op':<6} {'lane':<5} {'ucx transports':<28} {'MB':>5} "
       f"{'ms':>8} {'GB/s':>6} {'x_tcp':>6} {'rss_self':>9} {'rss_peer':>9} {'ok':>5}")
 for r in rows:
     if r.get("failed"):
         print(f"{r['label']}: FAILED (see the log above)")
         continue
-    print(f"{r['memory']:<6} {str(r.get('gpu_path') or '-'):<7} {r['op']:<6} {r['lane']:<5} "
+    print(f"{r['memory']:<11} {str(r.get('gpu_path') or '-'):<7} {r['op']:<6} {r['lane']:<5} "
           f"{r['transport'][:28]:<28} {r['bytes']/1e6:>5.0f} {r['median_ms']:>8.1f} "
           f"{r['gbps']:>6.2f} {r.get('x_tcp', float('nan')):>6.2f} "
           f"{r['rss_peak_self_mib']:>8.0f}M {r['rss_peak_peer_mib']:>8.0f}M {str(r['verified']):>5}")

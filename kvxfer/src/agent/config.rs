@@ -327,6 +327,23 @@ impl AgentConfig {
         if !in_env("UCX_RNDV_THRESH") {
             v.push(("RNDV_THRESH".into(), "inf".into()));
         }
+        // READ of device memory inside a host: UCX's cuda_ipc turns get_zcopy off on
+        // platforms it rates slower ("auto"), and ucp_get then falls back to software
+        // emulation over its host transports. Measured on an H200 (UCX 1.22 wheel,
+        // scripts/gpu-check.sh, 273 MB KV-shaped): direct READ 566 ms with "auto" against
+        // direct WRITE 63.5 ms over cuda_ipc. Deployments of NIXL set it on by hand. Only
+        // where UCX may use its CUDA transports; a user's own setting wins; "?": UCX builds
+        // without the cuda module do not know it.
+        let cuda = match &self.transport {
+            Transport::Auto => true,
+            Transport::Custom(l) => l
+                .split(',')
+                .any(|x| ["cuda", "all"].iter().any(|t| x.trim().starts_with(t))),
+            Transport::Tcp | Transport::Shm => false,
+        };
+        if cuda && !in_env("UCX_CUDA_IPC_ENABLE_GET_ZCOPY") {
+            v.push(("?CUDA_IPC_ENABLE_GET_ZCOPY".into(), "y".into()));
+        }
         if let Some(d) = &self.net_devices {
             v.push(("NET_DEVICES".into(), d.clone()));
         }
@@ -408,5 +425,24 @@ mod tests {
             v.last().map(|(k, v)| (k.as_str(), v.as_str())),
             Some(("RNDV_THRESH", "64k"))
         );
+    }
+
+    #[test]
+    fn cuda_ipc_get_is_on_where_ucx_may_use_cuda_unless_the_user_sets_it() {
+        let get = |c: &AgentConfig, env: &dyn Fn(&str) -> bool| {
+            c.ucx_settings_under(env)
+                .iter()
+                .find(|(k, _)| k == "?CUDA_IPC_ENABLE_GET_ZCOPY")
+                .map(|(_, v)| v.clone())
+        };
+        let none = |_: &str| false;
+        for t in [Transport::Auto, Transport::parse("cuda_ipc,cuda_copy,tcp")] {
+            let c = AgentConfig::new("a").transport(t);
+            assert_eq!(get(&c, &none).as_deref(), Some("y"));
+            assert_eq!(get(&c, &|k| k == "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"), None);
+        }
+        for t in [Transport::Tcp, Transport::Shm, Transport::parse("rc,sm")] {
+            assert_eq!(get(&AgentConfig::new("a").transport(t), &none), None);
+        }
     }
 }

@@ -13,6 +13,14 @@ pub(crate) enum Op {
 
 /// Where each side's KV buffer lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum CudaAlloc {
+    /// cuMemAlloc.
+    Plain,
+    /// cuMemAllocAsync (the stream-ordered pool).
+    Pool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub(crate) enum MemArg {
     /// Host memory (memfd-backed).
     Host,
@@ -176,6 +184,11 @@ pub(crate) struct Args {
     /// dead peer: shared memory, cuda_ipc); a dead peer is then only noticed by deadlines.
     #[arg(long)]
     pub(crate) no_peer_failure: bool,
+    /// How --memory cuda is allocated: plain (cuMemAlloc, as PyTorch's caching allocator
+    /// does; UCX's cuda_ipc can map it in a peer process) or pool (cudarc's default,
+    /// cuMemAllocAsync from the stream-ordered pool, which legacy CUDA IPC cannot export).
+    #[arg(long, value_enum, default_value = "plain")]
+    pub(crate) cuda_alloc: CudaAlloc,
     /// Device staging chunk size, KiB.
     #[arg(long, default_value_t = (kvxfer::staging::DEFAULT_STAGING_CHUNK_BYTES >> 10) as u64)]
     pub(crate) staging_chunk_kib: u64,

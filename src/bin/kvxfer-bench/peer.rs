@@ -79,7 +79,7 @@ pub(crate) fn serve(args: &Args, addr: SocketAddr) -> Result<(), BoxErr> {
 /// Deregisters the peer's buffer before the agent closes (asked to stop, or done).
 fn close(agent: &Agent, st: &mut PeerState) -> Result<(), BoxErr> {
     if let Some(r) = st.region.take() {
-        agent.deregister(&r.region)?;
+        r.release(agent)?;
     }
     Ok(())
 }
@@ -143,7 +143,7 @@ pub(crate) fn session(
                 };
                 *slots = placement(p, blocks, seed.parse()?).1;
                 if let Some(r) = region.take() {
-                    agent.deregister(&r.region)?;
+                    r.release(agent)?;
                 }
                 // Under a memory limit, refuse what cannot fit now, not at the OOM killer.
                 if let Some(limit) = cgroup_memory_limit() {

@@ -354,7 +354,10 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         "post_ms_median": median(&mut post_ms),
         "prep_ms": prep_ms,
         "verified": verified,
-        "memory": format!("{:?}", args.memory).to_lowercase(),
+        "memory": match args.memory {
+            crate::cli::MemArg::Cuda => format!("cuda-{:?}", args.cuda_alloc).to_lowercase(),
+            m => format!("{m:?}").to_lowercase(),
+        },
         "gpu_path": info.gpu_path.map(|p| p.to_string()),
         "rss_peak_self_mib": self_rss_peak as f64 / (1 << 20) as f64,
         "rss_peak_peer_mib": peer_rss_peak as f64 / (1 << 20) as f64,
@@ -386,6 +389,9 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         j["x_tcp"] = (med / t).into();
         j["x_tcp_mem"] = (med / tm).into();
     }
+    // Deregistered before the memory goes (the agent would otherwise unmap it at its drop,
+    // after the bench freed it).
+    buf.release(&agent)?;
     Ok(Row {
         case: case.clone(),
         lane: match info.gpu_path {

@@ -8,7 +8,7 @@ use kvxfer::{Agent, AgentConfig, HostBuffer, MemKind, MemoryBudget, Region, Tran
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
-use crate::cli::{Args, MemArg, Op, Placement};
+use crate::cli::{Args, CudaAlloc, MemArg, Op, Placement};
 use crate::BoxErr;
 
 /// One point of a sweep.
@@ -63,6 +63,8 @@ pub(crate) fn device(args: &Args) -> Result<Option<Device>, BoxErr> {
 pub(crate) struct Buf {
     pub(crate) region: Region,
     pub(crate) dev: Option<(Device, u32)>,
+    /// Dropped after `region` (declaration order).
+    _alloc: Option<PlainDeviceAlloc>,
 }
 
 impl Buf {
@@ -80,21 +82,35 @@ impl Buf {
             return Ok(Buf {
                 region: agent.register(b)?,
                 dev: None,
+                _alloc: None,
             });
         };
-        let region = match &d.sim {
+        let (region, alloc) = match &d.sim {
             Some(sim) => {
                 let addr = sim.alloc(len)?;
                 // SAFETY: the simulated allocation lives as long as the device, which `Buf`
                 // holds past the registration (deregistered before the device goes).
-                unsafe { agent.register_raw(addr as *mut u8, len, MemKind::Cuda(args.device)) }?
+                let r = unsafe {
+                    agent.register_raw(addr as *mut u8, len, MemKind::Cuda(args.device))
+                }?;
+                (r, None)
             }
-            None => cuda_region(agent, args.device, len)?,
+            None => cuda_region(agent, args.device, len, args.cuda_alloc)?,
         };
         Ok(Buf {
             region,
             dev: Some((d.clone(), args.device)),
+            _alloc: alloc,
         })
+    }
+
+    /// Deregisters the region, then frees device memory the bench allocated.
+    pub(crate) fn release(mut self, agent: &Agent) -> kvxfer::Result<()> {
+        agent.deregister(&self.region)?;
+        if let Some(a) = &mut self._alloc {
+            a.deregistered = true;
+        }
+        Ok(())
     }
 
     pub(crate) fn write(&self, off: u64, data: &[u8]) -> kvxfer::Result<()> {
@@ -135,15 +151,90 @@ pub(crate) fn check(r: &Region, off: u64, len: usize) -> kvxfer::Result<()> {
     Ok(())
 }
 
+/// A cuMemAlloc allocation, freed on drop once its region is deregistered
+/// ([`Buf::release`]); left allocated otherwise (an error path: the process ends soon).
 #[cfg(feature = "cuda")]
-pub(crate) fn cuda_region(agent: &Agent, device: u32, len: usize) -> Result<Region, BoxErr> {
-    let ctx = cudarc::driver::CudaContext::new(device as usize)?;
-    let buf = ctx.default_stream().alloc_zeros::<u8>(len)?;
-    Ok(agent.register(buf)?)
+pub(crate) struct PlainDeviceAlloc {
+    ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+    ptr: cudarc::driver::sys::CUdeviceptr,
+    deregistered: bool,
+}
+
+#[cfg(feature = "cuda")]
+impl Drop for PlainDeviceAlloc {
+    fn drop(&mut self) {
+        if self.deregistered && self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: ptr came from malloc_sync in this context and is freed only here, after
+            // the agent deregistered the region over it (register_raw's contract).
+            let _ = unsafe { cudarc::driver::result::free_sync(self.ptr) };
+        }
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
-pub(crate) fn cuda_region(_: &Agent, _: u32, _: usize) -> Result<Region, BoxErr> {
+pub(crate) struct PlainDeviceAlloc {
+    deregistered: bool,
+}
+
+/// The device's primary context, retained for the whole process. Each case of a sweep makes
+/// a new agent; had the previous case's buffers released the primary context (cudarc
+/// releases it with its last `CudaContext`), it would stay current on this thread after its
+/// destruction, and the next agent's UCX init (the cuda_copy memory domain sets flags on the
+/// current context) crashed inside libcuda (seen on an H200, driver 580, UCX 1.22).
+#[cfg(feature = "cuda")]
+fn process_context(device: u32) -> Result<std::sync::Arc<cudarc::driver::CudaContext>, BoxErr> {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex, OnceLock};
+    static CTX: OnceLock<Mutex<HashMap<u32, Arc<cudarc::driver::CudaContext>>>> = OnceLock::new();
+    let mut m = CTX
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(c) = m.get(&device) {
+        return Ok(c.clone());
+    }
+    let c = cudarc::driver::CudaContext::new(device as usize)?;
+    m.insert(device, c.clone());
+    Ok(c)
+}
+
+/// Device memory for --memory cuda: cuMemAlloc (plain) like PyTorch's caching allocator, or
+/// cudarc's stream-ordered pool (which CUDA IPC cannot export: UCX then moves it by software
+/// emulation over its host transports).
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_region(
+    agent: &Agent,
+    device: u32,
+    len: usize,
+    alloc: CudaAlloc,
+) -> Result<(Region, Option<PlainDeviceAlloc>), BoxErr> {
+    let ctx = process_context(device)?;
+    if alloc == CudaAlloc::Pool {
+        let buf = ctx.default_stream().alloc_zeros::<u8>(len)?;
+        return Ok((agent.register(buf)?, None));
+    }
+    ctx.bind_to_thread()?;
+    // SAFETY: a fresh allocation of len bytes, owned by the guard below; zeroed before use.
+    let ptr = unsafe { cudarc::driver::result::malloc_sync(len) }?;
+    let guard = PlainDeviceAlloc {
+        ctx,
+        ptr,
+        deregistered: false,
+    };
+    // SAFETY: ptr is a live allocation of len bytes in this context.
+    unsafe { cudarc::driver::result::memset_d8_sync(ptr, 0, len) }?;
+    // SAFETY: the allocation lives in `guard`, which `Buf` drops after the region.
+    let region = unsafe { agent.register_raw(ptr as *mut u8, len, MemKind::Cuda(device)) }?;
+    Ok((region, Some(guard)))
+}
+
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn cuda_region(
+    _: &Agent,
+    _: u32,
+    _: usize,
+    _: CudaAlloc,
+) -> Result<(Region, Option<PlainDeviceAlloc>), BoxErr> {
     Err("--memory cuda needs kvxfer-bench built with --features cuda".into())
 }
 
