@@ -296,6 +296,22 @@ impl AgentConfig {
         }
     }
 
+    /// Whether the transport list lets UCX use transports named `prefix*` (`tcp`, `cuda`).
+    fn may_use(&self, prefix: &str) -> bool {
+        match &self.transport {
+            Transport::Auto => true,
+            Transport::Tcp => prefix == "tcp",
+            Transport::Shm => false,
+            Transport::Custom(l) => match l.strip_prefix('^') {
+                Some(excluded) => !excluded.split(',').any(|x| x.trim().starts_with(prefix)),
+                None => l
+                    .split(',')
+                    .map(str::trim)
+                    .any(|x| x.starts_with(prefix) || x == "all"),
+            },
+        }
+    }
+
     pub(super) fn ucx_settings(&self) -> Vec<(String, String)> {
         self.ucx_settings_under(|k| std::env::var_os(k).is_some())
     }
@@ -334,15 +350,21 @@ impl AgentConfig {
         // direct WRITE 63.5 ms over cuda_ipc. Deployments of NIXL set it on by hand. Only
         // where UCX may use its CUDA transports; a user's own setting wins; "?": UCX builds
         // without the cuda module do not know it.
-        let cuda = match &self.transport {
-            Transport::Auto => true,
-            Transport::Custom(l) => l
-                .split(',')
-                .any(|x| ["cuda", "all"].iter().any(|t| x.trim().starts_with(t))),
-            Transport::Tcp | Transport::Shm => false,
-        };
-        if cuda && !in_env("UCX_CUDA_IPC_ENABLE_GET_ZCOPY") {
+        if self.may_use("cuda") && !in_env("UCX_CUDA_IPC_ENABLE_GET_ZCOPY") {
             v.push(("?CUDA_IPC_ENABLE_GET_ZCOPY".into(), "y".into()));
+        }
+        // UCX's TCP transport sends at most TX_SEG_SIZE (8 KiB) per active-message fragment.
+        // Every RMA over TCP that UCX emulates with active messages (all of them in UCX 1.13,
+        // every GET in 1.22) was cut into 5 fragments per 32 KiB KV block; 64 KiB (its
+        // receive segment's default) sends a block whole. KV-shaped 273 MB over tcp/lo,
+        // alternated runs: UCX 1.13 WRITE random 176-179 -> 88-90 ms, READ random 150-262 ->
+        // 69-73 ms, one region 137-148 -> 67-110 ms; UCX 1.22 READ random 152-153 -> 72-73 ms
+        // (its WRITE is zero-copy: unchanged); peak RSS unchanged at concurrency 4.
+        // Spelled "TX_SEG_SIZE" for UCX 1.13 (which applies its cached transport settings
+        // without the "TCP_" prefix, and warns about the prefixed name as unused) and
+        // "TCP_TX_SEG_SIZE" for 1.22 (which refuses the bare one).
+        if self.may_use("tcp") && !in_env("UCX_TCP_TX_SEG_SIZE") {
+            v.push(("TX_SEG_SIZE|TCP_TX_SEG_SIZE".into(), "64K".into()));
         }
         if let Some(d) = &self.net_devices {
             v.push(("NET_DEVICES".into(), d.clone()));
@@ -443,6 +465,34 @@ mod tests {
         }
         for t in [Transport::Tcp, Transport::Shm, Transport::parse("rc,sm")] {
             assert_eq!(get(&AgentConfig::new("a").transport(t), &none), None);
+        }
+    }
+
+    #[test]
+    fn tcp_segments_hold_a_kv_block_where_ucx_may_use_tcp_unless_the_user_sets_it() {
+        let seg = |c: &AgentConfig, env: &dyn Fn(&str) -> bool| {
+            c.ucx_settings_under(env)
+                .iter()
+                .find(|(k, _)| k == "TX_SEG_SIZE|TCP_TX_SEG_SIZE")
+                .map(|(_, v)| v.clone())
+        };
+        let none = |_: &str| false;
+        for t in [
+            Transport::Tcp,
+            Transport::Auto,
+            Transport::parse("tcp,sm"),
+            Transport::parse("^rc"),
+        ] {
+            let c = AgentConfig::new("a").transport(t);
+            assert_eq!(seg(&c, &none).as_deref(), Some("64K"));
+            assert_eq!(seg(&c, &|k| k == "UCX_TCP_TX_SEG_SIZE"), None);
+        }
+        for t in [
+            Transport::Shm,
+            Transport::parse("rc,sm"),
+            Transport::parse("^tcp"),
+        ] {
+            assert_eq!(seg(&AgentConfig::new("a").transport(t), &none), None);
         }
     }
 }

@@ -161,20 +161,28 @@ pub(crate) fn context_new(
     };
     for (k, v) in settings {
         // A "?" prefix marks a setting that only some UCX builds know (e.g. of the IB
-        // component): applied where it exists, skipped where it does not.
+        // component): applied where it exists, skipped where it does not. "A|B" names one
+        // setting that UCX versions spell differently: the first name UCX accepts is used.
         let (k, optional) = match k.strip_prefix('?') {
             Some(k) => (k.to_string(), true),
             None => (k.clone(), false),
         };
-        let (ck, cv) = match (CString::new(k.as_str()), CString::new(v.as_str())) {
-            (Ok(a), Ok(b)) => (a, b),
-            _ => {
-                release(cfg);
-                return Err((format!("ucp_config_modify({k})"), status(-5)));
+        let mut last = Ok(());
+        for name in k.split('|') {
+            let (ck, cv) = match (CString::new(name), CString::new(v.as_str())) {
+                (Ok(a), Ok(b)) => (a, b),
+                _ => {
+                    release(cfg);
+                    return Err((format!("ucp_config_modify({name})"), status(-5)));
+                }
+            };
+            // SAFETY: cfg is live; ck/cv are NUL-terminated and outlive the call (UCX copies).
+            last = check(unsafe { sys::ucp_config_modify(cfg, ck.as_ptr(), cv.as_ptr()) });
+            if last.is_ok() {
+                break;
             }
-        };
-        // SAFETY: cfg is live; ck/cv are NUL-terminated and outlive the call (UCX copies).
-        if let Err(s) = check(unsafe { sys::ucp_config_modify(cfg, ck.as_ptr(), cv.as_ptr()) }) {
+        }
+        if let Err(s) = last {
             if optional {
                 continue;
             }
