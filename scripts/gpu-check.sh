@@ -111,7 +111,8 @@ for r in rows:
     if r.get("failed"):
         print(f"{r['label']}: FAILED (see the log above)")
         continue
-    print(f"{r['memory']:<11} {str(r.get('gpu_path') or '-'):<7} {r['op']:<6} {r['lane']:<5} "
+    mem = r['memory'] + (f"-{r['cuda_alloc']}" if r.get('cuda_alloc') else "")
+    print(f"{mem:<11} {str(r.get('gpu_path') or '-'):<7} {r['op']:<6} {r['lane']:<5} "
           f"{r['transport'][:28]:<28} {r['bytes']/1e6:>5.0f} {r['median_ms']:>8.1f} "
           f"{r['gbps']:>6.2f} {r.get('x_tcp', float('nan')):>6.2f} "
           f"{r['rss_peak_self_mib']:>8.0f}M {r['rss_peak_peer_mib']:>8.0f}M {str(r['verified']):>5}")

@@ -53,10 +53,13 @@ fn bench(args: &[&str]) -> (Vec<serde_json::Value>, String) {
 
 #[test]
 fn staged_cuda_memory_through_the_cuda_engine_both_ops_tcp_and_shm() {
-    for transport in ["tcp", "shm"] {
+    // plain: cuMemAlloc (the default); pool: cudarc's stream-ordered allocation.
+    for (transport, alloc) in [("tcp", "plain"), ("shm", "plain"), ("tcp", "pool")] {
         let (lines, stderr) = bench(&[
             "--transport",
             transport,
+            "--cuda-alloc",
+            alloc,
             "--op",
             "write,read",
             "--blocks",
@@ -71,6 +74,7 @@ fn staged_cuda_memory_through_the_cuda_engine_both_ops_tcp_and_shm() {
         for j in &lines {
             assert_eq!(j["verified"], true, "{j}");
             assert_eq!(j["memory"], "cuda", "{j}");
+            assert_eq!(j["cuda_alloc"], alloc, "{j}");
             assert_eq!(j["gpu_path"], "staged", "{j}");
             assert_eq!(j["lane"], "tcp", "{j}");
             assert_eq!(j["staging_mib"], 0.5, "{j}");
