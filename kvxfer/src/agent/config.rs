@@ -322,14 +322,7 @@ impl AgentConfig {
         // kvxfer registers its regions explicitly; UCX's registration cache only serves
         // implicit registrations, and its default limits are infinite (memory grows with
         // every buffer UCX ever saw). Bounded here; `AgentConfig::ucx` overrides.
-        let ib = match &self.transport {
-            Transport::Auto => true,
-            Transport::Custom(l) => ["rc", "ud", "dc", "ib", "all"]
-                .iter()
-                .any(|t| l.split(',').any(|x| x.trim().starts_with(t))),
-            Transport::Tcp | Transport::Shm => false,
-        };
-        if ib {
+        if ["rc", "ud", "dc", "ib"].iter().any(|t| self.may_use(t)) {
             // Only where IB transports may be used: UCX warns about settings no transport
             // of the context consumed.
             v.push(("?IB_RCACHE_MAX_SIZE".into(), "4G".into()));
@@ -343,13 +336,12 @@ impl AgentConfig {
         if !in_env("UCX_RNDV_THRESH") {
             v.push(("RNDV_THRESH".into(), "inf".into()));
         }
-        // READ of device memory inside a host: UCX's cuda_ipc turns get_zcopy off on
+        // READ of device memory inside a host: UCX 1.22's cuda_ipc leaves get_zcopy off on
         // platforms it rates slower ("auto"), and ucp_get then falls back to software
-        // emulation over its host transports. Measured on an H200 (UCX 1.22 wheel,
-        // scripts/gpu-check.sh, 273 MB KV-shaped): direct READ 566 ms with "auto" against
-        // direct WRITE 63.5 ms over cuda_ipc. Deployments of NIXL set it on by hand. Only
-        // where UCX may use its CUDA transports; a user's own setting wins; "?": UCX builds
-        // without the cuda module do not know it.
+        // emulation over its host transports. H200, UCX 1.22 wheel, 273 MB KV-shaped, random
+        // blocks, same run: direct READ 709.7 ms with "auto", 69.5 ms with "y". Only where
+        // UCX may use its CUDA transports; a user's own setting wins; "?": UCX builds without
+        // the cuda module do not know it.
         if self.may_use("cuda") && !in_env("UCX_CUDA_IPC_ENABLE_GET_ZCOPY") {
             v.push(("?CUDA_IPC_ENABLE_GET_ZCOPY".into(), "y".into()));
         }
@@ -357,9 +349,11 @@ impl AgentConfig {
         // Every RMA over TCP that UCX emulates with active messages (all of them in UCX 1.13,
         // every GET in 1.22) was cut into 5 fragments per 32 KiB KV block; 64 KiB (its
         // receive segment's default) sends a block whole. KV-shaped 273 MB over tcp/lo,
-        // alternated runs: UCX 1.13 WRITE random 176-179 -> 88-90 ms, READ random 150-262 ->
-        // 69-73 ms, one region 137-148 -> 67-110 ms; UCX 1.22 READ random 152-153 -> 72-73 ms
-        // (its WRITE is zero-copy: unchanged); peak RSS unchanged at concurrency 4.
+        // alternated runs against UCX_TCP_TX_SEG_SIZE=8K: UCX 1.13 WRITE random 177-184 ->
+        // 86-88 ms, READ random 158-181 -> 74-76 ms, WRITE one region 150-153 -> 89-124 ms
+        // (its READ of one region turned bimodal: 57-61 or 180-197 ms per iteration, against
+        // ~130 ms); UCX 1.22 READ random 153-156 -> 73-75 ms (its WRITE is zero-copy:
+        // unchanged); peak RSS unchanged at concurrency 4.
         // Spelled "TX_SEG_SIZE" for UCX 1.13 (which applies its cached transport settings
         // without the "TCP_" prefix, and warns about the prefixed name as unused) and
         // "TCP_TX_SEG_SIZE" for 1.22 (which refuses the bare one).
@@ -427,19 +421,22 @@ impl Compressing {
 mod tests {
     use super::*;
 
+    /// The value kvxfer gives the setting `key`, given which `UCX_*` variables are set.
+    fn setting(c: &AgentConfig, key: &str, in_env: impl Fn(&str) -> bool) -> Option<String> {
+        c.ucx_settings_under(in_env)
+            .into_iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v)
+    }
+
     #[test]
     fn rendezvous_threshold_defaults_to_inf_unless_the_user_sets_it() {
         let c = AgentConfig::new("a").transport(Transport::Tcp);
-        let set = |v: &[(String, String)]| {
-            v.iter()
-                .find(|(k, _)| k == "RNDV_THRESH")
-                .map(|(_, v)| v.clone())
-        };
         assert_eq!(
-            set(&c.ucx_settings_under(|_| false)).as_deref(),
+            setting(&c, "RNDV_THRESH", |_| false).as_deref(),
             Some("inf")
         );
-        assert_eq!(set(&c.ucx_settings_under(|k| k == "UCX_RNDV_THRESH")), None);
+        assert_eq!(setting(&c, "RNDV_THRESH", |k| k == "UCX_RNDV_THRESH"), None);
         // AgentConfig::ucx_setting comes last, so it wins over the default too.
         let c = c.ucx_setting("RNDV_THRESH", "64k");
         let v = c.ucx_settings_under(|_| false);
@@ -450,12 +447,29 @@ mod tests {
     }
 
     #[test]
+    fn ib_registration_cache_is_bounded_where_ucx_may_use_ib() {
+        let none = |_: &str| false;
+        for t in [
+            Transport::Auto,
+            Transport::parse("rc,sm"),
+            Transport::parse("^tcp"),
+        ] {
+            let c = AgentConfig::new("a").transport(t);
+            assert_eq!(
+                setting(&c, "?IB_RCACHE_MAX_SIZE", none).as_deref(),
+                Some("4G")
+            );
+        }
+        for t in [Transport::Tcp, Transport::Shm, Transport::parse("tcp,sm")] {
+            let c = AgentConfig::new("a").transport(t);
+            assert_eq!(setting(&c, "?IB_RCACHE_MAX_SIZE", none), None);
+        }
+    }
+
+    #[test]
     fn cuda_ipc_get_is_on_where_ucx_may_use_cuda_unless_the_user_sets_it() {
         let get = |c: &AgentConfig, env: &dyn Fn(&str) -> bool| {
-            c.ucx_settings_under(env)
-                .iter()
-                .find(|(k, _)| k == "?CUDA_IPC_ENABLE_GET_ZCOPY")
-                .map(|(_, v)| v.clone())
+            setting(c, "?CUDA_IPC_ENABLE_GET_ZCOPY", env)
         };
         let none = |_: &str| false;
         for t in [Transport::Auto, Transport::parse("cuda_ipc,cuda_copy,tcp")] {
@@ -471,10 +485,7 @@ mod tests {
     #[test]
     fn tcp_segments_hold_a_kv_block_where_ucx_may_use_tcp_unless_the_user_sets_it() {
         let seg = |c: &AgentConfig, env: &dyn Fn(&str) -> bool| {
-            c.ucx_settings_under(env)
-                .iter()
-                .find(|(k, _)| k == "TX_SEG_SIZE|TCP_TX_SEG_SIZE")
-                .map(|(_, v)| v.clone())
+            setting(c, "TX_SEG_SIZE|TCP_TX_SEG_SIZE", env)
         };
         let none = |_: &str| false;
         for t in [

@@ -20,6 +20,16 @@ pub(crate) enum CudaAlloc {
     Pool,
 }
 
+impl CudaAlloc {
+    /// The name on the command line and in the JSON report.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            CudaAlloc::Plain => "plain",
+            CudaAlloc::Pool => "pool",
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub(crate) enum MemArg {
     /// Host memory (memfd-backed).

@@ -6,7 +6,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::cli::{Args, CudaAlloc, MemArg};
+use crate::cli::{Args, MemArg};
 use crate::BoxErr;
 
 pub(crate) struct Ctl {
@@ -80,10 +80,7 @@ pub(crate) fn spawn_peer(args: &Args, transport: &str) -> Result<(Peer, SocketAd
         "--gpu-path",
         &args.gpu_path.to_string(),
         "--cuda-alloc",
-        match args.cuda_alloc {
-            CudaAlloc::Plain => "plain",
-            CudaAlloc::Pool => "pool",
-        },
+        args.cuda_alloc.name(),
         "--staging-chunks",
         &args.staging_chunks.to_string(),
         "--staging-chunk-kib",

@@ -356,7 +356,7 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         "verified": verified,
         "memory": format!("{:?}", args.memory).to_lowercase(),
         "cuda_alloc": (args.memory == crate::cli::MemArg::Cuda)
-            .then(|| format!("{:?}", args.cuda_alloc).to_lowercase()),
+            .then(|| args.cuda_alloc.name()),
         "gpu_path": info.gpu_path.map(|p| p.to_string()),
         "rss_peak_self_mib": self_rss_peak as f64 / (1 << 20) as f64,
         "rss_peak_peer_mib": peer_rss_peak as f64 / (1 << 20) as f64,

@@ -63,8 +63,8 @@ pub(crate) fn device(args: &Args) -> Result<Option<Device>, BoxErr> {
 pub(crate) struct Buf {
     pub(crate) region: Region,
     pub(crate) dev: Option<(Device, u32)>,
-    /// Dropped after `region` (declaration order).
-    _alloc: Option<PlainDeviceAlloc>,
+    /// Device memory the bench allocated; freed only after [`Buf::release`].
+    alloc: Option<PlainDeviceAlloc>,
 }
 
 impl Buf {
@@ -82,7 +82,7 @@ impl Buf {
             return Ok(Buf {
                 region: agent.register(b)?,
                 dev: None,
-                _alloc: None,
+                alloc: None,
             });
         };
         let (region, alloc) = match &d.sim {
@@ -100,15 +100,15 @@ impl Buf {
         Ok(Buf {
             region,
             dev: Some((d.clone(), args.device)),
-            _alloc: alloc,
+            alloc,
         })
     }
 
     /// Deregisters the region, then frees device memory the bench allocated.
     pub(crate) fn release(mut self, agent: &Agent) -> kvxfer::Result<()> {
         agent.deregister(&self.region)?;
-        if let Some(a) = &mut self._alloc {
-            a.deregistered = true;
+        if let Some(a) = &mut self.alloc {
+            a.deregistered();
         }
         Ok(())
     }
@@ -171,9 +171,23 @@ impl Drop for PlainDeviceAlloc {
     }
 }
 
+#[cfg(feature = "cuda")]
+impl PlainDeviceAlloc {
+    /// The region over it is deregistered: drop may free it.
+    fn deregistered(&mut self) {
+        self.deregistered = true;
+    }
+}
+
+/// Without the `cuda` feature no device memory is allocated.
 #[cfg(not(feature = "cuda"))]
-pub(crate) struct PlainDeviceAlloc {
-    deregistered: bool,
+pub(crate) enum PlainDeviceAlloc {}
+
+#[cfg(not(feature = "cuda"))]
+impl PlainDeviceAlloc {
+    fn deregistered(&mut self) {
+        match *self {}
+    }
 }
 
 /// The device's primary context, retained for the whole process. Each case of a sweep makes
@@ -214,7 +228,8 @@ pub(crate) fn cuda_region(
         return Ok((agent.register(buf)?, None));
     }
     ctx.bind_to_thread()?;
-    // SAFETY: a fresh allocation of len bytes, owned by the guard below; zeroed before use.
+    // SAFETY: the context is current on this thread (bound above); the new allocation is
+    // owned by the guard below and zeroed before any use.
     let ptr = unsafe { cudarc::driver::result::malloc_sync(len) }?;
     let guard = PlainDeviceAlloc {
         ctx,
@@ -223,7 +238,8 @@ pub(crate) fn cuda_region(
     };
     // SAFETY: ptr is a live allocation of len bytes in this context.
     unsafe { cudarc::driver::result::memset_d8_sync(ptr, 0, len) }?;
-    // SAFETY: the allocation lives in `guard`, which `Buf` drops after the region.
+    // SAFETY: the guard frees the allocation only after Buf::release has deregistered the
+    // region (register_raw's contract); on any other path it is never freed.
     let region = unsafe { agent.register_raw(ptr as *mut u8, len, MemKind::Cuda(device)) }?;
     Ok((region, Some(guard)))
 }

@@ -167,14 +167,15 @@ pub(crate) fn context_new(
             Some(k) => (k.to_string(), true),
             None => (k.clone(), false),
         };
+        let Ok(cv) = CString::new(v.as_str()) else {
+            release(cfg);
+            return Err((format!("ucp_config_modify({k})"), status(-5)));
+        };
         let mut last = Ok(());
         for name in k.split('|') {
-            let (ck, cv) = match (CString::new(name), CString::new(v.as_str())) {
-                (Ok(a), Ok(b)) => (a, b),
-                _ => {
-                    release(cfg);
-                    return Err((format!("ucp_config_modify({name})"), status(-5)));
-                }
+            let Ok(ck) = CString::new(name) else {
+                release(cfg);
+                return Err((format!("ucp_config_modify({name})"), status(-5)));
             };
             // SAFETY: cfg is live; ck/cv are NUL-terminated and outlive the call (UCX copies).
             last = check(unsafe { sys::ucp_config_modify(cfg, ck.as_ptr(), cv.as_ptr()) });
