@@ -9,6 +9,13 @@ if ! command -v cargo >/dev/null; then
   exit 1
 fi
 export CARGO_TERM_COLOR=never
+# One pass over fresh builds: incremental state only helps an edit loop, and costs disk.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+# KVXFER_PRUNE=1 (CI): each stage's build directory is removed once no later stage needs it.
+prune() {
+  echo "kvxfer: disk after the stage: target $(du -sh target 2>/dev/null | cut -f1), $(df -h --output=avail . | tail -n 1 | tr -d ' ') free"
+  if [ "${KVXFER_PRUNE:-0}" = 1 ]; then rm -rf "$@"; fi
+}
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 
@@ -59,6 +66,7 @@ echo "== vLLM plugin against the real vllm==0.33.0 (CPU)"
   echo "test result: python. $counts" | tee -a "$log"
   [ "$rc" = 0 ] || echo "kvxfer: python tests failed" >&2
 )
+prune target/ucx-system .venv
 
 echo "== UCX: 1.22 wheel (libucx-cu12)"
 (
@@ -67,14 +75,19 @@ echo "== UCX: 1.22 wheel (libucx-cu12)"
   KVXFER_SPLIT_TARGET=1 source scripts/ucx-env.sh
   cargo test --workspace 2>&1 | tee -a "$log"
 )
+prune target/ucx-wheel
 
 echo "== Checkers (short): loom, Miri, AddressSanitizer, 10 s of fuzzing per decoder"
 (
   export KVXFER_UCX=system
   scripts/sanitizers.sh loom 2>&1 | tee -a "$log"
+  prune target/loom
   scripts/sanitizers.sh miri 2>&1 | tee -a "$log"
+  prune target/miri
   scripts/sanitizers.sh asan 2>&1 | tee -a "$log"
+  prune target/asan
   scripts/fuzz.sh 10
+  prune
 )
 
 # One closing line over both runs (cargo's own last line is often a crate with no doctests).
