@@ -1,14 +1,23 @@
 //! The TCP lane's target side: hello, request header, segment table or paged table.
 #![no_main]
 use kvxfer_proto::wire::lane::{
-    encode_paged, paged_table_len, parse_hello, parse_paged, parse_request_header,
-    parse_segments, RequestHeader, Segment, HEADER_LEN, HELLO_FIXED_LEN, K_READ, K_WRITE, SEG_LEN,
+    encode_paged, hello_rest_len, paged_table_len, parse_hello, parse_hello_rest, parse_paged,
+    parse_request_header, parse_segments, Hello, RequestHeader, Segment, HEADER_LEN,
+    HELLO_FIXED_LEN, K_READ, K_WRITE, SEG_LEN,
 };
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     if data.len() >= HELLO_FIXED_LEN {
-        let _ = parse_hello(data[..HELLO_FIXED_LEN].try_into().unwrap());
+        if let Ok(n) = parse_hello(data[..HELLO_FIXED_LEN].try_into().unwrap()) {
+            // A whole hello with a UTF-8 name re-encodes to its bytes (epoch included).
+            let end = HELLO_FIXED_LEN + hello_rest_len(n);
+            if data.len() >= end && std::str::from_utf8(&data[HELLO_FIXED_LEN..][..n]).is_ok() {
+                let h = parse_hello_rest(&data[HELLO_FIXED_LEN..end], n).unwrap();
+                let again = Hello { name: &h.name, secret: h.secret, epoch: h.epoch }.encode();
+                assert_eq!(again, &data[..end]);
+            }
+        }
     }
     if data.len() >= HEADER_LEN {
         if let Ok(h) = parse_request_header(data[..HEADER_LEN].try_into().unwrap()) {

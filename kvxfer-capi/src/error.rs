@@ -39,6 +39,7 @@ pub(crate) fn status_of(e: &Error) -> kvx_status {
         Error::StalePeer { .. } => KVX_STALE,
         Error::PeerFailed { .. }
         | Error::LaneFailed { .. }
+        | Error::Fenced { .. }
         | Error::NoCommonTransport { .. }
         | Error::Frame { .. } => KVX_PEER_FAILED,
         Error::Handoff { .. } => KVX_HANDOFF,

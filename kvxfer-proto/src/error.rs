@@ -306,6 +306,16 @@ pub enum Error {
         /// What happened.
         why: String,
     },
+    /// The TCP lane's target fenced this agent's writes (`Agent::fence_inbound` there) after
+    /// this transfer was queued, before this agent learned of it: nothing of it was written.
+    /// What is queued from now on carries the count and is served.
+    #[error("tcp lane to {agent:?}: fenced by the target (its fence count of this agent is now {epoch}) after this transfer was queued: nothing of it was written")]
+    Fenced {
+        /// The target's name.
+        agent: String,
+        /// The target's fence count for this agent.
+        epoch: u64,
+    },
     /// A connector handoff was refused or cannot be served (expired lease, aborted or unknown
     /// request, incompatible layout).
     #[error("handoff of request {request:?}: {why}")]

@@ -20,9 +20,10 @@ use std::time::Duration;
 use crate::compress::planes::Transform;
 use crate::paged::WINDOW_BLOCKS;
 use crate::wire::lane::{
-    encode_reply, encode_welcome, parse_hello, parse_hello_rest, parse_paged, parse_request_header,
-    request_id, segments, ReplyHeader, RequestHeader, Table, HEADER_LEN, HELLO_FIXED_LEN, K_ACK,
-    K_DATA, K_WRITE, SECRET_LEN, SEG_LEN,
+    encode_reply, encode_welcome, hello_rest_len, parse_hello, parse_hello_rest, parse_paged,
+    parse_request_header, request_id, segments, HelloRest, ReplyHeader, RequestHeader, Table,
+    HEADER_LEN, HELLO_FIXED_LEN, K_ACK, K_DATA, K_WRITE, SECRET_LEN, SEG_LEN, W_FENCED, W_OK,
+    W_REFUSED,
 };
 use crate::wire::notify::{self, Notification};
 
@@ -136,6 +137,8 @@ pub struct LaneTarget {
     state: State,
     pending: Pending,
     peer: Option<String>,
+    /// The fence epoch the initiator's hello named.
+    epoch: u64,
     /// When bytes of the current message last moved (None: between messages).
     message_since: Option<Duration>,
     events: VecDeque<TargetEvent>,
@@ -151,6 +154,7 @@ impl LaneTarget {
             state: State::HelloFixed,
             pending: Pending::None,
             peer: None,
+            epoch: 0,
             message_since: Some(now),
             events: VecDeque::new(),
         }
@@ -161,7 +165,7 @@ impl LaneTarget {
     pub fn want(&self) -> Option<usize> {
         match &self.state {
             State::HelloFixed => Some(HELLO_FIXED_LEN),
-            State::HelloRest { name_len } => Some(name_len + SECRET_LEN),
+            State::HelloRest { name_len } => Some(hello_rest_len(*name_len)),
             State::Header => Some(HEADER_LEN),
             State::Segments { header } => Some(header.table_len()),
             State::Note { header, .. } => Some(header.notif_len),
@@ -182,6 +186,28 @@ impl LaneTarget {
     /// The initiator's name, once its hello was accepted.
     pub fn peer(&self) -> Option<&str> {
         self.peer.as_deref()
+    }
+
+    /// The fence epoch the initiator's accepted hello named (0 before).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The shell found the initiator fenced after the epoch its hello named (the target's
+    /// count is `current`): instead of the welcome it was to get, it is told the count and
+    /// the connection closes. Nothing it sends is taken.
+    pub fn refuse_fenced(&mut self, current: u64) {
+        self.events.clear();
+        let why = format!(
+            "fenced: the target fenced this initiator (epoch {current}) after the epoch its \
+             transfer was queued under ({})",
+            self.epoch
+        );
+        self.events.push_back(TargetEvent::Transmit(encode_welcome(
+            W_FENCED, current, &why,
+        )));
+        self.peer = None;
+        self.close(why);
     }
 
     /// The next thing to do.
@@ -222,23 +248,29 @@ impl LaneTarget {
                     Err(why) => {
                         let why = format!("bad hello: {why}");
                         self.events
-                            .push_back(TargetEvent::Transmit(encode_welcome(1, &why)));
+                            .push_back(TargetEvent::Transmit(encode_welcome(W_REFUSED, 0, &why)));
                         self.close(why);
                     }
                 }
             }
             State::HelloRest { name_len } => match parse_hello_rest(b, name_len) {
-                Some((name, secret)) if secret == self.secret => {
+                Some(HelloRest {
+                    name,
+                    secret,
+                    epoch,
+                }) if secret == self.secret => {
                     self.events
-                        .push_back(TargetEvent::Transmit(encode_welcome(0, "")));
+                        .push_back(TargetEvent::Transmit(encode_welcome(W_OK, epoch, "")));
                     self.events
                         .push_back(TargetEvent::Accepted { name: name.clone() });
                     self.peer = Some(name);
+                    self.epoch = epoch;
                     self.between_messages();
                 }
-                Some((name, _)) => {
+                Some(HelloRest { name, .. }) => {
                     self.events.push_back(TargetEvent::Transmit(encode_welcome(
-                        1,
+                        W_REFUSED,
+                        0,
                         "wrong lane secret: load this agent's current metadata",
                     )));
                     self.close(format!("{name:?} presented a wrong secret"));
@@ -495,16 +527,43 @@ pub enum ReplyError {
     Refused(String),
 }
 
+/// A target's refusal of a hello.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The initiator was fenced after the epoch its hello named: the target's count is
+    /// `epoch`, for the transfers queued from now on.
+    Fenced {
+        /// The target's fence count for this initiator.
+        epoch: u64,
+        /// The target's words.
+        why: String,
+    },
+    /// A bad hello or a wrong secret.
+    Refused(String),
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refusal::Fenced { why, .. } | Refusal::Refused(why) => f.write_str(why),
+        }
+    }
+}
+
 /// What an initiator checks of the target's answers.
 #[derive(Debug)]
 pub struct LaneInitiator;
 
 impl LaneInitiator {
     /// The welcome: `Err` is the target's refusal.
-    pub fn welcome(status: u8, msg: &[u8]) -> Result<(), String> {
+    pub fn welcome(status: u8, epoch: u64, msg: &[u8]) -> Result<(), Refusal> {
         match status {
-            0 => Ok(()),
-            _ => Err(String::from_utf8_lossy(msg).into_owned()),
+            W_OK => Ok(()),
+            W_FENCED => Err(Refusal::Fenced {
+                epoch,
+                why: String::from_utf8_lossy(msg).into_owned(),
+            }),
+            _ => Err(Refusal::Refused(String::from_utf8_lossy(msg).into_owned())),
         }
     }
 
@@ -691,6 +750,7 @@ mod tests {
         Hello {
             name: "prefill",
             secret,
+            epoch: 0,
         }
         .encode()
     }
@@ -734,7 +794,7 @@ mod tests {
     /// Splits the target's output into the welcome and the replies that follow.
     fn replies(out: &[u8]) -> (u8, Vec<(ReplyHeader, String)>, Vec<u8>) {
         let welcome = out[0];
-        let mut at = WELCOME_FIXED_LEN + u16::from_le_bytes([out[1], out[2]]) as usize;
+        let mut at = WELCOME_FIXED_LEN + u16::from_le_bytes([out[9], out[10]]) as usize;
         let mut rs = Vec::new();
         let mut rest = Vec::new();
         while at + REPLY_FIXED_LEN <= out.len() {
@@ -753,6 +813,34 @@ mod tests {
 
     fn note(from: &str, text: &str) -> Vec<u8> {
         notify::encode(from, text.as_bytes())
+    }
+
+    #[test]
+    fn a_fenced_hello_is_told_the_count_instead_of_the_welcome() {
+        let mut t = LaneTarget::new(SECRET, Duration::from_secs(1), Duration::ZERO);
+        let h = Hello {
+            name: "prefill",
+            secret: SECRET,
+            epoch: 1,
+        }
+        .encode();
+        t.on_bytes(&h[..HELLO_FIXED_LEN], Duration::ZERO);
+        t.on_bytes(&h[HELLO_FIXED_LEN..], Duration::ZERO);
+        assert_eq!((t.peer(), t.epoch()), (Some("prefill"), 1));
+        // The shell's count is 2: the queued welcome and acceptance are replaced.
+        t.refuse_fenced(2);
+        let evs: Vec<_> = std::iter::from_fn(|| t.poll_event()).collect();
+        let [TargetEvent::Transmit(w), TargetEvent::Close { .. }] = &evs[..] else {
+            panic!("{evs:?}");
+        };
+        let (status, epoch, n) =
+            crate::wire::lane::parse_welcome(w[..WELCOME_FIXED_LEN].try_into().unwrap());
+        assert_eq!((status, epoch), (W_FENCED, 2));
+        assert!(matches!(
+            LaneInitiator::welcome(status, epoch, &w[WELCOME_FIXED_LEN..WELCOME_FIXED_LEN + n]),
+            Err(Refusal::Fenced { epoch: 2, .. })
+        ));
+        assert!(t.is_closed() && t.peer().is_none() && t.want().is_none());
     }
 
     #[test]
@@ -1160,7 +1248,17 @@ mod tests {
             LaneInitiator::reply(&refused, b"no", K_ACK, 5),
             Err(ReplyError::Refused("no".into()))
         );
-        assert_eq!(LaneInitiator::welcome(1, b"wrong"), Err("wrong".into()));
-        assert_eq!(LaneInitiator::welcome(0, b""), Ok(()));
+        assert_eq!(
+            LaneInitiator::welcome(W_REFUSED, 0, b"wrong"),
+            Err(Refusal::Refused("wrong".into()))
+        );
+        assert_eq!(
+            LaneInitiator::welcome(W_FENCED, 3, b"fenced"),
+            Err(Refusal::Fenced {
+                epoch: 3,
+                why: "fenced".into()
+            })
+        );
+        assert_eq!(LaneInitiator::welcome(W_OK, 0, b""), Ok(()));
     }
 }

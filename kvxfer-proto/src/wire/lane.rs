@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! hello    initiator → target  "KVXT" | version u16 | name_len u16 | name | secret [16]
-//! welcome  target → initiator  status u8 | msg_len u16 | msg
+//!                              | epoch u64
+//! welcome  target → initiator  status u8 | epoch u64 | msg_len u16 | msg
 //! request  initiator → target  kind u8 (1 write, 2 read; bits 4-5: the data as frames, see
 //!                              below; bit 6: a paged table) | id u64 | nsegs u32 | notif_len u32
 //!                              | { region u32 | offset u64 | len u64 }*nsegs
@@ -29,6 +30,12 @@
 //! travel once, not once per layer); `total` is the sum of the entries' bytes, which a target
 //! that refuses the request drains without decoding the rest. The data of a paged request moves
 //! in windows ([`crate::paged::Windows`]) cut at the same blocks on both ends. Bit 7 is 0.
+//!
+//! The epochs fence a writer ([`W_FENCED`]): the target counts the fences of each initiator
+//! name; a hello names the count the initiator last learned when its transfer was queued, and
+//! one that names fewer than the target's count is refused with the count, which the
+//! initiator learns for the transfers it queues after. A transfer queued before the initiator
+//! learned of a fence is so refused, however late its connection opens.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -41,8 +48,8 @@ use crate::wire::notify;
 
 /// First bytes of a hello.
 pub const MAGIC: &[u8; 4] = b"KVXT";
-/// Lane protocol version.
-pub const VERSION: u16 = 1;
+/// Lane protocol version (2: the fence epochs in the hello and the welcome).
+pub const VERSION: u16 = 2;
 /// Request kind: the data follows the segment table.
 pub const K_WRITE: u8 = 1;
 /// Request kind: the target sends the data after its reply.
@@ -55,8 +62,17 @@ pub const K_DATA: u8 = 4;
 pub const HELLO_FIXED_LEN: usize = 4 + 2 + 2;
 /// Bytes of the lane secret.
 pub const SECRET_LEN: usize = 16;
-/// Bytes of a welcome before its message: status, message length.
-pub const WELCOME_FIXED_LEN: usize = 1 + 2;
+/// Bytes of a hello's epoch (after its secret).
+pub const EPOCH_LEN: usize = 8;
+/// Bytes of a welcome before its message: status, epoch, message length.
+pub const WELCOME_FIXED_LEN: usize = 1 + 8 + 2;
+/// Welcome status: accepted.
+pub const W_OK: u8 = 0;
+/// Welcome status: refused (a bad hello, a wrong secret); the message says why.
+pub const W_REFUSED: u8 = 1;
+/// Welcome status: the initiator was fenced after the epoch its hello named; the welcome's
+/// epoch is the target's count now.
+pub const W_FENCED: u8 = 2;
 /// Bytes of a request header: kind, id, segment count, notification length.
 pub const HEADER_LEN: usize = 1 + 8 + 4 + 4;
 /// Bytes of one segment: region, offset, length.
@@ -399,17 +415,31 @@ pub struct Hello<'a> {
     pub name: &'a str,
     /// The target's lane secret, from its metadata.
     pub secret: [u8; SECRET_LEN],
+    /// The target's fence count for this initiator, as the initiator last learned it.
+    pub epoch: u64,
+}
+
+/// The part of a hello after its fixed part.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HelloRest {
+    /// The initiator agent's name.
+    pub name: String,
+    /// The lane secret it presents.
+    pub secret: [u8; SECRET_LEN],
+    /// The fence count it last learned.
+    pub epoch: u64,
 }
 
 impl Hello<'_> {
     /// The hello's bytes.
     pub fn encode(&self) -> Vec<u8> {
-        let mut h = Vec::with_capacity(HELLO_FIXED_LEN + self.name.len() + SECRET_LEN);
+        let mut h = Vec::with_capacity(HELLO_FIXED_LEN + self.name.len() + SECRET_LEN + EPOCH_LEN);
         h.extend_from_slice(MAGIC);
         h.extend_from_slice(&VERSION.to_le_bytes());
         h.extend_from_slice(&(self.name.len() as u16).to_le_bytes());
         h.extend_from_slice(self.name.as_bytes());
         h.extend_from_slice(&self.secret);
+        h.extend_from_slice(&self.epoch.to_le_bytes());
         h
     }
 }
@@ -426,33 +456,49 @@ pub fn parse_hello(h: &[u8; HELLO_FIXED_LEN]) -> std::result::Result<usize, Stri
     Ok(name_len)
 }
 
-/// Splits the rest of a hello (`name_len` bytes of name, then the secret) into the name and
-/// the secret; `rest` has exactly `name_len + SECRET_LEN` bytes.
-pub fn parse_hello_rest(rest: &[u8], name_len: usize) -> Option<(String, [u8; SECRET_LEN])> {
-    if rest.len() != name_len + SECRET_LEN {
+/// Bytes of a hello after its fixed part, for a name of `name_len` bytes.
+pub fn hello_rest_len(name_len: usize) -> usize {
+    name_len + SECRET_LEN + EPOCH_LEN
+}
+
+/// Parses the rest of a hello (`name_len` bytes of name, the secret, the epoch); `rest` has
+/// exactly [`hello_rest_len`] bytes.
+pub fn parse_hello_rest(rest: &[u8], name_len: usize) -> Option<HelloRest> {
+    if rest.len() != hello_rest_len(name_len) {
         return None;
     }
     let mut secret = [0u8; SECRET_LEN];
-    secret.copy_from_slice(&rest[name_len..]);
-    Some((
-        String::from_utf8_lossy(&rest[..name_len]).into_owned(),
+    secret.copy_from_slice(&rest[name_len..name_len + SECRET_LEN]);
+    let mut epoch = [0u8; EPOCH_LEN];
+    epoch.copy_from_slice(&rest[name_len + SECRET_LEN..]);
+    Some(HelloRest {
+        name: String::from_utf8_lossy(&rest[..name_len]).into_owned(),
         secret,
-    ))
+        epoch: u64::from_le_bytes(epoch),
+    })
 }
 
-/// A target's answer to a hello (0: accepted), or a reply's status with its message.
-pub fn encode_welcome(status: u8, msg: &str) -> Vec<u8> {
+/// A target's answer to a hello ([`W_OK`], [`W_REFUSED`], [`W_FENCED`]) with the epoch it
+/// tells and its message.
+pub fn encode_welcome(status: u8, epoch: u64, msg: &str) -> Vec<u8> {
     let msg = clip(msg);
     let mut b = Vec::with_capacity(WELCOME_FIXED_LEN + msg.len());
     b.push(status);
+    b.extend_from_slice(&epoch.to_le_bytes());
     b.extend_from_slice(&(msg.len() as u16).to_le_bytes());
     b.extend_from_slice(msg);
     b
 }
 
-/// The status and message length of a welcome.
-pub fn parse_welcome(w: &[u8; WELCOME_FIXED_LEN]) -> (u8, usize) {
-    (w[0], u16::from_le_bytes([w[1], w[2]]) as usize)
+/// The status, epoch and message length of a welcome.
+pub fn parse_welcome(w: &[u8; WELCOME_FIXED_LEN]) -> (u8, u64, usize) {
+    let mut epoch = [0u8; 8];
+    epoch.copy_from_slice(&w[1..9]);
+    (
+        w[0],
+        u64::from_le_bytes(epoch),
+        u16::from_le_bytes([w[9], w[10]]) as usize,
+    )
 }
 
 /// The fixed part of a target's reply to a request.
@@ -525,13 +571,14 @@ mod tests {
         .encode(&mut b);
         assert_eq!(b.len(), SEG_LEN);
         assert_eq!(encode_reply(K_ACK, 1, 0, "").len(), REPLY_FIXED_LEN);
-        assert_eq!(encode_welcome(0, "").len(), WELCOME_FIXED_LEN);
+        assert_eq!(encode_welcome(W_OK, 0, "").len(), WELCOME_FIXED_LEN);
         let h = Hello {
             name: "a",
             secret: [7; SECRET_LEN],
+            epoch: 3,
         }
         .encode();
-        assert_eq!(h.len(), HELLO_FIXED_LEN + 1 + SECRET_LEN);
+        assert_eq!(h.len(), HELLO_FIXED_LEN + hello_rest_len(1));
     }
 
     #[test]
@@ -630,11 +677,13 @@ mod tests {
         }
 
         #[test]
-        fn hello_roundtrip(name in "[a-z0-9-]{1,255}", secret in any::<[u8; SECRET_LEN]>()) {
-            let b = Hello { name: &name, secret }.encode();
+        fn hello_roundtrip(name in "[a-z0-9-]{1,255}", secret in any::<[u8; SECRET_LEN]>(), epoch in any::<u64>()) {
+            let b = Hello { name: &name, secret, epoch }.encode();
             let fixed: [u8; HELLO_FIXED_LEN] = b[..HELLO_FIXED_LEN].try_into().unwrap();
             let n = parse_hello(&fixed).unwrap();
-            prop_assert_eq!(parse_hello_rest(&b[HELLO_FIXED_LEN..], n), Some((name, secret)));
+            prop_assert_eq!(b.len(), HELLO_FIXED_LEN + hello_rest_len(n));
+            prop_assert_eq!(parse_hello_rest(&b[HELLO_FIXED_LEN..], n), Some(HelloRest { name, secret, epoch }));
+            prop_assert_eq!(parse_hello_rest(&b[HELLO_FIXED_LEN..b.len() - 1], n), None);
         }
 
         #[test]
@@ -648,10 +697,11 @@ mod tests {
         }
 
         #[test]
-        fn welcome_roundtrip(status in any::<u8>(), msg in ".{0,64}") {
-            let b = encode_welcome(status, &msg);
+        fn welcome_roundtrip(status in any::<u8>(), epoch in any::<u64>(), msg in ".{0,64}") {
+            let b = encode_welcome(status, epoch, &msg);
             let f: [u8; WELCOME_FIXED_LEN] = b[..WELCOME_FIXED_LEN].try_into().unwrap();
-            prop_assert_eq!(parse_welcome(&f), (status, msg.len()));
+            prop_assert_eq!(parse_welcome(&f), (status, epoch, msg.len()));
+            prop_assert_eq!(&b[WELCOME_FIXED_LEN..], msg.as_bytes());
         }
     }
 }

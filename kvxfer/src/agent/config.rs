@@ -77,8 +77,7 @@ pub struct AgentConfig {
     /// plain TCP stream), 87 ms over 2 and 4 (medians of 3 alternated rounds); see README
     /// "Striping". Default 4, the best measured there; over 1 GbE one connection already runs
     /// at line rate and 4 are as fast. [`Agent::fence_inbound`](super::Agent::fence_inbound)
-    /// covers every stripe: it also closes a connection accepted before the fence whose hello
-    /// was still at the gate. Per peer: [`AgentConfig::peer_stripes`].
+    /// covers every stripe. Per peer: [`AgentConfig::peer_stripes`].
     pub stripes: usize,
     /// Per-peer overrides of [`AgentConfig::stripes`], by agent name.
     pub peer_stripes: Vec<(String, usize)>,

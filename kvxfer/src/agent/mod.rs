@@ -146,6 +146,7 @@ impl Agent {
             stripes: cfg.striping(),
             compressing: cfg.compressing(),
             codec: Arc::default(),
+            fence_views: Default::default(),
         });
         // The TCP lane carries every transfer with the TCP transport, and staged device memory
         // with any transport, in either direction: every agent with lanes on serves it, so that
@@ -397,10 +398,14 @@ impl Agent {
     }
 
     /// Fences the writes peer `name` makes into this agent's memory through the TCP lane:
-    /// its connections are closed and their threads waited for, so nothing it sent before is
-    /// written after this returns (it reconnects for what it sends next). Returns the
-    /// connections closed. Writes through the shared-memory lane or UCX are the writer's own
-    /// and cannot be fenced here.
+    /// its connections are closed and their threads waited for, and its fence count goes up,
+    /// so that nothing it sent before, and no transfer it queued before it learns of the fence
+    /// (however late that transfer's connection opens), is written after this returns. Such a
+    /// transfer fails on the writer with [`Error::Fenced`](crate::Error::Fenced) (or the
+    /// broken connection's error); a writer whose transfer was cut learns the count before it
+    /// reports the failure, so what it queues next lands. Returns the connections closed.
+    /// Writes through the shared-memory lane or UCX are the writer's own and cannot be fenced
+    /// here.
     pub fn fence_inbound(&self, name: &str) -> usize {
         self.lane_server.as_ref().map_or(0, |s| s.fence(name))
     }

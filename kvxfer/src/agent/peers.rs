@@ -172,6 +172,7 @@ fn build_lanes(st: &AgentState, meta: &Metadata) -> PeerLanes {
                 meter: st.codec.clone(),
                 threads: st.compressing.threads,
             },
+            st.fence_views.of(info.secret),
         )));
     }
     lanes

@@ -52,6 +52,8 @@ pub(crate) struct AgentState {
     pub(crate) compressing: super::config::Compressing,
     /// What the lanes' codec achieved (initiator links and lane target alike).
     pub(crate) codec: Arc<crate::codec_meter::CodecMeter>,
+    /// What the TCP lane's targets told of their fences of this agent.
+    pub(crate) fence_views: crate::lane::tcp::epochs::FenceViews,
 }
 
 impl AgentState {

@@ -23,13 +23,14 @@ pub fn connect(b: &Agent) -> TcpStream {
         &Hello {
             name: "hand",
             secret: lane.secret,
+            epoch: 0,
         }
         .encode(),
     )
     .unwrap();
     let mut w = [0u8; WELCOME_FIXED_LEN];
     c.read_exact(&mut w).unwrap();
-    assert_eq!(w.to_vec(), encode_welcome(0, ""), "welcome");
+    assert_eq!(w.to_vec(), encode_welcome(0, 0, ""), "welcome");
     c
 }
 

@@ -4,14 +4,15 @@
 
 use std::collections::VecDeque;
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::dial::{close_all, lost_connection, Dialer, CONNECT_TIMEOUT};
 use super::framed::{FramesFailed, RECV_BYTES, SEND_BYTES};
 use super::mixed::{stage_pair, stream_mixed, stream_windows, Framing};
-use super::stream::{recv_buf, send_buf, set_timeouts, Ctl, Stop};
+use super::stream::{recv_buf, send_buf, Ctl, Stop};
 use crate::budget::MemoryBudget;
 use crate::codec_meter::CodecMeter;
 use crate::staging::pool::StagingCell;
@@ -28,18 +29,19 @@ use kvxfer_proto::lane::{LaneInitiator, ReplyError, PIECE_BYTES};
 use kvxfer_proto::paged::{Paged, ResolvedPaged, Run, WINDOW_BLOCKS};
 use kvxfer_proto::types::{Lane, LaneInfo, RegionSpan, XferOp};
 use kvxfer_proto::wire::lane::{
-    encode_paged, paged_table_len, parse_welcome, Hello, ReplyHeader, RequestHeader, Segment,
-    HEADER_LEN, K_ACK, K_DATA, K_READ, K_WRITE, MAX_PAGED_TABLE, MAX_SEGS, REPLY_FIXED_LEN,
-    SEG_LEN, WELCOME_FIXED_LEN,
+    encode_paged, paged_table_len, ReplyHeader, RequestHeader, Segment, HEADER_LEN, K_ACK, K_DATA,
+    K_READ, K_WRITE, MAX_PAGED_TABLE, MAX_SEGS, REPLY_FIXED_LEN, SEG_LEN,
 };
 
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Transfers below this go over one connection even when striping is on: one connection moves
 /// them at full speed, and every stripe costs a thread and a request.
 pub(crate) const STRIPE_MIN_BYTES: u64 = 16 << 20;
 
 struct LinkJob {
     job: Job,
+    /// The target's fence count this agent had learned when the job was queued: its
+    /// connections' hellos name it, and the target refuses them if it fenced this agent since.
+    epoch: u64,
 }
 
 /// How a link compresses: its peer's mode and configured link rate, the transform, and the
@@ -63,8 +65,8 @@ struct LinkRate {
 
 struct LinkInner {
     peer: String,
-    me: String,
-    info: LaneInfo,
+    /// Opens the connections (hello, welcome, the fence epochs).
+    dial: Dialer,
     spans: Vec<RegionSpan>,
     budget: MemoryBudget,
     staging: Arc<StagingCell>,
@@ -74,6 +76,8 @@ struct LinkInner {
     rate: Mutex<LinkRate>,
     q: Mutex<(VecDeque<LinkJob>, bool)>,
     cv: Condvar,
+    /// The epoch of the job the link thread runs now (its connections' hellos name it).
+    running: AtomicU64,
 }
 
 /// The initiator's side of the lane to one peer: a queue served in order by one thread.
@@ -93,12 +97,12 @@ impl Link {
         staging: Arc<StagingCell>,
         stripes: usize,
         comp: Compressor,
+        view: Arc<AtomicU64>,
     ) -> Link {
         Link {
             inner: Arc::new(LinkInner {
                 peer: peer.to_string(),
-                me: me.to_string(),
-                info,
+                dial: Dialer::new(me, peer, info, view),
                 spans,
                 budget,
                 staging,
@@ -107,6 +111,7 @@ impl Link {
                 rate: Mutex::default(),
                 q: Mutex::new((VecDeque::new(), false)),
                 cv: Condvar::new(),
+                running: AtomicU64::new(0),
             }),
             thread: Mutex::new(None),
         }
@@ -116,7 +121,9 @@ impl Link {
     pub(crate) fn submit(&self, job: Job) {
         {
             let mut g = self.inner.q.lock().unwrap_or_else(|e| e.into_inner());
-            g.0.push_back(LinkJob { job });
+            // Under the queue's lock: the epochs of queued jobs never decrease.
+            let epoch = self.inner.dial.learned();
+            g.0.push_back(LinkJob { job, epoch });
         }
         self.inner.cv.notify_one();
         let mut t = self.thread.lock().unwrap_or_else(|e| e.into_inner());
@@ -152,6 +159,8 @@ impl Drop for Link {
 
 fn link_loop(inner: Arc<LinkInner>) {
     let mut conns: Vec<Option<TcpStream>> = (0..inner.stripes).map(|_| None).collect();
+    // The epoch the open connections' hellos named.
+    let mut conns_epoch = 0;
     loop {
         let j = {
             let mut g = inner.q.lock().unwrap_or_else(|e| e.into_inner());
@@ -166,6 +175,22 @@ fn link_loop(inner: Arc<LinkInner>) {
             }
         };
         let job = &j.job;
+        // Queued before this agent learned of a fence the target told since: it would be
+        // refused; nothing of it is sent.
+        let learned = inner.dial.learned();
+        if j.epoch < learned {
+            job.finish(Err(Error::Fenced {
+                agent: inner.peer.clone(),
+                epoch: learned,
+            }));
+            continue;
+        }
+        // Connections opened before a fence this job's epoch knows of were closed by it.
+        if j.epoch > conns_epoch {
+            close_all(&mut conns);
+            conns_epoch = j.epoch;
+        }
+        inner.running.store(j.epoch, Ordering::Release);
         let striped = conns.len() > 1
             && job.plan.bytes() >= STRIPE_MIN_BYTES
             && job.local_dev.is_empty()
@@ -204,6 +229,17 @@ fn link_loop(inner: Arc<LinkInner>) {
                     && inner.comp.meter.rates().is_none());
             if unmeasured && job.local_dev.is_empty() {
                 calibrate(&inner, job);
+            }
+        }
+        // A transfer that lost its connection may have been fenced: before it is reported
+        // (and the caller queues the next), a reconnect asks, so that what is queued after
+        // the report carries the target's count and is not refused in turn.
+        // The other connections may have been closed with it (a fence closes all): they are
+        // not reused.
+        if let Err(e) = &r {
+            if lost_connection(e) {
+                close_all(&mut conns);
+                conns[0] = inner.dial.probe(j.epoch);
             }
         }
         job.finish(r);
@@ -495,40 +531,6 @@ fn lane_err(inner: &LinkInner, why: impl Into<String>) -> Error {
     }
 }
 
-fn connect(inner: &LinkInner) -> Result<TcpStream> {
-    let c = TcpStream::connect_timeout(&inner.info.addr, CONNECT_TIMEOUT)
-        .map_err(|e| lane_err(inner, format!("connecting to {}: {e}", inner.info.addr)))?;
-    set_timeouts(&c).map_err(|e| lane_err(inner, format!("socket options: {e}")))?;
-    let h = Hello {
-        name: &inner.me,
-        secret: inner.info.secret,
-    }
-    .encode();
-    let t0 = Instant::now();
-    let mut ctl = |_moved: bool| -> Result<(), Stop> {
-        if t0.elapsed() > CONNECT_TIMEOUT {
-            Err(Stop::Abort(Error::InvalidArgument(
-                "hello timed out".into(),
-            )))
-        } else {
-            Ok(())
-        }
-    };
-    let r = send_buf(&c, &h, &mut ctl).and_then(|_| {
-        let mut w = [0u8; WELCOME_FIXED_LEN];
-        recv_buf(&c, &mut w, &mut ctl)?;
-        let (status, msg_len) = parse_welcome(&w);
-        let mut msg = vec![0u8; msg_len];
-        recv_buf(&c, &mut msg, &mut ctl)?;
-        Ok(LaneInitiator::welcome(status, &msg))
-    });
-    match r {
-        Ok(Ok(())) => Ok(c),
-        Ok(Err(msg)) => Err(lane_err(inner, format!("refused: {msg}"))),
-        Err(s) => Err(stop_err(inner, s, "hello")),
-    }
-}
-
 fn stop_err(inner: &LinkInner, s: Stop, what: &str) -> Error {
     match s {
         Stop::Abort(e) => e,
@@ -573,7 +575,11 @@ fn run_job(
         }
     }
     if conn.is_none() {
-        *conn = Some(connect(inner)?);
+        *conn = Some(
+            inner
+                .dial
+                .connect(inner.running.load(Ordering::Acquire), CONNECT_TIMEOUT)?,
+        );
     }
     let c = conn
         .as_ref()

@@ -17,6 +17,8 @@
 //! refused write is drained so that the stream stays in step. Notifications are delivered on
 //! the target after the data (write) or after the data left (read).
 
+mod dial;
+pub(crate) mod epochs;
 mod framed;
 pub(crate) mod link;
 mod mixed;

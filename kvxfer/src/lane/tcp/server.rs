@@ -3,7 +3,7 @@
 //! secret, each request checked against this agent's registered regions and pinned while the
 //! stream reads into or sends from them.
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -37,13 +37,14 @@ pub(crate) struct Server {
     conns: Arc<Mutex<Conns>>,
 }
 
-/// The serving connections, and when each peer was last fenced: a connection accepted before
-/// its peer's fence but admitted after it (its hello was still at the gate) is closed, not
-/// served. Both under one lock, so that no admission slips between a fence and its check.
+/// The serving connections, and how many times each peer was fenced (its epoch): a hello that
+/// names an older epoch (its transfer was queued before the initiator learned of the last
+/// fence) is refused with the count, however late it connected. Both under one lock, so that
+/// no admission slips between a fence and its check.
 #[derive(Default)]
 struct Conns {
     served: Vec<Served>,
-    fenced: std::collections::HashMap<String, Instant>,
+    fenced: std::collections::HashMap<String, u64>,
 }
 
 /// A connection's serving thread, its socket (shut down to stop the thread at once, even in
@@ -130,15 +131,21 @@ impl Server {
             })
         };
         // Only a connection that proved the lane secret gets a thread of its own.
-        let admit = move |c: TcpStream, h: Hello| {
+        let admit = move |c: TcpStream, mut h: Hello| {
             let (st2, sh) = (st.clone(), ctx.clone());
             let sock = c.try_clone().ok();
             let peer = h.t.peer().unwrap_or_default().to_string();
             let mut g = cs.lock().unwrap_or_else(|e| e.into_inner());
-            if g.fenced.get(&peer).is_some_and(|&at| h.t0 <= at) {
-                // Opened before the peer was fenced: what it carries was sent before the fence.
-                log::info!("kvxfer: TCP lane: a connection of fenced peer {peer:?} refused");
-                let _ = c.shutdown(std::net::Shutdown::Both);
+            let epoch = g.fenced.get(&peer).copied().unwrap_or(0);
+            if h.t.epoch() < epoch {
+                // Its transfer was queued before the peer learned of the fence: told the
+                // count (for what it queues next), and closed.
+                log::info!(
+                    "kvxfer: TCP lane: a connection of fenced peer {peer:?} (epoch {} < {epoch}) refused",
+                    h.t.epoch()
+                );
+                h.t.refuse_fenced(epoch);
+                refuse(&c, &mut h.t);
                 return;
             }
             let fence = Arc::new(AtomicBool::new(false));
@@ -179,14 +186,14 @@ impl Server {
     }
 
     /// Fences `peer`'s writes: its connections are closed and their threads waited for, and
-    /// a connection it opened before now that is still proving its hello is closed when it
-    /// does, so that once this returns nothing it sent before (queued in a socket, at the gate,
-    /// or mid-stream) is written into memory. It reconnects for what it sends next. Returns
-    /// the connections closed.
+    /// its epoch counted up, so that once this returns nothing it sent before (queued in a
+    /// socket, at the gate, or mid-stream) and no transfer it queued before it learns of the
+    /// fence (however late its connection opens) is written into memory. Returns the
+    /// connections closed.
     pub(crate) fn fence(&self, peer: &str) -> usize {
         let mine: Vec<Served> = {
             let mut g = self.conns.lock().unwrap_or_else(|e| e.into_inner());
-            g.fenced.insert(peer.to_string(), Instant::now());
+            *g.fenced.entry(peer.to_string()).or_default() += 1;
             let (mine, rest) = std::mem::take(&mut g.served)
                 .into_iter()
                 .partition(|s| s.peer == peer);
@@ -225,6 +232,17 @@ impl Drop for Server {
             let _ = s.thread.join();
         }
     }
+}
+
+/// Sends a refused hello its welcome (best effort, bounded), then closes the connection.
+fn refuse(mut c: &TcpStream, t: &mut LaneTarget) {
+    let _ = c.set_write_timeout(Some(Duration::from_secs(1)));
+    while let Some(ev) = t.poll_event() {
+        if let TargetEvent::Transmit(b) = ev {
+            let _ = c.write_all(&b);
+        }
+    }
+    let _ = c.shutdown(std::net::Shutdown::Both);
 }
 
 fn getrandom(b: &mut [u8]) -> Result<()> {

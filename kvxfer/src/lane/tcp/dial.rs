@@ -1,0 +1,127 @@
+//! An initiator's connections to a TCP lane target: the hello (the lane secret, and the fence
+//! epoch its transfer was queued under), the welcome, and what a refusal for a fence teaches
+//! ([`kvxfer_proto::wire::lane::W_FENCED`]). After a transfer lost its connection the link
+//! asks again ([`Dialer::probe`]) before it reports the failure, so that a writer whose
+//! transfer a fence cut has learned the count by the time its caller queues the next one.
+
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::stream::{recv_buf, send_buf, set_timeouts, Stop};
+use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::lane::{LaneInitiator, Refusal};
+use kvxfer_proto::types::LaneInfo;
+use kvxfer_proto::wire::lane::{parse_welcome, Hello, WELCOME_FIXED_LEN};
+
+/// How long a connection and its hello may take.
+pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the reconnect after a lost connection may take (its answer only teaches).
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Opens connections to one lane target.
+pub(super) struct Dialer {
+    me: String,
+    peer: String,
+    info: LaneInfo,
+    /// The target's fence count for this agent, as learned from its refusals (shared by the
+    /// links to the same target incarnation).
+    view: Arc<AtomicU64>,
+}
+
+impl Dialer {
+    pub(super) fn new(me: &str, peer: &str, info: LaneInfo, view: Arc<AtomicU64>) -> Dialer {
+        Dialer {
+            me: me.to_string(),
+            peer: peer.to_string(),
+            info,
+            view,
+        }
+    }
+
+    /// The target's fence count as learned now: a transfer queued now names it.
+    pub(super) fn learned(&self) -> u64 {
+        self.view.load(Ordering::Acquire)
+    }
+
+    /// A connection whose hello names fence epoch `epoch`, within `timeout`. A refusal for a
+    /// fence teaches this agent the target's count and is [`Error::Fenced`].
+    pub(super) fn connect(&self, epoch: u64, timeout: Duration) -> Result<TcpStream> {
+        let c = TcpStream::connect_timeout(&self.info.addr, timeout)
+            .map_err(|e| self.err(format!("connecting to {}: {e}", self.info.addr)))?;
+        set_timeouts(&c).map_err(|e| self.err(format!("socket options: {e}")))?;
+        let h = Hello {
+            name: &self.me,
+            secret: self.info.secret,
+            epoch,
+        }
+        .encode();
+        let t0 = Instant::now();
+        let mut ctl = |_moved: bool| -> Result<(), Stop> {
+            if t0.elapsed() > timeout {
+                Err(Stop::Abort(self.err(format!(
+                    "no welcome in {timeout:?} (the target is stalled?)"
+                ))))
+            } else {
+                Ok(())
+            }
+        };
+        let r = send_buf(&c, &h, &mut ctl).and_then(|_| {
+            let mut w = [0u8; WELCOME_FIXED_LEN];
+            recv_buf(&c, &mut w, &mut ctl)?;
+            let (status, epoch, msg_len) = parse_welcome(&w);
+            let mut msg = vec![0u8; msg_len];
+            recv_buf(&c, &mut msg, &mut ctl)?;
+            Ok(LaneInitiator::welcome(status, epoch, &msg))
+        });
+        match r {
+            Ok(Ok(())) => Ok(c),
+            Ok(Err(Refusal::Fenced { epoch, .. })) => {
+                self.view.fetch_max(epoch, Ordering::AcqRel);
+                Err(Error::Fenced {
+                    agent: self.peer.clone(),
+                    epoch,
+                })
+            }
+            Ok(Err(Refusal::Refused(msg))) => Err(self.err(format!("refused: {msg}"))),
+            Err(Stop::Abort(e)) => Err(e),
+            Err(Stop::Eof) => Err(self.err("peer closed the connection during the hello")),
+            Err(Stop::Io(e)) => Err(self.err(format!("hello: {e}"))),
+        }
+    }
+
+    /// Reconnects naming `epoch` after a transfer lost its connection: the connection if the
+    /// target serves it (kept for the next transfer), `None` if it refused it (a fence: the
+    /// count is learned) or cannot be reached.
+    pub(super) fn probe(&self, epoch: u64) -> Option<TcpStream> {
+        match self.connect(epoch, PROBE_TIMEOUT) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                log::debug!("kvxfer: TCP lane to {}: after a failure: {e}", self.peer);
+                None
+            }
+        }
+    }
+
+    fn err(&self, why: impl Into<String>) -> Error {
+        Error::LaneFailed {
+            agent: self.peer.clone(),
+            lane: "tcp",
+            why: why.into(),
+        }
+    }
+}
+
+/// Whether a transfer failed because its connection broke (the target may have fenced it),
+/// rather than by its own deadline, a cancel, or a fence already told.
+pub(super) fn lost_connection(e: &Error) -> bool {
+    matches!(e, Error::LaneFailed { .. } | Error::Io { .. })
+}
+
+/// Closes every connection (after a fence, none may be reused).
+pub(super) fn close_all(conns: &mut [Option<TcpStream>]) {
+    for c in conns.iter_mut().filter_map(Option::take) {
+        let _ = c.shutdown(std::net::Shutdown::Both);
+    }
+}
