@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs every test: formatting, lints, unit / loopback / cross-process / C ABI tests against
-# Debian's UCX (the default); the vLLM plugin's tests against the real vllm==0.33.0; then the
+# Runs every test: the vLLM plugin's tests against the real vllm==0.33.0; formatting, lints,
+# unit / loopback / cross-process / C ABI tests against Debian's UCX (the default); then the
 # Rust suite against the UCX 1.22 wheel. Installs what it needs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +19,33 @@ prune() {
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 
+# A real etcd for discovery tests (etcd-client needs protoc to build).
+for p in etcd-server protobuf-compiler; do
+  dpkg -s "$p" >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$p" >/dev/null; }
+done
+
+# The plugin first: its venv (vLLM with torch: ~9.5 GB, the clone less its target
+# directories in a fresh-clone run) is gone before the Rust builds grow.
+echo "== vLLM plugin against the real vllm==0.33.0 (CPU)"
+(
+  export KVXFER_UCX=system
+  # shellcheck source=scripts/ucx-env.sh
+  KVXFER_SPLIT_TARGET=1 source scripts/ucx-env.sh
+  scripts/vllm-env.sh
+  # With etcd discovery (python/tests/test_etcd.py).
+  cargo build -p kvxfer-capi --features etcd
+  out=$(KVXFER_LIB="$CARGO_TARGET_DIR/debug/libkvxfer.so" .venv/bin/python -m pytest -q \
+    -p no:cacheprovider python/tests 2>&1) && rc=0 || rc=$?
+  echo "$out" | tail -n 30
+  # pytest's summary in cargo's words, for the closing count.
+  summary=$(echo "$out" | tail -n 1)
+  counts=$(echo "$summary" | awk '{ for (i = 1; i < NF; i++) { if ($(i+1) ~ /^passed/) p += $i;
+    if ($(i+1) ~ /^(failed|errors?)/) f += $i } } END { printf "%d passed; %d failed", p, f + (p == 0) }')
+  echo "test result: python. $counts" | tee -a "$log"
+  [ "$rc" = 0 ] || echo "kvxfer: python tests failed" >&2
+)
+prune .venv
+
 echo "== UCX: Debian libucx-dev (default)"
 (
   export KVXFER_UCX=system
@@ -36,37 +63,14 @@ echo "== UCX: Debian libucx-dev (default)"
   cargo clippy --workspace --all-targets --features cuda -- -D warnings
   cargo test --workspace --features cuda cuda -- --nocapture 2>&1 | grep -E "SKIP|as expected" || true
   cargo test --workspace --features cuda 2>&1 | tee -a "$log"
-  # Discovery through a real etcd (feature etcd; etcd-client needs protoc to build).
-  for p in etcd-server protobuf-compiler; do
-    dpkg -s "$p" >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$p" >/dev/null; }
-  done
+  # Discovery through a real etcd (feature etcd).
   cargo clippy -p kvxfer --features etcd --all-targets -- -D warnings
   cargo test -p kvxfer --features etcd --test etcd -- --nocapture 2>&1 | tee -a "$log"
   # kvxfer-bench --etcd on both sides.
   cargo clippy -p libkvxfer --features etcd --all-targets -- -D warnings
   cargo test -p libkvxfer --features etcd --test bench_etcd -- --nocapture 2>&1 | tee -a "$log"
 )
-
-echo "== vLLM plugin against the real vllm==0.33.0 (CPU)"
-(
-  export KVXFER_UCX=system
-  # shellcheck source=scripts/ucx-env.sh
-  KVXFER_SPLIT_TARGET=1 source scripts/ucx-env.sh
-  scripts/vllm-env.sh
-  # With etcd discovery (python/tests/test_etcd.py); etcd-server and protoc came with the
-  # Rust stage above.
-  cargo build -p kvxfer-capi --features etcd
-  out=$(KVXFER_LIB="$CARGO_TARGET_DIR/debug/libkvxfer.so" .venv/bin/python -m pytest -q \
-    -p no:cacheprovider python/tests 2>&1) && rc=0 || rc=$?
-  echo "$out" | tail -n 30
-  # pytest's summary in cargo's words, for the closing count.
-  summary=$(echo "$out" | tail -n 1)
-  counts=$(echo "$summary" | awk '{ for (i = 1; i < NF; i++) { if ($(i+1) ~ /^passed/) p += $i;
-    if ($(i+1) ~ /^(failed|errors?)/) f += $i } } END { printf "%d passed; %d failed", p, f + (p == 0) }')
-  echo "test result: python. $counts" | tee -a "$log"
-  [ "$rc" = 0 ] || echo "kvxfer: python tests failed" >&2
-)
-prune target/ucx-system .venv
+prune target/ucx-system
 
 echo "== UCX: 1.22 wheel (libucx-cu12)"
 (
