@@ -52,6 +52,7 @@ pub const CASES: &[(&str, Case)] = &[
     ("all_cached", all_cached),
     ("layer_wise_order", layer_wise_order),
     ("push_full_and_partial", push_full_and_partial),
+    ("push_while_heartbeats_cross", push_while_heartbeats_cross),
     ("abort", abort),
     ("lease_expiry", lease_expiry),
     ("two_readers_half_the_heads", two_readers_half_the_heads),
@@ -75,7 +76,8 @@ pub fn run(h: &dyn Harness) -> Vec<(&'static str, Verdict)> {
 macro_rules! connector_conformance {
     ($harness:expr) => {
         $crate::connector_conformance!(@cases $harness; full_load, partial_load, all_cached,
-            layer_wise_order, push_full_and_partial, abort, lease_expiry,
+            layer_wise_order, push_full_and_partial, push_while_heartbeats_cross, abort,
+            lease_expiry,
             two_readers_half_the_heads, failed_load_names_its_blocks, concurrent_requests,
             dropped_consumer, dropped_producer, tp_two_to_two, tp_two_to_one, tp_one_to_two,
             tp_gqa_replicas);
@@ -313,6 +315,37 @@ pub fn push_full_and_partial(h: &dyn Harness) -> Verdict {
         "push wrote outside its blocks"
     );
     freed_as(&**p, "push-b", FreeReason::Acked, T)
+}
+
+/// Push with a heartbeat every millisecond: the producer counts a reader's landed writes as
+/// its acknowledgement and frees the blocks, so a heartbeat may reach it after the free and
+/// before the reader heard of its last layer. The load still completes, every time.
+pub fn push_while_heartbeats_cross(h: &dyn Harness) -> Verdict {
+    let c = ConnectorConfig {
+        mode: Mode::Push,
+        heartbeat: Duration::from_millis(1),
+        ..cfg()
+    };
+    let s = setup(h, c.clone(), vec![(HEADS, c)])?;
+    let (p, c) = (&s.producer, &s.consumers[0]);
+    for i in 0..40 {
+        let req = format!("hb-{i}");
+        let hd = ok(p.publish(&req, &[9, 10, 11], 12, 0), "publish")?;
+        // Every other request whole, the rest with its first two blocks cached.
+        let (local, remote): (&[u32], &[u32]) = if i % 2 == 0 {
+            (&[20, 21, 22], &[9, 10, 11])
+        } else {
+            (&[25], &[11])
+        };
+        ok(c.start_load(&hd, local), "start_load")?;
+        for l in 0..LAYERS as usize {
+            ok(p.layer_done(&req, l), "layer_done")?;
+        }
+        ok(c.wait(&req, T), &format!("wait for {req}"))?;
+        s.dst[0].holds(local, &s.src, remote, ALL, LAYERS_ALL)?;
+        freed_as(&**p, &req, FreeReason::Acked, T)?;
+    }
+    Ok(())
 }
 
 /// An aborted request is freed at once as aborted; a later load of it fails, typed, naming

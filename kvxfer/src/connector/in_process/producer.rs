@@ -365,8 +365,8 @@ fn producer_loop(sh: &ProducerShared) {
     }
 }
 
-/// Copies every ready layer of every push target, tells the consumer after each, and counts
-/// a target whose layers all landed as that reader's acknowledgement.
+/// Copies every ready layer of every push target, tells the consumer after each, and then
+/// counts a target whose layers all landed as that reader's acknowledgement.
 fn pushes(sh: &ProducerShared) {
     let layout = &sh.mem.layout;
     let nl = layout.layers.len();
@@ -443,8 +443,15 @@ fn pushes(sh: &ProducerShared) {
             },
         ));
     }
+    drop(st);
+    // The consumer hears of its layers before the blocks are freed: a heartbeat the producer
+    // answers after the free ("not held") then reaches a load that has already completed.
+    for (to, m) in notes {
+        sh.hub.to_consumer(&to, &sh.name, m);
+    }
     // The producer saw its copies land: that reader is done with the blocks.
     let now = sh.t0.elapsed();
+    let mut st = lock(&sh.st);
     for (req, reader) in acks {
         for a in st.core.push_landed(&reader, &req, now) {
             if let ProducerAction::Freed(f) = a {
@@ -454,7 +461,4 @@ fn pushes(sh: &ProducerShared) {
     }
     drop(st);
     sh.cv.notify_all();
-    for (to, m) in notes {
-        sh.hub.to_consumer(&to, &sh.name, m);
-    }
 }
