@@ -12,7 +12,10 @@
 # NIXL is measured only where /tmp/nixlvenv (or $NIXL_PY) has it:
 #   python3 -m venv /tmp/nixlvenv && /tmp/nixlvenv/bin/pip install numpy
 #   /tmp/nixlvenv/bin/pip install --no-deps nixl-cu12==1.5.1
-# BEFORE=path/to/an/older/kvxfer-bench adds that binary's lane and --ucx-only runs as "before".
+# BEFORE=path/to/an/older/kvxfer-bench (built against Debian's UCX) adds that binary's lane and
+# --ucx-only runs as "before"; BEFORE_WHEEL=path (the same commit built with KVXFER_UCX=wheel)
+# adds its --ucx-only runs on UCX 1.22 (without it, this build with kvxfer's UCX settings
+# reverted stands in, labelled "before: ucx settings reverted").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS="${1:-3}"
@@ -52,9 +55,18 @@ for r in $(seq 1 "$ROUNDS"); do
     "${COMMON[@]}" | tag "kvxfer ucx-only" >>"$OUT"
   if [ -n "${BEFORE:-}" ]; then
     "$BEFORE" --transport "shm;tcp" "${COMMON[@]}" | tag "before: kvxfer lanes" >>"$OUT"
-    # The UCX path before kvxfer set UCX_RNDV_THRESH=inf: the user's own setting wins.
-    UCX_RNDV_THRESH=auto LD_LIBRARY_PATH="$WHEEL_LIB" "$WHEEL" --transport "tcp" --ucx-only \
+    "$BEFORE" --transport "shm;tcp" --ucx-only "${COMMON[@]}" \
+      | tag "before: kvxfer ucx-only" >>"$OUT"
+  fi
+  if [ -n "${BEFORE_WHEEL:-}" ]; then
+    LD_LIBRARY_PATH="$WHEEL_LIB" "$BEFORE_WHEEL" --transport "shm;tcp" --ucx-only \
       "${COMMON[@]}" | tag "before: kvxfer ucx-only" >>"$OUT"
+  elif [ -n "${BEFORE:-}" ]; then
+    # Without an older wheel build: this build with the UCX settings kvxfer now applies
+    # reverted to UCX's own (a user's UCX_* wins), labelled as such.
+    UCX_RNDV_THRESH=auto UCX_TCP_TX_SEG_SIZE=8k LD_LIBRARY_PATH="$WHEEL_LIB" "$WHEEL" \
+      --transport "shm;tcp" --ucx-only "${COMMON[@]}" \
+      | tag "before: ucx settings reverted" >>"$OUT"
   fi
   if [ -x "$NIXL_PY" ]; then
     for t in tcp shm; do
