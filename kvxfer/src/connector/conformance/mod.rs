@@ -77,10 +77,9 @@ macro_rules! connector_conformance {
     ($harness:expr) => {
         $crate::connector_conformance!(@cases $harness; full_load, partial_load, all_cached,
             layer_wise_order, push_full_and_partial, push_while_heartbeats_cross, abort,
-            lease_expiry,
-            two_readers_half_the_heads, failed_load_names_its_blocks, concurrent_requests,
-            dropped_consumer, dropped_producer, tp_two_to_two, tp_two_to_one, tp_one_to_two,
-            tp_gqa_replicas);
+            lease_expiry, two_readers_half_the_heads, failed_load_names_its_blocks,
+            concurrent_requests, dropped_consumer, dropped_producer, tp_two_to_two,
+            tp_two_to_one, tp_one_to_two, tp_gqa_replicas);
     };
     (@cases $harness:expr; $($case:ident),*) => {
         $(
@@ -303,18 +302,31 @@ pub fn push_full_and_partial(h: &dyn Harness) -> Verdict {
     ok(c.wait("push-a", T), "wait")?;
     s.dst[0].holds(&[20, 21, 22, 23], &s.src, &[1, 2, 3, 4], ALL, LAYERS_ALL)?;
     freed_as(&**p, "push-a", FreeReason::Acked, T)?;
-    let hd = ok(p.publish("push-b", &[9, 10, 11], 12, 0), "publish")?;
-    ok(c.start_load(&hd, &[25]), "start_load")?;
-    for l in 0..LAYERS as usize {
-        ok(p.layer_done("push-b", l), "layer_done")?;
-    }
-    ok(c.wait("push-b", T), "wait")?;
-    s.dst[0].holds(&[25], &s.src, &[11], ALL, LAYERS_ALL)?;
+    push_as_computed(&s, "push-b", &[9, 10, 11], &[25])?;
     ensure!(
         s.dst[0].zeroed(&[24, 26], LAYERS_ALL),
         "push wrote outside its blocks"
     );
-    freed_as(&**p, "push-b", FreeReason::Acked, T)
+    Ok(())
+}
+
+/// Publishes `req` (blocks `published`) before any layer is computed, loads its last
+/// `local.len()` blocks into `local` of the first consumer, computes every layer, and checks
+/// the bytes and the free (as acknowledged).
+fn push_as_computed(s: &Setup, req: &str, published: &[u32], local: &[u32]) -> Verdict {
+    let (p, c) = (&s.producer, &s.consumers[0]);
+    let hd = ok(
+        p.publish(req, published, BLOCK_TOKENS * published.len() as u64, 0),
+        "publish",
+    )?;
+    ok(c.start_load(&hd, local), "start_load")?;
+    for l in 0..LAYERS as usize {
+        ok(p.layer_done(req, l), "layer_done")?;
+    }
+    ok(c.wait(req, T), &format!("wait for {req}"))?;
+    let remote = &published[published.len() - local.len()..];
+    s.dst[0].holds(local, &s.src, remote, ALL, LAYERS_ALL)?;
+    freed_as(&**p, req, FreeReason::Acked, T)
 }
 
 /// Push with a heartbeat every millisecond: the producer counts a reader's landed writes as
@@ -327,23 +339,10 @@ pub fn push_while_heartbeats_cross(h: &dyn Harness) -> Verdict {
         ..cfg()
     };
     let s = setup(h, c.clone(), vec![(HEADS, c)])?;
-    let (p, c) = (&s.producer, &s.consumers[0]);
     for i in 0..40 {
-        let req = format!("hb-{i}");
-        let hd = ok(p.publish(&req, &[9, 10, 11], 12, 0), "publish")?;
         // Every other request whole, the rest with its first two blocks cached.
-        let (local, remote): (&[u32], &[u32]) = if i % 2 == 0 {
-            (&[20, 21, 22], &[9, 10, 11])
-        } else {
-            (&[25], &[11])
-        };
-        ok(c.start_load(&hd, local), "start_load")?;
-        for l in 0..LAYERS as usize {
-            ok(p.layer_done(&req, l), "layer_done")?;
-        }
-        ok(c.wait(&req, T), &format!("wait for {req}"))?;
-        s.dst[0].holds(local, &s.src, remote, ALL, LAYERS_ALL)?;
-        freed_as(&**p, &req, FreeReason::Acked, T)?;
+        let local: &[u32] = if i % 2 == 0 { &[20, 21, 22] } else { &[25] };
+        push_as_computed(&s, &format!("hb-{i}"), &[9, 10, 11], local)?;
     }
     Ok(())
 }

@@ -449,16 +449,18 @@ fn pushes(sh: &ProducerShared) {
     for (to, m) in notes {
         sh.hub.to_consumer(&to, &sh.name, m);
     }
-    // The producer saw its copies land: that reader is done with the blocks.
-    let now = sh.t0.elapsed();
-    let mut st = lock(&sh.st);
-    for (req, reader) in acks {
-        for a in st.core.push_landed(&reader, &req, now) {
-            if let ProducerAction::Freed(f) = a {
-                st.record_freed(f);
+    // The producer saw its copies land: that reader is done with the blocks. (The lock is
+    // taken again only then: this runs every millisecond while pushes are in progress.)
+    if !acks.is_empty() {
+        let now = sh.t0.elapsed();
+        let mut st = lock(&sh.st);
+        for (req, reader) in acks {
+            for a in st.core.push_landed(&reader, &req, now) {
+                if let ProducerAction::Freed(f) = a {
+                    st.record_freed(f);
+                }
             }
         }
     }
-    drop(st);
     sh.cv.notify_all();
 }
