@@ -1,27 +1,28 @@
-//! The decode side's shell: loads, pull reads bounded by the lease, the control-message
-//! thread.
+//! The decode side's shell, one for every carrier: loads, pull reads bounded by the lease,
+//! the control-message thread. The protocol's decisions are [`LoadProtocol`]'s; every byte
+//! leaves through the [`Carrier`].
 #![forbid(unsafe_code)]
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::api::{failure_reason, load_failed, LoadFailure, LoadSpec};
+use super::agent_carrier::AgentCarrier;
+use super::api::{failure_reason, load_failed, KvConsumer, LoadFailure, LoadSpec};
+use super::carrier::{Carrier, Figures, InFlight, LayerMove, Role};
 use super::config::ConnectorConfig;
 use super::shell::{
-    add_stats, load_plan, lock, send, state_charge, take_control, wait_until, Registrations,
+    join_thread, load_plan, lock, spawn_thread, state_charge, take_control, wait_until,
 };
 use crate::agent::Agent;
 use crate::budget::{Charge, MemoryBudget};
 use crate::telemetry::{RequestStats, Telemetry};
-use crate::transfer::Transfer;
-use kvxfer_proto::connector::{load_descs, load_paged, LoadEvent, LoadProtocol};
+use kvxfer_proto::connector::{LoadEvent, LoadProtocol};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::layout::KvLayout;
 use kvxfer_proto::tp::HeadMap;
-use kvxfer_proto::types::XferOp;
-use kvxfer_proto::wire::connector::{Handoff, Mode, PushWant, ToConsumer};
+use kvxfer_proto::wire::connector::{Handoff, Mode, PushWant, ToConsumer, ToProducer};
 use kvxfer_proto::wire::notify::Notification;
 
 struct Load {
@@ -34,12 +35,9 @@ struct Load {
     /// The protocol: lease, ready and landed layers, heartbeats.
     proto: LoadProtocol,
     posted: usize,
-    inflight: Vec<(usize, Transfer)>,
+    inflight: Vec<(usize, Box<dyn InFlight>)>,
     started: Instant,
-    bytes: u64,
-    descs: u64,
-    post: Duration,
-    xfer: Duration,
+    figures: Figures,
     _charge: Charge,
 }
 
@@ -48,65 +46,68 @@ enum Ended {
     Failed(String),
 }
 
-struct CState {
+struct ConsumerState {
     loads: HashMap<String, Load>,
-    finished: Vec<RequestStats>,
-    failed: Vec<LoadFailure>,
+    finished: VecDeque<RequestStats>,
+    failed: VecDeque<LoadFailure>,
     ended: HashMap<String, Ended>,
-    ended_order: std::collections::VecDeque<String>,
+    ended_order: VecDeque<String>,
     /// Loads that failed with reads in flight: reported once those are cancelled and no
     /// longer write into the blocks (the consumer thread fences them).
     fencing: Vec<(String, Load, Error)>,
     /// Their names, while they are fenced: still in progress to `wait`.
-    fencing_names: std::collections::HashSet<String>,
+    fencing_names: HashSet<String>,
     stop: bool,
 }
 
-struct CShared {
-    agent: Arc<Agent>,
+/// What the engine's calls and the consumer's thread share.
+struct ConsumerShared {
+    carrier: Box<dyn Carrier>,
     t0: Instant,
     layout: KvLayout,
     cfg: ConnectorConfig,
-    st: Mutex<CState>,
+    st: Mutex<ConsumerState>,
     cv: Condvar,
     tel: Telemetry,
 }
 
-/// The decode side. See the module docs.
+/// The decode side. See the module docs of [`crate::connector`].
 pub struct Consumer {
-    sh: Arc<CShared>,
+    sh: Arc<ConsumerShared>,
     thread: Option<JoinHandle<()>>,
-    /// Regions its `AgentConnector` registered for it: deregistered after the thread has
-    /// stopped (fields drop after `Drop::drop`).
-    _regs: Option<Registrations>,
 }
 
 impl std::fmt::Debug for Consumer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Consumer")
-            .field("agent", &self.sh.agent.name())
+            .field("name", &self.sh.carrier.name())
             .finish()
     }
 }
 
 impl Consumer {
-    /// This consumer, owning the registrations made for it.
-    pub(crate) fn owning(mut self, regs: Registrations) -> Consumer {
-        self._regs = Some(regs);
-        self
-    }
-
     /// A consumer over `agent`, whose registered cache `layout` describes.
     pub fn new(agent: Arc<Agent>, layout: KvLayout, cfg: ConnectorConfig) -> Result<Consumer> {
-        let sh = Arc::new(CShared {
-            agent,
+        let carrier = AgentCarrier::new(agent, Role::Consumer, None, None);
+        Consumer::over(Box::new(carrier), layout, cfg)
+    }
+
+    /// A consumer whose messages and blocks `carrier` moves; `layout` describes its cache.
+    pub(crate) fn over(
+        carrier: Box<dyn Carrier>,
+        layout: KvLayout,
+        cfg: ConnectorConfig,
+    ) -> Result<Consumer> {
+        let name = format!("kvxfer-consumer-{}", carrier.name());
+        let sh = Arc::new(ConsumerShared {
+            carrier,
             t0: Instant::now(),
             layout,
             cfg,
-            st: Mutex::new(CState {
+            st: Mutex::new(ConsumerState {
                 loads: HashMap::new(),
-                finished: Vec::new(),
-                failed: Vec::new(),
+                finished: VecDeque::new(),
+                failed: VecDeque::new(),
                 ended: HashMap::new(),
                 ended_order: Default::default(),
                 fencing: Vec::new(),
@@ -117,14 +118,10 @@ impl Consumer {
             tel: Telemetry::new("consumer"),
         });
         let s2 = sh.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("kvxfer-consumer-{}", sh.agent.name()))
-            .spawn(move || consumer_loop(&s2))
-            .map_err(|e| Error::io("spawning the consumer thread", e))?;
+        let thread = spawn_thread(name, move || consumer_loop(&s2))?;
         Ok(Consumer {
             sh,
             thread: Some(thread),
-            _regs: None,
         })
     }
 
@@ -152,29 +149,7 @@ impl Consumer {
                 h.request
             )));
         }
-        // Not loaded, or another incarnation than the one that published: (re)load the
-        // producer through its side channel.
-        let loaded = sh.agent.peer_epoch(&h.producer);
-        if loaded.is_none() || (h.epoch != 0 && loaded != Some(h.epoch)) {
-            match h.side_channel.map(|addr| (addr, sh.agent.connect(addr))) {
-                Some((addr, Ok(got))) if got != h.producer => {
-                    return Err(Error::Handoff {
-                        request: h.request.clone(),
-                        why: format!("{addr} is {got:?}, not the producer {:?}", h.producer),
-                    });
-                }
-                Some((_, Ok(_))) => {}
-                // Another incarnation is loaded and the handoff's side channel is gone (or
-                // no side channel came): the epoch check below says why it cannot load.
-                Some((_, Err(_))) | None if loaded.is_some() => {}
-                Some((_, Err(e))) => return Err(e),
-                None => {
-                    return Err(Error::UnknownPeer {
-                        agent: h.producer.clone(),
-                    })
-                }
-            }
-        }
+        sh.carrier.reach(h)?;
         let nl = sh.layout.layers.len();
         let descs = (local_blocks.len() * nl * sh.layout.tensors_per_layer()) as u64;
         let charge = state_charge(&sh.cfg.budget, descs, "load state", sh.cfg.budget_wait)?;
@@ -196,7 +171,7 @@ impl Consumer {
         .declaring(spec.readers)
         .of_incarnation(h.epoch);
         if let Some(why) = sh
-            .agent
+            .carrier
             .peer_epoch(&h.producer)
             .and_then(|e| proto.restarted(e))
         {
@@ -216,20 +191,31 @@ impl Consumer {
             posted: 0,
             inflight: Vec::new(),
             started: Instant::now(),
-            bytes: 0,
-            descs: 0,
-            post: Duration::ZERO,
-            xfer: Duration::ZERO,
+            figures: Figures::default(),
             _charge: charge,
         };
-        lock(&sh.st).loads.insert(h.request.clone(), load);
-        send(&sh.agent, &h.producer, &first.encode());
-        if local_blocks.is_empty() {
+        {
             let mut st = lock(&sh.st);
-            finish(sh, &mut st, &h.request);
-            drop(st);
-            sh.cv.notify_all();
+            if st.loads.contains_key(&h.request) || st.fencing_names.contains(&h.request) {
+                return Err(Error::InvalidArgument(format!(
+                    "load {:?} is already in progress",
+                    h.request
+                )));
+            }
+            st.ended.remove(&h.request);
+            st.loads.insert(h.request.clone(), load);
         }
+        let mut st = lock(&sh.st);
+        if !sh.carrier.send(&h.producer, &first.encode()) {
+            let gone = Error::UnknownPeer {
+                agent: h.producer.clone(),
+            };
+            fail(sh, &mut st, &h.request, gone);
+        } else if local_blocks.is_empty() {
+            finish(sh, &mut st, &h.request);
+        }
+        drop(st);
+        sh.cv.notify_all();
         Ok(())
     }
 
@@ -256,8 +242,8 @@ impl Consumer {
             std::mem::take(&mut l.inflight)
         };
         for (_, t) in inflight {
-            // Returns once the lanes and UCX no longer touch the blocks, completed or not.
-            let _ = t.cancel();
+            // Returns once nothing of the read touches the blocks, completed or not.
+            t.cancel();
         }
         let mut st = lock(&sh.st);
         fail(
@@ -311,37 +297,37 @@ impl Consumer {
 
     /// Loads completed since the last call, with their figures.
     pub fn take_finished(&self) -> Vec<RequestStats> {
-        std::mem::take(&mut lock(&self.sh.st).finished)
+        std::mem::take(&mut lock(&self.sh.st).finished).into()
     }
 
     /// The figures of one finished load (taken out of [`Consumer::take_finished`]'s list).
     pub fn take_stats(&self, request: &str) -> Option<RequestStats> {
         let mut st = lock(&self.sh.st);
         let i = st.finished.iter().position(|s| s.request == request)?;
-        Some(st.finished.remove(i))
+        st.finished.remove(i)
     }
 
     /// The oldest finished load, if `fits` accepts it (else it stays queued).
     pub fn take_finished_one(&self, fits: impl Fn(&RequestStats) -> bool) -> Option<RequestStats> {
         let mut st = lock(&self.sh.st);
-        if !fits(st.finished.first()?) {
+        if !fits(st.finished.front()?) {
             return None;
         }
-        Some(st.finished.remove(0))
+        st.finished.pop_front()
     }
 
     /// The oldest failed load, if `fits` accepts it (else it stays queued).
     pub fn take_failed_one(&self, fits: impl Fn(&LoadFailure) -> bool) -> Option<LoadFailure> {
         let mut st = lock(&self.sh.st);
-        if !fits(st.failed.first()?) {
+        if !fits(st.failed.front()?) {
             return None;
         }
-        Some(st.failed.remove(0))
+        st.failed.pop_front()
     }
 
     /// Loads failed since the last call, with the local blocks that are invalid.
     pub fn take_failed(&self) -> Vec<LoadFailure> {
-        std::mem::take(&mut lock(&self.sh.st).failed)
+        std::mem::take(&mut lock(&self.sh.st).failed).into()
     }
 
     /// Loads in progress.
@@ -364,10 +350,7 @@ impl Consumer {
 impl Drop for Consumer {
     fn drop(&mut self) {
         lock(&self.sh.st).stop = true;
-        self.sh.cv.notify_all();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        join_thread(&self.sh.cv, &mut self.thread);
         // Reads still in flight stop before the engine's blocks are its own again.
         let (loads, fencing) = {
             let mut st = lock(&self.sh.st);
@@ -378,14 +361,15 @@ impl Drop for Consumer {
         };
         let left = loads.into_values().chain(fencing.into_iter().map(|f| f.1));
         for (_, t) in left.flat_map(|l| l.inflight) {
-            let _ = t.cancel();
+            t.cancel();
         }
+        self.sh.carrier.close();
     }
 }
 
 const ENDED_MEMORY: usize = 4096;
 
-fn remember(st: &mut CState, req: &str, e: Ended) {
+fn remember(st: &mut ConsumerState, req: &str, e: Ended) {
     st.ended.insert(req.to_string(), e);
     st.ended_order.push_back(req.to_string());
     while st.ended_order.len() > ENDED_MEMORY {
@@ -395,7 +379,7 @@ fn remember(st: &mut CState, req: &str, e: Ended) {
     }
 }
 
-fn finish(sh: &CShared, st: &mut CState, req: &str) {
+fn finish(sh: &ConsumerShared, st: &mut ConsumerState, req: &str) {
     let Some(l) = st.loads.remove(req) else {
         return;
     };
@@ -403,26 +387,27 @@ fn finish(sh: &CShared, st: &mut CState, req: &str) {
     let per_block = sh.layout.block_bytes() * nl * sh.layout.tensors_per_layer() as u64;
     let s = RequestStats {
         request: req.to_string(),
-        bytes_moved: l.bytes,
+        bytes_moved: l.figures.bytes,
         // A head slice skips its share of each cached block.
         bytes_skipped: l.skip as u64 * per_block * l.heads.width()
             / sh.layout.geometry.kv_heads.max(1),
-        descriptors: l.descs,
-        post_time: l.post,
-        transfer_time: l.xfer,
+        descriptors: l.figures.descs,
+        post_time: l.figures.post,
+        transfer_time: l.figures.xfer,
         handoff_time: l.started.elapsed(),
     };
     sh.tel.record(&s);
-    st.finished.push(s);
+    st.finished.push_back(s);
     remember(st, req, Ended::Ok);
 }
 
 /// Fails the load of `req`. A load that may still have bytes on their way into its blocks is
 /// fenced first, and its failure (and its blocks) reported only after ([`fence`]), so an
 /// engine that reuses the blocks never has a late write land in them: a pull load's reads in
-/// flight are cancelled; a push load's producer has its TCP lane writes into this agent
-/// fenced (what it queued before, in a socket or mid-stream, is dropped).
-fn fail(sh: &CShared, st: &mut CState, req: &str, e: Error) {
+/// flight are cancelled; a push load's producer has its writes into this end fenced by the
+/// carrier (the agent's: what it queued on the TCP lane, in a socket or mid-stream, is
+/// dropped).
+fn fail(sh: &ConsumerShared, st: &mut ConsumerState, req: &str, e: Error) {
     let Some(l) = st.loads.remove(req) else {
         return;
     };
@@ -436,7 +421,7 @@ fn fail(sh: &CShared, st: &mut CState, req: &str, e: Error) {
 
 /// Cancels the reads of the loads that failed with reads in flight (on the consumer thread,
 /// outside the lock: a cancel returns once nothing writes into the blocks), then reports them.
-fn fence(sh: &CShared) {
+fn fence(sh: &ConsumerShared) {
     let fencing = std::mem::take(&mut lock(&sh.st).fencing);
     if fencing.is_empty() {
         return;
@@ -444,12 +429,12 @@ fn fence(sh: &CShared) {
     let mut fenced: Vec<String> = Vec::new();
     for (req, mut l, e) in fencing {
         for (_, t) in l.inflight.drain(..) {
-            let _ = t.cancel();
+            t.cancel();
         }
         if l.h.mode == Mode::Push && !fenced.contains(&l.h.producer) {
-            let n = sh.agent.fence_inbound(&l.h.producer);
+            let n = sh.carrier.fence(&l.h.producer);
             log::info!(
-                "kvxfer consumer: {req:?} failed: {n} TCP lane connection(s) of {:?} fenced",
+                "kvxfer consumer: {req:?} failed: {n} inbound stream(s) of {:?} fenced",
                 l.h.producer
             );
             fenced.push(l.h.producer.clone());
@@ -461,15 +446,15 @@ fn fence(sh: &CShared) {
     sh.cv.notify_all();
 }
 
-fn report_failure(sh: &CShared, st: &mut CState, req: &str, l: Load, e: Error) {
+fn report_failure(sh: &ConsumerShared, st: &mut ConsumerState, req: &str, l: Load, e: Error) {
     log::warn!("kvxfer consumer: load of {req:?} failed: {e}");
     sh.tel.failed();
     // Tell the producer this reader is done with its blocks (it frees them on the last one).
     if l.h.mode == Mode::Pull {
-        send(&sh.agent, &l.h.producer, &l.proto.ack().encode());
+        sh.carrier.send(&l.h.producer, &l.proto.ack().encode());
     }
     remember(st, req, Ended::Failed(failure_reason(&e)));
-    st.failed.push(LoadFailure {
+    st.failed.push_back(LoadFailure {
         request: req.to_string(),
         error: e,
         invalid_blocks: l.local_blocks,
@@ -477,26 +462,29 @@ fn report_failure(sh: &CShared, st: &mut CState, req: &str, l: Load, e: Error) {
 }
 
 /// The error of a load whose producer stopped renewing its lease.
-pub(super) fn lapsed(request: &str) -> Error {
+fn lapsed(request: &str) -> Error {
     Error::Handoff {
         request: request.to_string(),
         why: "the producer stopped renewing the lease (it is gone or stalled)".into(),
     }
 }
 
-fn consumer_loop(sh: &CShared) {
+fn consumer_loop(sh: &ConsumerShared) {
     loop {
-        if lock(&sh.st).stop {
-            return;
-        }
-        let busy = lock(&sh.st).loads.values().any(|l| !l.inflight.is_empty());
-        take_control(&sh.agent, false, busy, |n| consumer_msg(sh, n));
+        let busy = {
+            let st = lock(&sh.st);
+            if st.stop {
+                return;
+            }
+            st.loads.values().any(|l| !l.inflight.is_empty())
+        };
+        take_control(&*sh.carrier, busy, |n| consumer_msg(sh, n));
         consumer_progress(sh);
         fence(sh);
     }
 }
 
-fn consumer_msg(sh: &CShared, n: Notification) {
+fn consumer_msg(sh: &ConsumerShared, n: Notification) {
     let m = match ToConsumer::decode(&n.payload) {
         Ok(m) => m,
         Err(why) => {
@@ -524,8 +512,8 @@ fn consumer_msg(sh: &CShared, n: Notification) {
         LoadEvent::Landed(_) => {
             // Push: this layer's data landed before this message.
             let per_layer = l.local_blocks.len() * sh.layout.tensors_per_layer();
-            l.descs += per_layer as u64;
-            l.bytes += per_layer as u64 * sh.layout.block_bytes();
+            l.figures.descs += per_layer as u64;
+            l.figures.bytes += per_layer as u64 * sh.layout.block_bytes();
             if l.proto.complete() {
                 finish(sh, &mut st, &req);
             }
@@ -541,16 +529,16 @@ fn consumer_msg(sh: &CShared, n: Notification) {
     }
 }
 
-fn consumer_progress(sh: &CShared) {
+fn consumer_progress(sh: &ConsumerShared) {
     let mut st = lock(&sh.st);
     let mut changed = false;
-    let mut hbs: Vec<(String, Vec<u8>)> = Vec::new();
+    let mut out: Vec<(String, ToProducer)> = Vec::new();
     let mut failures: Vec<(String, Error)> = Vec::new();
     let mut done: Vec<String> = Vec::new();
     for (req, l) in st.loads.iter_mut() {
         // Until the producer has taken a push request, the heartbeat repeats it.
         if let Some(m) = l.proto.heartbeat_due(sh.t0.elapsed(), sh.cfg.heartbeat) {
-            hbs.push((l.h.producer.clone(), m.encode()));
+            out.push((l.h.producer.clone(), m));
         }
         if l.inflight.is_empty() && l.proto.lapsed(sh.t0.elapsed()) {
             failures.push((req.clone(), lapsed(req)));
@@ -558,7 +546,7 @@ fn consumer_progress(sh: &CShared) {
         }
         // The producer restarted: its blocks are gone, whatever its new incarnation answers.
         // (Reads in flight end on their own: the old incarnation's lanes are dropped.)
-        let now_loaded = sh.agent.peer_epoch(&l.h.producer).unwrap_or(0);
+        let now_loaded = sh.carrier.peer_epoch(&l.h.producer).unwrap_or(0);
         if let Some(why) = l
             .proto
             .restarted(now_loaded)
@@ -581,43 +569,17 @@ fn consumer_progress(sh: &CShared) {
                         ));
                         break;
                     }
-                    let layer = l.posted;
-                    let r = (|| -> Result<Transfer> {
-                        // Bounded by the lease: never read blocks the producer may have freed.
-                        let within = Some(until - now);
-                        // One entry per tensor of the layer, not one per block, where the
-                        // heads allow it (a head slice in NHD order is one piece per token).
-                        if let Some((lp, rp)) = load_paged(
-                            &sh.layout,
-                            &l.remote,
-                            &l.heads,
-                            &l.local_blocks,
-                            &l.h.blocks[l.skip..],
-                            layer..layer + 1,
-                        )? {
-                            return sh.agent.transfer_paged(
-                                XferOp::Read,
-                                &l.h.producer,
-                                &lp,
-                                &rp,
-                                None,
-                                within,
-                            );
-                        }
-                        let (ld, rd) = load_descs(
-                            &sh.layout,
-                            &l.remote,
-                            &l.heads,
-                            &l.local_blocks,
-                            &l.h.blocks[l.skip..],
-                            layer..layer + 1,
-                        )?;
-                        let lp = sh.agent.prep_local(&ld)?;
-                        let rp = sh.agent.prep_remote(&l.h.producer, &rd)?;
-                        sh.agent.transfer_all(XferOp::Read, &lp, &rp, None, within)
-                    })();
-                    match r {
-                        Ok(t) => l.inflight.push((layer, t)),
+                    let m = LayerMove {
+                        local: &sh.layout,
+                        local_blocks: &l.local_blocks,
+                        remote: &l.remote,
+                        remote_blocks: &l.h.blocks[l.skip..],
+                        heads: &l.heads,
+                        layer: l.posted,
+                    };
+                    // Bounded by the lease: never read blocks the producer may have freed.
+                    match sh.carrier.read(&l.h.producer, &m, until - now) {
+                        Ok(t) => l.inflight.push((l.posted, t)),
                         Err(e) => {
                             failures.push((req.clone(), e));
                             break;
@@ -629,18 +591,18 @@ fn consumer_progress(sh: &CShared) {
         }
         let mut i = 0;
         while i < l.inflight.len() {
-            if l.inflight[i].1.is_done() {
-                let (layer, t) = l.inflight.swap_remove(i);
-                match t.wait() {
-                    Ok(s) => {
-                        l.proto.mark_loaded(layer);
-                        add_stats(&mut l.bytes, &mut l.descs, &mut l.post, &mut l.xfer, &s);
-                        changed = true;
-                    }
-                    Err(e) => failures.push((req.clone(), e)),
-                }
-            } else {
+            if !l.inflight[i].1.is_done() {
                 i += 1;
+                continue;
+            }
+            let (layer, t) = l.inflight.swap_remove(i);
+            match t.wait() {
+                Ok(s) => {
+                    l.proto.mark_loaded(layer);
+                    l.figures.add(&s);
+                    changed = true;
+                }
+                Err(e) => failures.push((req.clone(), e)),
             }
         }
         if l.h.mode == Mode::Pull && l.proto.complete() && l.inflight.is_empty() {
@@ -653,17 +615,63 @@ fn consumer_progress(sh: &CShared) {
     }
     for req in done {
         if let Some(l) = st.loads.get(&req) {
-            let p = l.h.producer.clone();
-            send(&sh.agent, &p, &l.proto.ack().encode());
+            out.push((l.h.producer.clone(), l.proto.ack()));
         }
         finish(sh, &mut st, &req);
         changed = true;
     }
     drop(st);
-    for (p, m) in hbs {
-        send(&sh.agent, &p, &m);
+    let mut gone: Vec<(String, String)> = Vec::new();
+    for (to, m) in out {
+        // An acknowledgement to a producer that is gone frees nothing (its blocks went with
+        // it); a heartbeat that finds none ends the load.
+        let ack = matches!(m, ToProducer::Ack { .. });
+        if !sh.carrier.send(&to, &m.encode()) && !ack {
+            gone.push((m.request().to_string(), to));
+        }
+    }
+    if !gone.is_empty() {
+        let mut st = lock(&sh.st);
+        for (req, p) in gone {
+            let why = format!("the producer {p:?} is gone");
+            let e = Error::Handoff {
+                request: req.clone(),
+                why,
+            };
+            fail(sh, &mut st, &req, e);
+        }
+        changed = true;
     }
     if changed {
         sh.cv.notify_all();
+    }
+}
+
+impl KvConsumer for Consumer {
+    fn start_load_with(
+        &self,
+        handoff: &Handoff,
+        local_blocks: &[u32],
+        spec: &LoadSpec,
+    ) -> Result<()> {
+        Consumer::start_load_with(self, handoff, local_blocks, spec)
+    }
+    fn wait_layer(&self, request: &str, layer: usize, timeout: Duration) -> Result<()> {
+        Consumer::wait_layer(self, request, layer, timeout)
+    }
+    fn wait(&self, request: &str, timeout: Duration) -> Result<()> {
+        Consumer::wait(self, request, timeout)
+    }
+    fn next_finished(&self) -> Option<RequestStats> {
+        self.take_finished_one(|_| true)
+    }
+    fn next_failed(&self) -> Option<LoadFailure> {
+        self.take_failed_one(|_| true)
+    }
+    fn in_progress(&self) -> usize {
+        Consumer::in_progress(self)
+    }
+    fn telemetry(&self) -> &Telemetry {
+        Consumer::telemetry(self)
     }
 }

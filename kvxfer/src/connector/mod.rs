@@ -64,14 +64,17 @@
 //! Over an agent, control messages ([`kvxfer_proto::wire::connector`], typed) travel as
 //! kvxfer notifications (JSON after a `KXCP` or `KXCC` tag) on queues of their own: the
 //! agent's notifications stay the user's. What each side answers and when a lease ends is
-//! decided by the pure cores in [`kvxfer_proto::connector`], for both implementations; the
-//! agent's shell (threads, transfers, budget, telemetry) is in `producer` and `consumer`, the
-//! in-process one in `in_process`.
+//! decided by the pure cores in [`kvxfer_proto::connector`], for both implementations. One
+//! shell (threads, budget, telemetry) runs them, [`Producer`] and [`Consumer`], for both: it
+//! reaches peers through a carrier (`carrier`: send, receive, move a layer), the agent's
+//! (`agent_carrier`) or the in-process one (`in_process`).
 
 // Unsafe code only where engine memory is named (`api`: `CacheTensor::new`), registered
 // (`over_agent`) or copied (`in_process::copy`); every other file forbids it.
 
+mod agent_carrier;
 mod api;
+mod carrier;
 mod config;
 pub mod conformance;
 mod consumer;

@@ -1,99 +1,94 @@
-//! The prefill side's shell: publishing, the control-message thread, push transfers.
+//! The prefill side's shell, one for every carrier: publishing, the control-message thread,
+//! push transfers. The protocol's decisions are [`ProducerCore`]'s; every byte leaves through
+//! the [`Carrier`].
 #![forbid(unsafe_code)]
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::agent_carrier::AgentCarrier;
+use super::api::KvProducer;
+use super::carrier::{Carrier, Figures, InFlight, LayerMove, Role};
 use super::config::ConnectorConfig;
-use super::shell::{add_stats, lock, send, state_charge, take_control, wait_until, Registrations};
+use super::shell::{join_thread, lock, spawn_thread, state_charge, take_control, wait_until};
 use crate::agent::Agent;
 use crate::budget::Charge;
 use crate::telemetry::{RequestStats, Telemetry};
-use crate::transfer::Transfer;
 use kvxfer_proto::connector::{LayerError, ProducerAction, ProducerCore};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::layout::KvLayout;
 use kvxfer_proto::lifecycle::Freed;
-use kvxfer_proto::types::XferOp;
+use kvxfer_proto::tp::HeadMap;
 use kvxfer_proto::wire::connector::{Handoff, PushWant, ToConsumer, ToProducer};
 use kvxfer_proto::wire::notify::Notification;
 
-struct Push {
+/// One push consumer's progress through a request.
+struct PushTarget {
     reader: String,
+    /// The consumer's cache as its push request described it.
     local: KvLayout,
     blocks: Vec<u32>,
+    /// Producer blocks before the consumer's (its cached prefix).
     skip: usize,
     posted: usize,
-    inflight: Vec<(usize, Transfer)>,
+    inflight: Vec<(usize, Box<dyn InFlight>)>,
     landed: usize,
-    bytes: u64,
-    descs: u64,
-    post: Duration,
-    xfer: Duration,
+    figures: Figures,
     failed: bool,
     _charge: Charge,
 }
 
 /// The shell's side of a held request (the protocol's side is in the core).
-struct PReq {
+struct HeldRequest {
     blocks: Vec<u32>,
-    pushes: Vec<Push>,
+    pushes: Vec<PushTarget>,
     published: Instant,
 }
 
-struct PState {
+struct ProducerState {
     core: ProducerCore,
-    reqs: HashMap<String, PReq>,
-    freed: Vec<Freed>,
+    requests: HashMap<String, HeldRequest>,
+    freed: VecDeque<Freed>,
     stop: bool,
 }
 
-impl PState {
+impl ProducerState {
     /// A request's blocks are free: the shell forgets it, the engine may take the blocks.
     fn record_freed(&mut self, f: Freed) {
-        self.reqs.remove(&f.request);
-        self.freed.push(f);
+        self.requests.remove(&f.request);
+        self.freed.push_back(f);
     }
 }
 
-struct PShared {
-    agent: Arc<Agent>,
+/// What the engine's calls and the producer's thread share.
+struct ProducerShared {
+    carrier: Box<dyn Carrier>,
     layout: KvLayout,
     cfg: ConnectorConfig,
-    side: Option<SocketAddr>,
-    st: Mutex<PState>,
+    st: Mutex<ProducerState>,
     cv: Condvar,
     t0: Instant,
     tel: Telemetry,
 }
 
-/// The prefill side. See the module docs.
+/// The prefill side. See the module docs of [`crate::connector`].
 pub struct Producer {
-    sh: Arc<PShared>,
+    sh: Arc<ProducerShared>,
     thread: Option<JoinHandle<()>>,
-    /// Regions its `AgentConnector` registered for it: deregistered after the thread has
-    /// stopped (fields drop after `Drop::drop`).
-    _regs: Option<Registrations>,
 }
 
 impl std::fmt::Debug for Producer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Producer")
-            .field("agent", &self.sh.agent.name())
+            .field("name", &self.sh.carrier.name())
             .finish()
     }
 }
 
 impl Producer {
-    /// This producer, owning the registrations made for it.
-    pub(crate) fn owning(mut self, regs: Registrations) -> Producer {
-        self._regs = Some(regs);
-        self
-    }
-
     /// A producer over `agent`, whose registered cache `layout` describes; `side_channel` is
     /// where consumers reach the agent's [`Agent::listen`] (put into every handoff).
     pub fn new(
@@ -102,36 +97,43 @@ impl Producer {
         cfg: ConnectorConfig,
         side_channel: Option<SocketAddr>,
     ) -> Result<Producer> {
-        let sh = Arc::new(PShared {
-            agent,
-            cfg: cfg.clone(),
+        let carrier = AgentCarrier::new(agent, Role::Producer, side_channel, None);
+        Producer::over(Box::new(carrier), layout, cfg)
+    }
+
+    /// A producer whose messages and blocks `carrier` moves; `layout` describes its cache.
+    pub(crate) fn over(
+        carrier: Box<dyn Carrier>,
+        layout: KvLayout,
+        cfg: ConnectorConfig,
+    ) -> Result<Producer> {
+        let name = format!("kvxfer-producer-{}", carrier.name());
+        let sh = Arc::new(ProducerShared {
+            carrier,
             layout,
-            side: side_channel,
-            st: Mutex::new(PState {
+            st: Mutex::new(ProducerState {
                 core: ProducerCore::new(cfg.lease, cfg.mode),
-                reqs: HashMap::new(),
-                freed: Vec::new(),
+                requests: HashMap::new(),
+                freed: VecDeque::new(),
                 stop: false,
             }),
+            cfg,
             cv: Condvar::new(),
             t0: Instant::now(),
             tel: Telemetry::new("producer"),
         });
         let s2 = sh.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("kvxfer-producer-{}", sh.agent.name()))
-            .spawn(move || producer_loop(&s2))
-            .map_err(|e| Error::io("spawning the producer thread", e))?;
+        let thread = spawn_thread(name, move || producer_loop(&s2))?;
         Ok(Producer {
             sh,
             thread: Some(thread),
-            _regs: None,
         })
     }
 
     /// Holds `blocks` of `request` for consumers and returns the handoff to give them.
     /// `layers_done`: how many layers (from layer 0) are already computed: all of them when
-    /// prefill finished, 0 to hand over layer by layer with [`Producer::layer_done`].
+    /// prefill finished, 0 to hand over layer by layer with [`Producer::layer_done`]. A
+    /// request that is still held cannot be published again.
     pub fn publish(
         &self,
         request: &str,
@@ -139,23 +141,26 @@ impl Producer {
         tokens: u64,
         layers_done: usize,
     ) -> Result<Handoff> {
-        let nl = self.sh.layout.layers.len();
+        let layout = &self.sh.layout;
+        let nl = layout.layers.len();
         if request.is_empty() || layers_done > nl {
             return Err(Error::InvalidArgument(format!(
                 "publish {request:?}: layers_done {layers_done} of {nl}"
             )));
         }
-        if let Some(&b) = blocks
-            .iter()
-            .find(|&&b| u64::from(b) >= self.sh.layout.num_blocks)
-        {
+        if let Some(&b) = blocks.iter().find(|&&b| u64::from(b) >= layout.num_blocks) {
             return Err(Error::InvalidArgument(format!(
                 "publish {request:?}: block {b} of {}",
-                self.sh.layout.num_blocks
+                layout.num_blocks
             )));
         }
         let now = self.sh.t0.elapsed();
         let mut st = lock(&self.sh.st);
+        if st.core.is_held(request) {
+            return Err(Error::InvalidArgument(format!(
+                "publish {request:?}: already held"
+            )));
+        }
         st.core.publish(
             request,
             blocks.to_vec(),
@@ -164,27 +169,29 @@ impl Producer {
             layers_done,
             now,
         );
-        st.reqs.insert(
+        st.requests.insert(
             request.to_string(),
-            PReq {
+            HeldRequest {
                 blocks: blocks.to_vec(),
                 pushes: Vec::new(),
                 published: Instant::now(),
             },
         );
         drop(st);
+        self.sh.cv.notify_all();
+        let carrier = &self.sh.carrier;
         Ok(Handoff {
             request: request.to_string(),
-            producer: self.sh.agent.name().to_string(),
-            side_channel: self.sh.side,
+            producer: carrier.name().to_string(),
+            side_channel: carrier.side_channel(),
             blocks: blocks.to_vec(),
             tokens,
-            compat: self.sh.layout.compat_hash(),
-            kv_heads: self.sh.layout.geometry.kv_heads,
-            num_blocks: self.sh.layout.num_blocks,
-            layers: self.sh.layout.layers.clone(),
+            compat: layout.compat_hash(),
+            kv_heads: layout.geometry.kv_heads,
+            num_blocks: layout.num_blocks,
+            layers: layout.layers.clone(),
             mode: self.sh.cfg.mode,
-            epoch: self.sh.agent.epoch(),
+            epoch: carrier.epoch(),
         })
     }
 
@@ -202,19 +209,19 @@ impl Producer {
                     Error::InvalidArgument(format!("layer {layer} of {n}"))
                 }
             })?;
-        for (to, m) in sends {
-            send(&self.sh.agent, &to, &m.encode());
-        }
         self.sh.cv.notify_all();
+        for (to, m) in sends {
+            self.sh.carrier.send(&to, &m.encode());
+        }
         Ok(())
     }
 
     /// Gives up a request: its blocks are freed now; consumers that ask get a typed refusal.
     pub fn abort(&self, request: &str) {
         let mut st = lock(&self.sh.st);
-        st.reqs.remove(request);
+        st.requests.remove(request);
         if let Some(f) = st.core.abort(request) {
-            st.freed.push(f);
+            st.freed.push_back(f);
         }
         drop(st);
         self.sh.cv.notify_all();
@@ -222,7 +229,7 @@ impl Producer {
 
     /// Requests whose blocks the engine may reuse now (acknowledged, aborted or expired).
     pub fn take_freed(&self) -> Vec<Freed> {
-        std::mem::take(&mut lock(&self.sh.st).freed)
+        std::mem::take(&mut lock(&self.sh.st).freed).into()
     }
 
     /// Takes the oldest freed request if `fits` accepts it, waiting up to `timeout` for one.
@@ -233,9 +240,9 @@ impl Producer {
         fits: impl Fn(&Freed) -> bool,
     ) -> std::result::Result<Option<Freed>, (usize, usize)> {
         wait_until(&self.sh.st, &self.sh.cv, timeout, |st| {
-            let f = st.freed.first()?;
+            let f = st.freed.front()?;
             Some(if fits(f) {
-                Ok(st.freed.remove(0))
+                st.freed.pop_front().ok_or((0, 0))
             } else {
                 Err((f.request.len(), f.blocks.len()))
             })
@@ -247,7 +254,7 @@ impl Producer {
     pub fn wait_freed(&self, request: &str, timeout: Duration) -> Result<Freed> {
         wait_until(&self.sh.st, &self.sh.cv, timeout, |st| {
             let i = st.freed.iter().position(|f| f.request == request)?;
-            Some(st.freed.remove(i))
+            st.freed.remove(i)
         })
         .ok_or(Error::WaitTimeout(timeout))
     }
@@ -266,20 +273,30 @@ impl Producer {
 impl Drop for Producer {
     fn drop(&mut self) {
         lock(&self.sh.st).stop = true;
-        self.sh.cv.notify_all();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        join_thread(&self.sh.cv, &mut self.thread);
+        // Pushes still in flight end before the carrier lets the engine's memory go.
+        let pushes: Vec<PushTarget> = lock(&self.sh.st)
+            .requests
+            .drain()
+            .flat_map(|(_, r)| r.pushes)
+            .collect();
+        for (_, t) in pushes.into_iter().flat_map(|p| p.inflight) {
+            t.cancel();
         }
+        self.sh.carrier.close();
     }
 }
 
-fn producer_loop(sh: &PShared) {
+fn producer_loop(sh: &ProducerShared) {
     loop {
-        if lock(&sh.st).stop {
-            return;
-        }
-        let busy = lock(&sh.st).reqs.values().any(|r| !r.pushes.is_empty());
-        take_control(&sh.agent, true, busy, |n| producer_msg(sh, n));
+        let busy = {
+            let st = lock(&sh.st);
+            if st.stop {
+                return;
+            }
+            st.requests.values().any(|r| !r.pushes.is_empty())
+        };
+        take_control(&*sh.carrier, busy, |n| producer_msg(sh, n));
         producer_pushes(sh);
         let now = sh.t0.elapsed();
         let mut st = lock(&sh.st);
@@ -294,7 +311,7 @@ fn producer_loop(sh: &PShared) {
     }
 }
 
-fn producer_msg(sh: &PShared, n: Notification) {
+fn producer_msg(sh: &ProducerShared, n: Notification) {
     let m = match ToProducer::decode(&n.payload) {
         Ok(m) => m,
         Err(why) => {
@@ -319,17 +336,14 @@ fn producer_msg(sh: &PShared, n: Notification) {
                 want,
                 lease,
             } => {
-                let published = st.reqs.get(&request).map(|r| r.blocks.len());
+                let published = st.requests.get(&request).map(|r| r.blocks.len());
                 let target = published
                     .ok_or_else(|| Error::InvalidArgument("push request: not held".into()))
-                    .and_then(|nb| push_target(sh, want, nb));
+                    .and_then(|nb| push_target(sh, reader.clone(), want, nb));
                 match target {
                     Ok(p) => {
-                        if let Some(r) = st.reqs.get_mut(&request) {
-                            r.pushes.push(Push {
-                                reader: reader.clone(),
-                                ..p
-                            });
+                        if let Some(r) = st.requests.get_mut(&request) {
+                            r.pushes.push(p);
                         }
                         st.core.push_accepted(&request, &reader);
                         out.push((reader, lease.encode()));
@@ -355,12 +369,17 @@ fn producer_msg(sh: &PShared, n: Notification) {
         sh.cv.notify_all();
     }
     for (to, m) in out {
-        send(&sh.agent, &to, &m);
+        sh.carrier.send(&to, &m);
     }
 }
 
 /// Builds a push target from a consumer's "want".
-fn push_target(sh: &PShared, want: PushWant, producer_blocks: usize) -> Result<Push> {
+fn push_target(
+    sh: &ProducerShared,
+    reader: String,
+    want: PushWant,
+    producer_blocks: usize,
+) -> Result<PushTarget> {
     let bad = |w: &str| Error::InvalidArgument(format!("push request: {w}"));
     let PushWant {
         blocks,
@@ -376,130 +395,156 @@ fn push_target(sh: &PShared, want: PushWant, producer_blocks: usize) -> Result<P
         ..sh.layout.clone()
     };
     let descs = (blocks.len() * local.layers.len() * local.tensors_per_layer()) as u64;
-    // The producer's driver thread must not block: no room now is a refusal.
+    // The producer's thread must not block: no room now is a refusal.
     let charge = state_charge(&sh.cfg.budget, descs, "push state", Duration::ZERO)?;
-    Ok(Push {
-        reader: String::new(),
+    Ok(PushTarget {
+        reader,
         skip: producer_blocks - blocks.len(),
         blocks,
         local,
         posted: 0,
         inflight: Vec::new(),
         landed: 0,
-        bytes: 0,
-        descs: 0,
-        post: Duration::ZERO,
-        xfer: Duration::ZERO,
+        figures: Figures::default(),
         failed: false,
         _charge: charge,
     })
 }
 
 /// Posts the ready layers of every push target and collects finished ones.
-fn producer_pushes(sh: &PShared) {
+fn producer_pushes(sh: &ProducerShared) {
     let mut st = lock(&sh.st);
     let mut acks: Vec<(String, String)> = Vec::new();
     // A push that failed is the consumer's to hear at once (else it waits out its lease).
-    let mut refusals: Vec<(String, Vec<u8>)> = Vec::new();
+    let mut notes: Vec<(String, Vec<u8>)> = Vec::new();
     let refusal = |req: &str, e: &Error| ToConsumer::Refused {
         request: req.to_string(),
         kind: None,
         why: format!("the push failed: {e}"),
     };
-    let nl = sh.layout.layers.len();
-    let heads = 0..sh.layout.geometry.kv_heads;
-    let PState { core, reqs, .. } = &mut *st;
-    for (req, r) in reqs.iter_mut() {
+    let layout = &sh.layout;
+    let nl = layout.layers.len();
+    let heads = HeadMap::all(layout.geometry.kv_heads);
+    let ProducerState { core, requests, .. } = &mut *st;
+    for (req, r) in requests.iter_mut() {
         let ready = core.ready_layers(req);
-        let src_blocks = &r.blocks;
-        for p in r.pushes.iter_mut().filter(|p| !p.failed) {
-            while p.posted < ready {
+        for p in r.pushes.iter_mut() {
+            while !p.failed && p.posted < ready {
                 let l = p.posted;
-                let res = (|| -> Result<Transfer> {
-                    // Whole blocks: one paged entry per tensor of the layer on each side.
-                    let ld = sh
-                        .layout
-                        .paged(&src_blocks[p.skip..], l..l + 1, heads.clone())?;
-                    let rd = p.local.paged(&p.blocks, l..l + 1, heads.clone())?;
-                    let note = ToConsumer::Layer {
-                        request: req.clone(),
-                        layer: l,
-                    }
-                    .encode();
-                    sh.agent.transfer_paged(
-                        XferOp::Write,
-                        &p.reader,
-                        &ld,
-                        &rd,
-                        Some(&note),
-                        Some(sh.cfg.lease),
-                    )
-                })();
-                match res {
+                let note = ToConsumer::Layer {
+                    request: req.clone(),
+                    layer: l,
+                }
+                .encode();
+                // Whole blocks: the consumer's blocks as its push request named them.
+                let m = LayerMove {
+                    local: layout,
+                    local_blocks: &r.blocks[p.skip..],
+                    remote: &p.local,
+                    remote_blocks: &p.blocks,
+                    heads: &heads,
+                    layer: l,
+                };
+                match sh.carrier.write(&p.reader, &m, &note, sh.cfg.lease) {
                     Ok(t) => p.inflight.push((l, t)),
                     Err(e) => {
                         log::warn!("kvxfer producer: push of {req:?} layer {l}: {e}");
-                        refusals.push((p.reader.clone(), refusal(req, &e).encode()));
+                        notes.push((p.reader.clone(), refusal(req, &e).encode()));
                         p.failed = true;
-                        break;
                     }
                 }
                 p.posted += 1;
             }
             let mut i = 0;
             while i < p.inflight.len() {
-                if p.inflight[i].1.is_done() {
-                    let (_, t) = p.inflight.swap_remove(i);
-                    match t.wait() {
-                        Ok(s) => {
-                            p.landed += 1;
-                            add_stats(&mut p.bytes, &mut p.descs, &mut p.post, &mut p.xfer, &s);
-                        }
-                        Err(e) => {
-                            log::warn!("kvxfer producer: push of {req:?}: {e}");
-                            if !p.failed {
-                                refusals.push((p.reader.clone(), refusal(req, &e).encode()));
-                            }
-                            p.failed = true;
-                        }
-                    }
-                } else {
+                if !p.inflight[i].1.is_done() {
                     i += 1;
+                    continue;
+                }
+                let (_, t) = p.inflight.swap_remove(i);
+                match t.wait() {
+                    Ok(s) => {
+                        p.landed += 1;
+                        p.figures.add(&s);
+                    }
+                    Err(e) => {
+                        log::warn!("kvxfer producer: push of {req:?}: {e}");
+                        if !p.failed {
+                            notes.push((p.reader.clone(), refusal(req, &e).encode()));
+                        }
+                        p.failed = true;
+                    }
                 }
             }
             if p.landed == nl && !p.failed {
                 acks.push((req.clone(), p.reader.clone()));
+                let f = &p.figures;
                 sh.tel.record(&RequestStats {
                     request: req.clone(),
-                    bytes_moved: p.bytes,
+                    bytes_moved: f.bytes,
                     bytes_skipped: p.skip as u64
-                        * sh.layout.block_bytes()
-                        * (nl * sh.layout.tensors_per_layer()) as u64,
-                    descriptors: p.descs,
-                    post_time: p.post,
-                    transfer_time: p.xfer,
+                        * layout.block_bytes()
+                        * (nl * layout.tensors_per_layer()) as u64,
+                    descriptors: f.descs,
+                    post_time: f.post,
+                    transfer_time: f.xfer,
                     handoff_time: r.published.elapsed(),
                 });
-                p.failed = true; // done: never looked at again
+                p.failed = true; // done: forgotten below
             }
         }
+        // A target is forgotten once done or failed with nothing of it in flight.
+        r.pushes.retain(|p| !(p.failed && p.inflight.is_empty()));
     }
-    // The producer saw its writes land: that reader is done with the blocks.
+    drop(st);
+    // The consumer hears of its failures before anything is freed.
+    for (reader, m) in notes {
+        sh.carrier.send(&reader, &m);
+    }
+    // The producer saw its writes land: that reader is done with the blocks. (The lock is
+    // taken again only then: this runs every millisecond while pushes are in progress.)
+    if acks.is_empty() {
+        return;
+    }
     let now = sh.t0.elapsed();
-    let mut any = false;
+    let mut st = lock(&sh.st);
     for (req, reader) in acks {
         for a in st.core.push_landed(&reader, &req, now) {
             if let ProducerAction::Freed(f) = a {
                 st.record_freed(f);
-                any = true;
             }
         }
     }
     drop(st);
-    for (reader, m) in refusals {
-        send(&sh.agent, &reader, &m);
+    sh.cv.notify_all();
+}
+
+impl KvProducer for Producer {
+    fn publish(
+        &self,
+        request: &str,
+        blocks: &[u32],
+        tokens: u64,
+        layers_done: usize,
+    ) -> Result<Handoff> {
+        Producer::publish(self, request, blocks, tokens, layers_done)
     }
-    if any {
-        sh.cv.notify_all();
+    fn layer_done(&self, request: &str, layer: usize) -> Result<()> {
+        Producer::layer_done(self, request, layer)
+    }
+    fn abort(&self, request: &str) {
+        Producer::abort(self, request)
+    }
+    fn next_freed(&self, timeout: Duration) -> Option<Freed> {
+        self.take_freed_one(timeout, |_| true).ok().flatten()
+    }
+    fn wait_freed(&self, request: &str, timeout: Duration) -> Result<Freed> {
+        Producer::wait_freed(self, request, timeout)
+    }
+    fn held(&self) -> usize {
+        Producer::held(self)
+    }
+    fn telemetry(&self) -> &Telemetry {
+        Producer::telemetry(self)
     }
 }

@@ -1,14 +1,12 @@
-//! What the producer's and the consumer's shells share: locking, sending control messages,
-//! charging request state to the budget, adding up transfer figures.
+//! What the producer's and the consumer's shells share: locking, waiting, receiving control
+//! messages, charging request state to the budget, adding up transfer figures.
 #![forbid(unsafe_code)]
 
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::agent::Agent;
 use crate::budget::{Charge, MemoryBudget};
-use crate::memory::Region;
-use crate::transfer::XferStats;
 use kvxfer_proto::connector::check_load;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::layout::KvLayout;
@@ -17,6 +15,7 @@ use kvxfer_proto::wire::connector::{Handoff, Mode};
 use kvxfer_proto::wire::notify::Notification;
 
 use super::api::LoadSpec;
+use super::carrier::Carrier;
 use super::config::ConnectorConfig;
 
 /// Bytes of request state charged per descriptor.
@@ -83,15 +82,6 @@ pub(crate) fn wait_until<T, R>(
     }
 }
 
-/// Sends a control message (already encoded); failures are logged (the peer's lease logic
-/// covers lost ones).
-pub(crate) fn send(agent: &Agent, peer: &str, msg: &[u8]) {
-    match agent.notify(peer, msg) {
-        Ok(t) => drop(t), // completes on its own
-        Err(e) => log::warn!("kvxfer connector: message to {peer:?} not sent: {e}"),
-    }
-}
-
 pub(crate) fn state_charge(
     budget: &MemoryBudget,
     descs: u64,
@@ -101,24 +91,10 @@ pub(crate) fn state_charge(
     budget.charge(STATE_BYTES_FIXED + descs * STATE_BYTES_PER_DESC, what, wait)
 }
 
-pub(crate) fn add_stats(
-    bytes: &mut u64,
-    descs: &mut u64,
-    post: &mut Duration,
-    xfer: &mut Duration,
-    s: &XferStats,
-) {
-    *bytes += s.bytes;
-    *descs += s.descs as u64;
-    *post += s.post_time;
-    *xfer += s.duration;
-}
-
 /// One turn of a shell's control loop: waits for a control message (1 ms while `busy` with
 /// transfers in flight, else 10 ms), then hands every queued one to `handle`.
 pub(crate) fn take_control(
-    agent: &Agent,
-    producer: bool,
+    carrier: &dyn Carrier,
     busy: bool,
     mut handle: impl FnMut(Notification),
 ) {
@@ -127,32 +103,29 @@ pub(crate) fn take_control(
     } else {
         Duration::from_millis(10)
     };
-    if let Ok(n) = agent.wait_control(producer, wait) {
+    if let Some(n) = carrier.recv(wait) {
         handle(n);
-        while let Some(n) = agent.try_control(producer) {
+        while let Some(n) = carrier.try_recv() {
             handle(n);
         }
     }
 }
 
-/// Regions a connector registered for an engine's tensors, deregistered on drop.
-#[derive(Debug)]
-pub(crate) struct Registrations {
-    pub(crate) agent: Arc<Agent>,
-    pub(crate) regions: Vec<Region>,
+/// Starts a shell's thread, called `name`, running `body`.
+pub(crate) fn spawn_thread(
+    name: String,
+    body: impl FnOnce() + Send + 'static,
+) -> Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(body)
+        .map_err(|e| Error::io("spawning a connector thread", e))
 }
 
-impl Drop for Registrations {
-    fn drop(&mut self) {
-        for r in &self.regions {
-            // Transfers of a dropped producer or consumer are over; a peer's read still in
-            // flight makes this `Busy`: the agent then keeps the mapping until it drops.
-            if let Err(e) = self.agent.deregister(r) {
-                log::warn!(
-                    "kvxfer connector: region {} stays registered: {e}",
-                    r.id().0
-                );
-            }
-        }
+/// Wakes a shell's thread (its state says stop) and waits for it to end.
+pub(crate) fn join_thread(cv: &Condvar, thread: &mut Option<JoinHandle<()>>) {
+    cv.notify_all();
+    if let Some(t) = thread.take() {
+        let _ = t.join();
     }
 }

@@ -1,39 +1,59 @@
-//! Where the producers and consumers of one in-process connector find each other by name,
-//! and hand each other control messages.
+//! Where the producers and consumers of one in-process connector find each other by name:
+//! each is an [`End`] with an inbox of control messages and its caches.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::Duration;
 
 use super::copy::Caches;
-use crate::connector::shell::lock;
-use kvxfer_proto::wire::connector::{ToConsumer, ToProducer};
+use crate::connector::shell::{lock, wait_until};
+use kvxfer_proto::wire::notify::Notification;
 
-/// A producer as the hub and consumers reach it.
-pub(super) trait ProducerEnd: Send + Sync {
-    /// A control message from consumer `from`.
-    fn deliver(&self, from: &str, msg: ToProducer);
+/// A producer or a consumer as the hub and its peers reach it.
+#[derive(Debug)]
+pub(super) struct End {
+    inbox: Mutex<VecDeque<Notification>>,
+    arrived: Condvar,
     /// Its caches.
-    fn mem(&self) -> &Caches;
+    pub(super) mem: Caches,
 }
 
-/// A consumer as the hub and producers reach it.
-pub(super) trait ConsumerEnd: Send + Sync {
-    /// A control message from producer `from`.
-    fn deliver(&self, from: &str, msg: ToConsumer);
-    /// Its caches.
-    fn mem(&self) -> &Caches;
+impl End {
+    pub(super) fn new(mem: Caches) -> End {
+        End {
+            inbox: Mutex::new(VecDeque::new()),
+            arrived: Condvar::new(),
+            mem,
+        }
+    }
+
+    /// Queues a control message for this end.
+    pub(super) fn deliver(&self, n: Notification) {
+        lock(&self.inbox).push_back(n);
+        self.arrived.notify_all();
+    }
+
+    /// The next queued control message, waiting up to `wait` for one.
+    pub(super) fn recv(&self, wait: Duration) -> Option<Notification> {
+        wait_until(&self.inbox, &self.arrived, wait, |q| q.pop_front())
+    }
+
+    /// The next queued control message, if any.
+    pub(super) fn try_recv(&self) -> Option<Notification> {
+        lock(&self.inbox).pop_front()
+    }
 }
 
-/// Where producers and consumers of one connector find each other by name.
+/// Where the ends of one connector find each other by name.
 #[derive(Debug, Default)]
 pub(super) struct Hub {
     next: AtomicU64,
-    pub(super) producers: Mutex<HashMap<String, Weak<dyn ProducerEnd>>>,
-    pub(super) consumers: Mutex<HashMap<String, Weak<dyn ConsumerEnd>>>,
+    ends: Mutex<HashMap<String, Weak<End>>>,
 }
 
 impl Hub {
+    /// A fresh name for an end of `role`.
     pub(super) fn name(&self, role: &str) -> String {
         format!(
             "in-process-{role}-{}",
@@ -41,30 +61,16 @@ impl Hub {
         )
     }
 
-    pub(super) fn producer(&self, name: &str) -> Option<Arc<dyn ProducerEnd>> {
-        lock(&self.producers).get(name).and_then(Weak::upgrade)
+    pub(super) fn join(&self, name: &str, end: &Arc<End>) {
+        lock(&self.ends).insert(name.to_string(), Arc::downgrade(end));
     }
 
-    pub(super) fn consumer(&self, name: &str) -> Option<Arc<dyn ConsumerEnd>> {
-        lock(&self.consumers).get(name).and_then(Weak::upgrade)
+    pub(super) fn leave(&self, name: &str) {
+        lock(&self.ends).remove(name);
     }
 
-    /// Hands `msg` from consumer `from` to producer `to`; false when there is no such producer
-    /// (it was dropped), as a message into a dead peer's queue would be lost.
-    pub(super) fn to_producer(&self, to: &str, from: &str, msg: ToProducer) -> bool {
-        match self.producer(to) {
-            Some(p) => {
-                p.deliver(from, msg);
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// Queues `msg` from producer `from` for consumer `to` (dropped when it is gone).
-    pub(super) fn to_consumer(&self, to: &str, from: &str, msg: ToConsumer) {
-        if let Some(c) = self.consumer(to) {
-            c.deliver(from, msg);
-        }
+    /// The end called `name`, while it lives.
+    pub(super) fn end(&self, name: &str) -> Option<Arc<End>> {
+        lock(&self.ends).get(name).and_then(Weak::upgrade)
     }
 }

@@ -1,23 +1,24 @@
 //! The in-process connector: a producer and consumers in one process, KV moved by memcpy
 //! between their caches, no network. For engines that run prefill and decode in one process
-//! (and for engines' own tests). It runs the same protocol cores as the agent's connector
-//! ([`kvxfer_proto::connector`]: leases, readers, refusals, layer-wise readiness), with
-//! messages handed over in memory instead of sent as notifications. Host memory only.
+//! (and for engines' own tests). The same shells as the agent's connector ([`Producer`],
+//! [`Consumer`]: the protocol cores of [`kvxfer_proto::connector`], leases, readers,
+//! refusals, layer-wise readiness) over a carrier that hands messages over in memory and
+//! copies blocks on a mover thread. Host memory only.
 
-mod consumer;
+mod carrier;
 mod copy;
 mod hub;
-mod producer;
 
 use std::sync::Arc;
 
 use super::api::{KvCaches, KvConnector, KvConsumer, KvProducer};
 use super::config::ConnectorConfig;
-use consumer::InProcessConsumer;
+use super::consumer::Consumer;
+use super::producer::Producer;
+use carrier::InProcessCarrier;
 use copy::Caches;
-use hub::Hub;
+use hub::{End, Hub};
 use kvxfer_proto::error::Result;
-use producer::InProcessProducer;
 
 /// Builds producers and consumers that find each other in memory: a handoff published by
 /// one of this connector's producers can be loaded by any of its consumers (clones share
@@ -32,18 +33,28 @@ impl InProcessConnector {
     pub fn new() -> InProcessConnector {
         InProcessConnector::default()
     }
+
+    /// A carrier for a new end of `role` over `caches`, and the caches' layout.
+    fn carrier(
+        &self,
+        role: &str,
+        caches: &KvCaches,
+    ) -> Result<(Box<InProcessCarrier>, kvxfer_proto::layout::KvLayout)> {
+        let mem = Caches::new(caches)?;
+        let layout = mem.layout.clone();
+        let c = InProcessCarrier::new(&self.hub, self.hub.name(role), End::new(mem))?;
+        Ok((Box::new(c), layout))
+    }
 }
 
 impl KvConnector for InProcessConnector {
     fn producer(&self, caches: &KvCaches, cfg: &ConnectorConfig) -> Result<Box<dyn KvProducer>> {
-        let name = self.hub.name("producer");
-        let p = InProcessProducer::new(&self.hub, name, Caches::new(caches)?, cfg.clone())?;
-        Ok(Box::new(p))
+        let (c, layout) = self.carrier("producer", caches)?;
+        Ok(Box::new(Producer::over(c, layout, cfg.clone())?))
     }
 
     fn consumer(&self, caches: &KvCaches, cfg: &ConnectorConfig) -> Result<Box<dyn KvConsumer>> {
-        let name = self.hub.name("consumer");
-        let c = InProcessConsumer::new(&self.hub, name, Caches::new(caches)?, cfg.clone())?;
-        Ok(Box::new(c))
+        let (c, layout) = self.carrier("consumer", caches)?;
+        Ok(Box::new(Consumer::over(c, layout, cfg.clone())?))
     }
 }
