@@ -187,7 +187,26 @@ enum kvx_status
    * Another live agent already holds the name (two agents given one name); a restarted
    * agent is not refused.
    */
-  KVX_NAME_CONFLICT = 24
+  KVX_NAME_CONFLICT = 24,
+  /**
+   * The side channel's handshake failed authentication (no, or another, shared secret):
+   * nothing was exchanged with the peer.
+   */
+  KVX_AUTH = 25,
+  /**
+   * A strict agent's peer is reached over another transport than the one it asked for.
+   */
+  KVX_TRANSPORT_MISMATCH = 26,
+  /**
+   * The transfer was fenced by its target (the consumer gave the load up, or the peer
+   * restarted): nothing of it was written.
+   */
+  KVX_FENCED = 27,
+  /**
+   * An error of a kind this build of the header does not name (a newer library): the
+   * last error says what happened.
+   */
+  KVX_ERROR = 28
 };
 #ifndef __cplusplus
 typedef uint32_t kvx_status;
@@ -505,9 +524,10 @@ const char *kvx_version(void);
 size_t kvx_last_error(char *buf, size_t cap);
 
 /**
- * A static name for a status (e.g. "KVX_BUSY").
+ * A static name for a status (e.g. "KVX_BUSY"); "KVX_UNKNOWN" for a value that is no status.
+ * Takes the integer, so that any value a caller passes is defined behaviour.
  */
-const char *kvx_status_name(kvx_status s);
+const char *kvx_status_name(uint32_t s);
 
 /**
  * Creates an agent. `transport`: "tcp", "shm", "auto" or a UCX_TLS list; `net_devices` may be

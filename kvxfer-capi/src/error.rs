@@ -25,6 +25,8 @@ impl From<Error> for Fail {
     }
 }
 
+/// The status of every error, variant by variant (a new variant of the library's `Error` maps
+/// to `KVX_ERROR` until it is given a status of its own here).
 pub(crate) fn status_of(e: &Error) -> kvx_status {
     use kvx_status::*;
     match e {
@@ -39,9 +41,11 @@ pub(crate) fn status_of(e: &Error) -> kvx_status {
         Error::StalePeer { .. } => KVX_STALE,
         Error::PeerFailed { .. }
         | Error::LaneFailed { .. }
-        | Error::Fenced { .. }
         | Error::NoCommonTransport { .. }
         | Error::Frame { .. } => KVX_PEER_FAILED,
+        Error::Fenced { .. } => KVX_FENCED,
+        Error::Auth { .. } => KVX_AUTH,
+        Error::TransportMismatch { .. } => KVX_TRANSPORT_MISMATCH,
         Error::Handoff { .. } => KVX_HANDOFF,
         Error::Busy { .. } => KVX_BUSY,
         Error::Deregistered { .. } => KVX_DEREGISTERED,
@@ -54,7 +58,9 @@ pub(crate) fn status_of(e: &Error) -> kvx_status {
         Error::Shutdown => KVX_SHUTDOWN,
         Error::Cuda { .. } => KVX_CUDA,
         Error::NameConflict { .. } => KVX_NAME_CONFLICT,
-        _ => KVX_INVALID_ARGUMENT,
+        // `Error` is non-exhaustive: a variant added later is still an error, never success
+        // or a misleading "invalid argument".
+        _ => KVX_ERROR,
     }
 }
 
@@ -110,11 +116,56 @@ pub unsafe extern "C" fn kvx_last_error(buf: *mut c_char, cap: usize) -> usize {
     r.unwrap_or(0)
 }
 
-/// A static name for a status (e.g. "KVX_BUSY").
-#[no_mangle]
-pub extern "C" fn kvx_status_name(s: kvx_status) -> *const c_char {
+/// Every status, in value order (0, 1, ...).
+const STATUSES: [kvx_status; 29] = {
     use kvx_status::*;
-    let n: &'static str = match s {
+    [
+        KVX_OK,
+        KVX_NULL_PARAMETER,
+        KVX_INVALID_ARGUMENT,
+        KVX_METADATA,
+        KVX_OUT_OF_BOUNDS,
+        KVX_UNKNOWN_PEER,
+        KVX_PEER_FAILED,
+        KVX_BUSY,
+        KVX_DEADLINE,
+        KVX_TIMEOUT,
+        KVX_CANCELED,
+        KVX_OUT_OF_MEMORY,
+        KVX_IO,
+        KVX_UCX,
+        KVX_HANDOFF,
+        KVX_SHUTDOWN,
+        KVX_PANIC,
+        KVX_BUFFER_TOO_SMALL,
+        KVX_NOT_FOUND,
+        KVX_IN_PROGRESS,
+        KVX_STALE,
+        KVX_DEREGISTERED,
+        KVX_INVALID_HANDLE,
+        KVX_CUDA,
+        KVX_NAME_CONFLICT,
+        KVX_AUTH,
+        KVX_TRANSPORT_MISMATCH,
+        KVX_FENCED,
+        KVX_ERROR,
+    ]
+};
+
+/// A static name for a status (e.g. "KVX_BUSY"); "KVX_UNKNOWN" for a value that is no status.
+/// Takes the integer, so that any value a caller passes is defined behaviour.
+#[no_mangle]
+pub extern "C" fn kvx_status_name(s: u32) -> *const c_char {
+    let n = STATUSES
+        .get(s as usize)
+        .map_or("KVX_UNKNOWN\0", |&s| status_name(s));
+    n.as_ptr().cast()
+}
+
+/// The NUL-terminated name of `s`.
+fn status_name(s: kvx_status) -> &'static str {
+    use kvx_status::*;
+    match s {
         KVX_OK => "KVX_OK\0",
         KVX_NULL_PARAMETER => "KVX_NULL_PARAMETER\0",
         KVX_INVALID_ARGUMENT => "KVX_INVALID_ARGUMENT\0",
@@ -140,6 +191,50 @@ pub extern "C" fn kvx_status_name(s: kvx_status) -> *const c_char {
         KVX_INVALID_HANDLE => "KVX_INVALID_HANDLE\0",
         KVX_CUDA => "KVX_CUDA\0",
         KVX_NAME_CONFLICT => "KVX_NAME_CONFLICT\0",
-    };
-    n.as_ptr().cast()
+        KVX_AUTH => "KVX_AUTH\0",
+        KVX_TRANSPORT_MISMATCH => "KVX_TRANSPORT_MISMATCH\0",
+        KVX_FENCED => "KVX_FENCED\0",
+        KVX_ERROR => "KVX_ERROR\0",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_status_is_named_by_its_value() {
+        for (i, &s) in STATUSES.iter().enumerate() {
+            assert_eq!(s as usize, i, "STATUSES is in value order");
+            let p = kvx_status_name(i as u32);
+            // SAFETY: kvx_status_name returns a static NUL-terminated string.
+            let name = unsafe { std::ffi::CStr::from_ptr(p) }.to_str().unwrap();
+            assert_eq!(format!("{name}\0"), status_name(s));
+            assert_eq!(name, format!("{s:?}"), "the name is the enumerator's");
+        }
+        // SAFETY: as above.
+        let unknown = unsafe { std::ffi::CStr::from_ptr(kvx_status_name(u32::MAX)) };
+        assert_eq!(unknown.to_str().unwrap(), "KVX_UNKNOWN");
+    }
+
+    #[test]
+    fn security_errors_have_their_own_statuses() {
+        let auth = Error::Auth {
+            peer: "127.0.0.1:1".into(),
+            why: "bad proof".into(),
+        };
+        assert_eq!(status_of(&auth), kvx_status::KVX_AUTH);
+        let mismatch = Error::TransportMismatch {
+            agent: "b".into(),
+            wanted: "shm".into(),
+            got: "tcp".into(),
+        };
+        assert_eq!(status_of(&mismatch), kvx_status::KVX_TRANSPORT_MISMATCH);
+        let fenced = Error::Fenced {
+            agent: "d".into(),
+            epoch: 2,
+        };
+        assert_eq!(status_of(&fenced), kvx_status::KVX_FENCED);
+        assert_eq!(status_of(&Error::Shutdown), kvx_status::KVX_SHUTDOWN);
+    }
 }

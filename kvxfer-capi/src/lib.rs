@@ -84,6 +84,17 @@ pub enum kvx_status {
     /// Another live agent already holds the name (two agents given one name); a restarted
     /// agent is not refused.
     KVX_NAME_CONFLICT = 24,
+    /// The side channel's handshake failed authentication (no, or another, shared secret):
+    /// nothing was exchanged with the peer.
+    KVX_AUTH = 25,
+    /// A strict agent's peer is reached over another transport than the one it asked for.
+    KVX_TRANSPORT_MISMATCH = 26,
+    /// The transfer was fenced by its target (the consumer gave the load up, or the peer
+    /// restarted): nothing of it was written.
+    KVX_FENCED = 27,
+    /// An error of a kind this build of the header does not name (a newer library): the
+    /// last error says what happened.
+    KVX_ERROR = 28,
 }
 
 /// Direction of a transfer, seen from the initiator.

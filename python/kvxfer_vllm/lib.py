@@ -17,10 +17,38 @@ from ctypes import (
     c_void_p,
 )
 
+# Statuses (enum kvx_status); python/tests/test_header.py checks them against the header.
 KVX_OK = 0
+KVX_NULL_PARAMETER = 1
+KVX_INVALID_ARGUMENT = 2
+KVX_METADATA = 3
+KVX_OUT_OF_BOUNDS = 4
+KVX_UNKNOWN_PEER = 5
+KVX_PEER_FAILED = 6
+KVX_BUSY = 7
+KVX_DEADLINE = 8
+KVX_TIMEOUT = 9
+KVX_CANCELED = 10
+KVX_OUT_OF_MEMORY = 11
+KVX_IO = 12
+KVX_UCX = 13
+KVX_HANDOFF = 14
+KVX_SHUTDOWN = 15
+KVX_PANIC = 16
 KVX_BUFFER_TOO_SMALL = 17
 KVX_NOT_FOUND = 18
-KVX_TIMEOUT = 9
+KVX_IN_PROGRESS = 19
+KVX_STALE = 20
+KVX_DEREGISTERED = 21
+KVX_INVALID_HANDLE = 22
+KVX_CUDA = 23
+KVX_NAME_CONFLICT = 24
+KVX_AUTH = 25
+KVX_TRANSPORT_MISMATCH = 26
+KVX_FENCED = 27
+KVX_ERROR = 28
+
+STATUS_NAMES = {v: k for k, v in list(globals().items()) if k.startswith("KVX_")}
 
 
 class KvxferError(RuntimeError):
@@ -31,6 +59,7 @@ class KvxferError(RuntimeError):
 
 
 class Layout(Structure):
+    _c_name_ = "kvx_layout"
     _fields_ = [
         ("layers", c_uint32),
         ("kv_heads", c_uint32),
@@ -44,6 +73,7 @@ class Layout(Structure):
 
 
 class LayerBase(Structure):
+    _c_name_ = "kvx_layer_base"
     _fields_ = [
         ("k_region", c_uint32),
         ("k_offset", c_uint64),
@@ -53,6 +83,7 @@ class LayerBase(Structure):
 
 
 class ConnectorConfig(Structure):
+    _c_name_ = "kvx_connector_config"
     _fields_ = [
         ("mode", c_uint32),
         ("lease_ms", c_uint64),
@@ -66,11 +97,13 @@ class ConnectorConfig(Structure):
 
 
 class CacheTensor(Structure):
+    _c_name_ = "kvx_cache_tensor"
     _fields_ = [("k", c_void_p), ("k_len", c_uint64), ("v", c_void_p), ("v_len", c_uint64)]
 
 
 class TpRead(Structure):
     """kvx_tp_read: what a decode rank loads from one prefill rank (kvx_tp_plan)."""
+    _c_name_ = "kvx_tp_read"
 
     _fields_ = [
         ("producer_rank", c_uint32),
@@ -88,6 +121,7 @@ class TpRead(Structure):
 
 
 class RequestStats(Structure):
+    _c_name_ = "kvx_request_stats"
     _fields_ = [
         ("bytes_moved", c_uint64),
         ("bytes_skipped", c_uint64),
@@ -96,6 +130,67 @@ class RequestStats(Structure):
         ("transfer_ns", c_uint64),
         ("handoff_ns", c_uint64),
     ]
+
+
+# Every function of libkvxfer these bindings call: (result, arguments), as ctypes types.
+# python/tests/test_header.py checks each against include/kvxfer.h (the C header cbindgen
+# writes from the Rust source), so the two cannot drift apart unnoticed.
+_st = c_uint32  # kvx_status
+SIGNATURES = {
+    "kvx_version": (c_char_p, []),
+    "kvx_last_error": (c_size_t, [POINTER(c_char), c_size_t]),
+    "kvx_status_name": (c_char_p, [_st]),
+    "kvx_agent_new": (_st, [c_char_p, c_char_p, c_char_p, c_uint64, POINTER(c_void_p)]),
+    "kvx_agent_config_new": (_st, [c_char_p, POINTER(c_void_p)]),
+    "kvx_agent_config_free": (None, [c_void_p]),
+    "kvx_agent_config_set_transport": (_st, [c_void_p, c_char_p]),
+    "kvx_agent_config_set_net_devices": (_st, [c_void_p, c_char_p]),
+    "kvx_agent_config_set_secret": (_st, [c_void_p, POINTER(c_uint8), c_size_t]),
+    "kvx_agent_config_set_strict": (_st, [c_void_p, c_int32]),
+    "kvx_agent_config_set_lanes": (_st, [c_void_p, c_int32]),
+    "kvx_agent_config_set_gpu_path": (_st, [c_void_p, c_char_p]),
+    "kvx_agent_config_set_compression": (_st, [c_void_p, c_char_p]),
+    "kvx_agent_config_set_staging": (_st, [c_void_p, c_size_t, c_size_t]),
+    "kvx_agent_config_set_budget": (_st, [c_void_p, c_uint64]),
+    "kvx_agent_new_with": (_st, [c_void_p, POINTER(c_void_p)]),
+    "kvx_agent_free": (None, [c_void_p]),
+    "kvx_agent_listen": (_st, [c_void_p, c_char_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
+    "kvx_agent_connect": (_st, [c_void_p, c_char_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
+    "kvx_agent_register": (_st, [c_void_p, c_void_p, c_size_t, c_int32, POINTER(c_void_p)]),
+    "kvx_agent_deregister": (_st, [c_void_p, c_void_p]),
+    "kvx_region_id": (c_uint32, [c_void_p]),
+    "kvx_region_free": (None, [c_void_p]),
+    "kvx_layout_compat_hash": (c_uint64, [POINTER(Layout), POINTER(LayerBase)]),
+    "kvx_producer_new": (_st, [c_void_p, POINTER(Layout), POINTER(LayerBase), POINTER(ConnectorConfig), c_char_p, POINTER(c_void_p)]),
+    "kvx_producer_free": (None, [c_void_p]),
+    "kvx_producer_publish": (_st, [c_void_p, c_char_p, POINTER(c_uint32), c_size_t, c_uint64, c_uint32, POINTER(c_uint8), c_size_t, POINTER(c_size_t)]),
+    "kvx_producer_layer_done": (_st, [c_void_p, c_char_p, c_uint32]),
+    "kvx_producer_abort": (_st, [c_void_p, c_char_p]),
+    "kvx_producer_next_freed": (_st, [c_void_p, c_uint64, POINTER(c_char), c_size_t, POINTER(c_size_t), POINTER(c_uint32), c_size_t, POINTER(c_size_t), POINTER(c_uint32)]),
+    "kvx_producer_metrics": (_st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
+    "kvx_agent_metrics": (_st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
+    "kvx_consumer_new": (_st, [c_void_p, POINTER(Layout), POINTER(LayerBase), POINTER(ConnectorConfig), POINTER(c_void_p)]),
+    "kvx_consumer_free": (None, [c_void_p]),
+    "kvx_consumer_start_load": (_st, [c_void_p, POINTER(c_uint8), c_size_t, POINTER(c_uint32), c_size_t]),
+    "kvx_consumer_start_load_with": (_st, [c_void_p, POINTER(c_uint8), c_size_t, POINTER(c_uint32), c_size_t, POINTER(TpRead)]),
+    "kvx_discovery_etcd": (_st, [c_char_p, c_char_p, c_uint64, POINTER(c_void_p)]),
+    "kvx_discovery_publish": (_st, [c_void_p, c_void_p]),
+    "kvx_discovery_watch": (_st, [c_void_p, c_void_p]),
+    "kvx_discovery_resolve": (_st, [c_void_p, c_void_p, c_char_p]),
+    "kvx_discovery_free": (None, [c_void_p]),
+    "kvx_tp_plan": (_st, [c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, POINTER(TpRead), c_size_t, POINTER(c_size_t)]),
+    "kvx_consumer_wait_layer": (_st, [c_void_p, c_char_p, c_uint32, c_uint64]),
+    "kvx_consumer_wait": (_st, [c_void_p, c_char_p, c_uint64]),
+    "kvx_consumer_next_finished": (_st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t), POINTER(RequestStats)]),
+    "kvx_consumer_next_failed": (_st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t), POINTER(c_uint32), c_size_t, POINTER(c_size_t)]),
+    "kvx_connector_over_agent": (_st, [c_void_p, c_char_p, POINTER(c_void_p)]),
+    "kvx_connector_in_process": (_st, [POINTER(c_void_p)]),
+    "kvx_connector_free": (None, [c_void_p]),
+    "kvx_connector_producer": (_st, [c_void_p, POINTER(Layout), POINTER(CacheTensor), c_int32, POINTER(ConnectorConfig), POINTER(c_void_p)]),
+    "kvx_connector_consumer": (_st, [c_void_p, POINTER(Layout), POINTER(CacheTensor), c_int32, POINTER(ConnectorConfig), POINTER(c_void_p)]),
+    "kvx_consumer_metrics": (_st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
+    "kvx_live": (_st, [POINTER(c_size_t)] * 4),
+}
 
 
 def _find():
@@ -132,63 +227,7 @@ class Lib:
                 "built libkvxfer.so (cargo build --release -p kvxfer-capi)."
             ) from e
         self.L = L
-        st = c_uint32
-        sig = {
-            "kvx_version": (c_char_p, []),
-            "kvx_last_error": (c_size_t, [POINTER(c_char), c_size_t]),
-            "kvx_status_name": (c_char_p, [st]),
-            "kvx_agent_new": (st, [c_char_p, c_char_p, c_char_p, c_uint64, POINTER(c_void_p)]),
-            "kvx_agent_config_new": (st, [c_char_p, POINTER(c_void_p)]),
-            "kvx_agent_config_free": (None, [c_void_p]),
-            "kvx_agent_config_set_transport": (st, [c_void_p, c_char_p]),
-            "kvx_agent_config_set_net_devices": (st, [c_void_p, c_char_p]),
-            "kvx_agent_config_set_secret": (st, [c_void_p, POINTER(c_uint8), c_size_t]),
-            "kvx_agent_config_set_strict": (st, [c_void_p, c_int32]),
-            "kvx_agent_config_set_lanes": (st, [c_void_p, c_int32]),
-            "kvx_agent_config_set_gpu_path": (st, [c_void_p, c_char_p]),
-            "kvx_agent_config_set_compression": (st, [c_void_p, c_char_p]),
-            "kvx_agent_config_set_staging": (st, [c_void_p, c_size_t, c_size_t]),
-            "kvx_agent_config_set_budget": (st, [c_void_p, c_uint64]),
-            "kvx_agent_new_with": (st, [c_void_p, POINTER(c_void_p)]),
-            "kvx_agent_free": (None, [c_void_p]),
-            "kvx_agent_listen": (st, [c_void_p, c_char_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
-            "kvx_agent_connect": (st, [c_void_p, c_char_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
-            "kvx_agent_register": (st, [c_void_p, c_void_p, c_size_t, c_int32, POINTER(c_void_p)]),
-            "kvx_agent_deregister": (st, [c_void_p, c_void_p]),
-            "kvx_region_id": (c_uint32, [c_void_p]),
-            "kvx_region_free": (None, [c_void_p]),
-            "kvx_layout_compat_hash": (c_uint64, [POINTER(Layout), POINTER(LayerBase)]),
-            "kvx_producer_new": (st, [c_void_p, POINTER(Layout), POINTER(LayerBase), POINTER(ConnectorConfig), c_char_p, POINTER(c_void_p)]),
-            "kvx_producer_free": (None, [c_void_p]),
-            "kvx_producer_publish": (st, [c_void_p, c_char_p, POINTER(c_uint32), c_size_t, c_uint64, c_uint32, POINTER(c_uint8), c_size_t, POINTER(c_size_t)]),
-            "kvx_producer_layer_done": (st, [c_void_p, c_char_p, c_uint32]),
-            "kvx_producer_abort": (st, [c_void_p, c_char_p]),
-            "kvx_producer_next_freed": (st, [c_void_p, c_uint64, POINTER(c_char), c_size_t, POINTER(c_size_t), POINTER(c_uint32), c_size_t, POINTER(c_size_t), POINTER(c_uint32)]),
-            "kvx_producer_metrics": (st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
-            "kvx_agent_metrics": (st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
-            "kvx_consumer_new": (st, [c_void_p, POINTER(Layout), POINTER(LayerBase), POINTER(ConnectorConfig), POINTER(c_void_p)]),
-            "kvx_consumer_free": (None, [c_void_p]),
-            "kvx_consumer_start_load": (st, [c_void_p, POINTER(c_uint8), c_size_t, POINTER(c_uint32), c_size_t]),
-            "kvx_consumer_start_load_with": (st, [c_void_p, POINTER(c_uint8), c_size_t, POINTER(c_uint32), c_size_t, POINTER(TpRead)]),
-            "kvx_discovery_etcd": (st, [c_char_p, c_char_p, c_uint64, POINTER(c_void_p)]),
-            "kvx_discovery_publish": (st, [c_void_p, c_void_p]),
-            "kvx_discovery_watch": (st, [c_void_p, c_void_p]),
-            "kvx_discovery_resolve": (st, [c_void_p, c_void_p, c_char_p]),
-            "kvx_discovery_free": (None, [c_void_p]),
-            "kvx_tp_plan": (st, [c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, POINTER(TpRead), c_size_t, POINTER(c_size_t)]),
-            "kvx_consumer_wait_layer": (st, [c_void_p, c_char_p, c_uint32, c_uint64]),
-            "kvx_consumer_wait": (st, [c_void_p, c_char_p, c_uint64]),
-            "kvx_consumer_next_finished": (st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t), POINTER(RequestStats)]),
-            "kvx_consumer_next_failed": (st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t), POINTER(c_uint32), c_size_t, POINTER(c_size_t)]),
-            "kvx_connector_over_agent": (st, [c_void_p, c_char_p, POINTER(c_void_p)]),
-            "kvx_connector_in_process": (st, [POINTER(c_void_p)]),
-            "kvx_connector_free": (None, [c_void_p]),
-            "kvx_connector_producer": (st, [c_void_p, POINTER(Layout), POINTER(CacheTensor), c_int32, POINTER(ConnectorConfig), POINTER(c_void_p)]),
-            "kvx_connector_consumer": (st, [c_void_p, POINTER(Layout), POINTER(CacheTensor), c_int32, POINTER(ConnectorConfig), POINTER(c_void_p)]),
-            "kvx_consumer_metrics": (st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
-            "kvx_live": (st, [POINTER(c_size_t)] * 4),
-        }
-        for name, (res, args) in sig.items():
+        for name, (res, args) in SIGNATURES.items():
             f = getattr(L, name)
             f.restype = res
             f.argtypes = args
