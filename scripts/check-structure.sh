@@ -4,13 +4,19 @@
 #     ../shared/tools/module-cycles.py: `crate::` and `super::` paths, tests left out);
 #  2. no file over 800 lines of non-test code in kvxfer/src or kvxfer-proto/src;
 #  3. kvxfer-proto depends on nothing of UCX, bindgen or libclang, and builds and passes its
-#     tests with pkg-config and libclang made unusable (what a machine without them sees).
+#     tests with pkg-config and libclang made unusable (what a machine without them sees);
+#  4. ARCHITECTURE.md's layer table holds (scripts/layers.py): every file of kvxfer/src in it,
+#     imports only down the layers and never what a row forbids, none through lib.rs, and no
+#     cycle between directories.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fail=0
 
 echo "== import cycles between files"
 python3 scripts/module-cycles.py kvxfer-proto/src kvxfer/src kvxfer-sys/src kvxfer-capi/src || fail=1
+
+echo "== the layer table of ARCHITECTURE.md"
+python3 scripts/layers.py ARCHITECTURE.md kvxfer/src || fail=1
 
 echo "== files over 800 lines of non-test code"
 limit=800

@@ -329,6 +329,9 @@ pub struct kvx_cache_tensor {
 #[derive(Debug)]
 pub struct kvx_agent_config {
     pub(crate) inner: AgentConfig,
+    /// Where the agent is published (`kvx_agent_config_set_discovery`): beside the agent's
+    /// own configuration, as `registry::join` takes it.
+    pub(crate) discovery: Option<kvxfer_core::registry::DiscoveryConfig>,
 }
 
 mod error;

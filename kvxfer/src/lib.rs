@@ -52,7 +52,7 @@ pub mod live;
 pub mod memory;
 pub mod notify;
 pub mod registry;
-mod staged;
+pub mod staged;
 pub mod staging;
 pub mod stop;
 pub mod telemetry;

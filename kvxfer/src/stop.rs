@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Once;
 use std::time::{Duration, Instant};
 
-use crate::{Error, Result, Transfer, XferStats};
+use crate::transfer::{Transfer, XferStats};
+use kvxfer_proto::error::{Error, Result};
 
 static TERMS: AtomicUsize = AtomicUsize::new(0);
 static INTS: AtomicUsize = AtomicUsize::new(0);

@@ -8,7 +8,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvxfer::staging::{staged, HostCopyEngine, StagedPiece, StagingPool};
+use kvxfer::staged::{staged, StagedPiece, StagingPool};
+use kvxfer::staging::HostCopyEngine;
 use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, MemoryBudget, Transport, XferOp};
 use rand::{RngCore, SeedableRng};
 

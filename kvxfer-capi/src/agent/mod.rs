@@ -109,6 +109,7 @@ pub unsafe extern "C" fn kvx_agent_config_new(
         }
         let h = new_handle(kvx_agent_config {
             inner: AgentConfig::new(name),
+            discovery: None,
         });
         // SAFETY: out non-NULL and valid per the contract.
         unsafe { *out = h };
@@ -211,24 +212,22 @@ pub unsafe extern "C" fn kvx_agent_config_set_discovery(
     ns: *const c_char,
     ttl_ms: u64,
 ) -> kvx_status {
-    // SAFETY: per this function's contract.
-    unsafe {
-        with_config("kvx_agent_config_set_discovery", c, |mut cfg| {
-            cfg.discovery = match url.is_null() {
-                true => None,
-                false => {
-                    let ttl =
-                        std::time::Duration::from_millis(if ttl_ms == 0 { 10_000 } else { ttl_ms });
-                    Some(DiscoveryConfig::parse(
-                        cstr(url, "url")?,
-                        cstr(ns, "ns")?,
-                        ttl,
-                    )?)
-                }
-            };
-            Ok(cfg)
-        })
-    }
+    guard("kvx_agent_config_set_discovery", || {
+        // SAFETY: per this function's contract.
+        let c = unsafe { handle_mut(c, "config") }?;
+        // Parsed whole before anything changes: a failed call leaves the configuration as it was.
+        c.discovery = match url.is_null() {
+            true => None,
+            false => {
+                let ttl =
+                    std::time::Duration::from_millis(if ttl_ms == 0 { 10_000 } else { ttl_ms });
+                // SAFETY: per this function's contract.
+                let (url, ns) = unsafe { (cstr(url, "url")?, cstr(ns, "ns")?) };
+                Some(DiscoveryConfig::parse(url, ns, ttl)?)
+            }
+        };
+        Ok(())
+    })
 }
 
 /// Sets the side channel's shared secret (`len` bytes; `len` 0 removes it): both ends must
@@ -446,13 +445,13 @@ pub unsafe extern "C" fn kvx_agent_new_with(
         if out.is_null() {
             return Err(null("out"));
         }
-        let h = match c.inner.discovery {
+        let h = match &c.discovery {
             None => kvx_agent {
                 inner: Arc::new(Agent::new(c.inner.clone())?),
                 _published: None,
             },
-            Some(_) => {
-                let m = join(c.inner.clone())?;
+            Some(d) => {
+                let m = join(c.inner.clone(), d.clone())?;
                 kvx_agent {
                     inner: m.agent().clone(),
                     _published: Some(m),

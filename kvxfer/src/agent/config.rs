@@ -5,7 +5,6 @@ use std::sync::Arc;
 
 use crate::budget::MemoryBudget;
 use crate::device::copy::CopyEngine;
-use crate::registry::config::DiscoveryConfig;
 use kvxfer_proto::compress::planes::Transform;
 use kvxfer_proto::compress::policy::Compression;
 use kvxfer_proto::types::{
@@ -66,11 +65,6 @@ pub struct AgentConfig {
     /// agent starts, half for its peers') and chunk size. Allocated once, at the first
     /// device registration that needs it, from [`AgentConfig::budget`].
     pub staging: (usize, usize),
-    /// Where the agent publishes itself and finds its peers by name (etcd). Acted on by
-    /// [`kvxfer::registry::join`](crate::registry::join), which creates the agent, publishes
-    /// it and watches its namespace; [`Agent::new`](super::Agent::new) refuses a configuration
-    /// with it set rather than ignore it. `None`: peers are reached through the side channel.
-    pub discovery: Option<DiscoveryConfig>,
     /// TCP connections one transfer of the TCP lane is striped over (transfers of 16 MiB or
     /// more, in host memory): for links one core cannot fill. On a 2-core host over loopback,
     /// the KV-shaped READ of 8,344 random blocks took 142 ms over one connection (1.67x a
@@ -127,7 +121,6 @@ impl AgentConfig {
             gpu_path: GpuPath::Auto,
             copy_engine: None,
             staging: (DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES),
-            discovery: None,
             stripes: 4,
             peer_stripes: Vec::new(),
             compression: Compression::Auto,
@@ -181,13 +174,6 @@ impl AgentConfig {
     /// Stripes TCP-lane transfers to the agent named `peer` over `n` connections.
     pub fn peer_stripes(mut self, peer: impl Into<String>, n: usize) -> Self {
         self.peer_stripes.push((peer.into(), n.max(1)));
-        self
-    }
-
-    /// Sets where the agent publishes itself and finds peers by name; create it with
-    /// [`kvxfer::registry::join`](crate::registry::join).
-    pub fn discovery(mut self, d: DiscoveryConfig) -> Self {
-        self.discovery = Some(d);
         self
     }
 

@@ -71,13 +71,6 @@ impl std::fmt::Debug for Agent {
 impl Agent {
     /// Creates the UCX context and worker and starts the progress thread.
     pub fn new(cfg: AgentConfig) -> Result<Agent> {
-        if let Some(d) = &cfg.discovery {
-            return Err(Error::InvalidArgument(format!(
-                "agent {:?}: AgentConfig::discovery ({d:?}) is acted on by \
-                 kvxfer::registry::join, which publishes the agent; Agent::new would ignore it",
-                cfg.name
-            )));
-        }
         if cfg.name.is_empty()
             || cfg.name.len() > MAX_NAME
             || cfg.name.chars().any(char::is_control)

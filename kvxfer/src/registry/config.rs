@@ -1,6 +1,5 @@
 //! Where an agent is to be found, as configuration (plain data, in every build): what
-//! [`AgentConfig::discovery`](crate::AgentConfig::discovery) holds and
-//! [`join`](super::join) acts on.
+//! [`join`](super::join) acts on, beside the agent's own configuration.
 #![forbid(unsafe_code)]
 
 use std::time::Duration;

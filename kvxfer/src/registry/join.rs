@@ -1,5 +1,6 @@
-//! An agent made from a configuration with [`AgentConfig::discovery`] set: created, published
-//! and watching, with the discovery kept alive beside it.
+//! An agent made with a discovery configuration beside its own: created, published and
+//! watching, with the discovery kept alive beside it. (The agent knows nothing of discovery:
+//! it sits below the registry.)
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
@@ -38,19 +39,12 @@ impl std::ops::Deref for Member {
     }
 }
 
-/// Creates the agent of `cfg` and, by [`AgentConfig::discovery`], publishes it under its name
-/// and has it load every agent of its namespace now and as they come and go. Register memory
-/// afterwards as usual: registrations are published as updates. A configuration without a
-/// discovery is refused (use [`Agent::new`]).
-pub fn join(mut cfg: AgentConfig) -> Result<Member> {
-    let Some(which) = cfg.discovery.take() else {
-        return Err(kvxfer_proto::error::Error::InvalidArgument(format!(
-            "agent {:?}: AgentConfig::discovery is not set (Agent::new makes an agent without one)",
-            cfg.name
-        )));
-    };
+/// Creates the agent of `cfg` and, through `discovery`, publishes it under its name and has it
+/// load every agent of its namespace now and as they come and go. Register memory afterwards
+/// as usual: registrations are published as updates. (Without discovery, [`Agent::new`].)
+pub fn join(cfg: AgentConfig, discovery: DiscoveryConfig) -> Result<Member> {
     // Connect first: an unreachable registry creates no agent.
-    let discovery = etcd(which)?;
+    let discovery = etcd(discovery)?;
     let agent = Arc::new(Agent::new(cfg)?);
     discovery.publish(&agent)?;
     discovery.watch(&agent)?;

@@ -10,8 +10,9 @@
 //!   staged path move over kvxfer's TCP lane, each end staging its own device memory through
 //!   its own [`DeviceStaging`] pools. Transparent to callers: the same descriptors, transfers
 //!   and notifications as host memory.
-//! - [`staged`]: an explicit staged transfer through a UCX-registered [`StagingPool`], for
-//!   transports without kvxfer's lanes (RDMA without GPUDirect).
+//! - [`crate::staged`]: an explicit staged transfer through a UCX-registered
+//!   [`StagingPool`](crate::staged::StagingPool), for transports without kvxfer's lanes (RDMA
+//!   without GPUDirect).
 //!
 //! The device side is a [`CopyEngine`]: CUDA copies on a stream with the `cuda` feature
 //! (`kvxfer::cuda::CudaCopyEngine`), [`SimulatedDevice`] (device memory that is not
@@ -22,7 +23,6 @@ pub(crate) mod pool;
 
 pub use crate::device::copy::{CopyEngine, CopyQueue, HostCopyEngine};
 pub use crate::device::sim::SimulatedDevice;
-pub use crate::staged::{staged, StagedPiece, StagingPool};
 pub use pool::{DeviceStaging, StagingStats, DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES};
 
 #[cfg(test)]
