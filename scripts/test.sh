@@ -55,6 +55,10 @@ echo "== UCX: Debian libucx-dev (default)"
   # No import cycle between files, no file over 800 lines of non-test code, and the pure
   # crate built and tested without pkg-config or libclang.
   scripts/check-structure.sh
+  # The public API, listed from rustdoc's JSON, against the committed docs/api/*.txt: any
+  # change of it shows in a diff (scripts/api.sh writes the listing anew).
+  scripts/api.sh --check
+  if [ "${KVXFER_PRUNE:-0}" = 1 ]; then rm -rf target/api; fi
   cargo clippy --workspace --all-targets -- -D warnings
   RUSTDOCFLAGS="-D warnings" cargo doc -p kvxfer-proto -p kvxfer --no-deps --features kvxfer/cuda
   cargo test --workspace 2>&1 | tee -a "$log"
