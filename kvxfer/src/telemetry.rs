@@ -89,6 +89,15 @@ impl Telemetry {
         a.post.observe(s.post_time.as_secs_f64());
     }
 
+    /// Counts a handoff this side served without moving its bytes itself (a pull producer's:
+    /// its consumers read them), `handoff_time` from publication to the last reader's
+    /// acknowledgement. No bytes or transfer times are counted: the readers have those.
+    pub fn served(&self, handoff_time: Duration) {
+        let mut a = self.agg.lock().unwrap_or_else(|e| e.into_inner());
+        a.ok += 1;
+        a.handoff.observe(handoff_time.as_secs_f64());
+    }
+
     /// Counts a failed handoff.
     pub fn failed(&self) {
         self.agg.lock().unwrap_or_else(|e| e.into_inner()).failed += 1;

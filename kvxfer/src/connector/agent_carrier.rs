@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::carrier::{Carrier, Figures, InFlight, LayerMove, Role};
+use super::carrier::{Carrier, InFlight, LayerMove, Moved, Role};
 use super::shell::lock;
 use crate::agent::Agent;
 use crate::memory::Region;
@@ -215,13 +215,12 @@ impl InFlight for AgentMove {
         self.0.is_done()
     }
 
-    fn wait(self: Box<Self>) -> Result<Figures> {
+    fn wait(self: Box<Self>) -> Result<Moved> {
         let s = self.0.wait()?;
-        Ok(Figures {
+        Ok(Moved {
             bytes: s.bytes,
             descs: s.descs as u64,
             post: s.post_time,
-            xfer: s.duration,
         })
     }
 

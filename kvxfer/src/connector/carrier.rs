@@ -41,25 +41,13 @@ pub(crate) struct LayerMove<'a> {
     pub(crate) layer: usize,
 }
 
-/// What one finished move did, or all of a request's moves added up.
+/// What one finished move did.
 #[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Figures {
+pub(crate) struct Moved {
     pub(crate) bytes: u64,
     pub(crate) descs: u64,
-    /// Until the last operation was posted.
+    /// Until its last operation was posted.
     pub(crate) post: Duration,
-    /// Until it completed.
-    pub(crate) xfer: Duration,
-}
-
-impl Figures {
-    /// Adds one move's figures.
-    pub(crate) fn add(&mut self, m: &Figures) {
-        self.bytes += m.bytes;
-        self.descs += m.descs;
-        self.post += m.post;
-        self.xfer += m.xfer;
-    }
 }
 
 /// A move in flight. Dropping it leaves it to complete on its own; [`InFlight::cancel`]
@@ -68,7 +56,7 @@ pub(crate) trait InFlight: Send {
     /// It has completed (successfully or not); [`InFlight::wait`] will not block.
     fn is_done(&self) -> bool;
     /// Waits for it; what it moved.
-    fn wait(self: Box<Self>) -> Result<Figures>;
+    fn wait(self: Box<Self>) -> Result<Moved>;
     /// Stops it and waits until nothing of it runs.
     fn cancel(self: Box<Self>);
 }

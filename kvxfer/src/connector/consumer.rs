@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 
 use super::agent_carrier::AgentCarrier;
 use super::api::{failure_reason, load_failed, KvConsumer, LoadFailure, LoadSpec};
-use super::carrier::{Carrier, Figures, InFlight, LayerMove, Role};
+use super::carrier::{Carrier, InFlight, LayerMove, Role};
 use super::config::ConnectorConfig;
 use super::shell::{
-    join_thread, load_plan, lock, spawn_thread, state_charge, take_control, wait_until,
+    join_thread, load_plan, lock, spawn_thread, state_charge, take_control, wait_until, Figures,
 };
 use crate::agent::Agent;
 use crate::budget::{Charge, MemoryBudget};
@@ -393,7 +393,7 @@ fn finish(sh: &ConsumerShared, st: &mut ConsumerState, req: &str) {
             / sh.layout.geometry.kv_heads.max(1),
         descriptors: l.figures.descs,
         post_time: l.figures.post,
-        transfer_time: l.figures.xfer,
+        transfer_time: l.figures.busy,
         handoff_time: l.started.elapsed(),
     };
     sh.tel.record(&s);
@@ -579,7 +579,10 @@ fn consumer_progress(sh: &ConsumerShared) {
                     };
                     // Bounded by the lease: never read blocks the producer may have freed.
                     match sh.carrier.read(&l.h.producer, &m, until - now) {
-                        Ok(t) => l.inflight.push((l.posted, t)),
+                        Ok(t) => {
+                            l.figures.posted();
+                            l.inflight.push((l.posted, t));
+                        }
                         Err(e) => {
                             failures.push((req.clone(), e));
                             break;
@@ -596,10 +599,11 @@ fn consumer_progress(sh: &ConsumerShared) {
                 continue;
             }
             let (layer, t) = l.inflight.swap_remove(i);
-            match t.wait() {
-                Ok(s) => {
+            let r = t.wait();
+            l.figures.finished(r.as_ref().ok(), l.inflight.is_empty());
+            match r {
+                Ok(_) => {
                     l.proto.mark_loaded(layer);
-                    l.figures.add(&s);
                     changed = true;
                 }
                 Err(e) => failures.push((req.clone(), e)),

@@ -11,18 +11,20 @@ use std::time::{Duration, Instant};
 
 use super::agent_carrier::AgentCarrier;
 use super::api::KvProducer;
-use super::carrier::{Carrier, Figures, InFlight, LayerMove, Role};
+use super::carrier::{Carrier, InFlight, LayerMove, Role};
 use super::config::ConnectorConfig;
-use super::shell::{join_thread, lock, spawn_thread, state_charge, take_control, wait_until};
+use super::shell::{
+    join_thread, lock, spawn_thread, state_charge, take_control, wait_until, Figures,
+};
 use crate::agent::Agent;
 use crate::budget::Charge;
 use crate::telemetry::{RequestStats, Telemetry};
 use kvxfer_proto::connector::{LayerError, ProducerAction, ProducerCore};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::layout::KvLayout;
-use kvxfer_proto::lifecycle::Freed;
+use kvxfer_proto::lifecycle::{FreeReason, Freed};
 use kvxfer_proto::tp::HeadMap;
-use kvxfer_proto::wire::connector::{Handoff, PushWant, ToConsumer, ToProducer};
+use kvxfer_proto::wire::connector::{Handoff, Mode, PushWant, ToConsumer, ToProducer};
 use kvxfer_proto::wire::notify::Notification;
 
 /// One push consumer's progress through a request.
@@ -56,9 +58,17 @@ struct ProducerState {
 }
 
 impl ProducerState {
-    /// A request's blocks are free: the shell forgets it, the engine may take the blocks.
-    fn record_freed(&mut self, f: Freed) {
-        self.requests.remove(&f.request);
+    /// A request's blocks are free: the shell forgets it, the engine may take the blocks. A
+    /// pull request every reader acknowledged counts as served, one that expired as failed
+    /// (a push request was counted when its writes landed).
+    fn record_freed(&mut self, f: Freed, tel: &Telemetry, mode: Mode) {
+        if let Some(r) = self.requests.remove(&f.request) {
+            match f.reason {
+                FreeReason::Acked if mode == Mode::Pull => tel.served(r.published.elapsed()),
+                FreeReason::Expired => tel.failed(),
+                _ => {}
+            }
+        }
         self.freed.push_back(f);
     }
 }
@@ -303,7 +313,7 @@ fn producer_loop(sh: &ProducerShared) {
         let freed = st.core.tick(now);
         if !freed.is_empty() {
             for f in freed {
-                st.record_freed(f);
+                st.record_freed(f, &sh.tel, sh.cfg.mode);
             }
             drop(st);
             sh.cv.notify_all();
@@ -359,7 +369,7 @@ fn producer_msg(sh: &ProducerShared, n: Notification) {
                 }
             }
             ProducerAction::Freed(f) => {
-                st.record_freed(f);
+                st.record_freed(f, &sh.tel, sh.cfg.mode);
                 freed = true;
             }
         }
@@ -446,7 +456,10 @@ fn producer_pushes(sh: &ProducerShared) {
                     layer: l,
                 };
                 match sh.carrier.write(&p.reader, &m, &note, sh.cfg.lease) {
-                    Ok(t) => p.inflight.push((l, t)),
+                    Ok(t) => {
+                        p.figures.posted();
+                        p.inflight.push((l, t));
+                    }
                     Err(e) => {
                         log::warn!("kvxfer producer: push of {req:?} layer {l}: {e}");
                         notes.push((p.reader.clone(), refusal(req, &e).encode()));
@@ -462,11 +475,10 @@ fn producer_pushes(sh: &ProducerShared) {
                     continue;
                 }
                 let (_, t) = p.inflight.swap_remove(i);
-                match t.wait() {
-                    Ok(s) => {
-                        p.landed += 1;
-                        p.figures.add(&s);
-                    }
+                let r = t.wait();
+                p.figures.finished(r.as_ref().ok(), p.inflight.is_empty());
+                match r {
+                    Ok(_) => p.landed += 1,
                     Err(e) => {
                         log::warn!("kvxfer producer: push of {req:?}: {e}");
                         if !p.failed {
@@ -487,7 +499,7 @@ fn producer_pushes(sh: &ProducerShared) {
                         * (nl * layout.tensors_per_layer()) as u64,
                     descriptors: f.descs,
                     post_time: f.post,
-                    transfer_time: f.xfer,
+                    transfer_time: f.busy,
                     handoff_time: r.published.elapsed(),
                 });
                 p.failed = true; // done: forgotten below
@@ -511,7 +523,7 @@ fn producer_pushes(sh: &ProducerShared) {
     for (req, reader) in acks {
         for a in st.core.push_landed(&reader, &req, now) {
             if let ProducerAction::Freed(f) = a {
-                st.record_freed(f);
+                st.record_freed(f, &sh.tel, sh.cfg.mode);
             }
         }
     }

@@ -15,7 +15,7 @@ use kvxfer_proto::wire::connector::{Handoff, Mode};
 use kvxfer_proto::wire::notify::Notification;
 
 use super::api::LoadSpec;
-use super::carrier::Carrier;
+use super::carrier::{Carrier, Moved};
 use super::config::ConnectorConfig;
 
 /// Bytes of request state charged per descriptor.
@@ -79,6 +79,40 @@ pub(crate) fn wait_until<T, R>(
             .wait_timeout(st, end - now)
             .unwrap_or_else(|e| e.into_inner())
             .0;
+    }
+}
+
+/// What a request's moves added up to. `busy` is the wall time during which at least one of
+/// them was in flight: layers overlap, so it is not the sum of their durations.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Figures {
+    pub(crate) bytes: u64,
+    pub(crate) descs: u64,
+    /// Posting, summed over the moves (posts do not overlap: one thread posts them).
+    pub(crate) post: Duration,
+    pub(crate) busy: Duration,
+    busy_since: Option<Instant>,
+}
+
+impl Figures {
+    /// A move is posted: the request is busy from now if it was not.
+    pub(crate) fn posted(&mut self) {
+        self.busy_since.get_or_insert_with(Instant::now);
+    }
+
+    /// A move finished (its figures `m`, or none when it failed); `idle`: none of the
+    /// request's is in flight any more.
+    pub(crate) fn finished(&mut self, m: Option<&Moved>, idle: bool) {
+        if let Some(m) = m {
+            self.bytes += m.bytes;
+            self.descs += m.descs;
+            self.post += m.post;
+        }
+        if idle {
+            if let Some(t) = self.busy_since.take() {
+                self.busy += t.elapsed();
+            }
+        }
     }
 }
 

@@ -191,6 +191,19 @@ pub fn full_load(h: &dyn Harness) -> Verdict {
         s.dst[0].zeroed(&[5, 6, 7], LAYERS_ALL),
         "blocks outside the load were written"
     );
+    // The figures: the layers' reads overlap, so their wall time is within the handoff's (a
+    // sum over layers is not); the producer that served the pull counts it.
+    ensure!(
+        st.transfer_time <= st.handoff_time,
+        "transfer_time {:?} exceeds the handoff's {:?}",
+        st.transfer_time,
+        st.handoff_time
+    );
+    let served = p.telemetry().totals().0;
+    ensure!(
+        served == 1,
+        "the producer counts {served} requests served, not 1"
+    );
     Ok(())
 }
 

@@ -8,11 +8,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::copy::copy;
 use super::hub::{End, Hub};
-use crate::connector::carrier::{Carrier, Figures, InFlight, LayerMove};
+use crate::connector::carrier::{Carrier, InFlight, LayerMove, Moved};
 use crate::connector::shell::lock;
 use kvxfer_proto::connector::load_descs;
 use kvxfer_proto::descriptor::Desc;
@@ -23,7 +23,7 @@ use kvxfer_proto::wire::notify::Notification;
 /// A copy's outcome, set once by the mover.
 #[derive(Default)]
 struct Outcome {
-    result: Mutex<Option<Result<Figures>>>,
+    result: Mutex<Option<Result<Moved>>>,
     set: Condvar,
     cancelled: AtomicBool,
 }
@@ -36,7 +36,7 @@ impl InFlight for LocalMove {
         lock(&self.0.result).is_some()
     }
 
-    fn wait(self: Box<Self>) -> Result<Figures> {
+    fn wait(self: Box<Self>) -> Result<Moved> {
         let mut r = lock(&self.0.result);
         loop {
             if let Some(r) = r.take() {
@@ -69,18 +69,16 @@ impl Copy {
         let r = if self.outcome.cancelled.load(Ordering::Acquire) {
             Err(Error::Canceled)
         } else {
-            let t = Instant::now();
             copy(
                 &self.src.mem,
                 &self.src_descs,
                 &self.dst.mem,
                 &self.dst_descs,
             )
-            .map(|bytes| Figures {
+            .map(|bytes| Moved {
                 bytes,
                 descs: self.src_descs.len() as u64,
                 post: Duration::ZERO,
-                xfer: t.elapsed(),
             })
         };
         // The note reaches its peer after the data, as an agent's notification does.
