@@ -687,6 +687,15 @@ kvx_status kvx_agent_config_set_staging(struct kvx_agent_config *c,
 kvx_status kvx_agent_config_set_budget(struct kvx_agent_config *c, uint64_t bytes);
 
 /**
+ * Sets how long each step of `kvx_agent_connect`'s handshake (the TCP connection, then every
+ * read and write) may wait, in milliseconds (default 10,000); 0 is `KVX_INVALID_ARGUMENT`.
+ *
+ * # Safety
+ * `c` is a live config not used by another thread during the call.
+ */
+kvx_status kvx_agent_config_set_handshake_timeout(struct kvx_agent_config *c, uint64_t ms);
+
+/**
  * Adds a UCX setting (a name without the `UCX_` prefix, e.g. "RNDV_THRESH"), applied last.
  *
  * # Safety

@@ -30,7 +30,7 @@ impl From<Error> for Fail {
 pub(crate) fn status_of(e: &Error) -> kvx_status {
     use kvx_status::*;
     match e {
-        Error::Ucx { .. } | Error::UcxVersion { .. } => KVX_UCX,
+        Error::Ucx { .. } | Error::UcxVersion { .. } | Error::UcxSetup { .. } => KVX_UCX,
         Error::Metadata { .. } => KVX_METADATA,
         Error::UnknownRegion { .. }
         | Error::OutOfBounds { .. }

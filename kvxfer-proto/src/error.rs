@@ -161,6 +161,17 @@ pub enum Error {
         /// Its status.
         status: UcsStatus,
     },
+    /// UCX could not start with this agent's settings (no device for the transports asked,
+    /// say): what was asked and what this host offers.
+    #[error("UCX could not start ({op}: {status}): {why}")]
+    UcxSetup {
+        /// The UCX function that failed.
+        op: &'static str,
+        /// Its status.
+        status: UcsStatus,
+        /// The settings asked for and what the host has.
+        why: String,
+    },
     /// Metadata from a peer was refused.
     #[error("metadata from {source_desc} refused: {err}")]
     Metadata {

@@ -50,9 +50,10 @@ pub(crate) fn nonce() -> Result<[u8; NONCE]> {
         .map_err(|e| Error::io("reading /dev/urandom", e))?;
     Ok(n)
 }
-const IO_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Connects to `addr`, sends our metadata, loads the peer's. Returns the peer's name.
+/// Connects to `addr`, sends our metadata, loads the peer's. Returns the peer's name. Each
+/// step (the connection, every read and write) waits at most `timeout`
+/// ([`crate::AgentConfig::handshake_timeout`]).
 pub(crate) fn exchange(
     shared: &SideChannel,
     addr: SocketAddr,
@@ -61,13 +62,13 @@ pub(crate) fn exchange(
     let who = addr.to_string();
     let mut s = TcpStream::connect_timeout(&addr, timeout)
         .map_err(|e| Error::io(format!("connecting to {who}"), e))?;
-    setup(&s, &who)?;
-    preamble(&mut s, &who)?;
+    setup(&s, &who, timeout)?;
+    preamble(&mut s, &who, timeout)?;
     let mut hello = Vec::new();
     if let Some(secret) = &shared.secret {
         let nc = nonce()?;
         write_frame(&mut s, AUTH1, &nc)?;
-        let (kind, p) = read_frame(&mut s, &who).map_err(|e| waited(e, &who))?;
+        let (kind, p) = read_frame(&mut s, &who).map_err(|e| waited(e, &who, timeout))?;
         let refuse = |why: String| Error::Auth {
             peer: who.clone(),
             why,
@@ -94,7 +95,7 @@ pub(crate) fn exchange(
     let mine = (shared.local)()?;
     hello.extend_from_slice(&mine);
     write_frame(&mut s, HELLO, &hello)?;
-    let (kind, payload) = read_frame(&mut s, &who).map_err(|e| waited(e, &who))?;
+    let (kind, payload) = read_frame(&mut s, &who).map_err(|e| waited(e, &who, timeout))?;
     match kind {
         META => {
             let meta =
@@ -145,7 +146,7 @@ pub(crate) fn exchange(
 }
 
 /// Sends this side's preamble and checks the other's (both send first, so neither waits).
-fn preamble(s: &mut TcpStream, who: &str) -> Result<()> {
+fn preamble(s: &mut TcpStream, who: &str, timeout: Duration) -> Result<()> {
     s.write_all(&PREAMBLE)
         .map_err(|e| Error::io(format!("writing the side-channel preamble to {who}"), e))?;
     let mut got = [0u8; PREAMBLE.len()];
@@ -153,6 +154,7 @@ fn preamble(s: &mut TcpStream, who: &str) -> Result<()> {
         waited(
             Error::io(format!("reading the side-channel preamble from {who}"), e),
             who,
+            timeout,
         )
     })?;
     check_preamble(&got, who)
@@ -160,7 +162,7 @@ fn preamble(s: &mut TcpStream, who: &str) -> Result<()> {
 
 /// A read that ran out of time says so, and after how long, instead of the OS's "Resource
 /// temporarily unavailable"; a peer that closed says that.
-fn waited(e: Error, who: &str) -> Error {
+fn waited(e: Error, who: &str, timeout: Duration) -> Error {
     match e {
         Error::Io { source, .. }
             if matches!(
@@ -171,9 +173,9 @@ fn waited(e: Error, who: &str) -> Error {
             Error::Protocol {
                 peer: who.to_string(),
                 why: format!(
-                    "timed out after {} s waiting for the side-channel handshake (the peer \
-                     accepted and said nothing)",
-                    IO_TIMEOUT.as_secs()
+                    "timed out after {timeout:?} waiting for the side-channel handshake (the \
+                     peer accepted and said nothing; AgentConfig::handshake_timeout sets how \
+                     long)"
                 ),
             }
         }
@@ -187,9 +189,9 @@ fn waited(e: Error, who: &str) -> Error {
     }
 }
 
-fn setup(s: &TcpStream, who: &str) -> Result<()> {
-    s.set_read_timeout(Some(IO_TIMEOUT))
-        .and_then(|_| s.set_write_timeout(Some(IO_TIMEOUT)))
+fn setup(s: &TcpStream, who: &str, timeout: Duration) -> Result<()> {
+    s.set_read_timeout(Some(timeout))
+        .and_then(|_| s.set_write_timeout(Some(timeout)))
         .and_then(|_| s.set_nodelay(true))
         .map_err(|e| Error::io(format!("configuring socket to {who}"), e))
 }

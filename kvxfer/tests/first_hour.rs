@@ -28,6 +28,30 @@ fn a_transport_typo_names_the_known_transports() {
 }
 
 #[test]
+fn a_ucx_start_failure_names_what_was_asked_and_what_the_host_has() {
+    // UCX itself says only "No such device (-14)".
+    let e = Agent::new(
+        AgentConfig::new("no-dev")
+            .transport(Transport::Tcp)
+            .net_devices("kvx-none"),
+    )
+    .unwrap_err();
+    let text = e.to_string();
+    assert!(matches!(e, Error::UcxSetup { .. }), "{e:?}");
+    assert!(
+        text.contains("\"tcp\"") && text.contains("kvx-none") && text.contains("lo (127.0.0.1)"),
+        "{text}"
+    );
+    let e = Agent::new(AgentConfig::new("no-rdma").transport(Transport::parse("rc"))).unwrap_err();
+    let text = e.to_string();
+    assert!(matches!(e, Error::UcxSetup { .. }), "{e:?}");
+    assert!(
+        text.contains("\"rc\"") && text.contains("InfiniBand"),
+        "{text}"
+    );
+}
+
+#[test]
 fn a_zero_length_descriptor_says_zero_length() {
     let a = agent("zero", Transport::Tcp);
     let r = a.register(HostBuffer::new(4096).unwrap()).unwrap();
@@ -53,16 +77,23 @@ fn waiting_for_a_notification_does_not_speak_of_a_transfer() {
 
 #[test]
 fn a_port_that_is_not_kvxfer_is_named_as_such() {
-    // An HTTP server: reads the request, answers 400, closes.
+    // An HTTP server as real ones are: it answers once it has read the request line (up to its
+    // line end), then closes. Before the side channel's preamble ended its line, such a server
+    // waited for more and the connect waited out the whole handshake time-out.
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let t = std::thread::spawn(move || {
         let (mut s, _) = l.accept().unwrap();
-        let mut b = [0u8; 64];
-        let _ = s.read(&mut b);
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut line = Vec::new();
+        let mut b = [0u8; 1];
+        while !line.ends_with(b"\n") && s.read(&mut b).unwrap_or(0) == 1 {
+            line.push(b[0]);
+        }
         let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n");
     });
     let a = agent("http", Transport::Tcp);
+    let t0 = Instant::now();
     let e = a.connect(addr).unwrap_err();
     let text = e.to_string();
     assert!(
@@ -70,28 +101,47 @@ fn a_port_that_is_not_kvxfer_is_named_as_such() {
         "{text}"
     );
     assert!(!text.contains("bytes (limit"), "{text}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(2),
+        "named after {:?}, not at its first bytes",
+        t0.elapsed()
+    );
     t.join().unwrap();
 }
 
 #[test]
 fn a_peer_that_accepts_and_says_nothing_times_out_and_says_so() {
+    assert_eq!(
+        AgentConfig::new("d").handshake_timeout,
+        Duration::from_secs(10),
+        "the documented default"
+    );
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let t = std::thread::spawn(move || {
         let (s, _) = l.accept().unwrap();
-        std::thread::sleep(Duration::from_secs(12));
+        std::thread::sleep(Duration::from_secs(3));
         drop(s);
     });
-    let a = agent("silent", Transport::Tcp);
+    let name = format!("silent-{}", std::process::id());
+    let cfg = AgentConfig::new(name)
+        .transport(Transport::Tcp)
+        .net_devices("lo")
+        .handshake_timeout(Duration::from_millis(500));
+    let a = Agent::new(cfg).unwrap();
     let t0 = Instant::now();
     let e = a.connect(addr).unwrap_err();
     let text = e.to_string();
     assert!(
-        text.contains("timed out after 10 s") && text.contains("handshake"),
+        text.contains("timed out after 500ms") && text.contains("handshake_timeout"),
         "{text}"
     );
     assert!(!text.contains("os error 11"), "{text}");
-    assert!(t0.elapsed() < Duration::from_secs(11), "{:?}", t0.elapsed());
+    let took = t0.elapsed();
+    assert!(
+        took >= Duration::from_millis(500) && took < Duration::from_millis(2500),
+        "{took:?} for a 500 ms time-out"
+    );
     t.join().unwrap();
 }
 

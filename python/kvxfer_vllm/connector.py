@@ -40,8 +40,9 @@ after every change, for a textfile collector), ``gpu_path`` (device tensors: ``a
 (refuse a silent transport fallback), ``discovery`` (``etcd://host:2379``: workers publish
 themselves in etcd and load each other before any handoff; ``namespace``,
 ``discovery_ttl_ms``), ``compression`` (the TCP lane's: ``auto``, the default, compresses a
-handoff where the measured link is slower than the codec makes worthwhile; ``on``; ``off``).
-Every option goes to the agent through the C ABI's
+handoff where the measured link is slower than the codec makes worthwhile; ``on``; ``off``),
+``handshake_timeout_ms`` (how long each step of meeting a peer on its side channel may wait;
+default 10,000). Every option goes to the agent through the C ABI's
 config builder, none through environment variables.
 """
 
@@ -454,6 +455,7 @@ class KvxferConnector(KVConnectorBase_V1):
             gpu_path=gpu_path_for(self._tc.kv_buffer_device, ex),
             staging=staging,
             compression=ex.get("compression"),
+            handshake_timeout_ms=ex.get("handshake_timeout_ms"),
         )
         side = self.agent.listen(f"{_advertised_host(ex)}:{int(ex.get('port', 0))}")
         device = first.device

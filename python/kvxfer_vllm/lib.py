@@ -152,6 +152,7 @@ SIGNATURES = {
     "kvx_agent_config_set_compression": (_st, [c_void_p, c_char_p]),
     "kvx_agent_config_set_staging": (_st, [c_void_p, c_size_t, c_size_t]),
     "kvx_agent_config_set_budget": (_st, [c_void_p, c_uint64]),
+    "kvx_agent_config_set_handshake_timeout": (_st, [c_void_p, c_uint64]),
     "kvx_agent_new_with": (_st, [c_void_p, POINTER(c_void_p)]),
     "kvx_agent_free": (None, [c_void_p]),
     "kvx_agent_listen": (_st, [c_void_p, c_char_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
@@ -262,11 +263,13 @@ class Lib:
 class Agent:
     """One kvxfer agent, configured through the C ABI's config builder (nothing is passed
     through environment variables). ``secret`` (bytes), ``strict``, ``lanes``, ``gpu_path``
-    ("auto", "direct", "staged"), ``staging`` ((chunks, chunk_bytes)) and ``compression``
-    ("auto", "on", "off") are optional."""
+    ("auto", "direct", "staged"), ``staging`` ((chunks, chunk_bytes)), ``compression``
+    ("auto", "on", "off") and ``handshake_timeout_ms`` (each step of ``connect``'s handshake;
+    default 10,000) are optional."""
 
     def __init__(self, name, transport="auto", net_devices=None, budget_bytes=0, *, secret=None,
-                 strict=False, lanes=True, gpu_path=None, staging=None, compression=None):
+                 strict=False, lanes=True, gpu_path=None, staging=None, compression=None,
+                 handshake_timeout_ms=None):
         self.lib = Lib.get()
         L = self.lib.L
         cfg = c_void_p()
@@ -290,6 +293,8 @@ class Agent:
                 self.lib.check(L.kvx_agent_config_set_staging(cfg, int(staging[0]), int(staging[1])))
             if compression:
                 self.lib.check(L.kvx_agent_config_set_compression(cfg, str(compression).encode()))
+            if handshake_timeout_ms is not None:
+                self.lib.check(L.kvx_agent_config_set_handshake_timeout(cfg, int(handshake_timeout_ms)))
             h = c_void_p()
             self.lib.check(L.kvx_agent_new_with(cfg, ctypes.byref(h)))
         finally:

@@ -411,6 +411,30 @@ pub unsafe extern "C" fn kvx_agent_config_set_budget(
     }
 }
 
+/// Sets how long each step of `kvx_agent_connect`'s handshake (the TCP connection, then every
+/// read and write) may wait, in milliseconds (default 10,000); 0 is `KVX_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `c` is a live config not used by another thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_handshake_timeout(
+    c: *mut kvx_agent_config,
+    ms: u64,
+) -> kvx_status {
+    // SAFETY: per this function's contract.
+    unsafe {
+        with_config("kvx_agent_config_set_handshake_timeout", c, |cfg| {
+            if ms == 0 {
+                return Err(fail(
+                    kvx_status::KVX_INVALID_ARGUMENT,
+                    "a handshake time-out of 0 ms",
+                ));
+            }
+            Ok(cfg.handshake_timeout(std::time::Duration::from_millis(ms)))
+        })
+    }
+}
+
 /// Adds a UCX setting (a name without the `UCX_` prefix, e.g. "RNDV_THRESH"), applied last.
 ///
 /// # Safety

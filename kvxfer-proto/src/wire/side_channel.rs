@@ -1,6 +1,6 @@
 //! The side channel's frames and its authentication proofs.
 //!
-//! Each side first sends [`PREAMBLE`] (the magic `KVXFSC` and a version), so a peer that is
+//! Each side first sends [`PREAMBLE`] (the magic `KVXF`, a version, CRLF), so a peer that is
 //! not a kvxfer side channel (an HTTP server on that port, say) is named as such. Then frames
 //! are `u32 length (LE) | u8 kind | payload`, at most [`MAX_FRAME`] bytes, where the
 //! length counts the kind byte and the payload. With a shared secret both sides prove they
@@ -43,14 +43,27 @@ pub const ROLE_SERVER: &[u8] = b"kvxfer server";
 /// The role string of the client's proof.
 pub const ROLE_CLIENT: &[u8] = b"kvxfer client";
 
-/// What each side sends first: the magic `KVXFSC` and the version, big-endian u16.
-pub const PREAMBLE: [u8; 8] = *b"KVXFSC\x00\x01";
+/// What each side sends first: the magic `KVXF`, the version (big-endian u16) and CRLF. The
+/// line end makes a line-based server on the other end (HTTP) answer at once, so that its
+/// answer is named at its first bytes instead of waiting out the handshake's time-out.
+pub const PREAMBLE: [u8; 8] = *b"KVXF\x00\x02\r\n";
+
+/// Version 1's preamble (before the line end), recognised to name the version.
+const PREAMBLE_V1: [u8; 8] = *b"KVXFSC\x00\x01";
 
 /// Checks the other side's preamble: a stream that does not start with the magic is not a
 /// kvxfer side channel (what it sent is shown, printable bytes only); another version is
 /// named with both.
 pub fn check_preamble(got: &[u8; 8], who: &str) -> Result<()> {
-    if got[..6] != PREAMBLE[..6] {
+    let ours = u16::from_be_bytes([PREAMBLE[4], PREAMBLE[5]]);
+    let version = |theirs: u16| Error::Protocol {
+        peer: who.to_string(),
+        why: format!("side-channel version {theirs}; this kvxfer speaks version {ours}"),
+    };
+    if *got == PREAMBLE_V1 {
+        return Err(version(1));
+    }
+    if got[..4] != PREAMBLE[..4] || got[6..] != PREAMBLE[6..] {
         let shown: String = got
             .iter()
             .map(|&b| {
@@ -65,19 +78,13 @@ pub fn check_preamble(got: &[u8; 8], who: &str) -> Result<()> {
             peer: who.to_string(),
             why: format!(
                 "not a kvxfer side channel: it sent {shown:?} where a kvxfer agent sends \
-                 \"KVXFSC\" (is this the address of an agent's listen?)"
+                 \"KVXF\" (is this the address of an agent's listen?)"
             ),
         });
     }
-    let (theirs, ours) = (
-        u16::from_be_bytes([got[6], got[7]]),
-        u16::from_be_bytes([PREAMBLE[6], PREAMBLE[7]]),
-    );
+    let theirs = u16::from_be_bytes([got[4], got[5]]);
     if theirs != ours {
-        return Err(Error::Protocol {
-            peer: who.to_string(),
-            why: format!("side-channel version {theirs}; this kvxfer speaks version {ours}"),
-        });
+        return Err(version(theirs));
     }
     Ok(())
 }
@@ -189,8 +196,14 @@ mod preamble_tests {
             "{e}"
         );
         let mut v = PREAMBLE;
-        v[7] = 9;
+        v[5] = 9;
         let e = check_preamble(&v, "p").unwrap_err().to_string();
-        assert!(e.contains("version 9") && e.contains("version 1"), "{e}");
+        assert!(e.contains("version 9") && e.contains("version 2"), "{e}");
+        let e = check_preamble(b"KVXFSC\x00\x01", "p")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("version 1") && e.contains("version 2"), "{e}");
+        // A line-based server sees one line and answers.
+        assert!(PREAMBLE.ends_with(b"\r\n") && !PREAMBLE[..6].contains(&b'\n'));
     }
 }

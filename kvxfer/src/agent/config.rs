@@ -68,14 +68,14 @@ pub struct AgentConfig {
     /// TCP connections one transfer of the TCP lane is striped over (transfers of 16 MiB or
     /// more, in host memory): for links one core cannot fill. On a 2-core host over loopback,
     /// the KV-shaped READ of 8,344 random blocks took 142 ms over one connection (1.67x a
-    /// plain TCP stream), 87 ms over 2 and 4 (medians of 3 alternated rounds); see README
+    /// plain TCP stream), 87 ms over 2 and 4 (medians of 3 alternated rounds); see docs/perf/README.md
     /// "Striping". Default 4, the best measured there; over 1 GbE one connection already runs
     /// at line rate and 4 are as fast. [`Agent::fence_inbound`](super::Agent::fence_inbound)
     /// covers every stripe. Per peer: [`AgentConfig::peer_stripes`].
     pub stripes: usize,
     /// Per-peer overrides of [`AgentConfig::stripes`], by agent name.
     pub peer_stripes: Vec<(String, usize)>,
-    /// Whether TCP-lane transfers travel compressed (README "Compression"): `Auto` (the
+    /// Whether TCP-lane transfers travel compressed (docs/perf/README.md, "Compression"): `Auto` (the
     /// default) compresses a transfer of 4 MiB or more only where the link is measured slower
     /// than the codec makes worthwhile (compress rate x ratio on this host and this data), so
     /// never over loopback; `On` always; `Off` never. Per peer:
@@ -96,6 +96,11 @@ pub struct AgentConfig {
     /// restarts whenever bytes move, so a long transfer that flows is never cut. Between
     /// requests a peer may stay silent. Default 30 s.
     pub lane_stall: std::time::Duration,
+    /// How long [`Agent::connect`](super::Agent::connect) waits for each step of the side
+    /// channel's handshake (the TCP connection, then every read and write) before it fails
+    /// with a typed time-out. Default 10 s; a busy peer across a slow link may need more, a
+    /// health check less.
+    pub handshake_timeout: std::time::Duration,
 }
 
 impl AgentConfig {
@@ -131,7 +136,15 @@ impl AgentConfig {
                 .map(|n| (n.get() / 4).clamp(1, 4))
                 .unwrap_or(1),
             lane_stall: std::time::Duration::from_secs(30),
+            handshake_timeout: std::time::Duration::from_secs(10),
         }
+    }
+
+    /// Sets how long each step of [`Agent::connect`](super::Agent::connect)'s handshake may
+    /// wait (see [`AgentConfig::handshake_timeout`]); at least 1 ms.
+    pub fn handshake_timeout(mut self, d: std::time::Duration) -> Self {
+        self.handshake_timeout = d.max(std::time::Duration::from_millis(1));
+        self
     }
 
     /// Sets how long the TCP lane target waits for a stalled peer (see

@@ -98,7 +98,8 @@ impl Agent {
             cfg.busy_poll,
             cfg.peer_failure.unwrap_or(cfg.transport != Transport::Shm),
             channels.clone(),
-        )?;
+        )
+        .map_err(|e| setup_failed(e, &cfg))?;
         let carrier: Carrier = {
             let c = cmds.clone();
             Arc::new(move |job| c.post(job))
@@ -140,6 +141,7 @@ impl Agent {
             compressing: cfg.compressing(),
             codec: Arc::default(),
             fence_views: Default::default(),
+            handshake: cfg.handshake_timeout,
         });
         // The TCP lane carries every transfer with the TCP transport, and staged device memory
         // with any transport, in either direction: every agent with lanes on serves it, so that
@@ -430,7 +432,7 @@ impl Agent {
     /// Connects to a peer's side channel, exchanges metadata both ways. Returns its name.
     pub fn connect(&self, addr: impl ToSocketAddrs) -> Result<String> {
         let addr = resolve(addr, "connect")?;
-        exchange(&side_channel(&self.shared), addr, Duration::from_secs(10))
+        exchange(&side_channel(&self.shared), addr, self.shared.handshake)
     }
 
     /// A WRITE of `local` into the peer's `remote`, described by name, posted by
@@ -629,6 +631,30 @@ fn side_channel(st: &Arc<AgentState>) -> Arc<SideChannel> {
         local: Box::new(move || a.metadata()),
         on_peer: Box::new(move |meta| load_decoded(&b, meta)),
     })
+}
+
+/// A UCX start-up failure with what was asked and what this host has (UCX itself says only
+/// "No such device"); other errors as they are.
+fn setup_failed(e: Error, cfg: &AgentConfig) -> Error {
+    let Error::Ucx { op, status } = e else {
+        return e;
+    };
+    let tls = cfg.transport.ucx_tls();
+    let devices = cfg
+        .net_devices
+        .as_deref()
+        .unwrap_or("all (UCX_NET_DEVICES unset)");
+    let mut why = format!("transports {tls:?} on devices {devices}");
+    // UCS_ERR_NO_DEVICE, UCS_ERR_UNSUPPORTED: nothing asked for exists here.
+    if matches!(status.code(), -14 | -22) {
+        why.push_str(&format!(
+            "; none of them is usable here. This host's interfaces: {}. RDMA transports (rc, \
+             ud, dc) need an InfiniBand or RoCE device; \"tcp\", \"shm\" or \"auto\" work \
+             anywhere",
+            crate::lane::interface_names().join(", ")
+        ));
+    }
+    Error::UcxSetup { op, status, why }
 }
 
 /// The first address `addr` names (`"localhost:0"`, `"127.0.0.1:7000"`, a `SocketAddr`).

@@ -54,6 +54,8 @@ pub(crate) struct AgentState {
     pub(crate) codec: Arc<crate::codec_meter::CodecMeter>,
     /// What the TCP lane's targets told of their fences of this agent.
     pub(crate) fence_views: crate::lane::tcp::epochs::FenceViews,
+    /// How long each step of a connect's handshake waits.
+    pub(crate) handshake: std::time::Duration,
 }
 
 impl AgentState {

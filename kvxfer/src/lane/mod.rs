@@ -83,11 +83,37 @@ pub(crate) fn host_info() -> Option<HostInfo> {
 /// as `"eth0"` or `"mlx5_0:1,eth1"`; RDMA names are skipped), or with `None`, of the first
 /// interface that is up and not loopback.
 pub(crate) fn iface_addr(devices: Option<&str>) -> Option<std::net::IpAddr> {
+    let addrs = ipv4_interfaces();
+    match devices {
+        Some(list) => list.split(',').find_map(|d| {
+            let d = d.trim();
+            addrs
+                .iter()
+                .find(|(n, _, _)| n == d)
+                .map(|(_, a, _)| std::net::IpAddr::V4(*a))
+        }),
+        None => addrs
+            .iter()
+            .find(|(_, _, ok)| *ok)
+            .map(|(_, a, _)| std::net::IpAddr::V4(*a)),
+    }
+}
+
+/// This host's interfaces with an IPv4 address, as "name (address)", for error messages.
+pub(crate) fn interface_names() -> Vec<String> {
+    ipv4_interfaces()
+        .into_iter()
+        .map(|(n, a, _)| format!("{n} ({a})"))
+        .collect()
+}
+
+/// Every interface with an IPv4 address: name, address, whether it is up and not loopback.
+fn ipv4_interfaces() -> Vec<(String, std::net::Ipv4Addr, bool)> {
     let mut addrs: Vec<(String, std::net::Ipv4Addr, bool)> = Vec::new();
     let mut ifa: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: ifa is a valid out pointer; freed below with freeifaddrs.
     if unsafe { libc::getifaddrs(&mut ifa) } != 0 {
-        return None;
+        return addrs;
     }
     let mut p = ifa;
     while !p.is_null() {
@@ -118,19 +144,7 @@ pub(crate) fn iface_addr(devices: Option<&str>) -> Option<std::net::IpAddr> {
     }
     // SAFETY: ifa came from getifaddrs and is freed once.
     unsafe { libc::freeifaddrs(ifa) };
-    match devices {
-        Some(list) => list.split(',').find_map(|d| {
-            let d = d.trim();
-            addrs
-                .iter()
-                .find(|(n, _, _)| n == d)
-                .map(|(_, a, _)| std::net::IpAddr::V4(*a))
-        }),
-        None => addrs
-            .iter()
-            .find(|(_, _, ok)| *ok)
-            .map(|(_, a, _)| std::net::IpAddr::V4(*a)),
-    }
+    addrs
 }
 
 #[cfg(test)]

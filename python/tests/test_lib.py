@@ -1,0 +1,48 @@
+"""The ctypes bindings against the real libkvxfer (KVXFER_LIB, as CI sets it), no vLLM: what a
+caller of the C ABI sees for settings and errors."""
+
+import os
+import socket
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+if not os.environ.get("KVXFER_LIB"):
+    pytest.skip("KVXFER_LIB is not set (scripts/test.sh sets it to the debug build)", allow_module_level=True)
+
+from kvxfer_vllm import lib as kx  # noqa: E402
+
+
+def test_the_handshake_time_out_is_a_setting():
+    # A peer that accepts and says nothing: connect gives up after the configured time, typed.
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    a = kx.Agent(f"hs-{os.getpid()}", "tcp", "lo", handshake_timeout_ms=300)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(kx.KvxferError) as e:
+            a.connect(f"127.0.0.1:{port}")
+        took = time.monotonic() - t0
+        assert 0.3 <= took < 2.5, took
+        assert "timed out after 300ms" in str(e.value)
+    finally:
+        a.close()
+        srv.close()
+
+
+def test_a_zero_handshake_time_out_is_refused():
+    with pytest.raises(kx.KvxferError) as e:
+        kx.Agent(f"hs0-{os.getpid()}", "tcp", "lo", handshake_timeout_ms=0)
+    assert e.value.status == kx.KVX_INVALID_ARGUMENT
+
+
+def test_every_status_has_its_name():
+    lib = kx.Lib.get()
+    for value, name in kx.STATUS_NAMES.items():
+        assert lib.L.kvx_status_name(value).decode() == name
+    assert lib.L.kvx_status_name(4_000_000_000).decode() == "KVX_UNKNOWN"
