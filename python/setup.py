@@ -6,7 +6,9 @@ Why a cargo call from setuptools and not maturin or PyO3: the plugin is plain Py
 C ABI through ctypes, the same ABI C users link; the library is not a Python extension module,
 so there is nothing for PyO3 to generate, and maturin wants the Python project at the crate's
 root. Building needs cargo, pkg-config, libclang-dev and UCX's headers (Debian: libucx-dev),
-as any kvxfer build does. ``KVXFER_LIB`` still overrides the bundled library at run time.
+as any kvxfer build does. ``KVXFER_FEATURES=etcd pip install ./python`` builds etcd discovery
+in (it needs protoc too: Debian's protobuf-compiler). ``KVXFER_LIB`` still overrides the
+bundled library at run time.
 """
 
 import os
@@ -39,8 +41,15 @@ class BuildWithLibrary(build_py):
             raise RuntimeError("kvxfer: cargo is needed to build libkvxfer.so (https://rustup.rs)")
         target = os.environ.get("KVXFER_BUILD_TARGET_DIR", os.path.join(ROOT, "target", "pip"))
         env = dict(os.environ, CARGO_TARGET_DIR=target)
+        # KVXFER_FEATURES=etcd (comma-separated) builds those features in: etcd discovery
+        # (the plugin's "discovery" key; building it needs protoc, Debian's protobuf-compiler).
+        features = [f.strip() for f in os.environ.get("KVXFER_FEATURES", "").split(",") if f.strip()]
+        known = {"etcd", "cuda"}
+        if set(features) - known:
+            raise RuntimeError(f"kvxfer: KVXFER_FEATURES names {sorted(set(features) - known)}; known: {sorted(known)}")
+        extra = ["--features", ",".join(features)] if features else []
         subprocess.run(
-            ["cargo", "build", "--release", "--locked", "-p", "kvxfer-capi", "--manifest-path", os.path.join(ROOT, "Cargo.toml")],
+            ["cargo", "build", "--release", "--locked", "-p", "kvxfer-capi", "--manifest-path", os.path.join(ROOT, "Cargo.toml")] + extra,
             check=True,
             env=env,
         )

@@ -4,7 +4,7 @@
 #   KVXFER_UCX=system (default) Debian's libucx-dev (1.13.1), installed with apt when missing.
 #                               On kvxfer-bench's KV-shaped workload it measured faster than the
 #                               wheel in-host (shm 40.8 ms vs 70.4 ms) and equal over TCP; see
-#                               README "Which UCX".
+#                               docs/perf/README.md, "Which UCX".
 #   KVXFER_UCX=wheel            UCX 1.22 from the PyPI wheel `libucx-cu12`, unpacked into .ucx/
 #                               with its pkg-config files relocated. Has cuda_copy/cuda_ipc.
 #

@@ -27,11 +27,16 @@
 //! # Ok(()) }
 //! ```
 //!
+//! Features: `etcd` (discovery through etcd: `registry::EtcdDiscovery`) and `cuda` (GPU
+//! memory: `kvxfer::cuda`). `cargo doc --features etcd,cuda` documents them too (docs.rs
+//! builds with both, each item marked with the feature it needs).
+//!
 //! `examples/quickstart.rs` is this program; `examples/two_process.rs` runs the two agents in
 //! two processes, where the writer learns the other side's region ids with
 //! [`Agent::peer_regions`]; `examples/connector.rs` sets the connector up in its natural
 //! order. CI runs all three (`tests/readme_examples.rs`).
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 // The layers, bottom up (ARCHITECTURE.md has the map): the pure core is `kvxfer_proto`;
 // memory, budget, notify, telemetry and transfer sit on it; the device copy engines and the
 // staging pools above those; then the transports, siblings that never import each other or
@@ -60,6 +65,7 @@ pub mod transfer;
 
 /// GPU memory (feature `cuda`): probing, the CUDA copy engine, the cudarc kvxfer uses.
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub use device::cuda;
 pub use kvxfer_proto::wire;
 pub use kvxfer_proto::wire::metadata;

@@ -22,5 +22,6 @@ mod seal;
 pub use api::{Discovery, SideChannelDiscovery};
 pub use config::DiscoveryConfig;
 #[cfg(feature = "etcd")]
+#[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
 pub use etcd::{EtcdConfig, EtcdDiscovery};
 pub use join::{join, Member};
