@@ -10,7 +10,9 @@ allow-list. For kvxfer/src it checks:
   2. a module imports only modules of its own layer or below (L1 < L2 < ... < L6; `lib.rs`, the
      API row, may import anything), and none that its row's "must not import" column names in
      backticks;
-  3. no module imports a name through `lib.rs` (import it from the module that defines it);
+  3. no module imports a name through `lib.rs` (import it from the module that defines it),
+     and no file imports the `mod.rs` of a directory it is inside (children never import
+     their parent: shared pieces live in a sibling file);
   4. no cycle between directories: the import graph with every top-level module (a file or a
      directory with everything below it) as one node has no cycle. The file-level check
      (module-cycles.py) cannot see a cycle that runs through different files of a directory.
@@ -49,7 +51,7 @@ def through_lib(cyc, f, mods):
     """The `crate::` paths in `f` that name an item of lib.rs rather than a module (a macro's
     `$crate::name!` is at the crate root by Rust's rules and does not count)."""
     text = open(f, encoding="utf-8", errors="replace").read()
-    cut = re.search(r"^\s*#\[cfg\(test\)\]", text, re.M)
+    cut = re.search(r"^\s*#\[cfg\(test\)\]\s*\n(\s*#\[[^\n]*\]\s*\n)*\s*mod\s+\w+\s*\{", text, re.M)
     text = re.sub(r"//[^\n]*", "", text[: cut.start()] if cut else text)
     paths = [p for u in cyc.USE_RE.findall(text) for p in cyc.expand(u) if p.startswith("crate::")]
     paths += ["crate::" + m for m in re.findall(r"(?<![$\w])crate::(\w+)(?!\w*!)", text)]
@@ -104,6 +106,8 @@ def main():
                 for p in through_lib(cyc, mods[a], mods):
                     bad.append(f"{name[a]} imports crate::{p} through lib.rs (import it from the module that defines it)")
                 continue
+            if name[b].endswith("mod.rs") and len(a) > len(b) and a[: len(b)] == b:
+                bad.append(f"{name[a]} imports its parent {name[b]} (put the shared piece in a sibling file)")
             if ta == tb or ta == "lib":
                 continue
             graph.setdefault(ta, set()).add(tb)

@@ -1,8 +1,9 @@
 //! kvxfer's pure core: the vocabulary, the errors, descriptor resolution and planning, KV
-//! layout math, the block lifecycle, link planning, tensor-parallel head mapping, and every wire codec. No I/O beyond
-//! reading a frame from a byte stream, no clock of its own (callers pass `now`), no UCX, no
-//! unsafe code: it builds and tests anywhere (`cargo test -p kvxfer-proto`), and the fuzz
-//! targets depend on it alone.
+//! layout math, the block lifecycle, link planning, tensor-parallel head mapping, and every
+//! wire codec. No I/O beyond reading a frame from a byte stream, no clock in any decision
+//! (callers pass `now`; the one clock read is the compression codec timing its own work for
+//! the metrics, `compress::codec`), no UCX, no unsafe code: it builds and tests anywhere
+//! (`cargo test -p kvxfer-proto`), and the fuzz targets depend on it alone.
 //!
 //! The `kvxfer` crate re-exports these modules under their old paths (`kvxfer::descriptor`,
 //! `kvxfer::layout`, ...), so users name them as before.

@@ -23,6 +23,17 @@ use kvxfer_proto::types::{MemKind, RegionId, ShmHandle};
 /// It is backed by an anonymous memory file (`memfd_create`) mapped shared, so that an agent
 /// on the same host can map it too and move bytes with plain copies, one pass, no kernel
 /// round trip per block. Where memfd is not available it falls back to an anonymous mapping.
+///
+/// ```
+/// use kvxfer::HostBuffer;
+/// let mut b = HostBuffer::new(10_000)?; // mapped in whole pages
+/// assert_eq!(b.len(), 10_000);
+/// assert_eq!(b.as_slice().as_ptr() as usize % 4096, 0);
+/// b.as_mut_slice()[..3].copy_from_slice(b"kv!");
+/// assert_eq!(&b.as_slice()[..3], b"kv!");
+/// // Registered with an agent, it is read and written through its `Region` instead.
+/// # Ok::<(), kvxfer::Error>(())
+/// ```
 pub struct HostBuffer {
     ptr: NonNull<u8>,
     len: usize,

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use crate::budget::MemoryBudget;
 use crate::device::copy::CopyEngine;
+use crate::lane::tcp::settings::{Compressing, Striping};
 use kvxfer_proto::compress::planes::Transform;
 use kvxfer_proto::compress::policy::Compression;
 use kvxfer_proto::types::{
@@ -12,7 +13,25 @@ use kvxfer_proto::types::{
 };
 pub use kvxfer_proto::wire::metadata::DEFAULT_COMPAT;
 
-/// Configuration of an [`Agent`](super::Agent).
+/// Configuration of an [`Agent`](super::Agent): [`AgentConfig::new`] and the setters, then
+/// [`Agent::new`](super::Agent::new).
+///
+/// ```
+/// use std::time::Duration;
+/// use kvxfer::{AgentConfig, MemoryBudget, Transport};
+///
+/// let cfg = AgentConfig::new("decode-0")
+///     .transport(Transport::Tcp)
+///     .net_devices("lo")
+///     .budget(MemoryBudget::new(256 << 20))
+///     .handshake_timeout(Duration::from_secs(3))
+///     .secret(b"one per deployment".to_vec());
+/// assert_eq!(cfg.transport, Transport::Tcp);
+/// assert_eq!(cfg.handshake_timeout, Duration::from_secs(3));
+/// let agent = kvxfer::Agent::new(cfg)?;
+/// assert_eq!(agent.name(), "decode-0");
+/// # Ok::<(), kvxfer::Error>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
     /// Unique name among the agents that talk to each other.
@@ -277,21 +296,18 @@ impl AgentConfig {
 
     /// The compression part of the configuration, for the agent's state.
     pub(super) fn compressing(&self) -> Compressing {
-        Compressing {
-            default: self.compression,
-            per_peer: self.peer_compression.clone(),
-            link_rates: self.link_rates.clone(),
-            transform: self.compress_transform,
-            threads: self.compress_threads.max(1),
-        }
+        Compressing::new(
+            self.compression,
+            self.peer_compression.clone(),
+            self.link_rates.clone(),
+            self.compress_transform,
+            self.compress_threads,
+        )
     }
 
     /// The striping part of the configuration, for the agent's state.
     pub(super) fn striping(&self) -> Striping {
-        Striping {
-            default: self.stripes.max(1),
-            per_peer: self.peer_stripes.clone(),
-        }
+        Striping::new(self.stripes, self.peer_stripes.clone())
     }
 
     /// Whether the transport list lets UCX use transports named `prefix*` (`tcp`, `cuda`).
@@ -363,55 +379,6 @@ impl AgentConfig {
         }
         v.extend(self.ucx.iter().cloned());
         v
-    }
-}
-
-/// TCP-lane striping: a default and per-peer overrides (the last one for a peer wins).
-#[derive(Clone, Debug)]
-pub(crate) struct Striping {
-    default: usize,
-    per_peer: Vec<(String, usize)>,
-}
-
-impl Striping {
-    /// Connections a transfer to `peer` is striped over.
-    pub(crate) fn of(&self, peer: &str) -> usize {
-        self.per_peer
-            .iter()
-            .rev()
-            .find(|(p, _)| p == peer)
-            .map_or(self.default, |&(_, n)| n)
-            .max(1)
-    }
-}
-
-/// TCP-lane compression: a default, per-peer overrides and configured link rates (the last
-/// one for a peer wins).
-#[derive(Clone, Debug)]
-pub(crate) struct Compressing {
-    default: Compression,
-    per_peer: Vec<(String, Compression)>,
-    link_rates: Vec<(String, f64)>,
-    pub(crate) transform: Transform,
-    pub(crate) threads: usize,
-}
-
-impl Compressing {
-    /// The mode and the configured link rate for `peer`.
-    pub(crate) fn of(&self, peer: &str) -> (Compression, Option<f64>) {
-        let mode = self
-            .per_peer
-            .iter()
-            .rev()
-            .find(|(p, _)| p == peer)
-            .map_or(self.default, |&(_, c)| c);
-        let rate = self
-            .link_rates
-            .iter()
-            .rev()
-            .find(|(p, r)| p == peer && *r > 0.0)
-            .map(|&(_, r)| r);
-        (mode, rate)
     }
 }
 

@@ -8,6 +8,7 @@
 //! [`Agent::transfer`] many times → [`Agent::deregister`] → drop.
 
 mod config;
+mod handle;
 mod metrics;
 mod paged;
 mod peers;
@@ -20,11 +21,11 @@ use std::collections::{HashMap, HashSet};
 use std::ffi::CString;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 pub use config::{AgentConfig, DEFAULT_COMPAT};
+pub use handle::Agent;
 use peers::{load_decoded, peer_info, remove_peer, retire_peer};
 pub use prepared::{PreparedLocal, PreparedRemote};
 use state::AgentState;
@@ -32,12 +33,12 @@ use state::AgentState;
 use crate::backend::ucx::driver::{Cmd, Engine, MEMORY_TYPES};
 use crate::backend::ucx::raw;
 use crate::budget::MemoryBudget;
+use crate::codec_meter::CodecMeter;
 use crate::discovery::{exchange, SideChannel};
-use crate::lane::shm::{Carrier, Copier};
-use crate::lane::tcp::server::Server;
-use crate::lane::{host_info, iface_addr, LaneCtx};
+use crate::lane::api::{LaneCtx, LaneSetup, Notifier};
+use crate::lane::{host_info, iface_addr};
 use crate::listener::Listener;
-use crate::memory::{Memory, Region, RegionInner};
+use crate::memory::{Memory, Region, RegionInner, RegionTable};
 use crate::notify::{Channels, Inbox};
 use crate::staging::pool::{StagingCell, StagingStats};
 use crate::transfer::{Canceller, Transfer};
@@ -48,25 +49,6 @@ use kvxfer_proto::types::{
 };
 use kvxfer_proto::wire::metadata::{Metadata, MAX_NAME};
 use kvxfer_proto::wire::notify::{check_payload, Notification};
-
-/// One kvxfer agent. See the module docs for the order of calls.
-pub struct Agent {
-    pub(crate) shared: Arc<AgentState>,
-    thread: Option<JoinHandle<()>>,
-    strict: bool,
-    listeners: Mutex<Vec<Listener>>,
-    lane_server: Option<Server>,
-    _live: crate::live::Counted,
-}
-
-impl std::fmt::Debug for Agent {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Agent")
-            .field("name", &self.shared.name)
-            .field("ucx", &self.shared.ucx_version)
-            .finish()
-    }
-}
 
 impl Agent {
     /// Creates the UCX context and worker and starts the progress thread.
@@ -100,7 +82,7 @@ impl Agent {
             channels.clone(),
         )
         .map_err(|e| setup_failed(e, &cfg))?;
-        let carrier: Carrier = {
+        let notifier: Notifier = {
             let c = cmds.clone();
             Arc::new(move |job| c.post(job))
         };
@@ -108,71 +90,77 @@ impl Agent {
             let c = cmds.clone();
             Arc::new(move |id| c.cancel(id))
         };
+        let regions: Arc<RegionTable> = Arc::default();
+        let staging = Arc::new(StagingCell::new(
+            cfg.copy_engine.clone(),
+            cfg.staging.0,
+            cfg.staging.1,
+            cfg.budget.clone(),
+        ));
+        let codec: Arc<CodecMeter> = Arc::default();
+        // The lanes' targets see the agent only through this.
+        let ctx = Arc::new(LaneCtx {
+            regions: regions.clone(),
+            channels: channels.clone(),
+            staging: staging.clone(),
+            budget: cfg.budget.clone(),
+            codec: codec.clone(),
+            compress_threads: cfg.compress_threads.max(1),
+            stall: cfg.lane_stall,
+        });
+        // The TCP lane carries every transfer with the TCP transport, and staged device memory
+        // with any transport, in either direction: every agent with lanes on serves it, so that
+        // a GPU peer can stage into a CPU-only one. With the shared-memory transport every peer
+        // is on this host: loopback.
+        let bind = cfg
+            .lane_addr
+            .or_else(|| {
+                if cfg.transport == Transport::Shm {
+                    Some(std::net::Ipv4Addr::LOCALHOST.into())
+                } else {
+                    iface_addr(cfg.net_devices.as_deref())
+                }
+            })
+            .unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
+        let host = host_info();
+        let setup = LaneSetup {
+            name: cfg.name.clone(),
+            transport: cfg.transport.clone(),
+            host,
+            ctx,
+            bind,
+            copy_threads: cfg.copy_threads,
+            notifier,
+            striping: cfg.striping(),
+            compressing: cfg.compressing(),
+        };
+        let lanes = crate::lane::start(&setup, cfg.lanes)?;
         let shared = Arc::new(AgentState {
             name: cfg.name.clone(),
             epoch: new_epoch()?,
             compat: cfg.compat,
             max_op: cfg.max_op_bytes,
             cmds,
-            regions: Arc::default(),
+            regions,
             peers: RwLock::new(HashMap::new()),
             channels,
             next_region: AtomicU32::new(0),
             next_xfer: AtomicU64::new(1),
             ucx_version: raw::version_string(),
-            host: host_info(),
-            lane: OnceLock::new(),
+            host,
+            lane: lanes.iter().find_map(|l| l.advertise()),
             transport: cfg.transport.clone(),
-            lanes_on: cfg.lanes,
-            copier: Copier::start(&cfg.name, cfg.copy_threads, carrier)?,
+            lanes,
             load_lock: Mutex::new(()),
             budget: cfg.budget.clone(),
             secret: cfg.secret.clone(),
             gpu_path: cfg.gpu_path,
-            staging: Arc::new(StagingCell::new(
-                cfg.copy_engine.clone(),
-                cfg.staging.0,
-                cfg.staging.1,
-                cfg.budget.clone(),
-            )),
+            staging,
             canceller,
             gone: Mutex::new(HashSet::new()),
-            stripes: cfg.striping(),
-            compressing: cfg.compressing(),
-            codec: Arc::default(),
-            fence_views: Default::default(),
+            codec,
             handshake: cfg.handshake_timeout,
         });
-        // The TCP lane carries every transfer with the TCP transport, and staged device memory
-        // with any transport, in either direction: every agent with lanes on serves it, so that
-        // a GPU peer can stage into a CPU-only one. With the shared-memory transport every peer
-        // is on this host: loopback.
-        let lane_server = if cfg.lanes {
-            let ip = cfg
-                .lane_addr
-                .or_else(|| {
-                    if cfg.transport == Transport::Shm {
-                        Some(std::net::Ipv4Addr::LOCALHOST.into())
-                    } else {
-                        iface_addr(cfg.net_devices.as_deref())
-                    }
-                })
-                .unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
-            let ctx = Arc::new(LaneCtx {
-                regions: shared.regions.clone(),
-                channels: shared.channels.clone(),
-                staging: shared.staging.clone(),
-                budget: shared.budget.clone(),
-                codec: shared.codec.clone(),
-                compress_threads: cfg.compress_threads.max(1),
-                stall: cfg.lane_stall,
-            });
-            let srv = Server::start(ip, ctx, &cfg.name)?;
-            let _ = shared.lane.set(srv.info());
-            Some(srv)
-        } else {
-            None
-        };
         let thread = std::thread::Builder::new()
             .name(format!("kvxfer-progress-{}", cfg.name))
             .spawn(move || engine.run())
@@ -182,7 +170,6 @@ impl Agent {
             thread: Some(thread),
             strict: cfg.strict,
             listeners: Mutex::new(Vec::new()),
-            lane_server,
             _live: crate::live::Counted::agent(),
         })
     }
@@ -319,7 +306,7 @@ impl Agent {
         )
         .map_err(|why| Error::Cuda { device, why })?;
         if path == GpuPath::Staged {
-            if self.shared.lane.get().is_none() {
+            if self.shared.lane.is_none() {
                 return Err(Error::Cuda {
                     device,
                     why: "the staged path moves device memory over kvxfer's TCP lane, which is \
@@ -402,7 +389,7 @@ impl Agent {
     /// Writes through the shared-memory lane or UCX are the writer's own and cannot be fenced
     /// here.
     pub fn fence_inbound(&self, name: &str) -> usize {
-        self.lane_server.as_ref().map_or(0, |s| s.fence(name))
+        self.shared.lanes.iter().map(|l| l.fence(name)).sum()
     }
 
     /// The incarnation of peer `name` loaded now (0: a peer that sends none), or `None` when
@@ -597,8 +584,10 @@ impl Drop for Agent {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clear();
-        self.lane_server.take();
-        self.shared.copier.stop();
+        // The TCP lane's target first (no new peer write lands), then the copy threads.
+        for l in self.shared.lanes.iter().rev() {
+            l.stop();
+        }
         let _ = self.shared.cmds.send(Cmd::Shutdown);
         if let Some(t) = self.thread.take() {
             if t.join().is_err() {

@@ -5,7 +5,8 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Agent, PreparedLocal};
+use super::handle::Agent;
+use super::prepared::PreparedLocal;
 use crate::transfer::{Transfer, Work};
 use kvxfer_proto::error::{Result, Side};
 use kvxfer_proto::paged::{plan_paged, resolve_paged, Paged};

@@ -6,11 +6,9 @@ use std::sync::Arc;
 
 use super::state::{AgentState, PeerView};
 use crate::backend::ucx::driver::{Cmd, LoadedPeer};
-use crate::lane::shm::PeerMaps;
-use crate::lane::tcp::link::{Compressor, Link};
-use crate::lane::PeerLanes;
+use crate::lane::api::PeerLanes;
 use kvxfer_proto::error::{Error, Result};
-use kvxfer_proto::types::{GpuPath, HostInfo, MemKind, PeerInfo, RegionSpan, Transport};
+use kvxfer_proto::types::{GpuPath, HostInfo, MemKind, PeerInfo, RegionSpan};
 use kvxfer_proto::wire::metadata::Metadata;
 
 /// Loads a decoded peer's metadata: builds its lanes (or keeps those built for the same
@@ -34,10 +32,7 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
         .unwrap_or_else(|e| e.into_inner())
         .get(&name)
         .filter(|v| v.meta_sum == sum)
-        .map(|v| PeerLanes {
-            shm: v.lanes.shm.clone(),
-            tcp: v.lanes.tcp.clone(),
-        });
+        .map(|v| v.lanes.clone());
     let lanes = match existing {
         Some(l) => l,
         None => build_lanes(st, &meta),
@@ -143,39 +138,21 @@ fn process_alive_elsewhere(st: &AgentState, old: Option<HostInfo>, new: Option<H
     same_host && !same_process && std::path::Path::new(&format!("/proc/{}", old.pid)).exists()
 }
 
-/// The lanes towards a newly loaded peer.
+/// The lanes towards a newly loaded peer: each of the agent's lanes that reaches it, in the
+/// agent's order.
 fn build_lanes(st: &AgentState, meta: &Metadata) -> PeerLanes {
-    let mut lanes = PeerLanes::default();
-    if !st.lanes_on {
-        return lanes;
-    }
-    // An explicit TCP or UCX transport list is taken at its word; shm and auto map a
-    // same-host peer's memory.
-    if matches!(st.transport, Transport::Shm | Transport::Auto) {
-        lanes.shm = PeerMaps::open(meta, st.host.as_ref()).map(Arc::new);
-    }
-    // The TCP lane: for every transfer with the TCP transport, and for staged device memory
-    // with any transport.
-    if let Some(info) = meta.lane {
-        let spans = meta.regions.iter().map(|r| r.span()).collect();
-        lanes.tcp = Some(Arc::new(Link::new(
-            &st.name,
-            &meta.name,
-            info,
-            spans,
-            st.budget.clone(),
-            st.staging.clone(),
-            st.stripes.of(&meta.name),
-            Compressor {
-                policy: st.compressing.of(&meta.name),
-                transform: st.compressing.transform,
-                meter: st.codec.clone(),
-                threads: st.compressing.threads,
-            },
-            st.fence_views.of(info.secret),
-        )));
-    }
-    lanes
+    let mut names: Vec<&str> = Vec::new();
+    let lanes = st
+        .lanes
+        .iter()
+        .filter_map(|l| l.open(meta).inspect(|_| names.push(l.name())))
+        .collect();
+    log::debug!(
+        "kvxfer {}: lanes towards {:?}: {names:?}",
+        st.name,
+        meta.name
+    );
+    PeerLanes(lanes)
 }
 
 /// What the agent knows about a peer (connects if not connected yet).

@@ -1,4 +1,6 @@
-//! Which lane moves a transfer: the one place that knows every transport.
+//! Which lane moves a transfer: the one place a lane is chosen. It asks the peer's lanes in
+//! the agent's order ([`crate::lane::start`]) and takes the first that carries the transfer;
+//! UCX carries the rest.
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
@@ -6,8 +8,7 @@ use std::sync::Arc;
 use super::peers::peer_info;
 use super::prepared::PreparedLocal;
 use super::state::{AgentState, PeerView};
-use crate::lane::shm::PeerMaps;
-use crate::lane::tcp::link::Link;
+use crate::lane::api::{PeerLane, Query};
 use crate::transfer::Work;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::types::{MemKind, Transport};
@@ -16,21 +17,19 @@ use kvxfer_proto::types::{MemKind, Transport};
 pub(crate) enum Route {
     /// UCX one-sided operations.
     Ucx,
-    /// kvxfer's shared-memory lane (the peer's regions are mapped here).
-    Shm(Arc<PeerMaps>),
-    /// kvxfer's TCP lane.
-    Tcp(Arc<Link>),
+    /// One of kvxfer's own lanes.
+    Lane(Arc<dyn PeerLane>),
 }
 
 /// The route of `plan` towards `peer` (whose view is `view`, None when unknown or stale), and
 /// per plan operation the device of its local memory (empty when it has none).
 ///
-/// Device memory: UCX where it reaches every device region of the plan (direct path), else
-/// the TCP lane, each end staging its own device memory; never the shm lane. Host memory: the
-/// shm lane where it covers the plan, the TCP lane with the TCP transport, else UCX. One pass
-/// over the plan, only where either side has device memory.
+/// Device memory: UCX where it reaches every device region of the plan (direct path), else a
+/// lane that stages it (the TCP lane, each end staging its own device memory). Host memory:
+/// the first of the peer's lanes that carries the plan (the shm lane where it covers it, the
+/// TCP lane with the TCP transport), else UCX. One pass over the plan, only where either side
+/// has device memory.
 pub(crate) fn route(
-    transport: &Transport,
     local: &PreparedLocal,
     plan: &Work,
     view: Option<&PeerView>,
@@ -64,27 +63,22 @@ pub(crate) fn route(
             }
         }
     }
-    let route = match view {
-        Some(v) if device => {
-            if unreachable {
-                match &v.lanes.tcp {
-                    Some(l) => Route::Tcp(l.clone()),
-                    None => {
-                        return Err(Error::InvalidArgument(format!(
-                            "the transfer touches staged device memory, which moves over \
-                             kvxfer's TCP lane, and {peer:?} has none (lanes off on either side)"
-                        )))
-                    }
-                }
-            } else {
-                Route::Ucx
-            }
+    let Some(v) = view else {
+        return Ok((Route::Ucx, local_dev));
+    };
+    let q = Query {
+        plan,
+        device,
+        ucx_reaches: device && !unreachable,
+    };
+    let route = match v.lanes.0.iter().find(|l| l.carries(&q)) {
+        Some(l) => Route::Lane(l.clone()),
+        None if device && unreachable => {
+            return Err(Error::InvalidArgument(format!(
+                "the transfer touches staged device memory, which moves over kvxfer's TCP \
+                 lane, and {peer:?} has none (lanes off on either side)"
+            )))
         }
-        Some(v) => match (&v.lanes.shm, &v.lanes.tcp) {
-            (Some(m), _) if m.covers(plan) => Route::Shm(m.clone()),
-            (_, Some(l)) if *transport == Transport::Tcp => Route::Tcp(l.clone()),
-            _ => Route::Ucx,
-        },
         None => Route::Ucx,
     };
     Ok((route, local_dev))

@@ -2,12 +2,11 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, AtomicU64};
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use crate::backend::ucx::driver::{Cmd, Commands, LocalIdentity};
 use crate::budget::MemoryBudget;
-use crate::lane::shm::Copier;
-use crate::lane::PeerLanes;
+use crate::lane::api::{LaneKind, PeerLanes};
 use crate::memory::RegionTable;
 use crate::notify::Channels;
 use crate::staging::pool::StagingCell;
@@ -32,10 +31,11 @@ pub(crate) struct AgentState {
     pub(crate) next_xfer: AtomicU64,
     pub(crate) ucx_version: String,
     pub(crate) host: Option<HostInfo>,
-    pub(crate) lane: OnceLock<LaneInfo>,
+    /// What the TCP lane advertises in this agent's metadata.
+    pub(crate) lane: Option<LaneInfo>,
     pub(crate) transport: Transport,
-    pub(crate) lanes_on: bool,
-    pub(crate) copier: Copier,
+    /// kvxfer's own lanes, in the order a transfer tries them (empty: UCX only).
+    pub(crate) lanes: Vec<Box<dyn LaneKind>>,
     /// Serializes metadata loads, so that concurrent loads of one peer map its memory once.
     pub(crate) load_lock: Mutex<()>,
     pub(crate) budget: MemoryBudget,
@@ -46,14 +46,8 @@ pub(crate) struct AgentState {
     /// Peers known to be gone (their discovery key vanished), until a new incarnation loads:
     /// transfers to them fail with `PeerFailed`, not as to a name never heard of.
     pub(crate) gone: Mutex<HashSet<String>>,
-    /// The configuration's TCP-lane striping (default and per peer).
-    pub(crate) stripes: super::config::Striping,
-    /// The configuration's TCP-lane compression (default, per peer, link rates).
-    pub(crate) compressing: super::config::Compressing,
     /// What the lanes' codec achieved (initiator links and lane target alike).
     pub(crate) codec: Arc<crate::codec_meter::CodecMeter>,
-    /// What the TCP lane's targets told of their fences of this agent.
-    pub(crate) fence_views: crate::lane::tcp::epochs::FenceViews,
     /// How long each step of a connect's handshake waits.
     pub(crate) handshake: std::time::Duration,
 }
@@ -66,7 +60,7 @@ impl AgentState {
             epoch: self.epoch,
             compat: self.compat,
             host: self.host,
-            lane: self.lane.get().copied(),
+            lane: self.lane,
         }
     }
 

@@ -1,13 +1,14 @@
-//! Starting a planned transfer: the local regions a description names, the route (shared
-//! memory, the TCP lane or UCX), the pins, and the job handed to its lane.
+//! Starting a planned transfer: the local regions a description names, the route (one of
+//! kvxfer's lanes or UCX), the pins, and the job handed to its lane.
 #![forbid(unsafe_code)]
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::handle::Agent;
+use super::prepared::PreparedLocal;
 use super::route::{check_strict, route, Route};
-use super::{Agent, PreparedLocal};
 use crate::memory::{Pins, RegionInner};
 use crate::transfer::{Job, Transfer, Work, XferState};
 use kvxfer_proto::error::{Error, Result, Side};
@@ -74,13 +75,13 @@ impl Agent {
                 return Err(e);
             }
         }
-        let (route, local_dev) =
-            route(&self.shared.transport, local, &plan, view.as_deref(), peer)?;
+        let (route, local_dev) = route(local, &plan, view.as_deref(), peer)?;
         if self.strict && matches!(route, Route::Ucx) {
             check_strict(&self.shared, peer)?;
         }
+        let paged_ok = matches!(&route, Route::Lane(l) if l.takes_paged());
         let plan = match plan {
-            Work::Paged(p) if !matches!(route, Route::Tcp(_)) || !local_dev.is_empty() => {
+            Work::Paged(p) if !paged_ok || !local_dev.is_empty() => {
                 Work::Flat(p.expand(self.shared.max_op))
             }
             w => w,
@@ -116,8 +117,7 @@ impl Agent {
             local_dev,
         };
         match route {
-            Route::Shm(maps) => self.shared.copier.submit(job, maps),
-            Route::Tcp(link) => link.submit(job),
+            Route::Lane(l) => l.submit(job),
             // On error the job was dropped with the channel; the engine never saw it.
             Route::Ucx => self.shared.cmds.post(job)?,
         }

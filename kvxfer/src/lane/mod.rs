@@ -15,47 +15,36 @@
 //! the direct path. Device memory on the staged path takes the TCP lane whatever the
 //! transport: each end copies its own device memory through bounded staging chunks
 //! ([`crate::staging`]) as the stream passes.
+//!
+//! **The lane interface**, one trait per side, as pplx-garden's fabric-lib holds a domain and
+//! its per-peer handles: a [`LaneKind`](api::LaneKind) is a lane as an agent holds it (started from a
+//! [`LaneSetup`](api::LaneSetup), it opens towards each peer it reaches, fences, stops); a [`PeerLane`](api::PeerLane) is the
+//! lane towards one peer (whether it carries a transfer, and carrying it; completion flows up
+//! through the job's state). The agent keeps the kinds in [`start`]'s order and, per peer,
+//! the lanes they opened; a transfer takes the first lane that carries it, else UCX. Adding a
+//! lane is a file with both traits and one line in [`start`].
 
+pub(crate) mod api;
+#[cfg(test)]
+mod memory;
 pub(crate) mod shm;
 pub(crate) mod tcp;
 
-use std::sync::Arc;
-
-use crate::budget::MemoryBudget;
-use crate::memory::RegionTable;
-use crate::notify::Channels;
-use crate::staging::pool::StagingCell;
+use api::{LaneKind, LaneSetup};
+use kvxfer_proto::error::Result;
 use kvxfer_proto::types::HostInfo;
 
-/// What the agent can use towards one peer besides UCX.
-#[derive(Default)]
-pub(crate) struct PeerLanes {
-    pub(crate) shm: Option<Arc<shm::PeerMaps>>,
-    pub(crate) tcp: Option<Arc<tcp::link::Link>>,
-}
-
-/// What a lane's target needs of its agent: the registered regions to check and pin requests
-/// against, where to deliver notifications, the device staging and the memory budget. Built
-/// by the agent; the lanes never name it.
-pub(crate) struct LaneCtx {
-    pub(crate) regions: Arc<RegionTable>,
-    pub(crate) channels: Channels,
-    pub(crate) staging: Arc<StagingCell>,
-    pub(crate) budget: MemoryBudget,
-    pub(crate) codec: Arc<crate::codec_meter::CodecMeter>,
-    /// Threads coding the data of a compressed read this target sends.
-    pub(crate) compress_threads: usize,
-    /// How long a peer may move no byte mid-message ([`crate::AgentConfig::lane_stall`]).
-    pub(crate) stall: std::time::Duration,
-}
-
-impl std::fmt::Debug for PeerLanes {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PeerLanes")
-            .field("shm", &self.shm.is_some())
-            .field("tcp", &self.tcp.is_some())
-            .finish()
+/// The lanes an agent runs, in the order a transfer tries them. Lanes off: none (UCX only).
+pub(crate) fn start(setup: &LaneSetup, on: bool) -> Result<Vec<Box<dyn LaneKind>>> {
+    if !on {
+        return Ok(Vec::new());
     }
+    let mut lanes: Vec<Box<dyn LaneKind>> = Vec::new();
+    #[cfg(test)]
+    lanes.extend(memory::MemoryLane::start(setup));
+    lanes.extend(shm::ShmLane::start(setup)?);
+    lanes.push(Box::new(tcp::lane::TcpLane::start(setup)?));
+    Ok(lanes)
 }
 
 /// This process's host identity, or None where /proc does not tell it.

@@ -12,15 +12,11 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use super::api::{LaneKind, LaneSetup, Notifier, PeerLane, Query};
 use crate::transfer::{Job, Work};
 use kvxfer_proto::error::{Error, Result};
-use kvxfer_proto::types::{Lane, XferOp};
+use kvxfer_proto::types::{Lane, Transport, XferOp};
 use kvxfer_proto::wire::metadata::{HostInfo, Metadata};
-
-/// What the shared-memory lane does with a transfer's notification once its data has landed:
-/// hand a notification-only job to the transport that carries notifications (the agent builds
-/// it from the UCX engine's command channel).
-pub(crate) type Carrier = Arc<dyn Fn(Job) -> Result<()> + Send + Sync>;
 
 struct Mapping {
     ptr: *mut u8,
@@ -172,7 +168,7 @@ struct ShmJob {
     error: Mutex<Option<Error>>,
     /// Set with `error`: checked per operation without taking the lock.
     failed: std::sync::atomic::AtomicBool,
-    carrier: Carrier,
+    carrier: Notifier,
 }
 
 struct Task {
@@ -187,14 +183,14 @@ pub(crate) struct Copier {
     tx: Mutex<Option<mpsc::Sender<Task>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     n: usize,
-    carrier: Carrier,
+    carrier: Notifier,
 }
 
 /// Transfers smaller than this are copied by one thread.
 const SPLIT_MIN: u64 = 4 << 20;
 
 impl Copier {
-    pub(crate) fn start(name: &str, n: usize, carrier: Carrier) -> Result<Copier> {
+    pub(crate) fn start(name: &str, n: usize, carrier: Notifier) -> Result<Copier> {
         let (tx, rx) = mpsc::channel::<Task>();
         let rx = Arc::new(Mutex::new(rx));
         let mut threads = Vec::with_capacity(n);
@@ -382,5 +378,66 @@ fn chunk_done(j: &Arc<ShmJob>) {
                 job.finish(Err(e));
             }
         }
+    }
+}
+
+/// The shared-memory lane as an agent holds it: its copy threads, and this host's identity
+/// to tell a same-host peer.
+pub(crate) struct ShmLane {
+    copier: Arc<Copier>,
+    host: Option<HostInfo>,
+}
+
+impl ShmLane {
+    /// The lane, where the transport lets in-host peers be mapped (`Shm`, `Auto`; an explicit
+    /// TCP or UCX list is taken at its word).
+    pub(crate) fn start(setup: &LaneSetup) -> Result<Option<Box<dyn LaneKind>>> {
+        if !matches!(setup.transport, Transport::Shm | Transport::Auto) {
+            return Ok(None);
+        }
+        let copier = Copier::start(&setup.name, setup.copy_threads, setup.notifier.clone())?;
+        Ok(Some(Box::new(ShmLane {
+            copier: Arc::new(copier),
+            host: setup.host,
+        })))
+    }
+}
+
+impl LaneKind for ShmLane {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn open(&self, meta: &Metadata) -> Option<Arc<dyn PeerLane>> {
+        let maps = PeerMaps::open(meta, self.host.as_ref())?;
+        Some(Arc::new(ShmPeer {
+            maps: Arc::new(maps),
+            copier: self.copier.clone(),
+        }))
+    }
+
+    fn stop(&self) {
+        self.copier.stop();
+    }
+}
+
+/// The shared-memory lane towards one same-host peer: its regions mapped here.
+struct ShmPeer {
+    maps: Arc<PeerMaps>,
+    copier: Arc<Copier>,
+}
+
+impl PeerLane for ShmPeer {
+    fn lane(&self) -> Lane {
+        Lane::Shm
+    }
+
+    /// Host memory only, every peer region of the plan mapped.
+    fn carries(&self, q: &Query<'_>) -> bool {
+        !q.device && self.maps.covers(q.plan)
+    }
+
+    fn submit(&self, job: Job) {
+        self.copier.submit(job, self.maps.clone());
     }
 }

@@ -7,6 +7,20 @@
 //! Both end in the same place: the peer's metadata loaded into the agent, where an agent of a
 //! name already loaded with another epoch is told apart as a restart or refused as a second
 //! live agent ([`crate::Error::NameConflict`]).
+//!
+//! By name through etcd (a `no_run` sketch: it needs an etcd and the `etcd` feature):
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use kvxfer::registry::{join, Discovery, DiscoveryConfig};
+//! use kvxfer::{AgentConfig, HostBuffer};
+//! # fn main() -> kvxfer::Result<()> {
+//! let disc = DiscoveryConfig::parse("etcd://127.0.0.1:2379", "/my-deployment", Duration::from_secs(10))?;
+//! let decode = join(AgentConfig::new("decode-0"), disc)?; // created, published, watching
+//! let _cache = decode.register(HostBuffer::new(1 << 20)?)?; // published as an update
+//! decode.discovery().resolve(decode.agent(), "prefill-0")?; // loaded now if not yet
+//! # Ok(()) }
+//! ```
 #![forbid(unsafe_code)]
 
 mod api;

@@ -1,16 +1,12 @@
-//! The TCP stream lane: one connection per (initiator, target) pair, zero-copy on both ends.
-//! The messages and their codecs are in `kvxfer_proto::wire::lane`.
-//!
-//! ```text
-//! hello    initiator → target  "KVXT" | version u16 | name_len u16 | name | secret [16]
-//! welcome  target → initiator  status u8 | msg_len u16 | msg
-//! request  initiator → target  kind u8 (1 write, 2 read) | id u64 | nsegs u32 | notif_len u32
-//!                              | { region u32 | offset u64 | len u64 }*nsegs
-//!                              | write: the data, then the notification
-//!                              | read:  the notification
-//! reply    target → initiator  kind u8 (3 ack, 4 data) | id u64 | status u8 | msg_len u16 | msg
-//!                              | data (read, status 0): the requested bytes in order
-//! ```
+//! The TCP stream lane: `writev`/`readv` straight from and into registered blocks, a
+//! transfer of 16 MiB or more striped over several connections, READ served by the target
+//! pushing the blocks. The wire format (hello with fence epochs, framed requests, paged
+//! tables, compressed frames) and its pure protocol cores are in `kvxfer_proto::wire::lane`
+//! and `kvxfer_proto::lane`; this directory is the I/O shell: `link` (the initiator's queue
+//! and its connections, `dial`), `server` (the target: one place where a request is admitted,
+//! checked against the registered regions and pinned), `stream`/`framed`/`mixed` (moving the
+//! bytes), `epochs` (fence counts), `settings` (striping and compression), and `lane` (the
+//! lane as the agent holds it).
 //!
 //! The target checks every segment against its own registered regions and pins them while
 //! it reads into them or sends from them (deregistering fails with `Busy` meanwhile). A
@@ -20,7 +16,9 @@
 mod dial;
 pub(crate) mod epochs;
 mod framed;
+pub(crate) mod lane;
 pub(crate) mod link;
 mod mixed;
 pub(crate) mod server;
+pub(crate) mod settings;
 mod stream;

@@ -17,7 +17,7 @@ use super::stream::{
 };
 use crate::budget::Charge;
 use crate::gate::{Admission, Gate, Limits, Verdict};
-use crate::lane::LaneCtx;
+use crate::lane::api::LaneCtx;
 use crate::memory::Pins;
 use crate::staging::pool::{ChunkPair, DeviceStaging};
 use kvxfer_proto::error::{Error, Result, Side};

@@ -1,0 +1,118 @@
+//! The lane interface: what every lane implements ([`LaneKind`], [`PeerLane`]), what the
+//! agent gives a lane when it starts it ([`LaneSetup`], [`LaneCtx`]) and what a route asks
+//! ([`Query`]). A sibling of the lanes, so that none imports its parent.
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+
+use crate::budget::MemoryBudget;
+use crate::memory::RegionTable;
+use crate::notify::Channels;
+use crate::staging::pool::StagingCell;
+use crate::transfer::{Job, Work};
+use kvxfer_proto::error::Result;
+use kvxfer_proto::types::{HostInfo, Lane, LaneInfo, Transport};
+use kvxfer_proto::wire::metadata::Metadata;
+
+/// What a lane does with a transfer's notification once its data has landed: hand a
+/// notification-only job to the transport that carries notifications (the agent builds it
+/// from the UCX engine's command channel).
+pub(crate) type Notifier = Arc<dyn Fn(Job) -> Result<()> + Send + Sync>;
+
+/// What a route asks a lane about a transfer.
+pub(crate) struct Query<'a> {
+    /// The planned operations.
+    pub(crate) plan: &'a Work,
+    /// Either side of it has device memory.
+    pub(crate) device: bool,
+    /// UCX maps every device region of it (the direct path); false with no device memory.
+    pub(crate) ucx_reaches: bool,
+}
+
+/// One of kvxfer's own lanes towards one peer.
+pub(crate) trait PeerLane: Send + Sync {
+    /// Which lane this is, as `XferStats::lane` reports it.
+    fn lane(&self) -> Lane;
+
+    /// Whether it carries the transfer `q` describes to this peer.
+    fn carries(&self, q: &Query<'_>) -> bool;
+
+    /// Whether it takes a paged plan as it is (else the agent expands it into a flat one).
+    fn takes_paged(&self) -> bool {
+        false
+    }
+
+    /// Starts `job` (its local regions pinned by the caller); the job's state reports its end.
+    fn submit(&self, job: Job);
+}
+
+/// A lane as an agent holds it.
+pub(crate) trait LaneKind: Send + Sync {
+    /// Its name, for logs.
+    fn name(&self) -> &'static str;
+
+    /// What this agent's metadata tells peers of it (the TCP lane's address and credential).
+    fn advertise(&self) -> Option<LaneInfo> {
+        None
+    }
+
+    /// The lane towards the peer `meta` describes, if this lane reaches it.
+    fn open(&self, meta: &Metadata) -> Option<Arc<dyn PeerLane>>;
+
+    /// Drops what `peer` has queued to write into this agent through the lane; the streams
+    /// closed.
+    fn fence(&self, _peer: &str) -> usize {
+        0
+    }
+
+    /// Stops its threads (the agent is going).
+    fn stop(&self) {}
+}
+
+/// What the agent gives every lane when it starts them.
+pub(crate) struct LaneSetup {
+    /// The agent's name.
+    pub(crate) name: String,
+    /// The transports asked for.
+    pub(crate) transport: Transport,
+    /// This host and process.
+    pub(crate) host: Option<HostInfo>,
+    /// The target side's view of the agent.
+    pub(crate) ctx: Arc<LaneCtx>,
+    /// Where the lanes' listeners bind (the TCP lane's address).
+    pub(crate) bind: std::net::IpAddr,
+    /// Copy threads of the shared-memory lane.
+    pub(crate) copy_threads: usize,
+    /// Hands a notification-only job to UCX once a lane's data has landed.
+    pub(crate) notifier: Notifier,
+    /// The TCP lane's striping and compression.
+    pub(crate) striping: crate::lane::tcp::settings::Striping,
+    pub(crate) compressing: crate::lane::tcp::settings::Compressing,
+}
+
+/// The lanes towards one peer, in the agent's order.
+#[derive(Clone, Default)]
+pub(crate) struct PeerLanes(pub(crate) Vec<Arc<dyn PeerLane>>);
+
+impl std::fmt::Debug for PeerLanes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.0.iter().map(|l| l.lane()))
+            .finish()
+    }
+}
+
+/// What a lane's target needs of its agent: the registered regions to check and pin requests
+/// against, where to deliver notifications, the device staging and the memory budget. Built
+/// by the agent; the lanes never name it.
+pub(crate) struct LaneCtx {
+    pub(crate) regions: Arc<RegionTable>,
+    pub(crate) channels: Channels,
+    pub(crate) staging: Arc<StagingCell>,
+    pub(crate) budget: MemoryBudget,
+    pub(crate) codec: Arc<crate::codec_meter::CodecMeter>,
+    /// Threads coding the data of a compressed read this target sends.
+    pub(crate) compress_threads: usize,
+    /// How long a peer may move no byte mid-message ([`crate::AgentConfig::lane_stall`]).
+    pub(crate) stall: std::time::Duration,
+}
