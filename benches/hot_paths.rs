@@ -7,7 +7,7 @@
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use kvxfer::descriptor::{plan, resolve, RegionSpan};
 use kvxfer::layout::KvGeometry;
-use kvxfer::metadata::{HostInfo, LaneInfo, Metadata, RegionMeta, ShmHandle};
+use kvxfer::wire::metadata::{HostInfo, LaneInfo, Metadata, RegionMeta, ShmHandle};
 use kvxfer::{Desc, MemKind, RegionId, Side};
 
 const BLOCK: u64 = 32 * 1024;

@@ -473,8 +473,7 @@ fn decode(a: &Args) {
     let per_block = layout.block_bytes() * layout.layers.len() as u64 * 2;
     let full = per_block * n as u64;
     let res = results.lock().unwrap();
-    let mut stats: Vec<kvxfer::telemetry::RequestStats> =
-        res.iter().flat_map(|r| r.3.clone()).collect();
+    let mut stats: Vec<kvxfer::RequestStats> = res.iter().flat_map(|r| r.3.clone()).collect();
     stats.sort_by(|a, b| a.request.cmp(&b.request));
     let moved: u64 = stats.iter().map(|s| s.bytes_moved).sum();
     let skipped: u64 = stats.iter().map(|s| s.bytes_skipped).sum();

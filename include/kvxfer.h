@@ -314,7 +314,8 @@ typedef struct kvx_xfer_stats {
    */
   uint64_t duration_ns;
   /**
-   * Lane: 0 UCX, 1 shared memory, 2 TCP stream.
+   * Lane: 0 UCX, 1 shared memory, 2 TCP stream; `UINT32_MAX` for a lane a newer library
+   * added.
    */
   uint32_t lane;
 } kvx_xfer_stats;
@@ -1031,7 +1032,8 @@ kvx_status kvx_producer_abort(const struct kvx_producer *p, const char *request)
 /**
  * Takes the next request whose blocks may be reused, waiting up to `timeout_ms` (0: none);
  * `KVX_NOT_FOUND` if none. Writes its name, blocks, and the reason (0 acknowledged,
- * 1 aborted, 2 expired). `KVX_BUFFER_TOO_SMALL` keeps it for the next call.
+ * 1 aborted, 2 expired; `UINT32_MAX` for a reason a newer library added).
+ * `KVX_BUFFER_TOO_SMALL` keeps it for the next call.
  *
  * # Safety
  * `p` live; buffers valid for their capacities; outputs valid.

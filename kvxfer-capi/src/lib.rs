@@ -24,7 +24,7 @@ use std::ffi::c_char;
 use std::sync::{Arc, Mutex};
 
 use kvxfer_core::connector::{Freed, KvConnector, KvConsumer, KvProducer, LoadFailure};
-use kvxfer_core::telemetry::RequestStats;
+use kvxfer_core::RequestStats;
 use kvxfer_core::{Agent, AgentConfig, PreparedLocal, PreparedRemote, Region, Transfer, XferStats};
 
 /// Status of a call. Values are stable.
@@ -127,8 +127,8 @@ pub const KVX_MAX_NAME: usize = 255;
 pub const KVX_MAX_ADDRESS: usize = 64;
 /// Largest notification payload.
 pub const KVX_MAX_NOTIFICATION: usize = 65536;
-const _: () = assert!(KVX_MAX_NAME == kvxfer_core::metadata::MAX_NAME);
-const _: () = assert!(KVX_MAX_NOTIFICATION == kvxfer_core::notify::MAX_NOTIFICATION);
+const _: () = assert!(KVX_MAX_NAME == kvxfer_core::wire::metadata::MAX_NAME);
+const _: () = assert!(KVX_MAX_NOTIFICATION == kvxfer_core::wire::notify::MAX_NOTIFICATION);
 
 /// A descriptor: `len` bytes at `offset` in registered region `region`.
 #[repr(C)]
@@ -156,7 +156,8 @@ pub struct kvx_xfer_stats {
     pub post_ns: u64,
     /// Total time, ns.
     pub duration_ns: u64,
-    /// Lane: 0 UCX, 1 shared memory, 2 TCP stream.
+    /// Lane: 0 UCX, 1 shared memory, 2 TCP stream; `UINT32_MAX` for a lane a newer library
+    /// added.
     pub lane: u32,
 }
 

@@ -71,6 +71,7 @@ impl fmt::Display for UcsStatus {
 
 /// Which side of a transfer a descriptor belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Side {
     /// This agent's memory.
     Local,

@@ -5,6 +5,7 @@ use crate::error::{Error, Result};
 
 /// Element type of the KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum KvDtype {
     /// 4 bytes.
     F32,
@@ -167,6 +168,7 @@ pub enum Kv {
 
 /// Physical order of one block's elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum KvOrder {
     /// Tokens outer, heads inner: `(block_tokens, kv_heads, dim)` (vLLM's default).
     Nhd,
@@ -177,6 +179,7 @@ pub enum KvOrder {
 
 /// How K and V are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum KvPacking {
     /// One tensor per layer for K and one for V, each `(num_blocks, <order>, head_dim)`.
     Separate,

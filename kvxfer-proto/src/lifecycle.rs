@@ -12,6 +12,7 @@ use std::time::Duration;
 
 /// Why a request's blocks were freed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum FreeReason {
     /// Every reader acknowledged.
     Acked,

@@ -86,6 +86,7 @@ impl std::fmt::Display for XferOp {
 
 /// Which lane a transfer took, for telemetry and tests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Lane {
     /// UCX one-sided operations.
     Ucx,
@@ -213,6 +214,7 @@ pub const UCX_TRANSPORTS: &[&str] = &[
 
 /// How device (GPU) memory moves.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum GpuPath {
     /// Direct where the loaded UCX has CUDA transports (`cuda_copy`/`cuda_ipc`, and GPUDirect
     /// RDMA where the NIC allows), staged otherwise.

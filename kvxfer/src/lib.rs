@@ -37,6 +37,7 @@
 //! order. CI runs all three (`tests/readme_examples.rs`).
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
+#![warn(missing_docs, unreachable_pub)]
 // The layers, bottom up (ARCHITECTURE.md has the map): the pure core is `kvxfer_proto`;
 // memory, budget, notify, telemetry and transfer sit on it; the device copy engines and the
 // staging pools above those; then the transports, siblings that never import each other or
@@ -44,7 +45,7 @@
 // root; the connector and the explicit staged path on top.
 mod agent;
 mod backend;
-pub mod budget;
+mod budget;
 mod cgroup;
 mod codec_meter;
 pub mod connector;
@@ -54,33 +55,33 @@ mod gate;
 mod lane;
 mod listener;
 pub mod live;
-pub mod memory;
-pub mod notify;
+mod memory;
+mod notify;
 pub mod registry;
 pub mod staged;
 pub mod staging;
 pub mod stop;
-pub mod telemetry;
-pub mod transfer;
+mod telemetry;
+mod transfer;
 
 /// GPU memory (feature `cuda`): probing, the CUDA copy engine, the cudarc kvxfer uses.
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub use device::cuda;
 pub use kvxfer_proto::wire;
-pub use kvxfer_proto::wire::metadata;
-pub use kvxfer_proto::{descriptor, error, layout, lifecycle, paged, planning};
+pub use kvxfer_proto::{descriptor, layout, lifecycle, paged, planning};
 
 pub use agent::{
     Agent, AgentConfig, PreparedLocal, PreparedRemote, TransferBuilder, DEFAULT_COMPAT,
 };
-pub use budget::{Charge, MemoryBudget};
+pub use budget::{cgroup_memory_limit, Charge, MemoryBudget};
 pub use codec_meter::CodecTotals;
 pub use descriptor::{Desc, RegionId};
-pub use error::{Error, MetadataError, Result, Side, UcsStatus};
 pub use kvxfer_proto::compress;
 pub use kvxfer_proto::compress::policy::Compression;
+pub use kvxfer_proto::error::{Error, MetadataError, Result, Side, UcsStatus};
 pub use kvxfer_proto::types::{GpuPath, Lane, MemKind, PeerInfo, RegionSpan, Transport, XferOp};
-pub use memory::{HostBuffer, Memory, Region};
+pub use memory::{page_size, HostBuffer, Memory, Region};
 pub use notify::Notification;
+pub use telemetry::{RequestStats, Telemetry};
 pub use transfer::{Transfer, XferStats};

@@ -189,6 +189,7 @@ impl fmt::Debug for HostBuffer {
 
 /// Memory that an agent can register and then owns.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Memory {
     /// An owned host allocation.
     Host(HostBuffer),

@@ -8,11 +8,11 @@ use std::time::{Duration, Instant};
 
 use kvxfer_proto::error::{Error, Result};
 
+pub use kvxfer_proto::wire::notify::Notification;
 use kvxfer_proto::wire::notify::Recipient;
-pub use kvxfer_proto::wire::notify::{decode, encode, Notification, MAX_NOTIFICATION};
 
 /// Most undelivered notifications kept; older ones beyond this are counted as dropped.
-pub const MAX_QUEUED: usize = 65_536;
+pub(crate) const MAX_QUEUED: usize = 65_536;
 
 /// Where received notifications go: the user's queue, or the connector's producer or consumer
 /// queue, by the message's tag. The UCX engine and the TCP lane's target each hold a clone and

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvxfer::metadata::Metadata;
+use kvxfer::wire::metadata::Metadata;
 use kvxfer::wire::side_channel::{FRAME_HEADER_LEN, HELLO, MAX_FRAME, PREAMBLE};
 use kvxfer::{Agent, AgentConfig, Desc, HostBuffer, RegionId, Transport, XferOp};
 

@@ -95,6 +95,8 @@ fn stats_c(s: &XferStats) -> kvx_xfer_stats {
             kvxfer_core::Lane::Ucx => 0,
             kvxfer_core::Lane::Shm => 1,
             kvxfer_core::Lane::Tcp => 2,
+            // A lane this header does not name yet.
+            _ => u32::MAX,
         },
     }
 }

@@ -29,6 +29,7 @@ pub const REPROBE_EVERY: u32 = 32;
 
 /// Whether transfers to a peer are compressed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Compression {
     /// Never.
     Off,

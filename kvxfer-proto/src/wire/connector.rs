@@ -21,6 +21,7 @@ pub const HANDOFF_VERSION: u64 = 1;
 
 /// Who moves the bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Mode {
     /// The consumer READs from the producer.
     Pull,

@@ -8,6 +8,7 @@ use kvxfer_proto::error::{Error, Result};
 
 /// How an agent publishes itself and finds peers by name.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum DiscoveryConfig {
     /// etcd (needs the `etcd` feature at [`join`](super::join)).
     Etcd {

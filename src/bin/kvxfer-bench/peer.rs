@@ -6,7 +6,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 
 use std::sync::Arc;
 
-use kvxfer::budget::cgroup_memory_limit;
+use kvxfer::cgroup_memory_limit;
 use kvxfer::Agent;
 
 use crate::cli::{Args, Placement};
