@@ -32,6 +32,16 @@
 #define KVX_MAX_NOTIFICATION 65536
 
 /**
+ * Largest tensor-parallel size `kvx_tp_plan` takes (a larger one is `KVX_INVALID_ARGUMENT`).
+ */
+#define KVX_MAX_TP 4096
+
+/**
+ * Most KV heads (of the whole model) `kvx_tp_plan` takes.
+ */
+#define KVX_MAX_KV_HEADS 65536
+
+/**
  * How device memory moves between an agent and a peer (`kvx_agent_peer_gpu_path`).
  */
 enum kvx_gpu_path
@@ -1330,8 +1340,9 @@ kvx_status kvx_live(size_t *agents,
  * count: different counts are refused). Heads split over ranks as vLLM splits them (per rank
  * `kv_heads / tp`, or one head replicated on `tp / kv_heads` ranks). Writes the entries, in
  * producer rank order, to `out` and their count to `*n`; `KVX_BUFFER_TOO_SMALL` with the count
- * in `*n` when `cap` is less; `KVX_INVALID_ARGUMENT` naming both sides' shapes when the heads
- * do not split.
+ * in `*n` when `cap` is less (never more than the prefill TP entries); `KVX_INVALID_ARGUMENT`
+ * naming both sides' shapes when the heads do not split or a side is beyond `KVX_MAX_TP` or
+ * `KVX_MAX_KV_HEADS` (checked before anything is sized from the shape).
  *
  * # Safety
  * `out` NULL or valid for `cap` entries; `n` valid.

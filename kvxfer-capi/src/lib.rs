@@ -127,7 +127,13 @@ pub const KVX_MAX_NAME: usize = 255;
 pub const KVX_MAX_ADDRESS: usize = 64;
 /// Largest notification payload.
 pub const KVX_MAX_NOTIFICATION: usize = 65536;
+/// Largest tensor-parallel size `kvx_tp_plan` takes (a larger one is `KVX_INVALID_ARGUMENT`).
+pub const KVX_MAX_TP: u32 = 4096;
+/// Most KV heads (of the whole model) `kvx_tp_plan` takes.
+pub const KVX_MAX_KV_HEADS: u32 = 65536;
 const _: () = assert!(KVX_MAX_NAME == kvxfer_core::wire::metadata::MAX_NAME);
+const _: () = assert!(KVX_MAX_TP as u64 == kvxfer_core::connector::MAX_TP);
+const _: () = assert!(KVX_MAX_KV_HEADS as u64 == kvxfer_core::connector::MAX_KV_HEADS);
 const _: () = assert!(KVX_MAX_NOTIFICATION == kvxfer_core::wire::notify::MAX_NOTIFICATION);
 
 /// A descriptor: `len` bytes at `offset` in registered region `region`.

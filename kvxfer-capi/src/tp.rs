@@ -47,8 +47,9 @@ impl kvx_tp_read {
 /// count: different counts are refused). Heads split over ranks as vLLM splits them (per rank
 /// `kv_heads / tp`, or one head replicated on `tp / kv_heads` ranks). Writes the entries, in
 /// producer rank order, to `out` and their count to `*n`; `KVX_BUFFER_TOO_SMALL` with the count
-/// in `*n` when `cap` is less; `KVX_INVALID_ARGUMENT` naming both sides' shapes when the heads
-/// do not split.
+/// in `*n` when `cap` is less (never more than the prefill TP entries); `KVX_INVALID_ARGUMENT`
+/// naming both sides' shapes when the heads do not split or a side is beyond `KVX_MAX_TP` or
+/// `KVX_MAX_KV_HEADS` (checked before anything is sized from the shape).
 ///
 /// # Safety
 /// `out` NULL or valid for `cap` entries; `n` valid.

@@ -14,6 +14,13 @@ use std::ops::Range;
 
 use crate::error::{Error, Result};
 
+/// The largest tensor-parallel size a plan takes (a shape from a handoff is checked against it
+/// before anything is sized from it).
+pub const MAX_TP: u64 = 4096;
+
+/// The most KV heads (of the whole model) a plan takes.
+pub const MAX_KV_HEADS: u64 = 65_536;
+
 /// One side of a disaggregated deployment, as far as its KV heads go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TpSide {
@@ -55,11 +62,18 @@ impl TpSide {
         }
     }
 
-    /// Whether the heads split over the ranks: `tp` divides `kv_heads`, or `kv_heads` divides
-    /// `tp` (replicated heads).
+    /// Whether the shape is within [`MAX_TP`] and [`MAX_KV_HEADS`] and the heads split over
+    /// the ranks: `tp` divides `kv_heads`, or `kv_heads` divides `tp` (replicated heads).
+    /// Checked before anything is sized from the shape: a handoff names it.
     pub fn check(&self) -> std::result::Result<(), String> {
         if self.tp == 0 || self.kv_heads == 0 {
             return Err(format!("{}: zero ranks or zero KV heads", self.describe()));
+        }
+        if self.tp > MAX_TP || self.kv_heads > MAX_KV_HEADS {
+            return Err(format!(
+                "{}: beyond the limits of TP {MAX_TP} and {MAX_KV_HEADS} KV heads",
+                self.describe()
+            ));
         }
         if !self.kv_heads.is_multiple_of(self.tp) && !self.tp.is_multiple_of(self.kv_heads) {
             return Err(format!(
@@ -142,64 +156,65 @@ pub fn plan(prefill: TpSide, decode: TpSide, rank: u64) -> Result<Vec<TpRead>> {
     if rank >= decode.tp {
         return Err(bad(format!("decode rank {rank} of TP {}", decode.tp)));
     }
-    // Every consumer rank's reads, to count each producer rank's readers.
-    let all: Vec<Vec<(u64, Option<HeadMap>)>> =
-        (0..decode.tp).map(|c| reads(prefill, decode, c)).collect();
-    let readers = |p: u64| {
-        all.iter()
-            .filter(|r| r.iter().any(|(q, _)| *q == p))
-            .count() as u64
-    };
-    Ok(all[rank as usize]
-        .iter()
-        .map(|(p, heads)| TpRead {
-            producer_rank: *p,
-            heads: heads.clone(),
-            readers: readers(*p),
-        })
-        .collect())
-}
-
-/// Consumer rank `c`'s reads before counting: its heads from one producer rank each (replicas
-/// chosen by `c`), then acknowledgements for the producer ranks no consumer rank reads from
-/// that fall to it (rank `p % decode.tp`).
-fn reads(prefill: TpSide, decode: TpSide, c: u64) -> Vec<(u64, Option<HeadMap>)> {
-    let source = |g: u64, c: u64| {
-        // The producer rank `c` reads global head `g` from.
-        let per = prefill.heads_per_rank();
-        let rep = prefill.replicas();
-        (g / per) * rep + c % rep
-    };
-    let mut out: Vec<(u64, Option<HeadMap>)> = Vec::new();
-    let mine = decode.heads_of(c);
+    // One pass over every consumer rank's heads: which producer ranks each reads from (its
+    // heads' sources come in rank order, so a rank's reads of one producer are adjacent), and
+    // so how many consumer ranks read each producer rank. Memory: one counter per producer
+    // rank; time: the heads of all consumer ranks.
+    let mut readers = vec![0u64; prefill.tp as usize];
+    for c in 0..decode.tp {
+        let mut last = None;
+        for g in decode.heads_of(c) {
+            let p = source(prefill, g, c);
+            if last != Some(p) {
+                readers[p as usize] += 1;
+                last = Some(p);
+            }
+        }
+    }
+    let mut out: Vec<TpRead> = Vec::new();
+    let mine = decode.heads_of(rank);
     for g in mine.clone() {
-        let p = source(g, c);
+        let p = source(prefill, g, rank);
         let theirs = prefill.heads_of(p);
         match out.last_mut() {
-            Some((q, Some(m))) if *q == p => {
+            Some(TpRead {
+                producer_rank,
+                heads: Some(m),
+                ..
+            }) if *producer_rank == p => {
                 m.remote.end += 1;
                 m.local.end += 1;
             }
-            _ => out.push((
-                p,
-                Some(HeadMap {
+            _ => out.push(TpRead {
+                producer_rank: p,
+                heads: Some(HeadMap {
                     remote: g - theirs.start..g - theirs.start + 1,
                     local: g - mine.start..g - mine.start + 1,
                 }),
-            )),
+                readers: readers[p as usize],
+            }),
         }
     }
-    for p in 0..prefill.tp {
-        if p % decode.tp != c {
-            continue;
-        }
-        let read = (0..decode.tp).any(|d| decode.heads_of(d).any(|g| source(g, d) == p));
-        if !read {
-            out.push((p, None));
+    // A producer rank no consumer rank reads from (a replica) is acknowledged by consumer rank
+    // `p % decode.tp`, so that its blocks are freed: one reader.
+    for p in (rank..prefill.tp).step_by(decode.tp as usize) {
+        if readers[p as usize] == 0 {
+            out.push(TpRead {
+                producer_rank: p,
+                heads: None,
+                readers: 1,
+            });
         }
     }
-    out.sort_by_key(|(p, _)| *p);
-    out
+    out.sort_by_key(|r| r.producer_rank);
+    Ok(out)
+}
+
+/// The producer rank consumer rank `c` reads global head `g` from (replicas chosen by `c`).
+fn source(prefill: TpSide, g: u64, c: u64) -> u64 {
+    let per = prefill.heads_per_rank();
+    let rep = prefill.replicas();
+    (g / per) * rep + c % rep
 }
 
 #[cfg(test)]
@@ -211,6 +226,96 @@ mod tests {
         r.heads
             .as_ref()
             .map(|m| (m.remote.clone(), m.local.clone()))
+    }
+
+    /// The plan as it was computed before the one-pass counting: every consumer rank's reads
+    /// built in full, readers counted by scanning them (quadratic; kept as the reference).
+    fn reference(prefill: TpSide, decode: TpSide, rank: u64) -> Vec<TpRead> {
+        let reads = |c: u64| {
+            let mut out: Vec<(u64, Option<HeadMap>)> = Vec::new();
+            let mine = decode.heads_of(c);
+            for g in mine.clone() {
+                let p = source(prefill, g, c);
+                let theirs = prefill.heads_of(p);
+                match out.last_mut() {
+                    Some((q, Some(m))) if *q == p => {
+                        m.remote.end += 1;
+                        m.local.end += 1;
+                    }
+                    _ => out.push((
+                        p,
+                        Some(HeadMap {
+                            remote: g - theirs.start..g - theirs.start + 1,
+                            local: g - mine.start..g - mine.start + 1,
+                        }),
+                    )),
+                }
+            }
+            for p in 0..prefill.tp {
+                if p % decode.tp != c {
+                    continue;
+                }
+                let read =
+                    (0..decode.tp).any(|d| decode.heads_of(d).any(|g| source(prefill, g, d) == p));
+                if !read {
+                    out.push((p, None));
+                }
+            }
+            out.sort_by_key(|(p, _)| *p);
+            out
+        };
+        let all: Vec<_> = (0..decode.tp).map(reads).collect();
+        all[rank as usize]
+            .iter()
+            .map(|(p, h)| TpRead {
+                producer_rank: *p,
+                heads: h.clone(),
+                readers: all.iter().filter(|r| r.iter().any(|(q, _)| q == p)).count() as u64,
+            })
+            .collect()
+    }
+
+    proptest! {
+        /// The one-pass plan is the reference plan, for every shape that splits.
+        #[test]
+        fn one_pass_counting_is_the_reference(
+            ptp in 1u64..=16, dtp in 1u64..=16, heads_pow in 0u32..=4, rank_seed in 0u64..16,
+        ) {
+            let kv = 1u64 << heads_pow;
+            let (pre, dec) = (TpSide::new(ptp, kv), TpSide::new(dtp, kv));
+            prop_assume!(pre.check().is_ok() && dec.check().is_ok());
+            let rank = rank_seed % dtp;
+            prop_assert_eq!(plan(pre, dec, rank).unwrap(), reference(pre, dec, rank));
+        }
+    }
+
+    #[test]
+    fn hostile_shapes_are_refused_at_once_naming_the_limit() {
+        let t0 = std::time::Instant::now();
+        for (p, d) in [
+            (TpSide::new(1 << 31, 8), TpSide::new(1, 8)),
+            (TpSide::new(1 << 20, 8), TpSide::new(1, 8)),
+            (TpSide::new(1, 1 << 31), TpSide::new(1, 1 << 31)),
+            (
+                TpSide::new(8, u64::from(u32::MAX)),
+                TpSide::new(1, u64::from(u32::MAX)),
+            ),
+            (TpSide::new(8, 8), TpSide::new(1 << 31, 8)),
+        ] {
+            let e = plan(p, d, 0).unwrap_err().to_string();
+            assert!(e.contains("4096") && e.contains("65536"), "{e}");
+        }
+        // The largest shapes allowed plan quickly too (one pass, no table per consumer rank).
+        let big = TpSide::new(MAX_TP, MAX_KV_HEADS);
+        let p = plan(big, big, MAX_TP - 1).unwrap();
+        assert_eq!(p.len(), 1);
+        let p = plan(TpSide::new(MAX_TP, 64), TpSide::new(1, 64), 0).unwrap();
+        assert_eq!(p.len(), MAX_TP as usize);
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(2),
+            "{:?}",
+            t0.elapsed()
+        );
     }
 
     #[test]

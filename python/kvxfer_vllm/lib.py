@@ -50,6 +50,10 @@ KVX_ERROR = 28
 
 STATUS_NAMES = {v: k for k, v in list(globals().items()) if k.startswith("KVX_")}
 
+# Limits of kvx_tp_plan (the header's KVX_MAX_TP, KVX_MAX_KV_HEADS).
+KVX_MAX_TP = 4096
+KVX_MAX_KV_HEADS = 65536
+
 
 class KvxferError(RuntimeError):
     def __init__(self, status, name, message):
@@ -366,7 +370,13 @@ def tp_plan(prefill_tp, prefill_kv_heads, decode_tp, decode_kv_heads, decode_ran
     """What decode rank ``decode_rank`` loads from which prefill ranks (``TpRead`` list, in
     prefill rank order); ``KvxferError`` naming both sides' shapes when the heads cannot split."""
     lib = Lib.get()
-    cap = max(1, int(prefill_tp))
+    args = (prefill_tp, prefill_kv_heads, decode_tp, decode_kv_heads, decode_rank)
+    for v in args:
+        # ctypes would wrap an out-of-range value into a uint32_t: refuse it here, typed.
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 32:
+            raise KvxferError(KVX_INVALID_ARGUMENT, "KVX_INVALID_ARGUMENT", f"tp_plan: {v!r} is not a uint32")
+    # Sized from the checked value: the library refuses more than KVX_MAX_TP prefill ranks.
+    cap = max(1, min(prefill_tp, KVX_MAX_TP))
     while True:
         out = (TpRead * cap)()
         n = c_size_t(0)

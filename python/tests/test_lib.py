@@ -46,3 +46,31 @@ def test_every_status_has_its_name():
     for value, name in kx.STATUS_NAMES.items():
         assert lib.L.kvx_status_name(value).decode() == name
     assert lib.L.kvx_status_name(4_000_000_000).decode() == "KVX_UNKNOWN"
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (2**31, 8, 1, 8, 0),
+        (2**20, 8, 1, 8, 0),
+        (1, 2**31, 1, 2**31, 0),
+        (8, 2**32 - 1, 1, 2**32 - 1, 0),
+        (8, 8, 2**31, 8, 0),
+        (2**32, 8, 1, 8, 0),
+        (-1, 8, 1, 8, 0),
+        ("8", 8, 1, 8, 0),
+    ],
+)
+def test_hostile_tp_shapes_are_refused_typed_at_once(shape):
+    # A handoff names the prefill TP: no shape may abort the process or take seconds.
+    t0 = time.monotonic()
+    with pytest.raises(kx.KvxferError) as e:
+        kx.tp_plan(*shape)
+    assert e.value.status == kx.KVX_INVALID_ARGUMENT
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_the_largest_allowed_tp_plans():
+    reads = kx.tp_plan(kx.KVX_MAX_TP, 64, 1, 64, 0)
+    assert len(reads) == kx.KVX_MAX_TP
+    assert all(r.readers == 1 for r in reads)

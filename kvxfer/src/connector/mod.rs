@@ -90,7 +90,7 @@ pub use config::ConnectorConfig;
 pub use consumer::Consumer;
 pub use in_process::InProcessConnector;
 pub use kvxfer_proto::lifecycle::{FreeReason, Freed};
-pub use kvxfer_proto::tp::{plan as tp_plan, HeadMap, TpRead, TpSide};
+pub use kvxfer_proto::tp::{plan as tp_plan, HeadMap, TpRead, TpSide, MAX_KV_HEADS, MAX_TP};
 pub use kvxfer_proto::wire::connector::{Handoff, Mode};
 pub use over_agent::AgentConnector;
 pub use producer::Producer;
