@@ -6,7 +6,7 @@
 //! sends the messages these return, and feeds back what arrives. Tested here without a
 //! network, a thread or a sleep.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -59,10 +59,13 @@ pub enum LayerError {
 struct Held {
     /// Per layer: computed.
     ready: Vec<bool>,
-    /// Consumers that heartbeated (they are told of new layers).
+    /// Consumers that heartbeated (they are told of new layers), in the order they came, and
+    /// the same as a set (a message's membership check costs the same whatever came before;
+    /// the ledger bounds them by the request's readers).
     holders: Vec<String>,
+    holder_set: HashSet<String>,
     /// Push consumers whose target is built.
-    pushers: Vec<String>,
+    pushers: HashSet<String>,
 }
 
 impl Held {
@@ -106,7 +109,8 @@ impl ProducerCore {
             Held {
                 ready: (0..layers).map(|l| l < layers_done).collect(),
                 holders: Vec::new(),
-                pushers: Vec::new(),
+                holder_set: HashSet::new(),
+                pushers: HashSet::new(),
             },
         );
     }
@@ -171,7 +175,7 @@ impl ProducerCore {
                         let Some(h) = self.held.get_mut(&request) else {
                             return self.freed_now();
                         };
-                        if !h.holders.iter().any(|c| c == from) {
+                        if h.holder_set.insert(from.to_string()) {
                             h.holders.push(from.to_string());
                         }
                         let lease = ToConsumer::Lease {
@@ -180,9 +184,7 @@ impl ProducerCore {
                             ready: h.ready_layers(),
                         };
                         match msg {
-                            ToProducer::Want { want, .. }
-                                if !h.pushers.iter().any(|c| c == from) =>
-                            {
+                            ToProducer::Want { want, .. } if !h.pushers.contains(from) => {
                                 vec![ProducerAction::StartPush {
                                     reader: from.to_string(),
                                     request,
@@ -244,9 +246,7 @@ impl ProducerCore {
     /// The push target of `reader` for `request` is built (it is not asked for again).
     pub fn push_accepted(&mut self, request: &str, reader: &str) {
         if let Some(h) = self.held.get_mut(request) {
-            if !h.pushers.iter().any(|c| c == reader) {
-                h.pushers.push(reader.to_string());
-            }
+            h.pushers.insert(reader.to_string());
         }
     }
 

@@ -7,8 +7,13 @@
 //! can bound its reads to finish before the blocks can be freed; after expiry every call for the
 //! request fails with [`LeaseError::Expired`] (or `Unknown` once forgotten).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
+
+/// The most readers one request may have (the largest tensor-parallel size,
+/// [`crate::tp::MAX_TP`]): a declaration of more is refused, so that what one request's
+/// bookkeeping holds is bounded whatever its readers send.
+pub const MAX_READERS: usize = crate::tp::MAX_TP as usize;
 
 /// Why a request's blocks were freed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -55,6 +60,18 @@ pub enum LeaseError {
         /// The reader refused.
         reader: String,
     },
+    /// A reader declared more readers than any request may have ([`MAX_READERS`]).
+    #[error("request {request:?}: {reader:?} declares {declared} readers, more than {limit}")]
+    TooManyDeclared {
+        /// The request.
+        request: String,
+        /// Readers declared.
+        declared: usize,
+        /// [`MAX_READERS`].
+        limit: usize,
+        /// The reader refused.
+        reader: String,
+    },
     /// A reader declared another count of readers than the request already has.
     #[error(
         "request {request:?} has {expected} readers; {reader:?} declares {declared} (the \
@@ -76,8 +93,10 @@ pub enum LeaseError {
 struct Hold {
     blocks: Vec<u32>,
     readers: usize,
-    seen: Vec<String>,
-    acked: Vec<String>,
+    /// Readers seen and readers done: sets, so that a message costs the same whatever the
+    /// number of names before it; each at most `readers` (at most [`MAX_READERS`]) long.
+    seen: HashSet<String>,
+    acked: HashSet<String>,
     until: Duration,
 }
 
@@ -120,9 +139,9 @@ impl Ledger {
             request.to_string(),
             Hold {
                 blocks,
-                readers: readers.max(1),
-                seen: Vec::new(),
-                acked: Vec::new(),
+                readers: readers.clamp(1, MAX_READERS),
+                seen: HashSet::new(),
+                acked: HashSet::new(),
                 until: now + self.lease,
             },
         );
@@ -150,9 +169,17 @@ impl Ledger {
         let Some(h) = self.held.get_mut(request) else {
             return Err(self.refuse(request));
         };
+        if readers > MAX_READERS {
+            return Err(LeaseError::TooManyDeclared {
+                request: request.to_string(),
+                declared: readers,
+                limit: MAX_READERS,
+                reader: reader.to_string(),
+            });
+        }
         let readers = readers.max(1);
         let first = h.seen.is_empty() && h.acked.is_empty();
-        let known = h.seen.iter().chain(&h.acked).any(|r| r == reader);
+        let known = h.seen.contains(reader) || h.acked.contains(reader);
         if first {
             h.readers = readers;
         } else if readers != h.readers && !known {
@@ -179,7 +206,7 @@ impl Ledger {
         let Some(h) = self.held.get_mut(request) else {
             return Err(self.refuse(request));
         };
-        if !h.seen.iter().any(|r| r == reader) {
+        if !h.seen.contains(reader) {
             if h.seen.len() >= h.readers {
                 return Err(LeaseError::TooManyReaders {
                     request: request.to_string(),
@@ -187,7 +214,7 @@ impl Ledger {
                     reader: reader.to_string(),
                 });
             }
-            h.seen.push(reader.to_string());
+            h.seen.insert(reader.to_string());
         }
         h.until = now + lease;
         Ok(lease)
@@ -213,7 +240,7 @@ impl Ledger {
         let Some(h) = self.held.get_mut(request) else {
             return Err(self.refuse(request));
         };
-        if !h.acked.iter().any(|r| r == reader) {
+        if !h.acked.contains(reader) {
             if h.acked.len() >= h.readers {
                 return Err(LeaseError::TooManyReaders {
                     request: request.to_string(),
@@ -221,7 +248,7 @@ impl Ledger {
                     reader: reader.to_string(),
                 });
             }
-            h.acked.push(reader.to_string());
+            h.acked.insert(reader.to_string());
         }
         if h.acked.len() >= h.readers {
             return Ok(self.end(request, FreeReason::Acked));
@@ -297,6 +324,56 @@ mod tests {
 
     fn s(x: u64) -> Duration {
         Duration::from_secs(x)
+    }
+
+    #[test]
+    fn a_declaration_beyond_the_limit_is_refused_and_changes_nothing() {
+        let mut l = Ledger::new(s(10));
+        l.hold("squat", vec![1], 1, s(0));
+        let e = l
+            .declare("squat", "hostile", u32::MAX as usize, s(0))
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                LeaseError::TooManyDeclared {
+                    limit: MAX_READERS,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        // The real reader's declaration of 1 still sets the count, and its ack frees.
+        l.declare("squat", "dec", 1, s(0)).unwrap();
+        l.heartbeat("squat", "dec", s(1)).unwrap();
+        assert!(l.ack("squat", "dec", s(1)).unwrap().is_some());
+    }
+
+    #[test]
+    // Timed, and sized for native speed: Miri would take minutes and miss the bound.
+    #[cfg_attr(miri, ignore)]
+    fn a_flood_of_reader_names_costs_linear_time_and_bounded_memory() {
+        // The most readers allowed, then 40,000 names: each message is a set lookup, and at
+        // most MAX_READERS names are kept. (Before: two lists scanned per message; 40,000
+        // names took 6.6 s of the producer's core.)
+        let mut l = Ledger::new(s(10));
+        l.hold("r", vec![1], 1, s(0));
+        l.declare("r", "first", MAX_READERS, s(0)).unwrap();
+        let t0 = std::time::Instant::now();
+        let mut refused = 0;
+        for i in 0..40_000 {
+            let name = format!("reader-{i}");
+            if l.heartbeat("r", &name, s(1)).is_err() {
+                refused += 1;
+            }
+        }
+        assert_eq!(refused, 40_000 - MAX_READERS);
+        assert_eq!(l.held["r"].seen.len(), MAX_READERS);
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(2),
+            "{:?} for 40,000 messages",
+            t0.elapsed()
+        );
     }
 
     #[test]

@@ -219,9 +219,9 @@ impl Refusal {
             LeaseError::Unknown(_) => Refusal::Unknown,
             LeaseError::Expired(_) => Refusal::Expired,
             LeaseError::Aborted(_) => Refusal::Aborted,
-            LeaseError::TooManyReaders { .. } | LeaseError::ReadersMismatch { .. } => {
-                Refusal::Readers
-            }
+            LeaseError::TooManyReaders { .. }
+            | LeaseError::ReadersMismatch { .. }
+            | LeaseError::TooManyDeclared { .. } => Refusal::Readers,
         }
     }
 
