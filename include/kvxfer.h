@@ -1042,7 +1042,8 @@ kvx_status kvx_producer_abort(const struct kvx_producer *p, const char *request)
 /**
  * Takes the next request whose blocks may be reused, waiting up to `timeout_ms` (0: none);
  * `KVX_NOT_FOUND` if none. Writes its name, blocks, and the reason (0 acknowledged,
- * 1 aborted, 2 expired; `UINT32_MAX` for a reason a newer library added).
+ * 1 aborted, 2 expired, 3 held for the longest time a request may be; `UINT32_MAX` for a
+ * reason a newer library added).
  * `KVX_BUFFER_TOO_SMALL` keeps it for the next call.
  *
  * # Safety

@@ -286,7 +286,8 @@ pub unsafe extern "C" fn kvx_producer_abort(
 
 /// Takes the next request whose blocks may be reused, waiting up to `timeout_ms` (0: none);
 /// `KVX_NOT_FOUND` if none. Writes its name, blocks, and the reason (0 acknowledged,
-/// 1 aborted, 2 expired; `UINT32_MAX` for a reason a newer library added).
+/// 1 aborted, 2 expired, 3 held for the longest time a request may be; `UINT32_MAX` for a
+/// reason a newer library added).
 /// `KVX_BUFFER_TOO_SMALL` keeps it for the next call.
 ///
 /// # Safety
@@ -344,6 +345,7 @@ pub unsafe extern "C" fn kvx_producer_next_freed(
                 kvxfer_core::lifecycle::FreeReason::Acked => 0,
                 kvxfer_core::lifecycle::FreeReason::Aborted => 1,
                 kvxfer_core::lifecycle::FreeReason::Expired => 2,
+                kvxfer_core::lifecycle::FreeReason::HoldLimit => 3,
                 // A reason this header does not name yet.
                 _ => u32::MAX,
             };

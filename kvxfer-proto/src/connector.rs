@@ -92,6 +92,15 @@ impl ProducerCore {
         }
     }
 
+    /// This producer with a ceiling on how long any request is held, whatever the
+    /// heartbeats ([`Ledger::with_max_hold`]).
+    pub fn with_max_hold(mut self, max_hold: Duration) -> ProducerCore {
+        let lease = self.ledger.lease();
+        self.ledger =
+            std::mem::replace(&mut self.ledger, Ledger::new(lease)).with_max_hold(max_hold);
+        self
+    }
+
     /// Holds `blocks` of `request` for `readers` consumers from `now`; `layers_done` of its
     /// `layers` are computed already.
     pub fn publish(

@@ -25,7 +25,15 @@ pub enum FreeReason {
     Aborted,
     /// No heartbeat or acknowledgement within the lease.
     Expired,
+    /// Held for the longest time any request may be, whatever the heartbeats
+    /// ([`Ledger::with_max_hold`]): a reader that stalls, or a peer that heartbeats without
+    /// end, cannot keep the engine's blocks.
+    HoldLimit,
 }
+
+/// The default ceiling on how long a request's blocks are held: a layer-wise load of a long
+/// prompt at the slowest supported link (a 40 GB request at 1 GbE takes about 330 s) fits.
+pub const DEFAULT_MAX_HOLD: Duration = Duration::from_secs(900);
 
 /// Blocks the engine may reuse.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -98,12 +106,15 @@ struct Hold {
     seen: HashSet<String>,
     acked: HashSet<String>,
     until: Duration,
+    /// Publication plus the ceiling: no heartbeat renews past it.
+    ceiling: Duration,
 }
 
 /// The ledger of held requests.
 #[derive(Debug)]
 pub struct Ledger {
     lease: Duration,
+    max_hold: Duration,
     held: HashMap<String, Hold>,
     /// Ended requests (for precise errors), bounded.
     ended: HashMap<String, FreeReason>,
@@ -119,11 +130,19 @@ impl Ledger {
     pub fn new(lease: Duration) -> Ledger {
         Ledger {
             lease,
+            max_hold: DEFAULT_MAX_HOLD,
             held: HashMap::new(),
             ended: HashMap::new(),
             ended_order: Default::default(),
             pending: Vec::new(),
         }
+    }
+
+    /// This ledger with a ceiling of `max_hold` on how long any request is held from its
+    /// publication, whatever the heartbeats (at least the lease).
+    pub fn with_max_hold(mut self, max_hold: Duration) -> Ledger {
+        self.max_hold = max_hold.max(self.lease);
+        self
     }
 
     /// The lease length.
@@ -143,13 +162,16 @@ impl Ledger {
                 seen: HashSet::new(),
                 acked: HashSet::new(),
                 until: now + self.lease,
+                ceiling: now + self.max_hold,
             },
         );
     }
 
     fn refuse(&self, request: &str) -> LeaseError {
         match self.ended.get(request) {
-            Some(FreeReason::Expired) => LeaseError::Expired(request.to_string()),
+            Some(FreeReason::Expired | FreeReason::HoldLimit) => {
+                LeaseError::Expired(request.to_string())
+            }
             Some(FreeReason::Aborted) => LeaseError::Aborted(request.to_string()),
             Some(FreeReason::Acked) | None => LeaseError::Unknown(request.to_string()),
         }
@@ -193,8 +215,9 @@ impl Ledger {
         Ok(())
     }
 
-    /// A reader's heartbeat: renews the lease and returns the time it has left. Expired leases
-    /// are not revived.
+    /// A reader's heartbeat: renews the lease (never past the request's ceiling) and returns
+    /// the time it has left. Expired leases are not revived, and a reader that has
+    /// acknowledged renews nothing.
     pub fn heartbeat(
         &mut self,
         request: &str,
@@ -206,6 +229,9 @@ impl Ledger {
         let Some(h) = self.held.get_mut(request) else {
             return Err(self.refuse(request));
         };
+        if h.acked.contains(reader) {
+            return Ok(h.until.saturating_sub(now));
+        }
         if !h.seen.contains(reader) {
             if h.seen.len() >= h.readers {
                 return Err(LeaseError::TooManyReaders {
@@ -216,8 +242,8 @@ impl Ledger {
             }
             h.seen.insert(reader.to_string());
         }
-        h.until = now + lease;
-        Ok(lease)
+        h.until = (now + lease).min(h.ceiling);
+        Ok(h.until.saturating_sub(now))
     }
 
     /// Time left on the lease, or why there is none.
@@ -271,8 +297,19 @@ impl Ledger {
             .collect();
         expired
             .into_iter()
-            .filter_map(|r| self.end(&r, FreeReason::Expired))
+            .filter_map(|r| {
+                let reason = self.reason_at(&r, now);
+                self.end(&r, reason)
+            })
             .collect()
+    }
+
+    /// Why a request whose lease ended by `now` ended: its ceiling, or no heartbeat.
+    fn reason_at(&self, request: &str, now: Duration) -> FreeReason {
+        match self.held.get(request) {
+            Some(h) if h.ceiling <= now => FreeReason::HoldLimit,
+            _ => FreeReason::Expired,
+        }
     }
 
     /// The earliest lease end, for scheduling the next tick.
@@ -288,7 +325,8 @@ impl Ledger {
     fn expire_one(&mut self, request: &str, now: Duration) {
         if self.held.get(request).is_some_and(|h| h.until <= now) {
             // Freed by expiry; the caller reports it through `tick` or the error.
-            if let Some(f) = self.end(request, FreeReason::Expired) {
+            let reason = self.reason_at(request, now);
+            if let Some(f) = self.end(request, reason) {
                 self.pending.push(f);
             }
         }
@@ -324,6 +362,43 @@ mod tests {
 
     fn s(x: u64) -> Duration {
         Duration::from_secs(x)
+    }
+
+    #[test]
+    fn heartbeats_without_end_stop_at_the_ceiling() {
+        let mut l = Ledger::new(s(2)).with_max_hold(s(10));
+        l.hold("r", vec![4, 5], 1, s(0));
+        // A heartbeat every second for 20 s: renewed up to the ceiling, never past it.
+        let mut freed = Vec::new();
+        for t in 1..=20 {
+            if let Ok(left) = l.heartbeat("r", "d0", s(t)) {
+                assert!(s(t) + left <= s(10), "renewed past the ceiling at {t} s");
+            }
+            freed.extend(l.tick(s(t)));
+            freed.extend(l.take_pending());
+        }
+        assert_eq!(freed.len(), 1);
+        assert_eq!(freed[0].reason, FreeReason::HoldLimit);
+        assert!(matches!(
+            l.heartbeat("r", "d0", s(21)),
+            Err(LeaseError::Expired(_))
+        ));
+    }
+
+    #[test]
+    fn a_reader_that_acknowledged_cannot_extend_the_lease() {
+        let mut l = Ledger::new(s(2));
+        l.hold("r", vec![1], 2, s(0));
+        l.heartbeat("r", "d0", s(0)).unwrap();
+        assert!(l.ack("r", "d0", s(0)).unwrap().is_none());
+        // d0 is done; its heartbeats no longer renew. The other reader never comes.
+        for t in 1..4 {
+            let _ = l.heartbeat("r", "d0", s(t));
+        }
+        let f = l.tick(s(4));
+        let f: Vec<_> = f.into_iter().chain(l.take_pending()).collect();
+        assert_eq!(f.len(), 1, "held past its lease by a reader that was done");
+        assert_eq!(f[0].reason, FreeReason::Expired);
     }
 
     #[test]

@@ -493,7 +493,8 @@ class Producer:
         self.lib.check(self.lib.L.kvx_producer_abort(self.h, request.encode()))
 
     def next_freed(self, timeout_ms=0):
-        """(request, blocks, reason) or None; reason 0 acked, 1 aborted, 2 expired."""
+        """(request, blocks, reason) or None; reason 0 acked, 1 aborted, 2 expired, 3 held for
+        the longest time a request may be."""
         name_cap, blocks_cap = 256, 4096
         while True:
             name = ctypes.create_string_buffer(name_cap)

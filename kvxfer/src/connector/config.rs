@@ -16,6 +16,12 @@ pub struct ConnectorConfig {
     pub lease: Duration,
     /// Consumer: how often it renews the lease while loading.
     pub heartbeat: Duration,
+    /// Producer: the longest any request's blocks are held from its publication, whatever the
+    /// heartbeats (then freed with [`FreeReason::HoldLimit`]; at least the lease). Default
+    /// 15 minutes: a layer-wise load of a long prompt at 1 GbE fits.
+    ///
+    /// [`FreeReason::HoldLimit`]: kvxfer_proto::lifecycle::FreeReason::HoldLimit
+    pub max_hold: Duration,
     /// Producer: readers per request (2 for two decode ranks each reading half the heads).
     pub readers: usize,
     /// Consumer: which of the producer's KV heads it reads (default: all). Its own layout
@@ -34,6 +40,7 @@ impl Default for ConnectorConfig {
             mode: Mode::Pull,
             lease: Duration::from_secs(30),
             heartbeat: Duration::from_secs(1),
+            max_hold: kvxfer_proto::lifecycle::DEFAULT_MAX_HOLD,
             readers: 1,
             heads: None,
             budget: MemoryBudget::unlimited(),

@@ -65,7 +65,7 @@ impl ProducerState {
         if let Some(r) = self.requests.remove(&f.request) {
             match f.reason {
                 FreeReason::Acked if mode == Mode::Pull => tel.served(r.published.elapsed()),
-                FreeReason::Expired => tel.failed(),
+                FreeReason::Expired | FreeReason::HoldLimit => tel.failed(),
                 _ => {}
             }
         }
@@ -122,7 +122,7 @@ impl Producer {
             carrier,
             layout,
             st: Mutex::new(ProducerState {
-                core: ProducerCore::new(cfg.lease, cfg.mode),
+                core: ProducerCore::new(cfg.lease, cfg.mode).with_max_hold(cfg.max_hold),
                 requests: HashMap::new(),
                 freed: VecDeque::new(),
                 stop: false,

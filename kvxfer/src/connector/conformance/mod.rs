@@ -55,6 +55,7 @@ pub const CASES: &[(&str, Case)] = &[
     ("push_while_heartbeats_cross", push_while_heartbeats_cross),
     ("abort", abort),
     ("lease_expiry", lease_expiry),
+    ("hold_ceiling", hold_ceiling),
     ("two_readers_half_the_heads", two_readers_half_the_heads),
     ("failed_load_names_its_blocks", failed_load_names_its_blocks),
     ("concurrent_requests", concurrent_requests),
@@ -77,7 +78,7 @@ macro_rules! connector_conformance {
     ($harness:expr) => {
         $crate::connector_conformance!(@cases $harness; full_load, partial_load, all_cached,
             layer_wise_order, push_full_and_partial, push_while_heartbeats_cross, abort,
-            lease_expiry, two_readers_half_the_heads, failed_load_names_its_blocks,
+            lease_expiry, hold_ceiling, two_readers_half_the_heads, failed_load_names_its_blocks,
             concurrent_requests, dropped_consumer, dropped_producer, tp_two_to_two,
             tp_two_to_one, tp_one_to_two, tp_gqa_replicas);
     };
@@ -423,6 +424,46 @@ pub fn lease_expiry(h: &dyn Harness) -> Verdict {
             fl.invalid_blocks
         );
     }
+    Ok(())
+}
+
+/// A load that never ends (its producer never computes the layers, its consumer heartbeats
+/// throughout) holds the blocks no longer than the producer's ceiling: they are freed as
+/// [`FreeReason::HoldLimit`] while the heartbeats go on, and the load fails naming its blocks.
+pub fn hold_ceiling(h: &dyn Harness) -> Verdict {
+    let pc = ConnectorConfig {
+        lease: Duration::from_millis(400),
+        max_hold: Duration::from_millis(1200),
+        ..cfg()
+    };
+    let s = setup(h, pc, vec![(HEADS, cfg())])?;
+    let (p, c) = (&s.producer, &s.consumers[0]);
+    let t0 = Instant::now();
+    // No layer is computed: the consumer waits, heartbeating every 50 ms.
+    let hd = ok(p.publish("endless", &[1, 2], 8, 0), "publish")?;
+    ok(c.start_load(&hd, &[6, 7]), "start_load")?;
+    freed_as(
+        &**p,
+        "endless",
+        FreeReason::HoldLimit,
+        Duration::from_secs(10),
+    )?;
+    let took = t0.elapsed();
+    ensure!(
+        took >= Duration::from_millis(1100) && took < Duration::from_secs(5),
+        "freed after {took:?} with a 1.2 s ceiling and heartbeats every 50 ms"
+    );
+    let r = c.wait("endless", T);
+    ensure!(
+        r.is_err(),
+        "the load of a request freed at its ceiling succeeded"
+    );
+    let fl = c.next_failed().ok_or("the failed load is not reported")?;
+    ensure!(
+        fl.invalid_blocks == [6, 7],
+        "invalid blocks {:?}",
+        fl.invalid_blocks
+    );
     Ok(())
 }
 
