@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::connector::api::{KvConnector, KvProducer};
+use crate::connector::api::{KvConnector, KvConsumer, KvProducer};
 use crate::connector::config::ConnectorConfig;
 use kvxfer_proto::error::Result;
 use kvxfer_proto::lifecycle::FreeReason;
@@ -56,6 +56,18 @@ pub(super) fn freed_as(
     )?;
     if f.reason != want {
         return Err(format!("{req:?} freed as {:?}, not {want:?}", f.reason));
+    }
+    Ok(())
+}
+
+/// The next failed load reported by `c` names exactly `blocks` as invalid.
+pub(super) fn failed_naming(c: &dyn KvConsumer, blocks: &[u32]) -> Verdict {
+    let fl = c.next_failed().ok_or("the failed load is not reported")?;
+    if fl.invalid_blocks != blocks {
+        return Err(format!(
+            "invalid blocks {:?}, not {blocks:?}",
+            fl.invalid_blocks
+        ));
     }
     Ok(())
 }

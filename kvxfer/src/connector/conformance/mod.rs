@@ -32,7 +32,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 pub use cache::{TestCache, BLOCKS, BLOCK_TOKENS, HEADS, LAYERS};
-use harness::{cfg, freed_as, ok, T};
+use harness::{cfg, failed_naming, freed_as, ok, T};
 pub use harness::{Connectors, Harness, Verdict};
 pub use tp::{tp_gqa_replicas, tp_one_to_two, tp_two_to_one, tp_two_to_two};
 
@@ -385,12 +385,7 @@ pub fn abort(h: &dyn Harness) -> Verdict {
         matches!(r, Err(Error::Handoff { .. })),
         "load of an aborted request: {r:?}"
     );
-    let fl = c.next_failed().ok_or("the failed load is not reported")?;
-    ensure!(
-        fl.invalid_blocks == [3, 4],
-        "invalid blocks {:?}",
-        fl.invalid_blocks
-    );
+    failed_naming(&**c, &[3, 4])?;
     ensure!(
         s.dst[0].zeroed(&[3, 4], LAYERS_ALL),
         "an aborted request's bytes were read"
@@ -417,12 +412,7 @@ pub fn lease_expiry(h: &dyn Harness) -> Verdict {
     if c.start_load(&hd, &[4, 5, 6]).is_ok() {
         let r = c.wait("exp", T);
         ensure!(r.is_err(), "a load of an expired request succeeded");
-        let fl = c.next_failed().ok_or("the failed load is not reported")?;
-        ensure!(
-            fl.invalid_blocks == [4, 5, 6],
-            "invalid blocks {:?}",
-            fl.invalid_blocks
-        );
+        failed_naming(&**c, &[4, 5, 6])?;
     }
     Ok(())
 }
@@ -463,12 +453,7 @@ pub fn hold_ceiling(h: &dyn Harness) -> Verdict {
         r.is_err(),
         "the load of a request freed at its ceiling succeeded"
     );
-    let fl = c.next_failed().ok_or("the failed load is not reported")?;
-    ensure!(
-        fl.invalid_blocks == [6, 7],
-        "invalid blocks {:?}",
-        fl.invalid_blocks
-    );
+    failed_naming(&**c, &[6, 7])?;
     Ok(())
 }
 
