@@ -1,18 +1,20 @@
 //! The listening end of the side-channel handshake as a state machine, with no I/O: the
 //! shell reads exactly [`SideChannelAcceptor::want`] bytes at a time and passes them in,
 //! sends what [`SideChannelAcceptor::take_output`] gives, and, once a client's HELLO has
-//! arrived (and, with a shared secret, its proof checked), loads the metadata and gives the
-//! answer back. The clock is the caller's: [`SideChannelAcceptor::expired`] says when the
-//! whole handshake ran past its deadline, however the bytes trickled in.
+//! arrived (and, with a shared secret, opened under the Noise session its handshake made),
+//! loads the metadata and gives the answer back, sealed under that session. The clock is the
+//! caller's: [`SideChannelAcceptor::expired`] says when the whole handshake ran past its
+//! deadline, however the bytes trickled in; so is the randomness (the ephemeral key's seed).
 //!
-//! Frames and proofs are those of [`crate::wire::side_channel`].
+//! Frames are those of [`crate::wire::side_channel`], the session [`crate::session`].
 
 use std::time::Duration;
 
 use crate::error::Error;
+use crate::session::{Session, HANDSHAKE_LEN, SEED};
 use crate::wire::side_channel::{
-    check_preamble, encode_frame, mac, mac_ok, AUTH1, AUTH2, ERROR, FRAME_HEADER_LEN, HELLO,
-    LEN_BYTES, MAC, MAX_FRAME, META, NONCE, PREAMBLE, ROLE_CLIENT, ROLE_SERVER,
+    check_preamble, encode_frame, ERROR, FRAME_HEADER_LEN, HELLO, LEN_BYTES, MAX_FRAME, META,
+    NOISE1, NOISE2, PREAMBLE,
 };
 
 /// What the shell does after [`SideChannelAcceptor::on_bytes`].
@@ -20,7 +22,7 @@ use crate::wire::side_channel::{
 pub enum Step {
     /// Read `want()` bytes more.
     More,
-    /// The client's metadata (its proof checked): load it, then [`SideChannelAcceptor::answer`].
+    /// The client's metadata (opened under the session, with a secret): load it, then [`SideChannelAcceptor::answer`].
     Hello(Vec<u8>),
     /// The client was refused (an ERROR frame is queued for it): send the output, close.
     Refused(Error),
@@ -43,11 +45,12 @@ enum State {
 #[derive(Debug)]
 pub struct SideChannelAcceptor {
     who: String,
-    secret: Option<Vec<u8>>,
-    /// The listener's nonce (used with a secret).
-    nonce: [u8; NONCE],
-    /// The client's nonce, once its AUTH1 came.
-    client_nonce: Option<[u8; NONCE]>,
+    /// Whether this listener has a secret (then a handshake must come first).
+    secured: bool,
+    /// The secret and the ephemeral key's seed, until the client's handshake uses them.
+    secret: Option<(Vec<u8>, [u8; SEED])>,
+    /// The session, once the handshake is done.
+    session: Option<Session>,
     state: State,
     out: Vec<u8>,
     deadline: Duration,
@@ -55,20 +58,20 @@ pub struct SideChannelAcceptor {
 
 impl SideChannelAcceptor {
     /// A connection from `who` accepted at `now`, to finish its handshake by `now + limit`;
-    /// `nonce` fresh from a random source (the listener's half of the proof). Its preamble is
-    /// queued.
+    /// `seed` fresh from a random source (the listener's ephemeral key, used with a secret).
+    /// Its preamble is queued.
     pub fn new(
         who: &str,
         secret: Option<&[u8]>,
-        nonce: [u8; NONCE],
+        seed: [u8; SEED],
         now: Duration,
         limit: Duration,
     ) -> SideChannelAcceptor {
         SideChannelAcceptor {
             who: who.to_string(),
-            secret: secret.map(<[u8]>::to_vec),
-            nonce,
-            client_nonce: None,
+            secured: secret.is_some(),
+            secret: secret.map(|s| (s.to_vec(), seed)),
+            session: None,
             state: State::Preamble,
             out: PREAMBLE.to_vec(),
             deadline: now + limit,
@@ -129,32 +132,28 @@ impl SideChannelAcceptor {
                 }
                 let kind = b[LEN_BYTES];
                 // Refuse what cannot be right before reading its payload.
-                match (&self.secret, self.client_nonce, kind) {
-                    (Some(_), None, AUTH1) if len - 1 == NONCE => {}
-                    (Some(_), None, AUTH1) => {
-                        return self.refuse("bad AUTH1", self.auth("AUTH1 of the wrong size"))
+                match (self.secured, self.session.is_some(), kind) {
+                    (true, false, NOISE1) if len - 1 == HANDSHAKE_LEN => {}
+                    (true, false, NOISE1) => {
+                        let e = self.auth("a handshake message of the wrong size");
+                        return self.refuse("bad handshake", e);
                     }
-                    (Some(_), None, _) => {
-                        return self.refuse(
-                            "authentication required",
-                            self.auth("the peer sent no authentication"),
-                        )
+                    (true, false, _) => {
+                        let e = self.auth("the peer sent no authentication");
+                        return self.refuse("authentication required", e);
                     }
-                    (Some(_), Some(_), HELLO) if len > MAC => {}
-                    (Some(_), Some(_), _) => {
-                        return self.refuse(
-                            "authentication failed",
-                            self.auth("the peer did not prove the shared secret"),
-                        )
+                    (true, true, HELLO) if len > 1 => {}
+                    (true, true, k) => {
+                        let e = self.protocol(format!("frame kind {k}, expected HELLO"));
+                        return self.refuse("expected HELLO", e);
                     }
-                    (None, _, AUTH1) => {
-                        return self.refuse(
-                            "this agent has no shared secret",
-                            self.auth("the peer wants a shared secret this agent does not have"),
-                        )
+                    (false, _, NOISE1) => {
+                        let e =
+                            self.auth("the peer wants a shared secret this agent does not have");
+                        return self.refuse("this agent has no shared secret", e);
                     }
-                    (None, _, HELLO) => {}
-                    (None, _, k) => {
+                    (false, _, HELLO) => {}
+                    (false, _, k) => {
                         let e = self.protocol(format!("frame kind {k}, expected HELLO"));
                         return self.refuse("expected HELLO", e);
                     }
@@ -172,32 +171,30 @@ impl SideChannelAcceptor {
     }
 
     fn payload(&mut self, kind: u8, p: &[u8]) -> Step {
-        match (self.secret.clone(), self.client_nonce, kind) {
-            (Some(secret), None, AUTH1) => {
-                let mut nc = [0u8; NONCE];
-                nc.copy_from_slice(p);
-                self.client_nonce = Some(nc);
-                let mut m = self.nonce.to_vec();
-                m.extend_from_slice(&mac(&secret, ROLE_SERVER, &nc, &self.nonce));
-                self.out.extend_from_slice(&encode_frame(AUTH2, &m));
-                self.state = State::Header;
-                Step::More
-            }
-            (Some(secret), Some(nc), HELLO) => {
-                if !mac_ok(&secret, ROLE_CLIENT, &self.nonce, &nc, &p[..MAC]) {
-                    return self.refuse(
-                        "authentication failed",
-                        self.auth("the peer did not prove the shared secret"),
-                    );
+        if kind == NOISE1 {
+            let Some((secret, seed)) = self.secret.take() else {
+                let e = self.protocol("a second handshake".into());
+                return self.refuse("expected HELLO", e);
+            };
+            return match Session::respond(&secret, seed, p, &self.who) {
+                Ok((session, answer)) => {
+                    self.out.extend_from_slice(&encode_frame(NOISE2, &answer));
+                    self.session = Some(session);
+                    self.state = State::Header;
+                    Step::More
                 }
-                self.state = State::Loading;
-                Step::Hello(p[MAC..].to_vec())
-            }
-            _ => {
-                self.state = State::Loading;
-                Step::Hello(p.to_vec())
-            }
+                Err(e) => self.refuse("authentication failed", e),
+            };
         }
+        let hello = match self.session.as_mut() {
+            Some(session) => match session.open(p) {
+                Ok(m) => m,
+                Err(e) => return self.refuse("authentication failed", e),
+            },
+            None => p.to_vec(),
+        };
+        self.state = State::Loading;
+        Step::Hello(hello)
     }
 
     /// The shell's answer to [`Step::Hello`]: this agent's metadata, or why the client's was
@@ -206,17 +203,25 @@ impl SideChannelAcceptor {
         if self.state != State::Loading {
             return;
         }
-        let f = match r {
-            Ok(meta) => encode_frame(META, &meta),
-            Err(why) => encode_frame(ERROR, why.as_bytes()),
+        let (kind, body) = match r {
+            Ok(meta) => (META, meta),
+            Err(why) => (ERROR, why.into_bytes()),
         };
-        self.out.extend_from_slice(&f);
+        self.send(kind, &body);
         self.state = State::Done;
     }
 
+    /// Queues a frame, sealed once a session exists.
+    fn send(&mut self, kind: u8, body: &[u8]) {
+        let f = match self.session.as_mut() {
+            Some(session) => encode_frame(kind, &session.seal(body)),
+            None => encode_frame(kind, body),
+        };
+        self.out.extend_from_slice(&f);
+    }
+
     fn refuse(&mut self, text: &str, e: Error) -> Step {
-        self.out
-            .extend_from_slice(&encode_frame(ERROR, text.as_bytes()));
+        self.send(ERROR, text.as_bytes());
         self.state = State::Done;
         Step::Refused(e)
     }
@@ -279,7 +284,7 @@ mod tests {
 
     #[test]
     fn a_plain_hello_is_handed_over_and_answered() {
-        let mut a = SideChannelAcceptor::new("c", None, [1; NONCE], Duration::ZERO, LIMIT);
+        let mut a = SideChannelAcceptor::new("c", None, [1; SEED], Duration::ZERO, LIMIT);
         assert_eq!(a.take_output(), PREAMBLE);
         let steps = feed(&mut a, &plain_hello(b"their metadata"));
         assert!(
@@ -296,44 +301,78 @@ mod tests {
         );
     }
 
-    #[test]
-    fn with_a_secret_both_proofs_are_checked() {
-        let secret = b"s3cret";
-        let mut a = SideChannelAcceptor::new("c", Some(secret), [2; NONCE], Duration::ZERO, LIMIT);
-        a.take_output();
-        let nc = [3u8; NONCE];
+    /// The client's handshake through the acceptor: the client's session, or the acceptor's
+    /// refusal.
+    fn handshake(a: &mut SideChannelAcceptor, client_secret: &[u8]) -> Option<Session> {
+        let (init, first) =
+            crate::session::Initiator::start(client_secret, [3; SEED], "l").unwrap();
         let mut b = PREAMBLE.to_vec();
-        b.extend_from_slice(&encode_frame(AUTH1, &nc));
-        assert!(feed(&mut a, &b).iter().all(|s| matches!(s, Step::More)));
-        let f = split_frames(&a.take_output()).unwrap();
-        assert_eq!(f[0].0, AUTH2);
-        let (ns, m) = f[0].1.split_at(NONCE);
-        assert!(mac_ok(secret, ROLE_SERVER, &nc, ns, m));
-        let mut hello = mac(secret, ROLE_CLIENT, ns, &nc).to_vec();
-        hello.extend_from_slice(b"meta");
-        let steps = feed(&mut a, &encode_frame(HELLO, &hello));
+        b.extend_from_slice(&encode_frame(NOISE1, &first));
+        let steps = feed(a, &b);
+        let out = split_frames(&a.take_output()).unwrap();
+        match steps.last() {
+            Some(Step::More) => {
+                assert_eq!(out[0].0, NOISE2);
+                Some(init.finish(&out[0].1).unwrap())
+            }
+            Some(Step::Refused(Error::Auth { .. })) => {
+                assert_eq!(out, [(ERROR, b"authentication failed".to_vec())]);
+                None
+            }
+            s => panic!("{s:?}"),
+        }
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "X25519 takes minutes under Miri")]
+    fn with_a_secret_everything_after_the_handshake_is_sealed() {
+        let secret = b"s3cret";
+        let mut a = SideChannelAcceptor::new("c", Some(secret), [2; SEED], Duration::ZERO, LIMIT);
+        let mut client = handshake(&mut a, secret).unwrap();
+        let sealed = client.seal(b"meta");
+        let steps = feed(&mut a, &encode_frame(HELLO, &sealed));
         assert!(
             matches!(steps.last(), Some(Step::Hello(m)) if m == b"meta"),
             "{steps:?}"
         );
+        a.answer(Ok(b"mine".to_vec()));
+        let out = split_frames(&a.take_output()).unwrap();
+        assert_eq!(out[0].0, META);
+        assert_ne!(out[0].1, b"mine", "sealed, not in the clear");
+        assert_eq!(client.open(&out[0].1).unwrap(), b"mine");
 
-        // A wrong proof.
-        let mut a = SideChannelAcceptor::new("c", Some(secret), [2; NONCE], Duration::ZERO, LIMIT);
-        feed(&mut a, &b);
-        let mut bad = [0u8; MAC].to_vec();
-        bad.extend_from_slice(b"meta");
-        let steps = feed(&mut a, &encode_frame(HELLO, &bad));
+        // A wrong secret: refused at the handshake, nothing sealed sent.
+        let mut a = SideChannelAcceptor::new("c", Some(secret), [2; SEED], Duration::ZERO, LIMIT);
+        assert!(handshake(&mut a, b"guess").is_none());
+        assert!(a.is_done());
+
+        // A changed HELLO: refused, the refusal sealed.
+        let mut a = SideChannelAcceptor::new("c", Some(secret), [2; SEED], Duration::ZERO, LIMIT);
+        let mut client = handshake(&mut a, secret).unwrap();
+        let mut sealed = client.seal(b"meta");
+        sealed[5] ^= 1;
+        let steps = feed(&mut a, &encode_frame(HELLO, &sealed));
         assert!(
             matches!(steps.last(), Some(Step::Refused(Error::Auth { .. }))),
             "{steps:?}"
         );
-        assert!(a.is_done());
+        let out = split_frames(&a.take_output()).unwrap();
+        assert_eq!(client.open(&out[0].1).unwrap(), b"authentication failed");
+
+        // A plain HELLO after the handshake is not a sealed one.
+        let mut a = SideChannelAcceptor::new("c", Some(secret), [2; SEED], Duration::ZERO, LIMIT);
+        handshake(&mut a, secret).unwrap();
+        let steps = feed(&mut a, &encode_frame(HELLO, b"plain metadata"));
+        assert!(matches!(
+            steps.last(),
+            Some(Step::Refused(Error::Auth { .. }))
+        ));
     }
 
     #[test]
     fn what_cannot_be_right_is_refused_before_its_payload() {
         type Case<'a> = (Option<&'a [u8]>, Vec<u8>, &'a str);
-        let cases: [Case<'_>; 5] = [
+        let cases: [Case<'_>; 6] = [
             (
                 None,
                 b"GET / HTTP/1.1\r\n".to_vec(),
@@ -342,14 +381,15 @@ mod tests {
             (None, [0xff; FRAME_HEADER_LEN].to_vec(), "limit"),
             (None, encode_frame(META, b"x"), "expected HELLO"),
             (Some(b"s"), encode_frame(HELLO, b"x"), "no authentication"),
+            (Some(b"s"), encode_frame(NOISE1, &[0; 10]), "wrong size"),
             (
                 None,
-                encode_frame(AUTH1, &[0; NONCE]),
+                encode_frame(NOISE1, &[0; HANDSHAKE_LEN]),
                 "shared secret this agent does not have",
             ),
         ];
         for (secret, bytes, says) in cases {
-            let mut a = SideChannelAcceptor::new("c", secret, [0; NONCE], Duration::ZERO, LIMIT);
+            let mut a = SideChannelAcceptor::new("c", secret, [0; SEED], Duration::ZERO, LIMIT);
             let mut b = PREAMBLE.to_vec();
             if bytes.starts_with(b"GET") {
                 b = bytes.clone();
@@ -368,7 +408,7 @@ mod tests {
 
     #[test]
     fn the_deadline_counts_the_whole_handshake() {
-        let mut a = SideChannelAcceptor::new("c", None, [0; NONCE], Duration::from_secs(1), LIMIT);
+        let mut a = SideChannelAcceptor::new("c", None, [0; SEED], Duration::from_secs(1), LIMIT);
         let b = plain_hello(b"m");
         // One byte a second would never finish: the deadline is from the accept.
         feed(&mut a, &b[..PREAMBLE.len()]);
@@ -383,7 +423,7 @@ mod tests {
             secret in proptest::prelude::any::<bool>(),
         ) {
             let s: Option<&[u8]> = if secret { Some(b"k") } else { None };
-            let mut a = SideChannelAcceptor::new("fuzz", s, [9; NONCE], Duration::ZERO, LIMIT);
+            let mut a = SideChannelAcceptor::new("fuzz", s, [9; SEED], Duration::ZERO, LIMIT);
             let mut b = PREAMBLE.to_vec();
             b.extend_from_slice(&bytes);
             for step in feed(&mut a, &b) {

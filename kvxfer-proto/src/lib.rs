@@ -20,6 +20,7 @@ pub mod layout;
 pub mod lifecycle;
 pub mod paged;
 pub mod planning;
+pub mod session;
 pub mod tp;
 pub mod types;
 pub mod wire;

@@ -6,28 +6,27 @@
 //! hash first), loads it, and answers `META(its metadata)`, or `ERROR(text)` and closes.
 //! Every read has a timeout, so a silent or slow peer cannot hold a thread forever.
 //!
-//! With a shared secret (`AgentConfig::secret`) both sides prove they know it before
-//! any metadata (region table, rkeys, lane secret) moves:
+//! With a shared secret (`AgentConfig::secret`) a Noise handshake bound to it comes first
+//! (`kvxfer_proto::session`), and the metadata both ways (region table, keys, lane
+//! credentials) and any refusal are sealed under the session it makes:
 //!
 //! ```text
-//! client: AUTH1(nonce_c)
-//! server: AUTH2(nonce_s | HMAC-SHA256(secret, "kvxfer server" | nonce_c | nonce_s))
-//! client: checks it; HELLO(HMAC-SHA256(secret, "kvxfer client" | nonce_s | nonce_c) | metadata)
-//! server: checks it; META(metadata)
+//! client: NOISE1(psk, e)            listener: NOISE2(e, ee)
+//! client: HELLO(sealed metadata)    listener: META(sealed metadata) or ERROR(sealed text)
 //! ```
 //!
 //! A listener with a secret refuses a plain HELLO; a client with a secret refuses a listener
-//! that cannot prove it. MACs are compared in constant time.
+//! that cannot answer the handshake, and any sealed frame that fails to open.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::session::{Initiator, SEED};
 use kvxfer_proto::wire::metadata::Metadata;
 use kvxfer_proto::wire::side_channel::{
-    check_preamble, encode_frame, mac, mac_ok, read_frame, AUTH1, AUTH2, ERROR, HELLO, MAC, META,
-    NONCE, PREAMBLE, ROLE_CLIENT, ROLE_SERVER,
+    check_preamble, encode_frame, read_frame, ERROR, HELLO, META, NOISE1, NOISE2, PREAMBLE,
 };
 
 /// What one end of the side channel needs of its agent: its name (for thread names), the
@@ -43,8 +42,9 @@ pub(crate) struct SideChannel {
     pub(crate) on_peer: Box<dyn Fn(Metadata) -> Result<String> + Send + Sync>,
 }
 
-pub(crate) fn nonce() -> Result<[u8; NONCE]> {
-    let mut n = [0u8; NONCE];
+/// A fresh seed for a handshake's ephemeral key.
+pub(crate) fn seed() -> Result<[u8; SEED]> {
+    let mut n = [0u8; SEED];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut n))
         .map_err(|e| Error::io("reading /dev/urandom", e))?;
@@ -64,38 +64,33 @@ pub(crate) fn exchange(
         .map_err(|e| Error::io(format!("connecting to {who}"), e))?;
     setup(&s, &who, timeout)?;
     preamble(&mut s, &who, timeout)?;
-    let mut hello = Vec::new();
+    let mut session = None;
     if let Some(secret) = &shared.secret {
-        let nc = nonce()?;
-        write_frame(&mut s, AUTH1, &nc)?;
+        let (init, first) = Initiator::start(secret, seed()?, &who)?;
+        write_frame(&mut s, NOISE1, &first)?;
         let (kind, p) = read_frame(&mut s, &who).map_err(|e| waited(e, &who, timeout))?;
-        let refuse = |why: String| Error::Auth {
-            peer: who.clone(),
-            why,
-        };
         match kind {
-            AUTH2 if p.len() == NONCE + MAC => {
-                let (ns, m) = p.split_at(NONCE);
-                if !mac_ok(secret, ROLE_SERVER, &nc, ns, m) {
-                    return Err(refuse(
-                        "the listener did not prove the shared secret".into(),
-                    ));
-                }
-                hello.extend_from_slice(&mac(secret, ROLE_CLIENT, ns, &nc));
+            NOISE2 => session = Some(init.finish(&p)?),
+            ERROR => return Err(refusal(shared, &who, &p)),
+            k => {
+                return Err(Error::Auth {
+                    peer: who,
+                    why: format!("frame kind {k}, expected the handshake's answer"),
+                })
             }
-            ERROR => {
-                return Err(refuse(format!(
-                    "listener refused: {}",
-                    String::from_utf8_lossy(&p)
-                )))
-            }
-            k => return Err(refuse(format!("frame kind {k}, expected AUTH2"))),
         }
     }
     let mine = (shared.local)()?;
-    hello.extend_from_slice(&mine);
+    let hello = match session.as_mut() {
+        Some(session) => session.seal(&mine),
+        None => mine,
+    };
     write_frame(&mut s, HELLO, &hello)?;
     let (kind, payload) = read_frame(&mut s, &who).map_err(|e| waited(e, &who, timeout))?;
+    let payload = match session.as_mut() {
+        Some(session) => session.open(&payload)?,
+        None => payload,
+    };
     match kind {
         META => {
             let meta =
@@ -105,43 +100,48 @@ pub(crate) fn exchange(
                 })?;
             (shared.on_peer)(meta)
         }
-        ERROR => {
-            let why = String::from_utf8_lossy(&payload).into_owned();
-            if why.contains("authentication") || why.contains("shared secret") {
-                Err(Error::Auth {
-                    peer: who,
-                    why: format!("listener refused: {why}"),
-                })
-            } else if let Some(rest) = why.split_once("is taken by a live agent: ") {
-                // The listener already holds another live agent of this agent's name.
-                Err(Error::NameConflict {
-                    name: rest
-                        .0
-                        .trim_start_matches("agent name ")
-                        .trim()
-                        .trim_matches('"')
-                        .to_string(),
-                    why: format!("{} (the listener {who} refused this agent)", rest.1),
-                })
-            } else {
-                let ours = if why.contains("no transport in common") {
-                    format!(
-                        "; that was the listener speaking: this connecting agent offers {:?}",
-                        shared.transport
-                    )
-                } else {
-                    String::new()
-                };
-                Err(Error::Protocol {
-                    peer: who,
-                    why: format!("peer refused: {why}{ours}"),
-                })
-            }
-        }
+        ERROR => Err(refusal(shared, &who, &payload)),
         k => Err(Error::Protocol {
             peer: who,
             why: format!("frame kind {k}, expected META"),
         }),
+    }
+}
+
+/// The listener's refusal (`text`, opened when sealed) as a typed error: authentication,
+/// a name taken by a live agent, or a protocol refusal.
+fn refusal(shared: &SideChannel, who: &str, text: &[u8]) -> Error {
+    let why = String::from_utf8_lossy(text).into_owned();
+    if why.contains("authentication") || why.contains("shared secret") || why.contains("handshake")
+    {
+        Error::Auth {
+            peer: who.to_string(),
+            why: format!("listener refused: {why}"),
+        }
+    } else if let Some(rest) = why.split_once("is taken by a live agent: ") {
+        // The listener already holds another live agent of this agent's name.
+        Error::NameConflict {
+            name: rest
+                .0
+                .trim_start_matches("agent name ")
+                .trim()
+                .trim_matches('"')
+                .to_string(),
+            why: format!("{} (the listener {who} refused this agent)", rest.1),
+        }
+    } else {
+        let ours = if why.contains("no transport in common") {
+            format!(
+                "; that was the listener speaking: this connecting agent offers {:?}",
+                shared.transport
+            )
+        } else {
+            String::new()
+        };
+        Error::Protocol {
+            peer: who.to_string(),
+            why: format!("peer refused: {why}{ours}"),
+        }
     }
 }
 

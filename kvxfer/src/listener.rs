@@ -1,6 +1,6 @@
 //! The side channel's listening end: handshakes run side by side at the [`Gate`] (an event
 //! loop, each with a deadline, the pending ones bounded), and a client whose HELLO arrived
-//! (its proof checked, with a secret) is loaded and answered by a small pool of loader
+//! (opened under its Noise session, with a secret) is loaded and answered by a small pool of loader
 //! threads, so that neither a silent client nor a slow load holds up another peer.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::discovery::{nonce, SideChannel};
+use crate::discovery::{seed, SideChannel};
 use crate::gate::{Admission, Gate, Limits, Verdict};
 use kvxfer_proto::acceptor::{SideChannelAcceptor, Step};
 use kvxfer_proto::error::{Error, Result};
@@ -86,7 +86,7 @@ impl Listener {
                 acceptor: SideChannelAcceptor::new(
                     &who.to_string(),
                     secret.as_deref(),
-                    nonce()?,
+                    seed()?,
                     now,
                     HANDSHAKE_DEADLINE,
                 ),

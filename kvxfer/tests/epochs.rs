@@ -122,3 +122,36 @@ fn side_channel_discovery_resolves_names_it_was_given() {
     let e = disc.resolve(&d, "nobody").unwrap_err();
     assert!(matches!(e, Error::UnknownPeer { .. }), "{e}");
 }
+
+/// Metadata is a claim: an impostor that copies the loaded agent's epoch (every HELLO answer
+/// shows it) or names no epoch is refused as a conflict, and the real agent stays the one a
+/// READ reaches.
+#[test]
+fn an_impostor_with_the_real_epoch_or_epoch_zero_is_refused() {
+    use kvxfer::wire::metadata::{Metadata, DEFAULT_COMPAT};
+    let name = format!("imp-prefill-{}", std::process::id());
+    let d = agent(&format!("imp-decode-{}", std::process::id()));
+    let dl = d.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    let side = d.listen("127.0.0.1:0").unwrap();
+    let (real, _r) = prefill(&name, 0x11);
+    real.connect(side).unwrap();
+    // The same incarnation's metadata again (a second handshake) is fine.
+    d.load_remote_metadata(&real.metadata().unwrap()).unwrap();
+
+    let (impostor, _ri) = prefill(&name, 0x66);
+    let mut forged = Metadata::decode(&impostor.metadata().unwrap(), DEFAULT_COMPAT).unwrap();
+    for (what, epoch) in [("the real epoch", real.epoch()), ("epoch 0", 0)] {
+        forged.epoch = epoch;
+        let e = d.load_remote_metadata(&forged.encode()).unwrap_err();
+        assert!(
+            matches!(&e, Error::NameConflict { name: n, .. } if *n == name),
+            "{what}: {e}"
+        );
+        println!("an impostor with {what}: {e}");
+        assert_eq!(d.peer_epoch(&name), Some(real.epoch()), "{what}");
+        assert!(
+            read_from(&d, &dl, &name).unwrap().iter().all(|&b| b == 0x11),
+            "{what}: the impostor's bytes were read"
+        );
+    }
+}

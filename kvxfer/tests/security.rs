@@ -123,3 +123,111 @@ fn strict_mode_refuses_a_silent_fallback_to_tcp() {
         }
     }
 }
+
+/// A TCP relay between a client and `to` that records both directions and, if `flip` is
+/// set, flips the byte at that offset of what the client sends. Serves one connection; the
+/// bytes it saw (client to server, server to client) come back from the handle.
+/// What a relay saw: client to server, server to client.
+type Seen = std::thread::JoinHandle<(Vec<u8>, Vec<u8>)>;
+
+fn relay(to: std::net::SocketAddr, flip: Option<usize>) -> (std::net::SocketAddr, Seen) {
+    use std::io::Read;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let h = std::thread::spawn(move || {
+        let (c, _) = l.accept().unwrap();
+        let s = std::net::TcpStream::connect(to).unwrap();
+        let pump =
+            |mut from: std::net::TcpStream, mut to: std::net::TcpStream, flip: Option<usize>| {
+                std::thread::spawn(move || {
+                    let mut seen = Vec::new();
+                    let mut buf = [0u8; 65536];
+                    loop {
+                        let n = match from.read(&mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        let at = seen.len();
+                        seen.extend_from_slice(&buf[..n]);
+                        if let Some(f) = flip {
+                            if (at..at + n).contains(&f) {
+                                buf[f - at] ^= 0x01;
+                            }
+                        }
+                        if to.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = to.shutdown(std::net::Shutdown::Write);
+                    seen
+                })
+            };
+        let up = pump(c.try_clone().unwrap(), s.try_clone().unwrap(), flip);
+        let down = pump(s, c, None);
+        (up.join().unwrap(), down.join().unwrap())
+    });
+    (addr, h)
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+fn lane_secret(a: &Agent) -> [u8; 16] {
+    use kvxfer::wire::metadata::{Metadata, DEFAULT_COMPAT};
+    let meta = Metadata::decode(&a.metadata().unwrap(), DEFAULT_COMPAT).unwrap();
+    meta.lane.unwrap().secret
+}
+
+#[test]
+fn a_relay_without_the_secret_reads_and_changes_nothing() {
+    let b = agent("relay-b", Some("open sesame"));
+    let rb = b.register(HostBuffer::new(4096).unwrap()).unwrap();
+    let addr = b.listen("127.0.0.1:0").unwrap();
+    let a = agent("relay-a", Some("open sesame"));
+    let ra = a.register(HostBuffer::new(4096).unwrap()).unwrap();
+
+    // A relay that passes everything through: the handshake completes, and it saw neither
+    // agent's name nor either lane credential.
+    let (via, seen) = relay(addr, None);
+    let peer = a.connect(via).unwrap();
+    let (up, down) = seen.join().unwrap();
+    assert!(
+        up.len() > 100 && down.len() > 100,
+        "metadata went through the relay"
+    );
+    for (what, secret) in [
+        (a.name().as_bytes().to_vec(), "a's name"),
+        (b.name().as_bytes().to_vec(), "b's name"),
+        (lane_secret(&a).to_vec(), "a's lane credential"),
+        (lane_secret(&b).to_vec(), "b's lane credential"),
+    ] {
+        assert!(
+            !contains(&up, &what) && !contains(&down, &what),
+            "the relay read {secret} ({:?}) off the wire",
+            String::from_utf8_lossy(&what)
+        );
+    }
+    // The session the relay passed works: data moves.
+    let l = a.prep_local(&[Desc::new(ra.id(), 0, 4096)]).unwrap();
+    let r = a
+        .prep_remote(&peer, &[Desc::new(rb.id(), 0, 4096)])
+        .unwrap();
+    a.transfer_all(XferOp::Write, &l, &r, None, Some(Duration::from_secs(10)))
+        .unwrap()
+        .wait()
+        .unwrap();
+
+    // A relay that changes one byte of the sealed HELLO (after the preamble, the handshake
+    // frame and the HELLO's header): the connect fails typed, and the listener loaded nothing.
+    let c = agent("relay-c", Some("open sesame"));
+    // (The handshake message is an ephemeral X25519 key and a tag: 48 bytes.)
+    let hello_at = 8 + 5 + 48 + 5;
+    let (via, seen) = relay(addr, Some(hello_at + 10));
+    let e = c.connect(via).unwrap_err();
+    assert!(matches!(e, Error::Auth { .. }), "{e}");
+    assert!(b.peer_info(c.name()).is_err(), "a changed HELLO was loaded");
+    drop(seen.join());
+    // The listener still serves.
+    assert_eq!(a.connect(addr).unwrap(), peer);
+}

@@ -1,52 +1,45 @@
-//! The side channel's frames and its authentication proofs.
+//! The side channel's frames.
 //!
 //! Each side first sends [`PREAMBLE`] (the magic `KVXF`, a version, CRLF), so a peer that is
 //! not a kvxfer side channel (an HTTP server on that port, say) is named as such. Then frames
 //! are `u32 length (LE) | u8 kind | payload`, at most [`MAX_FRAME`] bytes, where the
-//! length counts the kind byte and the payload. With a shared secret both sides prove they
-//! know it before any metadata moves:
+//! length counts the kind byte and the payload. With a shared secret a Noise handshake
+//! ([`crate::session`]) comes first and every later payload is sealed under it:
 //!
 //! ```text
-//! client: AUTH1(nonce_c)
-//! server: AUTH2(nonce_s | HMAC-SHA256(secret, "kvxfer server" | nonce_c | nonce_s))
-//! client: checks it; HELLO(HMAC-SHA256(secret, "kvxfer client" | nonce_s | nonce_c) | metadata)
-//! server: checks it; META(metadata)
+//! client: NOISE1(psk, e)            server: NOISE2(e, ee)   (or a plain ERROR, and close)
+//! client: HELLO(sealed metadata)    server: META(sealed metadata) or ERROR(sealed text)
 //! ```
+//!
+//! Without a secret, HELLO, META and ERROR travel in the clear: a trusted network only.
 
 use std::io::Read;
 
 use crate::error::{Error, Result};
+use crate::session::sealed_len;
 use crate::wire::metadata;
 
-/// Largest side-channel frame (the kind byte and the largest metadata).
-pub const MAX_FRAME: usize = metadata::MAX_ENCODED + 1;
+/// Largest side-channel frame (the kind byte and the largest metadata, sealed).
+pub const MAX_FRAME: usize = sealed_len(metadata::MAX_ENCODED) + 1;
 /// Bytes of a frame's length field.
 pub const LEN_BYTES: usize = 4;
 /// Bytes before a frame's payload: the length and the kind.
 pub const FRAME_HEADER_LEN: usize = LEN_BYTES + 1;
-/// The client's metadata (after its proof, with a secret).
+/// The client's metadata (sealed, with a secret).
 pub const HELLO: u8 = 1;
-/// The listener's metadata.
+/// The listener's metadata (sealed, with a secret).
 pub const META: u8 = 2;
-/// A refusal, with its reason as text.
+/// A refusal, with its reason as text (sealed once a session exists).
 pub const ERROR: u8 = 3;
-/// The client's nonce.
-pub const AUTH1: u8 = 4;
-/// The listener's nonce and proof.
-pub const AUTH2: u8 = 5;
-/// Bytes of a nonce.
-pub const NONCE: usize = 32;
-/// Bytes of a proof (HMAC-SHA256).
-pub const MAC: usize = 32;
-/// The role string of the listener's proof.
-pub const ROLE_SERVER: &[u8] = b"kvxfer server";
-/// The role string of the client's proof.
-pub const ROLE_CLIENT: &[u8] = b"kvxfer client";
+/// The client's Noise handshake message (with a secret).
+pub const NOISE1: u8 = 6;
+/// The listener's Noise handshake answer.
+pub const NOISE2: u8 = 7;
 
 /// What each side sends first: the magic `KVXF`, the version (big-endian u16) and CRLF. The
 /// line end makes a line-based server on the other end (HTTP) answer at once, so that its
 /// answer is named at its first bytes instead of waiting out the handshake's time-out.
-pub const PREAMBLE: [u8; 8] = *b"KVXF\x00\x02\r\n";
+pub const PREAMBLE: [u8; 8] = *b"KVXF\x00\x03\r\n";
 
 /// Version 1's preamble (before the line end), recognised to name the version.
 const PREAMBLE_V1: [u8; 8] = *b"KVXFSC\x00\x01";
@@ -117,28 +110,6 @@ pub fn read_frame<R: Read>(s: &mut R, who: &str) -> Result<(u8, Vec<u8>)> {
     Ok((h[LEN_BYTES], payload))
 }
 
-/// The proof of `secret` for `role` over the two nonces.
-pub fn mac(secret: &[u8], role: &[u8], a: &[u8], b: &[u8]) -> [u8; MAC] {
-    use hmac::Mac;
-    let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(secret)
-        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
-    m.update(role);
-    m.update(a);
-    m.update(b);
-    m.finalize().into_bytes().into()
-}
-
-/// Whether `got` is the proof of `secret` for `role` over the two nonces (constant time).
-pub fn mac_ok(secret: &[u8], role: &[u8], a: &[u8], b: &[u8], got: &[u8]) -> bool {
-    use hmac::Mac;
-    let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(secret)
-        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
-    m.update(role);
-    m.update(a);
-    m.update(b);
-    m.verify_slice(got).is_ok()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -159,17 +130,6 @@ mod tests {
         ));
         let mut short: &[u8] = &[9, 0, 0, 0, HELLO, 1];
         assert!(matches!(read_frame(&mut short, "t"), Err(Error::Io { .. })));
-    }
-
-    #[test]
-    fn proofs_depend_on_secret_role_and_order() {
-        let (a, b) = ([1u8; NONCE], [2u8; NONCE]);
-        let m = mac(b"s", ROLE_SERVER, &a, &b);
-        assert!(mac_ok(b"s", ROLE_SERVER, &a, &b, &m));
-        assert!(!mac_ok(b"t", ROLE_SERVER, &a, &b, &m));
-        assert!(!mac_ok(b"s", ROLE_CLIENT, &a, &b, &m));
-        assert!(!mac_ok(b"s", ROLE_SERVER, &b, &a, &m));
-        assert!(!mac_ok(b"s", ROLE_SERVER, &a, &b, &m[..MAC - 1]));
     }
 
     proptest! {
@@ -198,11 +158,11 @@ mod preamble_tests {
         let mut v = PREAMBLE;
         v[5] = 9;
         let e = check_preamble(&v, "p").unwrap_err().to_string();
-        assert!(e.contains("version 9") && e.contains("version 2"), "{e}");
+        assert!(e.contains("version 9") && e.contains("version 3"), "{e}");
         let e = check_preamble(b"KVXFSC\x00\x01", "p")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("version 1") && e.contains("version 2"), "{e}");
+        assert!(e.contains("version 1") && e.contains("version 3"), "{e}");
         // A line-based server sees one line and answers.
         assert!(PREAMBLE.ends_with(b"\r\n") && !PREAMBLE[..6].contains(&b'\n'));
     }

@@ -91,7 +91,37 @@ fn another_incarnation(st: &AgentState, meta: &Metadata) -> Result<()> {
     else {
         return Ok(());
     };
-    if old.epoch == meta.epoch || old.epoch == 0 || meta.epoch == 0 {
+    let conflict = |why: String| Error::NameConflict {
+        name: meta.name.clone(),
+        why,
+    };
+    // Names and epochs are claims: every HELLO answer shows an agent's epoch, so the same
+    // epoch is taken as the same incarnation only from where that incarnation is.
+    if old.epoch != 0 && meta.epoch == old.epoch {
+        let same_lane = old.lane_addr == meta.lane.map(|l| l.addr);
+        let same_process = old.host.map(|h| (h.boot_id, h.pid_ns, h.pid))
+            == meta.host.map(|h| (h.boot_id, h.pid_ns, h.pid));
+        if same_lane && same_process {
+            return Ok(());
+        }
+        return Err(conflict(format!(
+            "epoch {:#018x} is loaded here from {}; metadata with the same epoch came from {} \
+             (the same epoch from another lane address or process is not a restart)",
+            old.epoch,
+            old.lane_addr
+                .map_or("no lane".to_string(), |a| a.to_string()),
+            meta.lane
+                .map_or("no lane".to_string(), |l| l.addr.to_string()),
+        )));
+    }
+    if old.epoch != 0 && meta.epoch == 0 {
+        return Err(conflict(format!(
+            "epoch {:#018x} is loaded here; metadata without an epoch cannot replace it",
+            old.epoch
+        )));
+    }
+    if old.epoch == 0 {
+        // An agent that named no epoch (written by hand): replaced as before.
         return Ok(());
     }
     let new_lane = meta.lane.map(|l| l.addr);
@@ -104,17 +134,14 @@ fn another_incarnation(st: &AgentState, meta: &Metadata) -> Result<()> {
         None => process_alive_elsewhere(st, old.host, meta.host),
     };
     if alive {
-        return Err(Error::NameConflict {
-            name: meta.name.clone(),
-            why: format!(
-                "epoch {:#018x} is loaded here and still answers at {}; epoch {:#018x} offers \
+        return Err(conflict(format!(
+            "epoch {:#018x} is loaded here and still answers at {}; epoch {:#018x} offers \
                  the same name (give each agent its own name, e.g. one per rank)",
-                old.epoch,
-                old.lane_addr
-                    .map_or("its lane".to_string(), |a| a.to_string()),
-                meta.epoch
-            ),
-        });
+            old.epoch,
+            old.lane_addr
+                .map_or("its lane".to_string(), |a| a.to_string()),
+            meta.epoch
+        )));
     }
     log::info!(
         "kvxfer: peer {:?} restarted (epoch {:#018x} -> {:#018x}): dropping the old one's lanes, \

@@ -1,0 +1,394 @@
+//! The side channel's secure session: a Noise handshake bound to the shared secret, then
+//! every message sealed under it.
+//!
+//! The pattern is `Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s` through the maintained `snow`
+//! crate: two ephemeral X25519 keys (forward secrecy) and a pre-shared key mixed in before
+//! the first message, so that only a holder of the secret can make or answer a handshake.
+//! The PSK is `HMAC-SHA256(secret, PSK_LABEL)`, which takes a secret of any length.
+//!
+//! ```text
+//! initiator: NOISE1(psk, e)        responder: NOISE2(e, ee)
+//! then each side's messages: seal() / open(), nonces counting per direction
+//! ```
+//!
+//! A sealed message is `u32 plaintext length | plaintext`, cut into chunks of at most
+//! [`CHUNK`] bytes, each sent as `u16 ciphertext length | ciphertext` (a Noise transport
+//! message carries at most 65,535 bytes). The length inside the first chunk is authenticated,
+//! so a message cut at a chunk boundary fails to open; every chunk spends one nonce, so a
+//! replayed, reordered or foreign chunk fails too.
+//!
+//! The ephemeral key's randomness is the caller's (`seed`), so this stays pure and testable.
+
+use crate::error::{Error, Result};
+
+/// The Noise protocol name.
+pub const NOISE_PARAMS: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
+/// What the PSK is derived under (`HMAC-SHA256(secret, PSK_LABEL)`).
+pub const PSK_LABEL: &[u8] = b"kvxfer side channel psk v3";
+/// Bound into the handshake hash: a handshake of another protocol or version never matches.
+pub const PROLOGUE: &[u8] = b"kvxfer side channel v3";
+/// Bytes of randomness one handshake consumes (its ephemeral X25519 key).
+pub const SEED: usize = 32;
+/// Bytes of the first and of the second handshake message (an ephemeral key and a tag).
+pub const HANDSHAKE_LEN: usize = 32 + TAG;
+/// Bytes of a ChaCha20-Poly1305 tag.
+pub const TAG: usize = 16;
+/// Largest ciphertext of one chunk (Noise's message limit).
+pub const MAX_CHUNK: usize = 65_535;
+/// Largest plaintext of one chunk.
+pub const CHUNK: usize = MAX_CHUNK - TAG;
+/// Bytes of a chunk's length prefix.
+const CHUNK_LEN_BYTES: usize = 2;
+/// Bytes of the plaintext length at the start of a sealed message.
+const LEN_BYTES: usize = 4;
+
+/// The sealed size of a `plain`-byte message.
+pub const fn sealed_len(plain: usize) -> usize {
+    let body = plain + LEN_BYTES;
+    let chunks = body.div_ceil(CHUNK);
+    body + chunks * (CHUNK_LEN_BYTES + TAG)
+}
+
+/// The randomness source snow asks for the ephemeral key: exactly the caller's seed, once.
+struct SeededRandom {
+    seed: [u8; SEED],
+    used: usize,
+}
+
+impl snow::types::Random for SeededRandom {
+    fn try_fill_bytes(&mut self, dest: &mut [u8]) -> std::result::Result<(), snow::Error> {
+        let end = self.used + dest.len();
+        if end > SEED {
+            // More randomness than one handshake needs: refuse rather than repeat bytes.
+            return Err(snow::Error::Rng);
+        }
+        dest.copy_from_slice(&self.seed[self.used..end]);
+        self.used = end;
+        Ok(())
+    }
+}
+
+/// snow's default primitives, with the caller's seed as the only randomness.
+struct SeededResolver {
+    seed: std::sync::Mutex<Option<[u8; SEED]>>,
+}
+
+impl snow::resolvers::CryptoResolver for SeededResolver {
+    fn resolve_rng(&self) -> Option<Box<dyn snow::types::Random>> {
+        let seed = self.seed.lock().unwrap_or_else(|e| e.into_inner()).take()?;
+        Some(Box::new(SeededRandom { seed, used: 0 }))
+    }
+    fn resolve_dh(&self, c: &snow::params::DHChoice) -> Option<Box<dyn snow::types::Dh>> {
+        snow::resolvers::DefaultResolver.resolve_dh(c)
+    }
+    fn resolve_hash(&self, c: &snow::params::HashChoice) -> Option<Box<dyn snow::types::Hash>> {
+        snow::resolvers::DefaultResolver.resolve_hash(c)
+    }
+    fn resolve_cipher(
+        &self,
+        c: &snow::params::CipherChoice,
+    ) -> Option<Box<dyn snow::types::Cipher>> {
+        snow::resolvers::DefaultResolver.resolve_cipher(c)
+    }
+}
+
+/// The PSK for `secret`.
+fn psk(secret: &[u8]) -> [u8; 32] {
+    use hmac::Mac;
+    let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(secret)
+        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+    m.update(PSK_LABEL);
+    m.finalize().into_bytes().into()
+}
+
+fn builder_state(secret: &[u8], seed: [u8; SEED], initiator: bool) -> Result<snow::HandshakeState> {
+    let params: snow::params::NoiseParams = NOISE_PARAMS
+        .parse()
+        .unwrap_or_else(|_| unreachable!("a valid Noise name"));
+    let key = psk(secret);
+    let resolver = SeededResolver {
+        seed: std::sync::Mutex::new(Some(seed)),
+    };
+    let b = snow::Builder::with_resolver(params, Box::new(resolver))
+        .prologue(PROLOGUE)
+        .and_then(|b| b.psk(0, &key));
+    let b = b.map_err(|e| internal(&e))?;
+    if initiator {
+        b.build_initiator()
+    } else {
+        b.build_responder()
+    }
+    .map_err(|e| internal(&e))
+}
+
+fn internal(e: &snow::Error) -> Error {
+    Error::InvalidArgument(format!("the Noise handshake could not be set up: {e}"))
+}
+
+fn auth(who: &str, why: impl Into<String>) -> Error {
+    Error::Auth {
+        peer: who.to_string(),
+        why: why.into(),
+    }
+}
+
+/// The initiator's handshake between its first message and the answer.
+pub struct Initiator {
+    state: snow::HandshakeState,
+    who: String,
+}
+
+impl std::fmt::Debug for Initiator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Initiator").field("who", &self.who).finish()
+    }
+}
+
+impl Initiator {
+    /// Starts a handshake with `who` (named in errors): the state and the first message.
+    pub fn start(secret: &[u8], seed: [u8; SEED], who: &str) -> Result<(Initiator, Vec<u8>)> {
+        let mut state = builder_state(secret, seed, true)?;
+        let mut msg = vec![0u8; HANDSHAKE_LEN];
+        let n = state
+            .write_message(&[], &mut msg)
+            .map_err(|e| internal(&e))?;
+        msg.truncate(n);
+        Ok((
+            Initiator {
+                state,
+                who: who.to_string(),
+            },
+            msg,
+        ))
+    }
+
+    /// The responder's answer: the session, or [`Error::Auth`] when the responder does not
+    /// hold the secret (or the answer was changed on the way).
+    pub fn finish(mut self, answer: &[u8]) -> Result<Session> {
+        if answer.len() != HANDSHAKE_LEN {
+            return Err(auth(
+                &self.who,
+                format!(
+                    "a handshake answer of {} bytes, not {HANDSHAKE_LEN}",
+                    answer.len()
+                ),
+            ));
+        }
+        let mut payload = [0u8; HANDSHAKE_LEN];
+        self.state
+            .read_message(answer, &mut payload)
+            .map_err(|_| auth(&self.who, "the listener did not prove the shared secret"))?;
+        Session::from_state(self.state, &self.who)
+    }
+}
+
+/// An established session: seals what this side sends and opens what the other sent.
+pub struct Session {
+    transport: snow::TransportState,
+    who: String,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("who", &self.who)
+            .field("sent", &self.transport.sending_nonce())
+            .field("received", &self.transport.receiving_nonce())
+            .finish()
+    }
+}
+
+impl Session {
+    /// The responder's side: checks the initiator's first message (made with the same
+    /// secret) and gives the session and the answer to send.
+    pub fn respond(
+        secret: &[u8],
+        seed: [u8; SEED],
+        first: &[u8],
+        who: &str,
+    ) -> Result<(Session, Vec<u8>)> {
+        if first.len() != HANDSHAKE_LEN {
+            return Err(auth(
+                who,
+                format!("a handshake of {} bytes, not {HANDSHAKE_LEN}", first.len()),
+            ));
+        }
+        let mut state = builder_state(secret, seed, false)?;
+        let mut payload = [0u8; HANDSHAKE_LEN];
+        state
+            .read_message(first, &mut payload)
+            .map_err(|_| auth(who, "the peer did not prove the shared secret"))?;
+        let mut answer = vec![0u8; HANDSHAKE_LEN];
+        let n = state
+            .write_message(&[], &mut answer)
+            .map_err(|e| internal(&e))?;
+        answer.truncate(n);
+        Ok((Session::from_state(state, who)?, answer))
+    }
+
+    fn from_state(state: snow::HandshakeState, who: &str) -> Result<Session> {
+        Ok(Session {
+            transport: state.into_transport_mode().map_err(|e| internal(&e))?,
+            who: who.to_string(),
+        })
+    }
+
+    /// `plain`, sealed under the session ([`sealed_len`] bytes).
+    pub fn seal(&mut self, plain: &[u8]) -> Vec<u8> {
+        let mut body = Vec::with_capacity(LEN_BYTES + plain.len());
+        body.extend_from_slice(&(plain.len() as u32).to_le_bytes());
+        body.extend_from_slice(plain);
+        let mut out = Vec::with_capacity(sealed_len(plain.len()));
+        let mut buf = vec![0u8; MAX_CHUNK];
+        for chunk in body.chunks(CHUNK) {
+            let n = self
+                .transport
+                .write_message(chunk, &mut buf)
+                .unwrap_or_else(|e| unreachable!("a chunk within Noise's limit: {e}"));
+            out.extend_from_slice(&(n as u16).to_le_bytes());
+            out.extend_from_slice(&buf[..n]);
+        }
+        out
+    }
+
+    /// The plaintext of a message the other side sealed; [`Error::Auth`] when it was changed,
+    /// cut, replayed, reordered or sealed under another session.
+    pub fn open(&mut self, mut sealed: &[u8]) -> Result<Vec<u8>> {
+        let who = self.who.clone();
+        let bad = |why: &str| {
+            auth(
+                &who,
+                format!("a sealed message failed its authentication ({why})"),
+            )
+        };
+        let mut body = Vec::new();
+        let mut buf = vec![0u8; MAX_CHUNK];
+        let mut want: Option<usize> = None;
+        while !sealed.is_empty() {
+            if sealed.len() < CHUNK_LEN_BYTES {
+                return Err(bad("a cut chunk header"));
+            }
+            let n = u16::from_le_bytes([sealed[0], sealed[1]]) as usize;
+            let rest = &sealed[CHUNK_LEN_BYTES..];
+            if n < TAG || n > rest.len() {
+                return Err(bad("a chunk length past the message"));
+            }
+            let m = self
+                .transport
+                .read_message(&rest[..n], &mut buf)
+                .map_err(|_| bad("a chunk did not decrypt"))?;
+            body.extend_from_slice(&buf[..m]);
+            sealed = &rest[n..];
+            if want.is_none() && body.len() >= LEN_BYTES {
+                let len = u32::from_le_bytes([body[0], body[1], body[2], body[3]]) as usize;
+                want = Some(len);
+            }
+            if let Some(w) = want {
+                if body.len() > LEN_BYTES + w {
+                    return Err(bad("more bytes than its length"));
+                }
+            }
+        }
+        match want {
+            Some(w) if body.len() == LEN_BYTES + w => Ok(body.split_off(LEN_BYTES)),
+            _ => Err(bad("cut short")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn pair(a: &[u8], b: &[u8]) -> Result<(Session, Session)> {
+        let (i, first) = Initiator::start(a, [1; SEED], "r")?;
+        let (r, answer) = Session::respond(b, [2; SEED], &first, "i")?;
+        Ok((i.finish(&answer)?, r))
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "X25519 takes minutes under Miri")]
+    fn messages_cross_both_ways_and_any_change_fails() {
+        let (mut i, mut r) = pair(b"s", b"s").unwrap();
+        for len in [0, 1, CHUNK - LEN_BYTES, CHUNK, 3 * CHUNK + 7] {
+            let m: Vec<u8> = (0..len).map(|x| x as u8).collect();
+            let s = i.seal(&m);
+            assert_eq!(s.len(), sealed_len(len));
+            assert_eq!(r.open(&s).unwrap(), m);
+            let s = r.seal(&m);
+            assert_eq!(i.open(&s).unwrap(), m);
+        }
+        // A flipped byte, anywhere.
+        let s = pair(b"s", b"s").unwrap().0.seal(b"metadata");
+        for at in 0..s.len() {
+            let (mut i2, mut r2) = pair(b"s", b"s").unwrap();
+            let mut t = i2.seal(b"metadata");
+            assert_eq!(t, s, "same seeds, same bytes");
+            t[at] ^= 1;
+            assert!(matches!(r2.open(&t), Err(Error::Auth { .. })), "byte {at}");
+        }
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "X25519 takes minutes under Miri")]
+    fn replayed_reordered_cut_and_foreign_messages_fail() {
+        let (mut i, mut r) = pair(b"s", b"s").unwrap();
+        let a = i.seal(b"first");
+        let b = i.seal(b"second");
+        assert_eq!(r.open(&a).unwrap(), b"first");
+        assert!(r.open(&a).is_err(), "replayed");
+        let (mut i, mut r) = pair(b"s", b"s").unwrap();
+        let a = i.seal(b"first");
+        let b2 = i.seal(b"second");
+        assert!(r.open(&b2).is_err(), "reordered");
+        let _ = (a, b);
+        // Cut at a chunk boundary: the length inside the first chunk says so.
+        let (mut i, mut r) = pair(b"s", b"s").unwrap();
+        let big = vec![7u8; 2 * CHUNK];
+        let s = i.seal(&big);
+        let first_chunk = CHUNK_LEN_BYTES + MAX_CHUNK;
+        assert!(r.open(&s[..first_chunk]).is_err(), "cut");
+        // Sealed under another session (same secret).
+        let (mut i2, _) = pair(b"s", b"s").unwrap();
+        let (_, mut r3) = {
+            let (ii, first) = Initiator::start(b"s", [5; SEED], "r").unwrap();
+            let (rr, answer) = Session::respond(b"s", [6; SEED], &first, "i").unwrap();
+            (ii.finish(&answer).unwrap(), rr)
+        };
+        assert!(r3.open(&i2.seal(b"x")).is_err(), "foreign session");
+        assert!(r3.open(&[]).is_err(), "empty");
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "X25519 takes minutes under Miri")]
+    fn a_wrong_secret_fails_on_either_side() {
+        let (_, first) = Initiator::start(b"right", [1; SEED], "r").unwrap();
+        let e = Session::respond(b"wrong", [2; SEED], &first, "i").unwrap_err();
+        assert!(e.to_string().contains("did not prove"), "{e}");
+        // A responder that answers with another secret (a relay making its own answer).
+        let (i, _first) = Initiator::start(b"right", [1; SEED], "r").unwrap();
+        let (_, other) = Initiator::start(b"wrong", [3; SEED], "x").unwrap();
+        let (_, answer) = Session::respond(b"wrong", [2; SEED], &other, "i").unwrap();
+        let e = i.finish(&answer).unwrap_err();
+        assert!(e.to_string().contains("did not prove"), "{e}");
+        // A replayed first message gets an answer its sender can never use: a relay that
+        // replays it learns nothing it can open, and a second answer differs.
+        let (_, first) = Initiator::start(b"s", [1; SEED], "r").unwrap();
+        let (_, a1) = Session::respond(b"s", [2; SEED], &first, "i").unwrap();
+        let (_, a2) = Session::respond(b"s", [4; SEED], &first, "i").unwrap();
+        assert_ne!(a1, a2);
+        assert!(Session::respond(b"s", [2; SEED], &first[..10], "i").is_err());
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+        #[test]
+        #[cfg_attr(miri, ignore = "X25519 takes minutes under Miri")]
+        fn open_never_panics(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
+            let (_, mut r) = pair(b"s", b"s").unwrap();
+            proptest::prop_assert!(r.open(&bytes).is_err());
+            proptest::prop_assert!(Session::respond(b"s", [0; SEED], &bytes, "f").is_err() || bytes.len() == HANDSHAKE_LEN);
+        }
+    }
+}
