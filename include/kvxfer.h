@@ -618,7 +618,9 @@ kvx_status kvx_agent_config_set_discovery(struct kvx_agent_config *c,
 
 /**
  * Sets the side channel's shared secret (`len` bytes; `len` 0 removes it): both ends must
- * hold it and prove it before any metadata moves.
+ * hold it; it keys a Noise handshake, and everything the side channel carries after it is
+ * encrypted and authenticated. What it does not protect yet (UCX's own TCP port, per-peer
+ * lane access, handoffs, bulk data) is in SECURITY.md, kvxfer's threat model.
  *
  * # Safety
  * `c` is a live config not used by another thread during the call; `secret` is valid for

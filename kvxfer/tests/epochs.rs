@@ -150,7 +150,10 @@ fn an_impostor_with_the_real_epoch_or_epoch_zero_is_refused() {
         println!("an impostor with {what}: {e}");
         assert_eq!(d.peer_epoch(&name), Some(real.epoch()), "{what}");
         assert!(
-            read_from(&d, &dl, &name).unwrap().iter().all(|&b| b == 0x11),
+            read_from(&d, &dl, &name)
+                .unwrap()
+                .iter()
+                .all(|&b| b == 0x11),
             "{what}: the impostor's bytes were read"
         );
     }

@@ -231,3 +231,94 @@ fn a_relay_without_the_secret_reads_and_changes_nothing() {
     // The listener still serves.
     assert_eq!(a.connect(addr).unwrap(), peer);
 }
+
+/// A client-edited handoff that names another producer at an address the client runs: a
+/// consumer with a secret sends that listener nothing but its handshake message (no name, no
+/// metadata, no lane credential), the load fails typed, and a real load beside it completes.
+#[test]
+fn a_handoff_naming_a_foreign_listener_learns_nothing_and_fails_alone() {
+    use kvxfer::connector::{ConnectorConfig, Consumer, Producer};
+    use kvxfer::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking};
+    use std::io::Read;
+    use std::sync::Arc;
+    let secret = Some("open sesame");
+    let layout = |a: &Agent| {
+        let g = KvGeometry {
+            name: "sec".into(),
+            layers: 2,
+            kv_heads: 2,
+            head_dim: 32,
+            dtype: KvDtype::Bf16,
+        };
+        let probe = KvLayout::contiguous(
+            g.clone(),
+            16,
+            16,
+            KvPacking::Separate,
+            KvOrder::Nhd,
+            kvxfer::RegionId(0),
+        );
+        let r = a
+            .register(HostBuffer::new(probe.region_bytes() as usize).unwrap())
+            .unwrap();
+        r.write(0, &vec![0x5a; r.len() as usize]).unwrap();
+        let l = KvLayout::contiguous(g, 16, 16, KvPacking::Separate, KvOrder::Nhd, r.id());
+        (r, l)
+    };
+    let p = Arc::new(agent("hand-p", secret));
+    let (_pr, pl) = layout(&p);
+    let paddr = p.listen("127.0.0.1:0").unwrap();
+    let c = Arc::new(agent("hand-c", secret));
+    let (cr, cl) = layout(&c);
+    cr.write(0, &vec![0; cr.len() as usize]).unwrap();
+    let producer = Producer::new(p.clone(), pl, ConnectorConfig::default(), Some(paddr)).unwrap();
+    let consumer = Consumer::new(c.clone(), cl.clone(), ConnectorConfig::default()).unwrap();
+
+    // The client's listener speaks the preamble, then records what it is sent.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let foreign = l.local_addr().unwrap();
+    let got = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        s.write_all(b"KVXF\x00\x03\r\n").unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+        let mut seen = Vec::new();
+        let _ = s.read_to_end(&mut seen);
+        seen
+    });
+    let real = producer.publish("real", &[3, 4], 32, 2).unwrap();
+    let mut edited = producer.publish("edited", &[5, 6], 32, 2).unwrap();
+    edited.producer = format!("mallory-{}", std::process::id());
+    edited.side_channel = Some(foreign);
+    let e = consumer
+        .start_load(&edited, &[1, 2])
+        .and_then(|()| consumer.wait("edited", Duration::from_secs(20)))
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::Auth { .. } | Error::Protocol { .. }),
+        "the edited load fails typed: {e}"
+    );
+    println!("the edited load: {e}");
+    let seen = got.join().unwrap();
+    // The preamble and one 48-byte handshake frame at most.
+    assert!(seen.len() <= 8 + 5 + 48, "{} bytes sent", seen.len());
+    for (what, name) in [
+        (c.name().as_bytes().to_vec(), "the consumer's name"),
+        (lane_secret(&c).to_vec(), "the consumer's lane credential"),
+    ] {
+        assert!(!contains(&seen, &what), "the foreign listener got {name}");
+    }
+    // The untouched load completes.
+    consumer.start_load(&real, &[7, 8]).unwrap();
+    consumer.wait("real", Duration::from_secs(20)).unwrap();
+    for d in cl.descs(&[7, 8], 0..2, 0..2).unwrap() {
+        let mut b = vec![0u8; d.len as usize];
+        cr.read(d.offset, &mut b).unwrap();
+        assert!(b.iter().all(|&x| x == 0x5a), "the real load's bytes landed");
+    }
+    // Blocks 1 and 2, named by the edited load, were never written.
+    for d in cl.descs(&[1, 2], 0..2, 0..2).unwrap() {
+        let mut b = vec![0u8; d.len as usize];
+        cr.read(d.offset, &mut b).unwrap();
+        assert!(b.iter().all(|&x| x == 0), "the edited load wrote");
+    }
+}

@@ -36,8 +36,8 @@ after every change, for a textfile collector), ``gpu_path`` (device tensors: ``a
 ``direct`` through a CUDA-aware UCX, or ``staged`` through pinned host chunks charged to
 ``budget_mib``; ``kv_buffer_device: "cpu"`` in the transfer config means ``staged``),
 ``staging_chunks`` and ``staging_chunk_kib`` (that pool's size, default 8 x
-4096 KiB), ``secret`` (a shared secret both ends prove on the side channel), ``strict``
-(refuse a silent transport fallback), ``discovery`` (``etcd://host:2379``: workers publish
+4096 KiB), ``secret`` (a shared secret keying the side channel's Noise handshake;
+SECURITY.md says what it protects and what not yet), ``strict`` (refuse a silent transport fallback), ``discovery`` (``etcd://host:2379``: workers publish
 themselves in etcd and load each other before any handoff; ``namespace``,
 ``discovery_ttl_ms``), ``compression`` (the TCP lane's: ``auto``, the default, compresses a
 handoff where the measured link is slower than the codec makes worthwhile; ``on``; ``off``),

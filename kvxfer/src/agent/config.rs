@@ -68,8 +68,10 @@ pub struct AgentConfig {
     /// Memory the agent may allocate for itself (stream-lane request buffers, on both ends);
     /// share it with the connector's to bound a worker as a whole. Default: unlimited.
     pub budget: MemoryBudget,
-    /// A shared secret for the side channel: both ends must hold it, and prove it before any
-    /// metadata moves (HMAC-SHA256 challenge-response). `None`: open.
+    /// A shared secret for the side channel: both ends must hold it. It keys a Noise handshake
+    /// (`Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s`), and the metadata both ways and any refusal
+    /// are encrypted and authenticated under the session it makes. `None`: open, for a trusted
+    /// network only. `SECURITY.md` says what it does not protect yet.
     pub secret: Option<Vec<u8>>,
     /// Strict transport: a peer connection whose UCX transports or kvxfer lane do not match
     /// [`AgentConfig::transport`] fails with [`Error::TransportMismatch`](kvxfer_proto::error::Error::TransportMismatch) instead of falling
