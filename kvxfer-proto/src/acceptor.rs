@@ -22,7 +22,8 @@ use crate::wire::side_channel::{
 pub enum Step {
     /// Read `want()` bytes more.
     More,
-    /// The client's metadata (opened under the session, with a secret): load it, then [`SideChannelAcceptor::answer`].
+    /// The client's metadata (opened under the session, with a secret): load it, then
+    /// [`SideChannelAcceptor::answer`].
     Hello(Vec<u8>),
     /// The client was refused (an ERROR frame is queued for it): send the output, close.
     Refused(Error),
@@ -45,8 +46,6 @@ enum State {
 #[derive(Debug)]
 pub struct SideChannelAcceptor {
     who: String,
-    /// Whether this listener has a secret (then a handshake must come first).
-    secured: bool,
     /// The secret and the ephemeral key's seed, until the client's handshake uses them.
     secret: Option<(Vec<u8>, [u8; SEED])>,
     /// The session, once the handshake is done.
@@ -69,7 +68,6 @@ impl SideChannelAcceptor {
     ) -> SideChannelAcceptor {
         SideChannelAcceptor {
             who: who.to_string(),
-            secured: secret.is_some(),
             secret: secret.map(|s| (s.to_vec(), seed)),
             session: None,
             state: State::Preamble,
@@ -132,7 +130,8 @@ impl SideChannelAcceptor {
                 }
                 let kind = b[LEN_BYTES];
                 // Refuse what cannot be right before reading its payload.
-                match (self.secured, self.session.is_some(), kind) {
+                let secured = self.secret.is_some() || self.session.is_some();
+                match (secured, self.session.is_some(), kind) {
                     (true, false, NOISE1) if len - 1 == HANDSHAKE_LEN => {}
                     (true, false, NOISE1) => {
                         let e = self.auth("a handshake message of the wrong size");

@@ -68,14 +68,15 @@ impl snow::types::Random for SeededRandom {
     }
 }
 
-/// snow's default primitives, with the caller's seed as the only randomness.
+/// snow's default primitives, with the caller's seed as the only randomness. (snow asks
+/// `Send` of a resolver, not `Sync`: a `Cell` holds the seed until the one request for it.)
 struct SeededResolver {
-    seed: std::sync::Mutex<Option<[u8; SEED]>>,
+    seed: std::cell::Cell<Option<[u8; SEED]>>,
 }
 
 impl snow::resolvers::CryptoResolver for SeededResolver {
     fn resolve_rng(&self) -> Option<Box<dyn snow::types::Random>> {
-        let seed = self.seed.lock().unwrap_or_else(|e| e.into_inner()).take()?;
+        let seed = self.seed.take()?;
         Some(Box::new(SeededRandom { seed, used: 0 }))
     }
     fn resolve_dh(&self, c: &snow::params::DHChoice) -> Option<Box<dyn snow::types::Dh>> {
@@ -107,7 +108,7 @@ fn builder_state(secret: &[u8], seed: [u8; SEED], initiator: bool) -> Result<sno
         .unwrap_or_else(|_| unreachable!("a valid Noise name"));
     let key = psk(secret);
     let resolver = SeededResolver {
-        seed: std::sync::Mutex::new(Some(seed)),
+        seed: std::cell::Cell::new(Some(seed)),
     };
     let b = snow::Builder::with_resolver(params, Box::new(resolver))
         .prologue(PROLOGUE)
@@ -235,12 +236,14 @@ impl Session {
 
     /// `plain`, sealed under the session ([`sealed_len`] bytes).
     pub fn seal(&mut self, plain: &[u8]) -> Vec<u8> {
-        let mut body = Vec::with_capacity(LEN_BYTES + plain.len());
-        body.extend_from_slice(&(plain.len() as u32).to_le_bytes());
-        body.extend_from_slice(plain);
+        // The first chunk carries the length ahead of the plaintext; the rest are slices of it.
+        let head = plain.len().min(CHUNK - LEN_BYTES);
+        let mut first = Vec::with_capacity(LEN_BYTES + head);
+        first.extend_from_slice(&(plain.len() as u32).to_le_bytes());
+        first.extend_from_slice(&plain[..head]);
         let mut out = Vec::with_capacity(sealed_len(plain.len()));
         let mut buf = vec![0u8; MAX_CHUNK];
-        for chunk in body.chunks(CHUNK) {
+        for chunk in std::iter::once(&first[..]).chain(plain[head..].chunks(CHUNK)) {
             let n = self
                 .transport
                 .write_message(chunk, &mut buf)
@@ -263,7 +266,6 @@ impl Session {
         };
         let mut body = Vec::new();
         let mut buf = vec![0u8; MAX_CHUNK];
-        let mut want: Option<usize> = None;
         while !sealed.is_empty() {
             if sealed.len() < CHUNK_LEN_BYTES {
                 return Err(bad("a cut chunk header"));
@@ -279,19 +281,16 @@ impl Session {
                 .map_err(|_| bad("a chunk did not decrypt"))?;
             body.extend_from_slice(&buf[..m]);
             sealed = &rest[n..];
-            if want.is_none() && body.len() >= LEN_BYTES {
-                let len = u32::from_le_bytes([body[0], body[1], body[2], body[3]]) as usize;
-                want = Some(len);
-            }
-            if let Some(w) = want {
-                if body.len() > LEN_BYTES + w {
-                    return Err(bad("more bytes than its length"));
-                }
-            }
         }
-        match want {
-            Some(w) if body.len() == LEN_BYTES + w => Ok(body.split_off(LEN_BYTES)),
-            _ => Err(bad("cut short")),
+        // The length, authenticated with the first chunk, says whether chunks were cut off.
+        match body.get(..LEN_BYTES) {
+            Some(l)
+                if u32::from_le_bytes([l[0], l[1], l[2], l[3]]) as usize + LEN_BYTES
+                    == body.len() =>
+            {
+                Ok(body.split_off(LEN_BYTES))
+            }
+            _ => Err(bad("cut short, or longer than its length")),
         }
     }
 }

@@ -139,8 +139,22 @@ fn an_impostor_with_the_real_epoch_or_epoch_zero_is_refused() {
     d.load_remote_metadata(&real.metadata().unwrap()).unwrap();
 
     let (impostor, _ri) = prefill(&name, 0x66);
-    let mut forged = Metadata::decode(&impostor.metadata().unwrap(), DEFAULT_COMPAT).unwrap();
-    for (what, epoch) in [("the real epoch", real.epoch()), ("epoch 0", 0)] {
+    let own = Metadata::decode(&impostor.metadata().unwrap(), DEFAULT_COMPAT).unwrap();
+    let copied = Metadata::decode(&real.metadata().unwrap(), DEFAULT_COMPAT).unwrap();
+    // Its own metadata with the real epoch; the same with the real lane address and process
+    // copied too (only its UCX worker, where traffic would go, is its own); epoch 0.
+    let mut look_alike = own.clone();
+    (look_alike.lane, look_alike.host) = (copied.lane, copied.host);
+    for (what, base, epoch) in [
+        ("the real epoch", &own, real.epoch()),
+        (
+            "the real epoch, lane and process",
+            &look_alike,
+            real.epoch(),
+        ),
+        ("epoch 0", &own, 0),
+    ] {
+        let mut forged = base.clone();
         forged.epoch = epoch;
         let e = d.load_remote_metadata(&forged.encode()).unwrap_err();
         assert!(

@@ -40,6 +40,7 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
     let spans: Vec<RegionSpan> = meta.regions.iter().map(|r| r.span()).collect();
     let unmapped: Vec<bool> = meta.regions.iter().map(|r| r.rkey.is_empty()).collect();
     let (epoch, lane_addr, host) = (meta.epoch, meta.lane.map(|l| l.addr), meta.host);
+    let worker_addr = meta.worker_addr.clone();
     let LoadedPeer { token, connected } = st.cmds.call(|reply| Cmd::LoadPeer { meta, reply })?;
     if let Some(token) = token {
         st.gone
@@ -57,6 +58,7 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
                 epoch,
                 lane_addr,
                 host,
+                worker_addr,
             }),
         );
     }
@@ -101,12 +103,14 @@ fn another_incarnation(st: &AgentState, meta: &Metadata) -> Result<()> {
         let same_lane = old.lane_addr == meta.lane.map(|l| l.addr);
         let same_process = old.host.map(|h| (h.boot_id, h.pid_ns, h.pid))
             == meta.host.map(|h| (h.boot_id, h.pid_ns, h.pid));
-        if same_lane && same_process {
+        // Lane address and process are easy to copy from the real metadata; the worker address
+        // is where UCX traffic would go, so an impostor must change it to receive anything.
+        if same_lane && same_process && old.worker_addr == meta.worker_addr {
             return Ok(());
         }
         return Err(conflict(format!(
             "epoch {:#018x} is loaded here from {}; metadata with the same epoch came from {} \
-             (the same epoch from another lane address or process is not a restart)",
+             (the same epoch from another worker, lane address or process is not a restart)",
             old.epoch,
             old.lane_addr
                 .map_or("no lane".to_string(), |a| a.to_string()),

@@ -116,4 +116,7 @@ pub(crate) struct PeerView {
     pub(crate) lane_addr: Option<std::net::SocketAddr>,
     /// Its host and process, for the same check when it has no lane.
     pub(crate) host: Option<HostInfo>,
+    /// Its UCX worker's address: with the lane address and the process, what metadata of the
+    /// same epoch must match to be taken as the same incarnation.
+    pub(crate) worker_addr: Vec<u8>,
 }
