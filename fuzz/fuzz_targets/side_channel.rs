@@ -4,7 +4,7 @@
 //! handshake message by a responder and as the answer by an initiator.
 #![no_main]
 use kvxfer_proto::acceptor::{SideChannelAcceptor, Step};
-use kvxfer_proto::session::{Initiator, Session};
+use kvxfer_proto::session::{Initiator, Psk, Session};
 use kvxfer_proto::wire::metadata::{Metadata, DEFAULT_COMPAT};
 use kvxfer_proto::wire::side_channel::{encode_frame, read_frame};
 use libfuzzer_sys::fuzz_target;
@@ -39,16 +39,16 @@ fuzz_target!(|data: &[u8]| {
         let _ = a.take_output();
     }
     // Sealed input: never opens (a forgery), never panics.
-    if let Ok((init, first)) = Initiator::start(b"k", [1; 32], "fuzz") {
-        if let Ok((mut responder, answer)) = Session::respond(b"k", [2; 32], &first, "fuzz") {
+    if let Ok((init, first)) = Initiator::start(&Psk::side_channel(b"k"), [1; 32], "fuzz") {
+        if let Ok((mut responder, answer)) = Session::respond(&Psk::side_channel(b"k"), [2; 32], &first, "fuzz") {
             assert!(responder.open(data).is_err());
             if let Ok(mut initiator) = init.finish(&answer) {
                 assert!(initiator.open(data).is_err());
             }
         }
     }
-    let _ = Session::respond(b"k", [3; 32], data, "fuzz");
-    if let Ok((init, _)) = Initiator::start(b"k", [4; 32], "fuzz") {
+    let _ = Session::respond(&Psk::side_channel(b"k"), [3; 32], data, "fuzz");
+    if let Ok((init, _)) = Initiator::start(&Psk::side_channel(b"k"), [4; 32], "fuzz") {
         let _ = init.finish(data);
     }
 });

@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use crate::error::Error;
-use crate::session::{Session, HANDSHAKE_LEN, SEED};
+use crate::session::{Psk, Session, HANDSHAKE_LEN, SEED};
 use crate::wire::side_channel::{
     check_preamble, encode_frame, ERROR, FRAME_HEADER_LEN, HELLO, LEN_BYTES, MAX_FRAME, META,
     NOISE1, NOISE2, PREAMBLE,
@@ -175,7 +175,7 @@ impl SideChannelAcceptor {
                 let e = self.protocol("a second handshake".into());
                 return self.refuse("expected HELLO", e);
             };
-            return match Session::respond(&secret, seed, p, &self.who) {
+            return match Session::respond(&Psk::side_channel(&secret), seed, p, &self.who) {
                 Ok((session, answer)) => {
                     self.out.extend_from_slice(&encode_frame(NOISE2, &answer));
                     self.session = Some(session);
@@ -303,8 +303,12 @@ mod tests {
     /// The client's handshake through the acceptor: the client's session, or the acceptor's
     /// refusal.
     fn handshake(a: &mut SideChannelAcceptor, client_secret: &[u8]) -> Option<Session> {
-        let (init, first) =
-            crate::session::Initiator::start(client_secret, [3; SEED], "l").unwrap();
+        let (init, first) = crate::session::Initiator::start(
+            &crate::session::Psk::side_channel(client_secret),
+            [3; SEED],
+            "l",
+        )
+        .unwrap();
         let mut b = PREAMBLE.to_vec();
         b.extend_from_slice(&encode_frame(NOISE1, &first));
         let steps = feed(a, &b);

@@ -210,6 +210,17 @@ impl LaneTarget {
         self.close(why);
     }
 
+    /// The shell refuses the accepted initiator for `why` (a policy the hello's fields do not
+    /// show, such as the data mode): instead of its welcome it is told why, and the connection
+    /// closes. Nothing it sends is taken.
+    pub fn refuse(&mut self, why: &str) {
+        self.events.clear();
+        self.events
+            .push_back(TargetEvent::Transmit(encode_welcome(W_REFUSED, 0, why)));
+        self.peer = None;
+        self.close(why.to_string());
+    }
+
     /// The next thing to do.
     pub fn poll_event(&mut self) -> Option<TargetEvent> {
         self.events.pop_front()

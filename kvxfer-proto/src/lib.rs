@@ -16,6 +16,7 @@ pub mod connector;
 pub mod descriptor;
 pub mod error;
 pub mod lane;
+pub mod lane_seal;
 pub mod layout;
 pub mod lifecycle;
 pub mod paged;

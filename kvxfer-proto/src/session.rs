@@ -23,10 +23,16 @@ use crate::error::{Error, Result};
 
 /// The Noise protocol name.
 pub const NOISE_PARAMS: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
-/// What the PSK is derived under (`HMAC-SHA256(secret, PSK_LABEL)`).
+/// What the side channel's PSK is derived under (`HMAC-SHA256(secret, PSK_LABEL)`).
 pub const PSK_LABEL: &[u8] = b"kvxfer side channel psk v3";
 /// Bound into the handshake hash: a handshake of another protocol or version never matches.
 pub const PROLOGUE: &[u8] = b"kvxfer side channel v3";
+/// What a TCP lane's PSK is derived under (`HMAC-SHA256(secret, LANE_PSK_LABEL | lane
+/// secret)`): the deployment's secret and the target incarnation's lane credential both.
+pub const LANE_PSK_LABEL: &[u8] = b"kvxfer tcp lane psk v3";
+/// The TCP lane's prologue: a side-channel handshake never completes on a lane, nor the
+/// reverse.
+pub const LANE_PROLOGUE: &[u8] = b"kvxfer tcp lane v3";
 /// Bytes of randomness one handshake consumes (its ephemeral X25519 key).
 pub const SEED: usize = 32;
 /// Bytes of the first and of the second handshake message (an ephemeral key and a tag).
@@ -93,26 +99,61 @@ impl snow::resolvers::CryptoResolver for SeededResolver {
     }
 }
 
-/// The PSK for `secret`.
-fn psk(secret: &[u8]) -> [u8; 32] {
+/// What a handshake is for: its pre-shared key and its prologue. A handshake made for one
+/// purpose (or another secret, or another lane credential) never completes as another.
+#[derive(Clone)]
+pub struct Psk {
+    key: [u8; 32],
+    prologue: &'static [u8],
+}
+
+impl std::fmt::Debug for Psk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Psk")
+            .field("prologue", &String::from_utf8_lossy(self.prologue))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Psk {
+    /// The side channel's: `HMAC-SHA256(secret, PSK_LABEL)`.
+    pub fn side_channel(secret: &[u8]) -> Psk {
+        Psk {
+            key: hmac(secret, &[PSK_LABEL]),
+            prologue: PROLOGUE,
+        }
+    }
+
+    /// A TCP lane's towards the target whose lane credential is `lane_secret`:
+    /// `HMAC-SHA256(secret, LANE_PSK_LABEL | lane_secret)`.
+    pub fn lane(secret: &[u8], lane_secret: &[u8]) -> Psk {
+        Psk {
+            key: hmac(secret, &[LANE_PSK_LABEL, lane_secret]),
+            prologue: LANE_PROLOGUE,
+        }
+    }
+}
+
+fn hmac(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
     use hmac::Mac;
-    let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(secret)
+    let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(key)
         .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
-    m.update(PSK_LABEL);
+    for p in parts {
+        m.update(p);
+    }
     m.finalize().into_bytes().into()
 }
 
-fn builder_state(secret: &[u8], seed: [u8; SEED], initiator: bool) -> Result<snow::HandshakeState> {
+fn builder_state(psk: &Psk, seed: [u8; SEED], initiator: bool) -> Result<snow::HandshakeState> {
     let params: snow::params::NoiseParams = NOISE_PARAMS
         .parse()
         .unwrap_or_else(|_| unreachable!("a valid Noise name"));
-    let key = psk(secret);
     let resolver = SeededResolver {
         seed: std::cell::Cell::new(Some(seed)),
     };
     let b = snow::Builder::with_resolver(params, Box::new(resolver))
-        .prologue(PROLOGUE)
-        .and_then(|b| b.psk(0, &key));
+        .prologue(psk.prologue)
+        .and_then(|b| b.psk(0, &psk.key));
     let b = b.map_err(|e| internal(&e))?;
     if initiator {
         b.build_initiator()
@@ -147,8 +188,8 @@ impl std::fmt::Debug for Initiator {
 
 impl Initiator {
     /// Starts a handshake with `who` (named in errors): the state and the first message.
-    pub fn start(secret: &[u8], seed: [u8; SEED], who: &str) -> Result<(Initiator, Vec<u8>)> {
-        let mut state = builder_state(secret, seed, true)?;
+    pub fn start(psk: &Psk, seed: [u8; SEED], who: &str) -> Result<(Initiator, Vec<u8>)> {
+        let mut state = builder_state(psk, seed, true)?;
         let mut msg = vec![0u8; HANDSHAKE_LEN];
         let n = state
             .write_message(&[], &mut msg)
@@ -203,7 +244,7 @@ impl Session {
     /// The responder's side: checks the initiator's first message (made with the same
     /// secret) and gives the session and the answer to send.
     pub fn respond(
-        secret: &[u8],
+        psk: &Psk,
         seed: [u8; SEED],
         first: &[u8],
         who: &str,
@@ -214,7 +255,7 @@ impl Session {
                 format!("a handshake of {} bytes, not {HANDSHAKE_LEN}", first.len()),
             ));
         }
-        let mut state = builder_state(secret, seed, false)?;
+        let mut state = builder_state(psk, seed, false)?;
         let mut payload = [0u8; HANDSHAKE_LEN];
         state
             .read_message(first, &mut payload)
@@ -236,27 +277,44 @@ impl Session {
 
     /// `plain`, sealed under the session ([`sealed_len`] bytes).
     pub fn seal(&mut self, plain: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(sealed_len(plain.len()));
+        self.seal_into(plain, &mut out);
+        out
+    }
+
+    /// Appends `plain`, sealed under the session, to `out` (no other buffer).
+    pub fn seal_into(&mut self, plain: &[u8], out: &mut Vec<u8>) {
+        out.reserve(sealed_len(plain.len()));
         // The first chunk carries the length ahead of the plaintext; the rest are slices of it.
         let head = plain.len().min(CHUNK - LEN_BYTES);
-        let mut first = Vec::with_capacity(LEN_BYTES + head);
-        first.extend_from_slice(&(plain.len() as u32).to_le_bytes());
-        first.extend_from_slice(&plain[..head]);
-        let mut out = Vec::with_capacity(sealed_len(plain.len()));
-        let mut buf = vec![0u8; MAX_CHUNK];
-        for chunk in std::iter::once(&first[..]).chain(plain[head..].chunks(CHUNK)) {
+        let mut first = [0u8; CHUNK];
+        first[..LEN_BYTES].copy_from_slice(&(plain.len() as u32).to_le_bytes());
+        first[LEN_BYTES..LEN_BYTES + head].copy_from_slice(&plain[..head]);
+        let first = &first[..LEN_BYTES + head];
+        for chunk in std::iter::once(first).chain(plain[head..].chunks(CHUNK)) {
+            let at = out.len();
+            out.resize(at + CHUNK_LEN_BYTES + chunk.len() + TAG, 0);
             let n = self
                 .transport
-                .write_message(chunk, &mut buf)
+                .write_message(chunk, &mut out[at + CHUNK_LEN_BYTES..])
                 .unwrap_or_else(|e| unreachable!("a chunk within Noise's limit: {e}"));
-            out.extend_from_slice(&(n as u16).to_le_bytes());
-            out.extend_from_slice(&buf[..n]);
+            out[at..at + CHUNK_LEN_BYTES].copy_from_slice(&(n as u16).to_le_bytes());
+            out.truncate(at + CHUNK_LEN_BYTES + n);
         }
-        out
     }
 
     /// The plaintext of a message the other side sealed; [`Error::Auth`] when it was changed,
     /// cut, replayed, reordered or sealed under another session.
-    pub fn open(&mut self, mut sealed: &[u8]) -> Result<Vec<u8>> {
+    pub fn open(&mut self, sealed: &[u8]) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        let at = self.open_into(sealed, &mut out)?;
+        Ok(out.split_off(at))
+    }
+
+    /// Like [`Session::open`] into `out` (its capacity reused, what it held replaced): the
+    /// plaintext is `out[returned..]` (the authenticated length stays ahead of it, so that no
+    /// byte moves).
+    pub fn open_into(&mut self, mut sealed: &[u8], out: &mut Vec<u8>) -> Result<usize> {
         let who = self.who.clone();
         let bad = |why: &str| {
             auth(
@@ -264,8 +322,7 @@ impl Session {
                 format!("a sealed message failed its authentication ({why})"),
             )
         };
-        let mut body = Vec::new();
-        let mut buf = vec![0u8; MAX_CHUNK];
+        out.clear();
         while !sealed.is_empty() {
             if sealed.len() < CHUNK_LEN_BYTES {
                 return Err(bad("a cut chunk header"));
@@ -275,20 +332,22 @@ impl Session {
             if n < TAG || n > rest.len() {
                 return Err(bad("a chunk length past the message"));
             }
+            let at = out.len();
+            out.resize(at + n, 0);
             let m = self
                 .transport
-                .read_message(&rest[..n], &mut buf)
+                .read_message(&rest[..n], &mut out[at..])
                 .map_err(|_| bad("a chunk did not decrypt"))?;
-            body.extend_from_slice(&buf[..m]);
+            out.truncate(at + m);
             sealed = &rest[n..];
         }
         // The length, authenticated with the first chunk, says whether chunks were cut off.
-        match body.get(..LEN_BYTES) {
+        match out.get(..LEN_BYTES) {
             Some(l)
                 if u32::from_le_bytes([l[0], l[1], l[2], l[3]]) as usize + LEN_BYTES
-                    == body.len() =>
+                    == out.len() =>
             {
-                Ok(body.split_off(LEN_BYTES))
+                Ok(LEN_BYTES)
             }
             _ => Err(bad("cut short, or longer than its length")),
         }
@@ -301,8 +360,8 @@ mod tests {
     use super::*;
 
     fn pair(a: &[u8], b: &[u8]) -> Result<(Session, Session)> {
-        let (i, first) = Initiator::start(a, [1; SEED], "r")?;
-        let (r, answer) = Session::respond(b, [2; SEED], &first, "i")?;
+        let (i, first) = Initiator::start(&Psk::side_channel(a), [1; SEED], "r")?;
+        let (r, answer) = Session::respond(&Psk::side_channel(b), [2; SEED], &first, "i")?;
         Ok((i.finish(&answer)?, r))
     }
 
@@ -351,8 +410,9 @@ mod tests {
         // Sealed under another session (same secret).
         let (mut i2, _) = pair(b"s", b"s").unwrap();
         let (_, mut r3) = {
-            let (ii, first) = Initiator::start(b"s", [5; SEED], "r").unwrap();
-            let (rr, answer) = Session::respond(b"s", [6; SEED], &first, "i").unwrap();
+            let (ii, first) = Initiator::start(&Psk::side_channel(b"s"), [5; SEED], "r").unwrap();
+            let (rr, answer) =
+                Session::respond(&Psk::side_channel(b"s"), [6; SEED], &first, "i").unwrap();
             (ii.finish(&answer).unwrap(), rr)
         };
         assert!(r3.open(&i2.seal(b"x")).is_err(), "foreign session");
@@ -362,22 +422,23 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore = "X25519 takes minutes under Miri")]
     fn a_wrong_secret_fails_on_either_side() {
-        let (_, first) = Initiator::start(b"right", [1; SEED], "r").unwrap();
-        let e = Session::respond(b"wrong", [2; SEED], &first, "i").unwrap_err();
+        let (_, first) = Initiator::start(&Psk::side_channel(b"right"), [1; SEED], "r").unwrap();
+        let e = Session::respond(&Psk::side_channel(b"wrong"), [2; SEED], &first, "i").unwrap_err();
         assert!(e.to_string().contains("did not prove"), "{e}");
         // A responder that answers with another secret (a relay making its own answer).
-        let (i, _first) = Initiator::start(b"right", [1; SEED], "r").unwrap();
-        let (_, other) = Initiator::start(b"wrong", [3; SEED], "x").unwrap();
-        let (_, answer) = Session::respond(b"wrong", [2; SEED], &other, "i").unwrap();
+        let (i, _first) = Initiator::start(&Psk::side_channel(b"right"), [1; SEED], "r").unwrap();
+        let (_, other) = Initiator::start(&Psk::side_channel(b"wrong"), [3; SEED], "x").unwrap();
+        let (_, answer) =
+            Session::respond(&Psk::side_channel(b"wrong"), [2; SEED], &other, "i").unwrap();
         let e = i.finish(&answer).unwrap_err();
         assert!(e.to_string().contains("did not prove"), "{e}");
         // A replayed first message gets an answer its sender can never use: a relay that
         // replays it learns nothing it can open, and a second answer differs.
-        let (_, first) = Initiator::start(b"s", [1; SEED], "r").unwrap();
-        let (_, a1) = Session::respond(b"s", [2; SEED], &first, "i").unwrap();
-        let (_, a2) = Session::respond(b"s", [4; SEED], &first, "i").unwrap();
+        let (_, first) = Initiator::start(&Psk::side_channel(b"s"), [1; SEED], "r").unwrap();
+        let (_, a1) = Session::respond(&Psk::side_channel(b"s"), [2; SEED], &first, "i").unwrap();
+        let (_, a2) = Session::respond(&Psk::side_channel(b"s"), [4; SEED], &first, "i").unwrap();
         assert_ne!(a1, a2);
-        assert!(Session::respond(b"s", [2; SEED], &first[..10], "i").is_err());
+        assert!(Session::respond(&Psk::side_channel(b"s"), [2; SEED], &first[..10], "i").is_err());
     }
 
     proptest::proptest! {
@@ -387,7 +448,7 @@ mod tests {
         fn open_never_panics(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
             let (_, mut r) = pair(b"s", b"s").unwrap();
             proptest::prop_assert!(r.open(&bytes).is_err());
-            proptest::prop_assert!(Session::respond(b"s", [0; SEED], &bytes, "f").is_err() || bytes.len() == HANDSHAKE_LEN);
+            proptest::prop_assert!(Session::respond(&Psk::side_channel(b"s"), [0; SEED], &bytes, "f").is_err() || bytes.len() == HANDSHAKE_LEN);
         }
     }
 }

@@ -23,7 +23,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use kvxfer_proto::error::{Error, Result};
-use kvxfer_proto::session::{Initiator, SEED};
+use kvxfer_proto::session::{Initiator, Psk, SEED};
 use kvxfer_proto::wire::metadata::Metadata;
 use kvxfer_proto::wire::side_channel::{
     check_preamble, encode_frame, read_frame, ERROR, HELLO, META, NOISE1, NOISE2, PREAMBLE,
@@ -66,7 +66,7 @@ pub(crate) fn exchange(
     preamble(&mut s, &who, timeout)?;
     let mut session = None;
     if let Some(secret) = &shared.secret {
-        let (init, first) = Initiator::start(secret, seed()?, &who)?;
+        let (init, first) = Initiator::start(&Psk::side_channel(secret), seed()?, &who)?;
         write_frame(&mut s, NOISE1, &first)?;
         let (kind, p) = read_frame(&mut s, &who).map_err(|e| waited(e, &who, timeout))?;
         match kind {

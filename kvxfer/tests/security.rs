@@ -322,3 +322,172 @@ fn a_handoff_naming_a_foreign_listener_learns_nothing_and_fails_alone() {
         assert!(b.iter().all(|&x| x == 0), "the edited load wrote");
     }
 }
+
+/// Two agents with a secret (`sealed_data`: lane_encryption on both), `b`'s lane reached
+/// through a relay: `b`'s metadata is loaded into `a` with its lane address pointing at it.
+fn lane_via_relay(
+    tag: &str,
+    sealed_data: bool,
+    flip: Option<&dyn Fn(&Agent) -> usize>,
+) -> (Agent, Agent, kvxfer::Region, kvxfer::Region, String, Seen) {
+    use kvxfer::wire::metadata::{Metadata, DEFAULT_COMPAT};
+    let mk = |n: &str| {
+        let c = AgentConfig::new(format!("{n}-{tag}-{}", std::process::id()))
+            .transport(Transport::Tcp)
+            .net_devices("lo")
+            .secret(b"open sesame".to_vec())
+            .lane_encryption(sealed_data);
+        Agent::new(c).unwrap()
+    };
+    let (a, b) = (mk("lrelay-a"), mk("lrelay-b"));
+    let ra = a.register(HostBuffer::new(1 << 16).unwrap()).unwrap();
+    let rb = b.register(HostBuffer::new(1 << 16).unwrap()).unwrap();
+    ra.write(0, &[0xA7; 1 << 16]).unwrap();
+    rb.write(0, &[0x5B; 1 << 16]).unwrap();
+    let mut meta = Metadata::decode(&b.metadata().unwrap(), DEFAULT_COMPAT).unwrap();
+    let lane = meta.lane.as_mut().unwrap();
+    let (via, seen) = relay(lane.addr, flip.map(|f| f(&a)));
+    lane.addr = via;
+    let peer = a.load_remote_metadata(&meta.encode()).unwrap();
+    (a, b, ra, rb, peer, seen)
+}
+
+fn write_all_of(
+    a: &Agent,
+    ra: &kvxfer::Region,
+    rb: &kvxfer::Region,
+    peer: &str,
+) -> kvxfer::Result<()> {
+    let l = a.prep_local(&[Desc::new(ra.id(), 0, 1 << 16)])?;
+    let r = a.prep_remote(peer, &[Desc::new(rb.id(), 0, 1 << 16)])?;
+    a.transfer_all(
+        XferOp::Write,
+        &l,
+        &r,
+        Some(b"landed"),
+        Some(Duration::from_secs(10)),
+    )?
+    .wait()
+    .map(|_| ())
+}
+
+/// With a secret, a relay on the TCP lane sees no lane credential, no name and no
+/// notification (control is sealed; with lane_encryption not the data either).
+#[test]
+fn a_relay_on_the_tcp_lane_learns_no_credential() {
+    for sealed_data in [false, true] {
+        let (a, b, ra, rb, peer, seen) = lane_via_relay("pass", sealed_data, None);
+        write_all_of(&a, &ra, &rb, &peer).unwrap();
+        let mut got = vec![0u8; 1 << 16];
+        rb.read(0, &mut got).unwrap();
+        assert!(got.iter().all(|&x| x == 0xA7), "the write landed whole");
+        let (bl, an) = (lane_secret(&b), a.name().as_bytes().to_vec());
+        drop(a);
+        let (up, down) = seen.join().unwrap();
+        assert!(up.len() > 1 << 16, "the data went through the relay");
+        for (what, secret) in [
+            (&bl[..], "b's lane credential"),
+            (&an[..], "a's name"),
+            (&b"landed"[..], "the notification"),
+        ] {
+            assert!(
+                !contains(&up, what) && !contains(&down, what),
+                "the relay read {secret} off the lane (sealed data {sealed_data})"
+            );
+        }
+        assert_eq!(
+            contains(&up, &[0xA7; 64]),
+            !sealed_data,
+            "the data is in the clear exactly when lane_encryption is off"
+        );
+    }
+}
+
+/// A byte a relay changes on the TCP lane: in the first request's record (control), and with
+/// lane_encryption in the data. The write fails typed; b's memory keeps its bytes.
+#[test]
+fn a_relay_on_the_tcp_lane_changes_nothing() {
+    // (Opening: 4 + 48 bytes; the hello record: its name + 59 bytes.)
+    let in_request: &dyn Fn(&Agent) -> usize = &|a| 52 + a.name().len() + 59 + 10;
+    let in_data: &dyn Fn(&Agent) -> usize = &|_| 30_000;
+    for (sealed_data, at) in [(false, in_request), (true, in_request), (true, in_data)] {
+        let (a, _b, ra, rb, peer, seen) = lane_via_relay("flip", sealed_data, Some(at));
+        let e = write_all_of(&a, &ra, &rb, &peer).unwrap_err();
+        let mut got = vec![0u8; 1 << 16];
+        rb.read(0, &mut got).unwrap();
+        assert!(
+            got.iter().all(|&x| x == 0x5B),
+            "a changed lane stream wrote into b (sealed data {sealed_data}): {e}"
+        );
+        drop(a);
+        drop(seen.join());
+    }
+}
+
+/// A process without the secret that holds b's lane credential (say, read from a registry)
+/// and speaks the open lane's hello and a READ: refused before any request, no byte of b's
+/// memory read, and b still serves.
+#[test]
+fn a_lane_credential_without_the_secret_reads_nothing() {
+    use kvxfer::wire::lane::{Hello, RequestHeader, Segment, K_READ};
+    use std::io::Read;
+    let (a, b, _ra, rb, _peer, _seen) = lane_via_relay("cred", false, None);
+    let real = {
+        use kvxfer::wire::metadata::{Metadata, DEFAULT_COMPAT};
+        Metadata::decode(&b.metadata().unwrap(), DEFAULT_COMPAT)
+            .unwrap()
+            .lane
+            .unwrap()
+    };
+    let mut s = std::net::TcpStream::connect(real.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut m = Hello {
+        name: a.name(),
+        secret: real.secret,
+        epoch: 0,
+    }
+    .encode();
+    RequestHeader {
+        kind: K_READ,
+        id: 1,
+        nsegs: 1,
+        notif_len: 0,
+        frames: None,
+        paged: false,
+    }
+    .encode(&mut m);
+    Segment {
+        region: rb.id().0,
+        offset: 0,
+        len: 1 << 16,
+    }
+    .encode(&mut m);
+    let _ = s.write_all(&m);
+    let mut back = Vec::new();
+    let _ = s.read_to_end(&mut back);
+    assert!(
+        !contains(&back, &[0x5B; 64]),
+        "b served {} bytes of its memory to a client without the secret",
+        back.len()
+    );
+    // b still serves its real peer (directly, not through the relay).
+    drop(a);
+    let c = AgentConfig::new(format!("lrelay-c-{}", std::process::id()))
+        .transport(Transport::Tcp)
+        .net_devices("lo")
+        .secret(b"open sesame".to_vec());
+    let c = Agent::new(c).unwrap();
+    let rc = c.register(HostBuffer::new(1 << 16).unwrap()).unwrap();
+    let peer = c.load_remote_metadata(&b.metadata().unwrap()).unwrap();
+    let l = c.prep_local(&[Desc::new(rc.id(), 0, 1 << 16)]).unwrap();
+    let r = c
+        .prep_remote(&peer, &[Desc::new(rb.id(), 0, 1 << 16)])
+        .unwrap();
+    c.transfer_all(XferOp::Read, &l, &r, None, Some(Duration::from_secs(10)))
+        .unwrap()
+        .wait()
+        .unwrap();
+    let mut got = vec![0u8; 1 << 16];
+    rc.read(0, &mut got).unwrap();
+    assert!(got.iter().all(|&x| x == 0x5B));
+}

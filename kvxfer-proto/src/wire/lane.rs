@@ -14,6 +14,13 @@
 //!                              | data (read, status 0): the requested bytes in order
 //! ```
 //!
+//! With a shared secret the lane is sealed ([`crate::lane_seal`]): the initiator opens with
+//! `"KVXN" | Noise handshake` (PSK from the secret and the target's lane credential), the
+//! target answers with its handshake message, and every message above then travels inside
+//! records `len u32 | sealed bytes` of at most [`RECORD_PLAIN`] plaintext bytes. The first
+//! record is `mode u8 | hello`; the mode says whether the blocks' bytes (a write's data, a
+//! read's data, their frames) travel sealed too or as they are, between the records.
+//!
 //! Bits 4-5 of a request's kind: 0, the data travels as it is; 1-3, as the frames of
 //! [`crate::compress::frame`] (both ways: a write's data from the initiator, a read's data
 //! from the target), split by transform none, bf16 or bytes2 respectively. Bit 6 ([`K_PAGED`]):
@@ -50,6 +57,18 @@ use crate::wire::notify;
 pub const MAGIC: &[u8; 4] = b"KVXT";
 /// Lane protocol version (2: the fence epochs in the hello and the welcome).
 pub const VERSION: u16 = 2;
+/// First bytes of a sealed lane (a target with a shared secret takes no other): the
+/// initiator's Noise handshake message follows ([`crate::lane_seal`]).
+pub const SEALED_MAGIC: &[u8; 4] = b"KVXN";
+/// Bytes of a sealed record's length prefix (`u32` LE, the sealed bytes that follow).
+pub const RECORD_LEN_BYTES: usize = 4;
+/// Most plaintext bytes of one sealed record.
+pub const RECORD_PLAIN: usize = 1 << 20;
+/// Data mode of a sealed lane (the first byte of its first record): the blocks' bytes travel
+/// as they are; every control byte is sealed.
+pub const MODE_CLEAR_DATA: u8 = 0;
+/// Data mode of a sealed lane: the blocks' bytes travel sealed too.
+pub const MODE_SEALED_DATA: u8 = 1;
 /// Request kind: the data follows the segment table.
 pub const K_WRITE: u8 = 1;
 /// Request kind: the target sends the data after its reply.
@@ -457,7 +476,7 @@ pub fn parse_hello(h: &[u8; HELLO_FIXED_LEN]) -> std::result::Result<usize, Stri
 }
 
 /// Bytes of a hello after its fixed part, for a name of `name_len` bytes.
-pub fn hello_rest_len(name_len: usize) -> usize {
+pub const fn hello_rest_len(name_len: usize) -> usize {
     name_len + SECRET_LEN + EPOCH_LEN
 }
 

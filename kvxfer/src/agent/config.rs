@@ -68,11 +68,21 @@ pub struct AgentConfig {
     /// Memory the agent may allocate for itself (stream-lane request buffers, on both ends);
     /// share it with the connector's to bound a worker as a whole. Default: unlimited.
     pub budget: MemoryBudget,
-    /// A shared secret for the side channel: both ends must hold it. It keys a Noise handshake
-    /// (`Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s`), and the metadata both ways and any refusal
-    /// are encrypted and authenticated under the session it makes. `None`: open, for a trusted
-    /// network only. `SECURITY.md` says what it does not protect yet.
+    /// A shared secret: every peer must hold it. It keys a Noise handshake
+    /// (`Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s`) on the side channel, whose metadata both ways
+    /// and any refusal are encrypted and authenticated under the session it makes, and one on
+    /// every TCP lane connection (with the target's lane credential), whose control messages
+    /// are then sealed the same way. `None`: open, for a trusted network only. `SECURITY.md`
+    /// says what it does not protect yet.
     pub secret: Option<Vec<u8>>,
+    /// With a [`AgentConfig::secret`]: the blocks' bytes on the TCP lane travel sealed too
+    /// (ChaCha20-Poly1305 under the connection's session, records of 1 MiB, after any
+    /// compression), both the data this agent sends and the data it asks for. As a target it
+    /// then refuses initiators that would send or take data in the clear. Off (the default):
+    /// the data travels as it is, inside a trusted network; control is sealed either way.
+    /// Without a secret it has no effect (`Agent::new` refuses it). In-host lanes are
+    /// unaffected. docs/perf/README.md "Encryption" gives its cost.
+    pub lane_encryption: bool,
     /// Strict transport: a peer connection whose UCX transports or kvxfer lane do not match
     /// [`AgentConfig::transport`] fails with [`Error::TransportMismatch`](kvxfer_proto::error::Error::TransportMismatch) instead of falling
     /// back silently (for example to TCP when shared memory was asked for).
@@ -137,6 +147,7 @@ impl AgentConfig {
             ucx: Vec::new(),
             peer_failure: None,
             lanes: true,
+            lane_encryption: false,
             copy_threads: std::thread::available_parallelism()
                 .map(|n| n.get().min(4))
                 .unwrap_or(2),
@@ -211,9 +222,15 @@ impl AgentConfig {
         self
     }
 
-    /// Requires peers to prove a shared secret on the side channel.
+    /// Requires peers to prove a shared secret (see [`AgentConfig::secret`]).
     pub fn secret(mut self, s: impl Into<Vec<u8>>) -> Self {
         self.secret = Some(s.into());
+        self
+    }
+
+    /// Seals the blocks' bytes on the TCP lane too ([`AgentConfig::lane_encryption`]).
+    pub fn lane_encryption(mut self, on: bool) -> Self {
+        self.lane_encryption = on;
         self
     }
 

@@ -65,6 +65,11 @@ impl Agent {
         let cname = CString::new(cfg.name.clone())
             .map_err(|_| Error::InvalidArgument("agent name contains NUL".into()))?;
         cfg.transport.check().map_err(Error::InvalidArgument)?;
+        if cfg.lane_encryption && cfg.secret.is_none() {
+            return Err(Error::InvalidArgument(
+                "lane_encryption needs a shared secret (AgentConfig::secret) to key it".into(),
+            ));
+        }
         raw::route_log();
         let loaded = raw::version_string();
         if !kvxfer_proto::error::ucx_compatible(raw::BUILD_VERSION, &loaded) {
@@ -107,6 +112,8 @@ impl Agent {
             codec: codec.clone(),
             compress_threads: cfg.compress_threads.max(1),
             stall: cfg.lane_stall,
+            secret: cfg.secret.clone(),
+            seal_data: cfg.lane_encryption,
         });
         // The TCP lane carries every transfer with the TCP transport, and staged device memory
         // with any transport, in either direction: every agent with lanes on serves it, so that

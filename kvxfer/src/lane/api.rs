@@ -115,4 +115,9 @@ pub(crate) struct LaneCtx {
     pub(crate) compress_threads: usize,
     /// How long a peer may move no byte mid-message ([`crate::AgentConfig::lane_stall`]).
     pub(crate) stall: std::time::Duration,
+    /// The deployment's shared secret ([`crate::AgentConfig::secret`]): with it the TCP lane
+    /// is sealed.
+    pub(crate) secret: Option<Vec<u8>>,
+    /// Seal the blocks' bytes on the TCP lane too ([`crate::AgentConfig::lane_encryption`]).
+    pub(crate) seal_data: bool,
 }

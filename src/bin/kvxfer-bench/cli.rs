@@ -178,6 +178,13 @@ pub(crate) struct Args {
     /// quarter of the CPUs, 1 to 4).
     #[arg(long, default_value_t = 0)]
     pub(crate) compress_threads: usize,
+    /// A shared secret for both agents (`AgentConfig::secret`): the side channel and the TCP
+    /// lane's control are then sealed. The peer the bench starts gets it too.
+    #[arg(long)]
+    pub(crate) secret: Option<String>,
+    /// With --secret: the TCP lane's data is sealed too (`AgentConfig::lane_encryption`).
+    #[arg(long, requires = "secret")]
+    pub(crate) lane_encryption: bool,
     /// Where both sides' KV buffers live.
     #[arg(long, value_enum, default_value = "host")]
     pub(crate) memory: MemArg,

@@ -88,6 +88,12 @@ pub(crate) fn spawn_peer(args: &Args, transport: &str) -> Result<(Peer, SocketAd
         "--compress-threads",
         &args.compress_threads.to_string(),
     ]);
+    if let Some(s) = &args.secret {
+        cmd.args(["--secret", s]);
+        if args.lane_encryption {
+            cmd.arg("--lane-encryption");
+        }
+    }
     let mut child = cmd.stdout(Stdio::piped()).stdin(Stdio::null()).spawn()?;
     let out = child.stdout.take().ok_or("no stdout from peer")?;
     let peer = Peer(child);

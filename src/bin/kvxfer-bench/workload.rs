@@ -285,6 +285,11 @@ pub(crate) fn agent_config(
     if args.compress_threads > 0 {
         c = c.compress_threads(args.compress_threads);
     }
+    if let Some(s) = &args.secret {
+        c = c
+            .secret(s.as_bytes().to_vec())
+            .lane_encryption(args.lane_encryption);
+    }
     c.max_op_bytes = args.max_op;
     match (&args.net_devices, local_peer) {
         (Some(d), _) => c.net_devices(d.clone()),

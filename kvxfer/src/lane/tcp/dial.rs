@@ -1,5 +1,7 @@
-//! An initiator's connections to a TCP lane target: the hello (the lane secret, and the fence
-//! epoch its transfer was queued under), the welcome, and what a refusal for a fence teaches
+//! An initiator's connections to a TCP lane target: with a shared secret, the sealed opening
+//! ([`kvxfer_proto::lane_seal`]: the Noise handshake, then every message in sealed records);
+//! the hello (the lane secret, and the fence epoch its transfer was queued under), the
+//! welcome, and what a refusal for a fence teaches
 //! ([`kvxfer_proto::wire::lane::W_FENCED`]). After a transfer lost its connection the link
 //! asks again ([`Dialer::probe`]) before it reports the failure, so that a writer whose
 //! transfer a fence cut has learned the count by the time its caller queues the next one.
@@ -9,11 +11,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::stream::{recv_buf, send_buf, set_timeouts, Stop};
+use super::conn::{getrandom, Conn};
+use super::stream::{recv_buf, send_buf, set_timeouts, Ctl, Stop};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::lane::{LaneInitiator, Refusal};
+use kvxfer_proto::session::{Initiator, Psk, HANDSHAKE_LEN, SEED};
 use kvxfer_proto::types::LaneInfo;
-use kvxfer_proto::wire::lane::{parse_welcome, Hello, WELCOME_FIXED_LEN};
+use kvxfer_proto::wire::lane::{
+    parse_welcome, Hello, MODE_CLEAR_DATA, MODE_SEALED_DATA, SEALED_MAGIC, WELCOME_FIXED_LEN,
+};
 
 /// How long a connection and its hello may take.
 pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -28,15 +34,25 @@ pub(super) struct Dialer {
     /// The target's fence count for this agent, as learned from its refusals (shared by the
     /// links to the same target incarnation).
     view: Arc<AtomicU64>,
+    /// With a shared secret: the lane's PSK towards this target, and whether the data is
+    /// sealed too.
+    seal: Option<(Psk, bool)>,
 }
 
 impl Dialer {
-    pub(super) fn new(me: &str, peer: &str, info: LaneInfo, view: Arc<AtomicU64>) -> Dialer {
+    pub(super) fn new(
+        me: &str,
+        peer: &str,
+        info: LaneInfo,
+        view: Arc<AtomicU64>,
+        seal: Option<(Psk, bool)>,
+    ) -> Dialer {
         Dialer {
             me: me.to_string(),
             peer: peer.to_string(),
             info,
             view,
+            seal,
         }
     }
 
@@ -47,11 +63,11 @@ impl Dialer {
 
     /// A connection whose hello names fence epoch `epoch`, within `timeout`. A refusal for a
     /// fence teaches this agent the target's count and is [`Error::Fenced`].
-    pub(super) fn connect(&self, epoch: u64, timeout: Duration) -> Result<TcpStream> {
-        let c = TcpStream::connect_timeout(&self.info.addr, timeout)
+    pub(super) fn connect(&self, epoch: u64, timeout: Duration) -> Result<Conn> {
+        let sock = TcpStream::connect_timeout(&self.info.addr, timeout)
             .map_err(|e| self.err(format!("connecting to {}: {e}", self.info.addr)))?;
-        set_timeouts(&c).map_err(|e| self.err(format!("socket options: {e}")))?;
-        let h = Hello {
+        set_timeouts(&sock).map_err(|e| self.err(format!("socket options: {e}")))?;
+        let mut h = Hello {
             name: &self.me,
             secret: self.info.secret,
             epoch,
@@ -67,12 +83,25 @@ impl Dialer {
                 Ok(())
             }
         };
-        let r = send_buf(&c, &h, &mut ctl).and_then(|_| {
+        let c = match &self.seal {
+            None => Conn::open(sock),
+            Some((psk, sealed_data)) => {
+                let mode = if *sealed_data {
+                    MODE_SEALED_DATA
+                } else {
+                    MODE_CLEAR_DATA
+                };
+                h.insert(0, mode);
+                let c = self.open_sealed(sock, psk, *sealed_data, &mut ctl);
+                c.map_err(|s| self.stop_err(s, "the sealed opening"))?
+            }
+        };
+        let r = c.send(&h, &mut ctl).and_then(|_| {
             let mut w = [0u8; WELCOME_FIXED_LEN];
-            recv_buf(&c, &mut w, &mut ctl)?;
+            c.recv(&mut w, &mut ctl)?;
             let (status, epoch, msg_len) = parse_welcome(&w);
             let mut msg = vec![0u8; msg_len];
-            recv_buf(&c, &mut msg, &mut ctl)?;
+            c.recv(&mut msg, &mut ctl)?;
             Ok(LaneInitiator::welcome(status, epoch, &msg))
         });
         match r {
@@ -85,16 +114,42 @@ impl Dialer {
                 })
             }
             Ok(Err(Refusal::Refused(msg))) => Err(self.err(format!("refused: {msg}"))),
-            Err(Stop::Abort(e)) => Err(e),
-            Err(Stop::Eof) => Err(self.err("peer closed the connection during the hello")),
-            Err(Stop::Io(e)) => Err(self.err(format!("hello: {e}"))),
+            Err(s) => Err(self.stop_err(s, "the hello")),
+        }
+    }
+
+    /// The Noise handshake on a new connection: the session, whose records carry the rest.
+    fn open_sealed(
+        &self,
+        sock: TcpStream,
+        psk: &Psk,
+        sealed_data: bool,
+        ctl: &mut Ctl<'_>,
+    ) -> Result<Conn, Stop> {
+        let mut seed = [0u8; SEED];
+        getrandom(&mut seed).map_err(Stop::Abort)?;
+        let (init, first) = Initiator::start(psk, seed, &self.peer).map_err(Stop::Abort)?;
+        let mut opening = SEALED_MAGIC.to_vec();
+        opening.extend_from_slice(&first);
+        send_buf(&sock, &opening, ctl)?;
+        let mut answer = [0u8; HANDSHAKE_LEN];
+        recv_buf(&sock, &mut answer, ctl)?;
+        let session = init.finish(&answer).map_err(Stop::Abort)?;
+        Ok(Conn::sealed(sock, session, sealed_data))
+    }
+
+    fn stop_err(&self, s: Stop, during: &str) -> Error {
+        match s {
+            Stop::Abort(e) => e,
+            Stop::Eof => self.err(format!("peer closed the connection during {during}")),
+            Stop::Io(e) => self.err(format!("{during}: {e}")),
         }
     }
 
     /// Reconnects naming `epoch` after a transfer lost its connection: the connection if the
     /// target serves it (kept for the next transfer), `None` if it refused it (a fence: the
     /// count is learned) or cannot be reached.
-    pub(super) fn probe(&self, epoch: u64) -> Option<TcpStream> {
+    pub(super) fn probe(&self, epoch: u64) -> Option<Conn> {
         match self.connect(epoch, PROBE_TIMEOUT) {
             Ok(c) => Some(c),
             Err(e) => {
@@ -120,8 +175,8 @@ pub(super) fn lost_connection(e: &Error) -> bool {
 }
 
 /// Closes every connection (after a fence, none may be reused).
-pub(super) fn close_all(conns: &mut [Option<TcpStream>]) {
+pub(super) fn close_all(conns: &mut [Option<Conn>]) {
     for c in conns.iter_mut().filter_map(Option::take) {
-        let _ = c.shutdown(std::net::Shutdown::Both);
+        c.shutdown();
     }
 }

@@ -2,11 +2,11 @@
 //! `kvxfer_proto::compress`, coded on a second thread while the previous frame is on the wire,
 //! and on the receiving side decoded and checked (CRC-32) before a byte lands in memory.
 
-use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, sync_channel};
 
-use super::stream::{drain, recv_buf, send_buf, Ctl, Stop};
+use super::conn::Conn;
+use super::stream::{Ctl, Stop};
 use kvxfer_proto::compress::codec::{CodecTally, Decoder, Encoder};
 use kvxfer_proto::compress::frame::{zstd_bound, FrameError, FrameHeader, CHUNK, HEADER_LEN};
 use kvxfer_proto::compress::planes::Transform;
@@ -104,7 +104,7 @@ fn codec_io(e: std::io::Error) -> Stop {
 /// # Safety
 /// Every piece is memory readable for its length until the call returns.
 pub(super) unsafe fn send_frames(
-    s: &TcpStream,
+    s: &Conn,
     pieces: &[(u64, u64)],
     t: Transform,
     threads: usize,
@@ -168,7 +168,7 @@ pub(super) unsafe fn send_frames(
                 Ok(_) if fence.is_some_and(|f| f.load(Ordering::Acquire)) => {
                     Err(Stop::Abort(Error::Canceled))
                 }
-                Ok(buf) => send_buf(s, &buf, ctl).map(|()| {
+                Ok(buf) => s.send_data(&buf, ctl).map(|()| {
                     let _ = backs[i % k].send(buf);
                 }),
             };
@@ -205,7 +205,7 @@ pub(super) unsafe fn send_frames(
 /// # Safety
 /// Every piece is memory writable for its length until the call returns.
 pub(super) unsafe fn recv_frames(
-    s: &TcpStream,
+    s: &Conn,
     pieces: &[(u64, u64)],
     peer: &str,
     fence: Option<&AtomicBool>,
@@ -217,10 +217,10 @@ pub(super) unsafe fn recv_frames(
     let (mut payload, mut chunk) = (Vec::new(), Vec::new());
     while left > 0 {
         let mut hb = [0u8; HEADER_LEN];
-        recv_buf(s, &mut hb, ctl)?;
+        s.recv_data(&mut hb, ctl)?;
         let h = FrameHeader::decode(&hb, left).map_err(|e| frame_err(peer, e))?;
         payload.resize(h.payload_len(), 0);
-        recv_buf(s, &mut payload, ctl)?;
+        s.recv_data(&mut payload, ctl)?;
         left -= h.raw_len as u64;
         chunk.resize(h.raw_len, 0);
         if let Err(e) = dec.decode(&h, &payload, &mut chunk) {
@@ -252,16 +252,16 @@ impl From<Stop> for FramesFailed {
 
 /// Reads and discards frames covering `raw` bytes (a refused request's data).
 pub(super) fn drain_frames(
-    s: &TcpStream,
+    s: &Conn,
     mut raw: u64,
     peer: &str,
     ctl: &mut Ctl<'_>,
 ) -> Result<(), Stop> {
     while raw > 0 {
         let mut hb = [0u8; HEADER_LEN];
-        recv_buf(s, &mut hb, ctl)?;
+        s.recv_data(&mut hb, ctl)?;
         let h = FrameHeader::decode(&hb, raw).map_err(|e| frame_err(peer, e))?;
-        drain(s, h.payload_len() as u64, ctl)?;
+        s.drain_data(h.payload_len() as u64, ctl)?;
         raw -= h.raw_len as u64;
     }
     Ok(())

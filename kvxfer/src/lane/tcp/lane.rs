@@ -14,6 +14,7 @@ use crate::lane::api::{LaneKind, LaneSetup, PeerLane, Query};
 use crate::staging::pool::StagingCell;
 use crate::transfer::Job;
 use kvxfer_proto::error::Result;
+use kvxfer_proto::session::Psk;
 use kvxfer_proto::types::{Lane, LaneInfo, Transport};
 use kvxfer_proto::wire::metadata::Metadata;
 
@@ -32,6 +33,9 @@ pub(crate) struct TcpLane {
     codec: Arc<CodecMeter>,
     /// What the targets told of their fences of this agent.
     fence_views: FenceViews,
+    /// The shared secret (the lane is sealed with it) and whether the data is sealed too.
+    secret: Option<Vec<u8>>,
+    seal_data: bool,
 }
 
 impl TcpLane {
@@ -49,6 +53,8 @@ impl TcpLane {
             compressing: setup.compressing.clone(),
             codec: setup.ctx.codec.clone(),
             fence_views: FenceViews::default(),
+            secret: setup.ctx.secret.clone(),
+            seal_data: setup.ctx.seal_data,
         })
     }
 }
@@ -80,6 +86,9 @@ impl LaneKind for TcpLane {
                 threads: c.threads,
             },
             self.fence_views.of(info.secret),
+            self.secret
+                .as_deref()
+                .map(|s| (Psk::lane(s, &info.secret), self.seal_data)),
         );
         Some(Arc::new(TcpPeer {
             link,

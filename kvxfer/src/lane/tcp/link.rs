@@ -3,16 +3,16 @@
 //! (one scoped thread each) with the notification sent once all of them have landed.
 
 use std::collections::VecDeque;
-use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::conn::Conn;
 use super::dial::{close_all, lost_connection, Dialer, CONNECT_TIMEOUT};
 use super::framed::{FramesFailed, RECV_BYTES, SEND_BYTES};
 use super::mixed::{stage_pair, stream_mixed, stream_windows, Framing};
-use super::stream::{recv_buf, send_buf, Ctl, Stop};
+use super::stream::{Ctl, Stop};
 use crate::budget::MemoryBudget;
 use crate::codec_meter::CodecMeter;
 use crate::staging::pool::StagingCell;
@@ -27,6 +27,7 @@ use kvxfer_proto::descriptor::Op;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::lane::{LaneInitiator, ReplyError, PIECE_BYTES};
 use kvxfer_proto::paged::{Paged, ResolvedPaged, Run, WINDOW_BLOCKS};
+use kvxfer_proto::session::Psk;
 use kvxfer_proto::types::{Lane, LaneInfo, RegionSpan, XferOp};
 use kvxfer_proto::wire::lane::{
     encode_paged, paged_table_len, ReplyHeader, RequestHeader, Segment, HEADER_LEN, K_ACK, K_DATA,
@@ -98,11 +99,12 @@ impl Link {
         stripes: usize,
         comp: Compressor,
         view: Arc<AtomicU64>,
+        seal: Option<(Psk, bool)>,
     ) -> Link {
         Link {
             inner: Arc::new(LinkInner {
                 peer: peer.to_string(),
-                dial: Dialer::new(me, peer, info, view),
+                dial: Dialer::new(me, peer, info, view, seal),
                 spans,
                 budget,
                 staging,
@@ -158,7 +160,7 @@ impl Drop for Link {
 }
 
 fn link_loop(inner: Arc<LinkInner>) {
-    let mut conns: Vec<Option<TcpStream>> = (0..inner.stripes).map(|_| None).collect();
+    let mut conns: Vec<Option<Conn>> = (0..inner.stripes).map(|_| None).collect();
     // The epoch the open connections' hellos named.
     let mut conns_epoch = 0;
     loop {
@@ -357,7 +359,7 @@ impl Part<'_> {
 /// mid-message: the next request starts over on a new connection).
 fn run_on(
     inner: &LinkInner,
-    conn: &mut Option<TcpStream>,
+    conn: &mut Option<Conn>,
     job: &Job,
     part: Part<'_>,
     note: &[u8],
@@ -367,7 +369,7 @@ fn run_on(
     let r = run_job(inner, conn, job, part, note, abort, frames);
     if r.is_err() {
         if let Some(c) = conn.take() {
-            let _ = c.shutdown(std::net::Shutdown::Both);
+            c.shutdown();
         }
     }
     r
@@ -445,7 +447,7 @@ fn split_ops(ops: &[Op], n: usize) -> Vec<Vec<Op>> {
 /// other stripes at their next check and is the job's error.
 fn run_striped(
     inner: &LinkInner,
-    conns: &mut [Option<TcpStream>],
+    conns: &mut [Option<Conn>],
     job: &Job,
     frames: Option<Transform>,
 ) -> Result<XferStats> {
@@ -541,7 +543,7 @@ fn stop_err(inner: &LinkInner, s: Stop, what: &str) -> Error {
 
 fn run_job(
     inner: &LinkInner,
-    conn: &mut Option<TcpStream>,
+    conn: &mut Option<Conn>,
     job: &Job,
     part: Part<'_>,
     note: &[u8],
@@ -724,9 +726,11 @@ fn run_job(
     let posted_at;
     let tally;
     if job.op == XferOp::Write {
-        send_buf(c, &hdr, &mut ctl).map_err(|s| stop_err(inner, s, "request"))?;
+        c.send(&hdr, &mut ctl)
+            .map_err(|s| stop_err(inner, s, "request"))?;
         tally = data(true, &mut ctl).map_err(|e| data_err(e, "sending data"))?;
-        send_buf(c, note, &mut ctl).map_err(|s| stop_err(inner, s, "notification"))?;
+        c.send(note, &mut ctl)
+            .map_err(|s| stop_err(inner, s, "notification"))?;
         posted_at = job.started.elapsed();
         read_reply(inner, c, K_ACK, job.id, &mut ctl)?;
         if frames.is_some() {
@@ -734,7 +738,8 @@ fn run_job(
         }
     } else {
         hdr.extend_from_slice(note);
-        send_buf(c, &hdr, &mut ctl).map_err(|s| stop_err(inner, s, "request"))?;
+        c.send(&hdr, &mut ctl)
+            .map_err(|s| stop_err(inner, s, "request"))?;
         posted_at = job.started.elapsed();
         read_reply(inner, c, K_DATA, job.id, &mut ctl)?;
         let t_hdr = job.started.elapsed();
@@ -751,18 +756,14 @@ fn run_job(
     Ok((posted_at, tally))
 }
 
-fn read_reply(
-    inner: &LinkInner,
-    c: &TcpStream,
-    kind: u8,
-    id: u64,
-    ctl: &mut Ctl<'_>,
-) -> Result<()> {
+fn read_reply(inner: &LinkInner, c: &Conn, kind: u8, id: u64, ctl: &mut Ctl<'_>) -> Result<()> {
     let mut h = [0u8; REPLY_FIXED_LEN];
-    recv_buf(c, &mut h, ctl).map_err(|s| stop_err(inner, s, "waiting for the reply"))?;
+    c.recv(&mut h, ctl)
+        .map_err(|s| stop_err(inner, s, "waiting for the reply"))?;
     let r = ReplyHeader::read(&h);
     let mut msg = vec![0u8; r.msg_len];
-    recv_buf(c, &mut msg, ctl).map_err(|s| stop_err(inner, s, "reading the reply"))?;
+    c.recv(&mut msg, ctl)
+        .map_err(|s| stop_err(inner, s, "reading the reply"))?;
     LaneInitiator::reply(&r, &msg, kind, id).map_err(|e| match e {
         ReplyError::OutOfStep { got, expected } => lane_err(
             inner,

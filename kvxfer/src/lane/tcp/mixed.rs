@@ -2,12 +2,12 @@
 //! from and into memory, device pieces through staging chunks, each raw or as compressed
 //! frames.
 
-use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use super::conn::Conn;
 use super::framed::{recv_frames, send_frames, FramesFailed};
-use super::stream::{recv_buf, send_buf, stream_pieces, Ctl, Stop, TICK};
+use super::stream::{Ctl, Stop, TICK};
 use crate::staging::pool::{ChunkPair, DeviceStaging};
 use kvxfer_proto::compress::codec::CodecTally;
 use kvxfer_proto::compress::planes::Transform;
@@ -28,7 +28,7 @@ pub(super) struct Framing<'a> {
 /// # Safety
 /// Every piece is host memory valid for this direction until the call returns.
 unsafe fn host(
-    s: &TcpStream,
+    s: &Conn,
     send: bool,
     pieces: &[(u64, u64)],
     framing: Option<Framing<'_>>,
@@ -38,7 +38,7 @@ unsafe fn host(
     match framing {
         // SAFETY: the pieces are valid host memory for this direction (this function's
         // contract).
-        None => unsafe { stream_pieces(s, send, pieces, fence, ctl) }
+        None => unsafe { s.pieces(send, pieces, fence, ctl) }
             .map(|()| CodecTally::default())
             .map_err(FramesFailed::Stop),
         Some(f) if send => {
@@ -51,7 +51,7 @@ unsafe fn host(
     }
 }
 
-/// Like [`stream_pieces`], with pieces of device memory (`devs[k]` is the device of piece k,
+/// Like [`Conn::pieces`], with pieces of device memory (`devs[k]` is the device of piece k,
 /// `devs` empty: all host) moved through the two staging chunks of `stage`, and the data as
 /// frames where `framing` says so. Returns what the codec did (nothing when raw).
 ///
@@ -64,7 +64,7 @@ unsafe fn host(
 /// pinned against deregistration, until the call returns.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn stream_mixed(
-    s: &TcpStream,
+    s: &Conn,
     send: bool,
     pieces: &[(u64, u64)],
     devs: &[Option<u32>],
@@ -113,8 +113,8 @@ pub(super) unsafe fn stream_mixed(
                         Err(Stop::Abort(Error::Canceled))
                     } else {
                         match framing {
-                            None if send => send_buf(s, buf, ctl),
-                            None => recv_buf(s, buf, ctl),
+                            None if send => s.send_data(buf, ctl),
+                            None => s.recv_data(buf, ctl),
                             // SAFETY: the staging chunk is a buffer this closure borrows
                             // mutably for the call.
                             Some(_) => match unsafe { host(s, send, &piece, framing, None, ctl) } {
@@ -169,7 +169,7 @@ pub(super) unsafe fn stream_mixed(
 /// deregistration, until the call returns.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn stream_windows(
-    s: &TcpStream,
+    s: &Conn,
     send: bool,
     list: &[ResolvedPaged],
     slot_devs: &[Option<u32>],

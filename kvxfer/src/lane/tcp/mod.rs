@@ -13,6 +13,7 @@
 //! refused write is drained so that the stream stays in step. Notifications are delivered on
 //! the target after the data (write) or after the data left (read).
 
+mod conn;
 mod dial;
 pub(crate) mod epochs;
 mod framed;

@@ -3,18 +3,17 @@
 //! secret, each request checked against this agent's registered regions and pinned while the
 //! stream reads into or sends from them.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::conn::{getrandom, skip_paged, sum_segments, Conn};
 use super::framed::{drain_frames, FramesFailed, RECV_BYTES, SEND_BYTES};
 use super::mixed::{stage_pair, stream_mixed, stream_windows, Framing};
-use super::stream::{
-    drain, recv_buf, recv_first, send_buf, set_timeouts, skip_paged, sum_segments, Stop,
-};
+use super::stream::{set_timeouts, Stop};
 use crate::budget::Charge;
 use crate::gate::{Admission, Gate, Limits, Verdict};
 use crate::lane::api::LaneCtx;
@@ -22,7 +21,9 @@ use crate::memory::Pins;
 use crate::staging::pool::{ChunkPair, DeviceStaging};
 use kvxfer_proto::error::{Error, Result, Side};
 use kvxfer_proto::lane::{LaneTarget, TargetEvent};
+use kvxfer_proto::lane_seal::{seal_record, LaneOpening, Opened};
 use kvxfer_proto::paged::{resolve_paged, Paged, ResolvedPaged};
+use kvxfer_proto::session::{Psk, SEED};
 use kvxfer_proto::types::{LaneInfo, MemKind, RegionId, RegionSpan};
 use kvxfer_proto::wire::lane::{Segment, Table, SECRET_LEN};
 
@@ -64,22 +65,72 @@ const HELLO_DEADLINE: Duration = Duration::from_secs(5);
 const PENDING: usize = 256;
 
 /// A connection at the gate until its hello proved the lane secret: the target's core, fed
-/// the hello, then handed to a serving thread as it is.
+/// the hello, then handed to a serving thread as it is. With a shared secret the hello comes
+/// out of a sealed opening ([`LaneOpening`]), and the session goes to the serving thread too.
 struct Hello {
     t: LaneTarget,
     /// The core's clock.
     t0: Instant,
+    /// With a shared secret: the Noise opening the hello must come through.
+    opening: Option<LaneOpening>,
+    /// The initiator seals the data too (its opening's mode).
+    sealed_data: bool,
+    /// This target takes only initiators that seal the data ([`crate::AgentConfig::lane_encryption`]).
+    require_sealed_data: bool,
+}
+
+impl Hello {
+    /// Feeds the opened hello to the core, as the core asks for its parts.
+    fn feed(&mut self, mut hello: &[u8]) -> Verdict {
+        while let Some(n) = self.t.want().filter(|_| self.t.peer().is_none()) {
+            if n > hello.len() {
+                break;
+            }
+            self.t.on_bytes(&hello[..n], self.t0.elapsed());
+            hello = &hello[n..];
+            if self.t.is_closed() {
+                return Verdict::Refuse("a bad hello or a wrong lane secret".into());
+            }
+        }
+        if self.t.peer().is_none() || !hello.is_empty() {
+            self.t.refuse("a sealed hello of the wrong length");
+            return Verdict::Refuse("a sealed hello of the wrong length".into());
+        }
+        if self.require_sealed_data && !self.sealed_data {
+            let why = "this target takes only sealed data (lane_encryption): set it on the \
+                       initiator too";
+            self.t.refuse(why);
+            return Verdict::Refuse(why.into());
+        }
+        Verdict::Admit
+    }
 }
 
 impl Admission for Hello {
     fn want(&self) -> usize {
-        if self.t.peer().is_some() || self.t.is_closed() {
+        if let Some(o) = self.opening.as_ref().filter(|o| o.want() > 0) {
+            return o.want();
+        }
+        if self.opening.as_ref().is_some_and(LaneOpening::is_closed) {
+            return 0;
+        }
+        if self.t.peer().is_some() || self.t.is_closed() || self.opening.is_some() {
             return 0;
         }
         self.t.want().unwrap_or(0)
     }
 
     fn on_bytes(&mut self, b: &[u8], _now: Duration) -> Verdict {
+        if let Some(o) = self.opening.as_mut() {
+            return match o.on_bytes(b) {
+                Opened::More => Verdict::More,
+                Opened::Refused(why) => Verdict::Refuse(why),
+                Opened::Hello { hello, sealed_data } => {
+                    self.sealed_data = sealed_data;
+                    self.feed(&hello)
+                }
+            };
+        }
         self.t.on_bytes(b, self.t0.elapsed());
         if self.t.peer().is_some() {
             // The welcome stays queued for the serving thread.
@@ -92,12 +143,22 @@ impl Admission for Hello {
     }
 
     fn take_output(&mut self) -> Vec<u8> {
-        // Before it is admitted the core only speaks to refuse: its welcome with the reason.
-        let mut out = Vec::new();
+        let mut out = self
+            .opening
+            .as_mut()
+            .map(LaneOpening::take_output)
+            .unwrap_or_default();
+        // Before it is admitted the core only speaks to refuse: its welcome with the reason
+        // (sealed, once there is a session).
         if self.t.is_closed() {
+            let plain = self.opening.is_none();
             while let Some(ev) = self.t.poll_event() {
                 if let TargetEvent::Transmit(b) = ev {
-                    out.extend_from_slice(&b);
+                    match self.opening.as_mut().and_then(LaneOpening::session) {
+                        Some(s) => seal_record(s, &b, &mut out),
+                        None if plain => out.extend_from_slice(&b),
+                        None => {}
+                    }
                 }
             }
         }
@@ -123,11 +184,24 @@ impl Server {
         let conns: Arc<Mutex<Conns>> = Arc::default();
         let (st, cs, nm) = (stop.clone(), conns.clone(), name.to_string());
         let stall = ctx.stall;
-        let open = move |_who: SocketAddr, _now: Duration| {
+        let psk = ctx.secret.as_deref().map(|s| Psk::lane(s, &secret));
+        let require_sealed_data = ctx.seal_data;
+        let open = move |who: SocketAddr, _now: Duration| {
             let t0 = Instant::now();
+            let opening = match &psk {
+                Some(psk) => {
+                    let mut seed = [0u8; SEED];
+                    getrandom(&mut seed)?;
+                    Some(LaneOpening::new(psk.clone(), seed, &who.to_string()))
+                }
+                None => None,
+            };
             Ok(Hello {
                 t: LaneTarget::new(secret, stall, t0.elapsed()),
                 t0,
+                opening,
+                sealed_data: false,
+                require_sealed_data,
             })
         };
         // Only a connection that proved the lane secret gets a thread of its own.
@@ -145,7 +219,7 @@ impl Server {
                     h.t.epoch()
                 );
                 h.t.refuse_fenced(epoch);
-                refuse(&c, &mut h.t);
+                refuse(&c, &mut h);
                 return;
             }
             let fence = Arc::new(AtomicBool::new(false));
@@ -235,21 +309,10 @@ impl Drop for Server {
 }
 
 /// Sends a refused hello its welcome (best effort, bounded), then closes the connection.
-fn refuse(mut c: &TcpStream, t: &mut LaneTarget) {
+fn refuse(mut c: &TcpStream, h: &mut Hello) {
     let _ = c.set_write_timeout(Some(Duration::from_secs(1)));
-    while let Some(ev) = t.poll_event() {
-        if let TargetEvent::Transmit(b) = ev {
-            let _ = c.write_all(&b);
-        }
-    }
+    let _ = c.write_all(&h.take_output());
     let _ = c.shutdown(std::net::Shutdown::Both);
-}
-
-fn getrandom(b: &mut [u8]) -> Result<()> {
-    let mut f =
-        std::fs::File::open("/dev/urandom").map_err(|e| Error::io("opening /dev/urandom", e))?;
-    f.read_exact(b)
-        .map_err(|e| Error::io("reading /dev/urandom", e))
 }
 
 /// Checks `segs` against the registered regions and pins them. Returns the pieces
@@ -374,8 +437,23 @@ fn target_stage(ctx: &LaneCtx, devs: &[Option<u32>]) -> Result<Option<Arc<Device
 /// How long a target waits for staging chunks before refusing a request.
 const STAGE_WAIT: Duration = Duration::from_secs(10);
 
-fn serve(c: TcpStream, ctx: Arc<LaneCtx>, hello: Hello, stop: Arc<AtomicBool>, fence: &AtomicBool) {
+fn serve(
+    c: TcpStream,
+    ctx: Arc<LaneCtx>,
+    mut hello: Hello,
+    stop: Arc<AtomicBool>,
+    fence: &AtomicBool,
+) {
     let peer = c.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+    let c = match hello.opening.take().map(LaneOpening::into_session) {
+        None => Conn::open(c),
+        Some(Some(session)) => Conn::sealed(c, session, hello.sealed_data),
+        Some(None) => {
+            log::info!("kvxfer: TCP lane peer {peer}: admitted without its session (a bug)");
+            let _ = c.shutdown(std::net::Shutdown::Both);
+            return;
+        }
+    };
     if let Err(e) = serve_inner(&c, &ctx, hello, &stop, fence) {
         match e {
             Stop::Eof => log::debug!("kvxfer: TCP lane peer {peer} closed"),
@@ -385,18 +463,18 @@ fn serve(c: TcpStream, ctx: Arc<LaneCtx>, hello: Hello, stop: Arc<AtomicBool>, f
     }
     // The server keeps a clone of the socket (to fence it) until it prunes finished threads:
     // shut it down now, so that a dropped peer sees the close at once.
-    let _ = c.shutdown(std::net::Shutdown::Both);
+    c.shutdown();
 }
 
 fn serve_inner(
-    c: &TcpStream,
+    c: &Conn,
     ctx: &LaneCtx,
     hello: Hello,
     stop: &AtomicBool,
     fence: &AtomicBool,
 ) -> Result<(), Stop> {
-    set_timeouts(c)?;
-    let Hello { mut t, t0 } = hello;
+    set_timeouts(c.sock())?;
+    let Hello { mut t, t0, .. } = hello;
     // The request's budget charge, held until the next request is admitted.
     let mut _charge: Option<Charge> = None;
     loop {
@@ -482,7 +560,7 @@ enum Flow {
 
 /// One event of the core, or one read of control bytes when it has none.
 fn step(
-    c: &TcpStream,
+    c: &Conn,
     ctx: &LaneCtx,
     t: &mut LaneTarget,
     t0: Instant,
@@ -500,9 +578,9 @@ fn step(
         if t.idle() {
             // Between requests only shutdown ends the wait; once a byte arrived, the stall
             // clock runs.
-            recv_first(c, &mut buf, &mut |moved| tick(t, t0, stop, moved))?;
+            c.recv_first(&mut buf, &mut |moved| tick(t, t0, stop, moved))?;
         } else {
-            recv_buf(c, &mut buf, &mut |moved| tick(t, t0, stop, moved))?;
+            c.recv(&mut buf, &mut |moved| tick(t, t0, stop, moved))?;
         }
         t.on_bytes(&buf, t0.elapsed());
         return Ok(Flow::Go);
@@ -510,7 +588,7 @@ fn step(
     let peer = t.peer().unwrap_or_default().to_string();
     let mut ctl = |moved| tick(t, t0, stop, moved);
     match ev {
-        TargetEvent::Transmit(b) => send_buf(c, &b, &mut ctl)?,
+        TargetEvent::Transmit(b) => c.send(&b, &mut ctl)?,
         TargetEvent::Accepted { name } => log::debug!("kvxfer: TCP lane peer {name:?} accepted"),
         TargetEvent::Admit {
             table_bytes,
@@ -588,7 +666,7 @@ fn step(
         TargetEvent::Drain { bytes, frames } => {
             match frames {
                 Some(_) => drain_frames(c, bytes, &peer, &mut ctl)?,
-                None => drain(c, bytes, &mut ctl)?,
+                None => c.drain_data(bytes, &mut ctl)?,
             }
             t.data_done();
         }

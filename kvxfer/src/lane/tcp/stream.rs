@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use kvxfer_proto::error::Error;
-use kvxfer_proto::wire::lane::{paged_total, Segment, SEG_LEN};
 
 /// How often blocked socket calls come back to check cancel, deadline and shutdown.
 pub(super) const TICK: Duration = Duration::from_millis(100);
@@ -19,8 +18,6 @@ const IOV_MAX: usize = 1024;
 /// Bytes per readv/writev: about 1 MiB per call measured best on loopback (fewer calls
 /// do not help; larger batches only delay the first bytes).
 const BATCH_BYTES: u64 = 1 << 20;
-/// Segments read per call while skipping a refused request's table.
-const SKIP_SEGS: usize = 3276;
 
 /// What the byte movers ask whether to go on: after every socket time-out (`false`: nothing
 /// moved since the last call) and after every batch that moved bytes while more remain
@@ -200,54 +197,6 @@ pub(super) fn recv_first(c: &TcpStream, b: &mut [u8], ctl: &mut Ctl<'_>) -> Resu
             }
             Err(e) => return Err(Stop::Io(e)),
         }
-    }
-    Ok(())
-}
-
-/// Reads a segment table of `n` entries in fixed-size chunks and returns the sum of lengths.
-pub(super) fn sum_segments(c: &TcpStream, n: usize, ctl: &mut Ctl<'_>) -> Result<u64, Stop> {
-    let mut chunk = vec![0u8; SEG_LEN * SKIP_SEGS];
-    let mut left = n;
-    let mut total = 0u64;
-    while left > 0 {
-        let k = left.min(SKIP_SEGS);
-        recv_buf(c, &mut chunk[..k * SEG_LEN], ctl)?;
-        for s in chunk[..k * SEG_LEN].chunks_exact(SEG_LEN) {
-            let mut a = [0u8; SEG_LEN];
-            a.copy_from_slice(s);
-            total = total.saturating_add(Segment::read(&a).len);
-        }
-        left -= k;
-    }
-    Ok(total)
-}
-
-/// Reads a refused request's paged table of `n` bytes in fixed-size chunks and returns the
-/// total it starts with.
-pub(super) fn skip_paged(c: &TcpStream, n: usize, ctl: &mut Ctl<'_>) -> Result<u64, Stop> {
-    let mut chunk = vec![0u8; (SEG_LEN * SKIP_SEGS).min(n)];
-    let mut left = n;
-    let mut total = None;
-    while left > 0 {
-        let k = left.min(chunk.len());
-        recv_buf(c, &mut chunk[..k], ctl)?;
-        if total.is_none() {
-            // The header checked that a paged table holds at least its fixed part.
-            let mut t = [0u8; 8];
-            t.copy_from_slice(&chunk[..8]);
-            total = Some(paged_total(&t));
-        }
-        left -= k;
-    }
-    Ok(total.unwrap_or(0))
-}
-
-pub(super) fn drain(c: &TcpStream, mut n: u64, ctl: &mut Ctl<'_>) -> Result<(), Stop> {
-    let mut scratch = vec![0u8; 64 * 1024];
-    while n > 0 {
-        let k = n.min(scratch.len() as u64) as usize;
-        recv_buf(c, &mut scratch[..k], ctl)?;
-        n -= k as u64;
     }
     Ok(())
 }
