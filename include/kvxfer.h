@@ -617,10 +617,11 @@ kvx_status kvx_agent_config_set_discovery(struct kvx_agent_config *c,
                                           uint64_t ttl_ms);
 
 /**
- * Sets the side channel's shared secret (`len` bytes; `len` 0 removes it): both ends must
- * hold it; it keys a Noise handshake, and everything the side channel carries after it is
- * encrypted and authenticated. What it does not protect yet (UCX's own TCP port, per-peer
- * lane access, handoffs, bulk data) is in SECURITY.md, kvxfer's threat model.
+ * Sets the shared secret (`len` bytes; `len` 0 removes it): every peer must hold it; it keys
+ * a Noise handshake on the side channel and on every TCP-lane connection, and every control
+ * message after it is encrypted and authenticated. What it does not protect yet (UCX's own
+ * TCP port, per-peer lane access, handoffs, bulk data unless
+ * `kvx_agent_config_set_lane_encryption`) is in SECURITY.md, kvxfer's threat model.
  *
  * # Safety
  * `c` is a live config not used by another thread during the call; `secret` is valid for
@@ -629,6 +630,18 @@ kvx_status kvx_agent_config_set_discovery(struct kvx_agent_config *c,
 kvx_status kvx_agent_config_set_secret(struct kvx_agent_config *c,
                                        const uint8_t *secret,
                                        size_t len);
+
+/**
+ * With a secret: the blocks' bytes on the TCP lane are sealed too (`on` non-zero;
+ * AES-256-GCM under the connection's session), and as a target the agent refuses initiators
+ * that would send or take data in the clear. Off by default (the data then travels in the
+ * clear, for a trusted network); `kvx_agent_new` fails with `KVX_INVALID_ARGUMENT` when it is
+ * on without a secret.
+ *
+ * # Safety
+ * `c` is a live config not used by another thread during the call.
+ */
+kvx_status kvx_agent_config_set_lane_encryption(struct kvx_agent_config *c, int32_t on);
 
 /**
  * Strict transport (`on` non-zero): a transfer to a peer whose transports fell back from

@@ -232,6 +232,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "X25519 takes minutes under Miri")]
     fn an_initiator_with_both_keys_opens_and_its_hello_comes_out_sealed() {
         let mut o = LaneOpening::new(Psk::lane(b"s", b"lane-1"), [8; SEED], "i");
         let (i, first) = opening(b"s", b"lane-1");
@@ -260,6 +261,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "X25519 takes minutes under Miri")]
     fn a_wrong_secret_lane_credential_or_plain_hello_is_refused_before_any_hello() {
         for (secret, lane) in [(&b"x"[..], &b"lane-1"[..]), (b"s", b"lane-2")] {
             let mut o = LaneOpening::new(Psk::lane(b"s", b"lane-1"), [8; SEED], "i");
@@ -287,6 +289,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "X25519 takes minutes under Miri")]
     fn a_changed_oversized_or_unknown_mode_first_record_is_refused() {
         let run = |edit: &dyn Fn(&mut Vec<u8>), mode: u8| {
             let mut o = LaneOpening::new(Psk::lane(b"s", b"l"), [8; SEED], "i");
@@ -317,6 +320,7 @@ mod tests {
 
     proptest::proptest! {
         #[test]
+        #[cfg_attr(miri, ignore = "X25519 takes minutes under Miri")]
         fn an_opening_never_panics(chunks in proptest::collection::vec(
             proptest::collection::vec(proptest::prelude::any::<u8>(), 0..80), 0..4)) {
             let mut o = LaneOpening::new(Psk::lane(b"s", b"l"), [8; SEED], "i");

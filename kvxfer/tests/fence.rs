@@ -99,13 +99,25 @@ fn fenced_mid_stream(stripes: usize) {
 
 #[test]
 fn a_transfer_queued_before_the_writer_learned_of_a_fence_is_refused_however_late_it_connects() {
+    late_writer(None);
+}
+
+/// The same through the sealed lane: the fenced welcome travels in a sealed record.
+#[test]
+fn a_fence_is_told_through_the_sealed_lane_too() {
+    late_writer(Some("fence-secret"));
+}
+
+fn late_writer(secret: Option<&str>) {
+    let tag = if secret.is_some() { "s" } else { "o" };
     let mk = |n: &str| {
-        Agent::new(
-            AgentConfig::new(format!("{n}-{}", std::process::id()))
-                .transport(Transport::Tcp)
-                .net_devices("lo"),
-        )
-        .unwrap()
+        let mut c = AgentConfig::new(format!("{n}-{tag}-{}", std::process::id()))
+            .transport(Transport::Tcp)
+            .net_devices("lo");
+        if let Some(s) = secret {
+            c = c.secret(s.as_bytes().to_vec());
+        }
+        Agent::new(c).unwrap()
     };
     let (w, t) = (mk("late-writer"), mk("late-target"));
     let src = w.register(HostBuffer::new(1 << 20).unwrap()).unwrap();

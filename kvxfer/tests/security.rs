@@ -491,3 +491,51 @@ fn a_lane_credential_without_the_secret_reads_nothing() {
     rc.read(0, &mut got).unwrap();
     assert!(got.iter().all(|&x| x == 0x5B));
 }
+
+/// A sealed lane's record buffers are charged to the agent's budget, on both ends: a target
+/// whose budget cannot hold them refuses the sealed data (nothing lands), one that can shows
+/// them in its peak and gives them back when the connection goes.
+#[test]
+fn a_sealed_lane_charges_its_record_buffers_to_the_budget() {
+    use kvxfer::MemoryBudget;
+    let mk = |n: &str, budget: MemoryBudget| {
+        let c = AgentConfig::new(format!("{n}-{}", std::process::id()))
+            .transport(Transport::Tcp)
+            .net_devices("lo")
+            .secret(b"open sesame".to_vec())
+            .lane_encryption(true)
+            .budget(budget);
+        Agent::new(c).unwrap()
+    };
+    for (limit, lands) in [(2u64 << 20, false), (64 << 20, true)] {
+        let budget = MemoryBudget::new(limit);
+        let b = mk(&format!("charged-b{limit}"), budget.clone());
+        let a = mk(&format!("charged-a{limit}"), MemoryBudget::unlimited());
+        let ra = a.register(HostBuffer::new(1 << 20).unwrap()).unwrap();
+        let rb = b.register(HostBuffer::new(1 << 20).unwrap()).unwrap();
+        ra.write(0, &[0x3C; 1 << 20]).unwrap();
+        let peer = a.connect(b.listen("127.0.0.1:0").unwrap()).unwrap();
+        let l = a.prep_local(&[Desc::new(ra.id(), 0, 1 << 20)]).unwrap();
+        let r = a
+            .prep_remote(&peer, &[Desc::new(rb.id(), 0, 1 << 20)])
+            .unwrap();
+        let done = a
+            .transfer_all(XferOp::Write, &l, &r, None, Some(Duration::from_secs(10)))
+            .unwrap()
+            .wait();
+        let mut got = vec![0u8; 1 << 20];
+        rb.read(0, &mut got).unwrap();
+        assert_eq!(done.is_ok(), lands, "limit {limit}: {done:?}");
+        assert_eq!(got.iter().all(|&x| x == 0x3C), lands, "limit {limit}");
+        assert!(got.iter().all(|&x| x == 0x3C) || got.iter().all(|&x| x == 0));
+        if lands {
+            assert!(budget.peak() >= 3 << 20, "peak {}", budget.peak());
+        }
+        drop(a);
+        let t0 = std::time::Instant::now();
+        while budget.used() > 0 && t0.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(budget.used(), 0, "the connection's charge outlived it");
+    }
+}

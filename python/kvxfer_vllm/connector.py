@@ -36,8 +36,9 @@ after every change, for a textfile collector), ``gpu_path`` (device tensors: ``a
 ``direct`` through a CUDA-aware UCX, or ``staged`` through pinned host chunks charged to
 ``budget_mib``; ``kv_buffer_device: "cpu"`` in the transfer config means ``staged``),
 ``staging_chunks`` and ``staging_chunk_kib`` (that pool's size, default 8 x
-4096 KiB), ``secret`` (a shared secret keying the side channel's Noise handshake;
-SECURITY.md says what it protects and what not yet), ``strict`` (refuse a silent transport fallback), ``discovery`` (``etcd://host:2379``: workers publish
+4096 KiB), ``secret`` (a shared secret keying the Noise handshakes of the side channel and
+of every TCP-lane connection; SECURITY.md says what it protects and what not yet),
+``lane_encryption`` (with ``secret``: the KV bytes on the TCP lane are encrypted too), ``strict`` (refuse a silent transport fallback), ``discovery`` (``etcd://host:2379``: workers publish
 themselves in etcd and load each other before any handoff; ``namespace``,
 ``discovery_ttl_ms``), ``compression`` (the TCP lane's: ``auto``, the default, compresses a
 handoff where the measured link is slower than the codec makes worthwhile; ``on``; ``off``),
@@ -451,6 +452,7 @@ class KvxferConnector(KVConnectorBase_V1):
             ex.get("net_devices"),
             budget,
             secret=str(ex["secret"]).encode() if ex.get("secret") else None,
+            lane_encryption=bool(ex.get("lane_encryption", False)),
             strict=bool(ex.get("strict", False)),
             gpu_path=gpu_path_for(self._tc.kv_buffer_device, ex),
             staging=staging,

@@ -41,6 +41,21 @@ def test_a_zero_handshake_time_out_is_refused():
     assert e.value.status == kx.KVX_INVALID_ARGUMENT
 
 
+def test_lane_encryption_needs_a_secret_and_then_connects():
+    # Without a secret there is no key to seal the data with: refused at once, typed.
+    with pytest.raises(kx.KvxferError) as e:
+        kx.Agent(f"le0-{os.getpid()}", "tcp", "lo", lane_encryption=True)
+    assert e.value.status == kx.KVX_INVALID_ARGUMENT
+    assert "secret" in str(e.value)
+    b = kx.Agent(f"le-b-{os.getpid()}", "tcp", "lo", secret=b"s", lane_encryption=True)
+    a = kx.Agent(f"le-a-{os.getpid()}", "tcp", "lo", secret=b"s", lane_encryption=True)
+    try:
+        assert a.connect(b.listen()) == b.name
+    finally:
+        a.close()
+        b.close()
+
+
 def test_every_status_has_its_name():
     lib = kx.Lib.get()
     for value, name in kx.STATUS_NAMES.items():

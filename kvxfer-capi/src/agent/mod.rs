@@ -230,10 +230,11 @@ pub unsafe extern "C" fn kvx_agent_config_set_discovery(
     })
 }
 
-/// Sets the side channel's shared secret (`len` bytes; `len` 0 removes it): both ends must
-/// hold it; it keys a Noise handshake, and everything the side channel carries after it is
-/// encrypted and authenticated. What it does not protect yet (UCX's own TCP port, per-peer
-/// lane access, handoffs, bulk data) is in SECURITY.md, kvxfer's threat model.
+/// Sets the shared secret (`len` bytes; `len` 0 removes it): every peer must hold it; it keys
+/// a Noise handshake on the side channel and on every TCP-lane connection, and every control
+/// message after it is encrypted and authenticated. What it does not protect yet (UCX's own
+/// TCP port, per-peer lane access, handoffs, bulk data unless
+/// `kvx_agent_config_set_lane_encryption`) is in SECURITY.md, kvxfer's threat model.
 ///
 /// # Safety
 /// `c` is a live config not used by another thread during the call; `secret` is valid for
@@ -250,6 +251,27 @@ pub unsafe extern "C" fn kvx_agent_config_set_secret(
             let s = slice(secret, len, "secret")?;
             cfg.secret = (!s.is_empty()).then(|| s.to_vec());
             Ok(cfg)
+        })
+    }
+}
+
+/// With a secret: the blocks' bytes on the TCP lane are sealed too (`on` non-zero;
+/// AES-256-GCM under the connection's session), and as a target the agent refuses initiators
+/// that would send or take data in the clear. Off by default (the data then travels in the
+/// clear, for a trusted network); `kvx_agent_new` fails with `KVX_INVALID_ARGUMENT` when it is
+/// on without a secret.
+///
+/// # Safety
+/// `c` is a live config not used by another thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_lane_encryption(
+    c: *mut kvx_agent_config,
+    on: i32,
+) -> kvx_status {
+    // SAFETY: per this function's contract.
+    unsafe {
+        with_config("kvx_agent_config_set_lane_encryption", c, |cfg| {
+            Ok(cfg.lane_encryption(on != 0))
         })
     }
 }

@@ -11,10 +11,21 @@ use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::stream::{self, Ctl, Stop};
+use crate::budget::{Charge, MemoryBudget};
 use kvxfer_proto::error::Error;
 use kvxfer_proto::lane_seal::{record_len, seal_record, MAX_RECORD};
 use kvxfer_proto::session::Session;
 use kvxfer_proto::wire::lane::{paged_total, Segment, RECORD_LEN_BYTES, RECORD_PLAIN, SEG_LEN};
+
+/// Bytes a sealed connection's buffers reach at most: the opened plaintext, a sealed record,
+/// and the gathered data of a record.
+pub(super) const SEALED_BYTES: u64 = (2 * RECORD_PLAIN + MAX_RECORD) as u64;
+/// Records up to this size (hellos, headers, notifications, replies) are not charged, as the
+/// open lane's own small buffers are not; the first larger one charges [`SEALED_BYTES`] for
+/// the rest of the connection.
+const SMALL_RECORD: usize = 64 << 10;
+/// How long a large record waits for its charge before the connection fails.
+const CHARGE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A lane connection: its socket and, with a shared secret, its session.
 pub(super) struct Conn {
@@ -34,6 +45,9 @@ struct Sealer {
     wire: Vec<u8>,
     /// Gathered plaintext of sealed data.
     gather: Vec<u8>,
+    /// Where the buffers are charged, and the charge once one grew past [`SMALL_RECORD`].
+    budget: MemoryBudget,
+    held: Option<Charge>,
 }
 
 impl Conn {
@@ -46,8 +60,14 @@ impl Conn {
         }
     }
 
-    /// A connection under `session`; `sealed_data`: the data is sealed too.
-    pub(super) fn sealed(sock: TcpStream, session: Session, sealed_data: bool) -> Conn {
+    /// A connection under `session`; `sealed_data`: the data is sealed too; its record
+    /// buffers are charged to `budget`.
+    pub(super) fn sealed(
+        sock: TcpStream,
+        session: Session,
+        sealed_data: bool,
+        budget: MemoryBudget,
+    ) -> Conn {
         Conn {
             sock,
             seal: Some(RefCell::new(Sealer {
@@ -56,6 +76,8 @@ impl Conn {
                 pos: 0,
                 wire: Vec::new(),
                 gather: Vec::new(),
+                budget,
+                held: None,
             })),
             sealed_data,
         }
@@ -170,6 +192,19 @@ impl Conn {
 }
 
 impl Sealer {
+    /// Charges the buffers before a record of `plain` bytes makes them grow past
+    /// [`SMALL_RECORD`].
+    fn room(&mut self, plain: usize) -> Result<(), Stop> {
+        if plain > SMALL_RECORD && self.held.is_none() {
+            let c = self
+                .budget
+                .charge(SEALED_BYTES, "TCP lane sealed records", CHARGE_WAIT)
+                .map_err(Stop::Abort)?;
+            self.held = Some(c);
+        }
+        Ok(())
+    }
+
     /// Seals `b` as records of at most [`RECORD_PLAIN`] bytes and sends them.
     fn send(
         &mut self,
@@ -194,6 +229,7 @@ impl Sealer {
         if fence.is_some_and(|f| f.load(Ordering::Acquire)) {
             return Err(Stop::Abort(Error::Canceled));
         }
+        self.room(plain.len())?;
         self.wire.clear();
         seal_record(&mut self.session, plain, &mut self.wire);
         stream::send_buf(sock, &self.wire, ctl)
@@ -210,6 +246,8 @@ impl Sealer {
         fence: Option<&AtomicBool>,
         ctl: &mut Ctl<'_>,
     ) -> Result<(), Stop> {
+        let total: u64 = pieces.iter().map(|p| p.1).sum();
+        self.room(total.min(RECORD_PLAIN as u64) as usize)?;
         let mut g = std::mem::take(&mut self.gather);
         g.clear();
         let mut r = Ok(());
@@ -284,6 +322,7 @@ impl Sealer {
         }
         let who = || sock.peer_addr().map(|a| a.to_string()).unwrap_or_default();
         let n = record_len(&prefix, MAX_RECORD, &who()).map_err(Stop::Abort)?;
+        self.room(n)?;
         self.wire.resize(n, 0);
         stream::recv_buf(sock, &mut self.wire, ctl)?;
         self.pos = self
@@ -361,8 +400,8 @@ mod tests {
         let (rs, answer) = Session::respond(&psk, [2; SEED], &first, "a").unwrap();
         let is = i.finish(&answer).unwrap();
         (
-            Conn::sealed(a, is, sealed_data),
-            Conn::sealed(b, rs, sealed_data),
+            Conn::sealed(a, is, sealed_data, MemoryBudget::unlimited()),
+            Conn::sealed(b, rs, sealed_data, MemoryBudget::unlimited()),
         )
     }
 

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use super::conn::{getrandom, Conn};
 use super::stream::{recv_buf, send_buf, set_timeouts, Ctl, Stop};
+use crate::budget::MemoryBudget;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::lane::{LaneInitiator, Refusal};
 use kvxfer_proto::session::{Initiator, Psk, HANDSHAKE_LEN, SEED};
@@ -37,6 +38,8 @@ pub(super) struct Dialer {
     /// With a shared secret: the lane's PSK towards this target, and whether the data is
     /// sealed too.
     seal: Option<(Psk, bool)>,
+    /// Where a sealed connection's record buffers are charged.
+    budget: MemoryBudget,
 }
 
 impl Dialer {
@@ -46,6 +49,7 @@ impl Dialer {
         info: LaneInfo,
         view: Arc<AtomicU64>,
         seal: Option<(Psk, bool)>,
+        budget: MemoryBudget,
     ) -> Dialer {
         Dialer {
             me: me.to_string(),
@@ -53,6 +57,7 @@ impl Dialer {
             info,
             view,
             seal,
+            budget,
         }
     }
 
@@ -135,7 +140,12 @@ impl Dialer {
         let mut answer = [0u8; HANDSHAKE_LEN];
         recv_buf(&sock, &mut answer, ctl)?;
         let session = init.finish(&answer).map_err(Stop::Abort)?;
-        Ok(Conn::sealed(sock, session, sealed_data))
+        Ok(Conn::sealed(
+            sock,
+            session,
+            sealed_data,
+            self.budget.clone(),
+        ))
     }
 
     fn stop_err(&self, s: Stop, during: &str) -> Error {

@@ -104,7 +104,7 @@ impl Link {
         Link {
             inner: Arc::new(LinkInner {
                 peer: peer.to_string(),
-                dial: Dialer::new(me, peer, info, view, seal),
+                dial: Dialer::new(me, peer, info, view, seal, budget.clone()),
                 spans,
                 budget,
                 staging,

@@ -447,7 +447,7 @@ fn serve(
     let peer = c.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     let c = match hello.opening.take().map(LaneOpening::into_session) {
         None => Conn::open(c),
-        Some(Some(session)) => Conn::sealed(c, session, hello.sealed_data),
+        Some(Some(session)) => Conn::sealed(c, session, hello.sealed_data, ctx.budget.clone()),
         Some(None) => {
             log::info!("kvxfer: TCP lane peer {peer}: admitted without its session (a bug)");
             let _ = c.shutdown(std::net::Shutdown::Both);
