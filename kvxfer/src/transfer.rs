@@ -176,6 +176,10 @@ impl Work {
     }
 }
 
+/// What takes a notification-only job ([`Job::notification_carrier`]) once a transfer's data
+/// has landed: UCX's active messages, or with a shared secret the sealed TCP lane.
+pub(crate) type NoteCarrier = Arc<dyn Fn(Job) -> Result<()> + Send + Sync>;
+
 /// A transfer as the agent hands it to the lane that moves it (the UCX engine, the shared
 /// memory lane or the TCP lane). Its local regions are pinned for as long as it lives; it ends
 /// in exactly one place, [`Job::finish`].
@@ -192,8 +196,11 @@ pub(crate) struct Job {
     pub(crate) deadline: Option<Duration>,
     pub(crate) started: Instant,
     pub(crate) state: Arc<XferState>,
-    /// Set when a kvxfer lane already moved the data and UCX only carries the notification.
+    /// Set when a lane already moved the data and another only carries the notification.
     pub(crate) lane_stats: Option<XferStats>,
+    /// Where the notification goes once UCX has moved the data, instead of UCX's active
+    /// messages (with a shared secret: the sealed TCP lane, whose sender the receiver knows).
+    pub(crate) note_via: Option<NoteCarrier>,
     /// Per plan operation, the device of its local memory (None: host); empty when the plan
     /// has no local device memory. The TCP lane stages those pieces.
     pub(crate) local_dev: Vec<Option<u32>>,
@@ -238,6 +245,7 @@ impl Job {
             started: self.started,
             state: self.state.clone(),
             lane_stats: Some(stats),
+            note_via: None,
             local_dev: Vec::new(),
         }
     }

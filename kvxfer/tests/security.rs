@@ -539,3 +539,192 @@ fn a_sealed_lane_charges_its_record_buffers_to_the_budget() {
         assert_eq!(budget.used(), 0, "the connection's charge outlived it");
     }
 }
+
+/// With a secret, notifications and connector messages are believed only from the sealed TCP
+/// lane, whose sender the session gives: a process without the secret that reaches the
+/// agents' UCX workers and sends over UCX active messages an acknowledgement naming the
+/// consumer, a refusal naming the producer, and a user notification, changes nothing. The
+/// producer still holds the request, the consumer's load completes with the producer's bytes,
+/// no forged notification is delivered, and the real ones arrive with their sender.
+#[test]
+fn forged_senders_over_ucx_are_not_believed() {
+    use kvxfer::connector::{ConnectorConfig, Consumer, Producer};
+    use kvxfer::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking};
+    use kvxfer::wire::connector::{ToConsumer, ToProducer};
+    use std::sync::Arc;
+    let layout = |a: &Agent, fill: u8| {
+        let g = KvGeometry {
+            name: "forge".into(),
+            layers: 2,
+            kv_heads: 2,
+            head_dim: 32,
+            dtype: KvDtype::Bf16,
+        };
+        let probe = KvLayout::contiguous(
+            g.clone(),
+            16,
+            16,
+            KvPacking::Separate,
+            KvOrder::Nhd,
+            kvxfer::RegionId(0),
+        );
+        let r = a
+            .register(HostBuffer::new(probe.region_bytes() as usize).unwrap())
+            .unwrap();
+        r.write(0, &vec![fill; r.len() as usize]).unwrap();
+        let l = KvLayout::contiguous(g, 16, 16, KvPacking::Separate, KvOrder::Nhd, r.id());
+        (r, l)
+    };
+    let p = Arc::new(agent("forge-p", Some("open sesame")));
+    let (_pr, pl) = layout(&p, 0x5a);
+    let paddr = p.listen("127.0.0.1:0").unwrap();
+    let c = Arc::new(agent("forge-c", Some("open sesame")));
+    let (cr, cl) = layout(&c, 0);
+    let producer = Producer::new(p.clone(), pl, ConnectorConfig::default(), Some(paddr)).unwrap();
+    let consumer = Consumer::new(c.clone(), cl.clone(), ConnectorConfig::default()).unwrap();
+    let h = producer.publish("req", &[3, 4], 32, 2).unwrap();
+    assert_eq!(producer.held(), 1);
+
+    // Forgers: no secret, UCX only (lanes off), named like the consumer and the producer,
+    // each holding its target's metadata (so its UCX worker address).
+    let forger = |name: &str, target: &Agent| {
+        let cfg = AgentConfig::new(name.to_string())
+            .transport(Transport::Tcp)
+            .net_devices("lo")
+            .lanes(false);
+        let f = Agent::new(cfg).unwrap();
+        let to = f.load_remote_metadata(&target.metadata().unwrap()).unwrap();
+        (f, to)
+    };
+    let (fc, to_p) = forger(c.name(), &p);
+    let ack = ToProducer::Ack {
+        request: "req".into(),
+        readers: None,
+    };
+    fc.notify(&to_p, &ack.encode()).unwrap().wait().unwrap();
+    let (fp, to_c) = forger(p.name(), &c);
+    fp.notify(&to_c, b"forged").unwrap().wait().unwrap();
+    consumer.start_load(&h, &[1, 2]).unwrap();
+    let refused = ToConsumer::Refused {
+        request: "req".into(),
+        kind: None,
+        why: "forged".into(),
+    };
+    fp.notify(&to_c, &refused.encode()).unwrap().wait().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    consumer.wait("req", Duration::from_secs(20)).unwrap();
+    for d in cl.descs(&[1, 2], 0..2, 0..2).unwrap() {
+        let mut b = vec![0u8; d.len as usize];
+        cr.read(d.offset, &mut b).unwrap();
+        assert!(b.iter().all(|&x| x == 0x5a), "the load's bytes landed");
+    }
+    assert!(
+        c.try_notification().is_none(),
+        "a forged user notification was delivered"
+    );
+    // The real ones arrive, over the sealed lane, with their sender.
+    p.notify(c.name(), b"real").unwrap().wait().unwrap();
+    let n = c.wait_notification(Duration::from_secs(5)).unwrap();
+    assert_eq!((n.from.as_str(), &n.payload[..]), (p.name(), &b"real"[..]));
+}
+
+/// Before the load, a forged acknowledgement naming the only reader would free the request.
+#[test]
+fn a_forged_acknowledgement_frees_nothing() {
+    use kvxfer::connector::{ConnectorConfig, Producer};
+    use kvxfer::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking};
+    use kvxfer::wire::connector::ToProducer;
+    use std::sync::Arc;
+    let g = KvGeometry {
+        name: "ack".into(),
+        layers: 2,
+        kv_heads: 2,
+        head_dim: 32,
+        dtype: KvDtype::Bf16,
+    };
+    let p = Arc::new(agent("ack-p", Some("open sesame")));
+    let probe = KvLayout::contiguous(
+        g.clone(),
+        16,
+        16,
+        KvPacking::Separate,
+        KvOrder::Nhd,
+        kvxfer::RegionId(0),
+    );
+    let r = p
+        .register(HostBuffer::new(probe.region_bytes() as usize).unwrap())
+        .unwrap();
+    let pl = KvLayout::contiguous(g, 16, 16, KvPacking::Separate, KvOrder::Nhd, r.id());
+    let producer = Producer::new(p.clone(), pl, ConnectorConfig::default(), None).unwrap();
+    producer.publish("req", &[3, 4], 32, 2).unwrap();
+    let f = Agent::new(
+        AgentConfig::new(format!("ack-reader-{}", std::process::id()))
+            .transport(Transport::Tcp)
+            .net_devices("lo")
+            .lanes(false),
+    )
+    .unwrap();
+    let to = f.load_remote_metadata(&p.metadata().unwrap()).unwrap();
+    for _ in 0..3 {
+        let ack = ToProducer::Ack {
+            request: "req".into(),
+            readers: Some(1),
+        };
+        f.notify(&to, &ack.encode()).unwrap().wait().unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        producer.held(),
+        1,
+        "a forged acknowledgement freed the request"
+    );
+}
+
+/// With a secret, a notification that follows data the shm lane or UCX moved arrives (over the
+/// sealed TCP lane), after the data, with its sender; the transfer reports the lane that moved
+/// the data.
+#[test]
+fn with_a_secret_notifications_follow_shm_and_ucx_data() {
+    for (transport, lane) in [
+        (Transport::Shm, kvxfer::Lane::Shm),
+        (Transport::Custom("tcp".into()), kvxfer::Lane::Ucx),
+    ] {
+        let mk = |n: &str| {
+            let c = AgentConfig::new(format!("note-{n}-{lane:?}-{}", std::process::id()))
+                .transport(transport.clone())
+                .net_devices("lo")
+                .secret(b"open sesame".to_vec());
+            Agent::new(c).unwrap()
+        };
+        let (a, b) = (mk("a"), mk("b"));
+        let ra = a.register(HostBuffer::new(1 << 20).unwrap()).unwrap();
+        let rb = b.register(HostBuffer::new(1 << 20).unwrap()).unwrap();
+        ra.write(0, &[0x11; 1 << 20]).unwrap();
+        let peer = a.connect(b.listen("127.0.0.1:0").unwrap()).unwrap();
+        let l = a.prep_local(&[Desc::new(ra.id(), 0, 1 << 20)]).unwrap();
+        let r = a
+            .prep_remote(&peer, &[Desc::new(rb.id(), 0, 1 << 20)])
+            .unwrap();
+        let stats = a
+            .transfer_all(
+                XferOp::Write,
+                &l,
+                &r,
+                Some(b"done"),
+                Some(Duration::from_secs(10)),
+            )
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!(stats.lane, lane, "{transport:?}");
+        assert_eq!(stats.bytes, 1 << 20);
+        let n = b.wait_notification(Duration::from_secs(5)).unwrap();
+        assert_eq!((n.from.as_str(), &n.payload[..]), (a.name(), &b"done"[..]));
+        let mut got = vec![0u8; 1 << 20];
+        rb.read(0, &mut got).unwrap();
+        assert!(
+            got.iter().all(|&x| x == 0x11),
+            "{transport:?}: the data landed first"
+        );
+    }
+}

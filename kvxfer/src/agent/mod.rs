@@ -65,6 +65,7 @@ impl Agent {
         let cname = CString::new(cfg.name.clone())
             .map_err(|_| Error::InvalidArgument("agent name contains NUL".into()))?;
         cfg.transport.check().map_err(Error::InvalidArgument)?;
+        let lane_notes = cfg.secret.is_some() && cfg.lanes;
         if cfg.lane_encryption && cfg.secret.is_none() {
             return Err(Error::InvalidArgument(
                 "lane_encryption needs a shared secret (AgentConfig::secret) to key it".into(),
@@ -84,12 +85,26 @@ impl Agent {
             &cname,
             cfg.busy_poll,
             cfg.peer_failure.unwrap_or(cfg.transport != Transport::Shm),
+            !lane_notes,
             channels.clone(),
         )
         .map_err(|e| setup_failed(e, &cfg))?;
+        // Where a notification goes once a lane or UCX moved the data: UCX's active messages,
+        // or with a secret the peer's sealed TCP lane (found through the agent, built below).
+        let me: Arc<std::sync::OnceLock<std::sync::Weak<AgentState>>> = Arc::default();
         let notifier: Notifier = {
-            let c = cmds.clone();
-            Arc::new(move |job| c.post(job))
+            let (c, me) = (cmds.clone(), me.clone());
+            Arc::new(move |job| {
+                if !lane_notes {
+                    return c.post(job);
+                }
+                let st = me
+                    .get()
+                    .and_then(std::sync::Weak::upgrade)
+                    .ok_or(Error::Shutdown)?;
+                st.note_lane(&job.peer)?.submit(job);
+                Ok(())
+            })
         };
         let canceller: Canceller = {
             let c = cmds.clone();
@@ -137,7 +152,7 @@ impl Agent {
             ctx,
             bind,
             copy_threads: cfg.copy_threads,
-            notifier,
+            notifier: notifier.clone(),
             striping: cfg.striping(),
             compressing: cfg.compressing(),
         };
@@ -167,7 +182,10 @@ impl Agent {
             gone: Mutex::new(HashSet::new()),
             codec,
             handshake: cfg.handshake_timeout,
+            lane_notes,
+            notes: notifier,
         });
+        let _ = me.set(Arc::downgrade(&shared));
         let thread = std::thread::Builder::new()
             .name(format!("kvxfer-progress-{}", cfg.name))
             .spawn(move || engine.run())

@@ -6,13 +6,13 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use crate::backend::ucx::driver::{Cmd, Commands, LocalIdentity};
 use crate::budget::MemoryBudget;
-use crate::lane::api::{LaneKind, PeerLanes};
+use crate::lane::api::{LaneKind, PeerLane, PeerLanes};
 use crate::memory::RegionTable;
 use crate::notify::Channels;
 use crate::staging::pool::StagingCell;
 use crate::transfer::Canceller;
 use kvxfer_proto::error::{Error, Result, UcsStatus};
-use kvxfer_proto::types::{GpuPath, HostInfo, LaneInfo, RegionSpan, Transport};
+use kvxfer_proto::types::{GpuPath, HostInfo, Lane, LaneInfo, RegionSpan, Transport};
 
 /// The agent's state, shared with the threads it starts (side-channel listeners). Only the
 /// agent writes its tables: the region table after the engine's replies, the peer views after
@@ -50,6 +50,12 @@ pub(crate) struct AgentState {
     pub(crate) codec: Arc<crate::codec_meter::CodecMeter>,
     /// How long each step of a connect's handshake waits.
     pub(crate) handshake: std::time::Duration,
+    /// With a shared secret (and lanes on), notifications travel only over the sealed TCP
+    /// lane, whose sender the receiver knows from the session; none arrive over UCX's active
+    /// messages, whose sender is whatever the payload says.
+    pub(crate) lane_notes: bool,
+    /// What carries a notification once UCX moved the data (the sealed TCP lane).
+    pub(crate) notes: crate::transfer::NoteCarrier,
 }
 
 impl AgentState {
@@ -82,6 +88,20 @@ impl AgentState {
                 agent: name.to_string(),
             }
         }
+    }
+
+    /// The lane that carries notifications to `peer` when [`AgentState::lane_notes`]: its
+    /// sealed TCP lane.
+    pub(crate) fn note_lane(&self, peer: &str) -> Result<Arc<dyn PeerLane>> {
+        let g = self.peers.read().unwrap_or_else(|e| e.into_inner());
+        g.get(peer)
+            .and_then(|v| v.lanes.0.iter().find(|l| l.lane() == Lane::Tcp).cloned())
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "with a shared secret, notifications travel only over the sealed TCP \
+                     lane, and {peer:?} has none (lanes off on either side, or not loaded)"
+                ))
+            })
     }
 
     /// This agent's metadata, encoded for a peer.

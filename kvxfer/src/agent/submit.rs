@@ -75,7 +75,13 @@ impl Agent {
                 return Err(e);
             }
         }
-        let (route, local_dev) = route(local, &plan, view.as_deref(), peer)?;
+        let lane_notes = self.shared.lane_notes && notification.is_some();
+        let (route, local_dev) = if lane_notes && plan.op_count() == 0 {
+            // A notification alone: over the sealed lane, whatever carries data.
+            (Route::Lane(self.shared.note_lane(peer)?), Vec::new())
+        } else {
+            route(local, &plan, view.as_deref(), peer)?
+        };
         if self.strict && matches!(route, Route::Ucx) {
             check_strict(&self.shared, peer)?;
         }
@@ -114,6 +120,8 @@ impl Agent {
             started: t0,
             state: state.clone(),
             lane_stats: None,
+            note_via: (lane_notes && matches!(route, Route::Ucx))
+                .then(|| self.shared.notes.clone()),
             local_dev,
         };
         match route {

@@ -10,14 +10,13 @@ use crate::memory::RegionTable;
 use crate::notify::Channels;
 use crate::staging::pool::StagingCell;
 use crate::transfer::{Job, Work};
-use kvxfer_proto::error::Result;
 use kvxfer_proto::types::{HostInfo, Lane, LaneInfo, Transport};
 use kvxfer_proto::wire::metadata::Metadata;
 
 /// What a lane does with a transfer's notification once its data has landed: hand a
 /// notification-only job to the transport that carries notifications (the agent builds it
 /// from the UCX engine's command channel).
-pub(crate) type Notifier = Arc<dyn Fn(Job) -> Result<()> + Send + Sync>;
+pub(crate) type Notifier = crate::transfer::NoteCarrier;
 
 /// What a route asks a lane about a transfer.
 pub(crate) struct Query<'a> {

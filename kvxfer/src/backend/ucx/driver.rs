@@ -255,6 +255,9 @@ pub(crate) struct Engine {
     pub(super) efd: i32,
     pub(super) busy_poll: bool,
     pub(super) peer_failure: bool,
+    /// Whether notifications arriving over active messages are delivered (off with a shared
+    /// secret: they then come only over the sealed TCP lane).
+    am_notes: bool,
     pub(super) rx: mpsc::Receiver<Cmd>,
     pub(super) queued: Arc<AtomicUsize>,
     /// Where received notifications go.
@@ -282,6 +285,7 @@ impl Engine {
         name: &CStr,
         busy_poll: bool,
         peer_failure: bool,
+        am_notes: bool,
         channels: Channels,
     ) -> Result<(Engine, Commands)> {
         let (tx, rx) = mpsc::channel();
@@ -317,6 +321,7 @@ impl Engine {
                 efd,
                 busy_poll,
                 peer_failure,
+                am_notes,
                 rx,
                 queued: queued.clone(),
                 channels,
@@ -549,6 +554,11 @@ impl Engine {
                     // UCX completes the outstanding operations with errors once the endpoint
                     // is closed; they are reported through their flush callbacks.
                     self.close_peer(peer, true);
+                }
+                Event::Notify(_) if !self.am_notes => {
+                    // Its sender is whatever the payload says: with a secret, only the sealed
+                    // lane's notifications are believed.
+                    log::debug!("kvxfer: a notification over UCX active messages dropped");
                 }
                 Event::Notify(bytes) => match kvxfer_proto::wire::notify::decode(&bytes) {
                     Some(n) => self.channels.deliver(n),

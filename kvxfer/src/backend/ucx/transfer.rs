@@ -218,6 +218,20 @@ impl Engine {
             return;
         };
         let ok = status.is_ok() && a.error.is_none() && !a.canceled;
+        if a.phase == Phase::Flushing && ok && a.job.notification.is_some() {
+            if let Some(via) = a.job.note_via.clone() {
+                // The data is in place; the notification goes the way the agent chose.
+                if let Some(a) = self.active.remove(&id) {
+                    let stats = a.job.stats(Lane::Ucx, a.posted_at.unwrap_or_default());
+                    a.job.pins.release();
+                    if let Err(e) = via(a.job.notification_carrier(stats)) {
+                        a.job.finish(Err(e));
+                    }
+                    self.job_gone(a.job.token);
+                }
+                return;
+            }
+        }
         if a.phase == Phase::Flushing && ok {
             if let Some(n) = a.job.notification.as_deref() {
                 let ep = self
@@ -269,6 +283,12 @@ impl Engine {
             Ok(job.stats(Lane::Ucx, a.posted_at.unwrap_or_default()))
         };
         job.finish(result);
+        self.job_gone(token);
+    }
+
+    /// A job of peer entry `token` is done with the engine: a retired peer closes after its
+    /// last one.
+    fn job_gone(&mut self, token: u64) {
         if let Some(p) = self.peers.get_mut(&token) {
             p.jobs = p.jobs.saturating_sub(1);
             if p.retired && p.jobs == 0 {

@@ -219,6 +219,14 @@ fn link_loop(inner: Arc<LinkInner>) {
             run_on(&inner, &mut conns[0], job, part, note, None, frames)
                 .map(|(posted, tally)| with_codec(job.stats(Lane::Tcp, posted), &tally))
         };
+        // A notification carried for data another lane moved reports that lane's figures.
+        let r = r.map(|s| match &job.lane_stats {
+            Some(moved) => XferStats {
+                duration: job.started.elapsed(),
+                ..moved.clone()
+            },
+            None => s,
+        });
         if r.is_ok() {
             learn(&inner, job, frames.is_some(), t0.elapsed());
             // The data is real KV and still pinned: in auto, a large raw transfer before the
