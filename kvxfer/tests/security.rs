@@ -540,9 +540,20 @@ fn a_sealed_lane_charges_its_record_buffers_to_the_budget() {
     }
 }
 
+/// An agent with a secret that lets UCX use TCP too (`ucx_tcp`, where the network is
+/// trusted), so that a process without the secret reaches its UCX worker.
+fn ucx_reachable(name: &str) -> Agent {
+    let c = AgentConfig::new(format!("{name}-{}", std::process::id()))
+        .transport(Transport::Tcp)
+        .net_devices("lo")
+        .secret(b"open sesame".to_vec())
+        .ucx_tcp(true);
+    Agent::new(c).unwrap()
+}
+
 /// With a secret, notifications and connector messages are believed only from the sealed TCP
 /// lane, whose sender the session gives: a process without the secret that reaches the
-/// agents' UCX workers and sends over UCX active messages an acknowledgement naming the
+/// agents' UCX workers (opted in to UCX over TCP; without it nothing reaches them) and sends over UCX active messages an acknowledgement naming the
 /// consumer, a refusal naming the producer, and a user notification, changes nothing. The
 /// producer still holds the request, the consumer's load completes with the producer's bytes,
 /// no forged notification is delivered, and the real ones arrive with their sender.
@@ -575,10 +586,10 @@ fn forged_senders_over_ucx_are_not_believed() {
         let l = KvLayout::contiguous(g, 16, 16, KvPacking::Separate, KvOrder::Nhd, r.id());
         (r, l)
     };
-    let p = Arc::new(agent("forge-p", Some("open sesame")));
+    let p = Arc::new(ucx_reachable("forge-p"));
     let (_pr, pl) = layout(&p, 0x5a);
     let paddr = p.listen("127.0.0.1:0").unwrap();
-    let c = Arc::new(agent("forge-c", Some("open sesame")));
+    let c = Arc::new(ucx_reachable("forge-c"));
     let (cr, cl) = layout(&c, 0);
     let producer = Producer::new(p.clone(), pl, ConnectorConfig::default(), Some(paddr)).unwrap();
     let consumer = Consumer::new(c.clone(), cl.clone(), ConnectorConfig::default()).unwrap();
@@ -642,7 +653,7 @@ fn a_forged_acknowledgement_frees_nothing() {
         head_dim: 32,
         dtype: KvDtype::Bf16,
     };
-    let p = Arc::new(agent("ack-p", Some("open sesame")));
+    let p = Arc::new(ucx_reachable("ack-p"));
     let probe = KvLayout::contiguous(
         g.clone(),
         16,
@@ -682,7 +693,7 @@ fn a_forged_acknowledgement_frees_nothing() {
 
 /// With a secret, a notification that follows data the shm lane or UCX moved arrives (over the
 /// sealed TCP lane), after the data, with its sender; the transfer reports the lane that moved
-/// the data.
+/// the data. (UCX moves host memory here only with its TCP transport opted in.)
 #[test]
 fn with_a_secret_notifications_follow_shm_and_ucx_data() {
     for (transport, lane) in [
@@ -693,7 +704,8 @@ fn with_a_secret_notifications_follow_shm_and_ucx_data() {
             let c = AgentConfig::new(format!("note-{n}-{lane:?}-{}", std::process::id()))
                 .transport(transport.clone())
                 .net_devices("lo")
-                .secret(b"open sesame".to_vec());
+                .secret(b"open sesame".to_vec())
+                .ucx_tcp(lane == kvxfer::Lane::Ucx);
             Agent::new(c).unwrap()
         };
         let (a, b) = (mk("a"), mk("b"));

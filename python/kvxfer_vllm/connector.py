@@ -38,7 +38,9 @@ after every change, for a textfile collector), ``gpu_path`` (device tensors: ``a
 ``staging_chunks`` and ``staging_chunk_kib`` (that pool's size, default 8 x
 4096 KiB), ``secret`` (a shared secret keying the Noise handshakes of the side channel and
 of every TCP-lane connection; SECURITY.md says what it protects and what not yet),
-``lane_encryption`` (with ``secret``: the KV bytes on the TCP lane are encrypted too), ``strict`` (refuse a silent transport fallback), ``discovery`` (``etcd://host:2379``: workers publish
+``lane_encryption`` (with ``secret``: the KV bytes on the TCP lane are encrypted too),
+``ucx_tcp`` (with ``secret``: let UCX use its own, unauthenticated TCP transport too; off by
+default, trusted networks only), ``strict`` (refuse a silent transport fallback), ``discovery`` (``etcd://host:2379``: workers publish
 themselves in etcd and load each other before any handoff; ``namespace``,
 ``discovery_ttl_ms``), ``compression`` (the TCP lane's: ``auto``, the default, compresses a
 handoff where the measured link is slower than the codec makes worthwhile; ``on``; ``off``),
@@ -453,6 +455,7 @@ class KvxferConnector(KVConnectorBase_V1):
             budget,
             secret=str(ex["secret"]).encode() if ex.get("secret") else None,
             lane_encryption=bool(ex.get("lane_encryption", False)),
+            ucx_tcp=bool(ex.get("ucx_tcp", False)),
             strict=bool(ex.get("strict", False)),
             gpu_path=gpu_path_for(self._tc.kv_buffer_device, ex),
             staging=staging,

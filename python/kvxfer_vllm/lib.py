@@ -151,6 +151,7 @@ SIGNATURES = {
     "kvx_agent_config_set_net_devices": (_st, [c_void_p, c_char_p]),
     "kvx_agent_config_set_secret": (_st, [c_void_p, POINTER(c_uint8), c_size_t]),
     "kvx_agent_config_set_lane_encryption": (_st, [c_void_p, c_int32]),
+    "kvx_agent_config_set_ucx_tcp": (_st, [c_void_p, c_int32]),
     "kvx_agent_config_set_strict": (_st, [c_void_p, c_int32]),
     "kvx_agent_config_set_lanes": (_st, [c_void_p, c_int32]),
     "kvx_agent_config_set_gpu_path": (_st, [c_void_p, c_char_p]),
@@ -268,14 +269,15 @@ class Lib:
 class Agent:
     """One kvxfer agent, configured through the C ABI's config builder (nothing is passed
     through environment variables). ``secret`` (bytes), ``lane_encryption`` (with a secret,
-    the TCP lane's data sealed too), ``strict``, ``lanes``, ``gpu_path``
+    the TCP lane's data sealed too), ``ucx_tcp`` (with a secret, let UCX use TCP too: trusted
+    networks only), ``strict``, ``lanes``, ``gpu_path``
     ("auto", "direct", "staged"), ``staging`` ((chunks, chunk_bytes)), ``compression``
     ("auto", "on", "off") and ``handshake_timeout_ms`` (each step of ``connect``'s handshake;
     default 10,000) are optional."""
 
     def __init__(self, name, transport="auto", net_devices=None, budget_bytes=0, *, secret=None,
                  strict=False, lanes=True, gpu_path=None, staging=None, compression=None,
-                 handshake_timeout_ms=None, lane_encryption=False):
+                 handshake_timeout_ms=None, lane_encryption=False, ucx_tcp=False):
         self.lib = Lib.get()
         L = self.lib.L
         cfg = c_void_p()
@@ -291,6 +293,8 @@ class Agent:
                 self.lib.check(L.kvx_agent_config_set_secret(cfg, buf, len(secret)))
             if lane_encryption:
                 self.lib.check(L.kvx_agent_config_set_lane_encryption(cfg, 1))
+            if ucx_tcp:
+                self.lib.check(L.kvx_agent_config_set_ucx_tcp(cfg, 1))
             if strict:
                 self.lib.check(L.kvx_agent_config_set_strict(cfg, 1))
             if not lanes:

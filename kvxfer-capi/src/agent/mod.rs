@@ -232,8 +232,9 @@ pub unsafe extern "C" fn kvx_agent_config_set_discovery(
 
 /// Sets the shared secret (`len` bytes; `len` 0 removes it): every peer must hold it; it keys
 /// a Noise handshake on the side channel and on every TCP-lane connection, and every control
-/// message after it is encrypted and authenticated. What it does not protect yet (UCX's own
-/// TCP port, per-peer lane access, handoffs, bulk data unless
+/// message after it is encrypted and authenticated; notifications then travel only over the
+/// sealed lane, and UCX's own TCP transport is off (`kvx_agent_config_set_ucx_tcp`). What it
+/// does not protect yet (per-peer lane access, handoffs, bulk data unless
 /// `kvx_agent_config_set_lane_encryption`) is in SECURITY.md, kvxfer's threat model.
 ///
 /// # Safety
@@ -272,6 +273,26 @@ pub unsafe extern "C" fn kvx_agent_config_set_lane_encryption(
     unsafe {
         with_config("kvx_agent_config_set_lane_encryption", c, |cfg| {
             Ok(cfg.lane_encryption(on != 0))
+        })
+    }
+}
+
+/// With a secret: let UCX use its own TCP transport (`on` non-zero; trusted network only,
+/// logged at start). UCX over TCP authenticates nobody and its emulated RMA reads or writes
+/// whatever address a message names; with a secret it is left out by default, kvxfer's sealed
+/// TCP lane carrying the bytes, and peers UCX cannot reach are loaded lane-only.
+///
+/// # Safety
+/// `c` is a live config not used by another thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_ucx_tcp(
+    c: *mut kvx_agent_config,
+    on: i32,
+) -> kvx_status {
+    // SAFETY: per this function's contract.
+    unsafe {
+        with_config("kvx_agent_config_set_ucx_tcp", c, |cfg| {
+            Ok(cfg.ucx_tcp(on != 0))
         })
     }
 }

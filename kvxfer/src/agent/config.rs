@@ -51,9 +51,20 @@ pub struct AgentConfig {
     /// UCX peer-failure detection (`UCP_ERR_HANDLING_MODE_PEER`). UCX then refuses transports
     /// that cannot detect a dead peer, which in UCX 1.13-1.22 excludes every shared-memory
     /// transport (RMA falls back to emulation over TCP). Default (`None`): on, except for
-    /// [`Transport::Shm`]. A [`Transport::Custom`] list of shared-memory transports only
+    /// [`Transport::Shm`] and where UCX's TCP transport is left out ([`AgentConfig::ucx_tcp`]:
+    /// without it UCX has no transport that detects a dead peer; the lanes and the transfer
+    /// deadlines notice one). A [`Transport::Custom`] list of shared-memory transports only
     /// (e.g. `"posix,cma"`) must set `Some(false)` itself, or UCX finds no usable lane.
     pub peer_failure: Option<bool>,
+    /// With a [`AgentConfig::secret`] (and lanes on): let UCX use its own TCP transport. UCX
+    /// over TCP authenticates nobody, and its emulated RMA reads or writes whatever address a
+    /// message names, so a process that reaches its port can read or overwrite registered
+    /// memory or crash the agent. With a secret it is therefore left out of
+    /// [`AgentConfig::transport`] unless this opts in (trusted network only; logged at start):
+    /// kvxfer's sealed TCP lane carries host memory and staged device memory instead, and a
+    /// peer UCX cannot reach is loaded lane-only. Without a secret nothing changes yet
+    /// (SECURITY.md).
+    pub ucx_tcp: bool,
     /// kvxfer's own lanes next to UCX (kvxfer's shm and TCP lanes): mapped shared memory towards a
     /// peer on the same host with [`Transport::Shm`] and [`Transport::Auto`], and a zero-copy
     /// TCP stream with [`Transport::Tcp`]. On by default; off forces every byte through UCX.
@@ -148,6 +159,7 @@ impl AgentConfig {
             peer_failure: None,
             lanes: true,
             lane_encryption: false,
+            ucx_tcp: false,
             copy_threads: std::thread::available_parallelism()
                 .map(|n| n.get().min(4))
                 .unwrap_or(2),
@@ -238,6 +250,48 @@ impl AgentConfig {
     pub fn strict(mut self, on: bool) -> Self {
         self.strict = on;
         self
+    }
+
+    /// Lets UCX use its TCP transport with a secret ([`AgentConfig::ucx_tcp`]).
+    pub fn ucx_tcp(mut self, on: bool) -> Self {
+        self.ucx_tcp = on;
+        self
+    }
+
+    /// Whether UCX's TCP transport is left out ([`AgentConfig::ucx_tcp`]).
+    pub(crate) fn ucx_tcp_off(&self) -> bool {
+        self.secret.is_some() && self.lanes && !self.ucx_tcp
+    }
+
+    /// The transports UCX may use: [`AgentConfig::transport`] without TCP where
+    /// [`AgentConfig::ucx_tcp_off`].
+    pub(crate) fn ucx_transport(&self) -> Transport {
+        if !self.ucx_tcp_off() {
+            return self.transport.clone();
+        }
+        match &self.transport {
+            // Every byte takes the sealed lane; UCX keeps only its loopback to this process.
+            Transport::Tcp => Transport::Custom("self".into()),
+            Transport::Shm => Transport::Shm,
+            Transport::Auto => Transport::Custom("^tcp".into()),
+            Transport::Custom(l) => match l.strip_prefix('^') {
+                Some(ex) if ex.split(',').any(|x| x.trim() == "tcp") => self.transport.clone(),
+                Some(ex) => Transport::Custom(format!("^{ex},tcp")),
+                None if l.split(',').any(|x| x.trim() == "all") => Transport::Custom("^tcp".into()),
+                None => {
+                    let kept: Vec<&str> = l
+                        .split(',')
+                        .map(str::trim)
+                        .filter(|x| !x.is_empty() && *x != "tcp")
+                        .collect();
+                    Transport::Custom(if kept.is_empty() {
+                        "self".into()
+                    } else {
+                        kept.join(",")
+                    })
+                }
+            },
+        }
     }
 
     /// UCX peer-failure detection: `Some(on)` forces it, `None` picks the default (see
@@ -331,7 +385,7 @@ impl AgentConfig {
 
     /// Whether the transport list lets UCX use transports named `prefix*` (`tcp`, `cuda`).
     fn may_use(&self, prefix: &str) -> bool {
-        match &self.transport {
+        match &self.ucx_transport() {
             Transport::Auto => true,
             Transport::Tcp => prefix == "tcp",
             Transport::Shm => false,
@@ -351,7 +405,7 @@ impl AgentConfig {
 
     /// The settings, given which `UCX_*` variables the environment sets.
     fn ucx_settings_under(&self, in_env: impl Fn(&str) -> bool) -> Vec<(String, String)> {
-        let mut v = vec![("TLS".to_string(), self.transport.ucx_tls())];
+        let mut v = vec![("TLS".to_string(), self.ucx_transport().ucx_tls())];
         // kvxfer registers its regions explicitly; UCX's registration cache only serves
         // implicit registrations, and its default limits are infinite (memory grows with
         // every buffer UCX ever saw). Bounded here; `AgentConfig::ucx` overrides.
@@ -404,6 +458,37 @@ impl AgentConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn with_a_secret_ucx_loses_its_tcp_transport_unless_opted_in() {
+        let tls = |t: Transport, secret: bool, ucx_tcp: bool, lanes: bool| {
+            let mut c = AgentConfig::new("t")
+                .transport(t)
+                .ucx_tcp(ucx_tcp)
+                .lanes(lanes);
+            if secret {
+                c = c.secret(b"s".to_vec());
+            }
+            setting(&c, "TLS", |_| false).unwrap()
+        };
+        let custom = |l: &str| Transport::Custom(l.into());
+        for (t, want) in [
+            (Transport::Tcp, "self"),
+            (Transport::Auto, "^tcp"),
+            (Transport::Shm, "sm"),
+            (custom("rc,tcp"), "rc"),
+            (custom("tcp"), "self"),
+            (custom("^cuda_ipc"), "^cuda_ipc,tcp"),
+            (custom("^tcp,cma"), "^tcp,cma"),
+            (custom("all"), "^tcp"),
+        ] {
+            assert_eq!(tls(t.clone(), true, false, true), want, "{t:?}");
+            // No secret, the opt-in, or lanes off (nothing else carries): as asked.
+            assert_eq!(tls(t.clone(), false, false, true), t.ucx_tls(), "{t:?}");
+            assert_eq!(tls(t.clone(), true, true, true), t.ucx_tls(), "{t:?}");
+            assert_eq!(tls(t.clone(), true, false, false), t.ucx_tls(), "{t:?}");
+        }
+    }
 
     /// The value kvxfer gives the setting `key`, given which `UCX_*` variables are set.
     fn setting(c: &AgentConfig, key: &str, in_env: impl Fn(&str) -> bool) -> Option<String> {

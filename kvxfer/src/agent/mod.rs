@@ -71,6 +71,14 @@ impl Agent {
                 "lane_encryption needs a shared secret (AgentConfig::secret) to key it".into(),
             ));
         }
+        if cfg.secret.is_some() && cfg.ucx_transport().ucx_tls() != "self" && uses_tcp(&cfg) {
+            log::warn!(
+                "kvxfer: agent {:?}: UCX's own TCP transport is on with a shared secret \
+                 (ucx_tcp, or lanes off): it authenticates nobody; trusted network only \
+                 (SECURITY.md)",
+                cfg.name
+            );
+        }
         raw::route_log();
         let loaded = raw::version_string();
         if !kvxfer_proto::error::ucx_compatible(raw::BUILD_VERSION, &loaded) {
@@ -84,7 +92,8 @@ impl Agent {
             &cfg.ucx_settings(),
             &cname,
             cfg.busy_poll,
-            cfg.peer_failure.unwrap_or(cfg.transport != Transport::Shm),
+            cfg.peer_failure
+                .unwrap_or(cfg.transport != Transport::Shm && !cfg.ucx_tcp_off()),
             !lane_notes,
             channels.clone(),
         )
@@ -183,6 +192,7 @@ impl Agent {
             codec,
             handshake: cfg.handshake_timeout,
             lane_notes,
+            ucx_tcp_off: cfg.ucx_tcp_off(),
             notes: notifier,
         });
         let _ = me.set(Arc::downgrade(&shared));
@@ -749,5 +759,17 @@ impl<'a> TransferBuilder<'a> {
                 self.deadline,
             ),
         }
+    }
+}
+
+/// Whether UCX may use its TCP transport under `cfg` (its list names it, or all).
+fn uses_tcp(cfg: &AgentConfig) -> bool {
+    match cfg.ucx_transport() {
+        Transport::Tcp | Transport::Auto => true,
+        Transport::Shm => false,
+        Transport::Custom(l) => match l.strip_prefix('^') {
+            Some(ex) => !ex.split(',').any(|x| x.trim() == "tcp"),
+            None => l.split(',').any(|x| matches!(x.trim(), "tcp" | "all")),
+        },
     }
 }

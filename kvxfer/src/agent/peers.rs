@@ -8,7 +8,7 @@ use super::state::{AgentState, PeerView};
 use crate::backend::ucx::driver::{Cmd, LoadedPeer};
 use crate::lane::api::PeerLanes;
 use kvxfer_proto::error::{Error, Result};
-use kvxfer_proto::types::{GpuPath, HostInfo, MemKind, PeerInfo, RegionSpan};
+use kvxfer_proto::types::{GpuPath, HostInfo, Lane, MemKind, PeerInfo, RegionSpan};
 use kvxfer_proto::wire::metadata::Metadata;
 
 /// Loads a decoded peer's metadata: builds its lanes (or keeps those built for the same
@@ -42,6 +42,22 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
     let (epoch, lane_addr, host) = (meta.epoch, meta.lane.map(|l| l.addr), meta.host);
     let worker_addr = meta.worker_addr.clone();
     let LoadedPeer { token, connected } = st.cmds.call(|reply| Cmd::LoadPeer { meta, reply })?;
+    // UCX's TCP transport left out: a peer no other UCX transport reaches is loaded lane-only
+    // when it has a TCP lane (its device memory then moves staged over it too).
+    let unreachable =
+        matches!(&connected, Err(Error::PeerFailed { status, .. }) if status.code() == -6);
+    let lane_only = st.ucx_tcp_off && unreachable && lanes.0.iter().any(|l| l.lane() == Lane::Tcp);
+    let connected = if lane_only {
+        log::info!("kvxfer: {name:?} loaded lane-only (UCX's TCP transport is off)");
+        Ok(())
+    } else {
+        connected
+    };
+    let unmapped = if lane_only {
+        vec![true; unmapped.len()]
+    } else {
+        unmapped
+    };
     if let Some(token) = token {
         st.gone
             .lock()
@@ -59,6 +75,7 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
                 lane_addr,
                 host,
                 worker_addr,
+                ucx: !lane_only,
             }),
         );
     }

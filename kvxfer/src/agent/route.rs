@@ -11,7 +11,7 @@ use super::state::{AgentState, PeerView};
 use crate::lane::api::{PeerLane, Query};
 use crate::transfer::Work;
 use kvxfer_proto::error::{Error, Result};
-use kvxfer_proto::types::{MemKind, Transport};
+use kvxfer_proto::types::{Lane, MemKind, Transport};
 
 /// The lane a transfer takes.
 pub(crate) enum Route {
@@ -73,6 +73,15 @@ pub(crate) fn route(
     };
     let route = match v.lanes.0.iter().find(|l| l.carries(&q)) {
         Some(l) => Route::Lane(l.clone()),
+        // Loaded lane-only (UCX cannot reach it): its TCP lane carries everything.
+        None if !v.ucx => match v.lanes.0.iter().find(|l| l.lane() == Lane::Tcp) {
+            Some(l) => Route::Lane(l.clone()),
+            None => {
+                return Err(Error::InvalidArgument(format!(
+                    "{peer:?} was loaded lane-only and has no TCP lane (a bug)"
+                )))
+            }
+        },
         None if device && unreachable => {
             return Err(Error::InvalidArgument(format!(
                 "the transfer touches staged device memory, which moves over kvxfer's TCP \

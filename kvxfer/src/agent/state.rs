@@ -54,6 +54,9 @@ pub(crate) struct AgentState {
     /// lane, whose sender the receiver knows from the session; none arrive over UCX's active
     /// messages, whose sender is whatever the payload says.
     pub(crate) lane_notes: bool,
+    /// UCX's TCP transport is left out (a secret without `ucx_tcp`): a peer UCX cannot reach
+    /// is loaded lane-only.
+    pub(crate) ucx_tcp_off: bool,
     /// What carries a notification once UCX moved the data (the sealed TCP lane).
     pub(crate) notes: crate::transfer::NoteCarrier,
 }
@@ -139,4 +142,6 @@ pub(crate) struct PeerView {
     /// Its UCX worker's address: with the lane address and the process, what metadata of the
     /// same epoch must match to be taken as the same incarnation.
     pub(crate) worker_addr: Vec<u8>,
+    /// UCX reaches it (false: loaded lane-only, every transfer takes its TCP lane).
+    pub(crate) ucx: bool,
 }
