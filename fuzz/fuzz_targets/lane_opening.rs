@@ -1,0 +1,37 @@
+//! A sealed TCP lane's opening on its target (`kvxfer_proto::lane_seal::LaneOpening`), fed the
+//! fuzz bytes as the gate feeds a connection: never panics, answers nothing to a handshake
+//! that did not prove the keys, and never hands out a hello it did not open. The same bytes
+//! as the record that follows a real handshake: never opens (a forgery).
+#![no_main]
+use kvxfer_proto::lane_seal::{record_len, LaneOpening, Opened, MAX_RECORD};
+use kvxfer_proto::session::{Initiator, Psk, Session};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let psk = Psk::lane(b"k", b"lane");
+    let mut o = LaneOpening::new(psk.clone(), [7; 32], "fuzz");
+    let mut rest = data;
+    while o.want() > 0 && rest.len() >= o.want() {
+        let (now, later) = rest.split_at(o.want());
+        rest = later;
+        match o.on_bytes(now) {
+            Opened::More => {}
+            Opened::Refused(_) => assert!(o.take_output().is_empty() || o.session().is_some()),
+            Opened::Hello { .. } => panic!("a hello opened from bytes no initiator sealed"),
+        }
+    }
+    let mut prefix = [0u8; 4];
+    if data.len() >= 4 {
+        prefix.copy_from_slice(&data[..4]);
+        let _ = record_len(&prefix, MAX_RECORD, "fuzz");
+    }
+    if let Ok((init, first)) = Initiator::start(&psk, [1; 32], "fuzz") {
+        if let Ok((mut target, answer)) = Session::respond(&psk, [2; 32], &first, "fuzz") {
+            let mut out = Vec::new();
+            assert!(target.open_into(data, &mut out).is_err());
+            if let Ok(mut initiator) = init.finish(&answer) {
+                assert!(initiator.open_into(data, &mut out).is_err());
+            }
+        }
+    }
+});
