@@ -238,33 +238,10 @@ fn a_relay_without_the_secret_reads_and_changes_nothing() {
 #[test]
 fn a_handoff_naming_a_foreign_listener_learns_nothing_and_fails_alone() {
     use kvxfer::connector::{ConnectorConfig, Consumer, Producer};
-    use kvxfer::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking};
     use std::io::Read;
     use std::sync::Arc;
     let secret = Some("open sesame");
-    let layout = |a: &Agent| {
-        let g = KvGeometry {
-            name: "sec".into(),
-            layers: 2,
-            kv_heads: 2,
-            head_dim: 32,
-            dtype: KvDtype::Bf16,
-        };
-        let probe = KvLayout::contiguous(
-            g.clone(),
-            16,
-            16,
-            KvPacking::Separate,
-            KvOrder::Nhd,
-            kvxfer::RegionId(0),
-        );
-        let r = a
-            .register(HostBuffer::new(probe.region_bytes() as usize).unwrap())
-            .unwrap();
-        r.write(0, &vec![0x5a; r.len() as usize]).unwrap();
-        let l = KvLayout::contiguous(g, 16, 16, KvPacking::Separate, KvOrder::Nhd, r.id());
-        (r, l)
-    };
+    let layout = |a: &Agent| kv_layout(a, 0x5a);
     let p = Arc::new(agent("hand-p", secret));
     let (_pr, pl) = layout(&p);
     let paddr = p.listen("127.0.0.1:0").unwrap();
@@ -560,32 +537,9 @@ fn ucx_reachable(name: &str) -> Agent {
 #[test]
 fn forged_senders_over_ucx_are_not_believed() {
     use kvxfer::connector::{ConnectorConfig, Consumer, Producer};
-    use kvxfer::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking};
     use kvxfer::wire::connector::{ToConsumer, ToProducer};
     use std::sync::Arc;
-    let layout = |a: &Agent, fill: u8| {
-        let g = KvGeometry {
-            name: "forge".into(),
-            layers: 2,
-            kv_heads: 2,
-            head_dim: 32,
-            dtype: KvDtype::Bf16,
-        };
-        let probe = KvLayout::contiguous(
-            g.clone(),
-            16,
-            16,
-            KvPacking::Separate,
-            KvOrder::Nhd,
-            kvxfer::RegionId(0),
-        );
-        let r = a
-            .register(HostBuffer::new(probe.region_bytes() as usize).unwrap())
-            .unwrap();
-        r.write(0, &vec![fill; r.len() as usize]).unwrap();
-        let l = KvLayout::contiguous(g, 16, 16, KvPacking::Separate, KvOrder::Nhd, r.id());
-        (r, l)
-    };
+    let layout = kv_layout;
     let p = Arc::new(ucx_reachable("forge-p"));
     let (_pr, pl) = layout(&p, 0x5a);
     let paddr = p.listen("127.0.0.1:0").unwrap();
@@ -643,29 +597,10 @@ fn forged_senders_over_ucx_are_not_believed() {
 #[test]
 fn a_forged_acknowledgement_frees_nothing() {
     use kvxfer::connector::{ConnectorConfig, Producer};
-    use kvxfer::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking};
     use kvxfer::wire::connector::ToProducer;
     use std::sync::Arc;
-    let g = KvGeometry {
-        name: "ack".into(),
-        layers: 2,
-        kv_heads: 2,
-        head_dim: 32,
-        dtype: KvDtype::Bf16,
-    };
     let p = Arc::new(ucx_reachable("ack-p"));
-    let probe = KvLayout::contiguous(
-        g.clone(),
-        16,
-        16,
-        KvPacking::Separate,
-        KvOrder::Nhd,
-        kvxfer::RegionId(0),
-    );
-    let r = p
-        .register(HostBuffer::new(probe.region_bytes() as usize).unwrap())
-        .unwrap();
-    let pl = KvLayout::contiguous(g, 16, 16, KvPacking::Separate, KvOrder::Nhd, r.id());
+    let (_r, pl) = kv_layout(&p, 0x5a);
     let producer = Producer::new(p.clone(), pl, ConnectorConfig::default(), None).unwrap();
     producer.publish("req", &[3, 4], 32, 2).unwrap();
     let f = Agent::new(
@@ -739,4 +674,31 @@ fn with_a_secret_notifications_follow_shm_and_ucx_data() {
             "{transport:?}: the data landed first"
         );
     }
+}
+
+/// A small KV cache registered on `a` (2 layers, 2 heads of 32, 16 blocks of 16 tokens),
+/// filled with `fill`: its region and layout.
+fn kv_layout(a: &Agent, fill: u8) -> (kvxfer::Region, kvxfer::layout::KvLayout) {
+    use kvxfer::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking};
+    let g = KvGeometry {
+        name: "sec".into(),
+        layers: 2,
+        kv_heads: 2,
+        head_dim: 32,
+        dtype: KvDtype::Bf16,
+    };
+    let probe = KvLayout::contiguous(
+        g.clone(),
+        16,
+        16,
+        KvPacking::Separate,
+        KvOrder::Nhd,
+        kvxfer::RegionId(0),
+    );
+    let r = a
+        .register(HostBuffer::new(probe.region_bytes() as usize).unwrap())
+        .unwrap();
+    r.write(0, &vec![fill; r.len() as usize]).unwrap();
+    let l = KvLayout::contiguous(g, 16, 16, KvPacking::Separate, KvOrder::Nhd, r.id());
+    (r, l)
 }
