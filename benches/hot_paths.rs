@@ -270,7 +270,7 @@ fn layout(c: &mut Criterion) {
 /// Sealing and opening one TCP-lane record of 1 MiB (AES-256-GCM under a Noise session,
 /// as `AgentConfig::lane_encryption` does per record on each end): one core's rate each way.
 fn sealing(c: &mut Criterion) {
-    use kvxfer_proto::lane_seal::seal_record;
+    use kvxfer_proto::lane_seal::{record_size, seal_record_to};
     use kvxfer_proto::session::{Initiator, Psk, Session, SEED};
     use kvxfer_proto::wire::lane::RECORD_PLAIN;
     let psk = Psk::lane(b"bench", b"lane");
@@ -283,26 +283,23 @@ fn sealing(c: &mut Criterion) {
     let plain: Vec<u8> = (0..RECORD_PLAIN).map(|k| (k * 7) as u8).collect();
     let mut g = c.benchmark_group("lane_sealing");
     g.throughput(criterion::Throughput::Bytes(RECORD_PLAIN as u64));
-    let mut out = Vec::with_capacity(RECORD_PLAIN + 4096);
+    // Buffers reused as a lane connection reuses them.
+    let mut out = vec![0u8; record_size(RECORD_PLAIN)];
     g.bench_function("seal_1MiB", |b| {
-        b.iter(|| {
-            out.clear();
-            seal_record(&mut s, black_box(&plain), &mut out);
-        })
+        b.iter(|| seal_record_to(&mut s, black_box(&plain), &mut out))
     });
     // Opening needs records sealed in order under a fresh pair: each sealed, then opened
     // (only the opening timed).
     let (mut s, mut r) = pair();
-    let mut open_out = Vec::new();
+    let mut open_out = vec![0u8; record_size(RECORD_PLAIN)];
     g.bench_function("open_1MiB", |b| {
         b.iter_custom(|n| {
             let mut spent = std::time::Duration::ZERO;
-            let mut w = Vec::new();
+            let mut w = vec![0u8; record_size(RECORD_PLAIN)];
             for _ in 0..n {
-                w.clear();
-                seal_record(&mut s, &plain, &mut w);
+                let len = seal_record_to(&mut s, &plain, &mut w);
                 let t0 = std::time::Instant::now();
-                r.open_into(black_box(&w[4..]), &mut open_out).unwrap();
+                r.open_to(black_box(&w[4..len]), &mut open_out).unwrap();
                 spent += t0.elapsed();
             }
             spent

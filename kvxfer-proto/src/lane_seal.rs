@@ -20,23 +20,38 @@ pub const MAX_RECORD: usize = sealed_len(RECORD_PLAIN);
 /// Most sealed bytes of the first record (a mode byte and the longest hello).
 pub const MAX_HELLO_RECORD: usize = sealed_len(1 + HELLO_FIXED_LEN + hello_rest_len(MAX_NAME));
 
-/// Appends the record of `plain` (at most [`RECORD_PLAIN`] bytes) to `out`.
-pub fn seal_record(s: &mut Session, plain: &[u8], out: &mut Vec<u8>) {
-    debug_assert!(plain.len() <= RECORD_PLAIN);
-    let at = out.len();
-    out.extend_from_slice(&[0; RECORD_LEN_BYTES]);
-    s.seal_into(plain, out);
-    let n = (out.len() - at - RECORD_LEN_BYTES) as u32;
-    out[at..at + RECORD_LEN_BYTES].copy_from_slice(&n.to_le_bytes());
+/// Bytes of the record of a `plain`-byte message.
+pub const fn record_size(plain: usize) -> usize {
+    RECORD_LEN_BYTES + sealed_len(plain)
 }
 
-/// The sealed length a record's prefix states, within `max`; else [`Error::Auth`] (a record
-/// longer than any sender makes is a changed or foreign stream).
-pub fn record_len(prefix: &[u8; RECORD_LEN_BYTES], max: usize, who: &str) -> Result<usize> {
+/// Appends the record of `plain` (at most [`RECORD_PLAIN`] bytes) to `out`.
+pub fn seal_record(s: &mut Session, plain: &[u8], out: &mut Vec<u8>) {
+    let at = out.len();
+    out.resize(at + record_size(plain.len()), 0);
+    seal_record_to(s, plain, &mut out[at..]);
+}
+
+/// Writes the record of `plain` (at most [`RECORD_PLAIN`] bytes) into the first
+/// [`record_size`] bytes of `out` (a buffer the caller reuses); returns that size.
+pub fn seal_record_to(s: &mut Session, plain: &[u8], out: &mut [u8]) -> usize {
+    debug_assert!(plain.len() <= RECORD_PLAIN);
+    let n = s.seal_to(plain, &mut out[RECORD_LEN_BYTES..]);
+    out[..RECORD_LEN_BYTES].copy_from_slice(&(n as u32).to_le_bytes());
+    RECORD_LEN_BYTES + n
+}
+
+/// The sealed length a record's prefix states, within `max`; else [`Error::Auth`] naming
+/// `who()` (a record longer than any sender makes is a changed or foreign stream).
+pub fn record_len(
+    prefix: &[u8; RECORD_LEN_BYTES],
+    max: usize,
+    who: impl FnOnce() -> String,
+) -> Result<usize> {
     let n = u32::from_le_bytes(*prefix) as usize;
     if n == 0 || n > max {
         return Err(Error::Auth {
-            peer: who.to_string(),
+            peer: who(),
             why: format!("a sealed record of {n} bytes (limit {max})"),
         });
     }
@@ -150,7 +165,7 @@ impl LaneOpening {
                 let Ok(prefix) = <[u8; RECORD_LEN_BYTES]>::try_from(b) else {
                     return Opened::Refused("a short record length".into());
                 };
-                match record_len(&prefix, MAX_HELLO_RECORD, &self.who) {
+                match record_len(&prefix, MAX_HELLO_RECORD, || self.who.clone()) {
                     Ok(n) => {
                         self.state = State::Record(n);
                         Opened::More

@@ -243,6 +243,8 @@ impl Initiator {
 pub struct Session {
     transport: snow::TransportState,
     who: String,
+    /// The first chunk's plaintext (the length, then the message's head), reused.
+    first: Vec<u8>,
 }
 
 impl std::fmt::Debug for Session {
@@ -287,6 +289,7 @@ impl Session {
         Ok(Session {
             transport: state.into_transport_mode().map_err(|e| internal(&e))?,
             who: who.to_string(),
+            first: Vec::new(),
         })
     }
 
@@ -297,47 +300,56 @@ impl Session {
         out
     }
 
-    /// Appends `plain`, sealed under the session, to `out` (no other buffer).
+    /// Appends `plain`, sealed under the session, to `out`.
     pub fn seal_into(&mut self, plain: &[u8], out: &mut Vec<u8>) {
-        out.reserve(sealed_len(plain.len()));
+        let at = out.len();
+        out.resize(at + sealed_len(plain.len()), 0);
+        self.seal_to(plain, &mut out[at..]);
+    }
+
+    /// Seals `plain` into the first [`sealed_len`] bytes of `out`, which is at least that
+    /// long (a buffer the caller reuses: nothing is cleared or zeroed per message). Returns
+    /// the bytes written.
+    pub fn seal_to(&mut self, plain: &[u8], out: &mut [u8]) -> usize {
         // The first chunk carries the length ahead of the plaintext; the rest are slices of it.
         let head = plain.len().min(CHUNK - LEN_BYTES);
-        let mut first = [0u8; CHUNK];
-        first[..LEN_BYTES].copy_from_slice(&(plain.len() as u32).to_le_bytes());
-        first[LEN_BYTES..LEN_BYTES + head].copy_from_slice(&plain[..head]);
-        let first = &first[..LEN_BYTES + head];
-        for chunk in std::iter::once(first).chain(plain[head..].chunks(CHUNK)) {
-            let at = out.len();
-            out.resize(at + CHUNK_LEN_BYTES + chunk.len() + TAG, 0);
-            let n = self
-                .transport
+        self.first.clear();
+        self.first
+            .extend_from_slice(&(plain.len() as u32).to_le_bytes());
+        self.first.extend_from_slice(&plain[..head]);
+        let (first, transport) = (&self.first, &mut self.transport);
+        let mut at = 0;
+        for chunk in std::iter::once(&first[..]).chain(plain[head..].chunks(CHUNK)) {
+            let n = transport
                 .write_message(chunk, &mut out[at + CHUNK_LEN_BYTES..])
                 .unwrap_or_else(|e| unreachable!("a chunk within Noise's limit: {e}"));
             out[at..at + CHUNK_LEN_BYTES].copy_from_slice(&(n as u16).to_le_bytes());
-            out.truncate(at + CHUNK_LEN_BYTES + n);
+            at += CHUNK_LEN_BYTES + n;
         }
+        at
     }
 
     /// The plaintext of a message the other side sealed; [`Error::Auth`] when it was changed,
     /// cut, replayed, reordered or sealed under another session.
     pub fn open(&mut self, sealed: &[u8]) -> Result<Vec<u8>> {
-        let mut out = Vec::new();
-        let at = self.open_into(sealed, &mut out)?;
-        Ok(out.split_off(at))
+        let mut out = vec![0u8; sealed.len()];
+        let r = self.open_to(sealed, &mut out)?;
+        out.truncate(r.end);
+        Ok(out.split_off(r.start))
     }
 
-    /// Like [`Session::open`] into `out` (its capacity reused, what it held replaced): the
-    /// plaintext is `out[returned..]` (the authenticated length stays ahead of it, so that no
-    /// byte moves).
-    pub fn open_into(&mut self, mut sealed: &[u8], out: &mut Vec<u8>) -> Result<usize> {
-        let who = self.who.clone();
+    /// Opens `sealed` into `out`, which is at least `sealed.len()` long (a buffer the caller
+    /// reuses): the plaintext is `out[returned range]`. On an error what `out` holds is
+    /// unauthenticated and must not be used.
+    pub fn open_to(&mut self, mut sealed: &[u8], out: &mut [u8]) -> Result<std::ops::Range<usize>> {
+        let (who, transport) = (&self.who, &mut self.transport);
         let bad = |why: &str| {
             auth(
-                &who,
+                who,
                 format!("a sealed message failed its authentication ({why})"),
             )
         };
-        out.clear();
+        let mut at = 0;
         while !sealed.is_empty() {
             if sealed.len() < CHUNK_LEN_BYTES {
                 return Err(bad("a cut chunk header"));
@@ -347,22 +359,16 @@ impl Session {
             if n < TAG || n > rest.len() {
                 return Err(bad("a chunk length past the message"));
             }
-            let at = out.len();
-            out.resize(at + n, 0);
-            let m = self
-                .transport
+            let m = transport
                 .read_message(&rest[..n], &mut out[at..])
                 .map_err(|_| bad("a chunk did not decrypt"))?;
-            out.truncate(at + m);
+            at += m;
             sealed = &rest[n..];
         }
         // The length, authenticated with the first chunk, says whether chunks were cut off.
-        match out.get(..LEN_BYTES) {
-            Some(l)
-                if u32::from_le_bytes([l[0], l[1], l[2], l[3]]) as usize + LEN_BYTES
-                    == out.len() =>
-            {
-                Ok(LEN_BYTES)
+        match out[..at].get(..LEN_BYTES) {
+            Some(l) if u32::from_le_bytes([l[0], l[1], l[2], l[3]]) as usize + LEN_BYTES == at => {
+                Ok(LEN_BYTES..at)
             }
             _ => Err(bad("cut short, or longer than its length")),
         }

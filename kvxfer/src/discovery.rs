@@ -42,15 +42,6 @@ pub(crate) struct SideChannel {
     pub(crate) on_peer: Box<dyn Fn(Metadata) -> Result<String> + Send + Sync>,
 }
 
-/// A fresh seed for a handshake's ephemeral key.
-pub(crate) fn seed() -> Result<[u8; SEED]> {
-    let mut n = [0u8; SEED];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut n))
-        .map_err(|e| Error::io("reading /dev/urandom", e))?;
-    Ok(n)
-}
-
 /// Connects to `addr`, sends our metadata, loads the peer's. Returns the peer's name. Each
 /// step (the connection, every read and write) waits at most `timeout`
 /// ([`crate::AgentConfig::handshake_timeout`]).
@@ -66,7 +57,11 @@ pub(crate) fn exchange(
     preamble(&mut s, &who, timeout)?;
     let mut session = None;
     if let Some(secret) = &shared.secret {
-        let (init, first) = Initiator::start(&Psk::side_channel(secret), seed()?, &who)?;
+        let (init, first) = Initiator::start(
+            &Psk::side_channel(secret),
+            crate::random::bytes::<SEED>()?,
+            &who,
+        )?;
         write_frame(&mut s, NOISE1, &first)?;
         let (kind, p) = read_frame(&mut s, &who).map_err(|e| waited(e, &who, timeout))?;
         match kind {

@@ -57,6 +57,7 @@ mod listener;
 pub mod live;
 mod memory;
 mod notify;
+mod random;
 pub mod registry;
 pub mod staged;
 pub mod staging;

@@ -9,10 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::discovery::{seed, SideChannel};
+use crate::discovery::SideChannel;
 use crate::gate::{Admission, Gate, Limits, Verdict};
 use kvxfer_proto::acceptor::{SideChannelAcceptor, Step};
 use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::session::SEED;
 use kvxfer_proto::wire::metadata::Metadata;
 
 /// A client's whole handshake, from its accept to its HELLO (a few milliseconds for a real
@@ -86,7 +87,7 @@ impl Listener {
                 acceptor: SideChannelAcceptor::new(
                     &who.to_string(),
                     secret.as_deref(),
-                    seed()?,
+                    crate::random::bytes::<SEED>()?,
                     now,
                     HANDSHAKE_DEADLINE,
                 ),

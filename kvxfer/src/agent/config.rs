@@ -383,8 +383,9 @@ impl AgentConfig {
         Striping::new(self.stripes, self.peer_stripes.clone())
     }
 
-    /// Whether the transport list lets UCX use transports named `prefix*` (`tcp`, `cuda`).
-    fn may_use(&self, prefix: &str) -> bool {
+    /// Whether the transports UCX gets ([`AgentConfig::ucx_transport`]) include ones named
+    /// `prefix*` (`tcp`, `cuda`).
+    pub(crate) fn may_use(&self, prefix: &str) -> bool {
         match &self.ucx_transport() {
             Transport::Auto => true,
             Transport::Tcp => prefix == "tcp",

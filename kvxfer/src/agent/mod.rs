@@ -35,13 +35,13 @@ use crate::backend::ucx::raw;
 use crate::budget::MemoryBudget;
 use crate::codec_meter::CodecMeter;
 use crate::discovery::{exchange, SideChannel};
-use crate::lane::api::{LaneCtx, LaneSetup, Notifier};
+use crate::lane::api::{LaneCtx, LaneSetup};
 use crate::lane::{host_info, iface_addr};
 use crate::listener::Listener;
 use crate::memory::{Memory, Region, RegionInner, RegionTable};
 use crate::notify::{Channels, Inbox};
 use crate::staging::pool::{StagingCell, StagingStats};
-use crate::transfer::{Canceller, Transfer};
+use crate::transfer::{Canceller, NoteCarrier, Transfer};
 use kvxfer_proto::descriptor::{self, Desc};
 use kvxfer_proto::error::{Error, Result, Side};
 use kvxfer_proto::types::{
@@ -71,7 +71,7 @@ impl Agent {
                 "lane_encryption needs a shared secret (AgentConfig::secret) to key it".into(),
             ));
         }
-        if cfg.secret.is_some() && cfg.ucx_transport().ucx_tls() != "self" && uses_tcp(&cfg) {
+        if cfg.secret.is_some() && cfg.may_use("tcp") {
             log::warn!(
                 "kvxfer: agent {:?}: UCX's own TCP transport is on with a shared secret \
                  (ucx_tcp, or lanes off): it authenticates nobody; trusted network only \
@@ -101,7 +101,7 @@ impl Agent {
         // Where a notification goes once a lane or UCX moved the data: UCX's active messages,
         // or with a secret the peer's sealed TCP lane (found through the agent, built below).
         let me: Arc<std::sync::OnceLock<std::sync::Weak<AgentState>>> = Arc::default();
-        let notifier: Notifier = {
+        let notifier: NoteCarrier = {
             let (c, me) = (cmds.clone(), me.clone());
             Arc::new(move |job| {
                 if !lane_notes {
@@ -191,7 +191,6 @@ impl Agent {
             gone: Mutex::new(HashSet::new()),
             codec,
             handshake: cfg.handshake_timeout,
-            lane_notes,
             ucx_tcp_off: cfg.ucx_tcp_off(),
             notes: notifier,
         });
@@ -635,14 +634,7 @@ impl Drop for Agent {
 /// The side channel's view of this agent.
 /// A random, non-zero incarnation number for a new agent.
 fn new_epoch() -> Result<u64> {
-    let mut b = [0u8; 8];
-    std::io::Read::read_exact(
-        &mut std::fs::File::open("/dev/urandom")
-            .map_err(|e| Error::io("opening /dev/urandom", e))?,
-        &mut b,
-    )
-    .map_err(|e| Error::io("reading /dev/urandom", e))?;
-    Ok(u64::from_le_bytes(b).max(1))
+    Ok(u64::from_le_bytes(crate::random::bytes()?).max(1))
 }
 
 fn side_channel(st: &Arc<AgentState>) -> Arc<SideChannel> {
@@ -759,17 +751,5 @@ impl<'a> TransferBuilder<'a> {
                 self.deadline,
             ),
         }
-    }
-}
-
-/// Whether UCX may use its TCP transport under `cfg` (its list names it, or all).
-fn uses_tcp(cfg: &AgentConfig) -> bool {
-    match cfg.ucx_transport() {
-        Transport::Tcp | Transport::Auto => true,
-        Transport::Shm => false,
-        Transport::Custom(l) => match l.strip_prefix('^') {
-            Some(ex) => !ex.split(',').any(|x| x.trim() == "tcp"),
-            None => l.split(',').any(|x| matches!(x.trim(), "tcp" | "all")),
-        },
     }
 }

@@ -50,10 +50,6 @@ pub(crate) struct AgentState {
     pub(crate) codec: Arc<crate::codec_meter::CodecMeter>,
     /// How long each step of a connect's handshake waits.
     pub(crate) handshake: std::time::Duration,
-    /// With a shared secret (and lanes on), notifications travel only over the sealed TCP
-    /// lane, whose sender the receiver knows from the session; none arrive over UCX's active
-    /// messages, whose sender is whatever the payload says.
-    pub(crate) lane_notes: bool,
     /// UCX's TCP transport is left out (a secret without `ucx_tcp`): a peer UCX cannot reach
     /// is loaded lane-only.
     pub(crate) ucx_tcp_off: bool,
@@ -91,6 +87,13 @@ impl AgentState {
                 agent: name.to_string(),
             }
         }
+    }
+
+    /// With a shared secret (and lanes on), notifications travel only over the sealed TCP
+    /// lane, whose sender the receiver knows from the session; none arrive over UCX's active
+    /// messages, whose sender is whatever the payload says.
+    pub(crate) fn lane_notes(&self) -> bool {
+        self.secret.is_some() && !self.lanes.is_empty()
     }
 
     /// The lane that carries notifications to `peer` when [`AgentState::lane_notes`]: its

@@ -75,7 +75,7 @@ impl Agent {
                 return Err(e);
             }
         }
-        let lane_notes = self.shared.lane_notes && notification.is_some();
+        let lane_notes = self.shared.lane_notes() && notification.is_some();
         let (route, local_dev) = if lane_notes && plan.op_count() == 0 {
             // A notification alone: over the sealed lane, whatever carries data.
             (Route::Lane(self.shared.note_lane(peer)?), Vec::new())

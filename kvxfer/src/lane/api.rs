@@ -9,14 +9,9 @@ use crate::budget::MemoryBudget;
 use crate::memory::RegionTable;
 use crate::notify::Channels;
 use crate::staging::pool::StagingCell;
-use crate::transfer::{Job, Work};
+use crate::transfer::{Job, NoteCarrier, Work};
 use kvxfer_proto::types::{HostInfo, Lane, LaneInfo, Transport};
 use kvxfer_proto::wire::metadata::Metadata;
-
-/// What a lane does with a transfer's notification once its data has landed: hand a
-/// notification-only job to the transport that carries notifications (the agent builds it
-/// from the UCX engine's command channel).
-pub(crate) type Notifier = crate::transfer::NoteCarrier;
 
 /// What a route asks a lane about a transfer.
 pub(crate) struct Query<'a> {
@@ -83,7 +78,7 @@ pub(crate) struct LaneSetup {
     /// Copy threads of the shared-memory lane.
     pub(crate) copy_threads: usize,
     /// Hands a notification-only job to UCX once a lane's data has landed.
-    pub(crate) notifier: Notifier,
+    pub(crate) notifier: NoteCarrier,
     /// The TCP lane's striping and compression.
     pub(crate) striping: crate::lane::tcp::settings::Striping,
     pub(crate) compressing: crate::lane::tcp::settings::Compressing,

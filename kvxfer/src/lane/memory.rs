@@ -9,8 +9,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use super::api::{LaneCtx, LaneKind, LaneSetup, Notifier, PeerLane, Query};
-use crate::transfer::Job;
+use super::api::{LaneCtx, LaneKind, LaneSetup, PeerLane, Query};
+use crate::transfer::{Job, NoteCarrier};
 use kvxfer_proto::error::Error;
 use kvxfer_proto::types::{Lane, MemKind, XferOp};
 use kvxfer_proto::wire::metadata::Metadata;
@@ -29,7 +29,7 @@ fn targets() -> &'static Mutex<HashMap<String, Weak<LaneCtx>>> {
 
 pub(crate) struct MemoryLane {
     name: String,
-    notifier: Notifier,
+    notifier: NoteCarrier,
 }
 
 impl MemoryLane {
@@ -70,7 +70,7 @@ impl LaneKind for MemoryLane {
 
 struct MemoryPeer {
     target: Weak<LaneCtx>,
-    notifier: Notifier,
+    notifier: NoteCarrier,
 }
 
 impl PeerLane for MemoryPeer {

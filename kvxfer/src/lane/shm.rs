@@ -12,7 +12,8 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use super::api::{LaneKind, LaneSetup, Notifier, PeerLane, Query};
+use super::api::{LaneKind, LaneSetup, PeerLane, Query};
+use crate::transfer::NoteCarrier;
 use crate::transfer::{Job, Work};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::types::{Lane, Transport, XferOp};
@@ -168,7 +169,7 @@ struct ShmJob {
     error: Mutex<Option<Error>>,
     /// Set with `error`: checked per operation without taking the lock.
     failed: std::sync::atomic::AtomicBool,
-    carrier: Notifier,
+    carrier: NoteCarrier,
 }
 
 struct Task {
@@ -183,14 +184,14 @@ pub(crate) struct Copier {
     tx: Mutex<Option<mpsc::Sender<Task>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     n: usize,
-    carrier: Notifier,
+    carrier: NoteCarrier,
 }
 
 /// Transfers smaller than this are copied by one thread.
 const SPLIT_MIN: u64 = 4 << 20;
 
 impl Copier {
-    pub(crate) fn start(name: &str, n: usize, carrier: Notifier) -> Result<Copier> {
+    pub(crate) fn start(name: &str, n: usize, carrier: NoteCarrier) -> Result<Copier> {
         let (tx, rx) = mpsc::channel::<Task>();
         let rx = Arc::new(Mutex::new(rx));
         let mut threads = Vec::with_capacity(n);

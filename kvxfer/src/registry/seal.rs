@@ -30,13 +30,7 @@ pub(super) fn seal(secret: Option<&[u8]>, key: &str, meta: &[u8]) -> Result<Vec<
     let Some(secret) = secret else {
         return Ok(meta.to_vec());
     };
-    let mut nonce = [0u8; NONCE];
-    std::io::Read::read_exact(
-        &mut std::fs::File::open("/dev/urandom")
-            .map_err(|e| Error::io("opening /dev/urandom", e))?,
-        &mut nonce,
-    )
-    .map_err(|e| Error::io("reading /dev/urandom", e))?;
+    let nonce: [u8; NONCE] = crate::random::bytes()?;
     let ct = cipher(secret)?
         .encrypt(
             Nonce::from_slice(&nonce),

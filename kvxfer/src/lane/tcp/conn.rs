@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use super::stream::{self, Ctl, Stop};
 use crate::budget::{Charge, MemoryBudget};
 use kvxfer_proto::error::Error;
-use kvxfer_proto::lane_seal::{record_len, seal_record, MAX_RECORD};
+use kvxfer_proto::lane_seal::{record_len, record_size, seal_record_to, MAX_RECORD};
 use kvxfer_proto::session::Session;
 use kvxfer_proto::wire::lane::{paged_total, Segment, RECORD_LEN_BYTES, RECORD_PLAIN, SEG_LEN};
 
@@ -38,9 +38,11 @@ pub(super) struct Conn {
 /// every record.
 struct Sealer {
     session: Session,
-    /// Opened plaintext; bytes from `pos` on are still to be read.
+    /// Opened plaintext: `plain[pos..end]` is still to be read. The buffers only grow (no
+    /// clearing or zeroing per record).
     plain: Vec<u8>,
     pos: usize,
+    end: usize,
     /// A record's sealed bytes, in or out.
     wire: Vec<u8>,
     /// Gathered plaintext of sealed data.
@@ -74,6 +76,7 @@ impl Conn {
                 session,
                 plain: Vec::new(),
                 pos: 0,
+                end: 0,
                 wire: Vec::new(),
                 gather: Vec::new(),
                 budget,
@@ -123,11 +126,9 @@ impl Conn {
     fn data_sealer(&self) -> Result<Option<std::cell::RefMut<'_, Sealer>>, Stop> {
         match &self.seal {
             Some(s) if self.sealed_data => Ok(Some(s.borrow_mut())),
-            Some(s) if s.borrow().pos < s.borrow().plain.len() => {
-                Err(Stop::Abort(Error::InvalidArgument(
-                    "lane data began inside a control record (out of step)".into(),
-                )))
-            }
+            Some(s) if s.borrow().pos < s.borrow().end => Err(Stop::Abort(Error::InvalidArgument(
+                "lane data began inside a control record (out of step)".into(),
+            ))),
             _ => Ok(None),
         }
     }
@@ -230,9 +231,9 @@ impl Sealer {
             return Err(Stop::Abort(Error::Canceled));
         }
         self.room(plain.len())?;
-        self.wire.clear();
-        seal_record(&mut self.session, plain, &mut self.wire);
-        stream::send_buf(sock, &self.wire, ctl)
+        grow(&mut self.wire, record_size(plain.len()));
+        let n = seal_record_to(&mut self.session, plain, &mut self.wire);
+        stream::send_buf(sock, &self.wire[..n], ctl)
     }
 
     /// Gathers the bytes of `pieces` a record at a time, seals and sends them.
@@ -290,7 +291,7 @@ impl Sealer {
     ) -> Result<(), Stop> {
         let mut got = 0;
         while got < b.len() {
-            if self.pos == self.plain.len() {
+            if self.pos == self.end {
                 if fence.is_some_and(|f| f.load(Ordering::Acquire)) {
                     return Err(Stop::Abort(Error::Canceled));
                 }
@@ -300,7 +301,7 @@ impl Sealer {
                 self.read_record(sock, first && got == 0, ctl)?;
                 continue;
             }
-            let k = (b.len() - got).min(self.plain.len() - self.pos);
+            let k = (b.len() - got).min(self.end - self.pos);
             b[got..got + k].copy_from_slice(&self.plain[self.pos..self.pos + k]);
             got += k;
             self.pos += k;
@@ -321,15 +322,29 @@ impl Sealer {
             stream::recv_buf(sock, &mut prefix, ctl)?;
         }
         let who = || sock.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-        let n = record_len(&prefix, MAX_RECORD, &who()).map_err(Stop::Abort)?;
+        let n = record_len(&prefix, MAX_RECORD, who).map_err(Stop::Abort)?;
         self.room(n)?;
-        self.wire.resize(n, 0);
-        stream::recv_buf(sock, &mut self.wire, ctl)?;
-        self.pos = self
-            .session
-            .open_into(&self.wire, &mut self.plain)
-            .map_err(Stop::Abort)?;
-        Ok(())
+        grow(&mut self.wire, n);
+        grow(&mut self.plain, n);
+        stream::recv_buf(sock, &mut self.wire[..n], ctl)?;
+        match self.session.open_to(&self.wire[..n], &mut self.plain) {
+            Ok(r) => {
+                (self.pos, self.end) = (r.start, r.end);
+                Ok(())
+            }
+            Err(e) => {
+                // What the failed open left is unauthenticated: none of it is ever read.
+                (self.pos, self.end) = (0, 0);
+                Err(Stop::Abort(e))
+            }
+        }
+    }
+}
+
+/// `v` at least `n` bytes long (zeroed only where it grows).
+fn grow(v: &mut Vec<u8>, n: usize) {
+    if v.len() < n {
+        v.resize(n, 0);
     }
 }
 
@@ -372,15 +387,6 @@ pub(super) fn skip_paged(c: &Conn, n: usize, ctl: &mut Ctl<'_>) -> Result<u64, S
         left -= k;
     }
     Ok(total.unwrap_or(0))
-}
-
-/// Fresh randomness for a handshake's ephemeral key, or the lane credential.
-pub(super) fn getrandom(b: &mut [u8]) -> kvxfer_proto::error::Result<()> {
-    use std::io::Read;
-    let mut f =
-        std::fs::File::open("/dev/urandom").map_err(|e| Error::io("opening /dev/urandom", e))?;
-    f.read_exact(b)
-        .map_err(|e| Error::io("reading /dev/urandom", e))
 }
 
 #[cfg(test)]
@@ -449,7 +455,8 @@ mod tests {
         let mut w = Vec::new();
         {
             let mut s = a.seal.as_ref().unwrap().borrow_mut();
-            seal_record(&mut s.session, &[7u8; 100], &mut w);
+            w.resize(record_size(100), 0);
+            seal_record_to(&mut s.session, &[7u8; 100], &mut w);
         }
         w[20] ^= 1;
         use std::io::Write;

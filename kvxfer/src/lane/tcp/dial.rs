@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::conn::{getrandom, Conn};
+use super::conn::Conn;
 use super::stream::{recv_buf, send_buf, set_timeouts, Ctl, Stop};
 use crate::budget::MemoryBudget;
 use kvxfer_proto::error::{Error, Result};
@@ -131,8 +131,7 @@ impl Dialer {
         sealed_data: bool,
         ctl: &mut Ctl<'_>,
     ) -> Result<Conn, Stop> {
-        let mut seed = [0u8; SEED];
-        getrandom(&mut seed).map_err(Stop::Abort)?;
+        let seed: [u8; SEED] = crate::random::bytes().map_err(Stop::Abort)?;
         let (init, first) = Initiator::start(psk, seed, &self.peer).map_err(Stop::Abort)?;
         let mut opening = SEALED_MAGIC.to_vec();
         opening.extend_from_slice(&first);

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::conn::{getrandom, skip_paged, sum_segments, Conn};
+use super::conn::{skip_paged, sum_segments, Conn};
 use super::framed::{drain_frames, FramesFailed, RECV_BYTES, SEND_BYTES};
 use super::mixed::{stage_pair, stream_mixed, stream_windows, Framing};
 use super::stream::{set_timeouts, Stop};
@@ -177,8 +177,7 @@ impl Server {
         let addr = l
             .local_addr()
             .map_err(|e| Error::io("querying the TCP lane address", e))?;
-        let mut secret = [0u8; SECRET_LEN];
-        getrandom(&mut secret)?;
+        let secret: [u8; SECRET_LEN] = crate::random::bytes()?;
         let info = LaneInfo { addr, secret };
         let stop = Arc::new(AtomicBool::new(false));
         let conns: Arc<Mutex<Conns>> = Arc::default();
@@ -190,8 +189,7 @@ impl Server {
             let t0 = Instant::now();
             let opening = match &psk {
                 Some(psk) => {
-                    let mut seed = [0u8; SEED];
-                    getrandom(&mut seed)?;
+                    let seed = crate::random::bytes::<SEED>()?;
                     Some(LaneOpening::new(psk.clone(), seed, &who.to_string()))
                 }
                 None => None,
