@@ -13,6 +13,7 @@ use crate::error::{Error, Result};
 use crate::layout::{KvGeometry, KvLayout, KvOrder};
 use crate::lifecycle::{Freed, LeaseError, Ledger};
 use crate::tp::HeadMap;
+use crate::wire::connector::Grant;
 use crate::wire::connector::{Handoff, Mode, PushWant, Refusal, ToConsumer, ToProducer};
 
 /// A consumer that hears "not held" this soon after starting keeps asking: the handoff may
@@ -66,6 +67,8 @@ struct Held {
     holder_set: HashSet<String>,
     /// Push consumers whose target is built.
     pushers: HashSet<String>,
+    /// The handoff's grant: every call about the request must carry it.
+    grant: Option<Grant>,
 }
 
 impl Held {
@@ -102,7 +105,9 @@ impl ProducerCore {
     }
 
     /// Holds `blocks` of `request` for `readers` consumers from `now`; `layers_done` of its
-    /// `layers` are computed already.
+    /// `layers` are computed already. With a `grant`, only calls that carry it are answered
+    /// (others are refused with [`LeaseError::NotGranted`] and change nothing).
+    #[allow(clippy::too_many_arguments)]
     pub fn publish(
         &mut self,
         request: &str,
@@ -110,6 +115,7 @@ impl ProducerCore {
         readers: usize,
         layers: usize,
         layers_done: usize,
+        grant: Option<Grant>,
         now: Duration,
     ) {
         self.ledger.hold(request, blocks, readers, now);
@@ -120,6 +126,7 @@ impl ProducerCore {
                 holders: Vec::new(),
                 holder_set: HashSet::new(),
                 pushers: HashSet::new(),
+                grant,
             },
         );
     }
@@ -172,6 +179,16 @@ impl ProducerCore {
     /// A message from consumer `from` at `now`.
     pub fn handle(&mut self, from: &str, msg: ToProducer, now: Duration) -> Vec<ProducerAction> {
         let request = msg.request().to_string();
+        // Checked first: a call without the grant declares, renews and frees nothing.
+        if let Some(g) = self.held.get(&request).and_then(|h| h.grant.as_ref()) {
+            if !msg.grant().is_some_and(|m| m.matches(g)) {
+                let e = LeaseError::NotGranted {
+                    request: request.clone(),
+                    reader: from.to_string(),
+                };
+                return self.refuse(from, request, &e);
+            }
+        }
         if let Some(n) = msg.readers() {
             if let Err(e) = self.ledger.declare(&request, from, n as usize, now) {
                 return self.refuse(from, request, &e);
@@ -231,9 +248,12 @@ impl ProducerCore {
         request: &str,
         now: Duration,
     ) -> Vec<ProducerAction> {
+        // The producer's own record of the landing: under the grant it holds.
+        let grant = self.held.get(request).and_then(|h| h.grant);
         let ack = ToProducer::Ack {
             request: request.to_string(),
             readers: None,
+            grant,
         };
         self.handle(reader, ack, now)
     }
@@ -323,6 +343,8 @@ pub struct LoadProtocol {
     readers: Option<u32>,
     /// The producer's incarnation that published the handoff (0: unknown).
     epoch: u64,
+    /// The handoff's grant, presented in every message.
+    grant: Option<Grant>,
 }
 
 impl LoadProtocol {
@@ -366,7 +388,14 @@ impl LoadProtocol {
             last_hb: now,
             readers: None,
             epoch: 0,
+            grant: None,
         }
+    }
+
+    /// Presents `grant` (the handoff's [`Handoff::grant`]) in every message.
+    pub fn granted(mut self, grant: Option<Grant>) -> LoadProtocol {
+        self.grant = grant;
+        self
     }
 
     /// The load reads what incarnation `epoch` of the producer published (the handoff's
@@ -455,6 +484,7 @@ impl LoadProtocol {
         ToProducer::Ack {
             request: self.request.clone(),
             readers: self.readers,
+            grant: self.grant,
         }
     }
 
@@ -511,10 +541,12 @@ impl LoadProtocol {
                 request: self.request.clone(),
                 want: want.clone(),
                 readers: self.readers,
+                grant: self.grant,
             },
             _ => ToProducer::Heartbeat {
                 request: self.request.clone(),
                 readers: self.readers,
+                grant: self.grant,
             },
         }
     }
@@ -759,7 +791,7 @@ mod tests {
     #[test]
     fn heartbeats_keep_the_lease_and_the_ack_frees() {
         let mut p = Pair::new(Mode::Pull);
-        p.producer.publish("r1", vec![1, 2], 1, 2, 2, p.now);
+        p.producer.publish("r1", vec![1, 2], 1, 2, 2, None, p.now);
         p.start("decode", "r1", Mode::Pull, None);
         p.step(ms(1));
         let l = p.load("decode");
@@ -781,11 +813,57 @@ mod tests {
     }
 
     #[test]
+    fn a_call_without_the_grant_declares_renews_and_frees_nothing() {
+        let g = Grant([9; crate::wire::connector::GRANT_LEN]);
+        let mut p = Pair::new(Mode::Pull);
+        p.producer
+            .publish("r1", vec![1, 2], 1, 2, 2, Some(g), p.now);
+        // A peer that never saw the handoff: no grant, or a guessed one, in each kind of call.
+        for grant in [None, Some(Grant([8; crate::wire::connector::GRANT_LEN]))] {
+            let calls = [
+                ToProducer::Ack {
+                    request: "r1".into(),
+                    readers: Some(4),
+                    grant,
+                },
+                ToProducer::Heartbeat {
+                    request: "r1".into(),
+                    readers: None,
+                    grant,
+                },
+            ];
+            for m in calls {
+                let out = p.producer.handle("intruder", m, p.now);
+                assert!(
+                    matches!(&out[..], [ProducerAction::Send { to, msg: ToConsumer::Refused {
+                        kind: Some(Refusal::Grant), .. } }] if to == "intruder"),
+                    "{out:?}"
+                );
+            }
+        }
+        assert_eq!(p.producer.held(), 1);
+        // The reader with the handoff's grant reads, and its declaration of one reader stands
+        // (the intruder's "4" was not taken): its ack alone frees.
+        let l = LoadProtocol::new("r1", "prefill", Mode::Pull, 2, None, false, p.now)
+            .declaring(Some(1))
+            .granted(Some(g));
+        p.to_producer.push(("decode".into(), l.opening()));
+        p.loads.push(("decode".into(), l));
+        p.step(ms(1));
+        assert_eq!(p.load("decode").ready(), 2);
+        let ack = p.load("decode").ack();
+        p.to_producer.push(("decode".into(), ack));
+        p.step(ms(1));
+        assert_eq!(p.freed.len(), 1, "{:?}", p.events);
+        assert_eq!(p.freed[0].reason, FreeReason::Acked);
+    }
+
+    #[test]
     fn consumer_ranks_declare_their_readers_and_the_last_ack_frees() {
         // Published for one reader (the prefill side does not know the decode TP); two decode
         // ranks each read half the heads and declare two readers.
         let mut p = Pair::new(Mode::Pull);
-        p.producer.publish("r1", vec![1, 2], 1, 2, 2, p.now);
+        p.producer.publish("r1", vec![1, 2], 1, 2, 2, None, p.now);
         for c in ["rank0", "rank1"] {
             let l = LoadProtocol::new("r1", "prefill", Mode::Pull, 2, None, false, p.now)
                 .declaring(Some(2));
@@ -804,7 +882,7 @@ mod tests {
         assert_eq!(p.freed.len(), 1);
         assert_eq!(p.freed[0].reason, FreeReason::Acked);
         // A third rank whose plan counts otherwise is refused, typed.
-        p.producer.publish("r2", vec![3], 1, 2, 2, p.now);
+        p.producer.publish("r2", vec![3], 1, 2, 2, None, p.now);
         for (c, n) in [("rank0", 2), ("rank9", 3)] {
             let l = LoadProtocol::new("r2", "prefill", Mode::Pull, 2, None, false, p.now)
                 .declaring(Some(n));
@@ -823,7 +901,7 @@ mod tests {
     #[test]
     fn a_silent_consumer_s_lease_expires_at_the_lease_length() {
         let mut p = Pair::new(Mode::Pull);
-        p.producer.publish("r1", vec![7], 1, 2, 2, p.now);
+        p.producer.publish("r1", vec![7], 1, 2, 2, None, p.now);
         p.start("decode", "r1", Mode::Pull, None);
         p.step(ms(10));
         p.dead.push("decode".into());
@@ -848,7 +926,7 @@ mod tests {
     #[test]
     fn layers_computed_later_reach_every_holder() {
         let mut p = Pair::new(Mode::Pull);
-        p.producer.publish("r1", vec![1], 2, 2, 0, p.now);
+        p.producer.publish("r1", vec![1], 2, 2, 0, None, p.now);
         p.start("d0", "r1", Mode::Pull, None);
         p.start("d1", "r1", Mode::Pull, None);
         p.step(ms(1));
@@ -908,7 +986,7 @@ mod tests {
         assert!(p.events.iter().all(|(_, e)| *e == LoadEvent::Ignored));
         // Published late (the handoff overtook the producer's worker): the next heartbeat
         // gets the lease.
-        p.producer.publish("r1", vec![3], 1, 2, 2, p.now);
+        p.producer.publish("r1", vec![3], 1, 2, 2, None, p.now);
         p.drive(HB, ms(50));
         p.step(ms(1));
         assert!(p.load("decode").lease_until().is_some());
@@ -934,7 +1012,7 @@ mod tests {
         // Not published yet: the want is repeated with each heartbeat.
         p.drive(HB * 2, ms(50));
         assert!(p.load("decode").lease_until().is_none());
-        p.producer.publish("r1", vec![1, 2], 1, 2, 2, p.now);
+        p.producer.publish("r1", vec![1, 2], 1, 2, 2, None, p.now);
         p.drive(HB, ms(50));
         p.step(ms(1));
         assert!(p.load("decode").lease_until().is_some());
@@ -950,6 +1028,7 @@ mod tests {
                 request: "r1".into(),
                 want: want.clone(),
                 readers: None,
+                grant: None,
             },
             p.now,
         );
@@ -971,7 +1050,7 @@ mod tests {
         // A refused push target fails the load.
         let mut q = Pair::new(Mode::Push);
         q.refuse_pushes = true;
-        q.producer.publish("r1", vec![1, 2], 1, 2, 2, q.now);
+        q.producer.publish("r1", vec![1, 2], 1, 2, 2, None, q.now);
         q.start("decode", "r1", Mode::Push, Some(want));
         q.step(ms(1));
         assert!(q
@@ -988,7 +1067,8 @@ mod tests {
             first,
             ToProducer::Heartbeat {
                 request: "r1".into(),
-                readers: None
+                readers: None,
+                grant: None,
             }
         );
         let lease = ToConsumer::Lease {
@@ -1025,7 +1105,8 @@ mod tests {
             first,
             ToProducer::Ack {
                 request: "r3".into(),
-                readers: None
+                readers: None,
+                grant: None,
             }
         );
     }
@@ -1033,7 +1114,7 @@ mod tests {
     #[test]
     fn abort_frees_and_refuses_later_heartbeats() {
         let mut c = ProducerCore::new(LEASE, Mode::Pull);
-        c.publish("r1", vec![1], 1, 1, 1, ms(0));
+        c.publish("r1", vec![1], 1, 1, 1, None, ms(0));
         let f = c.abort("r1").unwrap();
         assert_eq!(f.reason, FreeReason::Aborted);
         let out = c.handle(
@@ -1041,6 +1122,7 @@ mod tests {
             ToProducer::Heartbeat {
                 request: "r1".into(),
                 readers: None,
+                grant: None,
             },
             ms(1),
         );
@@ -1062,7 +1144,8 @@ mod tests {
                 "d",
                 ToProducer::Ack {
                     request: "r1".into(),
-                    readers: None
+                    readers: None,
+                    grant: None,
                 },
                 ms(2)
             )
@@ -1097,6 +1180,8 @@ mod tests {
             layers: producer.layers.clone(),
             mode: Mode::Pull,
             epoch: 7,
+            grant: None,
+            seal: None,
         };
         let local = layout(4);
         let m = |r: std::ops::Range<u64>, l: std::ops::Range<u64>| HeadMap {

@@ -68,6 +68,15 @@ pub enum LeaseError {
         /// The reader refused.
         reader: String,
     },
+    /// A consumer's call did not carry the grant the request was published with: it was
+    /// not given the handoff (or edited it).
+    #[error("request {request:?}: {reader:?} did not present the request's grant")]
+    NotGranted {
+        /// The request.
+        request: String,
+        /// The consumer refused.
+        reader: String,
+    },
     /// A reader declared more readers than any request may have ([`MAX_READERS`]).
     #[error("request {request:?}: {reader:?} declares {declared} readers, more than {limit}")]
     TooManyDeclared {

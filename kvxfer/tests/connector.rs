@@ -431,7 +431,11 @@ fn one_agent_in_both_roles_and_a_handoff_before_publish() {
     };
     yc.start_load(&early, &[14, 15]).unwrap();
     std::thread::sleep(Duration::from_millis(300));
-    xp.publish("late-publish", &blocks, 32, 4).unwrap();
+    // The handoff's grant is the one it is published under (an engine's scheduler that writes
+    // the handoff first chooses it).
+    let grant = early.grant.unwrap();
+    xp.publish_granted("late-publish", &blocks, 32, 4, grant)
+        .unwrap();
     yc.wait("late-publish", T).unwrap();
     check(&x, &y, &blocks, &[14, 15], 0..2);
 }

@@ -19,6 +19,67 @@ pub const MAX_HANDOFF: usize = 16 << 20;
 /// Handoff format version.
 pub const HANDOFF_VERSION: u64 = 1;
 
+/// Bytes of a [`Grant`].
+pub const GRANT_LEN: usize = 16;
+/// Bytes of a seal (HMAC-SHA256).
+pub const SEAL_LEN: usize = 32;
+
+/// The capability of one published request: a consumer's lease calls must carry it
+/// ([`crate::handoff_seal`] says why).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Grant(pub [u8; GRANT_LEN]);
+
+impl std::fmt::Debug for Grant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // A grant is a bearer capability: logs never show it.
+        f.write_str("Grant(..)")
+    }
+}
+
+impl Grant {
+    /// Lowercase hex, as the wire carries it.
+    pub fn to_hex(&self) -> String {
+        hex(&self.0)
+    }
+
+    /// Parses [`Grant::to_hex`]'s output.
+    pub fn from_hex(s: &str) -> Option<Grant> {
+        unhex::<GRANT_LEN>(s).map(Grant)
+    }
+
+    /// Whether `other` is this grant, in time independent of where they differ.
+    pub fn matches(&self, other: &Grant) -> bool {
+        self.0
+            .iter()
+            .zip(other.0.iter())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+    }
+}
+
+/// Lowercase hex of `b`.
+fn hex(b: &[u8]) -> String {
+    const D: &[u8; 16] = b"0123456789abcdef";
+    b.iter()
+        .flat_map(|x| [D[usize::from(x >> 4)], D[usize::from(x & 15)]])
+        .map(char::from)
+        .collect()
+}
+
+/// Exactly `N` bytes from lowercase or uppercase hex.
+fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
+    let s = s.as_bytes();
+    if s.len() != 2 * N {
+        return None;
+    }
+    let nib = |c: u8| char::from(c).to_digit(16).map(|d| d as u8);
+    let mut out = [0u8; N];
+    for (o, pair) in out.iter_mut().zip(s.chunks_exact(2)) {
+        *o = (nib(pair[0])? << 4) | nib(pair[1])?;
+    }
+    Some(out)
+}
+
 /// Who moves the bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -57,6 +118,12 @@ pub struct Handoff {
     /// unknown, as in handoffs written before it was carried). A consumer that finds another
     /// incarnation of the producer loaded knows at once the blocks are gone (a restart).
     pub epoch: u64,
+    /// The request's capability: the producer serves lease calls that carry it (`None`: a
+    /// handoff of a producer before grants, or one an engine wrote without them).
+    pub grant: Option<Grant>,
+    /// The producer's seal over every other field ([`crate::handoff_seal::HandoffKey`]);
+    /// a consumer with a secret loads nothing without it.
+    pub seal: Option<[u8; SEAL_LEN]>,
 }
 
 fn base_json(b: &LayerBase) -> Value {
@@ -92,7 +159,7 @@ fn u32_list(v: &Value) -> Option<Vec<u32>> {
 impl Handoff {
     /// JSON bytes.
     pub fn encode(&self) -> Vec<u8> {
-        json!({
+        let mut v = json!({
             "v": HANDOFF_VERSION,
             "request": self.request,
             "producer": self.producer,
@@ -105,9 +172,16 @@ impl Handoff {
             "layers": self.layers.iter().map(base_json).collect::<Vec<_>>(),
             "mode": if self.mode == Mode::Pull { "pull" } else { "push" },
             "epoch": format!("{:016x}", self.epoch),
-        })
-        .to_string()
-        .into_bytes()
+        });
+        if let Value::Object(m) = &mut v {
+            if let Some(g) = &self.grant {
+                m.insert("grant".into(), g.to_hex().into());
+            }
+            if let Some(s) = &self.seal {
+                m.insert("seal".into(), hex(s).into());
+            }
+        }
+        v.to_string().into_bytes()
     }
 
     /// Parses and checks [`Handoff::encode`]'s output.
@@ -153,6 +227,16 @@ impl Handoff {
                 Value::String(e) => u64::from_str_radix(e, 16).map_err(|_| bad("epoch"))?,
                 _ => return Err(bad("epoch")),
             },
+            grant: match &v["grant"] {
+                Value::Null => None,
+                Value::String(g) => Some(Grant::from_hex(g).ok_or_else(|| bad("grant"))?),
+                _ => return Err(bad("grant")),
+            },
+            seal: match &v["seal"] {
+                Value::Null => None,
+                Value::String(s) => Some(unhex::<SEAL_LEN>(s).ok_or_else(|| bad("seal"))?),
+                _ => return Err(bad("seal")),
+            },
         })
     }
 }
@@ -179,6 +263,9 @@ pub enum ToProducer {
         request: String,
         /// Readers the consumer declares.
         readers: Option<u32>,
+        /// The handoff's grant ([`Handoff::grant`]): a producer that granted the request
+        /// answers only calls that carry it (`"g"`).
+        grant: Option<Grant>,
     },
     /// A push consumer's first message, repeated until a lease comes back: its blocks
     /// (`want`). Renews the lease as a heartbeat does.
@@ -189,6 +276,9 @@ pub enum ToProducer {
         want: PushWant,
         /// Readers the consumer declares.
         readers: Option<u32>,
+        /// The handoff's grant ([`Handoff::grant`]): a producer that granted the request
+        /// answers only calls that carry it (`"g"`).
+        grant: Option<Grant>,
     },
     /// "Done with `request`'s blocks" (`ack`): the last reader's frees them.
     Ack {
@@ -196,6 +286,9 @@ pub enum ToProducer {
         request: String,
         /// Readers the consumer declares.
         readers: Option<u32>,
+        /// The handoff's grant ([`Handoff::grant`]): a producer that granted the request
+        /// answers only calls that carry it (`"g"`).
+        grant: Option<Grant>,
     },
 }
 
@@ -210,6 +303,8 @@ pub enum Refusal {
     Aborted,
     /// More readers than the request was published for.
     Readers,
+    /// The call did not carry the request's grant.
+    Grant,
 }
 
 impl Refusal {
@@ -222,6 +317,7 @@ impl Refusal {
             LeaseError::TooManyReaders { .. }
             | LeaseError::ReadersMismatch { .. }
             | LeaseError::TooManyDeclared { .. } => Refusal::Readers,
+            LeaseError::NotGranted { .. } => Refusal::Grant,
         }
     }
 
@@ -231,6 +327,7 @@ impl Refusal {
             Refusal::Expired => "expired",
             Refusal::Aborted => "aborted",
             Refusal::Readers => "readers",
+            Refusal::Grant => "grant",
         }
     }
 
@@ -240,6 +337,7 @@ impl Refusal {
             Refusal::Expired,
             Refusal::Aborted,
             Refusal::Readers,
+            Refusal::Grant,
         ]
         .into_iter()
         .find(|r| r.name() == s)
@@ -303,6 +401,15 @@ impl ToProducer {
         }
     }
 
+    /// The grant the consumer presents, if it does.
+    pub fn grant(&self) -> Option<&Grant> {
+        match self {
+            ToProducer::Heartbeat { grant, .. }
+            | ToProducer::Want { grant, .. }
+            | ToProducer::Ack { grant, .. } => grant.as_ref(),
+        }
+    }
+
     /// The notification payload: tag and JSON.
     pub fn encode(&self) -> Vec<u8> {
         let mut v = match self {
@@ -314,8 +421,13 @@ impl ToProducer {
                 "layers": want.layers.iter().map(base_json).collect::<Vec<_>>(),
             }),
         };
-        if let (Some(n), Value::Object(m)) = (self.readers(), &mut v) {
-            m.insert("n".into(), n.into());
+        if let Value::Object(m) = &mut v {
+            if let Some(n) = self.readers() {
+                m.insert("n".into(), n.into());
+            }
+            if let Some(g) = self.grant() {
+                m.insert("g".into(), g.to_hex().into());
+            }
         }
         tagged(TAG_TO_PRODUCER, &v)
     }
@@ -332,9 +444,25 @@ impl ToProducer {
                     .ok_or(format!("{kind}: readers"))?,
             ),
         };
+        let grant = match &v["g"] {
+            Value::Null => None,
+            g => Some(
+                g.as_str()
+                    .and_then(Grant::from_hex)
+                    .ok_or(format!("{kind}: grant"))?,
+            ),
+        };
         match kind.as_str() {
-            "hb" => Ok(ToProducer::Heartbeat { request, readers }),
-            "ack" => Ok(ToProducer::Ack { request, readers }),
+            "hb" => Ok(ToProducer::Heartbeat {
+                request,
+                readers,
+                grant,
+            }),
+            "ack" => Ok(ToProducer::Ack {
+                request,
+                readers,
+                grant,
+            }),
             "want" => {
                 let want = PushWant {
                     blocks: u32_list(&v["blocks"]).ok_or("want: blocks")?,
@@ -345,6 +473,7 @@ impl ToProducer {
                     request,
                     want,
                     readers,
+                    grant,
                 })
             }
             other => Err(format!("unknown message {other:?} to a producer")),
@@ -483,6 +612,8 @@ mod tests {
             ],
             mode: Mode::Push,
             epoch: 0x1234_5678_9abc_def0,
+            grant: Some(Grant([0x5a; GRANT_LEN])),
+            seal: Some([0xc3; SEAL_LEN]),
         };
         assert_eq!(Handoff::decode(&h.encode()).unwrap(), h);
         // A handoff of the first format (no epoch) decodes as epoch 0: unknown.
@@ -506,6 +637,22 @@ mod tests {
         assert!(Handoff::decode(j.to_string().as_bytes()).is_err());
         j["blocks"] = json!([1, 5_000_000_000u64]);
         assert!(Handoff::decode(j.to_string().as_bytes()).is_err());
+        // Without grant and seal (a producer before them): both absent.
+        let mut j: Value = serde_json::from_slice(&h.encode()).unwrap();
+        j.as_object_mut().unwrap().remove("grant");
+        j.as_object_mut().unwrap().remove("seal");
+        let plain = Handoff::decode(j.to_string().as_bytes()).unwrap();
+        assert_eq!((plain.grant, plain.seal), (None, None));
+        for (k, v) in [
+            ("grant", json!("abc")),
+            ("grant", json!(5)),
+            ("seal", json!("00")),
+            ("seal", json!(["x"])),
+        ] {
+            let mut j: Value = serde_json::from_slice(&h.encode()).unwrap();
+            j[k] = v;
+            assert!(Handoff::decode(j.to_string().as_bytes()).is_err(), "{k}");
+        }
     }
 
     #[test]
@@ -514,12 +661,14 @@ mod tests {
         let hb = ToProducer::Heartbeat {
             request: "r1".into(),
             readers: None,
+            grant: None,
         };
         assert_eq!(hb.encode(), b"KXCP{\"r\":\"r1\",\"t\":\"hb\"}");
         // A declared reader count is one more key; decoders of the first release ignore it.
         let hb = ToProducer::Heartbeat {
             request: "r1".into(),
             readers: Some(2),
+            grant: None,
         };
         assert_eq!(hb.encode(), b"KXCP{\"n\":2,\"r\":\"r1\",\"t\":\"hb\"}");
         let lease = ToConsumer::Lease {
@@ -550,6 +699,8 @@ mod tests {
         assert!(ToProducer::decode(b"KXCP{\"t\":\"hb\",\"r\":\"x\",\"n\":0}").is_err());
         assert!(ToProducer::decode(b"KXCP{\"t\":\"ack\",\"r\":\"x\",\"n\":\"2\"}").is_err());
         assert!(ToProducer::decode(b"KXCP{\"t\":\"want\",\"r\":\"x\",\"blocks\":[-1]}").is_err());
+        assert!(ToProducer::decode(b"KXCP{\"t\":\"ack\",\"r\":\"x\",\"g\":\"0a\"}").is_err());
+        assert!(ToProducer::decode(b"KXCP{\"t\":\"hb\",\"r\":\"x\",\"g\":7}").is_err());
         assert!(ToConsumer::decode(b"KXCC{\"t\":\"lease\",\"r\":\"x\"}").is_err());
         assert!(
             ToConsumer::decode(b"KXCC{\"t\":\"refused\",\"r\":\"x\",\"kind\":\"odd\"}").is_err()
@@ -562,19 +713,21 @@ mod tests {
         fn to_producer_roundtrip(request in ".{1,16}", kind in 0..3u8,
                                  blocks in proptest::collection::vec(any::<u32>(), 0..8),
                                  num_blocks in any::<u64>(), layers in bases(),
-                                 readers in proptest::option::of(1u32..)) {
+                                 readers in proptest::option::of(1u32..),
+                                 grant in proptest::option::of(any::<[u8; 16]>())) {
+            let grant = grant.map(Grant);
             let m = match kind {
-                0 => ToProducer::Heartbeat { request, readers },
-                1 => ToProducer::Ack { request, readers },
+                0 => ToProducer::Heartbeat { request, readers, grant },
+                1 => ToProducer::Ack { request, readers, grant },
                 _ => ToProducer::Want {
-                    request, want: PushWant { blocks, num_blocks, layers }, readers,
+                    request, want: PushWant { blocks, num_blocks, layers }, readers, grant,
                 },
             };
             prop_assert_eq!(ToProducer::decode(&m.encode()), Ok(m));
         }
 
         #[test]
-        fn to_consumer_roundtrip(request in ".{1,16}", kind in 0..5u8, n in any::<u32>(),
+        fn to_consumer_roundtrip(request in ".{1,16}", kind in 0..6u8, n in any::<u32>(),
                                  ms in any::<u64>(), why in ".{0,16}") {
             let n = n as usize;
             let m = match kind {
@@ -582,7 +735,8 @@ mod tests {
                 1 => ToConsumer::Ready { request, ready: n },
                 2 => ToConsumer::Layer { request, layer: n },
                 3 => ToConsumer::Refused { request, kind: None, why },
-                _ => ToConsumer::Refused { request, kind: Some(Refusal::Readers), why },
+                4 => ToConsumer::Refused { request, kind: Some(Refusal::Readers), why },
+                _ => ToConsumer::Refused { request, kind: Some(Refusal::Grant), why },
             };
             prop_assert_eq!(ToConsumer::decode(&m.encode()), Ok(m));
         }
@@ -593,5 +747,17 @@ mod tests {
             let _ = ToConsumer::decode(&b);
             let _ = Handoff::decode(&b);
         }
+    }
+
+    #[test]
+    fn hex_round_trips_and_refuses_what_is_not_hex() {
+        let g = Grant([0xab; GRANT_LEN]);
+        assert_eq!(Grant::from_hex(&g.to_hex()), Some(g));
+        assert_eq!(Grant::from_hex(&g.to_hex().to_uppercase()), Some(g));
+        assert_eq!(Grant::from_hex("ab"), None);
+        assert_eq!(Grant::from_hex(&"zz".repeat(GRANT_LEN)), None);
+        assert_eq!(Grant::from_hex(&"é".repeat(GRANT_LEN)), None);
+        assert!(g.matches(&g) && !g.matches(&Grant([0; GRANT_LEN])));
+        assert_eq!(format!("{g:?}"), "Grant(..)");
     }
 }

@@ -83,8 +83,9 @@ pub struct AgentConfig {
     /// (`Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s`) on the side channel, whose metadata both ways
     /// and any refusal are encrypted and authenticated under the session it makes, and one on
     /// every TCP lane connection (with the target's lane credential), whose control messages
-    /// are then sealed the same way. `None`: open, for a trusted network only. `SECURITY.md`
-    /// says what it does not protect yet.
+    /// are then sealed the same way. A connector's producer seals its handoffs under it, and
+    /// its consumer loads only sealed ones. `None`: open, for a trusted network only.
+    /// `SECURITY.md` says what it does not protect yet.
     pub secret: Option<Vec<u8>>,
     /// With a [`AgentConfig::secret`]: the blocks' bytes on the TCP lane travel sealed too
     /// (ChaCha20-Poly1305 under the connection's session, records of 1 MiB, after any

@@ -243,7 +243,6 @@ impl Agent {
     }
 
     /// The shared secret peers prove, if one is set.
-    #[cfg(feature = "etcd")]
     pub(crate) fn secret(&self) -> Option<&[u8]> {
         self.shared.secret.as_deref()
     }

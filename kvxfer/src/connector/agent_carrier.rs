@@ -14,6 +14,7 @@ use crate::memory::Region;
 use crate::transfer::Transfer;
 use kvxfer_proto::connector::{load_descs, load_paged};
 use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::handoff_seal::HandoffKey;
 use kvxfer_proto::types::XferOp;
 use kvxfer_proto::wire::connector::Handoff;
 use kvxfer_proto::wire::notify::Notification;
@@ -91,6 +92,10 @@ impl Carrier for AgentCarrier {
 
     fn side_channel(&self) -> Option<SocketAddr> {
         self.side_channel
+    }
+
+    fn handoff_key(&self) -> Option<HandoffKey> {
+        self.agent.secret().map(HandoffKey::new)
     }
 
     fn send(&self, to: &str, msg: &[u8]) -> bool {

@@ -28,6 +28,7 @@ use kvxfer_proto::layout::{KvGeometry, KvLayout, KvOrder, KvPacking, LayerBase};
 use kvxfer_proto::lifecycle::Freed;
 use kvxfer_proto::tp::{HeadMap, TpRead};
 use kvxfer_proto::types::{MemKind, RegionId};
+use kvxfer_proto::wire::connector::Grant;
 use kvxfer_proto::wire::connector::Handoff;
 
 use super::config::ConnectorConfig;
@@ -193,6 +194,17 @@ pub trait KvProducer: Send + Sync + Debug {
         blocks: &[u32],
         tokens: u64,
         layers_done: usize,
+    ) -> Result<Handoff>;
+
+    /// [`KvProducer::publish`] under `grant`, chosen by the caller: for an engine whose
+    /// scheduler writes the handoff its clients see and puts the same grant into it.
+    fn publish_granted(
+        &self,
+        request: &str,
+        blocks: &[u32],
+        tokens: u64,
+        layers_done: usize,
+        grant: Grant,
     ) -> Result<Handoff>;
 
     /// Layer `layer` of `request` is computed: consumers may take it now.

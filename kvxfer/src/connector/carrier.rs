@@ -14,6 +14,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvxfer_proto::error::Result;
+use kvxfer_proto::handoff_seal::HandoffKey;
 use kvxfer_proto::layout::KvLayout;
 use kvxfer_proto::tp::HeadMap;
 use kvxfer_proto::wire::connector::Handoff;
@@ -72,6 +73,10 @@ pub(crate) trait Carrier: Send + Sync + Debug {
 
     /// Where a consumer that has not met this end reaches it, put into handoffs.
     fn side_channel(&self) -> Option<SocketAddr>;
+
+    /// The key that seals this end's handoffs and checks the ones it loads: the
+    /// deployment's secret's (`None`: no secret, handoffs are not sealed).
+    fn handoff_key(&self) -> Option<HandoffKey>;
 
     /// Sends an encoded control message to `to`. `false` only when `to` is known to be gone
     /// (a carrier that cannot tell logs the failure and leaves it to the lease).

@@ -142,6 +142,16 @@ impl Consumer {
         spec: &LoadSpec,
     ) -> Result<()> {
         let sh = &self.sh;
+        // Before anything is dialled or read: the handoff came through clients.
+        if let Some(key) = sh.carrier.handoff_key() {
+            key.verify(h).map_err(|e| Error::Auth {
+                peer: format!(
+                    "handoff of request {:?} naming producer {:?}",
+                    h.request, h.producer
+                ),
+                why: e.to_string(),
+            })?;
+        }
         let (remote, heads) = load_plan(&sh.layout, &sh.cfg, spec, h, local_blocks)?;
         if lock(&sh.st).loads.contains_key(&h.request) {
             return Err(Error::InvalidArgument(format!(
@@ -169,7 +179,8 @@ impl Consumer {
             sh.t0.elapsed(),
         )
         .declaring(spec.readers)
-        .of_incarnation(h.epoch);
+        .of_incarnation(h.epoch)
+        .granted(h.grant);
         if let Some(why) = sh
             .carrier
             .peer_epoch(&h.producer)

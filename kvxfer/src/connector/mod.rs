@@ -89,8 +89,9 @@ pub use api::{
 pub use config::ConnectorConfig;
 pub use consumer::Consumer;
 pub use in_process::InProcessConnector;
+pub use kvxfer_proto::handoff_seal::{HandoffKey, SealError};
 pub use kvxfer_proto::lifecycle::{FreeReason, Freed};
 pub use kvxfer_proto::tp::{plan as tp_plan, HeadMap, TpRead, TpSide, MAX_KV_HEADS, MAX_TP};
-pub use kvxfer_proto::wire::connector::{Handoff, Mode};
+pub use kvxfer_proto::wire::connector::{Grant, Handoff, Mode, GRANT_LEN};
 pub use over_agent::AgentConnector;
 pub use producer::Producer;

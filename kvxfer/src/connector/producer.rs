@@ -18,12 +18,14 @@ use super::shell::{
 };
 use crate::agent::Agent;
 use crate::budget::Charge;
+use crate::random;
 use crate::telemetry::{RequestStats, Telemetry};
 use kvxfer_proto::connector::{LayerError, ProducerAction, ProducerCore};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::layout::KvLayout;
 use kvxfer_proto::lifecycle::{FreeReason, Freed};
 use kvxfer_proto::tp::HeadMap;
+use kvxfer_proto::wire::connector::Grant;
 use kvxfer_proto::wire::connector::{Handoff, Mode, PushWant, ToConsumer, ToProducer};
 use kvxfer_proto::wire::notify::Notification;
 
@@ -144,12 +146,29 @@ impl Producer {
     /// `layers_done`: how many layers (from layer 0) are already computed: all of them when
     /// prefill finished, 0 to hand over layer by layer with [`Producer::layer_done`]. A
     /// request that is still held cannot be published again.
+    ///
+    /// The handoff carries a fresh [`Grant`]: only consumers that present it are answered.
+    /// With a secret it is sealed ([`kvxfer_proto::handoff_seal::HandoffKey`]) too.
     pub fn publish(
         &self,
         request: &str,
         blocks: &[u32],
         tokens: u64,
         layers_done: usize,
+    ) -> Result<Handoff> {
+        let grant = Grant(random::bytes()?);
+        self.publish_granted(request, blocks, tokens, layers_done, grant)
+    }
+
+    /// [`Producer::publish`] under `grant`, chosen by the caller: for an engine whose
+    /// scheduler writes the handoff its clients see (it puts the same grant into it).
+    pub fn publish_granted(
+        &self,
+        request: &str,
+        blocks: &[u32],
+        tokens: u64,
+        layers_done: usize,
+        grant: Grant,
     ) -> Result<Handoff> {
         let layout = &self.sh.layout;
         let nl = layout.layers.len();
@@ -177,6 +196,7 @@ impl Producer {
             self.sh.cfg.readers,
             nl,
             layers_done,
+            Some(grant),
             now,
         );
         st.requests.insert(
@@ -190,7 +210,7 @@ impl Producer {
         drop(st);
         self.sh.cv.notify_all();
         let carrier = &self.sh.carrier;
-        Ok(Handoff {
+        let mut h = Handoff {
             request: request.to_string(),
             producer: carrier.name().to_string(),
             side_channel: carrier.side_channel(),
@@ -202,7 +222,13 @@ impl Producer {
             layers: layout.layers.clone(),
             mode: self.sh.cfg.mode,
             epoch: carrier.epoch(),
-        })
+            grant: Some(grant),
+            seal: None,
+        };
+        if let Some(key) = carrier.handoff_key() {
+            key.seal(&mut h);
+        }
+        Ok(h)
     }
 
     /// Layer `layer` of `request` is computed: consumers may take it now.
@@ -540,6 +566,16 @@ impl KvProducer for Producer {
         layers_done: usize,
     ) -> Result<Handoff> {
         Producer::publish(self, request, blocks, tokens, layers_done)
+    }
+    fn publish_granted(
+        &self,
+        request: &str,
+        blocks: &[u32],
+        tokens: u64,
+        layers_done: usize,
+        grant: Grant,
+    ) -> Result<Handoff> {
+        Producer::publish_granted(self, request, blocks, tokens, layers_done, grant)
     }
     fn layer_done(&self, request: &str, layer: usize) -> Result<()> {
         Producer::layer_done(self, request, layer)

@@ -17,6 +17,7 @@ use crate::connector::shell::lock;
 use kvxfer_proto::connector::load_descs;
 use kvxfer_proto::descriptor::Desc;
 use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::handoff_seal::HandoffKey;
 use kvxfer_proto::wire::connector::Handoff;
 use kvxfer_proto::wire::notify::Notification;
 
@@ -155,6 +156,11 @@ impl Carrier for InProcessCarrier {
     }
 
     fn side_channel(&self) -> Option<SocketAddr> {
+        None
+    }
+
+    fn handoff_key(&self) -> Option<HandoffKey> {
+        // One process: no secret, nothing to seal against.
         None
     }
 

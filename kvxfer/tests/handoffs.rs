@@ -1,0 +1,214 @@
+//! Handoffs are untrusted input (issue 33, part 4): with a secret, a consumer loads only a
+//! handoff its producer sealed, and checks the seal before it connects anywhere; a producer
+//! answers only lease calls that carry the request's grant, so a peer that was not given the
+//! handoff frees, renews and declares nothing.
+
+#![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
+
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvxfer::connector::{ConnectorConfig, Consumer, FreeReason, Producer};
+use kvxfer::{Agent, AgentConfig, Error, Transport};
+
+#[path = "support/kv.rs"]
+mod kv;
+use kv::kv_layout;
+
+const SECRET: &[u8] = b"open sesame";
+const T: Duration = Duration::from_secs(20);
+
+fn agent(name: &str) -> Arc<Agent> {
+    let c = AgentConfig::new(format!("{name}-{}", std::process::id()))
+        .transport(Transport::Tcp)
+        .net_devices("lo")
+        .secret(SECRET.to_vec());
+    Arc::new(Agent::new(c).unwrap())
+}
+
+/// Every byte of `blocks` (both layers) in `r` is `fill`.
+fn blocks_are(r: &kvxfer::Region, l: &kvxfer::layout::KvLayout, blocks: &[u32], fill: u8) -> bool {
+    l.descs(blocks, 0..2, 0..2).unwrap().iter().all(|d| {
+        let mut b = vec![0u8; d.len as usize];
+        r.read(d.offset, &mut b).unwrap();
+        b.iter().all(|&x| x == fill)
+    })
+}
+
+/// A listener the client runs: counts the connections it gets until dropped.
+struct Foreign {
+    addr: std::net::SocketAddr,
+    accepted: Arc<AtomicUsize>,
+    stop: Arc<AtomicUsize>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Foreign {
+    fn start() -> Foreign {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.set_nonblocking(true).unwrap();
+        let addr = l.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicUsize::new(0));
+        let (a, s) = (accepted.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let mut held = Vec::new();
+            while s.load(Ordering::SeqCst) == 0 {
+                match l.accept() {
+                    Ok((c, _)) => {
+                        a.fetch_add(1, Ordering::SeqCst);
+                        held.push(c);
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
+        Foreign {
+            addr,
+            accepted,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// Connections made to it so far, after a pause for any in flight.
+    fn connections(&self) -> usize {
+        std::thread::sleep(Duration::from_millis(200));
+        self.accepted.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Foreign {
+    fn drop(&mut self) {
+        self.stop.store(1, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A client edits a sealed handoff: another producer at an address it runs, another side
+/// channel, another request's blocks, another epoch, another request's grant, no seal. Each
+/// load fails typed (`Error::Auth`) at once: no connection to the client's listener, nothing
+/// written into the consumer's blocks. The request whose blocks the edit named is unaffected,
+/// and a real load beside them completes.
+#[test]
+fn edited_handoffs_fail_alone_before_any_connection() {
+    let p = agent("edit-p");
+    let (_pr, pl) = kv_layout(&p, 0x5a);
+    let paddr = p.listen("127.0.0.1:0").unwrap();
+    let c = agent("edit-c");
+    let (cr, cl) = kv_layout(&c, 0);
+    let producer = Producer::new(p.clone(), pl, ConnectorConfig::default(), Some(paddr)).unwrap();
+    let consumer = Consumer::new(c.clone(), cl.clone(), ConnectorConfig::default()).unwrap();
+    let foreign = Foreign::start();
+
+    let real = producer.publish("real", &[3, 4], 32, 2).unwrap();
+    let other = producer.publish("other", &[5, 6], 32, 2).unwrap();
+    let mine = producer.publish("mine", &[9, 10], 32, 2).unwrap();
+    assert!(mine.seal.is_some() && mine.grant.is_some());
+    type Edit = Box<dyn Fn(&mut kvxfer::connector::Handoff)>;
+    let fa = foreign.addr;
+    let og = other.grant;
+    let edits: Vec<(&str, Edit)> = vec![
+        (
+            "another producer at the client's listener",
+            Box::new(move |h| {
+                h.producer = format!("mallory-{}", std::process::id());
+                h.side_channel = Some(fa);
+            }),
+        ),
+        (
+            "the client's listener as side channel",
+            Box::new(move |h| h.side_channel = Some(fa)),
+        ),
+        (
+            "another request's blocks",
+            Box::new(|h| h.blocks = vec![5, 6]),
+        ),
+        ("another epoch", Box::new(|h| h.epoch ^= 1)),
+        ("another request's grant", Box::new(move |h| h.grant = og)),
+        ("no seal", Box::new(|h| h.seal = None)),
+    ];
+    for (what, edit) in &edits {
+        let mut h = mine.clone();
+        edit(&mut h);
+        let e = consumer.start_load(&h, &[1, 2]).unwrap_err();
+        assert!(matches!(e, Error::Auth { .. }), "{what}: {e}");
+        println!("{what}: {e}");
+    }
+    assert_eq!(
+        foreign.connections(),
+        0,
+        "an edited handoff made the consumer dial the client's listener"
+    );
+    assert!(
+        blocks_are(&cr, &cl, &[1, 2], 0),
+        "an edited load wrote into the consumer's blocks"
+    );
+    assert_eq!(consumer.in_progress(), 0);
+    // The request the edit pointed at is still held and loads with its own handoff; the real
+    // one loads too.
+    assert_eq!(producer.held(), 3);
+    consumer.start_load(&other, &[11, 12]).unwrap();
+    consumer.start_load(&real, &[7, 8]).unwrap();
+    consumer.wait("other", T).unwrap();
+    consumer.wait("real", T).unwrap();
+    assert!(blocks_are(&cr, &cl, &[7, 8, 11, 12], 0x5a));
+    assert!(blocks_are(&cr, &cl, &[1, 2], 0));
+}
+
+/// A peer that holds the secret and is connected to the producer, but was never given the
+/// handoff: its acknowledgements (no grant, a guessed one) free nothing, and its heartbeat
+/// declaring four readers is not taken (the producer refuses each, naming the grant). The reader with the handoff then loads, and its
+/// acknowledgement alone frees the request.
+#[test]
+fn a_peer_without_the_handoff_frees_and_declares_nothing() {
+    use kvxfer::connector::{Grant, GRANT_LEN};
+    use kvxfer::wire::connector::ToProducer;
+    let p = agent("grant-p");
+    let (_pr, pl) = kv_layout(&p, 0x5a);
+    let paddr = p.listen("127.0.0.1:0").unwrap();
+    let producer = Producer::new(p.clone(), pl, ConnectorConfig::default(), Some(paddr)).unwrap();
+    let h = producer.publish("req", &[3, 4], 32, 2).unwrap();
+
+    let mallory = agent("grant-m");
+    let to = mallory.connect(paddr).unwrap();
+    let calls = [
+        ToProducer::Ack {
+            request: "req".into(),
+            readers: Some(1),
+            grant: None,
+        },
+        ToProducer::Ack {
+            request: "req".into(),
+            readers: Some(1),
+            grant: Some(Grant([0; GRANT_LEN])),
+        },
+        ToProducer::Heartbeat {
+            request: "req".into(),
+            readers: Some(4),
+            grant: Some(Grant([0x5a; GRANT_LEN])),
+        },
+    ];
+    for m in &calls {
+        mallory.notify(&to, &m.encode()).unwrap().wait().unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        producer.held(),
+        1,
+        "a peer without the handoff freed the request"
+    );
+
+    let c = agent("grant-c");
+    let (cr, cl) = kv_layout(&c, 0);
+    let consumer = Consumer::new(c.clone(), cl.clone(), ConnectorConfig::default()).unwrap();
+    consumer.start_load(&h, &[1, 2]).unwrap();
+    consumer.wait("req", T).unwrap();
+    assert!(blocks_are(&cr, &cl, &[1, 2], 0x5a));
+    let f = producer.wait_freed("req", T).unwrap();
+    assert_eq!(f.reason, FreeReason::Acked);
+}
