@@ -1032,23 +1032,6 @@ kvx_status kvx_producer_new(const struct kvx_agent *a,
 void kvx_producer_free(struct kvx_producer *p);
 
 /**
- * Holds `blocks` of `request` for consumers; writes the handoff (bytes to pass to the
- * consumer) to `buf`. `layers_done`: layers already computed (all, or 0 for layer-wise).
- *
- * # Safety
- * `p` live; strings NUL-terminated; `blocks` valid for `n`; `buf` for `cap`; `out_len` valid.
- */
-kvx_status kvx_producer_publish(const struct kvx_producer *p,
-                                const char *request,
-                                const uint32_t *blocks,
-                                size_t n,
-                                uint64_t tokens,
-                                uint32_t layers_done,
-                                uint8_t *buf,
-                                size_t cap,
-                                size_t *out_len);
-
-/**
  * Layer `layer` of `request` is computed.
  *
  * # Safety
@@ -1277,6 +1260,88 @@ kvx_status kvx_discovery_resolve(const struct kvx_discovery *d,
  * `d` live or NULL.
  */
 void kvx_discovery_free(struct kvx_discovery *d);
+
+/**
+ * Holds `blocks` of `request` for consumers; writes the handoff (bytes to pass to the
+ * consumer) to `buf`. `layers_done`: layers already computed (all, or 0 for layer-wise). The
+ * handoff carries a fresh grant (only consumers that present it are answered) and, with a
+ * secret, the producer's seal.
+ *
+ * # Safety
+ * `p` live; strings NUL-terminated; `blocks` valid for `n`; `buf` for `cap`; `out_len` valid.
+ */
+kvx_status kvx_producer_publish(const struct kvx_producer *p,
+                                const char *request,
+                                const uint32_t *blocks,
+                                size_t n,
+                                uint64_t tokens,
+                                uint32_t layers_done,
+                                uint8_t *buf,
+                                size_t cap,
+                                size_t *out_len);
+
+/**
+ * [`kvx_producer_publish`] under the caller's `grant` (`grant_len` must be 16): for an engine
+ * whose scheduler writes the handoff its clients see and puts the same grant into it (hex).
+ *
+ * # Safety
+ * As [`kvx_producer_publish`]; `grant` valid for `grant_len` bytes.
+ */
+kvx_status kvx_producer_publish_granted(const struct kvx_producer *p,
+                                        const char *request,
+                                        const uint8_t *grant,
+                                        size_t grant_len,
+                                        const uint32_t *blocks,
+                                        size_t n,
+                                        uint64_t tokens,
+                                        uint32_t layers_done,
+                                        uint8_t *buf,
+                                        size_t cap,
+                                        size_t *out_len);
+
+/**
+ * Seals the libkvxfer handoff `handoff` (JSON, as a producer writes it) under the shared
+ * `secret` and writes it, sealed, to `buf`: for a decode side that built the handoff of one
+ * producer rank from a handoff whose own seal it checked ([`kvx_handoff_verify_bytes`]).
+ *
+ * # Safety
+ * `secret` valid for `secret_len` bytes, `handoff` for `handoff_len`, `buf` for `cap`;
+ * `out_len` valid.
+ */
+kvx_status kvx_handoff_seal(const uint8_t *secret,
+                            size_t secret_len,
+                            const uint8_t *handoff,
+                            size_t handoff_len,
+                            uint8_t *buf,
+                            size_t cap,
+                            size_t *out_len);
+
+/**
+ * Writes to `seal` (`SEAL_LEN`, 32 bytes) the seal of the opaque `bytes` under `secret`: an
+ * engine's scheduler seals the handoff it wrote in its own format.
+ *
+ * # Safety
+ * `secret` valid for `secret_len` bytes, `bytes` for `len`, `seal` for 32 bytes.
+ */
+kvx_status kvx_handoff_seal_bytes(const uint8_t *secret,
+                                  size_t secret_len,
+                                  const uint8_t *bytes,
+                                  size_t len,
+                                  uint8_t *seal);
+
+/**
+ * `KVX_OK` when `seal` is [`kvx_handoff_seal_bytes`]'s seal of `bytes` under `secret`;
+ * `KVX_AUTH` when it is not (edited, another secret, or not 32 bytes long).
+ *
+ * # Safety
+ * `secret` valid for `secret_len` bytes, `bytes` for `len`, `seal` for `seal_len`.
+ */
+kvx_status kvx_handoff_verify_bytes(const uint8_t *secret,
+                                    size_t secret_len,
+                                    const uint8_t *bytes,
+                                    size_t len,
+                                    const uint8_t *seal,
+                                    size_t seal_len);
 
 /**
  * Prometheus text of the consumer's (or producer's, with `kvx_producer_metrics`) telemetry.

@@ -12,7 +12,7 @@ use kvxfer_core::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking, Lay
 use kvxfer_core::{MemKind, MemoryBudget, RegionId};
 
 use crate::error::{fail, guard, set_error, Fail};
-use crate::ffi::{cstr, free_handle, handle, ms, new_handle, null, plain, put, put_str, slice};
+use crate::ffi::{cstr, free_handle, handle, ms, new_handle, null, plain, put_str, slice};
 use crate::{
     kvx_agent, kvx_cache_tensor, kvx_connector, kvx_connector_config, kvx_consumer, kvx_layer_base,
     kvx_layout, kvx_producer, kvx_request_stats, kvx_status,
@@ -205,44 +205,6 @@ pub unsafe extern "C" fn kvx_producer_new(
 pub unsafe extern "C" fn kvx_producer_free(p: *mut kvx_producer) {
     // SAFETY: per this function's contract; free_handle refuses what is not live.
     unsafe { free_handle(p, "kvx_producer_free") }
-}
-
-/// Holds `blocks` of `request` for consumers; writes the handoff (bytes to pass to the
-/// consumer) to `buf`. `layers_done`: layers already computed (all, or 0 for layer-wise).
-///
-/// # Safety
-/// `p` live; strings NUL-terminated; `blocks` valid for `n`; `buf` for `cap`; `out_len` valid.
-#[no_mangle]
-pub unsafe extern "C" fn kvx_producer_publish(
-    p: *const kvx_producer,
-    request: *const c_char,
-    blocks: *const u32,
-    n: usize,
-    tokens: u64,
-    layers_done: u32,
-    buf: *mut u8,
-    cap: usize,
-    out_len: *mut usize,
-) -> kvx_status {
-    guard("kvx_producer_publish", || {
-        // SAFETY: per this function's contract.
-        let p = unsafe { handle(p, "producer") }?;
-        // SAFETY: as above.
-        let r = unsafe { cstr(request, "request") }?;
-        // SAFETY: as above.
-        let b = unsafe { slice(blocks, n, "blocks") }?;
-        if out_len.is_null() {
-            return Err(null("out_len"));
-        }
-        // Size check before publishing, so a too-small buffer has no side effect.
-        let h = p.inner.publish(r, b, tokens, layers_done as usize)?;
-        let bytes = h.encode();
-        if bytes.len() > cap {
-            p.inner.abort(r);
-        }
-        // SAFETY: as above.
-        unsafe { put(&bytes, buf, cap, out_len) }
-    })
 }
 
 /// Layer `layer` of `request` is computed.

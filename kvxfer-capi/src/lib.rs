@@ -356,6 +356,7 @@ pub extern "C" fn kvx_version() -> *const c_char {
 mod agent;
 mod connector;
 mod discovery;
+mod handoff;
 mod metrics;
 mod process;
 mod tp;

@@ -37,7 +37,9 @@ after every change, for a textfile collector), ``gpu_path`` (device tensors: ``a
 ``budget_mib``; ``kv_buffer_device: "cpu"`` in the transfer config means ``staged``),
 ``staging_chunks`` and ``staging_chunk_kib`` (that pool's size, default 8 x
 4096 KiB), ``secret`` (a shared secret keying the Noise handshakes of the side channel and
-of every TCP-lane connection; SECURITY.md says what it protects and what not yet),
+of every TCP-lane connection, and sealing each handoff the scheduler writes: the decode side
+loads none whose ``kvxfer_seal`` does not verify; SECURITY.md says what it protects and what
+not yet),
 ``lane_encryption`` (with ``secret``: the KV bytes on the TCP lane are encrypted too),
 ``ucx_tcp`` (with ``secret``: let UCX use its own, unauthenticated TCP transport too; off by
 default, trusted networks only), ``strict`` (refuse a silent transport fallback), ``discovery`` (``etcd://host:2379``: workers publish
@@ -93,10 +95,11 @@ if TYPE_CHECKING:
 class KvxferConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> worker, per step."""
 
-    # decode side: vLLM request id -> (handoff bytes, local block ids, report as received)
-    loads: dict[str, tuple[bytes, list[int], bool]] = field(default_factory=dict)
-    # prefill side: vLLM request id -> (block ids, prompt tokens)
-    publishes: dict[str, tuple[list[int], int]] = field(default_factory=dict)
+    # decode side: vLLM request id -> (handoff bytes, local block ids, report as received,
+    # the handoff's seal as the client passed it: hex, or None)
+    loads: dict[str, tuple[bytes, list[int], bool, str | None]] = field(default_factory=dict)
+    # prefill side: vLLM request id -> (block ids, prompt tokens, the grant in its handoff)
+    publishes: dict[str, tuple[list[int], int, bytes]] = field(default_factory=dict)
 
 
 @dataclass
@@ -295,8 +298,10 @@ class KvxferConnector(KVConnectorBase_V1):
         self._templates: dict[int, dict[str, Any]] = {}
         # scheduler side
         self._template: dict[str, Any] | None = None
-        self._pending_loads: dict[str, tuple[bytes, list[int], bool]] = {}
-        self._pending_publishes: dict[str, tuple[list[int], int]] = {}
+        self._pending_loads: dict[str, tuple[bytes, list[int], bool, str | None]] = {}
+        self._pending_publishes: dict[str, tuple[list[int], int, bytes]] = {}
+        # The deployment's shared secret: it keys the agents' handshakes and seals handoffs.
+        self._secret = str(self.extra["secret"]).encode() if self.extra.get("secret") else None
         # worker side
         self._lock = threading.Lock()
         self.agent: kx.Agent | None = None
@@ -331,13 +336,14 @@ class KvxferConnector(KVConnectorBase_V1):
         if not (p and p.get("do_remote_prefill") and p.get("kvxfer_handoff")):
             return
         handoff = p["kvxfer_handoff"].encode()
+        seal = p.get("kvxfer_seal")
         if num_external_tokens > 0:
             groups = blocks.get_unhashed_block_ids_all_groups()
             local = list(groups[0]) if groups else []
-            self._pending_loads[request.request_id] = (handoff, local, True)
+            self._pending_loads[request.request_id] = (handoff, local, True, seal)
         else:
             # Everything is cached locally: nothing moves, but the producer may free.
-            self._pending_loads[request.request_id] = (handoff, [], False)
+            self._pending_loads[request.request_id] = (handoff, [], False, seal)
         p["do_remote_prefill"] = False
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -362,6 +368,7 @@ class KvxferConnector(KVConnectorBase_V1):
         tokens = len(request.prompt_token_ids or [])
         # Only the prompt's blocks hold KV (a sampled token may have opened one more).
         blocks = blocks[: -(-tokens // self.block_size)]
+        grant = os.urandom(16)
         handoff = {
             "v": 1,
             "request": request.request_id,
@@ -374,6 +381,8 @@ class KvxferConnector(KVConnectorBase_V1):
             "num_blocks": t["num_blocks"],
             "layers": t["layers"],
             "mode": "pull",
+            # The request's capability: the prefill ranks answer only lease calls with it.
+            "grant": grant.hex(),
             # Tensor parallelism: every prefill rank, and the shape they share.
             "tp": len(ranks),
             "ranks": [
@@ -383,12 +392,18 @@ class KvxferConnector(KVConnectorBase_V1):
             "shape": {k: t.get(k) for k in ("tp", "kv_heads_total", "kv_heads", "head_size", "dtype_bytes", "block_size", "hnd")}
             | {"layers": t["layers"], "tp": len(ranks)},
         }
-        self._pending_publishes[request.request_id] = (blocks, tokens)
-        return True, {
+        self._pending_publishes[request.request_id] = (blocks, tokens, grant)
+        text = json.dumps(handoff)
+        params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "kvxfer_handoff": json.dumps(handoff),
+            "kvxfer_handoff": text,
         }
+        if self._secret:
+            # The client passes the handoff on: the decode side acts on it only if this
+            # seal over its exact text verifies.
+            params["kvxfer_seal"] = kx.seal_bytes(self._secret, text.encode()).hex()
+        return True, params
 
     def _rank_templates(self) -> list[dict[str, Any]]:
         """Every prefill rank's template, by rank: from vLLM's handshake metadata, else (with
@@ -527,17 +542,20 @@ class KvxferConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxferConnectorMetadata)
-        for req, (blocks, tokens) in meta.publishes.items():
+        for req, (blocks, tokens, grant) in meta.publishes.items():
             if self.producer is None:
                 raise RuntimeError("kvxfer: a publish reached a worker without the producer role")
-            self.producer.publish(f"{req}#tp{self.rank}", blocks, tokens, self.num_layers)
-        for req, (handoff, local, report) in meta.loads.items():
+            self.producer.publish(f"{req}#tp{self.rank}", blocks, tokens, self.num_layers, grant=grant)
+        for req, (handoff, local, report, seal) in meta.loads.items():
             if self.consumer is None:
                 raise RuntimeError("kvxfer: a load reached a worker without the consumer role")
             with self._lock:
                 if not report:
                     self._silent.add(req)
             try:
+                # With a secret, no field of a handoff is acted on (no address dialled, no
+                # block read) unless the prefill scheduler's seal over its text verifies.
+                self._check_seal(handoff, seal)
                 parts = self._plan_load(json.loads(handoff), bool(local))
             except (kx.KvxferError, ValueError, KeyError, TypeError) as e:
                 logger.error("kvxfer: cannot load %s: %s", req, e)
@@ -549,11 +567,28 @@ class KvxferConnector(KVConnectorBase_V1):
                     self._by_handoff[h["request"]] = req
             for h, read in parts:
                 try:
-                    self.consumer.start_load(json.dumps(h).encode(), local if read.moves else [], read)
+                    part = json.dumps(h).encode()
+                    if self._secret:
+                        # Built from a handoff whose seal verified: sealed for libkvxfer,
+                        # which loads only sealed handoffs when a secret is set.
+                        part = kx.seal_handoff(self._secret, part)
+                    self.consumer.start_load(part, local if read.moves else [], read)
                 except kx.KvxferError as e:
                     logger.error("kvxfer: load of %s from %s failed to start: %s", req, h["producer"], e)
                     with self._lock:
                         self._part_done(h["request"], failed=True)
+
+    def _check_seal(self, handoff: bytes, seal: str | None) -> None:
+        """Raises ValueError unless, with a secret, `seal` is the prefill scheduler's seal of
+        `handoff`; without a secret every handoff is believed (a trusted network only)."""
+        if not self._secret:
+            return
+        if not seal:
+            raise ValueError("the handoff carries no kvxfer_seal (a secret is set: only sealed handoffs load)")
+        try:
+            kx.verify_bytes(self._secret, handoff, bytes.fromhex(seal))
+        except (kx.KvxferError, ValueError, TypeError) as e:
+            raise ValueError(f"the handoff's seal does not verify (edited, or sealed under another secret): {e}") from e
 
     def _plan_load(self, h: dict[str, Any], moves: bool) -> list[tuple[dict[str, Any], "kx.TpRead"]]:
         """The loads this rank makes for handoff `h`: one per prefill rank its TP plan names,
@@ -577,6 +612,8 @@ class KvxferConnector(KVConnectorBase_V1):
         for read in plan:
             r = ranks[read.producer_rank]
             part = {k: h[k] for k in ("v", "blocks", "tokens", "mode")}
+            if "grant" in h:
+                part["grant"] = h["grant"]
             part.update({k: r[k] for k in RANK_KEYS if k in r})
             # The request as that prefill rank published it (tensor-parallel prefill ranks
             # publish under their rank; a handoff of the first release carries no "ranks").

@@ -171,6 +171,10 @@ SIGNATURES = {
     "kvx_producer_new": (_st, [c_void_p, POINTER(Layout), POINTER(LayerBase), POINTER(ConnectorConfig), c_char_p, POINTER(c_void_p)]),
     "kvx_producer_free": (None, [c_void_p]),
     "kvx_producer_publish": (_st, [c_void_p, c_char_p, POINTER(c_uint32), c_size_t, c_uint64, c_uint32, POINTER(c_uint8), c_size_t, POINTER(c_size_t)]),
+    "kvx_producer_publish_granted": (_st, [c_void_p, c_char_p, POINTER(c_uint8), c_size_t, POINTER(c_uint32), c_size_t, c_uint64, c_uint32, POINTER(c_uint8), c_size_t, POINTER(c_size_t)]),
+    "kvx_handoff_seal": (_st, [POINTER(c_uint8), c_size_t, POINTER(c_uint8), c_size_t, POINTER(c_uint8), c_size_t, POINTER(c_size_t)]),
+    "kvx_handoff_seal_bytes": (_st, [POINTER(c_uint8), c_size_t, POINTER(c_uint8), c_size_t, POINTER(c_uint8)]),
+    "kvx_handoff_verify_bytes": (_st, [POINTER(c_uint8), c_size_t, POINTER(c_uint8), c_size_t, POINTER(c_uint8), c_size_t]),
     "kvx_producer_layer_done": (_st, [c_void_p, c_char_p, c_uint32]),
     "kvx_producer_abort": (_st, [c_void_p, c_char_p]),
     "kvx_producer_next_freed": (_st, [c_void_p, c_uint64, POINTER(c_char), c_size_t, POINTER(c_size_t), POINTER(c_uint32), c_size_t, POINTER(c_size_t), POINTER(c_uint32)]),
@@ -364,6 +368,39 @@ class Discovery:
             self.h = None
 
 
+def _bytes(b):
+    return (c_uint8 * len(b)).from_buffer_copy(b) if b else None
+
+
+def seal_bytes(secret, data):
+    """The 32-byte seal of ``data`` under ``secret``: a scheduler seals the handoff it wrote."""
+    lib = Lib.get()
+    out = (c_uint8 * 32)()
+    lib.check(lib.L.kvx_handoff_seal_bytes(_bytes(secret), len(secret), _bytes(data), len(data), out))
+    return bytes(out)
+
+
+def verify_bytes(secret, data, seal):
+    """Raises ``KvxferError`` (``KVX_AUTH``) unless ``seal`` is ``data``'s seal under ``secret``."""
+    lib = Lib.get()
+    lib.check(lib.L.kvx_handoff_verify_bytes(_bytes(secret), len(secret), _bytes(data), len(data), _bytes(seal), len(seal)))
+
+
+def seal_handoff(secret, handoff):
+    """``handoff`` (a libkvxfer handoff's JSON bytes) sealed under ``secret``."""
+    lib = Lib.get()
+    cap = len(handoff) + 256
+    while True:
+        buf = (c_uint8 * cap)()
+        n = c_size_t(0)
+        s = lib.L.kvx_handoff_seal(_bytes(secret), len(secret), _bytes(handoff), len(handoff), buf, cap, ctypes.byref(n))
+        if s == KVX_BUFFER_TOO_SMALL:
+            cap = n.value
+            continue
+        lib.check(s)
+        return bytes(buf[: n.value])
+
+
 def live():
     """What libkvxfer holds in this process now: agents not freed, regions registered, UCX
     memory registrations, peers' regions mapped. All zero once every object is closed."""
@@ -481,13 +518,19 @@ class Producer:
         )
         self.h = h
 
-    def publish(self, request, blocks, tokens, layers_done):
+    def publish(self, request, blocks, tokens, layers_done, grant=None):
+        """Holds ``blocks`` of ``request``; returns the handoff (bytes). ``grant`` (16 bytes):
+        the one the scheduler put into the handoff it wrote, else a fresh one."""
         arr = (c_uint32 * len(blocks))(*blocks)
         cap = 4096 + 16 * len(blocks)
         while True:
             buf = (c_uint8 * cap)()
             n = c_size_t(0)
-            s = self.lib.L.kvx_producer_publish(self.h, request.encode(), arr, len(blocks), tokens, layers_done, buf, cap, ctypes.byref(n))
+            if grant is None:
+                s = self.lib.L.kvx_producer_publish(self.h, request.encode(), arr, len(blocks), tokens, layers_done, buf, cap, ctypes.byref(n))
+            else:
+                g = _bytes(grant)
+                s = self.lib.L.kvx_producer_publish_granted(self.h, request.encode(), g, len(grant), arr, len(blocks), tokens, layers_done, buf, cap, ctypes.byref(n))
             if s == KVX_BUFFER_TOO_SMALL:
                 cap = n.value
                 continue

@@ -89,3 +89,37 @@ def test_the_largest_allowed_tp_plans():
     reads = kx.tp_plan(kx.KVX_MAX_TP, 64, 1, 64, 0)
     assert len(reads) == kx.KVX_MAX_TP
     assert all(r.readers == 1 for r in reads)
+
+
+def test_seals_verify_and_refuse_every_edit_typed():
+    secret = b"open sesame"
+    text = b'{"request": "r-1", "blocks": [3, 4]}'
+    seal = kx.seal_bytes(secret, text)
+    assert len(seal) == 32
+    kx.verify_bytes(secret, text, seal)
+    for what, args in {
+        "an edited text": (secret, text.replace(b"3", b"5"), seal),
+        "another secret": (b"open sesame!", text, seal),
+        "a cut seal": (secret, text, seal[:31]),
+        "no seal": (secret, text, b""),
+    }.items():
+        with pytest.raises(kx.KvxferError) as e:
+            kx.verify_bytes(*args)
+        assert e.value.status == kx.KVX_AUTH, what
+    with pytest.raises(kx.KvxferError) as e:
+        kx.seal_bytes(b"", text)
+    assert e.value.status_name == "KVX_INVALID_ARGUMENT"
+
+
+def test_a_handoff_sealed_by_the_c_abi_carries_its_seal():
+    import json
+
+    h = {"v": 1, "request": "r-1", "producer": "p", "side_channel": None, "blocks": [1, 2], "tokens": 32,
+         "compat": "00000000000000ff", "kv_heads": 2, "num_blocks": 16, "layers": [[0, 0], [0, 4096]],
+         "mode": "pull", "grant": "ab" * 16}
+    sealed = json.loads(kx.seal_handoff(b"open sesame", json.dumps(h).encode()))
+    assert len(sealed["seal"]) == 64 and sealed["grant"] == h["grant"]
+    assert {k: sealed[k] for k in h if k != "side_channel"} == {k: h[k] for k in h if k != "side_channel"}
+    with pytest.raises(kx.KvxferError) as e:
+        kx.seal_handoff(b"open sesame", b'{"v": 1}')
+    assert e.value.status_name == "KVX_INVALID_ARGUMENT"

@@ -65,7 +65,8 @@ def test_real_scheduler_skips_what_the_connector_loads():
     assert "dec-1" not in out.num_scheduled_tokens
     assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     meta = out.kv_connector_metadata
-    handoff, local, report = meta.loads["dec-1"]
+    handoff, local, report, seal = meta.loads["dec-1"]
+    assert seal is None  # no secret, no seal
     assert len(local) == 3 and report  # 40 tokens in 16-token blocks
     # The worker reports it loaded: only the last prompt token is computed, not 40.
     s.update_from_output(out, _output(out, kv=KVConnectorOutput(finished_recving={"dec-1"})))

@@ -1,0 +1,119 @@
+"""Handoffs are untrusted input (issue 33): with a secret ("secret" in
+kv_connector_extra_config) the prefill scheduler seals the handoff it writes
+(``kvxfer_seal``), and the decode side acts on no field of one a client edited. Real vLLM
+schedulers and connector workers in one process, over TCP on loopback."""
+
+import json
+import os
+import socket
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+import helpers as h  # noqa: E402
+
+import torch  # noqa: E402
+
+EXTRA = {"transport": "tcp", "net_devices": "lo", "secret": "open sesame"}
+
+
+def _edits(params, victim, listener):
+    """The client's edits of `params` (each a new params dict), by name: toward its own
+    listener, or toward `victim`'s KV (its blocks, its grant, its whole handoff)."""
+    def edited(fn):
+        hd = json.loads(params["kvxfer_handoff"])
+        fn(hd)
+        return dict(params, kvxfer_handoff=json.dumps(hd))
+
+    def side(hd):
+        hd["side_channel"] = listener
+        for r in hd["ranks"]:
+            r["side_channel"] = listener
+
+    def epoch(hd):
+        for r in hd["ranks"]:
+            r["epoch"] = "%016x" % (int(r.get("epoch", "0"), 16) ^ 1)
+
+    theirs = json.loads(victim["kvxfer_handoff"])
+    out = {
+        "side-channel": edited(side),
+        "blocks": edited(lambda hd: hd.update(blocks=theirs["blocks"])),
+        "epoch": edited(epoch),
+        "grant": edited(lambda hd: hd.update(grant=theirs["grant"])),
+        # The victim's whole handoff under this one's seal.
+        "swapped": dict(params, kvxfer_handoff=victim["kvxfer_handoff"]),
+    }
+    unsealed = dict(params)
+    del unsealed["kvxfer_seal"]
+    out["unsealed"] = unsealed
+    return out
+
+
+def test_edited_kv_transfer_params_fail_alone_and_dial_nothing():
+    from kvxfer_vllm import KvxferConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    pid = os.getpid()
+    vp = h.vllm_config(role="kv_producer", extra=dict(EXTRA), engine_id=f"seal-pre-{pid}")
+    raw, caches, kv = h.kv_caches()
+    raw.copy_(torch.randint(-128, 127, raw.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(5)))
+    pre = KvxferConnector(vp, KVConnectorRole.WORKER, kv)
+    pre.register_kv_caches(caches)
+    s = h.scheduler(vp, kv)
+    s.connector.set_xfer_handshake_metadata({0: pre.get_handshake_metadata()})
+    real, remote = h.prefill(s, [pre], "real", 40)
+    other, _ = h.prefill(s, [pre], "other", 40)
+    assert real["kvxfer_seal"] and other["kvxfer_seal"] != real["kvxfer_seal"]
+    assert json.loads(real["kvxfer_handoff"])["grant"] != json.loads(other["kvxfer_handoff"])["grant"]
+
+    # The client runs a listener and points edited handoffs at it.
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(8)
+    lsock.settimeout(0.5)
+    listener = "127.0.0.1:%d" % lsock.getsockname()[1]
+    edits = _edits(other, real, listener)
+
+    vd = h.vllm_config(role="kv_consumer", extra=dict(EXTRA), engine_id=f"seal-dec-{pid}")
+    _, dcaches, dkv = h.kv_caches()
+    dec = KvxferConnector(vd, KVConnectorRole.WORKER, dkv)
+    dec.register_kv_caches(dcaches)
+    sd = h.scheduler(vd, dkv)
+    for name, params in edits.items():
+        sd.add_request(h.request(f"edit-{name}", 40, params, max_tokens=4))
+    sd.add_request(h.request("dec-real", 40, dict(real), max_tokens=4))
+    out = sd.schedule()
+    loads = out.kv_connector_metadata.loads
+    assert set(loads) == {f"edit-{n}" for n in edits} | {"dec-real"}, set(loads)
+    dec.bind_connector_metadata(out.kv_connector_metadata)
+    dec.start_load_kv(None)
+    dec.clear_connector_metadata()
+    got = set()
+    end = time.time() + 30
+    while time.time() < end and len(got) < len(loads):
+        _, rv = dec.get_finished(set())
+        got |= rv or set()
+        time.sleep(0.01)
+    assert got == set(loads), got
+    # Every edited request failed: its blocks, and only its, reported invalid.
+    edited_blocks = {b for r, v in loads.items() if r != "dec-real" for b in v[1]}
+    errors = dec.get_block_ids_with_load_errors()
+    assert errors == edited_blocks, (errors, edited_blocks)
+    st = dec.get_kv_connector_stats()
+    assert st.data["loads"] == 1 and st.data["failed"] == len(edits), st.data
+    # No edited handoff made the decode worker dial the client's listener.
+    try:
+        c, _ = lsock.accept()
+        c.close()
+        raise AssertionError("an edited handoff made the decode worker connect to the client's listener")
+    except socket.timeout:
+        pass
+    lsock.close()
+    # The real request's KV landed; nothing was written into the edited requests' blocks.
+    local = loads["dec-real"][1]
+    for name, t in dcaches.items():
+        for lb, rb in zip(local, remote):
+            assert torch.equal(t[lb].view(torch.int16), caches[name][rb].view(torch.int16)), (name, lb, rb)
+        assert torch.count_nonzero(t[sorted(edited_blocks)].view(torch.int16)) == 0, name
+    dec.shutdown()
+    pre.shutdown()
