@@ -15,6 +15,7 @@ pub mod compress;
 pub mod connector;
 pub mod descriptor;
 pub mod error;
+pub mod grants;
 pub mod handoff_seal;
 pub mod lane;
 pub mod lane_seal;

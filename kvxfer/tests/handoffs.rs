@@ -212,3 +212,115 @@ fn a_peer_without_the_handoff_frees_and_declares_nothing() {
     let f = producer.wait_freed("req", T).unwrap();
     assert_eq!(f.reason, FreeReason::Acked);
 }
+
+/// Grant-scoped lane access: a peer that holds the secret and is connected to both ends reads
+/// no block of the producer's cache that was not granted to it (another request's blocks, a
+/// request granted to another reader, blocks never published), writes none, and writes none
+/// of the consumer's cache. Nothing moves: its buffer keeps its bytes, both caches theirs. A
+/// plain region of the producer stays open to it (an agent-level transfer), and the real
+/// reader, granted by its lease, loads.
+#[test]
+fn a_peer_reads_and_writes_only_the_blocks_granted_to_it() {
+    use kvxfer::{Desc, HostBuffer, XferOp};
+    let p = agent("scope-p");
+    let (pr, pl) = kv_layout(&p, 0x5a);
+    let plain = p.register(HostBuffer::new(4096).unwrap()).unwrap();
+    plain.write(0, &[0x77; 4096]).unwrap();
+    let paddr = p.listen("127.0.0.1:0").unwrap();
+    let producer = Producer::new(
+        p.clone(),
+        pl.clone(),
+        ConnectorConfig::default(),
+        Some(paddr),
+    )
+    .unwrap();
+    let c = agent("scope-c");
+    let (cr, cl) = kv_layout(&c, 0);
+    let caddr = c.listen("127.0.0.1:0").unwrap();
+    let consumer = Consumer::new(c.clone(), cl.clone(), ConnectorConfig::default()).unwrap();
+    let h = producer.publish("req", &[3, 4], 32, 2).unwrap();
+    producer.publish("other", &[5, 6], 32, 2).unwrap();
+    consumer.start_load(&h, &[1, 2]).unwrap();
+    consumer.wait("req", T).unwrap();
+    assert!(blocks_are(&cr, &cl, &[1, 2], 0x5a));
+
+    let m = agent("scope-m");
+    let buf = m.register(HostBuffer::new(1 << 17).unwrap()).unwrap();
+    buf.write(0, &vec![0x11; 1 << 17]).unwrap();
+    let to_p = m.connect(paddr).unwrap();
+    let to_c = m.connect(caddr).unwrap();
+    let moved = |op: XferOp, to: &str, remote: Desc| {
+        let l = m.prep_local(&[Desc::new(buf.id(), 0, remote.len)]).unwrap();
+        let r = m.prep_remote(to, &[remote]).unwrap();
+        m.transfer_all(op, &l, &r, None, Some(Duration::from_secs(10)))
+            .and_then(|t| t.wait())
+    };
+    let block = |l: &kvxfer::layout::KvLayout, b: u32| l.descs(&[b], 1..2, 0..2).unwrap()[0];
+    let cases = [
+        (
+            "read another request's block",
+            XferOp::Read,
+            &to_p,
+            block(&pl, 5),
+        ),
+        (
+            "read a block granted to another reader",
+            XferOp::Read,
+            &to_p,
+            block(&pl, 3),
+        ),
+        (
+            "read a block never published",
+            XferOp::Read,
+            &to_p,
+            block(&pl, 12),
+        ),
+        (
+            "read the whole cache",
+            XferOp::Read,
+            &to_p,
+            Desc::new(pr.id(), 0, pr.len()),
+        ),
+        (
+            "write a published block",
+            XferOp::Write,
+            &to_p,
+            block(&pl, 4),
+        ),
+        (
+            "write the consumer's loaded block",
+            XferOp::Write,
+            &to_c,
+            block(&cl, 1),
+        ),
+    ];
+    for (what, op, to, d) in cases {
+        let e = moved(op, to, d).unwrap_err();
+        println!("{what}: {e}");
+        assert!(
+            matches!(e, Error::LaneFailed { .. }) && e.to_string().contains("holds no grant"),
+            "{what}: {e:?}"
+        );
+    }
+    // Nothing moved either way.
+    let mut mine = vec![0u8; 1 << 17];
+    buf.read(0, &mut mine).unwrap();
+    assert!(
+        mine.iter().all(|&x| x == 0x11),
+        "the peer's buffer received bytes"
+    );
+    assert!(
+        blocks_are(&pr, &pl, &[3, 4, 5, 6, 12], 0x5a),
+        "the producer's cache changed"
+    );
+    assert!(
+        blocks_are(&cr, &cl, &[1, 2], 0x5a),
+        "the consumer's cache changed"
+    );
+    // A plain region stays open to an authenticated peer.
+    moved(XferOp::Read, &to_p, Desc::new(plain.id(), 0, 4096)).unwrap();
+    buf.read(0, &mut mine[..4096]).unwrap();
+    assert!(mine[..4096].iter().all(|&x| x == 0x77));
+    // The other request is still served to a reader with its handoff.
+    assert_eq!(producer.held(), 1);
+}

@@ -8,6 +8,7 @@
 //! [`Agent::transfer`] many times → [`Agent::deregister`] → drop.
 
 mod config;
+mod grants;
 mod handle;
 mod metrics;
 mod paged;
@@ -44,6 +45,7 @@ use crate::staging::pool::{StagingCell, StagingStats};
 use crate::transfer::{Canceller, NoteCarrier, Transfer};
 use kvxfer_proto::descriptor::{self, Desc};
 use kvxfer_proto::error::{Error, Result, Side};
+use kvxfer_proto::grants::GrantTable;
 use kvxfer_proto::types::{
     choose_gpu_path, GpuPath, MemKind, PeerInfo, RegionId, RegionSpan, Transport, XferOp,
 };
@@ -127,6 +129,7 @@ impl Agent {
             cfg.budget.clone(),
         ));
         let codec: Arc<CodecMeter> = Arc::default();
+        let grants: Arc<RwLock<GrantTable>> = Arc::default();
         // The lanes' targets see the agent only through this.
         let ctx = Arc::new(LaneCtx {
             regions: regions.clone(),
@@ -138,6 +141,7 @@ impl Agent {
             stall: cfg.lane_stall,
             secret: cfg.secret.clone(),
             seal_data: cfg.lane_encryption,
+            grants: grants.clone(),
         });
         // The TCP lane carries every transfer with the TCP transport, and staged device memory
         // with any transport, in either direction: every agent with lanes on serves it, so that
@@ -193,6 +197,7 @@ impl Agent {
             handshake: cfg.handshake_timeout,
             ucx_tcp_off: cfg.ucx_tcp_off(),
             notes: notifier,
+            grants,
         });
         let _ = me.set(Arc::downgrade(&shared));
         let thread = std::thread::Builder::new()

@@ -55,6 +55,8 @@ pub(crate) struct AgentState {
     pub(crate) ucx_tcp_off: bool,
     /// What carries a notification once UCX moved the data (the sealed TCP lane).
     pub(crate) notes: crate::transfer::NoteCarrier,
+    /// The connector's grants, which the lanes' targets check every request against.
+    pub(crate) grants: std::sync::Arc<std::sync::RwLock<kvxfer_proto::grants::GrantTable>>,
 }
 
 impl AgentState {

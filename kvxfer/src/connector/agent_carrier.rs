@@ -15,8 +15,9 @@ use crate::transfer::Transfer;
 use kvxfer_proto::connector::{load_descs, load_paged};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::handoff_seal::HandoffKey;
+use kvxfer_proto::layout::KvLayout;
 use kvxfer_proto::types::XferOp;
-use kvxfer_proto::wire::connector::Handoff;
+use kvxfer_proto::wire::connector::{Grant, Handoff};
 use kvxfer_proto::wire::notify::Notification;
 
 /// Regions a connector registered for an engine's tensors, deregistered on drop.
@@ -96,6 +97,18 @@ impl Carrier for AgentCarrier {
 
     fn handoff_key(&self) -> Option<HandoffKey> {
         self.agent.secret().map(HandoffKey::new)
+    }
+
+    fn restrict(&self, layout: &KvLayout, on: bool) {
+        self.agent.restrict(layout, on);
+    }
+
+    fn grant(&self, grant: Grant, peer: &str, write: bool, layout: &KvLayout, blocks: &[u32]) {
+        self.agent.grant(grant, peer, write, layout, blocks);
+    }
+
+    fn revoke(&self, grant: &Grant) {
+        self.agent.revoke(grant);
     }
 
     fn send(&self, to: &str, msg: &[u8]) -> bool {

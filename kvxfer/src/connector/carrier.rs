@@ -17,7 +17,7 @@ use kvxfer_proto::error::Result;
 use kvxfer_proto::handoff_seal::HandoffKey;
 use kvxfer_proto::layout::KvLayout;
 use kvxfer_proto::tp::HeadMap;
-use kvxfer_proto::wire::connector::Handoff;
+use kvxfer_proto::wire::connector::{Grant, Handoff};
 use kvxfer_proto::wire::notify::Notification;
 
 /// Which side of the connector a carrier serves: it receives that side's control messages.
@@ -77,6 +77,17 @@ pub(crate) trait Carrier: Send + Sync + Debug {
     /// The key that seals this end's handoffs and checks the ones it loads: the
     /// deployment's secret's (`None`: no secret, handoffs are not sealed).
     fn handoff_key(&self) -> Option<HandoffKey>;
+
+    /// This end's cache (`layout`) opens to peers only inside grants (`on`), or as before
+    /// (`false`, undoing one `true`).
+    fn restrict(&self, layout: &KvLayout, on: bool);
+
+    /// `peer` may read (`write`: write) `blocks` of every layer of this end's cache
+    /// (`layout`), under `grant`, until [`Carrier::revoke`].
+    fn grant(&self, grant: Grant, peer: &str, write: bool, layout: &KvLayout, blocks: &[u32]);
+
+    /// Ends what `grant` opened.
+    fn revoke(&self, grant: &Grant);
 
     /// Sends an encoded control message to `to`. `false` only when `to` is known to be gone
     /// (a carrier that cannot tell logs the failure and leaves it to the lease).

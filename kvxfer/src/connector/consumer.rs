@@ -17,12 +17,13 @@ use super::shell::{
 };
 use crate::agent::Agent;
 use crate::budget::{Charge, MemoryBudget};
+use crate::random;
 use crate::telemetry::{RequestStats, Telemetry};
 use kvxfer_proto::connector::{LoadEvent, LoadProtocol};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::layout::KvLayout;
 use kvxfer_proto::tp::HeadMap;
-use kvxfer_proto::wire::connector::{Handoff, Mode, PushWant, ToConsumer, ToProducer};
+use kvxfer_proto::wire::connector::{Grant, Handoff, Mode, PushWant, ToConsumer, ToProducer};
 use kvxfer_proto::wire::notify::Notification;
 
 struct Load {
@@ -38,6 +39,8 @@ struct Load {
     inflight: Vec<(usize, Box<dyn InFlight>)>,
     started: Instant,
     figures: Figures,
+    /// Push: the grant its blocks are opened to the producer under, until the load ends.
+    pushed_under: Option<Grant>,
     _charge: Charge,
 }
 
@@ -99,6 +102,8 @@ impl Consumer {
         cfg: ConnectorConfig,
     ) -> Result<Consumer> {
         let name = format!("kvxfer-consumer-{}", carrier.name());
+        // Only a push load's producer writes into the cache, into the blocks opened to it.
+        carrier.restrict(&layout, true);
         let sh = Arc::new(ConsumerShared {
             carrier,
             t0: Instant::now(),
@@ -192,6 +197,18 @@ impl Consumer {
             });
         }
         let first = proto.opening();
+        // Push: the producer writes these blocks, and only these, over the lane.
+        let pushed_under = if h.mode == Mode::Push && !local_blocks.is_empty() {
+            let g = match h.grant {
+                Some(g) => g,
+                None => Grant(random::bytes()?),
+            };
+            sh.carrier
+                .grant(g, &h.producer, true, &sh.layout, local_blocks);
+            Some(g)
+        } else {
+            None
+        };
         let load = Load {
             h: h.clone(),
             remote,
@@ -203,11 +220,13 @@ impl Consumer {
             inflight: Vec::new(),
             started: Instant::now(),
             figures: Figures::default(),
+            pushed_under,
             _charge: charge,
         };
         {
             let mut st = lock(&sh.st);
             if st.loads.contains_key(&h.request) || st.fencing_names.contains(&h.request) {
+                close_push(sh, &load);
                 return Err(Error::InvalidArgument(format!(
                     "load {:?} is already in progress",
                     h.request
@@ -371,9 +390,13 @@ impl Drop for Consumer {
             )
         };
         let left = loads.into_values().chain(fencing.into_iter().map(|f| f.1));
-        for (_, t) in left.flat_map(|l| l.inflight) {
-            t.cancel();
+        for l in left {
+            close_push(&self.sh, &l);
+            for (_, t) in l.inflight {
+                t.cancel();
+            }
         }
+        self.sh.carrier.restrict(&self.sh.layout, false);
         self.sh.carrier.close();
     }
 }
@@ -390,10 +413,18 @@ fn remember(st: &mut ConsumerState, req: &str, e: Ended) {
     }
 }
 
+/// A push load's blocks are closed to its producer again (what it queued is fenced apart).
+fn close_push(sh: &ConsumerShared, l: &Load) {
+    if let Some(g) = &l.pushed_under {
+        sh.carrier.revoke(g);
+    }
+}
+
 fn finish(sh: &ConsumerShared, st: &mut ConsumerState, req: &str) {
     let Some(l) = st.loads.remove(req) else {
         return;
     };
+    close_push(sh, &l);
     let nl = sh.layout.layers.len() as u64;
     let per_block = sh.layout.block_bytes() * nl * sh.layout.tensors_per_layer() as u64;
     let s = RequestStats {
@@ -422,6 +453,7 @@ fn fail(sh: &ConsumerShared, st: &mut ConsumerState, req: &str, e: Error) {
     let Some(l) = st.loads.remove(req) else {
         return;
     };
+    close_push(sh, &l);
     if !l.inflight.is_empty() || l.h.mode == Mode::Push {
         st.fencing_names.insert(req.to_string());
         st.fencing.push((req.to_string(), l, e));

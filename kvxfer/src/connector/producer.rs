@@ -3,7 +3,7 @@
 //! the [`Carrier`].
 #![forbid(unsafe_code)]
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -50,6 +50,9 @@ struct HeldRequest {
     blocks: Vec<u32>,
     pushes: Vec<PushTarget>,
     published: Instant,
+    /// The handoff's grant, and the readers its blocks are opened to (pull).
+    grant: Grant,
+    opened: HashSet<String>,
 }
 
 struct ProducerState {
@@ -63,8 +66,10 @@ impl ProducerState {
     /// A request's blocks are free: the shell forgets it, the engine may take the blocks. A
     /// pull request every reader acknowledged counts as served, one that expired as failed
     /// (a push request was counted when its writes landed).
-    fn record_freed(&mut self, f: Freed, tel: &Telemetry, mode: Mode) {
+    fn record_freed(&mut self, f: Freed, tel: &Telemetry, mode: Mode, carrier: &dyn Carrier) {
         if let Some(r) = self.requests.remove(&f.request) {
+            // Closed before the engine may reuse the blocks.
+            carrier.revoke(&r.grant);
             match f.reason {
                 FreeReason::Acked if mode == Mode::Pull => tel.served(r.published.elapsed()),
                 FreeReason::Expired | FreeReason::HoldLimit => tel.failed(),
@@ -120,6 +125,8 @@ impl Producer {
         cfg: ConnectorConfig,
     ) -> Result<Producer> {
         let name = format!("kvxfer-producer-{}", carrier.name());
+        // Peers read the cache only inside the leases they were granted.
+        carrier.restrict(&layout, true);
         let sh = Arc::new(ProducerShared {
             carrier,
             layout,
@@ -205,6 +212,8 @@ impl Producer {
                 blocks: blocks.to_vec(),
                 pushes: Vec::new(),
                 published: Instant::now(),
+                grant,
+                opened: HashSet::new(),
             },
         );
         drop(st);
@@ -255,7 +264,9 @@ impl Producer {
     /// Gives up a request: its blocks are freed now; consumers that ask get a typed refusal.
     pub fn abort(&self, request: &str) {
         let mut st = lock(&self.sh.st);
-        st.requests.remove(request);
+        if let Some(r) = st.requests.remove(request) {
+            self.sh.carrier.revoke(&r.grant);
+        }
         if let Some(f) = st.core.abort(request) {
             st.freed.push_back(f);
         }
@@ -319,6 +330,7 @@ impl Drop for Producer {
         for (_, t) in pushes.into_iter().flat_map(|p| p.inflight) {
             t.cancel();
         }
+        self.sh.carrier.restrict(&self.sh.layout, false);
         self.sh.carrier.close();
     }
 }
@@ -339,7 +351,7 @@ fn producer_loop(sh: &ProducerShared) {
         let freed = st.core.tick(now);
         if !freed.is_empty() {
             for f in freed {
-                st.record_freed(f, &sh.tel, sh.cfg.mode);
+                st.record_freed(f, &sh.tel, sh.cfg.mode, &*sh.carrier);
             }
             drop(st);
             sh.cv.notify_all();
@@ -365,7 +377,17 @@ fn producer_msg(sh: &ProducerShared, n: Notification) {
     let mut freed = false;
     for a in actions {
         match a {
-            ProducerAction::Send { to, msg } => out.push((to, msg.encode())),
+            ProducerAction::Send { to, msg } => {
+                // A pull reader's lease (it presented the grant): open the blocks to it.
+                if let (ToConsumer::Lease { request, .. }, Mode::Pull) = (&msg, sh.cfg.mode) {
+                    if let Some(r) = st.requests.get_mut(request) {
+                        if r.opened.insert(to.clone()) {
+                            sh.carrier.grant(r.grant, &to, false, &sh.layout, &r.blocks);
+                        }
+                    }
+                }
+                out.push((to, msg.encode()))
+            }
             ProducerAction::StartPush {
                 reader,
                 request,
@@ -395,7 +417,7 @@ fn producer_msg(sh: &ProducerShared, n: Notification) {
                 }
             }
             ProducerAction::Freed(f) => {
-                st.record_freed(f, &sh.tel, sh.cfg.mode);
+                st.record_freed(f, &sh.tel, sh.cfg.mode, &*sh.carrier);
                 freed = true;
             }
         }
@@ -549,7 +571,7 @@ fn producer_pushes(sh: &ProducerShared) {
     for (req, reader) in acks {
         for a in st.core.push_landed(&reader, &req, now) {
             if let ProducerAction::Freed(f) = a {
-                st.record_freed(f, &sh.tel, sh.cfg.mode);
+                st.record_freed(f, &sh.tel, sh.cfg.mode, &*sh.carrier);
             }
         }
     }

@@ -3,13 +3,14 @@
 //! ([`Query`]). A sibling of the lanes, so that none imports its parent.
 #![forbid(unsafe_code)]
 
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use crate::budget::MemoryBudget;
 use crate::memory::RegionTable;
 use crate::notify::Channels;
 use crate::staging::pool::StagingCell;
 use crate::transfer::{Job, NoteCarrier, Work};
+use kvxfer_proto::grants::GrantTable;
 use kvxfer_proto::types::{HostInfo, Lane, LaneInfo, Transport};
 use kvxfer_proto::wire::metadata::Metadata;
 
@@ -114,4 +115,7 @@ pub(crate) struct LaneCtx {
     pub(crate) secret: Option<Vec<u8>>,
     /// Seal the blocks' bytes on the TCP lane too ([`crate::AgentConfig::lane_encryption`]).
     pub(crate) seal_data: bool,
+    /// What the connector granted to whom, and the regions only grants open: every request's
+    /// table is checked against it.
+    pub(crate) grants: Arc<RwLock<GrantTable>>,
 }

@@ -18,7 +18,8 @@ use kvxfer_proto::connector::load_descs;
 use kvxfer_proto::descriptor::Desc;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::handoff_seal::HandoffKey;
-use kvxfer_proto::wire::connector::Handoff;
+use kvxfer_proto::layout::KvLayout;
+use kvxfer_proto::wire::connector::{Grant, Handoff};
 use kvxfer_proto::wire::notify::Notification;
 
 /// A copy's outcome, set once by the mover.
@@ -163,6 +164,13 @@ impl Carrier for InProcessCarrier {
         // One process: no secret, nothing to seal against.
         None
     }
+
+    // One process: no peer reaches the cache but through the hub, which the shells drive.
+    fn restrict(&self, _layout: &KvLayout, _on: bool) {}
+
+    fn grant(&self, _: Grant, _: &str, _: bool, _: &KvLayout, _: &[u32]) {}
+
+    fn revoke(&self, _grant: &Grant) {}
 
     fn send(&self, to: &str, msg: &[u8]) -> bool {
         match self.hub.end(to) {

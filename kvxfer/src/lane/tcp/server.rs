@@ -25,7 +25,7 @@ use kvxfer_proto::lane_seal::{seal_record, LaneOpening, Opened};
 use kvxfer_proto::paged::{resolve_paged, Paged, ResolvedPaged};
 use kvxfer_proto::session::{Psk, SEED};
 use kvxfer_proto::types::{LaneInfo, MemKind, RegionId, RegionSpan};
-use kvxfer_proto::wire::lane::{Segment, Table, SECRET_LEN};
+use kvxfer_proto::wire::lane::{Segment, Table, K_WRITE, SECRET_LEN};
 
 /// How long a request waits for its table's budget before it is refused.
 const BUDGET_WAIT: Duration = Duration::from_secs(30);
@@ -313,10 +313,19 @@ fn refuse(mut c: &TcpStream, h: &mut Hello) {
     let _ = c.shutdown(std::net::Shutdown::Both);
 }
 
-/// Checks `segs` against the registered regions and pins them. Returns the pieces
-/// (addresses) and, where any piece is device memory, the device of each piece.
-fn resolve_segs(ctx: &LaneCtx, segs: &[Segment]) -> Result<Resolved, String> {
+/// Who a request's table is resolved for: the peer the lane session named, reading or
+/// writing. A restricted region opens only inside the grants that peer holds.
+struct Access<'a> {
+    peer: &'a str,
+    write: bool,
+}
+
+/// Checks `segs` against the registered regions and the grants of `who`, and pins them.
+/// Returns the pieces (addresses) and, where any piece is device memory, the device of each
+/// piece.
+fn resolve_segs(ctx: &LaneCtx, segs: &[Segment], who: &Access<'_>) -> Result<Resolved, String> {
     let regions = ctx.regions.read();
+    let grants = ctx.grants.read().unwrap_or_else(|e| e.into_inner());
     let mut pins = Pins::default();
     let mut pieces: Vec<(u64, u64)> = Vec::with_capacity(segs.len());
     let mut devs: Vec<Option<u32>> = Vec::new();
@@ -340,6 +349,9 @@ fn resolve_segs(ctx: &LaneCtx, segs: &[Segment]) -> Result<Resolved, String> {
                 ))
             }
         }
+        grants
+            .check(who.peer, who.write, id, off, len)
+            .map_err(|e| format!("segment #{k}: {e}"))?;
         if pins.add(r).is_err() {
             return Err(format!("segment #{k}: region {id} is being deregistered"));
         }
@@ -353,9 +365,26 @@ fn resolve_segs(ctx: &LaneCtx, segs: &[Segment]) -> Result<Resolved, String> {
 }
 
 /// Checks a paged table's entries against the registered regions (each block inside its
-/// region, the largest index deciding: nothing is expanded) and pins the regions.
-fn resolve_entries(ctx: &LaneCtx, entries: &[Paged]) -> Result<Resolved, String> {
+/// region, the largest index deciding: nothing is expanded) and, in a restricted region, each
+/// block against the grants of `who`; pins the regions.
+fn resolve_entries(ctx: &LaneCtx, entries: &[Paged], who: &Access<'_>) -> Result<Resolved, String> {
     let regions = ctx.regions.read();
+    let grants = ctx.grants.read().unwrap_or_else(|e| e.into_inner());
+    for (k, e) in entries.iter().enumerate() {
+        let id = e.region.0;
+        if !grants.is_restricted(id) {
+            continue;
+        }
+        for &b in e.blocks.iter() {
+            let off = u64::from(b)
+                .checked_mul(e.stride)
+                .and_then(|o| o.checked_add(e.offset))
+                .ok_or_else(|| format!("entry #{k}: block {b} lies past the address space"))?;
+            grants
+                .check(who.peer, who.write, id, off, e.block_len)
+                .map_err(|why| format!("entry #{k}: {why}"))?;
+        }
+    }
     let mut pins = Pins::default();
     let mut spans: Vec<RegionSpan> = Vec::new();
     let mut devs: Vec<Option<u32>> = Vec::new();
@@ -491,12 +520,17 @@ fn serve_inner(
                     Err(e) => t.admitted(Err(e.to_string())),
                 }
             }
-            Flow::Resolve(table) => {
+            Flow::Resolve(table, write) => {
                 // The pieces, their staging, their chunks: held until the core releases them.
                 let total = table.total();
+                // Who asks: the name the lane session gave, checked against its grants.
+                let who = Access {
+                    peer: t.peer().unwrap_or_default(),
+                    write,
+                };
                 let mut resolved = match &table {
-                    Table::Flat(segs) => resolve_segs(ctx, segs),
-                    Table::Paged(p) => resolve_entries(ctx, &p.entries),
+                    Table::Flat(segs) => resolve_segs(ctx, segs, &who),
+                    Table::Paged(p) => resolve_entries(ctx, &p.entries, &who),
                 };
                 drop(table);
                 let stage = match &resolved {
@@ -550,8 +584,8 @@ enum Flow {
     Go,
     /// Charge this many bytes, then answer the core.
     Admit(u64),
-    /// Resolve this table and hold it until released.
-    Resolve(Table),
+    /// Resolve this table (of a write: `true`) and hold it until released.
+    Resolve(Table, bool),
     /// The core released the current request's pieces.
     Released,
 }
@@ -608,7 +642,9 @@ fn step(
             let total = skip_paged(c, bytes, &mut ctl)?;
             t.skipped(total);
         }
-        TargetEvent::Resolve { table, .. } => return Ok(Flow::Resolve(table)),
+        TargetEvent::Resolve { table, header } => {
+            return Ok(Flow::Resolve(table, header.kind == K_WRITE))
+        }
         TargetEvent::ReceiveData { frames } | TargetEvent::SendData { frames } => {
             let send = matches!(ev, TargetEvent::SendData { .. });
             let p = pieces.ok_or_else(|| {
