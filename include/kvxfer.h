@@ -620,8 +620,9 @@ kvx_status kvx_agent_config_set_discovery(struct kvx_agent_config *c,
  * Sets the shared secret (`len` bytes; `len` 0 removes it): every peer must hold it; it keys
  * a Noise handshake on the side channel and on every TCP-lane connection, and every control
  * message after it is encrypted and authenticated; notifications then travel only over the
- * sealed lane, and UCX's own TCP transport is off (`kvx_agent_config_set_ucx_tcp`). What it
- * does not protect yet (per-peer lane access, handoffs, bulk data unless
+ * sealed lane, and UCX's own TCP transport is off (`kvx_agent_config_set_ucx_tcp`); a
+ * producer seals its handoffs and a consumer loads only sealed ones (`kvx_handoff_seal`).
+ * What it does not protect yet (lane reads scoped to grants, bulk data unless
  * `kvx_agent_config_set_lane_encryption`) is in SECURITY.md, kvxfer's threat model.
  *
  * # Safety
