@@ -308,9 +308,48 @@ fn sealing(c: &mut Criterion) {
     g.finish();
 }
 
+/// The TCP lane target's grant check for a whole Qwen3-0.6B request (2,371 tokens: 149
+/// blocks of 16 tokens, 28 layers, K and V: 8,344 block checks), with the asking peer holding
+/// 16 scopes (16 requests in flight from one reader), its own the last.
+fn grant_check(c: &mut Criterion) {
+    use kvxfer::layout::{KvDtype, KvLayout, KvOrder, KvPacking};
+    use kvxfer_proto::grants::GrantTable;
+    use kvxfer_proto::wire::connector::Grant;
+    let g = KvGeometry {
+        name: "qwen3-0.6b".into(),
+        layers: 28,
+        kv_heads: 8,
+        head_dim: 128,
+        dtype: KvDtype::Bf16,
+    };
+    let l = KvLayout::contiguous(g, 16, 4096, KvPacking::Separate, KvOrder::Nhd, RegionId(0));
+    let mut t = GrantTable::new();
+    t.restrict([0]);
+    let all = slots(4096, 11);
+    for k in 0..16u8 {
+        let blocks: Vec<u32> = all[k as usize * 149..(k as usize + 1) * 149]
+            .iter()
+            .map(|&b| b as u32)
+            .collect();
+        t.grant(Grant([k; 16]), "decode-0", false, &l, &blocks);
+    }
+    let mine: Vec<u32> = all[15 * 149..16 * 149].iter().map(|&b| b as u32).collect();
+    let descs = l.descs(&mine, 0..28, 0..8).unwrap();
+    assert_eq!(descs.len(), 8344);
+    let mut grp = c.benchmark_group("grant_check");
+    grp.bench_function("qwen3_8344_blocks_16_scopes", |b| {
+        b.iter(|| {
+            for d in &descs {
+                black_box(t.check("decode-0", false, d.region.0, d.offset, d.len)).unwrap();
+            }
+        })
+    });
+    grp.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(30).measurement_time(std::time::Duration::from_secs(2));
-    targets = build, metadata, paged, layout, sealing
+    targets = build, metadata, paged, layout, sealing, grant_check
 }
 criterion_main!(benches);
