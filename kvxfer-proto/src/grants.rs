@@ -5,45 +5,87 @@
 //! a push consumer grants its producer write access to the blocks it opened. Regions nobody
 //! restricted stay open to every authenticated peer (plain agent-level transfers).
 //!
-//! A scope is the cache's geometry and a block set, not a list of byte ranges: what a grant
-//! holds is 4 bytes a block, whatever the layer count.
+//! What a peer may touch is the cache's geometry and a counted block set, not a list of byte
+//! ranges: a grant holds a few bytes a block, whatever the layer count, and a check is one
+//! binary search and a lookup per block, whatever the number of grants.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use crate::layout::KvLayout;
 use crate::wire::connector::Grant;
 
-/// What one grant gives one peer: these blocks of this cache, to read or to write.
+/// One cache's geometry as one peer may touch it (read, or write), and the blocks its grants
+/// open there, counted (two requests may share a block, a cached prefix).
 #[derive(Clone, Debug)]
-struct Scope {
+struct Opened {
     write: bool,
-    /// Each layer tensor's region and first byte.
+    /// Each layer tensor's region and first byte, sorted.
     tensors: Vec<(u32, u64)>,
     block_bytes: u64,
     num_blocks: u64,
-    blocks: HashSet<u32>,
+    blocks: HashMap<u32, u32>,
 }
 
-impl Scope {
-    /// Whether `[off, off + len)` of `region` lies inside granted blocks (a run of adjacent
-    /// granted blocks included).
+impl Opened {
+    /// Whether `[off, off + len)` of `region` lies inside opened blocks (a run of adjacent
+    /// opened blocks included): one binary search for the tensor, a lookup per block.
     fn covers(&self, region: u32, off: u64, len: u64) -> bool {
         let bb = self.block_bytes;
-        let tensor = bb.saturating_mul(self.num_blocks);
-        self.tensors.iter().any(|&(r, base)| {
-            if r != region || off < base || bb == 0 {
-                return false;
+        if bb == 0 {
+            return false;
+        }
+        // The last tensor that starts at or before `off` in `region`.
+        let i = self.tensors.partition_point(|&t| t <= (region, off));
+        let Some(&(r, base)) = i.checked_sub(1).and_then(|i| self.tensors.get(i)) else {
+            return false;
+        };
+        if r != region {
+            return false;
+        }
+        let rel = off - base;
+        let Some(end) = rel.checked_add(len.max(1)) else {
+            return false;
+        };
+        if end > bb.saturating_mul(self.num_blocks) {
+            return false;
+        }
+        (rel / bb..=(end - 1) / bb)
+            .all(|b| u32::try_from(b).is_ok_and(|b| self.blocks.contains_key(&b)))
+    }
+
+    fn add(&mut self, blocks: &[u32]) {
+        for &b in blocks {
+            *self.blocks.entry(b).or_default() += 1;
+        }
+    }
+
+    fn remove(&mut self, blocks: &[u32]) {
+        for b in blocks {
+            if let Some(n) = self.blocks.get_mut(b) {
+                *n -= 1;
+                if *n == 0 {
+                    self.blocks.remove(b);
+                }
             }
-            let rel = off - base;
-            let Some(end) = rel.checked_add(len.max(1)) else {
-                return false;
-            };
-            if end > tensor {
-                return false;
+        }
+    }
+}
+
+/// What one peer was granted: per cache (and direction), the blocks opened; per grant, what
+/// it opened, to take back.
+#[derive(Debug, Default)]
+struct PeerGrants {
+    opened: Vec<Opened>,
+    by_grant: HashMap<Grant, (usize, Vec<u32>)>,
+}
+
+impl PeerGrants {
+    fn take_back(&mut self, grant: &Grant) {
+        if let Some((i, blocks)) = self.by_grant.remove(grant) {
+            if let Some(o) = self.opened.get_mut(i) {
+                o.remove(&blocks);
             }
-            (rel / bb..=(end - 1) / bb)
-                .all(|b| u32::try_from(b).is_ok_and(|b| self.blocks.contains(&b)))
-        })
+        }
     }
 }
 
@@ -51,8 +93,7 @@ impl Scope {
 #[derive(Debug, Default)]
 pub struct GrantTable {
     restricted: HashMap<u32, usize>,
-    /// Per peer: its scopes, by the grant that made each.
-    by_peer: HashMap<String, Vec<(Grant, Scope)>>,
+    by_peer: HashMap<String, PeerGrants>,
 }
 
 impl GrantTable {
@@ -87,7 +128,7 @@ impl GrantTable {
     }
 
     /// `peer` may read (`write`: write) `blocks` of every layer of the cache `layout`
-    /// describes, under `grant` (granting again replaces the scope).
+    /// describes, under `grant` (granting again replaces what it opened).
     pub fn grant(
         &mut self,
         grant: Grant,
@@ -96,35 +137,49 @@ impl GrantTable {
         layout: &KvLayout,
         blocks: &[u32],
     ) {
-        let tensors = layout
+        let mut tensors: Vec<(u32, u64)> = layout
             .layers
             .iter()
             .flat_map(|l| std::iter::once(l.k).chain(l.v))
             .map(|(r, off)| (r.0, off))
             .collect();
-        let scope = Scope {
-            write,
-            tensors,
-            block_bytes: layout.block_bytes(),
-            num_blocks: layout.num_blocks,
-            blocks: blocks.iter().copied().collect(),
+        tensors.sort_unstable();
+        let (block_bytes, num_blocks) = (layout.block_bytes(), layout.num_blocks);
+        let p = self.by_peer.entry(peer.to_string()).or_default();
+        p.take_back(&grant);
+        let i = match p.opened.iter().position(|o| {
+            o.write == write
+                && o.block_bytes == block_bytes
+                && o.num_blocks == num_blocks
+                && o.tensors == tensors
+        }) {
+            Some(i) => i,
+            None => {
+                p.opened.push(Opened {
+                    write,
+                    tensors,
+                    block_bytes,
+                    num_blocks,
+                    blocks: HashMap::new(),
+                });
+                p.opened.len() - 1
+            }
         };
-        let v = self.by_peer.entry(peer.to_string()).or_default();
-        v.retain(|(g, _)| g != &grant);
-        v.push((grant, scope));
+        p.opened[i].add(blocks);
+        p.by_grant.insert(grant, (i, blocks.to_vec()));
     }
 
-    /// Ends every scope `grant` made, for every peer.
+    /// Ends what `grant` opened, for every peer.
     pub fn revoke(&mut self, grant: &Grant) {
-        self.by_peer.retain(|_, v| {
-            v.retain(|(g, _)| g != grant);
-            !v.is_empty()
+        self.by_peer.retain(|_, p| {
+            p.take_back(grant);
+            !p.by_grant.is_empty()
         });
     }
 
-    /// Scopes held now (all peers).
+    /// Grants in force (all peers).
     pub fn scopes(&self) -> usize {
-        self.by_peer.values().map(Vec::len).sum()
+        self.by_peer.values().map(|p| p.by_grant.len()).sum()
     }
 
     /// Whether `peer` may read (`write`: write) `[off, off + len)` of `region`; `Err` says
@@ -140,9 +195,10 @@ impl GrantTable {
         if !self.is_restricted(region) {
             return Ok(());
         }
-        let granted = self.by_peer.get(peer).is_some_and(|v| {
-            v.iter()
-                .any(|(_, s)| s.write == write && s.covers(region, off, len))
+        let granted = self.by_peer.get(peer).is_some_and(|p| {
+            p.opened
+                .iter()
+                .any(|o| o.write == write && o.covers(region, off, len))
         });
         if granted {
             Ok(())
@@ -232,5 +288,28 @@ mod tests {
         );
         assert!(t.check("p", true, 7, 2 * bb, bb).is_ok());
         assert_eq!(t.scopes(), 1);
+    }
+
+    #[test]
+    fn a_block_two_grants_share_stays_open_until_both_end() {
+        let l = layout();
+        let bb = l.block_bytes();
+        let mut t = GrantTable::new();
+        t.restrict([7]);
+        let (a, b) = (Grant([3; 16]), Grant([4; 16]));
+        t.grant(a, "d", false, &l, &[1, 2]);
+        t.grant(b, "d", false, &l, &[2, 3]);
+        t.revoke(&a);
+        assert!(
+            t.check("d", false, 7, bb, bb).is_err(),
+            "block 1 was only a's"
+        );
+        assert!(
+            t.check("d", false, 7, 2 * bb, 2 * bb).is_ok(),
+            "b still opens 2 and 3"
+        );
+        t.revoke(&b);
+        assert!(t.check("d", false, 7, 2 * bb, bb).is_err());
+        assert_eq!(t.scopes(), 0);
     }
 }
