@@ -25,8 +25,7 @@ use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::layout::KvLayout;
 use kvxfer_proto::lifecycle::{FreeReason, Freed};
 use kvxfer_proto::tp::HeadMap;
-use kvxfer_proto::wire::connector::Grant;
-use kvxfer_proto::wire::connector::{Handoff, Mode, PushWant, ToConsumer, ToProducer};
+use kvxfer_proto::wire::connector::{Grant, Handoff, Mode, PushWant, ToConsumer, ToProducer};
 use kvxfer_proto::wire::notify::Notification;
 
 /// One push consumer's progress through a request.
@@ -321,11 +320,16 @@ impl Drop for Producer {
     fn drop(&mut self) {
         lock(&self.sh.st).stop = true;
         join_thread(&self.sh.cv, &mut self.thread);
-        // Pushes still in flight end before the carrier lets the engine's memory go.
+        // Pushes still in flight end before the carrier lets the engine's memory go; what
+        // the held requests opened is closed first.
+        let carrier = &self.sh.carrier;
         let pushes: Vec<PushTarget> = lock(&self.sh.st)
             .requests
             .drain()
-            .flat_map(|(_, r)| r.pushes)
+            .flat_map(|(_, r)| {
+                carrier.revoke(&r.grant);
+                r.pushes
+            })
             .collect();
         for (_, t) in pushes.into_iter().flat_map(|p| p.inflight) {
             t.cancel();
