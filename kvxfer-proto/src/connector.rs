@@ -43,6 +43,14 @@ pub enum ProducerAction {
         /// The answer once the push is accepted.
         lease: ToConsumer,
     },
+    /// A pull reader presented the grant and gets its first lease (sent right after): open
+    /// the request's blocks to it (the shell's grant table, which the lanes check).
+    Open {
+        /// The reader.
+        reader: String,
+        /// The request.
+        request: String,
+    },
     /// The request's blocks may be reused.
     Freed(Freed),
 }
@@ -189,6 +197,12 @@ impl ProducerCore {
                 return self.refuse(from, request, &e);
             }
         }
+        self.apply(from, msg, now)
+    }
+
+    /// A call that passed the grant check (or the producer's own record), applied.
+    fn apply(&mut self, from: &str, msg: ToProducer, now: Duration) -> Vec<ProducerAction> {
+        let request = msg.request().to_string();
         if let Some(n) = msg.readers() {
             if let Err(e) = self.ledger.declare(&request, from, n as usize, now) {
                 return self.refuse(from, request, &e);
@@ -201,28 +215,37 @@ impl ProducerCore {
                         let Some(h) = self.held.get_mut(&request) else {
                             return self.freed_now();
                         };
+                        let mut out = Vec::new();
                         if h.holder_set.insert(from.to_string()) {
                             h.holders.push(from.to_string());
+                            // A new pull reader: its blocks open to it before its lease goes.
+                            if self.mode == Mode::Pull {
+                                out.push(ProducerAction::Open {
+                                    reader: from.to_string(),
+                                    request: request.clone(),
+                                });
+                            }
                         }
                         let lease = ToConsumer::Lease {
                             request: request.clone(),
                             ms: left.as_millis() as u64,
                             ready: h.ready_layers(),
                         };
-                        match msg {
+                        out.push(match msg {
                             ToProducer::Want { want, .. } if !h.pushers.contains(from) => {
-                                vec![ProducerAction::StartPush {
+                                ProducerAction::StartPush {
                                     reader: from.to_string(),
                                     request,
                                     want,
                                     lease,
-                                }]
+                                }
                             }
-                            _ => vec![ProducerAction::Send {
+                            _ => ProducerAction::Send {
                                 to: from.to_string(),
                                 msg: lease,
-                            }],
-                        }
+                            },
+                        });
+                        out
                     }
                     Err(e) => self.refuse(from, request, &e),
                 }
@@ -248,14 +271,13 @@ impl ProducerCore {
         request: &str,
         now: Duration,
     ) -> Vec<ProducerAction> {
-        // The producer's own record of the landing: under the grant it holds.
-        let grant = self.held.get(request).and_then(|h| h.grant);
+        // The producer's own record of the landing: no call to check.
         let ack = ToProducer::Ack {
             request: request.to_string(),
             readers: None,
-            grant,
+            grant: None,
         };
-        self.handle(reader, ack, now)
+        self.apply(reader, ack, now)
     }
 
     /// Expiries noticed, then a typed refusal of `request` to `to`.
@@ -702,6 +724,8 @@ mod tests {
         refuse_pushes: bool,
         /// Consumers that have stopped (died): their heartbeats no longer go out.
         dead: Vec<String>,
+        /// `ProducerAction::Open`s, in order: (reader, request).
+        opened: Vec<(String, String)>,
     }
 
     impl Pair {
@@ -716,6 +740,7 @@ mod tests {
                 events: Vec::new(),
                 refuse_pushes: false,
                 dead: Vec::new(),
+                opened: Vec::new(),
             }
         }
 
@@ -756,6 +781,9 @@ mod tests {
                                     self.producer.push_accepted(&request, &reader);
                                     self.to_consumers.push((reader, lease));
                                 }
+                            }
+                            ProducerAction::Open { reader, request } => {
+                                self.opened.push((reader, request))
                             }
                             ProducerAction::Freed(f) => self.freed.push(f),
                         }
@@ -842,6 +870,11 @@ mod tests {
             }
         }
         assert_eq!(p.producer.held(), 1);
+        assert!(
+            p.opened.is_empty(),
+            "blocks opened to the intruder: {:?}",
+            p.opened
+        );
         // The reader with the handoff's grant reads, and its declaration of one reader stands
         // (the intruder's "4" was not taken): its ack alone frees.
         let l = LoadProtocol::new("r1", "prefill", Mode::Pull, 2, None, false, p.now)
@@ -851,6 +884,9 @@ mod tests {
         p.loads.push(("decode".into(), l));
         p.step(ms(1));
         assert_eq!(p.load("decode").ready(), 2);
+        // Opened once, to the reader, however many heartbeats renew its lease.
+        p.drive(LEASE * 2, ms(100));
+        assert_eq!(p.opened, vec![("decode".to_string(), "r1".to_string())]);
         let ack = p.load("decode").ack();
         p.to_producer.push(("decode".into(), ack));
         p.step(ms(1));

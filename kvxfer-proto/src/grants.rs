@@ -182,8 +182,18 @@ impl GrantTable {
         self.by_peer.values().map(|p| p.by_grant.len()).sum()
     }
 
+    /// What `peer` may read (`write`: write), looked up once for a whole request's table.
+    pub fn access<'a>(&'a self, peer: &'a str, write: bool) -> PeerAccess<'a> {
+        PeerAccess {
+            table: self,
+            peer,
+            write,
+            grants: self.by_peer.get(peer),
+        }
+    }
+
     /// Whether `peer` may read (`write`: write) `[off, off + len)` of `region`; `Err` says
-    /// why not.
+    /// why not. ([`GrantTable::access`] once, then its checks, for many pieces.)
     pub fn check(
         &self,
         peer: &str,
@@ -192,20 +202,37 @@ impl GrantTable {
         off: u64,
         len: u64,
     ) -> Result<(), String> {
-        if !self.is_restricted(region) {
+        self.access(peer, write).check(region, off, len)
+    }
+}
+
+/// One peer's grants in one direction ([`GrantTable::access`]).
+#[derive(Debug)]
+pub struct PeerAccess<'a> {
+    table: &'a GrantTable,
+    peer: &'a str,
+    write: bool,
+    grants: Option<&'a PeerGrants>,
+}
+
+impl PeerAccess<'_> {
+    /// Whether the peer may touch `[off, off + len)` of `region`; `Err` says why not.
+    pub fn check(&self, region: u32, off: u64, len: u64) -> Result<(), String> {
+        if !self.table.is_restricted(region) {
             return Ok(());
         }
-        let granted = self.by_peer.get(peer).is_some_and(|p| {
+        let granted = self.grants.is_some_and(|p| {
             p.opened
                 .iter()
-                .any(|o| o.write == write && o.covers(region, off, len))
+                .any(|o| o.write == self.write && o.covers(region, off, len))
         });
         if granted {
             Ok(())
         } else {
             Err(format!(
-                "{peer:?} holds no grant to {} [{off}, +{len}) of region {region}",
-                if write { "write" } else { "read" }
+                "{:?} holds no grant to {} [{off}, +{len}) of region {region}",
+                self.peer,
+                if self.write { "write" } else { "read" }
             ))
         }
     }

@@ -11,6 +11,7 @@
 
 use hmac::Mac;
 
+use crate::session::{hmac as mac, hmac_state};
 use crate::wire::connector::{Handoff, Mode, SEAL_LEN};
 
 const KEY_LABEL: &[u8] = b"kvxfer handoff seal key v1";
@@ -67,24 +68,11 @@ impl HandoffKey {
     }
 }
 
-fn mac(key: &[u8], parts: &[&[u8]]) -> [u8; SEAL_LEN] {
-    hmac_of(key, parts).finalize().into_bytes().into()
-}
-
 fn check(key: &[u8], parts: &[&[u8]], seal: &[u8]) -> Result<(), SealError> {
     // `verify_slice` compares in constant time.
-    hmac_of(key, parts)
+    hmac_state(key, parts)
         .verify_slice(seal)
         .map_err(|_| SealError::Mismatch)
-}
-
-fn hmac_of(key: &[u8], parts: &[&[u8]]) -> hmac::Hmac<sha2::Sha256> {
-    let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(key)
-        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
-    for p in parts {
-        m.update(p);
-    }
-    m
 }
 
 /// Every field of `h` but the seal, each length-prefixed, so that no two handoffs share an

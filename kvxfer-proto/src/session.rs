@@ -148,14 +148,22 @@ impl Psk {
     }
 }
 
-fn hmac(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+/// `HMAC-SHA256(key, parts...)`: every key kvxfer derives from the shared secret (Noise
+/// PSKs, the handoff key, the etcd key) and every seal it makes over a handoff.
+pub fn hmac(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    use hmac::Mac;
+    hmac_state(key, parts).finalize().into_bytes().into()
+}
+
+/// The running `HMAC-SHA256(key, parts...)`, for a constant-time `verify_slice`.
+pub(crate) fn hmac_state(key: &[u8], parts: &[&[u8]]) -> hmac::Hmac<sha2::Sha256> {
     use hmac::Mac;
     let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(key)
         .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
     for p in parts {
         m.update(p);
     }
-    m.finalize().into_bytes().into()
+    m
 }
 
 fn builder_state(psk: &Psk, seed: [u8; SEED], initiator: bool) -> Result<snow::HandshakeState> {

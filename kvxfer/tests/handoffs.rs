@@ -302,6 +302,31 @@ fn a_peer_reads_and_writes_only_the_blocks_granted_to_it() {
             "{what}: {e:?}"
         );
     }
+    // The paged form (one entry per tensor, as the connector reads): another request's
+    // blocks, read and written.
+    for op in [XferOp::Read, XferOp::Write] {
+        let remote = pl.paged(&[5, 6], 1..2, 0..2).unwrap();
+        let local: Vec<kvxfer::paged::Paged> = remote
+            .iter()
+            .enumerate()
+            .map(|(i, r)| kvxfer::paged::Paged {
+                region: buf.id(),
+                offset: i as u64 * 2 * r.block_len,
+                block_len: r.block_len,
+                stride: r.block_len,
+                blocks: std::sync::Arc::from(&[0u32, 1][..]),
+            })
+            .collect();
+        let e = m
+            .transfer_paged(op, &to_p, &local, &remote, None, Some(T))
+            .and_then(|t| t.wait())
+            .unwrap_err();
+        println!("paged {op:?} of another request's blocks: {e}");
+        assert!(
+            e.to_string().contains("holds no grant"),
+            "paged {op:?}: {e:?}"
+        );
+    }
     // Nothing moved either way.
     let mut mine = vec![0u8; 1 << 17];
     buf.read(0, &mut mine).unwrap();

@@ -585,6 +585,9 @@ class KvxferConnector(KVConnectorBase_V1):
             return
         if not seal:
             raise ValueError("the handoff carries no kvxfer_seal (a secret is set: only sealed handoffs load)")
+        # A client's value: its type and size are checked before anything is decoded.
+        if not isinstance(seal, str) or len(seal) != 64:
+            raise ValueError("the handoff's kvxfer_seal is not 32 bytes of hex")
         try:
             kx.verify_bytes(self._secret, handoff, bytes.fromhex(seal))
         except (kx.KvxferError, ValueError, TypeError) as e:

@@ -46,6 +46,8 @@ def _edits(params, victim, listener):
     unsealed = dict(params)
     del unsealed["kvxfer_seal"]
     out["unsealed"] = unsealed
+    # A seal that is not a string of 64 hex digits.
+    out["seal-not-hex"] = dict(params, kvxfer_seal=12345)
     return out
 
 

@@ -13,6 +13,7 @@ use crate::layout::LayerBase;
 use crate::lifecycle::LeaseError;
 use crate::types::RegionId;
 use crate::wire::notify::{TAG_TO_CONSUMER, TAG_TO_PRODUCER};
+use crate::wire::{hex, unhex};
 
 /// Largest handoff accepted.
 pub const MAX_HANDOFF: usize = 16 << 20;
@@ -55,29 +56,6 @@ impl Grant {
             .fold(0u8, |acc, (a, b)| acc | (a ^ b))
             == 0
     }
-}
-
-/// Lowercase hex of `b`.
-fn hex(b: &[u8]) -> String {
-    const D: &[u8; 16] = b"0123456789abcdef";
-    b.iter()
-        .flat_map(|x| [D[usize::from(x >> 4)], D[usize::from(x & 15)]])
-        .map(char::from)
-        .collect()
-}
-
-/// Exactly `N` bytes from lowercase or uppercase hex.
-fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
-    let s = s.as_bytes();
-    if s.len() != 2 * N {
-        return None;
-    }
-    let nib = |c: u8| char::from(c).to_digit(16).map(|d| d as u8);
-    let mut out = [0u8; N];
-    for (o, pair) in out.iter_mut().zip(s.chunks_exact(2)) {
-        *o = (nib(pair[0])? << 4) | nib(pair[1])?;
-    }
-    Some(out)
 }
 
 /// Who moves the bytes.

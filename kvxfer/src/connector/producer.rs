@@ -3,7 +3,7 @@
 //! the [`Carrier`].
 #![forbid(unsafe_code)]
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -49,9 +49,8 @@ struct HeldRequest {
     blocks: Vec<u32>,
     pushes: Vec<PushTarget>,
     published: Instant,
-    /// The handoff's grant, and the readers its blocks are opened to (pull).
+    /// The handoff's grant: what its readers are opened under.
     grant: Grant,
-    opened: HashSet<String>,
 }
 
 struct ProducerState {
@@ -212,7 +211,6 @@ impl Producer {
                 pushes: Vec::new(),
                 published: Instant::now(),
                 grant,
-                opened: HashSet::new(),
             },
         );
         drop(st);
@@ -381,16 +379,12 @@ fn producer_msg(sh: &ProducerShared, n: Notification) {
     let mut freed = false;
     for a in actions {
         match a {
-            ProducerAction::Send { to, msg } => {
-                // A pull reader's lease (it presented the grant): open the blocks to it.
-                if let (ToConsumer::Lease { request, .. }, Mode::Pull) = (&msg, sh.cfg.mode) {
-                    if let Some(r) = st.requests.get_mut(request) {
-                        if r.opened.insert(to.clone()) {
-                            sh.carrier.grant(r.grant, &to, false, &sh.layout, &r.blocks);
-                        }
-                    }
+            ProducerAction::Send { to, msg } => out.push((to, msg.encode())),
+            ProducerAction::Open { reader, request } => {
+                if let Some(r) = st.requests.get(&request) {
+                    sh.carrier
+                        .grant(r.grant, &reader, false, &sh.layout, &r.blocks);
                 }
-                out.push((to, msg.encode()))
             }
             ProducerAction::StartPush {
                 reader,

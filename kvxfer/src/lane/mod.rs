@@ -51,13 +51,7 @@ pub(crate) fn start(setup: &LaneSetup, on: bool) -> Result<Vec<Box<dyn LaneKind>
 pub(crate) fn host_info() -> Option<HostInfo> {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
     let hex: String = boot.trim().chars().filter(|c| *c != '-').collect();
-    if hex.len() != 32 {
-        return None;
-    }
-    let mut boot_id = [0u8; 16];
-    for (i, b) in boot_id.iter_mut().enumerate() {
-        *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
+    let boot_id = kvxfer_proto::wire::unhex::<16>(&hex)?;
     let ns = std::fs::read_link("/proc/self/ns/pid").ok()?;
     let ns = ns.to_str()?;
     let pid_ns: u64 = ns.strip_prefix("pid:[")?.strip_suffix(']')?.parse().ok()?;

@@ -8,20 +8,15 @@
 
 use chacha20poly1305::aead::{Aead, KeyInit, Payload};
 use chacha20poly1305::{ChaCha20Poly1305, Key, Nonce};
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
-
 use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::session::hmac;
 
 /// The tag of a sealed value.
 pub(super) const SEALED: &[u8; 4] = b"KXSE";
 const NONCE: usize = 12;
 
 fn cipher(secret: &[u8]) -> Result<ChaCha20Poly1305> {
-    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(secret)
-        .map_err(|e| Error::InvalidArgument(format!("shared secret: {e}")))?;
-    m.update(b"kvxfer etcd metadata v1");
-    let k = m.finalize().into_bytes();
+    let k = hmac(secret, &[b"kvxfer etcd metadata v1"]);
     Ok(ChaCha20Poly1305::new(Key::from_slice(&k)))
 }
 

@@ -326,6 +326,7 @@ struct Access<'a> {
 fn resolve_segs(ctx: &LaneCtx, segs: &[Segment], who: &Access<'_>) -> Result<Resolved, String> {
     let regions = ctx.regions.read();
     let grants = ctx.grants.read().unwrap_or_else(|e| e.into_inner());
+    let grants = grants.access(who.peer, who.write);
     let mut pins = Pins::default();
     let mut pieces: Vec<(u64, u64)> = Vec::with_capacity(segs.len());
     let mut devs: Vec<Option<u32>> = Vec::new();
@@ -350,7 +351,7 @@ fn resolve_segs(ctx: &LaneCtx, segs: &[Segment], who: &Access<'_>) -> Result<Res
             }
         }
         grants
-            .check(who.peer, who.write, id, off, len)
+            .check(id, off, len)
             .map_err(|e| format!("segment #{k}: {e}"))?;
         if pins.add(r).is_err() {
             return Err(format!("segment #{k}: region {id} is being deregistered"));
@@ -369,10 +370,11 @@ fn resolve_segs(ctx: &LaneCtx, segs: &[Segment], who: &Access<'_>) -> Result<Res
 /// block against the grants of `who`; pins the regions.
 fn resolve_entries(ctx: &LaneCtx, entries: &[Paged], who: &Access<'_>) -> Result<Resolved, String> {
     let regions = ctx.regions.read();
-    let grants = ctx.grants.read().unwrap_or_else(|e| e.into_inner());
+    let table = ctx.grants.read().unwrap_or_else(|e| e.into_inner());
+    let grants = table.access(who.peer, who.write);
     for (k, e) in entries.iter().enumerate() {
         let id = e.region.0;
-        if !grants.is_restricted(id) {
+        if !table.is_restricted(id) {
             continue;
         }
         for &b in e.blocks.iter() {
@@ -381,7 +383,7 @@ fn resolve_entries(ctx: &LaneCtx, entries: &[Paged], who: &Access<'_>) -> Result
                 .and_then(|o| o.checked_add(e.offset))
                 .ok_or_else(|| format!("entry #{k}: block {b} lies past the address space"))?;
             grants
-                .check(who.peer, who.write, id, off, e.block_len)
+                .check(id, off, e.block_len)
                 .map_err(|why| format!("entry #{k}: {why}"))?;
         }
     }
