@@ -91,6 +91,7 @@ fn metadata(c: &mut Criterion) {
             lane: Some(LaneInfo {
                 addr: "198.18.0.1:4000".parse().unwrap(),
                 secret: [9; 16],
+                key: [7; 32],
             }),
             regions: (0..regions)
                 .map(|i| RegionMeta {
@@ -271,12 +272,16 @@ fn layout(c: &mut Criterion) {
 /// as `AgentConfig::lane_encryption` does per record on each end): one core's rate each way.
 fn sealing(c: &mut Criterion) {
     use kvxfer_proto::lane_seal::{record_size, seal_record_to};
-    use kvxfer_proto::session::{Initiator, Psk, Session, SEED};
+    use kvxfer_proto::session::{Initiator, Psk, Session, StaticKey, SEED};
     use kvxfer_proto::wire::lane::RECORD_PLAIN;
     let psk = Psk::lane(b"bench", b"lane");
+    let (ik, rk) = (
+        StaticKey::from_seed([3; SEED]),
+        StaticKey::from_seed([4; SEED]),
+    );
     let pair = || {
-        let (i, first) = Initiator::start(&psk, [1; SEED], "r").unwrap();
-        let (r, answer) = Session::respond(&psk, [2; SEED], &first, "i").unwrap();
+        let (i, first) = Initiator::start_keyed(&psk, &ik, &rk.public(), [1; SEED], "r").unwrap();
+        let (r, answer, _) = Session::respond_keyed(&psk, &rk, [2; SEED], &first, "i").unwrap();
         (i.finish(&answer).unwrap(), r)
     };
     let (mut s, _) = pair();

@@ -4,12 +4,13 @@
 //! as the record that follows a real handshake: never opens (a forgery).
 #![no_main]
 use kvxfer_proto::lane_seal::{record_len, LaneOpening, Opened, MAX_RECORD};
-use kvxfer_proto::session::{Initiator, Psk, Session};
+use kvxfer_proto::session::{Initiator, Psk, Session, StaticKey};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let psk = Psk::lane(b"k", b"lane");
-    let mut o = LaneOpening::new(psk.clone(), [7; 32], "fuzz");
+    let (target_key, my_key) = (StaticKey::from_seed([3; 32]), StaticKey::from_seed([4; 32]));
+    let mut o = LaneOpening::new(psk.clone(), target_key.clone(), [7; 32], "fuzz");
     let mut rest = data;
     while o.want() > 0 && rest.len() >= o.want() {
         let (now, later) = rest.split_at(o.want());
@@ -25,8 +26,10 @@ fuzz_target!(|data: &[u8]| {
         prefix.copy_from_slice(&data[..4]);
         let _ = record_len(&prefix, MAX_RECORD, || "fuzz".into());
     }
-    if let Ok((init, first)) = Initiator::start(&psk, [1; 32], "fuzz") {
-        if let Ok((mut target, answer)) = Session::respond(&psk, [2; 32], &first, "fuzz") {
+    let started = Initiator::start_keyed(&psk, &my_key, &target_key.public(), [1; 32], "fuzz");
+    if let Ok((init, first)) = started {
+        let answered = Session::respond_keyed(&psk, &target_key, [2; 32], &first, "fuzz");
+        if let Ok((mut target, answer, _)) = answered {
             let mut out = vec![0u8; data.len()];
             assert!(target.open_to(data, &mut out).is_err());
             if let Ok(mut initiator) = init.finish(&answer) {

@@ -1,12 +1,14 @@
 //! The opening of a sealed TCP lane on its target, as a pure state machine: the initiator's
-//! `"KVXN" | Noise handshake` (PSK: [`Psk::lane`]), the answer, then the first sealed record
+//! `"KVXN" | Noise IK handshake` (PSK: [`Psk::lane`]), the answer, then the first sealed record
 //! (`mode u8 | hello`), whose hello goes on to [`crate::lane::LaneTarget`]. Nothing of the
-//! hello is read before the handshake proved that the initiator holds both the deployment's
-//! secret and this target's lane credential. Every record after it is `len u32 | sealed`
-//! ([`seal_record`], [`record_len`]).
+//! hello is read before the handshake proved that the initiator holds the deployment's
+//! secret, this target's lane credential and the private half of the static key it names
+//! ([`Opened::Hello::key`]: the shell accepts the hello's name only if that peer's metadata
+//! carried this key). Every record after it is `len u32 | sealed` ([`seal_record`],
+//! [`record_len`]).
 
 use crate::error::{Error, Result};
-use crate::session::{sealed_len, Psk, Session, HANDSHAKE_LEN, SEED};
+use crate::session::{sealed_len, Psk, Session, StaticKey, KEYED_FIRST_LEN, PUBLIC_KEY_LEN, SEED};
 use crate::wire::lane::{
     hello_rest_len, HELLO_FIXED_LEN, MODE_CLEAR_DATA, MODE_SEALED_DATA, RECORD_LEN_BYTES,
     RECORD_PLAIN, SEALED_MAGIC,
@@ -14,7 +16,7 @@ use crate::wire::lane::{
 use crate::wire::metadata::MAX_NAME;
 
 /// Bytes the initiator opens with: the magic and its handshake message.
-pub const OPENING_LEN: usize = SEALED_MAGIC.len() + HANDSHAKE_LEN;
+pub const OPENING_LEN: usize = SEALED_MAGIC.len() + KEYED_FIRST_LEN;
 /// Most sealed bytes of one record.
 pub const MAX_RECORD: usize = sealed_len(RECORD_PLAIN);
 /// Most sealed bytes of the first record (a mode byte and the longest hello).
@@ -85,6 +87,9 @@ pub enum Opened {
         hello: Vec<u8>,
         /// Whether the initiator seals the data too.
         sealed_data: bool,
+        /// The static public key the initiator proved it holds: the hello's name is its
+        /// only if that peer's metadata carried this key.
+        key: [u8; PUBLIC_KEY_LEN],
     },
     /// Refused (nothing to answer: the initiator did not prove the keys); why, for the log.
     Refused(String),
@@ -93,6 +98,8 @@ pub enum Opened {
 /// A sealed lane's opening on its target.
 pub struct LaneOpening {
     psk: Psk,
+    key: StaticKey,
+    remote: Option<[u8; PUBLIC_KEY_LEN]>,
     seed: Option<[u8; SEED]>,
     who: String,
     state: State,
@@ -110,11 +117,14 @@ impl std::fmt::Debug for LaneOpening {
 }
 
 impl LaneOpening {
-    /// An opening whose initiator must prove `psk`; `seed` is fresh randomness (this side's
-    /// ephemeral key); `who` names the connection in errors.
-    pub fn new(psk: Psk, seed: [u8; SEED], who: &str) -> LaneOpening {
+    /// An opening whose initiator must prove `psk`, answered as `key` (this target's static
+    /// key); `seed` is fresh randomness (this side's ephemeral key); `who` names the
+    /// connection in errors.
+    pub fn new(psk: Psk, key: StaticKey, seed: [u8; SEED], who: &str) -> LaneOpening {
         LaneOpening {
             psk,
+            key,
+            remote: None,
             seed: Some(seed),
             who: who.to_string(),
             state: State::Handshake,
@@ -151,9 +161,11 @@ impl LaneOpening {
                 let Some(seed) = self.seed.take() else {
                     return Opened::Refused("a second handshake".into());
                 };
-                match Session::respond(&self.psk, seed, &b[SEALED_MAGIC.len()..], &self.who) {
-                    Ok((s, answer)) => {
+                let first = &b[SEALED_MAGIC.len()..];
+                match Session::respond_keyed(&self.psk, &self.key, seed, first, &self.who) {
+                    Ok((s, answer, remote)) => {
                         self.session = Some(s);
+                        self.remote = Some(remote);
                         self.out.extend_from_slice(&answer);
                         self.state = State::RecordLen;
                         Opened::More
@@ -186,10 +198,14 @@ impl LaneOpening {
                     Some(&MODE_SEALED_DATA) => true,
                     other => return Opened::Refused(format!("an unknown data mode {other:?}")),
                 };
+                let Some(key) = self.remote else {
+                    return Opened::Refused("a record before the handshake (a bug)".into());
+                };
                 self.state = State::Done;
                 Opened::Hello {
                     hello: plain[1..].to_vec(),
                     sealed_data,
+                    key,
                 }
             }
             State::Record(_) => Opened::Refused("a short record".into()),
@@ -224,8 +240,20 @@ mod tests {
     use crate::session::Initiator;
     use crate::wire::lane::Hello;
 
+    /// The target's static key.
+    fn target() -> StaticKey {
+        StaticKey::from_seed([3; SEED])
+    }
+
+    /// The initiator's static key.
+    fn me() -> StaticKey {
+        StaticKey::from_seed([4; SEED])
+    }
+
     fn opening(secret: &[u8], lane: &[u8]) -> (Initiator, Vec<u8>) {
-        let (i, first) = Initiator::start(&Psk::lane(secret, lane), [7; SEED], "t").unwrap();
+        let psk = Psk::lane(secret, lane);
+        let (i, first) =
+            Initiator::start_keyed(&psk, &me(), &target().public(), [7; SEED], "t").unwrap();
         let mut b = SEALED_MAGIC.to_vec();
         b.extend_from_slice(&first);
         (i, b)
@@ -249,7 +277,7 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore = "X25519 takes minutes under Miri")]
     fn an_initiator_with_both_keys_opens_and_its_hello_comes_out_sealed() {
-        let mut o = LaneOpening::new(Psk::lane(b"s", b"lane-1"), [8; SEED], "i");
+        let mut o = LaneOpening::new(Psk::lane(b"s", b"lane-1"), target(), [8; SEED], "i");
         let (i, first) = opening(b"s", b"lane-1");
         assert_eq!(o.want(), OPENING_LEN);
         assert_eq!(o.on_bytes(&first), Opened::More);
@@ -262,8 +290,13 @@ mod tests {
         assert_eq!(o.on_bytes(&rec[..4]), Opened::More);
         assert_eq!(o.want(), rec.len() - 4);
         match o.on_bytes(&rec[4..]) {
-            Opened::Hello { hello, sealed_data } => {
+            Opened::Hello {
+                hello,
+                sealed_data,
+                key,
+            } => {
                 assert!(sealed_data);
+                assert_eq!(key, me().public(), "the initiator's proven key comes out");
                 assert_eq!(&hello[..4], b"KVXT");
             }
             other => panic!("{other:?}"),
@@ -279,20 +312,34 @@ mod tests {
     #[cfg_attr(miri, ignore = "X25519 takes minutes under Miri")]
     fn a_wrong_secret_lane_credential_or_plain_hello_is_refused_before_any_hello() {
         for (secret, lane) in [(&b"x"[..], &b"lane-1"[..]), (b"s", b"lane-2")] {
-            let mut o = LaneOpening::new(Psk::lane(b"s", b"lane-1"), [8; SEED], "i");
+            let mut o = LaneOpening::new(Psk::lane(b"s", b"lane-1"), target(), [8; SEED], "i");
             let (_, first) = opening(secret, lane);
             assert!(matches!(o.on_bytes(&first), Opened::Refused(_)));
             assert!(o.take_output().is_empty(), "nothing answers a failed proof");
             assert_eq!(o.want(), 0);
         }
+        // An initiator that takes another key for the target's.
+        let mut o = LaneOpening::new(Psk::lane(b"s", b"lane-1"), target(), [8; SEED], "i");
+        let (_, first) = Initiator::start_keyed(
+            &Psk::lane(b"s", b"lane-1"),
+            &me(),
+            &me().public(),
+            [7; SEED],
+            "t",
+        )
+        .unwrap();
+        let mut b = SEALED_MAGIC.to_vec();
+        b.extend_from_slice(&first);
+        assert!(matches!(o.on_bytes(&b), Opened::Refused(_)));
         // A side-channel handshake under the same secret is not a lane's.
-        let mut o = LaneOpening::new(Psk::lane(b"s", b"lane-1"), [8; SEED], "i");
+        let mut o = LaneOpening::new(Psk::lane(b"s", b"lane-1"), target(), [8; SEED], "i");
         let (_, hs) = Initiator::start(&Psk::side_channel(b"s"), [7; SEED], "t").unwrap();
         let mut b = SEALED_MAGIC.to_vec();
         b.extend_from_slice(&hs);
+        b.resize(OPENING_LEN, 0);
         assert!(matches!(o.on_bytes(&b), Opened::Refused(_)));
         // The plain hello of an initiator without a secret.
-        let mut o = LaneOpening::new(Psk::lane(b"s", b"lane-1"), [8; SEED], "i");
+        let mut o = LaneOpening::new(Psk::lane(b"s", b"lane-1"), target(), [8; SEED], "i");
         let mut plain = Hello {
             name: "init",
             secret: [9; 16],
@@ -307,7 +354,7 @@ mod tests {
     #[cfg_attr(miri, ignore = "X25519 takes minutes under Miri")]
     fn a_changed_oversized_or_unknown_mode_first_record_is_refused() {
         let run = |edit: &dyn Fn(&mut Vec<u8>), mode: u8| {
-            let mut o = LaneOpening::new(Psk::lane(b"s", b"l"), [8; SEED], "i");
+            let mut o = LaneOpening::new(Psk::lane(b"s", b"l"), target(), [8; SEED], "i");
             let (i, first) = opening(b"s", b"l");
             o.on_bytes(&first);
             let mut s = i.finish(&o.take_output()).unwrap();
@@ -338,7 +385,7 @@ mod tests {
         #[cfg_attr(miri, ignore = "X25519 takes minutes under Miri")]
         fn an_opening_never_panics(chunks in proptest::collection::vec(
             proptest::collection::vec(proptest::prelude::any::<u8>(), 0..80), 0..4)) {
-            let mut o = LaneOpening::new(Psk::lane(b"s", b"l"), [8; SEED], "i");
+            let mut o = LaneOpening::new(Psk::lane(b"s", b"l"), target(), [8; SEED], "i");
             for c in chunks {
                 let _ = o.on_bytes(&c);
             }

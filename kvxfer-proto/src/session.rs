@@ -23,24 +23,32 @@ use crate::error::{Error, Result};
 
 /// The side channel's Noise protocol name.
 pub const NOISE_PARAMS: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
-/// The TCP lane's Noise protocol name: AES-256-GCM, which ring runs at several GB/s a core
-/// where the CPU has AES instructions (every x86-64 server and ARMv8 server core), for the
-/// bulk data `AgentConfig::lane_encryption` seals.
-pub const LANE_NOISE_PARAMS: &str = "Noise_NNpsk0_25519_AESGCM_BLAKE2s";
+/// The TCP lane's Noise protocol name. IK: the initiator knows the target's static key (from
+/// the metadata an authenticated channel delivered) and proves its own, which the target
+/// finds under the name the hello gives; psk1: the first message fails without the secret.
+/// AES-256-GCM, which ring runs at several GB/s a core where the CPU has AES instructions
+/// (every x86-64 server and ARMv8 server core), for the bulk data
+/// `AgentConfig::lane_encryption` seals.
+pub const LANE_NOISE_PARAMS: &str = "Noise_IKpsk1_25519_AESGCM_BLAKE2s";
 /// What the side channel's PSK is derived under (`HMAC-SHA256(secret, PSK_LABEL)`).
 pub const PSK_LABEL: &[u8] = b"kvxfer side channel psk v3";
 /// Bound into the handshake hash: a handshake of another protocol or version never matches.
 pub const PROLOGUE: &[u8] = b"kvxfer side channel v3";
 /// What a TCP lane's PSK is derived under (`HMAC-SHA256(secret, LANE_PSK_LABEL | lane
 /// secret)`): the deployment's secret and the target incarnation's lane credential both.
-pub const LANE_PSK_LABEL: &[u8] = b"kvxfer tcp lane psk v3";
+pub const LANE_PSK_LABEL: &[u8] = b"kvxfer tcp lane psk v4";
 /// The TCP lane's prologue: a side-channel handshake never completes on a lane, nor the
 /// reverse.
-pub const LANE_PROLOGUE: &[u8] = b"kvxfer tcp lane v3";
+pub const LANE_PROLOGUE: &[u8] = b"kvxfer tcp lane v4";
 /// Bytes of randomness one handshake consumes (its ephemeral X25519 key).
 pub const SEED: usize = 32;
 /// Bytes of the first and of the second handshake message (an ephemeral key and a tag).
 pub const HANDSHAKE_LEN: usize = 32 + TAG;
+/// Bytes of an IK handshake's first message: the ephemeral key, the initiator's static key
+/// sealed, and a tag.
+pub const KEYED_FIRST_LEN: usize = 32 + 32 + TAG + TAG;
+/// Bytes of an X25519 public key.
+pub const PUBLIC_KEY_LEN: usize = 32;
 /// Bytes of a ChaCha20-Poly1305 tag.
 pub const TAG: usize = 16;
 /// Largest ciphertext of one chunk (Noise's message limit).
@@ -110,6 +118,45 @@ impl snow::resolvers::CryptoResolver for SeededResolver {
     }
 }
 
+/// An agent's static X25519 key for its TCP lane: the public half travels in its metadata
+/// ([`crate::types::LaneInfo::key`]); a lane handshake proves the private half, so a lane
+/// session's name is the one whose metadata carried that key, not a claim.
+#[derive(Clone)]
+pub struct StaticKey {
+    private: [u8; SEED],
+    public: [u8; PUBLIC_KEY_LEN],
+}
+
+impl std::fmt::Debug for StaticKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StaticKey")
+            .field("public", &crate::wire::hex(&self.public))
+            .finish_non_exhaustive()
+    }
+}
+
+impl StaticKey {
+    /// The key whose private half is `seed` (fresh randomness, the caller's).
+    pub fn from_seed(seed: [u8; SEED]) -> StaticKey {
+        use snow::resolvers::CryptoResolver;
+        let mut dh = snow::resolvers::DefaultResolver
+            .resolve_dh(&snow::params::DHChoice::Curve25519)
+            .unwrap_or_else(|| unreachable!("snow always has X25519"));
+        dh.set(&seed);
+        let mut public = [0u8; PUBLIC_KEY_LEN];
+        public.copy_from_slice(dh.pubkey());
+        StaticKey {
+            private: seed,
+            public,
+        }
+    }
+
+    /// The public half.
+    pub fn public(&self) -> [u8; PUBLIC_KEY_LEN] {
+        self.public
+    }
+}
+
 /// What a handshake is for: its pre-shared key and its prologue. A handshake made for one
 /// purpose (or another secret, or another lane credential) never completes as another.
 #[derive(Clone)]
@@ -117,6 +164,8 @@ pub struct Psk {
     key: [u8; 32],
     prologue: &'static [u8],
     params: &'static str,
+    /// Bytes of its first message.
+    first_len: usize,
 }
 
 impl std::fmt::Debug for Psk {
@@ -134,17 +183,25 @@ impl Psk {
             key: hmac(secret, &[PSK_LABEL]),
             prologue: PROLOGUE,
             params: NOISE_PARAMS,
+            first_len: HANDSHAKE_LEN,
         }
     }
 
     /// A TCP lane's towards the target whose lane credential is `lane_secret`:
-    /// `HMAC-SHA256(secret, LANE_PSK_LABEL | lane_secret)`.
+    /// `HMAC-SHA256(secret, LANE_PSK_LABEL | lane_secret)`. Its handshakes take static keys
+    /// ([`Initiator::start_keyed`], [`Session::respond_keyed`]).
     pub fn lane(secret: &[u8], lane_secret: &[u8]) -> Psk {
         Psk {
             key: hmac(secret, &[LANE_PSK_LABEL, lane_secret]),
             prologue: LANE_PROLOGUE,
             params: LANE_NOISE_PARAMS,
+            first_len: KEYED_FIRST_LEN,
         }
+    }
+
+    /// Bytes of its handshake's first message.
+    pub fn first_len(&self) -> usize {
+        self.first_len
     }
 }
 
@@ -166,7 +223,20 @@ pub(crate) fn hmac_state(key: &[u8], parts: &[&[u8]]) -> hmac::Hmac<sha2::Sha256
     m
 }
 
-fn builder_state(psk: &Psk, seed: [u8; SEED], initiator: bool) -> Result<snow::HandshakeState> {
+/// The static keys of a handshake: none (NN), this side's, and the responder's public key
+/// where this side initiates an IK handshake.
+#[derive(Clone, Copy, Default)]
+struct Statics<'a> {
+    local: Option<&'a StaticKey>,
+    remote: Option<&'a [u8; PUBLIC_KEY_LEN]>,
+}
+
+fn builder_state(
+    psk: &Psk,
+    seed: [u8; SEED],
+    initiator: bool,
+    statics: Statics<'_>,
+) -> Result<snow::HandshakeState> {
     let params: snow::params::NoiseParams = psk
         .params
         .parse()
@@ -174,10 +244,17 @@ fn builder_state(psk: &Psk, seed: [u8; SEED], initiator: bool) -> Result<snow::H
     let resolver = SeededResolver {
         seed: std::cell::Cell::new(Some(seed)),
     };
-    let b = snow::Builder::with_resolver(params, Box::new(resolver))
+    let psk_at = if statics.local.is_some() { 1 } else { 0 };
+    let mut b = snow::Builder::with_resolver(params, Box::new(resolver))
         .prologue(psk.prologue)
-        .and_then(|b| b.psk(0, &psk.key));
-    let b = b.map_err(|e| internal(&e))?;
+        .and_then(|b| b.psk(psk_at, &psk.key))
+        .map_err(|e| internal(&e))?;
+    if let Some(k) = statics.local {
+        b = b.local_private_key(&k.private).map_err(|e| internal(&e))?;
+    }
+    if let Some(r) = statics.remote {
+        b = b.remote_public_key(r).map_err(|e| internal(&e))?;
+    }
     if initiator {
         b.build_initiator()
     } else {
@@ -212,8 +289,33 @@ impl std::fmt::Debug for Initiator {
 impl Initiator {
     /// Starts a handshake with `who` (named in errors): the state and the first message.
     pub fn start(psk: &Psk, seed: [u8; SEED], who: &str) -> Result<(Initiator, Vec<u8>)> {
-        let mut state = builder_state(psk, seed, true)?;
-        let mut msg = vec![0u8; HANDSHAKE_LEN];
+        Initiator::start_with(psk, seed, who, Statics::default())
+    }
+
+    /// Starts an IK handshake (a lane's) as `local`, with the responder whose static public
+    /// key is `remote`.
+    pub fn start_keyed(
+        psk: &Psk,
+        local: &StaticKey,
+        remote: &[u8; PUBLIC_KEY_LEN],
+        seed: [u8; SEED],
+        who: &str,
+    ) -> Result<(Initiator, Vec<u8>)> {
+        let statics = Statics {
+            local: Some(local),
+            remote: Some(remote),
+        };
+        Initiator::start_with(psk, seed, who, statics)
+    }
+
+    fn start_with(
+        psk: &Psk,
+        seed: [u8; SEED],
+        who: &str,
+        statics: Statics<'_>,
+    ) -> Result<(Initiator, Vec<u8>)> {
+        let mut state = builder_state(psk, seed, true, statics)?;
+        let mut msg = vec![0u8; psk.first_len];
         let n = state
             .write_message(&[], &mut msg)
             .map_err(|e| internal(&e))?;
@@ -274,23 +376,59 @@ impl Session {
         first: &[u8],
         who: &str,
     ) -> Result<(Session, Vec<u8>)> {
-        if first.len() != HANDSHAKE_LEN {
+        let (s, answer, _) = Session::respond_with(psk, seed, first, who, None)?;
+        Ok((s, answer))
+    }
+
+    /// The responder's side of an IK handshake (a lane's) as `local`: also the static public
+    /// key the initiator proved it holds.
+    pub fn respond_keyed(
+        psk: &Psk,
+        local: &StaticKey,
+        seed: [u8; SEED],
+        first: &[u8],
+        who: &str,
+    ) -> Result<(Session, Vec<u8>, [u8; PUBLIC_KEY_LEN])> {
+        let (s, answer, remote) = Session::respond_with(psk, seed, first, who, Some(local))?;
+        let remote = remote.ok_or_else(|| auth(who, "no static key in the handshake"))?;
+        Ok((s, answer, remote))
+    }
+
+    fn respond_with(
+        psk: &Psk,
+        seed: [u8; SEED],
+        first: &[u8],
+        who: &str,
+        local: Option<&StaticKey>,
+    ) -> Result<(Session, Vec<u8>, Option<[u8; PUBLIC_KEY_LEN]>)> {
+        if first.len() != psk.first_len {
             return Err(auth(
                 who,
-                format!("a handshake of {} bytes, not {HANDSHAKE_LEN}", first.len()),
+                format!(
+                    "a handshake of {} bytes, not {}",
+                    first.len(),
+                    psk.first_len
+                ),
             ));
         }
-        let mut state = builder_state(psk, seed, false)?;
-        let mut payload = [0u8; HANDSHAKE_LEN];
+        let statics = Statics {
+            local,
+            remote: None,
+        };
+        let mut state = builder_state(psk, seed, false, statics)?;
+        let mut payload = [0u8; KEYED_FIRST_LEN];
         state
             .read_message(first, &mut payload)
             .map_err(|_| auth(who, "the peer did not prove the shared secret"))?;
+        let remote = state
+            .get_remote_static()
+            .and_then(|r| <[u8; PUBLIC_KEY_LEN]>::try_from(r).ok());
         let mut answer = vec![0u8; HANDSHAKE_LEN];
         let n = state
             .write_message(&[], &mut answer)
             .map_err(|e| internal(&e))?;
         answer.truncate(n);
-        Ok((Session::from_state(state, who)?, answer))
+        Ok((Session::from_state(state, who)?, answer, remote))
     }
 
     fn from_state(state: snow::HandshakeState, who: &str) -> Result<Session> {

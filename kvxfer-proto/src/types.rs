@@ -64,6 +64,9 @@ pub struct LaneInfo {
     pub addr: std::net::SocketAddr,
     /// Capability a peer presents in its hello (like an rkey: who has the metadata may write).
     pub secret: [u8; 16],
+    /// The agent's static X25519 public key: with a shared secret, a lane handshake proves
+    /// its private half, so a lane session names this agent only if it holds it.
+    pub key: [u8; 32],
 }
 
 /// Direction of a transfer, seen from the initiator.

@@ -349,3 +349,76 @@ fn a_peer_reads_and_writes_only_the_blocks_granted_to_it() {
     // The other request is still served to a reader with its handoff.
     assert_eq!(producer.held(), 1);
 }
+
+/// Lane identity among holders of the secret (issue 33, part 2): a process that holds the
+/// secret and calls itself the reader (an agent configured with the reader's name, given the
+/// producer's metadata) reads none of the blocks granted to that reader, and one that calls
+/// itself the producer sends the consumer nothing. Each lane handshake proves the initiator's
+/// static key; the target takes the hello's name only with the key that name's metadata
+/// carried. The reader's grant stays whole: the request is still held for its second reader.
+#[test]
+fn a_peer_with_the_secret_cannot_act_under_another_agents_name() {
+    use kvxfer::{Desc, HostBuffer, XferOp};
+    let p = agent("ident-p");
+    let (pr, pl) = kv_layout(&p, 0x5a);
+    let paddr = p.listen("127.0.0.1:0").unwrap();
+    let two = ConnectorConfig {
+        readers: 2,
+        ..ConnectorConfig::default()
+    };
+    let producer = Producer::new(p.clone(), pl.clone(), two, Some(paddr)).unwrap();
+    let c = agent("ident-c");
+    let (cr, cl) = kv_layout(&c, 0);
+    let consumer = Consumer::new(c.clone(), cl.clone(), ConnectorConfig::default()).unwrap();
+    let h = producer.publish("req", &[3, 4], 32, 2).unwrap();
+    consumer.start_load(&h, &[1, 2]).unwrap();
+    consumer.wait("req", T).unwrap();
+    assert!(blocks_are(&cr, &cl, &[1, 2], 0x5a));
+    assert_eq!(producer.held(), 1, "held for its second reader");
+
+    // The impostor reader: the reader's name, its own key.
+    let m = agent("ident-c");
+    assert_eq!(m.name(), c.name());
+    let buf = m.register(HostBuffer::new(1 << 16).unwrap()).unwrap();
+    buf.write(0, &vec![0x11; 1 << 16]).unwrap();
+    let to_p = m.load_remote_metadata(&p.metadata().unwrap()).unwrap();
+    let granted = pl.descs(&[3], 1..2, 0..2).unwrap()[0];
+    let l = m
+        .prep_local(&[Desc::new(buf.id(), 0, granted.len)])
+        .unwrap();
+    let r = m.prep_remote(&to_p, &[granted]).unwrap();
+    let e = m
+        .transfer_all(XferOp::Read, &l, &r, None, Some(Duration::from_secs(10)))
+        .and_then(|t| t.wait())
+        .unwrap_err();
+    println!("the impostor reader's read: {e}");
+    assert!(
+        matches!(e, Error::LaneFailed { .. }) && e.to_string().contains("another agent's key"),
+        "the impostor read a block granted to the reader it named: {e:?}"
+    );
+    let mut mine = vec![0u8; 1 << 16];
+    buf.read(0, &mut mine).unwrap();
+    assert!(
+        mine.iter().all(|&x| x == 0x11),
+        "bytes reached the impostor"
+    );
+
+    // The impostor producer: a notification under the producer's name.
+    let mp = agent("ident-p");
+    let to_c = mp.load_remote_metadata(&c.metadata().unwrap()).unwrap();
+    let sent = mp.notify(&to_c, b"forged").and_then(|t| t.wait());
+    println!("the impostor producer's notification: {sent:?}");
+    assert!(
+        sent.is_err(),
+        "the consumer took a lane under the producer's name"
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !c.notifications().iter().any(|n| n.payload == b"forged"),
+        "a notification under the producer's name was delivered"
+    );
+    // The request, its reader's grant and both caches are as they were.
+    assert_eq!(producer.held(), 1);
+    assert!(blocks_are(&pr, &pl, &[3, 4], 0x5a));
+    assert!(blocks_are(&cr, &cl, &[1, 2], 0x5a));
+}

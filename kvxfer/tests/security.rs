@@ -262,6 +262,8 @@ fn lane_via_relay(
     let (via, seen) = relay(lane.addr, flip.map(|f| f(&a)));
     lane.addr = via;
     let peer = a.load_remote_metadata(&meta.encode()).unwrap();
+    // A sealed lane serves only peers its target loaded (their keys prove their names).
+    b.load_remote_metadata(&a.metadata().unwrap()).unwrap();
     (a, b, ra, rb, peer, seen)
 }
 
@@ -392,6 +394,7 @@ fn a_lane_credential_without_the_secret_reads_nothing() {
     let c = Agent::new(c).unwrap();
     let rc = c.register(HostBuffer::new(1 << 16).unwrap()).unwrap();
     let peer = c.load_remote_metadata(&b.metadata().unwrap()).unwrap();
+    b.load_remote_metadata(&c.metadata().unwrap()).unwrap();
     let l = c.prep_local(&[Desc::new(rc.id(), 0, 1 << 16)]).unwrap();
     let r = c
         .prep_remote(&peer, &[Desc::new(rb.id(), 0, 1 << 16)])

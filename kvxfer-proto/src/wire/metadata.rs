@@ -1,20 +1,21 @@
 //! Agent metadata: what a peer needs to reach this agent's memory, and its wire encoding.
 //!
-//! Layout (little endian), version 2:
+//! Layout (little endian), version 3:
 //!
 //! ```text
 //! magic "KVXM" | version u16 | flags u16 | compat u64 | total_len u32
 //! name_len u16 | name (UTF-8)
 //! addr_len u32 | UCX worker address
 //! [flags & 1: host]  boot_id [16] | pid_ns u64 | pid u32
-//! [flags & 2: lane]  family u8 (4|6) | ip [4|16] | port u16 | secret [16]
+//! [flags & 2: lane]  family u8 (4|6) | ip [4|16] | port u16 | secret [16] | key [32]
 //! region_count u32 | { id u32 | kind u8 | device u32 | base u64 | len u64 | rkey_len u16 | rkey
 //!                      | shm u8 (0|1) | [shm: fd u32 | dev u64 | ino u64] }*
 //! ```
 //!
 //! `host` lets a peer on the same host (same boot and pid namespace) map regions that carry an
 //! `shm` handle (memfd-backed buffers) and copy with plain loads and stores; `lane` is the
-//! address of the agent's TCP stream lane and the secret a peer must present to use it.
+//! address of the agent's TCP stream lane, the secret a peer must present to use it, and the
+//! static public key the lane's sealed handshake proves (the agent's lane identity).
 //!
 //! The decoder is strict and bounded: it checks magic, version and the compatibility hash before
 //! it reads anything else, every length against a limit and the bytes left, region ids for
@@ -26,7 +27,7 @@ pub use crate::types::{HostInfo, LaneInfo, ShmHandle};
 use crate::types::{MemKind, RegionId, RegionSpan};
 
 /// Wire version this build speaks.
-pub const WIRE_VERSION: u16 = 2;
+pub const WIRE_VERSION: u16 = 3;
 /// Compatibility hash used when no KV layout is given: the wire version alone.
 pub const DEFAULT_COMPAT: u64 = 0x6b76_7866_0000_0000 | WIRE_VERSION as u64;
 const MAGIC: [u8; 4] = *b"KVXM";
@@ -52,8 +53,8 @@ const COUNT_BYTES: usize = 4;
 const REGION_FIXED_LEN: usize = 4 + 1 + 4 + 8 + 8 + 2 + 1;
 /// A region's shm handle: fd, dev, ino.
 const SHM_LEN: usize = 4 + 8 + 8;
-/// A lane address: family, port, secret, plus the IP's 4 or 16 bytes.
-const LANE_FIXED_LEN: usize = 1 + 2 + 16;
+/// A lane address: family, port, secret, key, plus the IP's 4 or 16 bytes.
+const LANE_FIXED_LEN: usize = 1 + 2 + 16 + 32;
 
 /// One registered region as a peer sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -265,6 +266,7 @@ impl Metadata {
             }
             b.extend_from_slice(&l.addr.port().to_le_bytes());
             b.extend_from_slice(&l.secret);
+            b.extend_from_slice(&l.key);
         }
         b.extend_from_slice(&(self.regions.len() as u32).to_le_bytes());
         for r in &self.regions {
@@ -395,6 +397,7 @@ impl Metadata {
             Some(LaneInfo {
                 addr: std::net::SocketAddr::new(ip, port),
                 secret: r.array()?,
+                key: r.array()?,
             })
         } else {
             None
@@ -515,6 +518,7 @@ mod tests {
             lane: Some(LaneInfo {
                 addr: "198.18.0.1:40000".parse().unwrap(),
                 secret: [0xab; 16],
+                key: [0xcd; 32],
             }),
             regions: vec![
                 RegionMeta {
@@ -583,6 +587,7 @@ mod tests {
         m.lane = Some(LaneInfo {
             addr: "[::1]:9".parse().unwrap(),
             secret: [1; 16],
+            key: [2; 32],
         });
         assert_eq!(Metadata::decode(&m.encode(), m.compat).unwrap(), m);
     }

@@ -82,13 +82,15 @@ pub struct AgentConfig {
     /// A shared secret: every peer must hold it. It keys a Noise handshake
     /// (`Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s`) on the side channel, whose metadata both ways
     /// and any refusal are encrypted and authenticated under the session it makes, and one on
-    /// every TCP lane connection (with the target's lane credential), whose control messages
-    /// are then sealed the same way. A connector's producer seals its handoffs under it, and
-    /// its consumer loads only sealed ones. `None`: open, for a trusted network only.
+    /// every TCP lane connection (`Noise_IKpsk1`, with the target's lane credential and each
+    /// side's static key: a lane serves only peers this agent loaded, under the name whose
+    /// metadata carried the key the initiator proved), whose control messages are then sealed
+    /// the same way. A connector's producer seals its handoffs under it, and its consumer
+    /// loads only sealed ones. `None`: open, for a trusted network only.
     /// `SECURITY.md` says what it does not protect yet.
     pub secret: Option<Vec<u8>>,
     /// With a [`AgentConfig::secret`]: the blocks' bytes on the TCP lane travel sealed too
-    /// (ChaCha20-Poly1305 under the connection's session, records of 1 MiB, after any
+    /// (AES-256-GCM under the connection's session, records of 1 MiB, after any
     /// compression), both the data this agent sends and the data it asks for. As a target it
     /// then refuses initiators that would send or take data in the clear. Off (the default):
     /// the data travels as it is, inside a trusted network; control is sealed either way.

@@ -392,7 +392,7 @@ pub(super) fn skip_paged(c: &Conn, n: usize, ctl: &mut Ctl<'_>) -> Result<u64, S
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvxfer_proto::session::{Initiator, Psk, SEED};
+    use kvxfer_proto::session::{Initiator, Psk, StaticKey, SEED};
 
     /// Two connected sockets with one session's ends.
     fn pair(sealed_data: bool) -> (Conn, Conn) {
@@ -402,8 +402,12 @@ mod tests {
         stream::set_timeouts(&a).unwrap();
         stream::set_timeouts(&b).unwrap();
         let psk = Psk::lane(b"s", b"l");
-        let (i, first) = Initiator::start(&psk, [1; SEED], "b").unwrap();
-        let (rs, answer) = Session::respond(&psk, [2; SEED], &first, "a").unwrap();
+        let (ik, rk) = (
+            StaticKey::from_seed([3; SEED]),
+            StaticKey::from_seed([4; SEED]),
+        );
+        let (i, first) = Initiator::start_keyed(&psk, &ik, &rk.public(), [1; SEED], "b").unwrap();
+        let (rs, answer, _) = Session::respond_keyed(&psk, &rk, [2; SEED], &first, "a").unwrap();
         let is = i.finish(&answer).unwrap();
         (
             Conn::sealed(a, is, sealed_data, MemoryBudget::unlimited()),

@@ -16,7 +16,7 @@ use super::stream::{recv_buf, send_buf, set_timeouts, Ctl, Stop};
 use crate::budget::MemoryBudget;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::lane::{LaneInitiator, Refusal};
-use kvxfer_proto::session::{Initiator, Psk, HANDSHAKE_LEN, SEED};
+use kvxfer_proto::session::{Initiator, Psk, StaticKey, HANDSHAKE_LEN, SEED};
 use kvxfer_proto::types::LaneInfo;
 use kvxfer_proto::wire::lane::{
     parse_welcome, Hello, MODE_CLEAR_DATA, MODE_SEALED_DATA, SEALED_MAGIC, WELCOME_FIXED_LEN,
@@ -27,6 +27,16 @@ pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long the reconnect after a lost connection may take (its answer only teaches).
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// How an initiator seals its lane connections (with a shared secret).
+pub(crate) struct Sealing {
+    /// The lane's PSK towards this target.
+    pub(crate) psk: Psk,
+    /// Whether the blocks' bytes are sealed too.
+    pub(crate) sealed_data: bool,
+    /// This agent's static key, whose public half its metadata carries.
+    pub(crate) key: StaticKey,
+}
+
 /// Opens connections to one lane target.
 pub(super) struct Dialer {
     me: String,
@@ -35,9 +45,8 @@ pub(super) struct Dialer {
     /// The target's fence count for this agent, as learned from its refusals (shared by the
     /// links to the same target incarnation).
     view: Arc<AtomicU64>,
-    /// With a shared secret: the lane's PSK towards this target, and whether the data is
-    /// sealed too.
-    seal: Option<(Psk, bool)>,
+    /// With a shared secret: how the connections are sealed.
+    seal: Option<Sealing>,
     /// Where a sealed connection's record buffers are charged.
     budget: MemoryBudget,
 }
@@ -48,7 +57,7 @@ impl Dialer {
         peer: &str,
         info: LaneInfo,
         view: Arc<AtomicU64>,
-        seal: Option<(Psk, bool)>,
+        seal: Option<Sealing>,
         budget: MemoryBudget,
     ) -> Dialer {
         Dialer {
@@ -90,14 +99,14 @@ impl Dialer {
         };
         let c = match &self.seal {
             None => Conn::open(sock),
-            Some((psk, sealed_data)) => {
-                let mode = if *sealed_data {
+            Some(seal) => {
+                let mode = if seal.sealed_data {
                     MODE_SEALED_DATA
                 } else {
                     MODE_CLEAR_DATA
                 };
                 h.insert(0, mode);
-                let c = self.open_sealed(sock, psk, *sealed_data, &mut ctl);
+                let c = self.open_sealed(sock, seal, &mut ctl);
                 c.map_err(|s| self.stop_err(s, "the sealed opening"))?
             }
         };
@@ -123,16 +132,18 @@ impl Dialer {
         }
     }
 
-    /// The Noise handshake on a new connection: the session, whose records carry the rest.
+    /// The Noise handshake on a new connection (this agent's static key against the one the
+    /// target's metadata carried): the session, whose records carry the rest.
     fn open_sealed(
         &self,
         sock: TcpStream,
-        psk: &Psk,
-        sealed_data: bool,
+        seal: &Sealing,
         ctl: &mut Ctl<'_>,
     ) -> Result<Conn, Stop> {
         let seed: [u8; SEED] = crate::random::bytes().map_err(Stop::Abort)?;
-        let (init, first) = Initiator::start(psk, seed, &self.peer).map_err(Stop::Abort)?;
+        let (init, first) =
+            Initiator::start_keyed(&seal.psk, &seal.key, &self.info.key, seed, &self.peer)
+                .map_err(Stop::Abort)?;
         let mut opening = SEALED_MAGIC.to_vec();
         opening.extend_from_slice(&first);
         send_buf(&sock, &opening, ctl)?;
@@ -142,7 +153,7 @@ impl Dialer {
         Ok(Conn::sealed(
             sock,
             session,
-            sealed_data,
+            seal.sealed_data,
             self.budget.clone(),
         ))
     }

@@ -4,7 +4,9 @@
 
 use std::sync::{Arc, Mutex};
 
+use super::dial::Sealing;
 use super::epochs::FenceViews;
+use super::identities::{Identities, Key};
 use super::link::{Compressor, Link};
 use super::server::Server;
 use super::settings::{Compressing, Striping};
@@ -14,7 +16,7 @@ use crate::lane::api::{LaneKind, LaneSetup, PeerLane, Query};
 use crate::staging::pool::StagingCell;
 use crate::transfer::Job;
 use kvxfer_proto::error::Result;
-use kvxfer_proto::session::Psk;
+use kvxfer_proto::session::{Psk, StaticKey};
 use kvxfer_proto::types::{Lane, LaneInfo, Transport};
 use kvxfer_proto::wire::metadata::Metadata;
 
@@ -36,12 +38,24 @@ pub(crate) struct TcpLane {
     /// The shared secret (the lane is sealed with it) and whether the data is sealed too.
     secret: Option<Vec<u8>>,
     seal_data: bool,
+    /// This agent's static key (the handshakes prove it; its metadata carries the public half).
+    key: StaticKey,
+    /// Each loaded peer's key: the target takes a hello's name only with it.
+    ids: Arc<Identities>,
 }
 
 impl TcpLane {
     /// Starts the lane's target on the setup's address.
     pub(crate) fn start(setup: &LaneSetup) -> Result<TcpLane> {
-        let server = Server::start(setup.bind, setup.ctx.clone(), &setup.name)?;
+        let key = StaticKey::from_seed(crate::random::bytes()?);
+        let ids: Arc<Identities> = Arc::default();
+        let server = Server::start(
+            setup.bind,
+            setup.ctx.clone(),
+            &setup.name,
+            &key,
+            ids.clone(),
+        )?;
         Ok(TcpLane {
             name: setup.name.clone(),
             info: server.info(),
@@ -55,6 +69,8 @@ impl TcpLane {
             fence_views: FenceViews::default(),
             secret: setup.ctx.secret.clone(),
             seal_data: setup.ctx.seal_data,
+            key,
+            ids,
         })
     }
 }
@@ -86,13 +102,21 @@ impl LaneKind for TcpLane {
                 threads: c.threads,
             },
             self.fence_views.of(info.secret),
-            self.secret
-                .as_deref()
-                .map(|s| (Psk::lane(s, &info.secret), self.seal_data)),
+            self.secret.as_deref().map(|s| Sealing {
+                psk: Psk::lane(s, &info.secret),
+                sealed_data: self.seal_data,
+                key: self.key.clone(),
+            }),
         );
+        self.ids.learn(&meta.name, info.key);
         Some(Arc::new(TcpPeer {
             link,
             host_memory: self.host_memory,
+            _known: Known {
+                ids: self.ids.clone(),
+                peer: meta.name.clone(),
+                key: info.key,
+            },
         }))
     }
 
@@ -110,6 +134,21 @@ impl LaneKind for TcpLane {
 struct TcpPeer {
     link: Link,
     host_memory: bool,
+    /// The peer's lane identity, held for as long as this lane (forgotten on drop).
+    _known: Known,
+}
+
+/// A loaded peer's name and key in the target's [`Identities`], until its incarnation goes.
+struct Known {
+    ids: Arc<Identities>,
+    peer: String,
+    key: Key,
+}
+
+impl Drop for Known {
+    fn drop(&mut self) {
+        self.ids.forget(&self.peer, &self.key);
+    }
 }
 
 impl PeerLane for TcpPeer {

@@ -9,7 +9,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::conn::Conn;
-use super::dial::{close_all, lost_connection, Dialer, CONNECT_TIMEOUT};
+use super::dial::{close_all, lost_connection, Dialer, Sealing, CONNECT_TIMEOUT};
 use super::framed::{FramesFailed, RECV_BYTES, SEND_BYTES};
 use super::mixed::{stage_pair, stream_mixed, stream_windows, Framing};
 use super::stream::{Ctl, Stop};
@@ -27,7 +27,6 @@ use kvxfer_proto::descriptor::Op;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::lane::{LaneInitiator, ReplyError, PIECE_BYTES};
 use kvxfer_proto::paged::{Paged, ResolvedPaged, Run, WINDOW_BLOCKS};
-use kvxfer_proto::session::Psk;
 use kvxfer_proto::types::{Lane, LaneInfo, RegionSpan, XferOp};
 use kvxfer_proto::wire::lane::{
     encode_paged, paged_table_len, ReplyHeader, RequestHeader, Segment, HEADER_LEN, K_ACK, K_DATA,
@@ -99,7 +98,7 @@ impl Link {
         stripes: usize,
         comp: Compressor,
         view: Arc<AtomicU64>,
-        seal: Option<(Psk, bool)>,
+        seal: Option<Sealing>,
     ) -> Link {
         Link {
             inner: Arc::new(LinkInner {

@@ -5,8 +5,9 @@
 //! and `kvxfer_proto::lane`; this directory is the I/O shell: `link` (the initiator's queue
 //! and its connections, `dial`), `server` (the target: one place where a request is admitted,
 //! checked against the registered regions and pinned), `stream`/`framed`/`mixed` (moving the
-//! bytes), `epochs` (fence counts), `settings` (striping and compression), and `lane` (the
-//! lane as the agent holds it).
+//! bytes), `epochs` (fence counts), `identities` (which static key may name which peer on a
+//! sealed lane), `settings` (striping and compression), and `lane` (the lane as the agent
+//! holds it).
 //!
 //! The target checks every segment against its own registered regions and pins them while
 //! it reads into them or sends from them (deregistering fails with `Busy` meanwhile). A
@@ -17,6 +18,7 @@ mod conn;
 mod dial;
 pub(crate) mod epochs;
 mod framed;
+pub(crate) mod identities;
 pub(crate) mod lane;
 pub(crate) mod link;
 mod mixed;

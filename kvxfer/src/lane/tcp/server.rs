@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::conn::{skip_paged, sum_segments, Conn};
 use super::framed::{drain_frames, FramesFailed, RECV_BYTES, SEND_BYTES};
+use super::identities::{Identities, Key};
 use super::mixed::{stage_pair, stream_mixed, stream_windows, Framing};
 use super::stream::{set_timeouts, Stop};
 use crate::budget::Charge;
@@ -23,7 +24,7 @@ use kvxfer_proto::error::{Error, Result, Side};
 use kvxfer_proto::lane::{LaneTarget, TargetEvent};
 use kvxfer_proto::lane_seal::{seal_record, LaneOpening, Opened};
 use kvxfer_proto::paged::{resolve_paged, Paged, ResolvedPaged};
-use kvxfer_proto::session::{Psk, SEED};
+use kvxfer_proto::session::{Psk, StaticKey, SEED};
 use kvxfer_proto::types::{LaneInfo, MemKind, RegionId, RegionSpan};
 use kvxfer_proto::wire::lane::{Segment, Table, K_WRITE, SECRET_LEN};
 
@@ -75,6 +76,10 @@ struct Hello {
     opening: Option<LaneOpening>,
     /// The initiator seals the data too (its opening's mode).
     sealed_data: bool,
+    /// With a secret: the static key the initiator proved.
+    proved: Option<Key>,
+    /// Whose key each name is.
+    ids: Arc<Identities>,
     /// This target takes only initiators that seal the data ([`crate::AgentConfig::lane_encryption`]).
     require_sealed_data: bool,
 }
@@ -92,9 +97,16 @@ impl Hello {
                 return Verdict::Refuse("a bad hello or a wrong lane secret".into());
             }
         }
-        if self.t.peer().is_none() || !hello.is_empty() {
+        let Some(peer) = self.t.peer().filter(|_| hello.is_empty()) else {
             self.t.refuse("a sealed hello of the wrong length");
             return Verdict::Refuse("a sealed hello of the wrong length".into());
+        };
+        // The name is the one whose metadata carried the key the handshake proved.
+        if let Some(key) = &self.proved {
+            if let Err(why) = self.ids.check(peer, key) {
+                self.t.refuse(&why);
+                return Verdict::Refuse(why);
+            }
         }
         if self.require_sealed_data && !self.sealed_data {
             let why = "this target takes only sealed data (lane_encryption): set it on the \
@@ -125,8 +137,13 @@ impl Admission for Hello {
             return match o.on_bytes(b) {
                 Opened::More => Verdict::More,
                 Opened::Refused(why) => Verdict::Refuse(why),
-                Opened::Hello { hello, sealed_data } => {
+                Opened::Hello {
+                    hello,
+                    sealed_data,
+                    key,
+                } => {
                     self.sealed_data = sealed_data;
+                    self.proved = Some(key);
                     self.feed(&hello)
                 }
             };
@@ -171,14 +188,27 @@ impl Admission for Hello {
 }
 
 impl Server {
-    pub(crate) fn start(ip: std::net::IpAddr, ctx: Arc<LaneCtx>, name: &str) -> Result<Server> {
+    /// Starts the target on `ip`, answering sealed openings as `key` and taking a hello's
+    /// name only from the initiator whose key `ids` gives that name.
+    pub(crate) fn start(
+        ip: std::net::IpAddr,
+        ctx: Arc<LaneCtx>,
+        name: &str,
+        key: &StaticKey,
+        ids: Arc<Identities>,
+    ) -> Result<Server> {
         let l = TcpListener::bind(SocketAddr::new(ip, 0))
             .map_err(|e| Error::io(format!("binding the TCP lane on {ip}"), e))?;
         let addr = l
             .local_addr()
             .map_err(|e| Error::io("querying the TCP lane address", e))?;
         let secret: [u8; SECRET_LEN] = crate::random::bytes()?;
-        let info = LaneInfo { addr, secret };
+        let info = LaneInfo {
+            addr,
+            secret,
+            key: key.public(),
+        };
+        let key = key.clone();
         let stop = Arc::new(AtomicBool::new(false));
         let conns: Arc<Mutex<Conns>> = Arc::default();
         let (st, cs, nm) = (stop.clone(), conns.clone(), name.to_string());
@@ -190,7 +220,8 @@ impl Server {
             let opening = match &psk {
                 Some(psk) => {
                     let seed = crate::random::bytes::<SEED>()?;
-                    Some(LaneOpening::new(psk.clone(), seed, &who.to_string()))
+                    let who = who.to_string();
+                    Some(LaneOpening::new(psk.clone(), key.clone(), seed, &who))
                 }
                 None => None,
             };
@@ -200,6 +231,8 @@ impl Server {
                 opening,
                 sealed_data: false,
                 require_sealed_data,
+                proved: None,
+                ids: ids.clone(),
             })
         };
         // Only a connection that proved the lane secret gets a thread of its own.
