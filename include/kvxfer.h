@@ -620,10 +620,11 @@ kvx_status kvx_agent_config_set_discovery(struct kvx_agent_config *c,
  * Sets the shared secret (`len` bytes; `len` 0 removes it): every peer must hold it; it keys
  * a Noise handshake on the side channel and on every TCP-lane connection, and every control
  * message after it is encrypted and authenticated; notifications then travel only over the
- * sealed lane, and UCX's own TCP transport is off (`kvx_agent_config_set_ucx_tcp`); a
- * producer seals its handoffs and a consumer loads only sealed ones (`kvx_handoff_seal`).
- * What it does not protect yet (lane reads scoped to grants, bulk data unless
- * `kvx_agent_config_set_lane_encryption`) is in SECURITY.md, kvxfer's threat model.
+ * sealed lane, whose handshake proves each agent's own static key (a lane serves only peers
+ * this agent loaded); a producer seals its handoffs and a consumer loads only sealed ones
+ * (`kvx_handoff_seal`). What it does not protect yet (the shm lane and UCX are not checked
+ * against grants; bulk data unless `kvx_agent_config_set_lane_encryption`) is in
+ * SECURITY.md, kvxfer's threat model.
  *
  * # Safety
  * `c` is a live config not used by another thread during the call; `secret` is valid for
@@ -646,10 +647,11 @@ kvx_status kvx_agent_config_set_secret(struct kvx_agent_config *c,
 kvx_status kvx_agent_config_set_lane_encryption(struct kvx_agent_config *c, int32_t on);
 
 /**
- * With a secret: let UCX use its own TCP transport (`on` non-zero; trusted network only,
+ * Lets UCX use its own TCP transport next to the lanes (`on` non-zero; trusted network only,
  * logged at start). UCX over TCP authenticates nobody and its emulated RMA reads or writes
- * whatever address a message names; with a secret it is left out by default, kvxfer's sealed
- * TCP lane carrying the bytes, and peers UCX cannot reach are loaded lane-only.
+ * whatever address a message names; with lanes on it is left out by default, with a secret
+ * or without, kvxfer's TCP lane carrying the bytes and the notifications, and peers UCX
+ * cannot reach are loaded lane-only.
  *
  * # Safety
  * `c` is a live config not used by another thread during the call.

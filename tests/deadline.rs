@@ -24,13 +24,15 @@ fn stopped_peer_hits_the_deadline_not_a_hang_ucx() {
 }
 
 fn stopped_peer(lanes: bool) {
-    let (mut child, ready) =
-        common::spawn_peer(Command::new(env!("CARGO_BIN_EXE_kvxfer-bench")).args([
-            "--listen",
-            "127.0.0.1:0",
-            "--transport",
-            "tcp",
-        ]));
+    // Without lanes both ends move every byte through UCX (with lanes, UCX's TCP is off).
+    let ucx_only: &[&str] = if lanes { &[] } else { &["--ucx-only"] };
+    let (mut child, ready) = common::spawn_peer(
+        Command::new(env!("CARGO_BIN_EXE_kvxfer-bench")).args(
+            ["--listen", "127.0.0.1:0", "--transport", "tcp"]
+                .iter()
+                .chain(ucx_only),
+        ),
+    );
     let pid = child.id() as i32;
     let mut control = common::Control::connect(common::ctl_addr(&ready));
     let mut cmd = |c: &str| control.cmd(c);

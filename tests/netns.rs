@@ -298,7 +298,10 @@ fn link_cut(tag: &str, lanes: bool) {
                 "--transport",
                 "tcp",
             ])
-            .args(["--net-devices", &net.lb]),
+            .args(["--net-devices", &net.lb])
+            // Without lanes both ends move every byte through UCX (with lanes UCX's TCP is
+            // off).
+            .args(if lanes { &[][..] } else { &["--ucx-only"][..] }),
     );
     let ctl = common::field(&ready, "ctl=").to_string();
     let mut child = Command::new("ip")

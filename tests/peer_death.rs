@@ -24,18 +24,26 @@ struct Peer {
 }
 
 impl Peer {
-    fn start(name: &str, memory: &str) -> Peer {
-        let (child, ready) =
-            common::spawn_peer(Command::new(env!("CARGO_BIN_EXE_kvxfer-bench")).args([
-                "--listen",
-                "127.0.0.1:0",
-                "--transport",
-                "tcp",
-                "--name",
-                name,
-                "--memory",
-                memory,
-            ]));
+    /// A peer; without `lanes` every byte goes through UCX on both ends (with lanes, UCX's
+    /// TCP is off).
+    fn start(name: &str, memory: &str, lanes: bool) -> Peer {
+        let ucx_only: &[&str] = if lanes { &[] } else { &["--ucx-only"] };
+        let (child, ready) = common::spawn_peer(
+            Command::new(env!("CARGO_BIN_EXE_kvxfer-bench")).args(
+                [
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--transport",
+                    "tcp",
+                    "--name",
+                    name,
+                    "--memory",
+                    memory,
+                ]
+                .iter()
+                .chain(ucx_only),
+            ),
+        );
         let mut p = Peer {
             child,
             control: common::Control::connect(common::ctl_addr(&ready)),
@@ -98,8 +106,8 @@ fn scenario(lanes: bool, op: XferOp, device: bool) {
     };
     let memory = if device { "sim" } else { "host" };
     let name = format!("victim-{tag}");
-    let mut victim = Peer::start(&name, memory);
-    let mut other = Peer::start(&format!("bystander-{tag}"), memory);
+    let mut victim = Peer::start(&name, memory, lanes);
+    let mut other = Peer::start(&format!("bystander-{tag}"), memory, lanes);
     assert_eq!(agent.connect(victim.side).unwrap(), name);
     let bystander = agent.connect(other.side).unwrap();
     let n = LEN / BLOCK;
@@ -163,7 +171,7 @@ fn scenario(lanes: bool, op: XferOp, device: bool) {
 
     // The victim restarts with the same name: new metadata replaces the stale one; lists
     // prepared against the dead one are refused, fresh ones work.
-    let mut again = Peer::start(&name, memory);
+    let mut again = Peer::start(&name, memory, lanes);
     assert_eq!(agent.connect(again.side).unwrap(), name);
     let e = agent
         .transfer_all(op, &local, &rl, None, Some(deadline))

@@ -452,6 +452,10 @@ fn with_a_shared_secret_metadata_in_etcd_is_sealed() {
     let b = with("sealed-b", Some(b"team secret"));
     let bl = b.register(HostBuffer::new(LEN).unwrap()).unwrap();
     d.resolve(&b, "sealed-a").unwrap();
+    // A sealed lane serves only peers its agent loaded (the key in their metadata proves
+    // their name): a finds b through etcd too.
+    d.publish(&b).unwrap();
+    d.resolve(&a, "sealed-b").unwrap();
     assert_eq!(read_fill(&b, &bl, "sealed-a").unwrap(), 0x5a);
     for (name, secret) in [("sealed-c", Some(&b"another"[..])), ("sealed-d", None)] {
         let x = with(name, secret);

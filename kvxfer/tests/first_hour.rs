@@ -30,9 +30,23 @@ fn a_transport_typo_names_the_known_transports() {
 #[test]
 fn a_ucx_start_failure_names_what_was_asked_and_what_the_host_has() {
     // UCX itself says only "No such device (-14)".
+    // With UCX's TCP left out (the default) the TCP lane refuses the name itself.
     let e = Agent::new(
         AgentConfig::new("no-dev")
             .transport(Transport::Tcp)
+            .net_devices("kvx-none"),
+    )
+    .unwrap_err();
+    let text = e.to_string();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+    assert!(
+        text.contains("kvx-none") && text.contains("lo (127.0.0.1)"),
+        "{text}"
+    );
+    let e = Agent::new(
+        AgentConfig::new("no-dev")
+            .transport(Transport::Tcp)
+            .ucx_tcp(true)
             .net_devices("kvx-none"),
     )
     .unwrap_err();
@@ -147,8 +161,15 @@ fn a_peer_that_accepts_and_says_nothing_times_out_and_says_so() {
 
 #[test]
 fn a_shared_memory_agent_meeting_a_tcp_agent_names_both_transports() {
-    let shm = agent("tr-shm", Transport::Shm);
-    let tcp = agent("tr-tcp", Transport::Tcp);
+    // With UCX's TCP opted in both sides expect UCX to connect them (without it, a peer UCX
+    // cannot reach is loaded lane-only, and the lanes carry).
+    let ucx = |name: &str, t: Transport| {
+        let name = format!("{name}-{}", std::process::id());
+        let c = AgentConfig::new(name).transport(t).net_devices("lo");
+        Agent::new(c.ucx_tcp(true)).unwrap()
+    };
+    let shm = ucx("tr-shm", Transport::Shm);
+    let tcp = ucx("tr-tcp", Transport::Tcp);
     let ra = shm.register(HostBuffer::new(4096).unwrap()).unwrap();
     let rb = tcp.register(HostBuffer::new(4096).unwrap()).unwrap();
     let addr = tcp.listen("127.0.0.1:0").unwrap();

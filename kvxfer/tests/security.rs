@@ -99,6 +99,7 @@ fn strict_mode_refuses_a_silent_fallback_to_tcp() {
         let mut c = AgentConfig::new(format!("{name}-{}", std::process::id()))
             .transport(Transport::Custom("posix,sysv,tcp".into()))
             .net_devices("lo")
+            .ucx_tcp(true)
             .strict(true);
         c.peer_failure = Some(peer_failure);
         Agent::new(c).unwrap()

@@ -1,6 +1,6 @@
-//! With a secret, UCX's own TCP transport is off (`AgentConfig::ucx_tcp` opts back in): an
-//! agent listens on its side channel and its sealed TCP lane only, and garbage sent to each
-//! reads nothing, writes nothing and stops nothing. One test in its own binary: it counts the
+//! UCX's own TCP transport is off by default, with a secret or without (`AgentConfig::ucx_tcp`
+//! opts back in): an agent listens on its side channel and its TCP lane only, and garbage sent
+//! to each reads nothing, writes nothing and stops nothing. One test in its own binary: it counts the
 //! listening sockets this process opens, which other tests would change.
 
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
@@ -50,13 +50,15 @@ fn agent(name: &str, t: Transport, secret: bool, ucx_tcp: bool) -> Agent {
 }
 
 #[test]
-fn with_a_secret_nothing_listens_for_ucx_over_tcp() {
+fn nothing_listens_for_ucx_over_tcp_unless_opted_in() {
     for (t, secret, ucx_tcp, want) in [
-        // Without a secret (as before) and with the opt-in, UCX's TCP listener is there too.
-        (Transport::Tcp, false, false, 3),
+        // With the opt-in, UCX's TCP listener is there too.
+        (Transport::Tcp, false, true, 3),
         (Transport::Tcp, true, true, 3),
         (Transport::Tcp, true, false, 2),
         (Transport::Auto, true, false, 2),
+        (Transport::Tcp, false, false, 2),
+        (Transport::Auto, false, false, 2),
     ] {
         let tag = format!("{t:?}-{secret}-{ucx_tcp}").to_lowercase();
         let before = listening();
@@ -70,10 +72,10 @@ fn with_a_secret_nothing_listens_for_ucx_over_tcp() {
             want,
             "{tag}: the agent listens on {ports:?} (side channel {side})"
         );
-        if !secret || ucx_tcp {
+        if ucx_tcp {
             continue;
         }
-        // A process without the secret dials every one of them with garbage and a plain lane
+        // A process without the secret (or the lane credential) dials every one of them with garbage and a plain lane
         // hello: nothing of b's memory comes back.
         for port in &ports {
             for probe in [vec![0xA5u8; 4096], b"KVXT\x02\x00\x01\x00x".to_vec()] {
@@ -101,8 +103,9 @@ fn with_a_secret_nothing_listens_for_ucx_over_tcp() {
             "{tag}: a UCX-over-TCP process reached b's worker"
         );
         drop(f);
-        // b is alive and serves a peer with the secret, over its sealed lane, both ways.
-        let a = agent(&format!("ports-a-{tag}"), t.clone(), true, false);
+        // b is alive and serves a peer (with the secret where b has one) over its lane, and
+        // the notification follows there.
+        let a = agent(&format!("ports-a-{tag}"), t.clone(), secret, false);
         let ra = a.register(HostBuffer::new(1 << 16).unwrap()).unwrap();
         let peer = a.connect(side).unwrap();
         let l = a.prep_local(&[Desc::new(ra.id(), 0, 1 << 16)]).unwrap();

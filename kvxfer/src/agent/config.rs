@@ -56,13 +56,13 @@ pub struct AgentConfig {
     /// deadlines notice one). A [`Transport::Custom`] list of shared-memory transports only
     /// (e.g. `"posix,cma"`) must set `Some(false)` itself, or UCX finds no usable lane.
     pub peer_failure: Option<bool>,
-    /// With a [`AgentConfig::secret`] (and lanes on): let UCX use its own TCP transport. UCX
-    /// over TCP authenticates nobody, and its emulated RMA reads or writes whatever address a
-    /// message names, so a process that reaches its port can read or overwrite registered
-    /// memory or crash the agent. With a secret it is therefore left out of
-    /// [`AgentConfig::transport`] unless this opts in (trusted network only; logged at start):
-    /// kvxfer's sealed TCP lane carries host memory and staged device memory instead, and a
-    /// peer UCX cannot reach is loaded lane-only. Without a secret nothing changes yet
+    /// With lanes on: let UCX use its own TCP transport. UCX over TCP authenticates nobody,
+    /// and its emulated RMA reads or writes whatever address a message names, so a process
+    /// that reaches its port can read or overwrite registered memory or crash the agent. It
+    /// is therefore left out of [`AgentConfig::transport`] unless this opts in (trusted
+    /// network only; logged at start), with or without a secret: kvxfer's TCP lane carries
+    /// host memory, staged device memory and notifications instead, and a peer UCX cannot
+    /// reach is loaded lane-only. With lanes off UCX is all there is, and keeps TCP
     /// (SECURITY.md).
     pub ucx_tcp: bool,
     /// kvxfer's own lanes next to UCX (kvxfer's shm and TCP lanes): mapped shared memory towards a
@@ -255,7 +255,7 @@ impl AgentConfig {
         self
     }
 
-    /// Lets UCX use its TCP transport with a secret ([`AgentConfig::ucx_tcp`]).
+    /// Lets UCX use its own TCP transport next to the lanes ([`AgentConfig::ucx_tcp`]).
     pub fn ucx_tcp(mut self, on: bool) -> Self {
         self.ucx_tcp = on;
         self
@@ -263,7 +263,7 @@ impl AgentConfig {
 
     /// Whether UCX's TCP transport is left out ([`AgentConfig::ucx_tcp`]).
     pub(crate) fn ucx_tcp_off(&self) -> bool {
-        self.secret.is_some() && self.lanes && !self.ucx_tcp
+        self.lanes && !self.ucx_tcp
     }
 
     /// The transports UCX may use: [`AgentConfig::transport`] without TCP where
@@ -464,7 +464,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn with_a_secret_ucx_loses_its_tcp_transport_unless_opted_in() {
+    fn ucx_loses_its_tcp_transport_unless_opted_in_or_lanes_are_off() {
         let tls = |t: Transport, secret: bool, ucx_tcp: bool, lanes: bool| {
             let mut c = AgentConfig::new("t")
                 .transport(t)
@@ -486,11 +486,14 @@ mod tests {
             (custom("^tcp,cma"), "^tcp,cma"),
             (custom("all"), "^tcp"),
         ] {
+            // With a secret or without: the lanes carry what TCP would.
             assert_eq!(tls(t.clone(), true, false, true), want, "{t:?}");
-            // No secret, the opt-in, or lanes off (nothing else carries): as asked.
-            assert_eq!(tls(t.clone(), false, false, true), t.ucx_tls(), "{t:?}");
+            assert_eq!(tls(t.clone(), false, false, true), want, "{t:?}");
+            // The opt-in, or lanes off (nothing else carries): as asked.
             assert_eq!(tls(t.clone(), true, true, true), t.ucx_tls(), "{t:?}");
+            assert_eq!(tls(t.clone(), false, true, true), t.ucx_tls(), "{t:?}");
             assert_eq!(tls(t.clone(), true, false, false), t.ucx_tls(), "{t:?}");
+            assert_eq!(tls(t.clone(), false, false, false), t.ucx_tls(), "{t:?}");
         }
     }
 
@@ -567,7 +570,7 @@ mod tests {
             Transport::parse("tcp,sm"),
             Transport::parse("^rc"),
         ] {
-            let c = AgentConfig::new("a").transport(t);
+            let c = AgentConfig::new("a").transport(t).ucx_tcp(true);
             assert_eq!(seg(&c, &none).as_deref(), Some("64K"));
             assert_eq!(seg(&c, &|k| k == "UCX_TCP_TX_SEG_SIZE"), None);
         }

@@ -67,17 +67,19 @@ impl Agent {
         let cname = CString::new(cfg.name.clone())
             .map_err(|_| Error::InvalidArgument("agent name contains NUL".into()))?;
         cfg.transport.check().map_err(Error::InvalidArgument)?;
-        let lane_notes = cfg.secret.is_some() && cfg.lanes;
+        // Notifications take the TCP lane where UCX cannot be believed (a secret: its active
+        // messages name their sender in the payload) or cannot reach (its TCP left out).
+        let lane_notes = cfg.lanes && (cfg.secret.is_some() || cfg.ucx_tcp_off());
         if cfg.lane_encryption && cfg.secret.is_none() {
             return Err(Error::InvalidArgument(
                 "lane_encryption needs a shared secret (AgentConfig::secret) to key it".into(),
             ));
         }
-        if cfg.secret.is_some() && cfg.may_use("tcp") {
+        if cfg.may_use("tcp") {
             log::warn!(
-                "kvxfer: agent {:?}: UCX's own TCP transport is on with a shared secret \
-                 (ucx_tcp, or lanes off): it authenticates nobody; trusted network only \
-                 (SECURITY.md)",
+                "kvxfer: agent {:?}: UCX's own TCP transport is on (ucx_tcp, or lanes off): \
+                 it authenticates nobody and reads or writes any address a message names; \
+                 trusted network only (SECURITY.md)",
                 cfg.name
             );
         }
@@ -147,16 +149,12 @@ impl Agent {
         // with any transport, in either direction: every agent with lanes on serves it, so that
         // a GPU peer can stage into a CPU-only one. With the shared-memory transport every peer
         // is on this host: loopback.
-        let bind = cfg
-            .lane_addr
-            .or_else(|| {
-                if cfg.transport == Transport::Shm {
-                    Some(std::net::Ipv4Addr::LOCALHOST.into())
-                } else {
-                    iface_addr(cfg.net_devices.as_deref())
-                }
-            })
-            .unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
+        let bind = match cfg.lane_addr {
+            Some(a) => Some(a),
+            None if cfg.transport == Transport::Shm => Some(std::net::Ipv4Addr::LOCALHOST.into()),
+            None => lane_bind(&cfg)?,
+        }
+        .unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
         let host = host_info();
         let setup = LaneSetup {
             name: cfg.name.clone(),
@@ -196,6 +194,7 @@ impl Agent {
             codec,
             handshake: cfg.handshake_timeout,
             ucx_tcp_off: cfg.ucx_tcp_off(),
+            lane_notes,
             notes: notifier,
             grants,
         });
@@ -654,6 +653,28 @@ fn side_channel(st: &Arc<AgentState>) -> Arc<SideChannel> {
 }
 
 /// A UCX start-up failure with what was asked and what this host has (UCX itself says only
+
+/// The TCP lane's address on the interfaces `net_devices` names (the default route's when
+/// none is set, or when it names only RDMA devices, `dev:port`). A name that is neither, where
+/// the lane carries what UCX's TCP would have, is a typo the agent refuses rather than binding
+/// to loopback, which no peer on another host reaches.
+fn lane_bind(cfg: &AgentConfig) -> Result<Option<std::net::IpAddr>> {
+    let Some(devs) = cfg.net_devices.as_deref() else {
+        return Ok(iface_addr(None));
+    };
+    if let Some(a) = iface_addr(Some(devs)) {
+        return Ok(Some(a));
+    }
+    if cfg.lanes && cfg.ucx_tcp_off() && !devs.split(',').any(|d| d.contains(':')) {
+        return Err(Error::InvalidArgument(format!(
+            "net_devices {devs:?}: no interface of that name has an IPv4 address for the TCP \
+             lane; this host has: {}",
+            crate::lane::interface_names().join(", ")
+        )));
+    }
+    Ok(iface_addr(None))
+}
+
 /// "No such device"); other errors as they are.
 fn setup_failed(e: Error, cfg: &AgentConfig) -> Error {
     let Error::Ucx { op, status } = e else {

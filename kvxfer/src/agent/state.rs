@@ -50,9 +50,11 @@ pub(crate) struct AgentState {
     pub(crate) codec: Arc<crate::codec_meter::CodecMeter>,
     /// How long each step of a connect's handshake waits.
     pub(crate) handshake: std::time::Duration,
-    /// UCX's TCP transport is left out (a secret without `ucx_tcp`): a peer UCX cannot reach
+    /// UCX's TCP transport is left out (lanes on, no `ucx_tcp`): a peer UCX cannot reach
     /// is loaded lane-only.
     pub(crate) ucx_tcp_off: bool,
+    /// Notifications take the TCP lane ([`AgentState::lane_notes`]).
+    pub(crate) lane_notes: bool,
     /// What carries a notification once UCX moved the data (the sealed TCP lane).
     pub(crate) notes: crate::transfer::NoteCarrier,
     /// The connector's grants, which the lanes' targets check every request against.
@@ -91,11 +93,12 @@ impl AgentState {
         }
     }
 
-    /// With a shared secret (and lanes on), notifications travel only over the sealed TCP
-    /// lane, whose sender the receiver knows from the session; none arrive over UCX's active
-    /// messages, whose sender is whatever the payload says.
+    /// With a shared secret, or with UCX's TCP transport left out (and lanes on),
+    /// notifications travel only over the TCP lane, whose sender the receiver knows from the
+    /// session; none arrive over UCX's active messages, whose sender is whatever the payload
+    /// says.
     pub(crate) fn lane_notes(&self) -> bool {
-        self.secret.is_some() && !self.lanes.is_empty()
+        self.lane_notes && !self.lanes.is_empty()
     }
 
     /// The lane that carries notifications to `peer` when [`AgentState::lane_notes`]: its
@@ -106,8 +109,8 @@ impl AgentState {
             .and_then(|v| v.lanes.0.iter().find(|l| l.lane() == Lane::Tcp).cloned())
             .ok_or_else(|| {
                 Error::InvalidArgument(format!(
-                    "with a shared secret, notifications travel only over the sealed TCP \
-                     lane, and {peer:?} has none (lanes off on either side, or not loaded)"
+                    "notifications travel only over the TCP lane (a shared secret, or \
+                     UCX's TCP transport off), and {peer:?} has none (lanes off on either side, or not loaded)"
                 ))
             })
     }

@@ -255,6 +255,9 @@ pub(crate) struct Engine {
     pub(super) efd: i32,
     pub(super) busy_poll: bool,
     pub(super) peer_failure: bool,
+    /// UCX keeps only its loopback to this worker (`TLS=self`: its TCP transport left out):
+    /// no endpoint to another agent can be made, so none is tried (UCX would log an error).
+    pub(super) self_only: bool,
     /// Whether notifications arriving over active messages are delivered (off with a shared
     /// secret: they then come only over the sealed TCP lane).
     am_notes: bool,
@@ -321,6 +324,7 @@ impl Engine {
                 efd,
                 busy_poll,
                 peer_failure,
+                self_only: settings.iter().any(|(k, v)| k == "TLS" && v == "self"),
                 am_notes,
                 rx,
                 queued: queued.clone(),
