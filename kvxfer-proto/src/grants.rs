@@ -169,6 +169,15 @@ impl GrantTable {
         p.by_grant.insert(grant, (i, blocks.to_vec()));
     }
 
+    /// Bytes the table holds for one grant of `blocks` of `layout`'s cache to `peer`,
+    /// rounded up: its block list (4 bytes a block), the counts it adds to the peer's block
+    /// set (a hash entry, 16 bytes with its share of empty slots), the tensor list of a new
+    /// scope and the peer's name. What a memory budget is charged for it.
+    pub fn cost(peer: &str, layout: &KvLayout, blocks: &[u32]) -> u64 {
+        let tensors = layout.layers.len() * 2;
+        (blocks.len() * (4 + 16) + tensors * 16 + peer.len() + 256) as u64
+    }
+
     /// Ends what `grant` opened, for every peer.
     pub fn revoke(&mut self, grant: &Grant) {
         self.by_peer.retain(|_, p| {

@@ -195,6 +195,7 @@ impl Agent {
             handshake: cfg.handshake_timeout,
             ucx_tcp_off: cfg.ucx_tcp_off(),
             lane_notes,
+            grant_charges: Mutex::default(),
             notes: notifier,
             grants,
         });
@@ -652,8 +653,6 @@ fn side_channel(st: &Arc<AgentState>) -> Arc<SideChannel> {
     })
 }
 
-/// A UCX start-up failure with what was asked and what this host has (UCX itself says only
-
 /// The TCP lane's address on the interfaces `net_devices` names (the default route's when
 /// none is set, or when it names only RDMA devices, `dev:port`). A name that is neither, where
 /// the lane carries what UCX's TCP would have, is a typo the agent refuses rather than binding
@@ -675,6 +674,7 @@ fn lane_bind(cfg: &AgentConfig) -> Result<Option<std::net::IpAddr>> {
     Ok(iface_addr(None))
 }
 
+/// A UCX start-up failure with what was asked and what this host has (UCX itself says only
 /// "No such device"); other errors as they are.
 fn setup_failed(e: Error, cfg: &AgentConfig) -> Error {
     let Error::Ucx { op, status } = e else {

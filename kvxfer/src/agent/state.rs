@@ -59,6 +59,9 @@ pub(crate) struct AgentState {
     pub(crate) notes: crate::transfer::NoteCarrier,
     /// The connector's grants, which the lanes' targets check every request against.
     pub(crate) grants: std::sync::Arc<std::sync::RwLock<kvxfer_proto::grants::GrantTable>>,
+    /// What each grant's entries in `grants` are charged to the budget, released on revoke.
+    pub(crate) grant_charges:
+        Mutex<HashMap<kvxfer_proto::wire::connector::Grant, Vec<crate::budget::Charge>>>,
 }
 
 impl AgentState {

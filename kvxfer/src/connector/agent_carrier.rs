@@ -103,8 +103,15 @@ impl Carrier for AgentCarrier {
         self.agent.restrict(layout, on);
     }
 
-    fn grant(&self, grant: Grant, peer: &str, write: bool, layout: &KvLayout, blocks: &[u32]) {
-        self.agent.grant(grant, peer, write, layout, blocks);
+    fn grant(
+        &self,
+        grant: Grant,
+        peer: &str,
+        write: bool,
+        layout: &KvLayout,
+        blocks: &[u32],
+    ) -> Result<()> {
+        self.agent.grant(grant, peer, write, layout, blocks)
     }
 
     fn revoke(&self, grant: &Grant) {

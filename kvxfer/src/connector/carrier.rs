@@ -83,8 +83,16 @@ pub(crate) trait Carrier: Send + Sync + Debug {
     fn restrict(&self, layout: &KvLayout, on: bool);
 
     /// `peer` may read (`write`: write) `blocks` of every layer of this end's cache
-    /// (`layout`), under `grant`, until [`Carrier::revoke`].
-    fn grant(&self, grant: Grant, peer: &str, write: bool, layout: &KvLayout, blocks: &[u32]);
+    /// (`layout`), under `grant`, until [`Carrier::revoke`]; an error (the budget holds no
+    /// room for it) opens nothing.
+    fn grant(
+        &self,
+        grant: Grant,
+        peer: &str,
+        write: bool,
+        layout: &KvLayout,
+        blocks: &[u32],
+    ) -> Result<()>;
 
     /// Ends what `grant` opened.
     fn revoke(&self, grant: &Grant);

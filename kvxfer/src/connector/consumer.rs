@@ -204,7 +204,7 @@ impl Consumer {
                 None => Grant(random::bytes()?),
             };
             sh.carrier
-                .grant(g, &h.producer, true, &sh.layout, local_blocks);
+                .grant(g, &h.producer, true, &sh.layout, local_blocks)?;
             Some(g)
         } else {
             None

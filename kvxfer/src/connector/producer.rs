@@ -382,8 +382,16 @@ fn producer_msg(sh: &ProducerShared, n: Notification) {
             ProducerAction::Send { to, msg } => out.push((to, msg.encode())),
             ProducerAction::Open { reader, request } => {
                 if let Some(r) = st.requests.get(&request) {
-                    sh.carrier
-                        .grant(r.grant, &reader, false, &sh.layout, &r.blocks);
+                    // Not opened: the reader's reads are refused typed ("holds no grant"),
+                    // and the lease frees the request.
+                    if let Err(e) = sh
+                        .carrier
+                        .grant(r.grant, &reader, false, &sh.layout, &r.blocks)
+                    {
+                        log::warn!(
+                            "kvxfer producer: request {request:?} not opened to {reader:?}: {e}"
+                        );
+                    }
                 }
             }
             ProducerAction::StartPush {

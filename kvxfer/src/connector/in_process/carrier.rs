@@ -168,7 +168,9 @@ impl Carrier for InProcessCarrier {
     // One process: no peer reaches the cache but through the hub, which the shells drive.
     fn restrict(&self, _layout: &KvLayout, _on: bool) {}
 
-    fn grant(&self, _: Grant, _: &str, _: bool, _: &KvLayout, _: &[u32]) {}
+    fn grant(&self, _: Grant, _: &str, _: bool, _: &KvLayout, _: &[u32]) -> Result<()> {
+        Ok(())
+    }
 
     fn revoke(&self, _grant: &Grant) {}
 
