@@ -354,9 +354,41 @@ fn grant_check(c: &mut Criterion) {
     grp.finish();
 }
 
+/// One whole handshake, both ends' CPU in one thread: the TCP lane's (IK: each side's static
+/// key proven, four X25519 operations a side) against the side channel's (NN: ephemeral keys
+/// only). A lane pays it once per connection, not per transfer.
+fn handshakes(c: &mut Criterion) {
+    use kvxfer_proto::session::{Initiator, Psk, Session, StaticKey, SEED};
+    let mut g = c.benchmark_group("handshake");
+    let lane = Psk::lane(b"bench", b"lane");
+    let (ik, rk) = (
+        StaticKey::from_seed([3; SEED]),
+        StaticKey::from_seed([4; SEED]),
+    );
+    g.bench_function("lane_ik", |b| {
+        b.iter(|| {
+            let (i, first) =
+                Initiator::start_keyed(&lane, &ik, &rk.public(), [1; SEED], "r").unwrap();
+            let (_, answer, key) =
+                Session::respond_keyed(&lane, &rk, [2; SEED], &first, "i").unwrap();
+            assert_eq!(key, ik.public());
+            i.finish(&answer).unwrap()
+        })
+    });
+    let side = Psk::side_channel(b"bench");
+    g.bench_function("side_channel_nn", |b| {
+        b.iter(|| {
+            let (i, first) = Initiator::start(&side, [1; SEED], "r").unwrap();
+            let (_, answer) = Session::respond(&side, [2; SEED], &first, "i").unwrap();
+            i.finish(&answer).unwrap()
+        })
+    });
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(30).measurement_time(std::time::Duration::from_secs(2));
-    targets = build, metadata, paged, layout, sealing, grant_check
+    targets = build, metadata, paged, layout, sealing, grant_check, handshakes
 }
 criterion_main!(benches);
