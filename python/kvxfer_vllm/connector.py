@@ -218,6 +218,63 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
 # (the rank's incarnation) lets a decode rank fail a load at once when that prefill rank
 # restarted; templates of a libkvxfer without it lack it.
 RANK_KEYS = ("producer", "side_channel", "compat", "kv_heads", "num_blocks", "layers", "epoch")
+# The longest kvxfer_handoff text taken from a client (a TP-8 handoff of a 128k-token prompt
+# is under 200 KiB).
+MAX_HANDOFF_TEXT = 4 << 20
+
+
+def _params(request: "Request") -> dict[str, Any] | None:
+    """A request's kv_transfer_params when it is a JSON object; a client's value of any other
+    type is no params (never an exception in vLLM's scheduler)."""
+    p = getattr(request, "kv_transfer_params", None)
+    return p if isinstance(p, dict) else None
+
+
+def _remote_prefill(p: dict[str, Any] | None) -> bool:
+    """Whether the client asks for a remote prefill with a kvxfer handoff."""
+    return bool(p) and bool(p.get("do_remote_prefill")) and p.get("kvxfer_handoff") is not None
+
+
+def _handoff_text(value: Any) -> bytes:
+    """The handoff's bytes as the client sent them: a string as it is, any other JSON value
+    as its JSON text (the worker then refuses it, and the request fails alone), b"" past
+    MAX_HANDOFF_TEXT or when it is no JSON at all."""
+    if not isinstance(value, str):
+        try:
+            value = json.dumps(value)
+        except (TypeError, ValueError):
+            return b""
+    if len(value) > MAX_HANDOFF_TEXT:
+        return b""
+    return value.encode("utf-8", "replace")
+
+
+def _checked_handoff(h: Any) -> dict[str, Any]:
+    """`h` (a client's JSON) as a handoff whose fields this plugin reads have their types and
+    ranges; ValueError naming the first that does not."""
+    if not isinstance(h, dict):
+        raise ValueError(f"the handoff is a JSON {type(h).__name__}, not an object")
+    if not isinstance(h.get("request"), str):
+        raise ValueError("the handoff's request is not a string")
+    ranks = h.get("ranks")
+    if ranks is not None:
+        if not isinstance(ranks, list) or not 1 <= len(ranks) <= kx.KVX_MAX_TP or not all(isinstance(r, dict) for r in ranks):
+            raise ValueError(f"the handoff's ranks are not 1 to {kx.KVX_MAX_TP} objects")
+    tp = h.get("tp", len(ranks) if ranks else 1)
+    if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= kx.KVX_MAX_TP:
+        raise ValueError(f"the handoff's tp {tp!r} is not 1 to {kx.KVX_MAX_TP}")
+    if ranks and tp != len(ranks):
+        raise ValueError(f"the handoff's tp {tp} does not match its {len(ranks)} ranks")
+    shape = h.get("shape")
+    if shape is not None and not isinstance(shape, dict):
+        raise ValueError("the handoff's shape is not an object")
+    if shape and not isinstance(shape.get("layers", []), list):
+        raise ValueError("the handoff's shape.layers is not a list")
+    for k in ("kv_heads_total",):
+        v = (shape or {}).get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 1 << 20):
+            raise ValueError(f"the handoff's shape.{k} {v!r} is not a head count")
+    return h
 
 
 def _tp_size(vllm_config: "VllmConfig") -> int:
@@ -324,18 +381,19 @@ class KvxferConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        p = request.kv_transfer_params
-        if p and p.get("do_remote_prefill") and p.get("kvxfer_handoff"):
+        if _remote_prefill(_params(request)):
             count = len(request.prompt_token_ids or []) - num_computed_tokens
             if count > 0:
                 return count, True
         return 0, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
-        p = request.kv_transfer_params
-        if not (p and p.get("do_remote_prefill") and p.get("kvxfer_handoff")):
+        p = _params(request)
+        if p is None or not _remote_prefill(p):
             return
-        handoff = p["kvxfer_handoff"].encode()
+        # A client's values: whatever their types, the worker checks them and fails this
+        # request alone.
+        handoff = _handoff_text(p.get("kvxfer_handoff"))
         seal = p.get("kvxfer_seal")
         if num_external_tokens > 0:
             groups = blocks.get_unhashed_block_ids_all_groups()
@@ -355,7 +413,7 @@ class KvxferConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
-        p = request.kv_transfer_params
+        p = _params(request)
         if not p or not p.get("do_remote_decode"):
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
@@ -556,15 +614,23 @@ class KvxferConnector(KVConnectorBase_V1):
                 # With a secret, no field of a handoff is acted on (no address dialled, no
                 # block read) unless the prefill scheduler's seal over its text verifies.
                 self._check_seal(handoff, seal)
-                parts = self._plan_load(json.loads(handoff), bool(local))
-            except (kx.KvxferError, ValueError, KeyError, TypeError) as e:
-                logger.error("kvxfer: cannot load %s: %s", req, e)
+                parts = self._plan_load(_checked_handoff(json.loads(handoff)), bool(local))
+            except Exception as e:  # noqa: BLE001 - a client's input: whatever fails, fails this request alone
+                logger.error("kvxfer: cannot load %s: %s: %s", req, type(e).__name__, e)
                 self._fail_whole(req, local)
                 continue
             with self._lock:
-                self._parts[req] = ({p[0]["request"] for p in parts}, list(local), False)
-                for h, _ in parts:
-                    self._by_handoff[h["request"]] = req
+                # A handoff already being loaded for another request (a client sent it twice):
+                # this request fails alone; the other keeps its load and its report.
+                busy = sorted(h["request"] for h, _ in parts if h["request"] in self._by_handoff)
+                if not busy:
+                    self._parts[req] = ({p[0]["request"] for p in parts}, list(local), False)
+                    for h, _ in parts:
+                        self._by_handoff[h["request"]] = req
+            if busy:
+                logger.error("kvxfer: cannot load %s: its handoff %s is being loaded for another request", req, busy)
+                self._fail_whole(req, local)
+                continue
             for h, read in parts:
                 try:
                     part = json.dumps(h).encode()
@@ -573,8 +639,8 @@ class KvxferConnector(KVConnectorBase_V1):
                         # which loads only sealed handoffs when a secret is set.
                         part = kx.seal_handoff(self._secret, part)
                     self.consumer.start_load(part, local if read.moves else [], read)
-                except kx.KvxferError as e:
-                    logger.error("kvxfer: load of %s from %s failed to start: %s", req, h["producer"], e)
+                except Exception as e:  # noqa: BLE001 - this part fails, the others go on
+                    logger.error("kvxfer: load of %s from %r failed to start: %s", req, h.get("producer"), e)
                     with self._lock:
                         self._part_done(h["request"], failed=True)
 

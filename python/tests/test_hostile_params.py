@@ -1,0 +1,141 @@
+"""Request intake that fails alone (issue 37, part 5): a client's ``kv_transfer_params`` of
+any JSON type, and every field of a real handoff replaced by a value of every JSON type, go
+through vLLM 0.33's real scheduler and a real decode worker. Nothing raises out of
+``schedule()`` or ``start_load_kv``; every such request ends (loaded or failed, its blocks
+reported invalid); and a real request beside them loads its KV bit for bit. No secret: the
+worker's own checks are what is tested (with a secret the seal refuses every edit first)."""
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+import helpers as h  # noqa: E402
+
+import torch  # noqa: E402
+
+EXTRA = {"transport": "tcp", "net_devices": "lo"}
+# One value of every JSON type, and the edges of the numbers a handoff carries.
+VALUES = [None, True, False, 0, -1, 2**31, 2**64, 1.5, "", "x" * 300, [], [1, "a"], {}, {"a": [None]}]
+TOKENS = 16  # one block a request
+
+
+def _mutations(handoff_text):
+    """Every field of the handoff (top level, each rank's, the shape's) set to each of VALUES,
+    by name: the params a client would send."""
+    base = json.loads(handoff_text)
+    out = {}
+    for v_i, v in enumerate(VALUES):
+        for k in base:
+            hd = json.loads(handoff_text)
+            hd[k] = v
+            out[f"top-{k}-{v_i}"] = hd
+        for k in base.get("ranks", [{}])[0]:
+            hd = json.loads(handoff_text)
+            hd["ranks"][0][k] = v
+            out[f"rank-{k}-{v_i}"] = hd
+        for k in base.get("shape") or {}:
+            hd = json.loads(handoff_text)
+            hd["shape"][k] = v
+            out[f"shape-{k}-{v_i}"] = hd
+    return {n: {"do_remote_prefill": True, "kvxfer_handoff": json.dumps(hd)} for n, hd in out.items()}
+
+
+def _odd_params():
+    """kv_transfer_params whose fields are of the wrong type: the flag or the handoff of every
+    JSON type. (The params themselves are an object: vLLM's API validates that, and its own
+    scheduler calls ``.get`` on them before any connector sees them.)"""
+    out = {}
+    for v_i, v in enumerate(VALUES):
+        out[f"handoff-{v_i}"] = {"do_remote_prefill": True, "kvxfer_handoff": v}
+        out[f"flag-{v_i}"] = {"do_remote_prefill": v, "kvxfer_handoff": "{}"}
+        out[f"text-{v_i}"] = {"do_remote_prefill": True, "kvxfer_handoff": json.dumps(v)}
+    out["huge-text"] = {"do_remote_prefill": True, "kvxfer_handoff": "[" * (5 << 20)}
+    return out
+
+
+def test_any_kv_transfer_params_fail_alone_and_the_engine_keeps_serving():
+    from kvxfer_vllm import KvxferConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import RequestStatus
+
+    pid = os.getpid()
+    vp = h.vllm_config(role="kv_producer", extra=dict(EXTRA), engine_id=f"odd-pre-{pid}")
+    raw, caches, kv = h.kv_caches()
+    raw.copy_(torch.randint(-128, 127, raw.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(7)))
+    pre = KvxferConnector(vp, KVConnectorRole.WORKER, kv)
+    pre.register_kv_caches(caches)
+    s = h.scheduler(vp, kv)
+    s.connector.set_xfer_handshake_metadata({0: pre.get_handshake_metadata()})
+    victim, _ = h.prefill(s, [pre], "victim", TOKENS)
+
+    vd = h.vllm_config(role="kv_consumer", extra=dict(EXTRA), engine_id=f"odd-dec-{pid}")
+    _, dcaches, dkv = h.kv_caches()
+    dec = KvxferConnector(vd, KVConnectorRole.WORKER, dkv)
+    dec.register_kv_caches(dcaches)
+    sd = h.scheduler(vd, dkv)
+
+    cases = list(_odd_params().items()) + list(_mutations(victim["kvxfer_handoff"]).items())
+    assert len(cases) > 350, len(cases)
+    # (Counted now: the scheduler clears the flag of a request it takes.)
+    remote = [n for n, p in cases if p.get("do_remote_prefill") and p.get("kvxfer_handoff") is not None]
+    loaded = failed = 0
+    # In rounds the decode cache holds (64 blocks, one a request).
+    for at in range(0, len(cases), 48):
+        batch = dict(cases[at:at + 48])
+        for name, params in batch.items():
+            sd.add_request(h.request(name, TOKENS, params, max_tokens=2))
+        out = sd.schedule()  # raises nothing, whatever the params
+        loads = out.kv_connector_metadata.loads
+        dec.bind_connector_metadata(out.kv_connector_metadata)
+        dec.start_load_kv(None)  # raises nothing either
+        dec.clear_connector_metadata()
+        got = set()
+        end = time.time() + 60
+        while time.time() < end and len(got) < len(loads):
+            _, rv = dec.get_finished(set())
+            got |= rv or set()
+            time.sleep(0.01)
+        assert got == set(loads), f"round {at}: never ended: {set(loads) - got}"
+        errors = dec.get_block_ids_with_load_errors()
+        round_failed = {r for r, v in loads.items() if set(v[1]) & errors}
+        failed += len(round_failed)
+        loaded += len(loads) - len(round_failed)
+        # As the engine does: the workers' report reaches the scheduler, then the requests
+        # end (their blocks free for the next round).
+        kv_out = KVConnectorOutput(finished_recving=got, invalid_block_ids=errors)
+        sd.update_from_output(out, h.model_output(out, kv=kv_out))
+        sd.finish_requests(list(batch), RequestStatus.FINISHED_ABORTED)
+        assert sd.kv_cache_manager.block_pool.get_num_free_blocks() >= 60, f"round {at}: blocks held"
+    st = dec.get_kv_connector_stats()
+    print(f"{len(cases)} hostile requests: {loaded} loaded, {failed} failed; stats {st.data}")
+    # Every request that asked for a remote prefill with a handoff of any kind ended loaded
+    # or failed; the rest (a false flag, no handoff) were computed locally, never loaded.
+    assert loaded + failed == len(remote) == len(cases) - 7, (loaded, failed, len(remote))
+    assert failed > 0 and st.data["failed"] == failed, st.data
+
+    # The engine still serves: a real request (published now: the rounds outlast a lease)
+    # loads its KV bit for bit.
+    real, remote = h.prefill(s, [pre], "real", TOKENS)
+    sd.add_request(h.request("dec-real", TOKENS, dict(real), max_tokens=2))
+    out = sd.schedule()
+    loads = out.kv_connector_metadata.loads
+    dec.bind_connector_metadata(out.kv_connector_metadata)
+    dec.start_load_kv(None)
+    dec.clear_connector_metadata()
+    end = time.time() + 30
+    got = set()
+    while time.time() < end and "dec-real" not in got:
+        _, rv = dec.get_finished(set())
+        got |= rv or set()
+        time.sleep(0.01)
+    assert "dec-real" in got
+    errors = dec.get_block_ids_with_load_errors()
+    assert not set(loads["dec-real"][1]) & errors, (errors, dec.get_kv_connector_stats().data)
+    for name, t in dcaches.items():
+        for lb, rb in zip(loads["dec-real"][1], remote):
+            assert torch.equal(t[lb].view(torch.int16), caches[name][rb].view(torch.int16)), (name, lb, rb)
+    dec.shutdown()
+    pre.shutdown()
