@@ -6,6 +6,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::budget::{Charge, MemoryBudget};
 use kvxfer_proto::error::{Error, Result};
 
 pub use kvxfer_proto::wire::notify::Notification;
@@ -13,6 +14,15 @@ use kvxfer_proto::wire::notify::Recipient;
 
 /// Most undelivered notifications kept; older ones beyond this are counted as dropped.
 pub(crate) const MAX_QUEUED: usize = 65_536;
+/// Most bytes of undelivered notifications one inbox keeps (a peer may send 64 KiB a note, and
+/// an engine that only uses the connector never drains the user's inbox): older ones beyond
+/// this are dropped and counted.
+pub(crate) const MAX_QUEUED_BYTES: u64 = 16 << 20;
+
+/// What one queued notification holds: its payload, its sender's name and the queue entry.
+fn held(n: &Notification) -> u64 {
+    (n.payload.len() + n.from.len() + 64) as u64
+}
 
 /// Where received notifications go: the user's queue, or the connector's producer or consumer
 /// queue, by the message's tag. The UCX engine and the TCP lane's target each hold a clone and
@@ -25,6 +35,16 @@ pub(crate) struct Channels {
 }
 
 impl Channels {
+    /// Queues whose notifications are charged to `budget` while they wait.
+    pub(crate) fn new(budget: &MemoryBudget) -> Channels {
+        let inbox = || Arc::new(Inbox::charged(budget.clone()));
+        Channels {
+            user: inbox(),
+            producer: inbox(),
+            consumer: inbox(),
+        }
+    }
+
     /// Queues a received notification for its recipient.
     pub(crate) fn deliver(&self, n: Notification) {
         match n.recipient() {
@@ -35,52 +55,96 @@ impl Channels {
     }
 }
 
-/// A bounded queue of received notifications with blocking waits.
+/// A queue of received notifications with blocking waits, bounded in count and bytes, each
+/// waiting notification charged to the agent's budget. Overflow drops the oldest (counted in
+/// [`Inbox::dropped`] and the metrics): a sender is told nothing of a receiver's backlog, and
+/// the newest messages (a connector's latest heartbeat or acknowledgement) matter most.
 #[derive(Debug, Default)]
 pub(crate) struct Inbox {
-    q: Mutex<(VecDeque<Notification>, u64)>,
+    q: Mutex<Queue>,
     cv: Condvar,
+    budget: Option<MemoryBudget>,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    items: VecDeque<(Notification, Option<Charge>)>,
+    bytes: u64,
+    dropped: u64,
+}
+
+impl Queue {
+    fn pop(&mut self) -> Option<Notification> {
+        let (n, _charge) = self.items.pop_front()?;
+        self.bytes -= held(&n);
+        Some(n)
+    }
 }
 
 impl Inbox {
-    pub(crate) fn push(&self, n: Notification) {
-        let mut g = self.q.lock().unwrap_or_else(|e| e.into_inner());
-        if g.0.len() >= MAX_QUEUED {
-            g.0.pop_front();
-            g.1 += 1;
-            log::warn!("notification queue full ({MAX_QUEUED}); oldest dropped");
+    /// An inbox whose waiting notifications are charged to `budget`.
+    pub(crate) fn charged(budget: MemoryBudget) -> Inbox {
+        Inbox {
+            budget: Some(budget),
+            ..Inbox::default()
         }
-        g.0.push_back(n);
+    }
+
+    pub(crate) fn push(&self, n: Notification) {
+        let size = held(&n);
+        let mut g = self.q.lock().unwrap_or_else(|e| e.into_inner());
+        if size > MAX_QUEUED_BYTES {
+            g.dropped += 1;
+            return;
+        }
+        // Room by count and bytes first, then in the budget: the oldest go.
+        while !g.items.is_empty()
+            && (g.items.len() >= MAX_QUEUED || g.bytes + size > MAX_QUEUED_BYTES)
+        {
+            g.pop();
+            g.dropped += 1;
+        }
+        let charge = loop {
+            let Some(b) = &self.budget else { break None };
+            match b.try_charge(size, "a received notification") {
+                Ok(c) => break Some(c),
+                Err(_) if !g.items.is_empty() => {
+                    g.pop();
+                    g.dropped += 1;
+                }
+                Err(e) => {
+                    // Not even alone: this one is dropped.
+                    g.dropped += 1;
+                    log::warn!("kvxfer: a notification from {:?} dropped: {e}", n.from);
+                    return;
+                }
+            }
+        };
+        g.bytes += size;
+        g.items.push_back((n, charge));
         drop(g);
         self.cv.notify_all();
     }
 
     pub(crate) fn try_pop(&self) -> Option<Notification> {
-        self.q
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .0
-            .pop_front()
+        self.q.lock().unwrap_or_else(|e| e.into_inner()).pop()
     }
 
     pub(crate) fn drain(&self) -> Vec<Notification> {
-        self.q
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .0
-            .drain(..)
-            .collect()
+        let mut g = self.q.lock().unwrap_or_else(|e| e.into_inner());
+        std::iter::from_fn(|| g.pop()).collect()
     }
 
+    /// Notifications dropped for room (count, bytes or budget).
     pub(crate) fn dropped(&self) -> u64 {
-        self.q.lock().unwrap_or_else(|e| e.into_inner()).1
+        self.q.lock().unwrap_or_else(|e| e.into_inner()).dropped
     }
 
     pub(crate) fn wait(&self, timeout: Duration) -> Result<Notification> {
         let end = Instant::now() + timeout;
         let mut g = self.q.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            if let Some(n) = g.0.pop_front() {
+            if let Some(n) = g.pop() {
                 return Ok(n);
             }
             let now = Instant::now();
@@ -116,5 +180,36 @@ mod tests {
             payload: vec![1],
         });
         assert_eq!(i.wait(Duration::from_millis(1)).unwrap().payload, vec![1]);
+    }
+
+    /// A sender of 64 KiB notes nobody reads: the inbox holds at most its byte bound and what
+    /// the budget has room for, charged while they wait; the oldest go, counted; what is
+    /// drained gives its charge back.
+    #[test]
+    fn an_undrained_inbox_is_bounded_in_bytes_and_charged_to_the_budget() {
+        let budget = MemoryBudget::new(8 << 20);
+        let i = Inbox::charged(budget.clone());
+        let note = |k: u32| Notification {
+            from: "flood".into(),
+            payload: [k.to_le_bytes().to_vec(), vec![0u8; 64 << 10]].concat(),
+        };
+        for k in 0..500 {
+            i.push(note(k));
+        }
+        let used = budget.used();
+        assert!(used <= 8 << 20 && used > 7 << 20, "{used}");
+        let kept = i.drain();
+        assert_eq!(i.dropped(), 500 - kept.len() as u64);
+        // The newest were kept, in order.
+        let last = u32::from_le_bytes(kept[kept.len() - 1].payload[..4].try_into().unwrap());
+        assert_eq!(last, 499);
+        assert_eq!(budget.used(), 0, "drained: given back");
+        // Without a budget the byte bound alone holds.
+        let j = Inbox::default();
+        for k in 0..500 {
+            j.push(note(k));
+        }
+        let bytes: u64 = j.drain().iter().map(held).sum();
+        assert!(bytes <= MAX_QUEUED_BYTES && bytes > MAX_QUEUED_BYTES - (65 << 10));
     }
 }

@@ -91,7 +91,7 @@ impl Agent {
                 loaded,
             });
         }
-        let channels = Channels::default();
+        let channels = Channels::new(&cfg.budget);
         let (engine, cmds) = Engine::new(
             &cfg.ucx_settings(),
             &cname,
@@ -610,7 +610,8 @@ impl Agent {
         }
     }
 
-    /// Notifications dropped because the queue was full.
+    /// Notifications dropped from the user's queue for room: past 65,536 waiting, 16 MiB
+    /// waiting, or the budget (`AgentConfig::budget`) they are charged to.
     pub fn notifications_dropped(&self) -> u64 {
         self.shared.channels.user.dropped()
     }
