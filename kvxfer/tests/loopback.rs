@@ -458,6 +458,17 @@ fn tcp_lane_buffers_are_charged_to_the_budgets() {
         .unwrap()
         .wait()
         .unwrap();
+    // Its charge ends with the request, not when the next one comes: the connection idles
+    // holding nothing (issue 34).
+    let t0 = std::time::Instant::now();
+    while small.used() != 0 && t0.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        small.used(),
+        0,
+        "an idle lane connection holds its last request's charge"
+    );
     // The initiator's own budget bounds it too.
     let c = Agent::new(
         AgentConfig::new(format!("bc-{tag}"))

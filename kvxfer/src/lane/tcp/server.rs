@@ -537,7 +537,8 @@ fn serve_inner(
 ) -> Result<(), Stop> {
     set_timeouts(c.sock())?;
     let Hello { mut t, t0, .. } = hello;
-    // The request's budget charge, held until the next request is admitted.
+    // The request's budget charge, held until the core releases the request (not while the
+    // connection idles after it).
     let mut _charge: Option<Charge> = None;
     loop {
         match step(c, ctx, &mut t, t0, stop, fence, None)? {
@@ -600,8 +601,9 @@ fn serve_inner(
                 while step(c, ctx, &mut t, t0, stop, fence, pieces.as_ref())? != Flow::Released {}
                 drop(pair);
                 drop(resolved);
+                _charge = None;
             }
-            Flow::Released => {}
+            Flow::Released => _charge = None,
         }
     }
 }
