@@ -359,11 +359,12 @@ typedef struct kvx_layout {
    */
   uint64_t num_blocks;
   /**
-   * 1: K and V fused per layer (vLLM 0.33), 0: separate tensors.
+   * 1: K and V fused per layer (vLLM 0.33), 0: separate tensors; any other value is
+   * `KVX_INVALID_ARGUMENT`.
    */
   uint32_t fused;
   /**
-   * 1: HND order inside a block, 0: NHD.
+   * 1: HND order inside a block, 0: NHD (any other value is `KVX_INVALID_ARGUMENT`).
    */
   uint32_t hnd;
 } kvx_layout;
@@ -395,7 +396,8 @@ typedef struct kvx_layer_base {
  */
 typedef struct kvx_connector_config {
   /**
-   * 0 pull (the consumer reads), 1 push (the producer writes).
+   * 0 pull (the consumer reads), 1 push (the producer writes); any other value is
+   * `KVX_INVALID_ARGUMENT`.
    */
   uint32_t mode;
   /**
@@ -909,14 +911,15 @@ void kvx_remote_list_free(struct kvx_remote_list *l);
 
 /**
  * Starts a transfer of the pairs `(local[li[k]], remote[ri[k]])`, k < n; `li` and `ri` NULL:
- * every pair of two lists of length n. With a notification, the peer receives it after the
- * data. `deadline_ms` 0: none.
+ * every pair of two lists of length n. `op` is a `kvx_op` (`KVX_READ`, `KVX_WRITE`); any
+ * other value is `KVX_INVALID_ARGUMENT`, checked first. With a notification, the peer
+ * receives it after the data. `deadline_ms` 0: none.
  *
  * # Safety
  * Handles live; `li`/`ri` NULL or valid for `n`; `note` valid for `note_len`; `out` valid.
  */
 kvx_status kvx_agent_transfer(const struct kvx_agent *a,
-                              kvx_op op,
+                              uint32_t op,
                               const struct kvx_local_list *local,
                               const size_t *li,
                               const struct kvx_remote_list *remote,

@@ -57,7 +57,14 @@ fn layout_of(l: &kvx_layout, bases: &[kvx_layer_base]) -> Result<KvLayout, Fail>
         4 => KvDtype::F32,
         _ => return Err(bad("dtype_bytes must be 1, 2 or 4")),
     };
-    let fused = l.fused != 0;
+    // Flags are 0 or 1: any other value is a caller's mistake, not a "true".
+    let flag = |v: u32, name: &str| match v {
+        0 => Ok(false),
+        1 => Ok(true),
+        v => Err(bad(&format!("{name} is {v}, not 0 or 1"))),
+    };
+    let fused = flag(l.fused, "fused")?;
+    let hnd = flag(l.hnd, "hnd")?;
     let layers = bases
         .iter()
         .map(|b| {
@@ -88,19 +95,24 @@ fn layout_of(l: &kvx_layout, bases: &[kvx_layer_base]) -> Result<KvLayout, Fail>
         } else {
             KvPacking::Separate
         },
-        order: if l.hnd != 0 {
-            KvOrder::Hnd
-        } else {
-            KvOrder::Nhd
-        },
+        order: if hnd { KvOrder::Hnd } else { KvOrder::Nhd },
         layers,
     })
 }
 
-fn config_of(c: Option<&kvx_connector_config>) -> ConnectorConfig {
+fn config_of(c: Option<&kvx_connector_config>) -> Result<ConnectorConfig, Fail> {
     let mut cfg = ConnectorConfig::default();
     if let Some(c) = c {
-        cfg.mode = if c.mode == 1 { Mode::Push } else { Mode::Pull };
+        cfg.mode = match c.mode {
+            0 => Mode::Pull,
+            1 => Mode::Push,
+            m => {
+                return Err(fail(
+                    kvx_status::KVX_INVALID_ARGUMENT,
+                    format!("config: mode {m}: 0 (pull) or 1 (push)"),
+                ))
+            }
+        };
         if let Some(d) = ms(c.lease_ms) {
             cfg.lease = d;
         }
@@ -120,7 +132,7 @@ fn config_of(c: Option<&kvx_connector_config>) -> ConnectorConfig {
             cfg.budget_wait = d;
         }
     }
-    cfg
+    Ok(cfg)
 }
 
 /// The compatibility hash of a layout (what a handoff's `compat` carries, and what agents that
@@ -189,7 +201,7 @@ pub unsafe extern "C" fn kvx_producer_new(
             )
         };
         // SAFETY: cfg NULL or valid.
-        let cfg = config_of(unsafe { cfg.as_ref() });
+        let cfg = config_of(unsafe { cfg.as_ref() })?;
         let p = Producer::new(a.inner.clone(), layout_of(l, b)?, cfg, side)?;
         // SAFETY: out valid.
         unsafe { *out = new_handle(kvx_producer::new(Box::new(p))) };
@@ -339,7 +351,7 @@ pub unsafe extern "C" fn kvx_consumer_new(
             return Err(null("out"));
         }
         // SAFETY: cfg NULL or valid.
-        let cfg = config_of(unsafe { cfg.as_ref() });
+        let cfg = config_of(unsafe { cfg.as_ref() })?;
         let c = Consumer::new(a.inner.clone(), layout_of(l, b)?, cfg)?;
         // SAFETY: out valid.
         unsafe { *out = new_handle(kvx_consumer::new(Box::new(c))) };
@@ -604,7 +616,7 @@ unsafe fn side_of<T: crate::ffi::Kind>(
         // SAFETY: the tensors' memory per this function's contract.
         let caches = unsafe { caches_of(l, t, cuda_device) }?;
         // SAFETY: cfg NULL or valid.
-        let cfg = config_of(unsafe { cfg.as_ref() });
+        let cfg = config_of(unsafe { cfg.as_ref() })?;
         let side = make(&*c.inner, &caches, &cfg)?;
         // SAFETY: out valid.
         unsafe { *out = new_handle(side) };

@@ -197,9 +197,10 @@ pub struct kvx_layout {
     pub block_tokens: u32,
     /// Blocks per layer tensor.
     pub num_blocks: u64,
-    /// 1: K and V fused per layer (vLLM 0.33), 0: separate tensors.
+    /// 1: K and V fused per layer (vLLM 0.33), 0: separate tensors; any other value is
+    /// `KVX_INVALID_ARGUMENT`.
     pub fused: u32,
-    /// 1: HND order inside a block, 0: NHD.
+    /// 1: HND order inside a block, 0: NHD (any other value is `KVX_INVALID_ARGUMENT`).
     pub hnd: u32,
 }
 
@@ -207,7 +208,8 @@ pub struct kvx_layout {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct kvx_connector_config {
-    /// 0 pull (the consumer reads), 1 push (the producer writes).
+    /// 0 pull (the consumer reads), 1 push (the producer writes); any other value is
+    /// `KVX_INVALID_ARGUMENT`.
     pub mode: u32,
     /// Producer lease without heartbeats, ms (default 30000).
     pub lease_ms: u64,
@@ -361,5 +363,7 @@ mod metrics;
 mod process;
 mod tp;
 
+#[cfg(test)]
+mod abi_checks_tests;
 #[cfg(test)]
 mod handle_tests;

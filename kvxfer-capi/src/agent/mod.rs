@@ -548,11 +548,15 @@ pub unsafe extern "C" fn kvx_agent_free(a: *mut kvx_agent) {
     unsafe { free_handle(a, "kvx_agent_free") }
 }
 
-/// A call whose work cannot be undone checks its output's room first: `cap < need` fails
-/// with `KVX_BUFFER_TOO_SMALL` and `need` in `out_len`, before any side effect.
-fn early_room(cap: usize, need: usize, out_len: *mut usize) -> Result<(), Fail> {
+/// A call whose work cannot be undone checks its output first, before any side effect: a
+/// NULL `buf` or `out_len` is refused, and `cap < need` fails with `KVX_BUFFER_TOO_SMALL`
+/// and `need` in `out_len`.
+fn early_room<T>(buf: *mut T, cap: usize, need: usize, out_len: *mut usize) -> Result<(), Fail> {
     if out_len.is_null() {
         return Err(null("out_len"));
+    }
+    if buf.is_null() {
+        return Err(null("buf"));
     }
     if cap < need {
         // SAFETY: out_len checked non-NULL; valid per the caller's contract.
@@ -584,7 +588,7 @@ pub unsafe extern "C" fn kvx_agent_listen(
         let a = unsafe { handle(a, "agent") }?;
         // SAFETY: as above.
         let addr = unsafe { cstr(addr, "addr") }?; // a host name or an IP address, and a port
-        early_room(cap, KVX_MAX_ADDRESS, out_len)?;
+        early_room(buf, cap, KVX_MAX_ADDRESS, out_len)?;
         let bound = a.inner.listen(addr)?.to_string();
         // SAFETY: as above.
         unsafe { put_str(&bound, buf, cap, out_len) }
@@ -610,7 +614,7 @@ pub unsafe extern "C" fn kvx_agent_connect(
         let a = unsafe { handle(a, "agent") }?;
         // SAFETY: as above.
         let addr = unsafe { cstr(addr, "addr") }?; // a host name or an IP address, and a port
-        early_room(cap, KVX_MAX_NAME + 1, out_len)?;
+        early_room(buf, cap, KVX_MAX_NAME + 1, out_len)?;
         let name = a.inner.connect(addr)?;
         // SAFETY: as above.
         unsafe { put_str(&name, buf, cap, out_len) }
@@ -655,7 +659,7 @@ pub unsafe extern "C" fn kvx_agent_load_metadata(
         let a = unsafe { handle(a, "agent") }?;
         // SAFETY: as above.
         let md = unsafe { slice(md, len, "metadata") }?;
-        early_room(cap, KVX_MAX_NAME + 1, out_len)?;
+        early_room(name_buf, cap, KVX_MAX_NAME + 1, out_len)?;
         let name = a.inner.load_remote_metadata(md)?;
         // SAFETY: as above.
         unsafe { put_str(&name, name_buf, cap, out_len) }
@@ -666,6 +670,6 @@ pub unsafe extern "C" fn kvx_agent_load_metadata(
 // functions in declaration order; blank lines keep rustfmt from sorting these).
 pub(crate) mod region;
 
-mod transfer;
+pub(crate) mod transfer;
 
 mod budget;

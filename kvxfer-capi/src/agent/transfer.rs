@@ -13,15 +13,16 @@ use crate::{
 };
 
 /// Starts a transfer of the pairs `(local[li[k]], remote[ri[k]])`, k < n; `li` and `ri` NULL:
-/// every pair of two lists of length n. With a notification, the peer receives it after the
-/// data. `deadline_ms` 0: none.
+/// every pair of two lists of length n. `op` is a `kvx_op` (`KVX_READ`, `KVX_WRITE`); any
+/// other value is `KVX_INVALID_ARGUMENT`, checked first. With a notification, the peer
+/// receives it after the data. `deadline_ms` 0: none.
 ///
 /// # Safety
 /// Handles live; `li`/`ri` NULL or valid for `n`; `note` valid for `note_len`; `out` valid.
 #[no_mangle]
 pub unsafe extern "C" fn kvx_agent_transfer(
     a: *const kvx_agent,
-    op: kvx_op,
+    op: u32,
     local: *const kvx_local_list,
     li: *const usize,
     remote: *const kvx_remote_list,
@@ -33,6 +34,16 @@ pub unsafe extern "C" fn kvx_agent_transfer(
     out: *mut *mut kvx_transfer,
 ) -> kvx_status {
     guard("kvx_agent_transfer", || {
+        // A C enum is any 32-bit value: checked, never transmuted.
+        let op = match op {
+            x if x == kvx_op::KVX_READ as u32 => XferOp::Read,
+            x if x == kvx_op::KVX_WRITE as u32 => XferOp::Write,
+            x => {
+                return Err(Fail::from(Error::InvalidArgument(format!(
+                    "op {x}: KVX_READ (0) or KVX_WRITE (1)"
+                ))))
+            }
+        };
         // SAFETY: per this function's contract.
         let a = unsafe { handle(a, "agent") }?;
         // SAFETY: as above.
@@ -60,10 +71,6 @@ pub unsafe extern "C" fn kvx_agent_transfer(
         } else {
             // SAFETY: as above.
             Some(unsafe { slice(note, note_len, "note") }?)
-        };
-        let op = match op {
-            kvx_op::KVX_READ => XferOp::Read,
-            kvx_op::KVX_WRITE => XferOp::Write,
         };
         let t = a.inner.transfer(
             op,
