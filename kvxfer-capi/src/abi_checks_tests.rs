@@ -4,24 +4,14 @@
 //! undone fails on a NULL output buffer before it binds or connects anything.
 #![allow(clippy::unwrap_used)]
 
-use std::ffi::{c_char, CStr, CString};
+use std::ffi::{CStr, CString};
 use std::ptr::{null, null_mut};
 use std::time::Duration;
 
 use crate::agent::transfer::kvx_agent_transfer;
 use crate::agent::{kvx_agent_connect, kvx_agent_free, kvx_agent_listen, kvx_agent_new};
-use crate::error::kvx_last_error;
+use crate::handle_tests::last_error;
 use crate::{kvx_agent, kvx_op, kvx_status, kvx_transfer};
-
-fn last_error() -> String {
-    let mut b = [0 as c_char; 512];
-    // SAFETY: `b` is valid for 512 bytes.
-    unsafe { kvx_last_error(b.as_mut_ptr(), b.len()) };
-    // SAFETY: kvx_last_error NUL-terminates within `cap`.
-    unsafe { CStr::from_ptr(b.as_ptr()) }
-        .to_string_lossy()
-        .into_owned()
-}
 
 fn agent(name: &CStr) -> *mut kvx_agent {
     let mut a: *mut kvx_agent = null_mut();
@@ -34,9 +24,11 @@ fn agent(name: &CStr) -> *mut kvx_agent {
 #[test]
 fn an_op_outside_the_enum_is_refused_before_anything() {
     let a = agent(c"capi-op");
-    for op in [2u32, 7, 0xfb, u32::MAX] {
+    // A transfer of `op` with NULL lists (which the op check comes before): its status, and
+    // whether a transfer handle came out.
+    let transfer = |op: u32| {
         let mut t: *mut kvx_transfer = null_mut();
-        // SAFETY: `a` live; the lists are NULL, which the op check comes before.
+        // SAFETY: `a` live; the lists NULL (refused typed); `t` a valid out pointer.
         let st = unsafe {
             kvx_agent_transfer(
                 a,
@@ -52,31 +44,20 @@ fn an_op_outside_the_enum_is_refused_before_anything() {
                 &mut t,
             )
         };
-        assert_eq!(st, kvx_status::KVX_INVALID_ARGUMENT, "op {op}");
+        (st, t.is_null())
+    };
+    for op in [2u32, 7, 0xfb, u32::MAX] {
+        assert_eq!(
+            transfer(op),
+            (kvx_status::KVX_INVALID_ARGUMENT, true),
+            "op {op}"
+        );
         let e = last_error();
         assert!(e.contains(&format!("op {op}")), "op {op}: {e}");
-        assert!(t.is_null());
     }
     // The enum's own values get past it (to the NULL lists).
     for op in [kvx_op::KVX_READ as u32, kvx_op::KVX_WRITE as u32] {
-        let mut t: *mut kvx_transfer = null_mut();
-        // SAFETY: as above.
-        let st = unsafe {
-            kvx_agent_transfer(
-                a,
-                op,
-                null(),
-                null(),
-                null(),
-                null(),
-                0,
-                null(),
-                0,
-                0,
-                &mut t,
-            )
-        };
-        assert_ne!(st, kvx_status::KVX_OK);
+        assert_ne!(transfer(op).0, kvx_status::KVX_OK);
         assert!(!last_error().contains("op "), "{}", last_error());
     }
     // SAFETY: `a` live, freed once.

@@ -14,7 +14,8 @@ use crate::agent::{kvx_agent_free, kvx_agent_metadata, kvx_agent_new};
 use crate::error::kvx_last_error;
 use crate::{kvx_agent, kvx_region, kvx_status};
 
-fn last_error() -> String {
+/// The calling thread's last error, as a C caller reads it.
+pub(crate) fn last_error() -> String {
     let mut b = [0 as c_char; 512];
     // SAFETY: `b` is valid for 512 bytes.
     unsafe { kvx_last_error(b.as_mut_ptr(), b.len()) };
