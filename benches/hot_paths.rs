@@ -355,8 +355,8 @@ fn grant_check(c: &mut Criterion) {
 }
 
 /// One whole handshake, both ends' CPU in one thread: the TCP lane's (IK: each side's static
-/// key proven, four X25519 operations a side) against the side channel's (NN: ephemeral keys
-/// only). A lane pays it once per connection, not per transfer.
+/// key proven, five X25519 operations a side) against the side channel's (NN: ephemeral keys
+/// only, two a side). A lane pays it once per connection, not per transfer.
 fn handshakes(c: &mut Criterion) {
     use kvxfer_proto::session::{Initiator, Psk, Session, StaticKey, SEED};
     let mut g = c.benchmark_group("handshake");

@@ -157,21 +157,20 @@ impl StaticKey {
     }
 }
 
-/// What a handshake is for: its pre-shared key and its prologue. A handshake made for one
+/// What a handshake is for: its pre-shared key and its purpose (side channel or lane), which
+/// gives the pattern, the prologue and where the key is mixed in. A handshake made for one
 /// purpose (or another secret, or another lane credential) never completes as another.
 #[derive(Clone)]
 pub struct Psk {
     key: [u8; 32],
-    prologue: &'static [u8],
-    params: &'static str,
-    /// Bytes of its first message.
-    first_len: usize,
+    /// A TCP lane's (IK, static keys) rather than the side channel's (NN).
+    lane: bool,
 }
 
 impl std::fmt::Debug for Psk {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Psk")
-            .field("prologue", &String::from_utf8_lossy(self.prologue))
+            .field("params", &self.params())
             .finish_non_exhaustive()
     }
 }
@@ -181,9 +180,7 @@ impl Psk {
     pub fn side_channel(secret: &[u8]) -> Psk {
         Psk {
             key: hmac(secret, &[PSK_LABEL]),
-            prologue: PROLOGUE,
-            params: NOISE_PARAMS,
-            first_len: HANDSHAKE_LEN,
+            lane: false,
         }
     }
 
@@ -193,15 +190,39 @@ impl Psk {
     pub fn lane(secret: &[u8], lane_secret: &[u8]) -> Psk {
         Psk {
             key: hmac(secret, &[LANE_PSK_LABEL, lane_secret]),
-            prologue: LANE_PROLOGUE,
-            params: LANE_NOISE_PARAMS,
-            first_len: KEYED_FIRST_LEN,
+            lane: true,
         }
+    }
+
+    /// The Noise protocol name.
+    pub fn params(&self) -> &'static str {
+        if self.lane {
+            LANE_NOISE_PARAMS
+        } else {
+            NOISE_PARAMS
+        }
+    }
+
+    fn prologue(&self) -> &'static [u8] {
+        if self.lane {
+            LANE_PROLOGUE
+        } else {
+            PROLOGUE
+        }
+    }
+
+    /// Where the pattern mixes the key in: psk1 (IK) or psk0 (NN).
+    fn psk_position(&self) -> u8 {
+        u8::from(self.lane)
     }
 
     /// Bytes of its handshake's first message.
     pub fn first_len(&self) -> usize {
-        self.first_len
+        if self.lane {
+            KEYED_FIRST_LEN
+        } else {
+            HANDSHAKE_LEN
+        }
     }
 }
 
@@ -238,16 +259,15 @@ fn builder_state(
     statics: Statics<'_>,
 ) -> Result<snow::HandshakeState> {
     let params: snow::params::NoiseParams = psk
-        .params
+        .params()
         .parse()
         .unwrap_or_else(|_| unreachable!("a valid Noise name"));
     let resolver = SeededResolver {
         seed: std::cell::Cell::new(Some(seed)),
     };
-    let psk_at = if statics.local.is_some() { 1 } else { 0 };
     let mut b = snow::Builder::with_resolver(params, Box::new(resolver))
-        .prologue(psk.prologue)
-        .and_then(|b| b.psk(psk_at, &psk.key))
+        .prologue(psk.prologue())
+        .and_then(|b| b.psk(psk.psk_position(), &psk.key))
         .map_err(|e| internal(&e))?;
     if let Some(k) = statics.local {
         b = b.local_private_key(&k.private).map_err(|e| internal(&e))?;
@@ -315,7 +335,7 @@ impl Initiator {
         statics: Statics<'_>,
     ) -> Result<(Initiator, Vec<u8>)> {
         let mut state = builder_state(psk, seed, true, statics)?;
-        let mut msg = vec![0u8; psk.first_len];
+        let mut msg = vec![0u8; psk.first_len()];
         let n = state
             .write_message(&[], &mut msg)
             .map_err(|e| internal(&e))?;
@@ -401,13 +421,13 @@ impl Session {
         who: &str,
         local: Option<&StaticKey>,
     ) -> Result<(Session, Vec<u8>, Option<[u8; PUBLIC_KEY_LEN]>)> {
-        if first.len() != psk.first_len {
+        if first.len() != psk.first_len() {
             return Err(auth(
                 who,
                 format!(
                     "a handshake of {} bytes, not {}",
                     first.len(),
-                    psk.first_len
+                    psk.first_len()
                 ),
             ));
         }

@@ -98,6 +98,7 @@ impl Inbox {
             return;
         }
         // Room by count and bytes first, then in the budget: the oldest go.
+        let dropped = g.dropped;
         while !g.items.is_empty()
             && (g.items.len() >= MAX_QUEUED || g.bytes + size > MAX_QUEUED_BYTES)
         {
@@ -120,6 +121,15 @@ impl Inbox {
                 }
             }
         };
+        if g.dropped > dropped {
+            log::warn!(
+                "kvxfer: notification queue full ({} waiting, {} bytes, or the budget): {} \
+                 oldest dropped",
+                g.items.len(),
+                g.bytes,
+                g.dropped - dropped
+            );
+        }
         g.bytes += size;
         g.items.push_back((n, charge));
         drop(g);

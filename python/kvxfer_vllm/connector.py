@@ -270,10 +270,9 @@ def _checked_handoff(h: Any) -> dict[str, Any]:
         raise ValueError("the handoff's shape is not an object")
     if shape and not isinstance(shape.get("layers", []), list):
         raise ValueError("the handoff's shape.layers is not a list")
-    for k in ("kv_heads_total",):
-        v = (shape or {}).get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 1 << 20):
-            raise ValueError(f"the handoff's shape.{k} {v!r} is not a head count")
+    heads = (shape or {}).get("kv_heads_total")
+    if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or not 0 < heads <= kx.KVX_MAX_KV_HEADS):
+        raise ValueError(f"the handoff's shape.kv_heads_total {heads!r} is not 1 to {kx.KVX_MAX_KV_HEADS}")
     return h
 
 

@@ -39,9 +39,10 @@ pub unsafe extern "C" fn kvx_agent_transfer(
             x if x == kvx_op::KVX_READ as u32 => XferOp::Read,
             x if x == kvx_op::KVX_WRITE as u32 => XferOp::Write,
             x => {
-                return Err(Fail::from(Error::InvalidArgument(format!(
-                    "op {x}: KVX_READ (0) or KVX_WRITE (1)"
-                ))))
+                return Err(fail(
+                    kvx_status::KVX_INVALID_ARGUMENT,
+                    format!("op {x}: KVX_READ (0) or KVX_WRITE (1)"),
+                ))
             }
         };
         // SAFETY: per this function's contract.

@@ -56,7 +56,7 @@ impl Agent {
             .grant_charges
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        c.entry(grant).or_default().push(charge);
+        c.entry(grant).or_default().insert(peer.to_string(), charge);
         Ok(())
     }
 
@@ -112,6 +112,14 @@ mod tests {
             .unwrap();
         let cost = GrantTable::cost("reader", &layout, &blocks);
         assert_eq!(budget.used() - before, cost);
+        // The same grant given to the same peer again replaces its entry, and its charge.
+        a.grant(Grant([1; 16]), "reader", false, &layout, &blocks)
+            .unwrap();
+        assert_eq!(
+            budget.used() - before,
+            cost,
+            "a grant given again is charged once"
+        );
         // 1,000 more blocks for another peer do not fit: refused, nothing opened to it.
         let many: Vec<u32> = (64..1064).collect();
         let e = a

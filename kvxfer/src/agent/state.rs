@@ -59,9 +59,11 @@ pub(crate) struct AgentState {
     pub(crate) notes: crate::transfer::NoteCarrier,
     /// The connector's grants, which the lanes' targets check every request against.
     pub(crate) grants: std::sync::Arc<std::sync::RwLock<kvxfer_proto::grants::GrantTable>>,
-    /// What each grant's entries in `grants` are charged to the budget, released on revoke.
-    pub(crate) grant_charges:
-        Mutex<HashMap<kvxfer_proto::wire::connector::Grant, Vec<crate::budget::Charge>>>,
+    /// What each grant's entry per peer in `grants` is charged to the budget (the table
+    /// keeps one per grant and peer: a grant given again replaces it), released on revoke.
+    pub(crate) grant_charges: Mutex<
+        HashMap<kvxfer_proto::wire::connector::Grant, HashMap<String, crate::budget::Charge>>,
+    >,
 }
 
 impl AgentState {

@@ -10,12 +10,6 @@ use kvxfer_proto::error::{Error, Result, UcsStatus};
 use kvxfer_proto::types::PeerInfo;
 use kvxfer_proto::wire::metadata::Metadata;
 
-/// A peer this worker has no transport for (UCX's `UCS_ERR_UNREACHABLE`).
-const UNREACHABLE: UcsStatus = UcsStatus::new(
-    -6,
-    "Destination is unreachable: UCX keeps only its loopback (its TCP transport is off)",
-);
-
 impl Engine {
     /// Loads a peer's metadata: a new entry (the old one of the same name retired), or
     /// nothing when the same peer handshakes again. Connects now, so that errors in the address
@@ -94,7 +88,8 @@ impl Engine {
         if self.self_only {
             return Err(Error::PeerFailed {
                 agent: p.name.clone(),
-                status: UNREACHABLE,
+                // UCS_ERR_UNREACHABLE, as UCX itself would answer.
+                status: super::raw::status(-6),
             });
         }
         // The error arg is a plain token (no pointer); on_ep_error accepts any endpoint.
