@@ -588,7 +588,7 @@ async fn load_all(
         if let Some((name, change)) = apply(agent, &layout, asm, kv, EventType::Put) {
             names.insert(name.clone());
             if let Change::Load(m) = change {
-                load.insert(name, m);
+                load.insert(name, *m);
             }
         }
     }
@@ -598,8 +598,8 @@ async fn load_all(
 
 /// What one key's put or delete means for an agent.
 enum Change {
-    /// Its assembled metadata changed: load this.
-    Load(Metadata),
+    /// Its assembled metadata changed: load this (boxed: it dwarfs the other variants).
+    Load(Box<Metadata>),
     /// Its base key went (its lease ended): retire it.
     Gone,
     /// Nothing to do now.
@@ -647,7 +647,10 @@ fn apply(
         }
         (Key::Region { epoch, id, .. }, EventType::Delete) => asm.region_gone(&name, epoch, id),
     };
-    Some((name, m.map_or(Change::Nothing, Change::Load)))
+    Some((
+        name,
+        m.map_or(Change::Nothing, |m| Change::Load(Box::new(m))),
+    ))
 }
 
 /// Loads `m` into `agent` (logged when refused).
@@ -693,7 +696,7 @@ async fn watch_loop(
                     rev = rev.max(kv.mod_revision());
                     match apply(&a, &layout, &mut asm, kv, ev.event_type()) {
                         Some((name, Change::Gone)) => gone.push(name),
-                        Some((_, Change::Load(m))) => load_now.push(m),
+                        Some((_, Change::Load(m))) => load_now.push(*m),
                         _ => {}
                     }
                 }
