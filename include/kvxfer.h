@@ -713,6 +713,8 @@ kvx_status kvx_agent_config_set_link_rate(struct kvx_agent_config *c,
  * The staging of device memory on the staged path: `chunks` pinned host chunks of
  * `chunk_bytes` (half for transfers the agent starts, half for its peers'), allocated once at
  * the first device registration and charged to the budget.
+ * At least 4 chunks of at least 4 KiB (`KVX_INVALID_ARGUMENT` otherwise, the configuration
+ * unchanged).
  *
  * # Safety
  * `c` is a live config not used by another thread during the call.

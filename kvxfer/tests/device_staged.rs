@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvxfer::staging::{CopyEngine, CopyQueue, SimulatedDevice};
+use kvxfer::staging::{CopyEngine, CopyQueue, SimulatedDevice, StagingShape};
 use kvxfer::{
     Agent, AgentConfig, Desc, Error, GpuPath, HostBuffer, Lane, MemKind, MemoryBudget, Region,
     Transport, XferOp,
@@ -37,7 +37,7 @@ fn cfg(p: &str, t: Transport, dev: &SimulatedDevice) -> AgentConfig {
         .net_devices("lo")
         .lane_addr(std::net::Ipv4Addr::LOCALHOST.into())
         .copy_engine(dev.engine())
-        .staging(8, CHUNK)
+        .staging(StagingShape::new(8, CHUNK).unwrap())
 }
 
 /// `len` bytes of simulated device memory registered as CUDA device 0.
@@ -358,10 +358,8 @@ fn registration_errors_are_typed() {
     let e = unsafe { a.register_raw(addr, 1 << 20, MemKind::Cuda(0)) }.unwrap_err();
     assert!(matches!(e, Error::OutOfMemory(_)), "{e}");
     assert_eq!(small.used(), 0);
-    // Staging too small to double-buffer.
-    let a = Agent::new(cfg("dev-tiny", Transport::Tcp, &dev).staging(2, CHUNK)).unwrap();
-    // SAFETY: as above.
-    let e = unsafe { a.register_raw(addr, 1 << 20, MemKind::Cuda(0)) }.unwrap_err();
+    // Staging too small to double-buffer: refused where the shape is made, before any agent.
+    let e = StagingShape::new(2, CHUNK).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
 }
 

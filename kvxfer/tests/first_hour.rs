@@ -125,11 +125,8 @@ fn a_port_that_is_not_kvxfer_is_named_as_such() {
 
 #[test]
 fn a_peer_that_accepts_and_says_nothing_times_out_and_says_so() {
-    assert_eq!(
-        AgentConfig::new("d").handshake_timeout,
-        Duration::from_secs(10),
-        "the documented default"
-    );
+    // The 10 s default is checked where the configuration's fields are visible
+    // (agent/config.rs, `defaults_are_the_documented_ones`).
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let t = std::thread::spawn(move || {

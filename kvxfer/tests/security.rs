@@ -96,12 +96,12 @@ fn strict_mode_refuses_a_silent_fallback_to_tcp() {
     // peer failure: on UCX 1.22 with kvxfer's RNDV_THRESH=inf, "sm,tcp" gets cma for RMA, which
     // strict mode rightly lets through.)
     let mk = |name: &str, peer_failure: bool| {
-        let mut c = AgentConfig::new(format!("{name}-{}", std::process::id()))
+        let c = AgentConfig::new(format!("{name}-{}", std::process::id()))
             .transport(Transport::Custom("posix,sysv,tcp".into()))
             .net_devices("lo")
             .ucx_tcp(true)
-            .strict(true);
-        c.peer_failure = Some(peer_failure);
+            .strict(true)
+            .peer_failure(Some(peer_failure));
         Agent::new(c).unwrap()
     };
     for (peer_failure, want_ok) in [(true, false), (false, true)] {

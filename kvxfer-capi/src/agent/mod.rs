@@ -5,6 +5,7 @@ use std::ffi::c_char;
 use std::sync::Arc;
 
 use kvxfer_core::registry::{join, DiscoveryConfig};
+use kvxfer_core::staging::{StagingShape, DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES};
 use kvxfer_core::{Agent, AgentConfig, GpuPath, MemoryBudget, Transport};
 
 use crate::error::{fail, guard, Fail};
@@ -80,12 +81,11 @@ fn gpu_env(mut cfg: AgentConfig) -> kvxfer_core::Result<AgentConfig> {
             Err(_) => Ok(d),
         }
     };
-    let (c, b) = cfg.staging;
-    let staging = (
-        num("KVXFER_STAGING_CHUNKS", c)?,
-        num("KVXFER_STAGING_CHUNK_BYTES", b)?,
-    );
-    Ok(cfg.staging(staging.0, staging.1))
+    let shape = StagingShape::new(
+        num("KVXFER_STAGING_CHUNKS", DEFAULT_STAGING_CHUNKS)?,
+        num("KVXFER_STAGING_CHUNK_BYTES", DEFAULT_STAGING_CHUNK_BYTES)?,
+    )?;
+    Ok(cfg.staging(shape))
 }
 
 /// Creates an agent configuration for an agent named `name`, with the Rust `AgentConfig`'s
@@ -185,12 +185,11 @@ pub unsafe extern "C" fn kvx_agent_config_set_net_devices(
 ) -> kvx_status {
     // SAFETY: per this function's contract.
     unsafe {
-        with_config("kvx_agent_config_set_net_devices", c, |mut cfg| {
-            cfg.net_devices = match devices.is_null() {
-                true => None,
-                false => Some(cstr(devices, "devices")?.to_string()),
-            };
-            Ok(cfg)
+        with_config("kvx_agent_config_set_net_devices", c, |cfg| {
+            Ok(match devices.is_null() {
+                true => cfg.default_net_devices(),
+                false => cfg.net_devices(cstr(devices, "devices")?),
+            })
         })
     }
 }
@@ -250,10 +249,12 @@ pub unsafe extern "C" fn kvx_agent_config_set_secret(
 ) -> kvx_status {
     // SAFETY: per this function's contract.
     unsafe {
-        with_config("kvx_agent_config_set_secret", c, |mut cfg| {
+        with_config("kvx_agent_config_set_secret", c, |cfg| {
             let s = slice(secret, len, "secret")?;
-            cfg.secret = (!s.is_empty()).then(|| s.to_vec());
-            Ok(cfg)
+            Ok(match s.is_empty() {
+                true => cfg.no_secret(),
+                false => cfg.secret(s),
+            })
         })
     }
 }
@@ -416,6 +417,8 @@ pub unsafe extern "C" fn kvx_agent_config_set_link_rate(
 /// The staging of device memory on the staged path: `chunks` pinned host chunks of
 /// `chunk_bytes` (half for transfers the agent starts, half for its peers'), allocated once at
 /// the first device registration and charged to the budget.
+/// At least 4 chunks of at least 4 KiB (`KVX_INVALID_ARGUMENT` otherwise, the configuration
+/// unchanged).
 ///
 /// # Safety
 /// `c` is a live config not used by another thread during the call.
@@ -428,13 +431,7 @@ pub unsafe extern "C" fn kvx_agent_config_set_staging(
     // SAFETY: per this function's contract.
     unsafe {
         with_config("kvx_agent_config_set_staging", c, |cfg| {
-            if chunks < 2 || chunk_bytes == 0 {
-                return Err(fail(
-                    kvx_status::KVX_INVALID_ARGUMENT,
-                    format!("staging of {chunks} x {chunk_bytes} bytes: at least 2 chunks of at least 1 byte"),
-                ));
-            }
-            Ok(cfg.staging(chunks, chunk_bytes))
+            Ok(cfg.staging(StagingShape::new(chunks, chunk_bytes)?))
         })
     }
 }

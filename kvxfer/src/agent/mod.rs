@@ -49,32 +49,18 @@ use kvxfer_proto::grants::GrantTable;
 use kvxfer_proto::types::{
     choose_gpu_path, GpuPath, MemKind, PeerInfo, RegionId, RegionSpan, Transport, XferOp,
 };
-use kvxfer_proto::wire::metadata::{Metadata, MAX_NAME};
+use kvxfer_proto::wire::metadata::Metadata;
 use kvxfer_proto::wire::notify::{check_payload, Notification};
 
 impl Agent {
     /// Creates the UCX context and worker and starts the progress thread.
     pub fn new(cfg: AgentConfig) -> Result<Agent> {
-        if cfg.name.is_empty()
-            || cfg.name.len() > MAX_NAME
-            || cfg.name.chars().any(char::is_control)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "agent name {:?}: 1..={} printable characters",
-                cfg.name, MAX_NAME
-            )));
-        }
+        cfg.check()?;
         let cname = CString::new(cfg.name.clone())
             .map_err(|_| Error::InvalidArgument("agent name contains NUL".into()))?;
-        cfg.transport.check().map_err(Error::InvalidArgument)?;
         // Notifications take the TCP lane where UCX cannot be believed (a secret: its active
         // messages name their sender in the payload) or cannot reach (its TCP left out).
-        let lane_notes = cfg.lanes && (cfg.secret.is_some() || cfg.ucx_tcp_off());
-        if cfg.lane_encryption && cfg.secret.is_none() {
-            return Err(Error::InvalidArgument(
-                "lane_encryption needs a shared secret (AgentConfig::secret) to key it".into(),
-            ));
-        }
+        let lane_notes = cfg.lanes.on && (cfg.security.secret.is_some() || cfg.ucx_tcp_off());
         if cfg.may_use("tcp") {
             log::warn!(
                 "kvxfer: agent {:?}: UCX's own TCP transport is on (ucx_tcp, or lanes off): \
@@ -93,11 +79,10 @@ impl Agent {
         }
         let channels = Channels::new(&cfg.budget);
         let (engine, cmds) = Engine::new(
-            &cfg.ucx_settings(),
+            &cfg.ucx.settings(&cfg.transport, cfg.lanes.on),
             &cname,
-            cfg.busy_poll,
-            cfg.peer_failure
-                .unwrap_or(cfg.transport != Transport::Shm && !cfg.ucx_tcp_off()),
+            cfg.ucx.busy_poll,
+            cfg.ucx.peer_failure(&cfg.transport, cfg.lanes.on),
             !lane_notes,
             channels.clone(),
         )
@@ -125,9 +110,8 @@ impl Agent {
         };
         let regions: Arc<RegionTable> = Arc::default();
         let staging = Arc::new(StagingCell::new(
-            cfg.copy_engine.clone(),
-            cfg.staging.0,
-            cfg.staging.1,
+            cfg.staging.copy_engine.clone(),
+            cfg.staging.shape,
             cfg.budget.clone(),
         ));
         let codec: Arc<CodecMeter> = Arc::default();
@@ -139,17 +123,17 @@ impl Agent {
             staging: staging.clone(),
             budget: cfg.budget.clone(),
             codec: codec.clone(),
-            compress_threads: cfg.compress_threads.max(1),
-            stall: cfg.lane_stall,
-            secret: cfg.secret.clone(),
-            seal_data: cfg.lane_encryption,
+            compress_threads: cfg.lanes.tcp.compressing.threads,
+            stall: cfg.lanes.tcp.stall,
+            secret: cfg.security.secret.clone(),
+            seal_data: cfg.security.lane_encryption,
             grants: grants.clone(),
         });
         // The TCP lane carries every transfer with the TCP transport, and staged device memory
         // with any transport, in either direction: every agent with lanes on serves it, so that
         // a GPU peer can stage into a CPU-only one. With the shared-memory transport every peer
         // is on this host: loopback.
-        let bind = match cfg.lane_addr {
+        let bind = match cfg.lanes.tcp.addr {
             Some(a) => Some(a),
             None if cfg.transport == Transport::Shm => Some(std::net::Ipv4Addr::LOCALHOST.into()),
             None => lane_bind(&cfg)?,
@@ -162,17 +146,15 @@ impl Agent {
             host,
             ctx,
             bind,
-            copy_threads: cfg.copy_threads,
             notifier: notifier.clone(),
-            striping: cfg.striping(),
-            compressing: cfg.compressing(),
+            config: cfg.lanes.clone(),
         };
-        let lanes = crate::lane::start(&setup, cfg.lanes)?;
+        let lanes = crate::lane::start(&setup)?;
         let shared = Arc::new(AgentState {
             name: cfg.name.clone(),
             epoch: new_epoch()?,
             compat: cfg.compat,
-            max_op: cfg.max_op_bytes,
+            max_op: cfg.ucx.max_op_bytes,
             cmds,
             regions,
             peers: RwLock::new(HashMap::new()),
@@ -186,8 +168,8 @@ impl Agent {
             lanes,
             load_lock: Mutex::new(()),
             budget: cfg.budget.clone(),
-            secret: cfg.secret.clone(),
-            gpu_path: cfg.gpu_path,
+            secret: cfg.security.secret.clone(),
+            gpu_path: cfg.staging.gpu_path,
             staging,
             canceller,
             gone: Mutex::new(HashSet::new()),
@@ -659,13 +641,13 @@ fn side_channel(st: &Arc<AgentState>) -> Arc<SideChannel> {
 /// the lane carries what UCX's TCP would have, is a typo the agent refuses rather than binding
 /// to loopback, which no peer on another host reaches.
 fn lane_bind(cfg: &AgentConfig) -> Result<Option<std::net::IpAddr>> {
-    let Some(devs) = cfg.net_devices.as_deref() else {
+    let Some(devs) = cfg.ucx.net_devices.as_deref() else {
         return Ok(iface_addr(None));
     };
     if let Some(a) = iface_addr(Some(devs)) {
         return Ok(Some(a));
     }
-    if cfg.lanes && cfg.ucx_tcp_off() && !devs.split(',').any(|d| d.contains(':')) {
+    if cfg.ucx_tcp_off() && !devs.split(',').any(|d| d.contains(':')) {
         return Err(Error::InvalidArgument(format!(
             "net_devices {devs:?}: no interface of that name has an IPv4 address for the TCP \
              lane; this host has: {}",
@@ -683,6 +665,7 @@ fn setup_failed(e: Error, cfg: &AgentConfig) -> Error {
     };
     let tls = cfg.transport.ucx_tls();
     let devices = cfg
+        .ucx
         .net_devices
         .as_deref()
         .unwrap_or("all (UCX_NET_DEVICES unset)");

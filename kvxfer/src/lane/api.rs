@@ -76,13 +76,10 @@ pub(crate) struct LaneSetup {
     pub(crate) ctx: Arc<LaneCtx>,
     /// Where the lanes' listeners bind (the TCP lane's address).
     pub(crate) bind: std::net::IpAddr,
-    /// Copy threads of the shared-memory lane.
-    pub(crate) copy_threads: usize,
     /// Hands a notification-only job to UCX once a lane's data has landed.
     pub(crate) notifier: NoteCarrier,
-    /// The TCP lane's striping and compression.
-    pub(crate) striping: crate::lane::tcp::settings::Striping,
-    pub(crate) compressing: crate::lane::tcp::settings::Compressing,
+    /// The lanes' sections of the agent's configuration.
+    pub(crate) config: super::config::LaneConfig,
 }
 
 /// The lanes towards one peer, in the agent's order.

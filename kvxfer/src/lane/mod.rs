@@ -25,6 +25,7 @@
 //! lane is a file with both traits and one line in [`start`].
 
 pub(crate) mod api;
+pub(crate) mod config;
 #[cfg(test)]
 mod memory;
 pub(crate) mod shm;
@@ -35,8 +36,8 @@ use kvxfer_proto::error::Result;
 use kvxfer_proto::types::HostInfo;
 
 /// The lanes an agent runs, in the order a transfer tries them. Lanes off: none (UCX only).
-pub(crate) fn start(setup: &LaneSetup, on: bool) -> Result<Vec<Box<dyn LaneKind>>> {
-    if !on {
+pub(crate) fn start(setup: &LaneSetup) -> Result<Vec<Box<dyn LaneKind>>> {
+    if !setup.config.on {
         return Ok(Vec::new());
     }
     let mut lanes: Vec<Box<dyn LaneKind>> = Vec::new();

@@ -396,7 +396,11 @@ impl ShmLane {
         if !matches!(setup.transport, Transport::Shm | Transport::Auto) {
             return Ok(None);
         }
-        let copier = Copier::start(&setup.name, setup.copy_threads, setup.notifier.clone())?;
+        let copier = Copier::start(
+            &setup.name,
+            setup.config.shm.copy_threads,
+            setup.notifier.clone(),
+        )?;
         Ok(Some(Box::new(ShmLane {
             copier: Arc::new(copier),
             host: setup.host,

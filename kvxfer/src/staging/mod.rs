@@ -20,10 +20,12 @@
 
 pub(crate) mod pipeline;
 pub(crate) mod pool;
+pub(crate) mod settings;
 
 pub use crate::device::copy::{CopyEngine, CopyQueue, HostCopyEngine};
 pub use crate::device::sim::SimulatedDevice;
 pub use pool::{DeviceStaging, StagingStats, DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES};
+pub use settings::StagingShape;
 
 #[cfg(test)]
 mod tests {
@@ -97,7 +99,12 @@ mod tests {
             dev: dev.clone(),
             log: log.clone(),
         });
-        let st = DeviceStaging::new(e, &MemoryBudget::unlimited(), 4, chunk).unwrap();
+        let st = DeviceStaging::new(
+            e,
+            &MemoryBudget::unlimited(),
+            settings::StagingShape::new(4, chunk).unwrap(),
+        )
+        .unwrap();
         (st, log, dev)
     }
 

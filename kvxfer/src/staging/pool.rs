@@ -1,6 +1,7 @@
 //! Fixed pools of host chunks for device memory on the staged path, allocated once and
 //! charged to the memory budget once; an agent's [`StagingCell`] creates them on first use.
 
+use super::settings::StagingShape;
 use std::sync::{Arc, Mutex};
 
 // The chunk pool's lock and wake-ups: loom's under `--cfg loom` (scripts/sanitizers.sh loom),
@@ -14,7 +15,7 @@ use std::time::{Duration, Instant};
 use crate::budget::{Charge, MemoryBudget};
 use crate::device::copy::CopyEngine;
 use crate::memory::HostBuffer;
-use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::error::Result;
 
 /// A fixed set of equal host chunks handed out to one holder at a time, allocated once and
 /// charged to a budget once; pinned for the copy engine when it has one.
@@ -192,23 +193,14 @@ pub struct StagingStats {
 }
 
 impl DeviceStaging {
-    /// `chunks` chunks of `chunk_bytes` (split evenly between the two pools; at least 4),
-    /// charged to `budget`, pinned by `engine`.
+    /// Pools of `shape` (its chunks split evenly between the two), charged to `budget`,
+    /// pinned by `engine`.
     pub(crate) fn new(
         engine: Arc<dyn CopyEngine>,
         budget: &MemoryBudget,
-        chunks: usize,
-        chunk_bytes: usize,
+        shape: StagingShape,
     ) -> Result<Self> {
-        if chunks < 4 || chunk_bytes < 4096 {
-            return Err(Error::InvalidArgument(format!(
-                "device staging needs at least 4 chunks of at least 4 KiB, got {chunks} x {chunk_bytes}"
-            )));
-        }
-        let per = chunks / 2;
-        let bytes = (2 * per)
-            .checked_mul(chunk_bytes)
-            .ok_or_else(|| Error::InvalidArgument("staging size overflows".into()))?;
+        let (per, chunk_bytes, bytes) = (shape.per_pool(), shape.chunk_bytes(), shape.bytes());
         let charge = budget.try_charge(bytes as u64, "device staging chunks")?;
         let mut mem = HostBuffer::new(bytes)?;
         let base = mem.as_mut_slice().as_mut_ptr();
@@ -284,8 +276,7 @@ impl Drop for DeviceStaging {
 /// `cuda` feature) and the [`DeviceStaging`] pools, created on first use.
 pub(crate) struct StagingCell {
     engine: Mutex<Option<Arc<dyn CopyEngine>>>,
-    chunks: usize,
-    chunk_bytes: usize,
+    shape: StagingShape,
     budget: MemoryBudget,
     pools: Mutex<Option<Arc<DeviceStaging>>>,
 }
@@ -293,14 +284,12 @@ pub(crate) struct StagingCell {
 impl StagingCell {
     pub(crate) fn new(
         engine: Option<Arc<dyn CopyEngine>>,
-        chunks: usize,
-        chunk_bytes: usize,
+        shape: StagingShape,
         budget: MemoryBudget,
     ) -> Self {
         StagingCell {
             engine: Mutex::new(engine),
-            chunks,
-            chunk_bytes,
+            shape,
             budget,
             pools: Mutex::new(None),
         }
@@ -326,8 +315,7 @@ impl StagingCell {
         let p = Arc::new(DeviceStaging::new(
             self.engine(device)?,
             &self.budget,
-            self.chunks,
-            self.chunk_bytes,
+            self.shape,
         )?);
         *g = Some(p.clone());
         Ok(p)

@@ -21,7 +21,7 @@ pub(crate) fn serve(args: &Args, addr: SocketAddr) -> Result<(), BoxErr> {
     let local = addr.ip().is_loopback();
     let transport = args.transport.first().cloned().unwrap_or("tcp".into());
     let dev = device(args)?;
-    let mut cfg = agent_config(args, &transport, "peer", local);
+    let mut cfg = agent_config(args, &transport, "peer", local)?;
     if let Some(d) = &dev {
         cfg = cfg.copy_engine(d.engine.clone());
     }

@@ -117,7 +117,7 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         args.seed
     ))?;
     let dev = device(args)?;
-    let mut cfg = agent_config(args, &case.transport, "init", local).compression(case.compress);
+    let mut cfg = agent_config(args, &case.transport, "init", local)?.compression(case.compress);
     if let Some(d) = &dev {
         cfg = cfg.copy_engine(d.engine.clone());
     }

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kvxfer::staging::{CopyEngine, SimulatedDevice};
+use kvxfer::staging::{CopyEngine, SimulatedDevice, StagingShape};
 use kvxfer::{Agent, AgentConfig, HostBuffer, MemKind, MemoryBudget, Region, Transport};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -259,7 +259,8 @@ pub(crate) fn agent_config(
     transport: &str,
     role: &str,
     local_peer: bool,
-) -> AgentConfig {
+) -> Result<AgentConfig, BoxErr> {
+    let staging = StagingShape::new(args.staging_chunks, (args.staging_chunk_kib << 10) as usize)?;
     let name = match (&args.name, args.serve) {
         (Some(n), _) => n.clone(),
         // The peer of --etcd: the name the initiator's --peer looks for.
@@ -277,7 +278,8 @@ pub(crate) fn agent_config(
         } else {
             None
         })
-        .staging(args.staging_chunks, (args.staging_chunk_kib << 10) as usize)
+        .staging(staging)
+        .max_op_bytes(args.max_op)
         .budget(match args.budget_mib {
             0 => MemoryBudget::unlimited(),
             m => MemoryBudget::new(m << 20),
@@ -290,12 +292,11 @@ pub(crate) fn agent_config(
             .secret(s.as_bytes().to_vec())
             .lane_encryption(args.lane_encryption);
     }
-    c.max_op_bytes = args.max_op;
-    match (&args.net_devices, local_peer) {
+    Ok(match (&args.net_devices, local_peer) {
         (Some(d), _) => c.net_devices(d.clone()),
         (None, true) => c.net_devices("lo"),
         (None, false) => c,
-    }
+    })
 }
 
 /// Slot of the k-th block on each side.

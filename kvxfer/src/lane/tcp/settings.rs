@@ -1,15 +1,48 @@
-//! The TCP lane's settings, owned by the lane: striping and compression, each a default with
-//! per-peer overrides (the agent's configuration builds them).
+//! The TCP lane's section of an agent's configuration, owned by the lane: its address, its
+//! stall limit, striping and compression (each a default with per-peer overrides). The
+//! agent's configuration builds it through its setters.
 #![forbid(unsafe_code)]
+
+use std::time::Duration;
 
 use kvxfer_proto::compress::planes::Transform;
 use kvxfer_proto::compress::policy::Compression;
 
+/// The TCP lane's settings.
+#[derive(Clone, Debug)]
+pub(crate) struct TcpLaneConfig {
+    /// Where it listens and what it advertises; `None`: the agent picks (see
+    /// `AgentConfig::lane_addr`).
+    pub(crate) addr: Option<std::net::IpAddr>,
+    /// How long a target waits for a peer that moves no byte mid-message.
+    pub(crate) stall: Duration,
+    pub(crate) striping: Striping,
+    pub(crate) compressing: Compressing,
+}
+
+impl Default for TcpLaneConfig {
+    fn default() -> Self {
+        let cpus = std::thread::available_parallelism().map_or(4, |n| n.get());
+        TcpLaneConfig {
+            addr: None,
+            stall: Duration::from_secs(30),
+            striping: Striping::new(4, Vec::new()),
+            compressing: Compressing::new(
+                Compression::Auto,
+                Vec::new(),
+                Vec::new(),
+                Transform::Bf16,
+                (cpus / 4).clamp(1, 4),
+            ),
+        }
+    }
+}
+
 /// TCP-lane striping: a default and per-peer overrides (the last one for a peer wins).
 #[derive(Clone, Debug)]
 pub(crate) struct Striping {
-    default: usize,
-    per_peer: Vec<(String, usize)>,
+    pub(crate) default: usize,
+    pub(crate) per_peer: Vec<(String, usize)>,
 }
 
 impl Striping {
@@ -36,9 +69,9 @@ impl Striping {
 /// one for a peer wins).
 #[derive(Clone, Debug)]
 pub(crate) struct Compressing {
-    default: Compression,
-    per_peer: Vec<(String, Compression)>,
-    link_rates: Vec<(String, f64)>,
+    pub(crate) default: Compression,
+    pub(crate) per_peer: Vec<(String, Compression)>,
+    pub(crate) link_rates: Vec<(String, f64)>,
     pub(crate) transform: Transform,
     pub(crate) threads: usize,
 }
