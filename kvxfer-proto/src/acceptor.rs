@@ -210,6 +210,16 @@ impl SideChannelAcceptor {
         self.state = State::Done;
     }
 
+    /// The session the handshake made (with a secret), once the answer is taken: the
+    /// connection's later frames ([`crate::updates`]) are sealed under it. `None` without a
+    /// secret, or before the handshake is done.
+    pub fn into_session(self) -> Option<Session> {
+        match self.state {
+            State::Done => self.session,
+            _ => None,
+        }
+    }
+
     /// Queues a frame, sealed once a session exists.
     fn send(&mut self, kind: u8, body: &[u8]) {
         let f = match self.session.as_mut() {

@@ -26,4 +26,5 @@ pub mod planning;
 pub mod session;
 pub mod tp;
 pub mod types;
+pub mod updates;
 pub mod wire;

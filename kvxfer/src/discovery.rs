@@ -20,33 +20,26 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
 use std::time::Duration;
+
+use crate::side_channel::SideChannel;
+use crate::subscriptions::Subscriptions;
 
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::session::{Initiator, Psk, SEED};
+use kvxfer_proto::updates::Updates;
 use kvxfer_proto::wire::metadata::Metadata;
 use kvxfer_proto::wire::side_channel::{
     check_preamble, encode_frame, read_frame, ERROR, HELLO, META, NOISE1, NOISE2, PREAMBLE,
 };
 
-/// What one end of the side channel needs of its agent: its name (for thread names), the
-/// compatibility hash peers must match, the shared secret, its own metadata, and what to do
-/// with a peer's (load it; the peer's name back).
-pub(crate) struct SideChannel {
-    pub(crate) name: String,
-    pub(crate) compat: u64,
-    pub(crate) secret: Option<Vec<u8>>,
-    /// This agent's transports (its `UCX_TLS`), named when a peer finds none in common.
-    pub(crate) transport: String,
-    pub(crate) local: Box<dyn Fn() -> Result<Vec<u8>> + Send + Sync>,
-    pub(crate) on_peer: Box<dyn Fn(Metadata) -> Result<String> + Send + Sync>,
-}
-
-/// Connects to `addr`, sends our metadata, loads the peer's. Returns the peer's name. Each
-/// step (the connection, every read and write) waits at most `timeout`
-/// ([`crate::AgentConfig::handshake_timeout`]).
+/// Connects to `addr`, sends our metadata, loads the peer's, and keeps the connection for
+/// updates both ways. Returns the peer's name. Each step (the connection, every read and
+/// write) waits at most `timeout` ([`crate::AgentConfig::handshake_timeout`]).
 pub(crate) fn exchange(
-    shared: &SideChannel,
+    shared: &Arc<SideChannel>,
+    subs: &Arc<Subscriptions>,
     addr: SocketAddr,
     timeout: Duration,
 ) -> Result<String> {
@@ -75,6 +68,7 @@ pub(crate) fn exchange(
             }
         }
     }
+    let generation = subs.generation();
     let mine = (shared.local)()?;
     let hello = match session.as_mut() {
         Some(session) => session.seal(&mine),
@@ -93,7 +87,11 @@ pub(crate) fn exchange(
                     source_desc: who.clone(),
                     err,
                 })?;
-            (shared.on_peer)(meta)
+            let epoch = meta.epoch;
+            let name = (shared.on_peer)(meta)?;
+            let updates = Updates::new(&who, &name, epoch, shared.compat, session);
+            subs.keep(shared, s, updates, generation, timeout);
+            Ok(name)
         }
         ERROR => Err(refusal(shared, &who, &payload)),
         k => Err(Error::Protocol {

@@ -59,9 +59,11 @@ mod memory;
 mod notify;
 mod random;
 pub mod registry;
+mod side_channel;
 pub mod staged;
 pub mod staging;
 pub mod stop;
+mod subscriptions;
 mod telemetry;
 mod transfer;
 

@@ -9,11 +9,13 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::discovery::SideChannel;
 use crate::gate::{Admission, Gate, Limits, Verdict};
+use crate::side_channel::SideChannel;
+use crate::subscriptions::Subscriptions;
 use kvxfer_proto::acceptor::{SideChannelAcceptor, Step};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::session::SEED;
+use kvxfer_proto::updates::Updates;
 use kvxfer_proto::wire::metadata::Metadata;
 
 /// A client's whole handshake, from its accept to its HELLO (a few milliseconds for a real
@@ -68,16 +70,23 @@ pub(crate) struct Listener {
 }
 
 impl Listener {
-    pub(crate) fn start(shared: Arc<SideChannel>, addr: SocketAddr) -> Result<Listener> {
+    /// Listens on `addr`; a connection whose handshake loaded its peer is kept for updates,
+    /// each later step waiting at most `timeout`.
+    pub(crate) fn start(
+        shared: Arc<SideChannel>,
+        subs: Arc<Subscriptions>,
+        addr: SocketAddr,
+        timeout: Duration,
+    ) -> Result<Listener> {
         let l = TcpListener::bind(addr).map_err(|e| Error::io(format!("binding {addr}"), e))?;
         let (tx, rx) = sync_channel::<(TcpStream, Handshake)>(QUEUED);
         let rx = Arc::new(Mutex::new(rx));
         let mut loaders = Vec::new();
         for i in 0..LOADERS {
-            let (rx, sh) = (rx.clone(), shared.clone());
+            let (rx, sh, subs) = (rx.clone(), shared.clone(), subs.clone());
             let t = std::thread::Builder::new()
                 .name(format!("kvxfer-sc-load{i}-{}", shared.name))
-                .spawn(move || load_loop(&rx, &sh))
+                .spawn(move || load_loop(&rx, &sh, &subs, timeout))
                 .map_err(|e| Error::io("spawning a side-channel loader", e))?;
             loaders.push(t);
         }
@@ -142,31 +151,48 @@ fn hand_over(tx: &SyncSender<(TcpStream, Handshake)>, s: TcpStream, h: Handshake
     }
 }
 
-fn load_loop(rx: &Mutex<Receiver<(TcpStream, Handshake)>>, shared: &SideChannel) {
+fn load_loop(
+    rx: &Mutex<Receiver<(TcpStream, Handshake)>>,
+    shared: &Arc<SideChannel>,
+    subs: &Arc<Subscriptions>,
+    timeout: Duration,
+) {
     loop {
         let next = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
         let Ok((s, h)) = next else { return };
         let who = s
             .peer_addr()
             .map_or_else(|_| "a client".to_string(), |a| a.to_string());
-        if let Err(e) = answer(shared, s, h) {
+        if let Err(e) = answer(shared, subs, s, h, timeout) {
             log::warn!("kvxfer side channel: {who}: {e}");
         }
     }
 }
 
-/// Loads the client's metadata and answers it (META, or ERROR with the reason).
-fn answer(shared: &SideChannel, mut s: TcpStream, mut h: Handshake) -> Result<()> {
+/// Loads the client's metadata and answers it (META, or ERROR with the reason); keeps the
+/// connection of a client it loaded, for updates both ways.
+fn answer(
+    shared: &Arc<SideChannel>,
+    subs: &Arc<Subscriptions>,
+    mut s: TcpStream,
+    mut h: Handshake,
+    timeout: Duration,
+) -> Result<()> {
     let who = s
         .peer_addr()
         .map_or_else(|_| "a client".to_string(), |a| a.to_string());
     let hello = h.hello.take().unwrap_or_default();
+    let mut epoch = 0;
     let loaded = Metadata::decode(&hello, shared.compat)
         .map_err(|err| Error::Metadata {
             source_desc: who.clone(),
             err,
         })
-        .and_then(|m| (shared.on_peer)(m));
+        .and_then(|m| {
+            epoch = m.epoch;
+            (shared.on_peer)(m)
+        });
+    let generation = subs.generation();
     let r = match &loaded {
         Ok(_) => (shared.local)().map_err(|e| e.to_string()),
         Err(Error::Metadata { err, .. }) => Err(format!("metadata refused: {err}")),
@@ -177,5 +203,8 @@ fn answer(shared: &SideChannel, mut s: TcpStream, mut h: Handshake) -> Result<()
         .map_err(|e| Error::io(format!("configuring socket to {who}"), e))?;
     std::io::Write::write_all(&mut s, &h.acceptor.take_output())
         .map_err(|e| Error::io(format!("answering {who}"), e))?;
-    loaded.map(|_| ())
+    let name = loaded?;
+    let updates = Updates::new(&who, &name, epoch, shared.compat, h.acceptor.into_session());
+    subs.keep(shared, s, updates, generation, timeout);
+    Ok(())
 }

@@ -216,6 +216,20 @@ const EPOCH_LEN: usize = 8;
 const HOST_LEN: usize = 16 + 8 + 4;
 
 impl Metadata {
+    /// Whether this is `old` with regions registered since: the same incarnation, worker,
+    /// host and lane, `old`'s regions unchanged and in place, more after them. A peer that
+    /// only grew keeps its entry (and the lists prepared against it) when loaded again.
+    pub fn extends(&self, old: &Metadata) -> bool {
+        self.name == old.name
+            && self.compat == old.compat
+            && self.worker_addr == old.worker_addr
+            && self.epoch == old.epoch
+            && self.host == old.host
+            && self.lane == old.lane
+            && self.regions.len() > old.regions.len()
+            && self.regions[..old.regions.len()] == old.regions[..]
+    }
+
     /// Encodes to the wire format.
     pub fn encode(&self) -> Vec<u8> {
         let size = HEADER

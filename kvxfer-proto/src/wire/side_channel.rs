@@ -35,6 +35,9 @@ pub const ERROR: u8 = 3;
 pub const NOISE1: u8 = 6;
 /// The listener's Noise handshake answer.
 pub const NOISE2: u8 = 7;
+/// After the handshake, either end's metadata again (sealed, with a secret): its regions
+/// changed ([`crate::updates`]).
+pub const UPDATE: u8 = 8;
 
 /// What each side sends first: the magic `KVXF`, the version (big-endian u16) and CRLF. The
 /// line end makes a line-based server on the other end (HTTP) answer at once, so that its
@@ -97,6 +100,16 @@ pub fn read_frame<R: Read>(s: &mut R, who: &str) -> Result<(u8, Vec<u8>)> {
     let mut h = [0u8; FRAME_HEADER_LEN];
     s.read_exact(&mut h)
         .map_err(|e| Error::io(format!("reading a frame header from {who}"), e))?;
+    let (kind, n) = frame_header(&h, who)?;
+    let mut payload = vec![0u8; n];
+    s.read_exact(&mut payload)
+        .map_err(|e| Error::io(format!("reading a {n}-byte frame payload from {who}"), e))?;
+    Ok((kind, payload))
+}
+
+/// A frame header's kind and payload length, checked against [`MAX_FRAME`] before anything
+/// is sized from it.
+pub fn frame_header(h: &[u8; FRAME_HEADER_LEN], who: &str) -> Result<(u8, usize)> {
     let len = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
     if len == 0 || len > MAX_FRAME {
         return Err(Error::Protocol {
@@ -104,10 +117,7 @@ pub fn read_frame<R: Read>(s: &mut R, who: &str) -> Result<(u8, Vec<u8>)> {
             why: format!("frame of {len} bytes (limit {MAX_FRAME})"),
         });
     }
-    let mut payload = vec![0u8; len - 1];
-    s.read_exact(&mut payload)
-        .map_err(|e| Error::io(format!("reading a {len}-byte frame from {who}"), e))?;
-    Ok((h[LEN_BYTES], payload))
+    Ok((h[LEN_BYTES], len - 1))
 }
 
 #[cfg(test)]

@@ -35,13 +35,15 @@ use crate::backend::ucx::driver::{Cmd, Engine, MEMORY_TYPES};
 use crate::backend::ucx::raw;
 use crate::budget::MemoryBudget;
 use crate::codec_meter::CodecMeter;
-use crate::discovery::{exchange, SideChannel};
+use crate::discovery::exchange;
 use crate::lane::api::{LaneCtx, LaneSetup};
 use crate::lane::{host_info, iface_addr};
 use crate::listener::Listener;
 use crate::memory::{Memory, Region, RegionInner, RegionTable};
 use crate::notify::{Channels, Inbox};
+use crate::side_channel::SideChannel;
 use crate::staging::pool::{StagingCell, StagingStats};
+use crate::subscriptions::Subscriptions;
 use crate::transfer::{Canceller, NoteCarrier, Transfer};
 use kvxfer_proto::descriptor::{self, Desc};
 use kvxfer_proto::error::{Error, Result, Side};
@@ -178,6 +180,7 @@ impl Agent {
             ucx_tcp_off: cfg.ucx_tcp_off(),
             lane_notes,
             grant_charges: Mutex::default(),
+            subs: Arc::new(Subscriptions::new(cfg.budget.clone())),
             notes: notifier,
             grants,
         });
@@ -309,6 +312,7 @@ impl Agent {
             self.shared.regions.remove(id);
             return Err(e);
         }
+        self.shared.subs.changed();
         Ok(Region { inner })
     }
 
@@ -360,6 +364,7 @@ impl Agent {
             reply,
         })?;
         self.shared.regions.remove(region.inner.id);
+        self.shared.subs.changed();
         Ok(())
     }
 
@@ -369,8 +374,10 @@ impl Agent {
     }
 
     /// Loads a peer's metadata (from any channel). Returns the peer's name. Metadata of a
-    /// known name replaces the old (a restarted peer): lists prepared against the old one
-    /// become stale, its connection and keys are dropped once transfers on them finish.
+    /// known name that only adds regions to it (the same incarnation) grows the peer in
+    /// place, and lists prepared against it stay valid; any other change replaces it (a
+    /// restarted peer): lists prepared against the old one become stale, its connection and
+    /// keys are dropped once transfers on them finish.
     pub fn load_remote_metadata(&self, bytes: &[u8]) -> Result<String> {
         let meta = Metadata::decode(bytes, self.shared.compat).map_err(|err| Error::Metadata {
             source_desc: Metadata::peek_name(bytes)
@@ -427,7 +434,12 @@ impl Agent {
     /// metadata and receives ours. Returns the bound address.
     pub fn listen(&self, addr: impl ToSocketAddrs) -> Result<SocketAddr> {
         let addr = resolve(addr, "listen")?;
-        let l = Listener::start(side_channel(&self.shared), addr)?;
+        let l = Listener::start(
+            side_channel(&self.shared),
+            self.shared.subs.clone(),
+            addr,
+            self.shared.handshake,
+        )?;
         let a = l.addr();
         self.listeners
             .lock()
@@ -436,10 +448,17 @@ impl Agent {
         Ok(a)
     }
 
-    /// Connects to a peer's side channel, exchanges metadata both ways. Returns its name.
+    /// Connects to a peer's side channel, exchanges metadata both ways, and keeps the
+    /// connection: regions either agent registers or deregisters later reach the other
+    /// without a reconnect. Returns the peer's name.
     pub fn connect(&self, addr: impl ToSocketAddrs) -> Result<String> {
         let addr = resolve(addr, "connect")?;
-        exchange(&side_channel(&self.shared), addr, self.shared.handshake)
+        exchange(
+            &side_channel(&self.shared),
+            &self.shared.subs,
+            addr,
+            self.shared.handshake,
+        )
     }
 
     /// A WRITE of `local` into the peer's `remote`, described by name, posted by
@@ -605,6 +624,7 @@ impl Drop for Agent {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clear();
+        self.shared.subs.close();
         // The TCP lane's target first (no new peer write lands), then the copy threads.
         for l in self.shared.lanes.iter().rev() {
             l.stop();

@@ -223,6 +223,7 @@ pub(crate) fn remove_peer(st: &AgentState, name: &str) -> Result<()> {
         .write()
         .unwrap_or_else(|e| e.into_inner())
         .remove(name);
+    st.subs.drop_peer(name);
     Ok(())
 }
 

@@ -53,6 +53,8 @@ pub(crate) struct AgentState {
     /// UCX's TCP transport is left out (lanes on, no `ucx_tcp`): a peer UCX cannot reach
     /// is loaded lane-only.
     pub(crate) ucx_tcp_off: bool,
+    /// The side channel's connections kept for updates both ways.
+    pub(crate) subs: Arc<crate::subscriptions::Subscriptions>,
     /// Notifications take the TCP lane ([`AgentState::lane_notes`]).
     pub(crate) lane_notes: bool,
     /// What carries a notification once UCX moved the data (the sealed TCP lane).

@@ -5,15 +5,17 @@ use std::ffi::c_void;
 
 use super::driver::{on_ep_error, Engine, LoadedPeer, Peer, Phase};
 
+use super::handle::{Endpoint, Rkey};
 use super::transfer::post_flush;
 use kvxfer_proto::error::{Error, Result, UcsStatus};
 use kvxfer_proto::types::PeerInfo;
-use kvxfer_proto::wire::metadata::Metadata;
+use kvxfer_proto::wire::metadata::{Metadata, RegionMeta};
 
 impl Engine {
-    /// Loads a peer's metadata: a new entry (the old one of the same name retired), or
-    /// nothing when the same peer handshakes again. Connects now, so that errors in the address
-    /// show up at load time.
+    /// Loads a peer's metadata: a new entry (the old one of the same name retired), nothing
+    /// when the same peer handshakes again, or the same entry grown when the peer only
+    /// registered regions since (the lists prepared against it stay valid). Connects now, so
+    /// that errors in the address show up at load time.
     pub(super) fn load_peer(&mut self, meta: Metadata) -> LoadedPeer {
         if let Some(&t) = self.names.get(&meta.name) {
             let p = &self.peers[&t];
@@ -22,6 +24,14 @@ impl Engine {
                     token: None,
                     connected: Ok(()),
                 };
+            }
+            if p.failed.is_none() && meta.extends(&p.meta) {
+                if let Ok(()) = self.grow(t, meta.clone()) {
+                    return LoadedPeer {
+                        token: Some(t),
+                        connected: Ok(()),
+                    };
+                }
             }
             self.retire(t);
         }
@@ -46,6 +56,26 @@ impl Engine {
             token: Some(token),
             connected: self.ensure_ep(token),
         }
+    }
+
+    /// Takes `meta`, which extends peer `token`'s metadata: unpacks the new regions' keys on
+    /// its endpoint (when it has one). On an error the entry is unchanged.
+    fn grow(&mut self, token: u64, meta: Metadata) -> Result<()> {
+        let p = self
+            .peers
+            .get_mut(&token)
+            .ok_or_else(|| Error::UnknownPeer {
+                agent: meta.name.clone(),
+            })?;
+        if let Some(ep) = &p.ep {
+            let mut added = Vec::new();
+            for r in &meta.regions[p.meta.regions.len()..] {
+                added.push(unpack(ep, &p.name, r)?);
+            }
+            p.rkeys.extend(added);
+        }
+        p.meta = meta;
+        Ok(())
     }
 
     /// What the engine knows of a peer; connects if not connected yet. The transports are
@@ -108,20 +138,7 @@ impl Engine {
         // after the endpoint), then the endpoint is closed by its drop.
         let mut rkeys = Vec::with_capacity(p.meta.regions.len());
         for r in &p.meta.regions {
-            if r.rkey.is_empty() {
-                // Staged device memory (the decoder allows no key only there): UCX cannot
-                // reach it; transfers to it go through kvxfer's TCP lane, never UCX.
-                rkeys.push(None);
-                continue;
-            }
-            let k = ep.unpack(&r.rkey).map_err(|status| Error::Metadata {
-                source_desc: format!("agent {:?}", p.name),
-                err: kvxfer_proto::error::MetadataError::Invalid {
-                    field: "rkey",
-                    why: format!("region {}: ucp_ep_rkey_unpack: {status}", r.id.0),
-                },
-            })?;
-            rkeys.push(Some(k));
+            rkeys.push(unpack(&ep, &p.name, r)?);
         }
         let info = ep.info();
         log::debug!("kvxfer: endpoint to {:?}:\n{info}", p.name);
@@ -235,6 +252,23 @@ pub(super) fn parse_transports(info: &str) -> String {
         })
         .collect();
     names.join(",")
+}
+
+/// Region `r`'s key of peer `name`, unpacked on `ep`; `None` for staged device memory (the
+/// decoder allows no key only there: UCX cannot reach it, kvxfer's TCP lane carries it).
+fn unpack(ep: &Endpoint, name: &str, r: &RegionMeta) -> Result<Option<Rkey>> {
+    if r.rkey.is_empty() {
+        return Ok(None);
+    }
+    ep.unpack(&r.rkey)
+        .map(Some)
+        .map_err(|status| Error::Metadata {
+            source_desc: format!("agent {name:?}"),
+            err: kvxfer_proto::error::MetadataError::Invalid {
+                field: "rkey",
+                why: format!("region {}: ucp_ep_rkey_unpack: {status}", r.id.0),
+            },
+        })
 }
 
 #[cfg(test)]

@@ -1,0 +1,191 @@
+//! The side channel after its handshake, with no I/O. Both ends keep the connection, and each
+//! sends its metadata again (an [`UPDATE`] frame, sealed under the handshake's session with a
+//! secret) whenever its regions change, so that a region registered after `connect` reaches
+//! the peers connected already, as the etcd path publishes it. An update is taken only as the
+//! agent the handshake loaded: the same name and incarnation, from this connection; a
+//! restart or another name takes a handshake of its own.
+
+use crate::error::{Error, Result};
+use crate::session::Session;
+use crate::wire::metadata::Metadata;
+use crate::wire::side_channel::{encode_frame, UPDATE};
+
+/// One connection's update phase, as either end holds it.
+#[derive(Debug)]
+pub struct Updates {
+    /// Where the connection goes, for errors.
+    who: String,
+    /// The agent the handshake loaded, and its incarnation.
+    peer: String,
+    epoch: u64,
+    /// The compatibility hash its metadata must carry.
+    compat: u64,
+    /// The handshake's session (with a secret).
+    session: Option<Session>,
+}
+
+impl Updates {
+    /// The phase after a handshake with `who` that loaded the agent `peer` of incarnation
+    /// `epoch`, under `session` (with a secret).
+    pub fn new(
+        who: &str,
+        peer: &str,
+        epoch: u64,
+        compat: u64,
+        session: Option<Session>,
+    ) -> Updates {
+        Updates {
+            who: who.to_string(),
+            peer: peer.to_string(),
+            epoch,
+            compat,
+            session,
+        }
+    }
+
+    /// The agent on the other end.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// The frame that carries this agent's encoded metadata `meta`.
+    pub fn frame(&mut self, meta: &[u8]) -> Vec<u8> {
+        match self.session.as_mut() {
+            Some(s) => encode_frame(UPDATE, &s.seal(meta)),
+            None => encode_frame(UPDATE, meta),
+        }
+    }
+
+    /// The peer's frame of `kind`: its metadata, opened (with a secret), decoded strictly and
+    /// checked to be the agent this connection loaded. Any error ends the connection.
+    pub fn on_frame(&mut self, kind: u8, payload: &[u8]) -> Result<Metadata> {
+        if kind != UPDATE {
+            return Err(self.protocol(format!("frame kind {kind}, expected UPDATE")));
+        }
+        let opened;
+        let plain = match self.session.as_mut() {
+            Some(s) => {
+                opened = s.open(payload)?;
+                &opened[..]
+            }
+            None => payload,
+        };
+        let meta = Metadata::decode(plain, self.compat).map_err(|err| Error::Metadata {
+            source_desc: format!("{} (update)", self.who),
+            err,
+        })?;
+        if meta.name != self.peer || meta.epoch != self.epoch {
+            return Err(self.protocol(format!(
+                "an update names agent {:?} epoch {:#018x}; this connection loaded {:?} epoch \
+                 {:#018x} (another agent or a restart takes a handshake of its own)",
+                meta.name, meta.epoch, self.peer, self.epoch
+            )));
+        }
+        Ok(meta)
+    }
+
+    fn protocol(&self, why: String) -> Error {
+        Error::Protocol {
+            peer: self.who.clone(),
+            why,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::session::{Initiator, Psk, SEED};
+    use crate::types::{MemKind, RegionId};
+    use crate::wire::metadata::RegionMeta;
+    use crate::wire::side_channel::read_frame;
+
+    const COMPAT: u64 = 42;
+
+    fn meta(name: &str, epoch: u64, regions: u32) -> Metadata {
+        Metadata {
+            name: name.into(),
+            compat: COMPAT,
+            worker_addr: vec![1, 2, 3],
+            epoch,
+            host: None,
+            lane: None,
+            regions: (0..regions)
+                .map(|i| RegionMeta {
+                    id: RegionId(i),
+                    kind: MemKind::Host,
+                    base: 0x1000 * u64::from(i + 1),
+                    len: 4096,
+                    rkey: vec![i as u8; 8],
+                    shm: None,
+                })
+                .collect(),
+        }
+    }
+
+    /// The one frame `f` holds.
+    fn one(f: &[u8]) -> (u8, Vec<u8>) {
+        read_frame(&mut &f[..], "test").unwrap()
+    }
+
+    #[test]
+    fn an_update_of_the_loaded_agent_is_taken_and_another_is_refused() {
+        let mut tx = Updates::new("l", "me", 0, COMPAT, None);
+        let mut rx = Updates::new("c", "a", 7, COMPAT, None);
+        let grown = meta("a", 7, 3);
+        let (k, p) = one(&tx.frame(&grown.encode()));
+        assert_eq!(rx.on_frame(k, &p).unwrap(), grown);
+        for (bad, what) in [
+            (meta("b", 7, 3), "another name"),
+            (meta("a", 8, 3), "another incarnation"),
+        ] {
+            let (k, p) = one(&tx.frame(&bad.encode()));
+            let e = rx.on_frame(k, &p).unwrap_err();
+            assert!(matches!(e, Error::Protocol { .. }), "{what}: {e}");
+        }
+        let e = rx
+            .on_frame(crate::wire::side_channel::META, &p)
+            .unwrap_err();
+        assert!(matches!(e, Error::Protocol { .. }), "{e}");
+        let mut other = meta("a", 7, 1);
+        other.compat = COMPAT + 1;
+        let (k, p) = one(&tx.frame(&other.encode()));
+        assert!(matches!(rx.on_frame(k, &p), Err(Error::Metadata { .. })));
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "X25519 takes minutes under Miri")]
+    fn a_sealed_update_opens_only_under_its_session_and_in_order() {
+        let psk = Psk::side_channel(b"s");
+        let (init, first) = Initiator::start(&psk, [1; SEED], "l").unwrap();
+        let (resp, answer) = Session::respond(&psk, [2; SEED], &first, "c").unwrap();
+        let client = init.finish(&answer).unwrap();
+        let mut tx = Updates::new("l", "me", 0, COMPAT, Some(client));
+        let mut rx = Updates::new("c", "a", 7, COMPAT, Some(resp));
+        let m = meta("a", 7, 2);
+        let f1 = one(&tx.frame(&m.encode()));
+        let f2 = one(&tx.frame(&meta("a", 7, 3).encode()));
+        assert_ne!(f1.1, m.encode(), "sealed");
+        assert_eq!(rx.on_frame(f1.0, &f1.1).unwrap(), m);
+        // Replayed or tampered: refused.
+        assert!(matches!(rx.on_frame(f1.0, &f1.1), Err(Error::Auth { .. })));
+        let mut t = f2.1.clone();
+        t[3] ^= 1;
+        assert!(rx.on_frame(f2.0, &t).is_err());
+    }
+
+    #[test]
+    fn metadata_extends_only_by_regions_appended_to_the_same_incarnation() {
+        let old = meta("a", 7, 2);
+        assert!(meta("a", 7, 3).extends(&old));
+        assert!(!old.extends(&old), "nothing new");
+        assert!(!meta("a", 7, 1).extends(&old), "a region went");
+        assert!(!meta("a", 8, 3).extends(&old), "a restart");
+        let mut moved = meta("a", 7, 3);
+        moved.regions[0].base += 1;
+        assert!(!moved.extends(&old), "a region changed");
+        let mut w = meta("a", 7, 3);
+        w.worker_addr.push(9);
+        assert!(!w.extends(&old), "another worker");
+    }
+}
