@@ -5,10 +5,12 @@
 #![allow(clippy::unwrap_used)] // Benchmarks fail loudly on purpose.
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
-use kvxfer::descriptor::{plan, resolve, RegionSpan};
 use kvxfer::layout::KvGeometry;
-use kvxfer::wire::metadata::{HostInfo, LaneInfo, Metadata, RegionMeta, ShmHandle};
 use kvxfer::{Desc, MemKind, RegionId, Side};
+use kvxfer_proto::descriptor::{plan, resolve, RegionSpan};
+use kvxfer_proto::wire::metadata::{
+    HostInfo, LaneEntry, LaneInfo, Metadata, RegionMeta, ShmHandle,
+};
 
 const BLOCK: u64 = 32 * 1024;
 
@@ -88,11 +90,11 @@ fn metadata(c: &mut Criterion) {
                 pid_ns: 4026531836,
                 pid: 42,
             }),
-            lane: Some(LaneInfo {
+            lanes: vec![LaneEntry::tcp(&LaneInfo {
                 addr: "198.18.0.1:4000".parse().unwrap(),
                 secret: [9; 16],
                 key: [7; 32],
-            }),
+            })],
             regions: (0..regions)
                 .map(|i| RegionMeta {
                     id: RegionId(i),
@@ -126,7 +128,7 @@ fn metadata(c: &mut Criterion) {
 fn paged(c: &mut Criterion) {
     use kvxfer::layout::{KvLayout, KvOrder, KvPacking};
     use kvxfer::paged::{plan_paged, resolve_paged, Paged};
-    use kvxfer::wire::lane::{
+    use kvxfer_proto::wire::lane::{
         encode_paged, paged_table_len, parse_paged, segments, Segment, SEG_LEN,
     };
     let mut g = c.benchmark_group("describe_and_plan");
@@ -170,8 +172,8 @@ fn paged(c: &mut Criterion) {
             let held = (ld.capacity() + rd.capacity()) * std::mem::size_of::<Desc>()
                 + idx.capacity() * std::mem::size_of::<usize>()
                 + (l.capacity() + r.capacity())
-                    * std::mem::size_of::<kvxfer::descriptor::Resolved>()
-                + p.ops.capacity() * std::mem::size_of::<kvxfer::descriptor::Op>();
+                    * std::mem::size_of::<kvxfer_proto::descriptor::Resolved>()
+                + p.ops.capacity() * std::mem::size_of::<kvxfer_proto::descriptor::Op>();
             (p, held)
         };
         let paged = || {

@@ -139,11 +139,9 @@ fn agent(name: &str, transport: &str) -> Agent {
 }
 
 fn connector_cfg(a: &Args) -> ConnectorConfig {
-    ConnectorConfig {
-        mode: a.mode,
-        budget: MemoryBudget::new(a.budget_mib << 20),
-        ..Default::default()
-    }
+    ConnectorConfig::default()
+        .mode(a.mode)
+        .budget(MemoryBudget::new(a.budget_mib << 20))
 }
 
 /// Bytes of the caches this process has in its RSS: its own, and with the shared-memory lane

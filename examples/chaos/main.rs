@@ -95,12 +95,10 @@ fn parse() -> Args {
 }
 
 fn cfg(mode: Mode) -> ConnectorConfig {
-    ConnectorConfig {
-        mode,
-        lease: LEASE,
-        heartbeat: Duration::from_millis(200),
-        ..Default::default()
-    }
+    ConnectorConfig::default()
+        .mode(mode)
+        .lease(LEASE)
+        .heartbeat(Duration::from_millis(200))
 }
 
 fn mode_name(m: Mode) -> &'static str {

@@ -316,10 +316,10 @@ pub unsafe extern "C" fn kvx_producer_next_freed(
             }
             *nblocks = f.blocks.len();
             *reason = match f.reason {
-                kvxfer_core::lifecycle::FreeReason::Acked => 0,
-                kvxfer_core::lifecycle::FreeReason::Aborted => 1,
-                kvxfer_core::lifecycle::FreeReason::Expired => 2,
-                kvxfer_core::lifecycle::FreeReason::HoldLimit => 3,
+                kvxfer_core::connector::FreeReason::Acked => 0,
+                kvxfer_core::connector::FreeReason::Aborted => 1,
+                kvxfer_core::connector::FreeReason::Expired => 2,
+                kvxfer_core::connector::FreeReason::HoldLimit => 3,
                 // A reason this header does not name yet.
                 _ => u32::MAX,
             };

@@ -131,10 +131,10 @@ pub const KVX_MAX_NOTIFICATION: usize = 65536;
 pub const KVX_MAX_TP: u32 = 4096;
 /// Most KV heads (of the whole model) `kvx_tp_plan` takes.
 pub const KVX_MAX_KV_HEADS: u32 = 65536;
-const _: () = assert!(KVX_MAX_NAME == kvxfer_core::wire::metadata::MAX_NAME);
+const _: () = assert!(KVX_MAX_NAME == kvxfer_proto::wire::metadata::MAX_NAME);
 const _: () = assert!(KVX_MAX_TP as u64 == kvxfer_core::connector::MAX_TP);
 const _: () = assert!(KVX_MAX_KV_HEADS as u64 == kvxfer_core::connector::MAX_KV_HEADS);
-const _: () = assert!(KVX_MAX_NOTIFICATION == kvxfer_core::wire::notify::MAX_NOTIFICATION);
+const _: () = assert!(KVX_MAX_NOTIFICATION == kvxfer_proto::wire::notify::MAX_NOTIFICATION);
 
 /// A descriptor: `len` bytes at `offset` in registered region `region`.
 #[repr(C)]

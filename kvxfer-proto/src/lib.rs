@@ -5,8 +5,9 @@
 //! the metrics, `compress::codec`), no UCX, no unsafe code: it builds and tests anywhere
 //! (`cargo test -p kvxfer-proto`), and the fuzz targets depend on it alone.
 //!
-//! The `kvxfer` crate re-exports these modules under their old paths (`kvxfer::descriptor`,
-//! `kvxfer::layout`, ...), so users name them as before.
+//! The `kvxfer` crate re-exports what its API names, each item at one path (`kvxfer::Desc`,
+//! `kvxfer::layout`, `kvxfer::connector::FreeReason`, ...); the codecs and protocol cores
+//! are named here.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 

@@ -109,7 +109,7 @@ mod tests {
             worker_addr: vec![1, 2, 3],
             epoch,
             host: None,
-            lane: None,
+            lanes: Vec::new(),
             regions: (0..regions)
                 .map(|i| RegionMeta {
                     id: RegionId(i),

@@ -71,17 +71,17 @@ mod transfer;
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub use device::cuda;
-pub use kvxfer_proto::wire;
-pub use kvxfer_proto::{descriptor, layout, lifecycle, paged, planning};
+pub use kvxfer_proto::{layout, paged, planning};
 
 pub use agent::{
     Agent, AgentConfig, PreparedLocal, PreparedRemote, TransferBuilder, DEFAULT_COMPAT,
 };
 pub use budget::{cgroup_memory_limit, Charge, MemoryBudget};
 pub use codec_meter::CodecTotals;
-pub use descriptor::{Desc, RegionId};
-pub use kvxfer_proto::compress;
+pub use kvxfer_proto::compress::codec::CodecTally;
+pub use kvxfer_proto::compress::planes::Transform;
 pub use kvxfer_proto::compress::policy::Compression;
+pub use kvxfer_proto::descriptor::{Desc, RegionId};
 pub use kvxfer_proto::error::{Error, MetadataError, Result, Side, UcsStatus};
 pub use kvxfer_proto::types::{GpuPath, Lane, MemKind, PeerInfo, RegionSpan, Transport, XferOp};
 pub use memory::{page_size, HostBuffer, Memory, Region};

@@ -12,10 +12,10 @@ use std::io::Write;
 use std::net::TcpStream;
 use std::time::Duration;
 
-use kvxfer::compress::codec::Encoder;
-use kvxfer::compress::planes::Transform;
-use kvxfer::wire::lane::{RequestHeader, Segment, K_WRITE};
 use kvxfer::{Agent, AgentConfig, Compression, Desc, HostBuffer, Region, Transport, XferOp};
+use kvxfer_proto::compress::codec::Encoder;
+use kvxfer_proto::compress::planes::Transform;
+use kvxfer_proto::wire::lane::{RequestHeader, Segment, K_WRITE};
 use rand::{Rng, RngCore, SeedableRng};
 
 const BLOCK: u64 = 32 * 1024;

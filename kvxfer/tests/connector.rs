@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use kvxfer::connector::{ConnectorConfig, Consumer, Mode, Producer};
 use kvxfer::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking};
-use kvxfer::lifecycle::FreeReason;
 use kvxfer::{Agent, AgentConfig, Error, HostBuffer, MemoryBudget, Region, Transport};
+use kvxfer_proto::lifecycle::FreeReason;
 use rand::{RngCore, SeedableRng};
 
 const T: Duration = Duration::from_secs(20);
@@ -94,11 +94,9 @@ fn check(p: &Side, c: &Side, remote: &[u32], local: &[u32], heads: std::ops::Ran
 }
 
 fn cfg(mode: Mode) -> ConnectorConfig {
-    ConnectorConfig {
-        mode,
-        heartbeat: Duration::from_millis(50),
-        ..Default::default()
-    }
+    ConnectorConfig::default()
+        .mode(mode)
+        .heartbeat(Duration::from_millis(50))
 }
 
 fn full_and_partial(t: Transport, mode: Mode) {
@@ -237,10 +235,7 @@ fn expired_handoff_fails_cleanly_and_frees() {
     let t = Transport::Shm;
     let (p, paddr) = side("exp", &t, 2, 16, KvOrder::Nhd, KvPacking::Separate);
     let (c, _) = side("exc", &t, 2, 16, KvOrder::Nhd, KvPacking::Separate);
-    let pc = ConnectorConfig {
-        lease: Duration::from_millis(300),
-        ..cfg(Mode::Pull)
-    };
+    let pc = cfg(Mode::Pull).lease(Duration::from_millis(300));
     let producer = Producer::new(p.agent.clone(), p.layout.clone(), pc, paddr).unwrap();
     let consumer = Consumer::new(c.agent.clone(), c.layout.clone(), cfg(Mode::Pull)).unwrap();
     let h = producer.publish("late", &[1, 2, 3], 48, 4).unwrap();
@@ -272,27 +267,18 @@ fn two_readers_each_read_half_the_heads() {
     let (c0, _) = side("tp0", &t, 2, 16, KvOrder::Hnd, KvPacking::Separate);
     let (c1, _) = side("tp1", &t, 2, 16, KvOrder::Hnd, KvPacking::Separate);
     randomize(&p.region, 3);
-    let pc = ConnectorConfig {
-        readers: 2,
-        ..cfg(Mode::Pull)
-    };
+    let pc = cfg(Mode::Pull).readers(2);
     let producer = Producer::new(p.agent.clone(), p.layout.clone(), pc, paddr).unwrap();
     let k0 = Consumer::new(
         c0.agent.clone(),
         c0.layout.clone(),
-        ConnectorConfig {
-            heads: Some(0..2),
-            ..cfg(Mode::Pull)
-        },
+        cfg(Mode::Pull).heads(0..2),
     )
     .unwrap();
     let k1 = Consumer::new(
         c1.agent.clone(),
         c1.layout.clone(),
-        ConnectorConfig {
-            heads: Some(2..4),
-            ..cfg(Mode::Pull)
-        },
+        cfg(Mode::Pull).heads(2..4),
     )
     .unwrap();
     let remote = [3, 8, 15];
@@ -317,10 +303,7 @@ fn two_readers_each_read_half_the_heads() {
     let bad = Consumer::new(
         c0.agent.clone(),
         c0.layout.clone(),
-        ConnectorConfig {
-            heads: Some(0..3),
-            ..cfg(Mode::Pull)
-        },
+        cfg(Mode::Pull).heads(0..3),
     )
     .unwrap();
     drop(k0);
@@ -346,10 +329,7 @@ fn budget_backpressure_completes_and_never_exceeds() {
         Consumer::new(
             c.agent.clone(),
             c.layout.clone(),
-            ConnectorConfig {
-                budget: budget.clone(),
-                ..cfg(Mode::Pull)
-            },
+            cfg(Mode::Pull).budget(budget.clone()),
         )
         .unwrap(),
     );
@@ -444,10 +424,7 @@ fn one_agent_in_both_roles_and_a_handoff_before_publish() {
 fn a_consumer_that_dies_mid_load_leaves_no_stranded_blocks() {
     let t = Transport::Tcp;
     let (p, paddr) = side("dp", &t, 2, 16, KvOrder::Nhd, KvPacking::Separate);
-    let pc = ConnectorConfig {
-        lease: Duration::from_millis(500),
-        ..cfg(Mode::Pull)
-    };
+    let pc = cfg(Mode::Pull).lease(Duration::from_millis(500));
     let producer = Producer::new(p.agent.clone(), p.layout.clone(), pc, paddr).unwrap();
     let h = producer.publish("orphan", &[1, 2, 3], 48, 1).unwrap();
     {

@@ -610,11 +610,9 @@ fn connector_on_device_kv(mode: kvxfer::connector::Mode) {
     let data = random(9, pr.len() as usize);
     pd.write(px, &data).unwrap();
     let paddr = pa.listen("127.0.0.1:0").unwrap();
-    let cc = ConnectorConfig {
-        mode,
-        heartbeat: Duration::from_millis(50),
-        ..Default::default()
-    };
+    let cc = ConnectorConfig::default()
+        .mode(mode)
+        .heartbeat(Duration::from_millis(50));
     let producer = Producer::new(pa.clone(), pl.clone(), cc.clone(), Some(paddr)).unwrap();
     let consumer = Consumer::new(ca.clone(), cl.clone(), cc).unwrap();
     let remote = [7u32, 30, 2, 3, 19];

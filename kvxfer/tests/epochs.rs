@@ -128,7 +128,7 @@ fn side_channel_discovery_resolves_names_it_was_given() {
 /// READ reaches.
 #[test]
 fn an_impostor_with_the_real_epoch_or_epoch_zero_is_refused() {
-    use kvxfer::wire::metadata::{Metadata, DEFAULT_COMPAT};
+    use kvxfer_proto::wire::metadata::{Metadata, DEFAULT_COMPAT};
     let name = format!("imp-prefill-{}", std::process::id());
     let d = agent(&format!("imp-decode-{}", std::process::id()));
     let dl = d.register(HostBuffer::new(LEN).unwrap()).unwrap();
@@ -144,7 +144,7 @@ fn an_impostor_with_the_real_epoch_or_epoch_zero_is_refused() {
     // Its own metadata with the real epoch; the same with the real lane address and process
     // copied too (only its UCX worker, where traffic would go, is its own); epoch 0.
     let mut look_alike = own.clone();
-    (look_alike.lane, look_alike.host) = (copied.lane, copied.host);
+    (look_alike.lanes, look_alike.host) = (copied.lanes.clone(), copied.host);
     for (what, base, epoch) in [
         ("the real epoch", &own, real.epoch()),
         (

@@ -161,8 +161,8 @@ fn late_writer(secret: Option<&str>) {
 
 #[test]
 fn a_connection_still_at_the_gate_when_its_peer_is_fenced_is_not_served() {
-    use kvxfer::wire::lane::{parse_welcome, Hello, WELCOME_FIXED_LEN, W_FENCED, W_OK};
-    use kvxfer::wire::metadata::{Metadata, DEFAULT_COMPAT};
+    use kvxfer_proto::wire::lane::{parse_welcome, Hello, WELCOME_FIXED_LEN, W_FENCED, W_OK};
+    use kvxfer_proto::wire::metadata::{Metadata, DEFAULT_COMPAT};
     use std::io::{Read, Write};
     let t = Agent::new(
         AgentConfig::new(format!("gate-target-{}", std::process::id()))
@@ -172,7 +172,7 @@ fn a_connection_still_at_the_gate_when_its_peer_is_fenced_is_not_served() {
     .unwrap();
     let lane = Metadata::decode(&t.metadata().unwrap(), DEFAULT_COMPAT)
         .unwrap()
-        .lane
+        .tcp_lane()
         .unwrap();
     let hello = |epoch| {
         Hello {

@@ -167,7 +167,7 @@ fn edited_handoffs_fail_alone_before_any_connection() {
 #[test]
 fn a_peer_without_the_handoff_frees_and_declares_nothing() {
     use kvxfer::connector::{Grant, GRANT_LEN};
-    use kvxfer::wire::connector::ToProducer;
+    use kvxfer_proto::wire::connector::ToProducer;
     let p = agent("grant-p");
     let (_pr, pl) = kv_layout(&p, 0x5a);
     let paddr = p.listen("127.0.0.1:0").unwrap();
@@ -362,10 +362,7 @@ fn a_peer_with_the_secret_cannot_act_under_another_agents_name() {
     let p = agent("ident-p");
     let (pr, pl) = kv_layout(&p, 0x5a);
     let paddr = p.listen("127.0.0.1:0").unwrap();
-    let two = ConnectorConfig {
-        readers: 2,
-        ..ConnectorConfig::default()
-    };
+    let two = ConnectorConfig::default().readers(2);
     let producer = Producer::new(p.clone(), pl.clone(), two, Some(paddr)).unwrap();
     let c = agent("ident-c");
     let (cr, cl) = kv_layout(&c, 0);

@@ -11,9 +11,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvxfer::wire::metadata::Metadata;
-use kvxfer::wire::side_channel::{FRAME_HEADER_LEN, HELLO, MAX_FRAME, PREAMBLE};
 use kvxfer::{Agent, AgentConfig, Desc, HostBuffer, RegionId, Transport, XferOp};
+use kvxfer_proto::wire::metadata::Metadata;
+use kvxfer_proto::wire::side_channel::{FRAME_HEADER_LEN, HELLO, MAX_FRAME, PREAMBLE};
 
 const LEN: usize = 1 << 20;
 
@@ -98,7 +98,7 @@ fn idle_slow_and_stalled_clients_delay_no_peer() {
         let side = a.listen("127.0.0.1:0").unwrap();
         let lane = Metadata::decode(&a.metadata().unwrap(), a.compat())
             .unwrap()
-            .lane
+            .tcp_lane()
             .unwrap()
             .addr;
 

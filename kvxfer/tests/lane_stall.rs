@@ -13,8 +13,8 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use kvxfer::wire::lane::{ReplyHeader, RequestHeader, Segment, K_DATA, K_READ, K_WRITE};
 use kvxfer::{Agent, AgentConfig, HostBuffer, Region, Transport};
+use kvxfer_proto::wire::lane::{ReplyHeader, RequestHeader, Segment, K_DATA, K_READ, K_WRITE};
 
 const STALL: Duration = Duration::from_secs(1);
 const LEN: usize = 32 << 20;
@@ -110,7 +110,7 @@ fn a_read_drained_slowly_for_longer_than_the_limit_arrives_whole() {
     let mut c = lane_client::connect(&b);
     c.write_all(&request(K_READ, 2, r.id().0, LEN as u64))
         .unwrap();
-    let mut h = [0u8; kvxfer::wire::lane::REPLY_FIXED_LEN];
+    let mut h = [0u8; kvxfer_proto::wire::lane::REPLY_FIXED_LEN];
     c.read_exact(&mut h).unwrap();
     let rh = ReplyHeader::read(&h);
     assert_eq!((rh.kind, rh.id, rh.status), (K_DATA, 2, 0));

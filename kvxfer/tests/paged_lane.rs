@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvxfer::paged::{Paged, WINDOW_BLOCKS};
-use kvxfer::wire::lane::{encode_paged, paged_table_len, RequestHeader, K_WRITE, MAX_SEGS};
 use kvxfer::{Agent, AgentConfig, Compression, Desc, HostBuffer, Lane, Region, Transport, XferOp};
+use kvxfer_proto::wire::lane::{encode_paged, paged_table_len, RequestHeader, K_WRITE, MAX_SEGS};
 use rand::seq::SliceRandom;
 use rand::{RngCore, SeedableRng};
 

@@ -179,9 +179,9 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
 }
 
 fn lane_secret(a: &Agent) -> [u8; 16] {
-    use kvxfer::wire::metadata::{Metadata, DEFAULT_COMPAT};
+    use kvxfer_proto::wire::metadata::{Metadata, DEFAULT_COMPAT};
     let meta = Metadata::decode(&a.metadata().unwrap(), DEFAULT_COMPAT).unwrap();
-    meta.lane.unwrap().secret
+    meta.tcp_lane().unwrap().secret
 }
 
 #[test]
@@ -192,27 +192,11 @@ fn a_relay_without_the_secret_reads_and_changes_nothing() {
     let a = agent("relay-a", Some("open sesame"));
     let ra = a.register(HostBuffer::new(4096).unwrap()).unwrap();
 
-    // A relay that passes everything through: the handshake completes, and it saw neither
-    // agent's name nor either lane credential.
+    // A relay that passes everything through: the handshake completes, the connection is
+    // kept for updates, and the relay saw neither agent's name nor either lane credential,
+    // in the handshake or in an update sent after it.
     let (via, seen) = relay(addr, None);
     let peer = a.connect(via).unwrap();
-    let (up, down) = seen.join().unwrap();
-    assert!(
-        up.len() > 100 && down.len() > 100,
-        "metadata went through the relay"
-    );
-    for (what, secret) in [
-        (a.name().as_bytes().to_vec(), "a's name"),
-        (b.name().as_bytes().to_vec(), "b's name"),
-        (lane_secret(&a).to_vec(), "a's lane credential"),
-        (lane_secret(&b).to_vec(), "b's lane credential"),
-    ] {
-        assert!(
-            !contains(&up, &what) && !contains(&down, &what),
-            "the relay read {secret} ({:?}) off the wire",
-            String::from_utf8_lossy(&what)
-        );
-    }
     // The session the relay passed works: data moves.
     let l = a.prep_local(&[Desc::new(ra.id(), 0, 4096)]).unwrap();
     let r = a
@@ -222,6 +206,41 @@ fn a_relay_without_the_secret_reads_and_changes_nothing() {
         .unwrap()
         .wait()
         .unwrap();
+    // An update through the relay: b registers another region, a learns it.
+    let later = b.register(HostBuffer::new(4096).unwrap()).unwrap();
+    let t = std::time::Instant::now();
+    while !a
+        .peer_regions(&peer)
+        .unwrap()
+        .iter()
+        .any(|s| s.id == later.id())
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "no update through the relay"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let (a_name, a_lane) = (a.name().to_string(), lane_secret(&a));
+    drop((l, r, ra));
+    drop(a); // closes the kept connection: the relay ends.
+    let (up, down) = seen.join().unwrap();
+    assert!(
+        up.len() > 100 && down.len() > 100,
+        "metadata went through the relay"
+    );
+    for (what, secret) in [
+        (a_name.as_bytes().to_vec(), "a's name"),
+        (b.name().as_bytes().to_vec(), "b's name"),
+        (a_lane.to_vec(), "a's lane credential"),
+        (lane_secret(&b).to_vec(), "b's lane credential"),
+    ] {
+        assert!(
+            !contains(&up, &what) && !contains(&down, &what),
+            "the relay read {secret} ({:?}) off the wire",
+            String::from_utf8_lossy(&what)
+        );
+    }
 
     // A relay that changes one byte of the sealed HELLO (after the preamble, the handshake
     // frame and the HELLO's header): the connect fails typed, and the listener loaded nothing.
@@ -234,7 +253,7 @@ fn a_relay_without_the_secret_reads_and_changes_nothing() {
     assert!(b.peer_info(c.name()).is_err(), "a changed HELLO was loaded");
     drop(seen.join());
     // The listener still serves.
-    assert_eq!(a.connect(addr).unwrap(), peer);
+    assert_eq!(c.connect(addr).unwrap(), peer);
 }
 
 /// Two agents with a secret (`sealed_data`: lane_encryption on both), `b`'s lane reached
@@ -244,7 +263,7 @@ fn lane_via_relay(
     sealed_data: bool,
     flip: Option<&dyn Fn(&Agent) -> usize>,
 ) -> (Agent, Agent, kvxfer::Region, kvxfer::Region, String, Seen) {
-    use kvxfer::wire::metadata::{Metadata, DEFAULT_COMPAT};
+    use kvxfer_proto::wire::metadata::{Metadata, DEFAULT_COMPAT};
     let mk = |n: &str| {
         let c = AgentConfig::new(format!("{n}-{tag}-{}", std::process::id()))
             .transport(Transport::Tcp)
@@ -259,9 +278,10 @@ fn lane_via_relay(
     ra.write(0, &[0xA7; 1 << 16]).unwrap();
     rb.write(0, &[0x5B; 1 << 16]).unwrap();
     let mut meta = Metadata::decode(&b.metadata().unwrap(), DEFAULT_COMPAT).unwrap();
-    let lane = meta.lane.as_mut().unwrap();
+    let mut lane = meta.tcp_lane().unwrap();
     let (via, seen) = relay(lane.addr, flip.map(|f| f(&a)));
     lane.addr = via;
+    meta.set_tcp_lane(Some(lane));
     let peer = a.load_remote_metadata(&meta.encode()).unwrap();
     // A sealed lane serves only peers its target loaded (their keys prove their names).
     b.load_remote_metadata(&a.metadata().unwrap()).unwrap();
@@ -345,14 +365,14 @@ fn a_relay_on_the_tcp_lane_changes_nothing() {
 /// memory read, and b still serves.
 #[test]
 fn a_lane_credential_without_the_secret_reads_nothing() {
-    use kvxfer::wire::lane::{Hello, RequestHeader, Segment, K_READ};
+    use kvxfer_proto::wire::lane::{Hello, RequestHeader, Segment, K_READ};
     use std::io::Read;
     let (a, b, _ra, rb, _peer, _seen) = lane_via_relay("cred", false, None);
     let real = {
-        use kvxfer::wire::metadata::{Metadata, DEFAULT_COMPAT};
+        use kvxfer_proto::wire::metadata::{Metadata, DEFAULT_COMPAT};
         Metadata::decode(&b.metadata().unwrap(), DEFAULT_COMPAT)
             .unwrap()
-            .lane
+            .tcp_lane()
             .unwrap()
     };
     let mut s = std::net::TcpStream::connect(real.addr).unwrap();
@@ -477,7 +497,7 @@ fn ucx_reachable(name: &str) -> Agent {
 #[test]
 fn forged_senders_over_ucx_are_not_believed() {
     use kvxfer::connector::{ConnectorConfig, Consumer, Producer};
-    use kvxfer::wire::connector::{ToConsumer, ToProducer};
+    use kvxfer_proto::wire::connector::{ToConsumer, ToProducer};
     use std::sync::Arc;
     let layout = kv_layout;
     let p = Arc::new(ucx_reachable("forge-p"));
@@ -538,7 +558,7 @@ fn forged_senders_over_ucx_are_not_believed() {
 #[test]
 fn a_forged_acknowledgement_frees_nothing() {
     use kvxfer::connector::{ConnectorConfig, Producer};
-    use kvxfer::wire::connector::ToProducer;
+    use kvxfer_proto::wire::connector::ToProducer;
     use std::sync::Arc;
     let p = Arc::new(ucx_reachable("ack-p"));
     let (_r, pl) = kv_layout(&p, 0x5a);

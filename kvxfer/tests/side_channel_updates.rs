@@ -7,9 +7,9 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use kvxfer::wire::metadata::{Metadata, RegionMeta};
-use kvxfer::wire::side_channel::{encode_frame, read_frame, HELLO, META, PREAMBLE, UPDATE};
 use kvxfer::{Agent, AgentConfig, Desc, HostBuffer, Region, RegionId, Transport, XferOp};
+use kvxfer_proto::wire::metadata::{Metadata, RegionMeta};
+use kvxfer_proto::wire::side_channel::{encode_frame, read_frame, HELLO, META, PREAMBLE, UPDATE};
 
 const LEN: usize = 64 << 10;
 

@@ -1,33 +1,38 @@
 //! Agent metadata: what a peer needs to reach this agent's memory, and its wire encoding.
 //!
-//! Layout (little endian), version 3:
+//! Layout (little endian), version 4:
 //!
 //! ```text
 //! magic "KVXM" | version u16 | flags u16 | compat u64 | total_len u32
 //! name_len u16 | name (UTF-8)
 //! addr_len u32 | UCX worker address
+//! [flags & 4: epoch] epoch u64
 //! [flags & 1: host]  boot_id [16] | pid_ns u64 | pid u32
-//! [flags & 2: lane]  family u8 (4|6) | ip [4|16] | port u16 | secret [16] | key [32]
+//! lane_count u8 | { lane u8 | len u16 | body [len] }*            (super::lane_entries)
 //! region_count u32 | { id u32 | kind u8 | device u32 | base u64 | len u64 | rkey_len u16 | rkey
 //!                      | shm u8 (0|1) | [shm: fd u32 | dev u64 | ino u64] }*
 //! ```
 //!
 //! `host` lets a peer on the same host (same boot and pid namespace) map regions that carry an
-//! `shm` handle (memfd-backed buffers) and copy with plain loads and stores; `lane` is the
-//! address of the agent's TCP stream lane, the secret a peer must present to use it, and the
-//! static public key the lane's sealed handshake proves (the agent's lane identity).
+//! `shm` handle (memfd-backed buffers) and copy with plain loads and stores. Each lane that
+//! peers reach over the network advertises itself in an entry of its own: the TCP stream
+//! lane's is its address, the secret a peer must present to use it, and the static public
+//! key the lane's sealed handshake proves (the agent's lane identity). Version 3 carried
+//! that one lane as a fixed field (flag 2).
 //!
 //! The decoder is strict and bounded: it checks magic, version and the compatibility hash before
 //! it reads anything else, every length against a limit and the bytes left, region ids for
 //! uniqueness, `base + len` for overflow, and refuses trailing bytes. It never panics on any
 //! input (property- and fuzz-tested).
 
+pub use super::lane_entries::LaneEntry;
+use super::lane_entries::{self, MAX_LANE_ENTRY};
 use crate::error::MetadataError;
 pub use crate::types::{HostInfo, LaneInfo, ShmHandle};
 use crate::types::{MemKind, RegionId, RegionSpan};
 
 /// Wire version this build speaks.
-pub const WIRE_VERSION: u16 = 3;
+pub const WIRE_VERSION: u16 = 4;
 /// Compatibility hash used when no KV layout is given: the wire version alone.
 pub const DEFAULT_COMPAT: u64 = 0x6b76_7866_0000_0000 | WIRE_VERSION as u64;
 const MAGIC: [u8; 4] = *b"KVXM";
@@ -53,8 +58,8 @@ const COUNT_BYTES: usize = 4;
 const REGION_FIXED_LEN: usize = 4 + 1 + 4 + 8 + 8 + 2 + 1;
 /// A region's shm handle: fd, dev, ino.
 const SHM_LEN: usize = 4 + 8 + 8;
-/// A lane address: family, port, secret, key, plus the IP's 4 or 16 bytes.
-const LANE_FIXED_LEN: usize = 1 + 2 + 16 + 32;
+/// The lane count.
+const LANE_COUNT_BYTES: usize = 1;
 
 /// One registered region as a peer sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -203,19 +208,29 @@ pub struct Metadata {
     pub epoch: u64,
     /// Host identity, for the shared-memory lane.
     pub host: Option<HostInfo>,
-    /// TCP stream lane.
-    pub lane: Option<LaneInfo>,
+    /// The lanes peers reach it by, each in its own entry (at most one per lane).
+    pub lanes: Vec<LaneEntry>,
     /// Registered regions.
     pub regions: Vec<RegionMeta>,
 }
 
 const FLAG_HOST: u16 = 1;
-const FLAG_LANE: u16 = 2;
 const FLAG_EPOCH: u16 = 4;
 const EPOCH_LEN: usize = 8;
 const HOST_LEN: usize = 16 + 8 + 4;
 
 impl Metadata {
+    /// The TCP stream lane's entry, decoded.
+    pub fn tcp_lane(&self) -> Option<LaneInfo> {
+        lane_entries::tcp_of(&self.lanes)
+    }
+
+    /// Sets (or with `None` removes) the TCP stream lane's entry.
+    pub fn set_tcp_lane(&mut self, lane: Option<LaneInfo>) {
+        self.lanes.retain(|e| e.lane != lane_entries::LANE_TCP);
+        self.lanes.extend(lane.as_ref().map(LaneEntry::tcp));
+    }
+
     /// Whether this is `old` with regions registered since: the same incarnation, worker,
     /// host and lane, `old`'s regions unchanged and in place, more after them. A peer that
     /// only grew keeps its entry (and the lists prepared against it) when loaded again.
@@ -225,7 +240,7 @@ impl Metadata {
             && self.worker_addr == old.worker_addr
             && self.epoch == old.epoch
             && self.host == old.host
-            && self.lane == old.lane
+            && self.lanes == old.lanes
             && self.regions.len() > old.regions.len()
             && self.regions[..old.regions.len()] == old.regions[..]
     }
@@ -239,7 +254,8 @@ impl Metadata {
             + self.worker_addr.len()
             + if self.epoch != 0 { EPOCH_LEN } else { 0 }
             + self.host.map_or(0, |_| HOST_LEN)
-            + self.lane.map_or(0, |l| lane_len(&l))
+            + LANE_COUNT_BYTES
+            + self.lanes.iter().map(LaneEntry::wire_len).sum::<usize>()
             + COUNT_BYTES
             + self
                 .regions
@@ -247,7 +263,6 @@ impl Metadata {
                 .map(|r| REGION_FIXED_LEN + r.rkey.len() + r.shm.map_or(0, |_| SHM_LEN))
                 .sum::<usize>();
         let flags = if self.host.is_some() { FLAG_HOST } else { 0 }
-            | if self.lane.is_some() { FLAG_LANE } else { 0 }
             | if self.epoch != 0 { FLAG_EPOCH } else { 0 };
         let mut b = Vec::with_capacity(size);
         b.extend_from_slice(&MAGIC);
@@ -267,20 +282,9 @@ impl Metadata {
             b.extend_from_slice(&h.pid_ns.to_le_bytes());
             b.extend_from_slice(&h.pid.to_le_bytes());
         }
-        if let Some(l) = &self.lane {
-            match l.addr.ip() {
-                std::net::IpAddr::V4(ip) => {
-                    b.push(4);
-                    b.extend_from_slice(&ip.octets());
-                }
-                std::net::IpAddr::V6(ip) => {
-                    b.push(6);
-                    b.extend_from_slice(&ip.octets());
-                }
-            }
-            b.extend_from_slice(&l.addr.port().to_le_bytes());
-            b.extend_from_slice(&l.secret);
-            b.extend_from_slice(&l.key);
+        b.push(self.lanes.len() as u8);
+        for e in &self.lanes {
+            e.encode_into(&mut b);
         }
         b.extend_from_slice(&(self.regions.len() as u32).to_le_bytes());
         for r in &self.regions {
@@ -313,7 +317,7 @@ impl Metadata {
                 expected: expected_compat,
             });
         }
-        let known = FLAG_HOST | FLAG_LANE | FLAG_EPOCH;
+        let known = FLAG_HOST | FLAG_EPOCH;
         if flags & !known != 0 {
             return Err(MetadataError::Invalid {
                 field: "flags",
@@ -390,32 +394,31 @@ impl Metadata {
         } else {
             None
         };
-        let lane = if flags & FLAG_LANE != 0 {
-            let ip: std::net::IpAddr = match r.u8()? {
-                4 => std::net::Ipv4Addr::from(r.array::<4>()?).into(),
-                6 => std::net::Ipv6Addr::from(r.array::<16>()?).into(),
-                f => {
-                    return Err(MetadataError::Invalid {
-                        field: "lane address family",
-                        why: format!("{f}, expected 4 or 6"),
-                    })
-                }
-            };
-            let port = r.u16()?;
-            if port == 0 {
-                return Err(MetadataError::Invalid {
-                    field: "lane port",
-                    why: "0".into(),
+        let lane_count = r.u8()? as usize;
+        if lane_count > lane_entries::MAX_LANES {
+            return Err(MetadataError::TooLarge {
+                field: "lane list",
+                len: lane_count,
+                max: lane_entries::MAX_LANES,
+            });
+        }
+        let mut lanes = Vec::with_capacity(lane_count);
+        for _ in 0..lane_count {
+            let lane = r.u8()?;
+            let len = r.u16()? as usize;
+            if len > MAX_LANE_ENTRY {
+                return Err(MetadataError::TooLarge {
+                    field: "lane entry",
+                    len,
+                    max: MAX_LANE_ENTRY,
                 });
             }
-            Some(LaneInfo {
-                addr: std::net::SocketAddr::new(ip, port),
-                secret: r.array()?,
-                key: r.array()?,
-            })
-        } else {
-            None
-        };
+            lanes.push(LaneEntry {
+                lane,
+                body: r.take(len)?.to_vec(),
+            });
+        }
+        lane_entries::check(&lanes)?;
         let count = r.u32()? as usize;
         if count > MAX_REGIONS {
             return Err(MetadataError::TooLarge {
@@ -454,7 +457,7 @@ impl Metadata {
             worker_addr,
             epoch,
             host,
-            lane,
+            lanes,
             regions,
         })
     }
@@ -467,10 +470,6 @@ impl Metadata {
         let s = bytes.get(at..at + n.min(MAX_NAME))?;
         std::str::from_utf8(s).ok().map(str::to_owned)
     }
-}
-
-fn lane_len(l: &LaneInfo) -> usize {
-    LANE_FIXED_LEN + if l.addr.is_ipv4() { 4 } else { 16 }
 }
 
 struct Reader<'a> {
@@ -529,11 +528,11 @@ mod tests {
                 pid_ns: 4026531836,
                 pid: 4242,
             }),
-            lane: Some(LaneInfo {
+            lanes: vec![LaneEntry::tcp(&LaneInfo {
                 addr: "198.18.0.1:40000".parse().unwrap(),
                 secret: [0xab; 16],
                 key: [0xcd; 32],
-            }),
+            })],
             regions: vec![
                 RegionMeta {
                     id: RegionId(0),
@@ -596,12 +595,20 @@ mod tests {
     fn roundtrip_without_options_and_v6() {
         let mut m = sample();
         m.host = None;
-        m.lane = None;
+        m.set_tcp_lane(None);
         assert_eq!(Metadata::decode(&m.encode(), m.compat).unwrap(), m);
-        m.lane = Some(LaneInfo {
+        let v6 = LaneInfo {
             addr: "[::1]:9".parse().unwrap(),
             secret: [1; 16],
             key: [2; 32],
+        };
+        m.set_tcp_lane(Some(v6));
+        let back = Metadata::decode(&m.encode(), m.compat).unwrap();
+        assert_eq!((back.tcp_lane(), &back), (Some(v6), &m));
+        // A lane this build does not know travels along, used by no one.
+        m.lanes.push(LaneEntry {
+            lane: 200,
+            body: vec![1, 2, 3],
         });
         assert_eq!(Metadata::decode(&m.encode(), m.compat).unwrap(), m);
     }

@@ -4,6 +4,7 @@
 
 pub mod connector;
 pub mod lane;
+pub mod lane_entries;
 pub mod metadata;
 pub mod notify;
 pub mod side_channel;

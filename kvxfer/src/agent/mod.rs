@@ -51,6 +51,7 @@ use kvxfer_proto::grants::GrantTable;
 use kvxfer_proto::types::{
     choose_gpu_path, GpuPath, MemKind, PeerInfo, RegionId, RegionSpan, Transport, XferOp,
 };
+use kvxfer_proto::wire::lane_entries::LANE_TCP;
 use kvxfer_proto::wire::metadata::Metadata;
 use kvxfer_proto::wire::notify::{check_payload, Notification};
 
@@ -165,7 +166,7 @@ impl Agent {
             next_xfer: AtomicU64::new(1),
             ucx_version: raw::version_string(),
             host,
-            lane: lanes.iter().find_map(|l| l.advertise()),
+            advertised: lanes.iter().filter_map(|l| l.advertise()).collect(),
             transport: cfg.transport.clone(),
             lanes,
             load_lock: Mutex::new(()),
@@ -330,7 +331,7 @@ impl Agent {
         )
         .map_err(|why| Error::Cuda { device, why })?;
         if path == GpuPath::Staged {
-            if self.shared.lane.is_none() {
+            if !self.shared.advertised.iter().any(|e| e.lane == LANE_TCP) {
                 return Err(Error::Cuda {
                     device,
                     why: "the staged path moves device memory over kvxfer's TCP lane, which is \

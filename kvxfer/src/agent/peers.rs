@@ -39,7 +39,7 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
     };
     let spans: Vec<RegionSpan> = meta.regions.iter().map(|r| r.span()).collect();
     let unmapped: Vec<bool> = meta.regions.iter().map(|r| r.rkey.is_empty()).collect();
-    let (epoch, lane_addr, host) = (meta.epoch, meta.lane.map(|l| l.addr), meta.host);
+    let (epoch, lane_addr, host) = (meta.epoch, meta.tcp_lane().map(|l| l.addr), meta.host);
     let worker_addr = meta.worker_addr.clone();
     let LoadedPeer { token, connected } = st.cmds.call(|reply| Cmd::LoadPeer { meta, reply })?;
     // UCX's TCP transport left out: a peer no other UCX transport reaches is loaded lane-only
@@ -117,7 +117,7 @@ fn another_incarnation(st: &AgentState, meta: &Metadata) -> Result<()> {
     // Names and epochs are claims: every HELLO answer shows an agent's epoch, so the same
     // epoch is taken as the same incarnation only from where that incarnation is.
     if old.epoch != 0 && meta.epoch == old.epoch {
-        let same_lane = old.lane_addr == meta.lane.map(|l| l.addr);
+        let same_lane = old.lane_addr == meta.tcp_lane().map(|l| l.addr);
         let same_process = old.host.map(|h| (h.boot_id, h.pid_ns, h.pid))
             == meta.host.map(|h| (h.boot_id, h.pid_ns, h.pid));
         // Lane address and process are easy to copy from the real metadata; the worker address
@@ -131,7 +131,7 @@ fn another_incarnation(st: &AgentState, meta: &Metadata) -> Result<()> {
             old.epoch,
             old.lane_addr
                 .map_or("no lane".to_string(), |a| a.to_string()),
-            meta.lane
+            meta.tcp_lane()
                 .map_or("no lane".to_string(), |l| l.addr.to_string()),
         )));
     }
@@ -145,7 +145,7 @@ fn another_incarnation(st: &AgentState, meta: &Metadata) -> Result<()> {
         // An agent that named no epoch (written by hand): replaced as before.
         return Ok(());
     }
-    let new_lane = meta.lane.map(|l| l.addr);
+    let new_lane = meta.tcp_lane().map(|l| l.addr);
     let alive = match old.lane_addr {
         Some(a) if Some(a) != new_lane => {
             std::net::TcpStream::connect_timeout(&a, PROBE_TIMEOUT).is_ok()

@@ -12,7 +12,8 @@ use crate::notify::Channels;
 use crate::staging::pool::StagingCell;
 use crate::transfer::Canceller;
 use kvxfer_proto::error::{Error, Result, UcsStatus};
-use kvxfer_proto::types::{GpuPath, HostInfo, Lane, LaneInfo, RegionSpan, Transport};
+use kvxfer_proto::types::{GpuPath, HostInfo, Lane, RegionSpan, Transport};
+use kvxfer_proto::wire::lane_entries::LaneEntry;
 
 /// The agent's state, shared with the threads it starts (side-channel listeners). Only the
 /// agent writes its tables: the region table after the engine's replies, the peer views after
@@ -31,8 +32,8 @@ pub(crate) struct AgentState {
     pub(crate) next_xfer: AtomicU64,
     pub(crate) ucx_version: String,
     pub(crate) host: Option<HostInfo>,
-    /// What the TCP lane advertises in this agent's metadata.
-    pub(crate) lane: Option<LaneInfo>,
+    /// What the lanes advertise in this agent's metadata, an entry each.
+    pub(crate) advertised: Vec<LaneEntry>,
     pub(crate) transport: Transport,
     /// kvxfer's own lanes, in the order a transfer tries them (empty: UCX only).
     pub(crate) lanes: Vec<Box<dyn LaneKind>>,
@@ -76,7 +77,7 @@ impl AgentState {
             epoch: self.epoch,
             compat: self.compat,
             host: self.host,
-            lane: self.lane,
+            lanes: self.advertised.clone(),
         }
     }
 

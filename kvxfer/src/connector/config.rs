@@ -7,8 +7,21 @@ use std::time::Duration;
 use crate::budget::MemoryBudget;
 use kvxfer_proto::wire::connector::Mode;
 
-/// Connector settings.
+/// Connector settings: [`ConnectorConfig::default`] and the setters (or the fields, which are
+/// public to read and write; new ones may come, so it is built from its default).
+///
+/// ```
+/// use std::time::Duration;
+/// use kvxfer::connector::{ConnectorConfig, Mode};
+///
+/// let cfg = ConnectorConfig::default()
+///     .mode(Mode::Push)
+///     .readers(2)
+///     .lease(Duration::from_secs(10));
+/// assert_eq!(cfg.readers, 2);
+/// ```
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ConnectorConfig {
     /// Pull or push.
     pub mode: Mode,
@@ -46,5 +59,55 @@ impl Default for ConnectorConfig {
             budget: MemoryBudget::unlimited(),
             budget_wait: Duration::from_secs(60),
         }
+    }
+}
+
+impl ConnectorConfig {
+    /// Sets [`ConnectorConfig::mode`](#structfield.mode).
+    pub fn mode(mut self, m: Mode) -> Self {
+        self.mode = m;
+        self
+    }
+
+    /// Sets [`ConnectorConfig::lease`](#structfield.lease).
+    pub fn lease(mut self, d: Duration) -> Self {
+        self.lease = d;
+        self
+    }
+
+    /// Sets [`ConnectorConfig::heartbeat`](#structfield.heartbeat).
+    pub fn heartbeat(mut self, d: Duration) -> Self {
+        self.heartbeat = d;
+        self
+    }
+
+    /// Sets [`ConnectorConfig::max_hold`](#structfield.max_hold).
+    pub fn max_hold(mut self, d: Duration) -> Self {
+        self.max_hold = d;
+        self
+    }
+
+    /// Sets [`ConnectorConfig::readers`](#structfield.readers).
+    pub fn readers(mut self, n: usize) -> Self {
+        self.readers = n;
+        self
+    }
+
+    /// Sets [`ConnectorConfig::heads`](#structfield.heads).
+    pub fn heads(mut self, h: Range<u64>) -> Self {
+        self.heads = Some(h);
+        self
+    }
+
+    /// Sets [`ConnectorConfig::budget`](#structfield.budget).
+    pub fn budget(mut self, b: MemoryBudget) -> Self {
+        self.budget = b;
+        self
+    }
+
+    /// Sets [`ConnectorConfig::budget_wait`](#structfield.budget_wait).
+    pub fn budget_wait(mut self, d: Duration) -> Self {
+        self.budget_wait = d;
+        self
     }
 }

@@ -11,7 +11,8 @@ use crate::notify::Channels;
 use crate::staging::pool::StagingCell;
 use crate::transfer::{Job, NoteCarrier, Work};
 use kvxfer_proto::grants::GrantTable;
-use kvxfer_proto::types::{HostInfo, Lane, LaneInfo, Transport};
+use kvxfer_proto::types::{HostInfo, Lane, Transport};
+use kvxfer_proto::wire::lane_entries::LaneEntry;
 use kvxfer_proto::wire::metadata::Metadata;
 
 /// What a route asks a lane about a transfer.
@@ -46,8 +47,9 @@ pub(crate) trait LaneKind: Send + Sync {
     /// Its name, for logs.
     fn name(&self) -> &'static str;
 
-    /// What this agent's metadata tells peers of it (the TCP lane's address and credential).
-    fn advertise(&self) -> Option<LaneInfo> {
+    /// What this agent's metadata tells peers of it, in the lane's own entry (the TCP lane's
+    /// address, credential and key); none for a lane peers need nothing to reach.
+    fn advertise(&self) -> Option<LaneEntry> {
         None
     }
 

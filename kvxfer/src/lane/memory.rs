@@ -3,7 +3,9 @@
 //! do not change). It carries host-memory transfers between agents whose names start with
 //! [`PREFIX`], copying straight between their registered regions (they share an address
 //! space), each remote range checked against the target's region table first; the
-//! notification goes after the data, as on every lane. Built for kvxfer's unit tests only.
+//! notification goes after the data, as on every lane. Peers find it through an entry of its
+//! own in the metadata ([`LANE_MEMORY`]: a token naming the target), as a network lane would
+//! advertise its address. Built for kvxfer's unit tests only.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,22 +15,24 @@ use super::api::{LaneCtx, LaneKind, LaneSetup, PeerLane, Query};
 use crate::transfer::{Job, NoteCarrier};
 use kvxfer_proto::error::Error;
 use kvxfer_proto::types::{Lane, MemKind, XferOp};
-use kvxfer_proto::wire::metadata::Metadata;
+use kvxfer_proto::wire::metadata::{LaneEntry, Metadata};
 
 /// Agents whose names start with this run the lane.
 pub(crate) const PREFIX: &str = "kvx-memlane-";
+/// The lane's id in metadata (from the range no released lane uses).
+pub(crate) const LANE_MEMORY: u8 = 0xf0;
 
 /// Transfers the lane carried in this process.
 pub(crate) static CARRIED: AtomicUsize = AtomicUsize::new(0);
 
-/// The targets of this process, by agent name.
-fn targets() -> &'static Mutex<HashMap<String, Weak<LaneCtx>>> {
-    static T: OnceLock<Mutex<HashMap<String, Weak<LaneCtx>>>> = OnceLock::new();
+/// The targets of this process, by the token their metadata advertises.
+fn targets() -> &'static Mutex<HashMap<u64, Weak<LaneCtx>>> {
+    static T: OnceLock<Mutex<HashMap<u64, Weak<LaneCtx>>>> = OnceLock::new();
     T.get_or_init(Mutex::default)
 }
 
 pub(crate) struct MemoryLane {
-    name: String,
+    token: u64,
     notifier: NoteCarrier,
 }
 
@@ -37,10 +41,11 @@ impl MemoryLane {
         if !setup.name.starts_with(PREFIX) {
             return None;
         }
+        let token = u64::from_le_bytes(crate::random::bytes().ok()?);
         let mut t = targets().lock().unwrap_or_else(|e| e.into_inner());
-        t.insert(setup.name.clone(), Arc::downgrade(&setup.ctx));
+        t.insert(token, Arc::downgrade(&setup.ctx));
         Some(Box::new(MemoryLane {
-            name: setup.name.clone(),
+            token,
             notifier: setup.notifier.clone(),
         }))
     }
@@ -51,9 +56,18 @@ impl LaneKind for MemoryLane {
         "memory"
     }
 
+    fn advertise(&self) -> Option<LaneEntry> {
+        Some(LaneEntry {
+            lane: LANE_MEMORY,
+            body: self.token.to_le_bytes().to_vec(),
+        })
+    }
+
     fn open(&self, meta: &Metadata) -> Option<Arc<dyn PeerLane>> {
+        let entry = meta.lanes.iter().find(|e| e.lane == LANE_MEMORY)?;
+        let token = u64::from_le_bytes(entry.body.as_slice().try_into().ok()?);
         let t = targets().lock().unwrap_or_else(|e| e.into_inner());
-        let target = t.get(&meta.name)?.clone();
+        let target = t.get(&token)?.clone();
         Some(Arc::new(MemoryPeer {
             target,
             notifier: self.notifier.clone(),
@@ -64,7 +78,7 @@ impl LaneKind for MemoryLane {
         targets()
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.name);
+            .remove(&self.token);
     }
 }
 
@@ -131,7 +145,7 @@ fn lane_failed(job: &Job, why: String) -> Error {
 mod tests {
     use std::time::Duration;
 
-    use super::{CARRIED, PREFIX};
+    use super::{CARRIED, LANE_MEMORY, PREFIX};
     use crate::agent::{Agent, AgentConfig};
     use crate::memory::HostBuffer;
     use kvxfer_proto::descriptor::Desc;
@@ -151,6 +165,14 @@ mod tests {
         ra.write(0, &[0x5a; 4096]).unwrap();
         rb.write(8192, &[0xa5; 4096]).unwrap();
         let peer = a.connect(b.listen("127.0.0.1:0").unwrap()).unwrap();
+        // It advertised itself in an entry of its own, beside the TCP lane's.
+        let meta = kvxfer_proto::wire::metadata::Metadata::decode(
+            &b.metadata().unwrap(),
+            kvxfer_proto::wire::metadata::DEFAULT_COMPAT,
+        )
+        .unwrap();
+        assert!(meta.lanes.iter().any(|e| e.lane == LANE_MEMORY));
+        assert!(meta.tcp_lane().is_some());
         let before = CARRIED.load(std::sync::atomic::Ordering::Relaxed);
         let l = a.prep_local(&[Desc::new(ra.id(), 0, 4096)]).unwrap();
         let r = a

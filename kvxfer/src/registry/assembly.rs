@@ -206,7 +206,7 @@ mod tests {
             worker_addr: vec![1, 2, 3],
             epoch,
             host: None,
-            lane: None,
+            lanes: Vec::new(),
             regions: ids.iter().map(|&i| region(i)).collect(),
         }
     }

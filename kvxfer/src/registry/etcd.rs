@@ -32,8 +32,10 @@ use crate::agent::Agent;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::wire::metadata::{Metadata, RegionMeta};
 
-/// Where etcd is and how agents are kept there.
+/// Where etcd is and how agents are kept there: [`EtcdConfig::new`], then the fields or
+/// [`EtcdConfig::ttl`].
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct EtcdConfig {
     /// Endpoints, e.g. `http://10.0.0.5:2379`.
     pub endpoints: Vec<String>,
@@ -432,7 +434,7 @@ async fn publish_once(
 
 /// Whether the incarnation whose metadata a key holds still answers on its TCP lane.
 fn holder_alive(m: Option<&Metadata>) -> bool {
-    m.and_then(|m| m.lane).is_some_and(|l| {
+    m.and_then(|m| m.tcp_lane()).is_some_and(|l| {
         std::net::TcpStream::connect_timeout(&l.addr, Duration::from_secs(1)).is_ok()
     })
 }

@@ -7,16 +7,16 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use kvxfer::wire::lane::{
+use kvxfer::Agent;
+use kvxfer_proto::wire::lane::{
     encode_welcome, Hello, ReplyHeader, K_ACK, REPLY_FIXED_LEN, WELCOME_FIXED_LEN,
 };
-use kvxfer::wire::metadata::{Metadata, DEFAULT_COMPAT};
-use kvxfer::Agent;
+use kvxfer_proto::wire::metadata::{Metadata, DEFAULT_COMPAT};
 
 /// A connection to `b`'s TCP lane that has said hello and been welcomed.
 pub fn connect(b: &Agent) -> TcpStream {
     let meta = Metadata::decode(&b.metadata().unwrap(), DEFAULT_COMPAT).unwrap();
-    let lane = meta.lane.unwrap();
+    let lane = meta.tcp_lane().unwrap();
     let mut c = TcpStream::connect(lane.addr).unwrap();
     c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     c.write_all(

@@ -2,11 +2,13 @@
 
 use kvxfer::layout::KvGeometry;
 
-use kvxfer::compress::codec::{decode_frame, Decoder, Encoder};
-use kvxfer::compress::frame::CHUNK;
-use kvxfer::compress::planes::Transform;
-use kvxfer::compress::policy::{decide, predict, CodecRates, Decision, Estimates, Prediction};
 use kvxfer::Compression;
+use kvxfer_proto::compress::codec::{decode_frame, Decoder, Encoder};
+use kvxfer_proto::compress::frame::CHUNK;
+use kvxfer_proto::compress::planes::Transform;
+use kvxfer_proto::compress::policy::{
+    decide, predict, CodecRates, Decision, Estimates, Prediction,
+};
 
 use crate::cli::PlanArgs;
 use crate::BoxErr;

@@ -23,7 +23,8 @@ use crate::memory::RegionInner;
 use crate::notify::Channels;
 use crate::transfer::Job;
 use kvxfer_proto::error::{Error, Result, UcsStatus};
-use kvxfer_proto::types::{HostInfo, LaneInfo, MemKind, PeerInfo};
+use kvxfer_proto::types::{HostInfo, MemKind, PeerInfo};
+use kvxfer_proto::wire::lane_entries::LaneEntry;
 use kvxfer_proto::wire::metadata::{Metadata, RegionMeta};
 
 /// Active-message id of notifications.
@@ -83,7 +84,8 @@ pub(crate) struct LocalIdentity {
     pub(crate) epoch: u64,
     pub(crate) compat: u64,
     pub(crate) host: Option<HostInfo>,
-    pub(crate) lane: Option<LaneInfo>,
+    /// What each lane advertises.
+    pub(crate) lanes: Vec<LaneEntry>,
 }
 
 /// The engine's answer to [`Cmd::LoadPeer`].
@@ -513,7 +515,7 @@ impl Engine {
             epoch,
             compat,
             host,
-            lane,
+            lanes,
         } = local;
         let mut ids: Vec<&u32> = self.regions.keys().collect();
         ids.sort_unstable();
@@ -523,7 +525,7 @@ impl Engine {
             worker_addr: self.worker_addr.clone(),
             epoch,
             host,
-            lane,
+            lanes,
             regions: ids
                 .into_iter()
                 .map(|id| {

@@ -18,6 +18,7 @@ use crate::transfer::Job;
 use kvxfer_proto::error::Result;
 use kvxfer_proto::session::{Psk, StaticKey};
 use kvxfer_proto::types::{Lane, LaneInfo, Transport};
+use kvxfer_proto::wire::lane_entries::LaneEntry;
 use kvxfer_proto::wire::metadata::Metadata;
 
 /// The TCP lane of one agent. Every agent with lanes on serves it, whatever its transport, so
@@ -80,12 +81,12 @@ impl LaneKind for TcpLane {
         "tcp"
     }
 
-    fn advertise(&self) -> Option<LaneInfo> {
-        Some(self.info)
+    fn advertise(&self) -> Option<LaneEntry> {
+        Some(LaneEntry::tcp(&self.info))
     }
 
     fn open(&self, meta: &Metadata) -> Option<Arc<dyn PeerLane>> {
-        let info = meta.lane?;
+        let info = meta.tcp_lane()?;
         let c = &self.compressing;
         let link = Link::new(
             &self.name,
