@@ -19,6 +19,7 @@ pub mod error;
 pub mod grants;
 pub mod handoff_seal;
 pub mod lane;
+pub mod lane_request;
 pub mod lane_seal;
 pub mod layout;
 pub mod lifecycle;

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use super::dial::Sealing;
 use super::epochs::FenceViews;
 use super::identities::{Identities, Key};
-use super::link::{Compressor, Link};
+use super::link::{Compressor, Link, LinkSetup};
 use super::server::Server;
 use super::settings::{Compressing, Striping};
 use crate::budget::MemoryBudget;
@@ -88,27 +88,27 @@ impl LaneKind for TcpLane {
     fn open(&self, meta: &Metadata) -> Option<Arc<dyn PeerLane>> {
         let info = meta.tcp_lane()?;
         let c = &self.compressing;
-        let link = Link::new(
-            &self.name,
-            &meta.name,
+        let link = Link::new(LinkSetup {
+            me: &self.name,
+            peer: &meta.name,
             info,
-            meta.regions.iter().map(|r| r.span()).collect(),
-            self.budget.clone(),
-            self.staging.clone(),
-            self.striping.of(&meta.name),
-            Compressor {
+            spans: meta.regions.iter().map(|r| r.span()).collect(),
+            budget: self.budget.clone(),
+            staging: self.staging.clone(),
+            stripes: self.striping.of(&meta.name),
+            comp: Compressor {
                 policy: c.of(&meta.name),
                 transform: c.transform,
                 meter: self.codec.clone(),
                 threads: c.threads,
             },
-            self.fence_views.of(info.secret),
-            self.secret.as_deref().map(|s| Sealing {
+            view: self.fence_views.of(info.secret),
+            seal: self.secret.as_deref().map(|s| Sealing {
                 psk: Psk::lane(s, &info.secret),
                 sealed_data: self.seal_data,
                 key: self.key.clone(),
             }),
-        );
+        });
         self.ids.learn(&meta.name, info.key);
         Some(Arc::new(TcpPeer {
             link,

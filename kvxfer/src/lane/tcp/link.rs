@@ -25,13 +25,11 @@ use kvxfer_proto::compress::policy::{
 };
 use kvxfer_proto::descriptor::Op;
 use kvxfer_proto::error::{Error, Result};
-use kvxfer_proto::lane::{LaneInitiator, ReplyError, PIECE_BYTES};
+use kvxfer_proto::lane::{ReplyError, PIECE_BYTES};
+use kvxfer_proto::lane_request::{LaneRequest, Step, Table};
 use kvxfer_proto::paged::{Paged, ResolvedPaged, Run, WINDOW_BLOCKS};
 use kvxfer_proto::types::{Lane, LaneInfo, RegionSpan, XferOp};
-use kvxfer_proto::wire::lane::{
-    encode_paged, paged_table_len, ReplyHeader, RequestHeader, Segment, HEADER_LEN, K_ACK, K_DATA,
-    K_READ, K_WRITE, MAX_PAGED_TABLE, MAX_SEGS, REPLY_FIXED_LEN, SEG_LEN,
-};
+use kvxfer_proto::wire::lane::{ReplyHeader, Segment, HEADER_LEN, MAX_SEGS, REPLY_FIXED_LEN};
 
 /// Transfers below this go over one connection even when striping is on: one connection moves
 /// them at full speed, and every stripe costs a thread and a request.
@@ -86,29 +84,37 @@ pub(crate) struct Link {
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
+/// What a link towards one peer is made of.
+pub(crate) struct LinkSetup<'a> {
+    /// This agent's name and the peer's.
+    pub(crate) me: &'a str,
+    pub(crate) peer: &'a str,
+    /// The peer's lane entry: address, credential, key.
+    pub(crate) info: LaneInfo,
+    /// The peer's regions, by slot.
+    pub(crate) spans: Vec<RegionSpan>,
+    pub(crate) budget: MemoryBudget,
+    pub(crate) staging: Arc<StagingCell>,
+    /// Connections a large transfer is striped over.
+    pub(crate) stripes: usize,
+    pub(crate) comp: Compressor,
+    /// The peer's fence count as this agent learned it.
+    pub(crate) view: Arc<AtomicU64>,
+    /// With a secret: how connections are sealed.
+    pub(crate) seal: Option<Sealing>,
+}
+
 impl Link {
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
-        me: &str,
-        peer: &str,
-        info: LaneInfo,
-        spans: Vec<RegionSpan>,
-        budget: MemoryBudget,
-        staging: Arc<StagingCell>,
-        stripes: usize,
-        comp: Compressor,
-        view: Arc<AtomicU64>,
-        seal: Option<Sealing>,
-    ) -> Link {
+    pub(crate) fn new(s: LinkSetup<'_>) -> Link {
         Link {
             inner: Arc::new(LinkInner {
-                peer: peer.to_string(),
-                dial: Dialer::new(me, peer, info, view, seal, budget.clone()),
-                spans,
-                budget,
-                staging,
-                stripes: stripes.max(1),
-                comp,
+                peer: s.peer.to_string(),
+                dial: Dialer::new(s.me, s.peer, s.info, s.view, s.seal, s.budget.clone()),
+                spans: s.spans,
+                budget: s.budget,
+                staging: s.staging,
+                stripes: s.stripes.max(1),
+                comp: s.comp,
                 rate: Mutex::default(),
                 q: Mutex::new((VecDeque::new(), false)),
                 cv: Condvar::new(),
@@ -603,93 +609,69 @@ fn run_job(
         (Some(_), XferOp::Write) => SEND_BYTES * inner.comp.threads.max(1) as u64,
         (Some(_), XferOp::Read) => RECV_BYTES,
     };
-    // A paged part's table in the target's terms: its runs' remote sides, lists shared.
-    let remote: Vec<Paged> = match part {
-        Part::Ops(_) => Vec::new(),
-        Part::Runs(runs) => runs
-            .iter()
-            .map(|r| {
-                let span = inner.spans.get(r.remote.slot as usize).ok_or_else(|| {
-                    lane_err(inner, format!("remote slot {} unknown", r.remote.slot))
-                })?;
-                Ok(Paged {
+    // The table in the target's terms: a segment per operation, or a paged part's runs'
+    // remote sides (lists shared); the local pieces beside it.
+    let slot = |s: u32| {
+        inner
+            .spans
+            .get(s as usize)
+            .ok_or_else(|| lane_err(inner, format!("remote slot {s} unknown")))
+    };
+    let mut segments = Vec::new();
+    let mut remote: Vec<Paged> = Vec::new();
+    let mut pieces = Vec::new();
+    let mut local: Vec<ResolvedPaged> = Vec::new();
+    match part {
+        Part::Ops(ops) => {
+            segments.reserve_exact(ops.len());
+            pieces.reserve_exact(ops.len());
+            for o in ops {
+                let span = slot(o.rslot)?;
+                segments.push(Segment {
+                    region: span.id.0,
+                    offset: o.remote - span.base,
+                    len: o.len,
+                });
+                pieces.push((o.local, o.len));
+            }
+        }
+        Part::Runs(runs) => {
+            for r in runs {
+                let span = slot(r.remote.slot)?;
+                remote.push(Paged {
                     region: span.id,
                     offset: r.remote.base - span.base,
                     block_len: r.remote.block_len,
                     stride: r.remote.stride,
                     blocks: r.remote.blocks.clone(),
-                })
-            })
-            .collect::<Result<_>>()?,
-    };
-    // Bytes of the table, and what this side holds besides: the pieces, or a paged part's
-    // entries and one window's pieces.
-    let (table_len, held) = match part {
-        Part::Ops(o) => (o.len() * SEG_LEN, o.len() * PIECE_BYTES),
-        Part::Runs(r) => (
-            paged_table_len(&remote),
-            r.len() * (std::mem::size_of::<Paged>() + std::mem::size_of::<ResolvedPaged>())
-                + WINDOW_BLOCKS * (PIECE_BYTES + 4),
-        ),
-    };
-    if table_len > MAX_PAGED_TABLE {
-        return Err(Error::InvalidArgument(match part {
-            Part::Ops(o) => format!(
-                "{} operations in one transfer, the TCP lane takes {MAX_SEGS}",
-                o.len()
-            ),
-            Part::Runs(_) => {
-                format!("a paged table of {table_len} bytes, the TCP lane takes {MAX_PAGED_TABLE}")
+                });
             }
-        }));
+            local = runs.iter().map(|r| r.local.clone()).collect();
+        }
     }
+    let table = match part {
+        Part::Ops(_) => Table::Segments(&segments),
+        Part::Runs(_) => Table::Paged(&remote),
+    };
+    // The request, its table and what this side holds besides (the pieces, or a paged part's
+    // entries and one window's pieces), charged to the agent's budget (waits while other
+    // transfers hold it, up to the deadline or a minute).
+    let table_len = table.wire_len().map_err(Error::InvalidArgument)?;
+    let held = match part {
+        Part::Ops(o) => o.len() * (PIECE_BYTES + std::mem::size_of::<Segment>()),
+        Part::Runs(r) => {
+            r.len() * (std::mem::size_of::<Paged>() + std::mem::size_of::<ResolvedPaged>())
+                + WINDOW_BLOCKS * (PIECE_BYTES + 4)
+        }
+    };
     let _charge = inner.budget.charge(
         (HEADER_LEN + table_len + held) as u64 + codec_bytes,
         "TCP lane request",
         wait,
     )?;
-    let mut hdr = Vec::with_capacity(HEADER_LEN + table_len + note.len());
-    RequestHeader {
-        kind: if job.op == XferOp::Write {
-            K_WRITE
-        } else {
-            K_READ
-        },
-        id: job.id,
-        nsegs: match part {
-            Part::Ops(o) => o.len(),
-            Part::Runs(_) => table_len,
-        },
-        notif_len: note.len(),
-        frames,
-        paged: matches!(part, Part::Runs(_)),
-    }
-    .encode(&mut hdr);
-    let mut pieces = Vec::new();
-    let mut local: Vec<ResolvedPaged> = Vec::new();
-    match part {
-        Part::Ops(ops) => {
-            pieces.reserve_exact(ops.len());
-            for o in ops {
-                let span = inner
-                    .spans
-                    .get(o.rslot as usize)
-                    .ok_or_else(|| lane_err(inner, format!("remote slot {} unknown", o.rslot)))?;
-                Segment {
-                    region: span.id.0,
-                    offset: o.remote - span.base,
-                    len: o.len,
-                }
-                .encode(&mut hdr);
-                pieces.push((o.local, o.len));
-            }
-        }
-        Part::Runs(runs) => {
-            encode_paged(&remote, &mut hdr);
-            local = runs.iter().map(|r| r.local.clone()).collect();
-        }
-    }
-    drop(remote);
+    let (mut req, opening) =
+        LaneRequest::start(job.op, job.id, table, note, frames).map_err(Error::InvalidArgument)?;
+    drop((segments, remote));
     // Cancel, a failed stripe and the deadline end the job; progress changes nothing here.
     let mut ctl = |_moved: bool| check();
     // Local device memory: two chunks of this agent's initiator pool, taken before the request
@@ -730,40 +712,49 @@ fn run_job(
             }
         }
     };
-    let posted_at;
-    let tally;
-    if job.op == XferOp::Write {
-        c.send(&hdr, &mut ctl)
-            .map_err(|s| stop_err(inner, s, "request"))?;
-        tally = data(true, &mut ctl).map_err(|e| data_err(e, "sending data"))?;
-        c.send(note, &mut ctl)
-            .map_err(|s| stop_err(inner, s, "notification"))?;
-        posted_at = job.started.elapsed();
-        read_reply(inner, c, K_ACK, job.id, &mut ctl)?;
-        if frames.is_some() {
-            inner.comp.meter.encoded(&tally);
+    // The request's steps (`LaneRequest`): the opening bytes, then the data, the note and the
+    // reply in the order its operation takes them. Posted: once all this side sends is out.
+    c.send(&opening, &mut ctl)
+        .map_err(|s| stop_err(inner, s, "request"))?;
+    let mut posted_at = job.started.elapsed();
+    let mut tally = CodecTally::default();
+    loop {
+        match req.step() {
+            Step::SendData => {
+                tally = data(true, &mut ctl).map_err(|e| data_err(e, "sending data"))?;
+                req.advance();
+            }
+            Step::SendNote => {
+                c.send(note, &mut ctl)
+                    .map_err(|s| stop_err(inner, s, "notification"))?;
+                posted_at = job.started.elapsed();
+                req.advance();
+            }
+            Step::AwaitReply => read_reply(inner, c, &mut req, &mut ctl)?,
+            Step::ReceiveData => {
+                tally = data(false, &mut ctl).map_err(|e| data_err(e, "receiving data"))?;
+                req.advance();
+            }
+            Step::Done => break,
         }
-    } else {
-        hdr.extend_from_slice(note);
-        c.send(&hdr, &mut ctl)
-            .map_err(|s| stop_err(inner, s, "request"))?;
-        posted_at = job.started.elapsed();
-        read_reply(inner, c, K_DATA, job.id, &mut ctl)?;
-        let t_hdr = job.started.elapsed();
-        tally = data(false, &mut ctl).map_err(|e| data_err(e, "receiving data"))?;
-        if frames.is_some() {
-            inner.comp.meter.decoded(&tally);
-        }
-        log::debug!(
-            "kvxfer: read {}: request sent {posted_at:?}, reply {t_hdr:?}, data {:?}",
-            job.id,
-            job.started.elapsed()
-        );
     }
+    if frames.is_some() {
+        match job.op {
+            XferOp::Write => inner.comp.meter.encoded(&tally),
+            XferOp::Read => inner.comp.meter.decoded(&tally),
+        }
+    }
+    log::debug!(
+        "kvxfer: {:?} {}: posted {posted_at:?}, done {:?}",
+        job.op,
+        job.id,
+        job.started.elapsed()
+    );
     Ok((posted_at, tally))
 }
 
-fn read_reply(inner: &LinkInner, c: &Conn, kind: u8, id: u64, ctl: &mut Ctl<'_>) -> Result<()> {
+/// Reads the reply `req` waits on and gives it to `req`.
+fn read_reply(inner: &LinkInner, c: &Conn, req: &mut LaneRequest, ctl: &mut Ctl<'_>) -> Result<()> {
     let mut h = [0u8; REPLY_FIXED_LEN];
     c.recv(&mut h, ctl)
         .map_err(|s| stop_err(inner, s, "waiting for the reply"))?;
@@ -771,7 +762,7 @@ fn read_reply(inner: &LinkInner, c: &Conn, kind: u8, id: u64, ctl: &mut Ctl<'_>)
     let mut msg = vec![0u8; r.msg_len];
     c.recv(&mut msg, ctl)
         .map_err(|s| stop_err(inner, s, "reading the reply"))?;
-    LaneInitiator::reply(&r, &msg, kind, id).map_err(|e| match e {
+    req.on_reply(&r, &msg).map(drop).map_err(|e| match e {
         ReplyError::OutOfStep { got, expected } => lane_err(
             inner,
             format!(
