@@ -7,7 +7,13 @@
  * handoffs) are not terminated: *out_len is their count, or the count needed. A call that
  * fails writes no other output and has no side effect: kvx_agent_listen and
  * kvx_agent_connect check their buffer's room (KVX_MAX_ADDRESS, KVX_MAX_NAME + 1) before
- * they bind or connect. Every call clears the thread's last error first. */
+ * they bind or connect. Every call clears the thread's last error first.
+ *
+ * Handles. Every handle argument is looked up among the live handles of its type before it
+ * is used: NULL, a freed handle or one of another type is KVX_NULL_PARAMETER or
+ * KVX_INVALID_HANDLE, never read. Handles may be used from any thread, but a handle is freed
+ * (kvx_*_free) only when no call is using it, and a config is not set from two threads at
+ * once. */
 
 #ifndef KVXFER_H
 #define KVXFER_H

@@ -176,8 +176,7 @@ pub unsafe extern "C" fn kvx_producer_new(
     out: *mut *mut kvx_producer,
 ) -> kvx_status {
     guard("kvx_producer_new", || {
-        // SAFETY: per this function's contract.
-        let a = unsafe { handle(a, "agent") }?;
+        let a = handle(a, "agent")?;
         // SAFETY: as above.
         let l = unsafe { plain(layout, "layout") }?;
         // SAFETY: as above.
@@ -230,8 +229,7 @@ pub unsafe extern "C" fn kvx_producer_layer_done(
     layer: u32,
 ) -> kvx_status {
     guard("kvx_producer_layer_done", || {
-        // SAFETY: per this function's contract.
-        let p = unsafe { handle(p, "producer") }?;
+        let p = handle(p, "producer")?;
         // SAFETY: as above.
         let r = unsafe { cstr(request, "request") }?;
         p.inner.layer_done(r, layer as usize)?;
@@ -249,8 +247,7 @@ pub unsafe extern "C" fn kvx_producer_abort(
     request: *const c_char,
 ) -> kvx_status {
     guard("kvx_producer_abort", || {
-        // SAFETY: per this function's contract.
-        let p = unsafe { handle(p, "producer") }?;
+        let p = handle(p, "producer")?;
         // SAFETY: as above.
         let r = unsafe { cstr(request, "request") }?;
         p.inner.abort(r);
@@ -279,8 +276,7 @@ pub unsafe extern "C" fn kvx_producer_next_freed(
     reason: *mut u32,
 ) -> kvx_status {
     guard("kvx_producer_next_freed", || {
-        // SAFETY: per this function's contract.
-        let p = unsafe { handle(p, "producer") }?;
+        let p = handle(p, "producer")?;
         if req_len.is_null() || nblocks.is_null() || reason.is_null() {
             return Err(null("req_len, nblocks or reason"));
         }
@@ -341,8 +337,7 @@ pub unsafe extern "C" fn kvx_consumer_new(
     out: *mut *mut kvx_consumer,
 ) -> kvx_status {
     guard("kvx_consumer_new", || {
-        // SAFETY: per this function's contract.
-        let a = unsafe { handle(a, "agent") }?;
+        let a = handle(a, "agent")?;
         // SAFETY: as above.
         let l = unsafe { plain(layout, "layout") }?;
         // SAFETY: as above.
@@ -383,8 +378,7 @@ pub unsafe extern "C" fn kvx_consumer_start_load(
     n: usize,
 ) -> kvx_status {
     guard("kvx_consumer_start_load", || {
-        // SAFETY: per this function's contract.
-        let c = unsafe { handle(c, "consumer") }?;
+        let c = handle(c, "consumer")?;
         // SAFETY: as above.
         let h = Handoff::decode(unsafe { slice(handoff, len, "handoff") }?)?;
         // SAFETY: as above.
@@ -406,8 +400,7 @@ pub unsafe extern "C" fn kvx_consumer_wait_layer(
     timeout_ms: u64,
 ) -> kvx_status {
     guard("kvx_consumer_wait_layer", || {
-        // SAFETY: per this function's contract.
-        let c = unsafe { handle(c, "consumer") }?;
+        let c = handle(c, "consumer")?;
         // SAFETY: as above.
         let r = unsafe { cstr(request, "request") }?;
         let t = ms(timeout_ms).unwrap_or(Duration::from_secs(u32::MAX as u64));
@@ -427,8 +420,7 @@ pub unsafe extern "C" fn kvx_consumer_wait(
     timeout_ms: u64,
 ) -> kvx_status {
     guard("kvx_consumer_wait", || {
-        // SAFETY: per this function's contract.
-        let c = unsafe { handle(c, "consumer") }?;
+        let c = handle(c, "consumer")?;
         // SAFETY: as above.
         let r = unsafe { cstr(request, "request") }?;
         let t = ms(timeout_ms).unwrap_or(Duration::from_secs(u32::MAX as u64));
@@ -450,8 +442,7 @@ pub unsafe extern "C" fn kvx_consumer_next_finished(
     stats: *mut kvx_request_stats,
 ) -> kvx_status {
     guard("kvx_consumer_next_finished", || {
-        // SAFETY: per this function's contract.
-        let c = unsafe { handle(c, "consumer") }?;
+        let c = handle(c, "consumer")?;
         if req_len.is_null() {
             return Err(null("req_len"));
         }
@@ -502,8 +493,7 @@ pub unsafe extern "C" fn kvx_consumer_next_failed(
     nblocks: *mut usize,
 ) -> kvx_status {
     guard("kvx_consumer_next_failed", || {
-        // SAFETY: per this function's contract.
-        let c = unsafe { handle(c, "consumer") }?;
+        let c = handle(c, "consumer")?;
         if req_len.is_null() || nblocks.is_null() {
             return Err(null("req_len or nblocks"));
         }
@@ -604,8 +594,7 @@ unsafe fn side_of<T: crate::ffi::Kind>(
     make: impl FnOnce(&dyn KvConnector, &KvCaches, &ConnectorConfig) -> Result<T, Fail>,
 ) -> kvx_status {
     guard(name, || {
-        // SAFETY: per this function's contract.
-        let c = unsafe { handle(c, "connector") }?;
+        let c = handle(c, "connector")?;
         // SAFETY: as above.
         let l = unsafe { plain(layout, "layout") }?;
         // SAFETY: as above.
@@ -639,8 +628,7 @@ pub unsafe extern "C" fn kvx_connector_over_agent(
     out: *mut *mut kvx_connector,
 ) -> kvx_status {
     guard("kvx_connector_over_agent", || {
-        // SAFETY: per this function's contract.
-        let a = unsafe { handle(a, "agent") }?;
+        let a = handle(a, "agent")?;
         if out.is_null() {
             return Err(null("out"));
         }

@@ -73,10 +73,8 @@ pub unsafe extern "C" fn kvx_discovery_publish(
     agent: *const kvx_agent,
 ) -> kvx_status {
     guard("kvx_discovery_publish", || {
-        // SAFETY: per this function's contract.
-        let d = unsafe { handle(d, "discovery") }?;
-        // SAFETY: as above.
-        let a = unsafe { handle(agent, "agent") }?;
+        let d = handle(d, "discovery")?;
+        let a = handle(agent, "agent")?;
         d.inner.publish(&a.inner)?;
         Ok(())
     })
@@ -93,10 +91,8 @@ pub unsafe extern "C" fn kvx_discovery_watch(
     agent: *const kvx_agent,
 ) -> kvx_status {
     guard("kvx_discovery_watch", || {
-        // SAFETY: per this function's contract.
-        let d = unsafe { handle(d, "discovery") }?;
-        // SAFETY: as above.
-        let a = unsafe { handle(agent, "agent") }?;
+        let d = handle(d, "discovery")?;
+        let a = handle(agent, "agent")?;
         Ok(d.inner.watch(&a.inner)?)
     })
 }
@@ -112,10 +108,8 @@ pub unsafe extern "C" fn kvx_discovery_resolve(
     name: *const c_char,
 ) -> kvx_status {
     guard("kvx_discovery_resolve", || {
-        // SAFETY: per this function's contract.
-        let d = unsafe { handle(d, "discovery") }?;
-        // SAFETY: as above.
-        let a = unsafe { handle(agent, "agent") }?;
+        let d = handle(d, "discovery")?;
+        let a = handle(agent, "agent")?;
         // SAFETY: as above.
         let name = unsafe { cstr(name, "name") }?;
         d.inner.resolve(&a.inner, name)?;

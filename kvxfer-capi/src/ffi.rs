@@ -193,11 +193,13 @@ pub(crate) unsafe fn plain<'a, T>(p: *const T, name: &str) -> Result<&'a T, Fail
     unsafe { p.as_ref() }.ok_or_else(|| null(name))
 }
 
-/// A live handle of type `T`, or why not.
-///
-/// # Safety
-/// `p` is NULL or a pointer this library returned (freed ones are refused, not dereferenced).
-pub(crate) unsafe fn handle<'a, T: Kind>(p: *const T, name: &str) -> Result<&'a T, Fail> {
+/// A live handle of type `T`, or why not: the one audited check every export makes of a
+/// handle argument (as rustls-ffi's `try_ref_from_ptr!`). Any pointer may be passed: it is
+/// looked up in the registry of live handles before it is dereferenced, so NULL, a freed
+/// handle, a handle of another type and a stray pointer are refused, typed, and never read.
+/// What the registry cannot see is a handle another thread frees during the call; kvxfer.h's
+/// rule for threads forbids that (a handle is freed only when no call is using it).
+pub(crate) fn handle<'a, T: Kind>(p: *const T, name: &str) -> Result<&'a T, Fail> {
     if p.is_null() {
         return Err(null(name));
     }
@@ -219,8 +221,7 @@ pub(crate) unsafe fn handle<'a, T: Kind>(p: *const T, name: &str) -> Result<&'a 
 /// # Safety
 /// As `handle`; the caller does not use the handle from two threads at once.
 pub(crate) unsafe fn handle_mut<'a, T: Kind>(p: *mut T, name: &str) -> Result<&'a mut T, Fail> {
-    // SAFETY: per this function's contract.
-    unsafe { handle(p, name) }?;
+    handle(p, name)?;
     // SAFETY: checked live above; exclusivity per the contract.
     Ok(unsafe { &mut *p })
 }

@@ -111,8 +111,7 @@ unsafe fn publish(
     cap: usize,
     out_len: *mut usize,
 ) -> Result<(), Fail> {
-    // SAFETY: per this function's contract.
-    let p = unsafe { handle(p, "producer") }?;
+    let p = handle(p, "producer")?;
     // SAFETY: as above.
     let r = unsafe { cstr(request, "request") }?;
     // SAFETY: as above.

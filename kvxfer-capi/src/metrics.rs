@@ -18,8 +18,7 @@ pub unsafe extern "C" fn kvx_consumer_metrics(
     out_len: *mut usize,
 ) -> kvx_status {
     guard("kvx_consumer_metrics", || {
-        // SAFETY: per this function's contract.
-        let c = unsafe { handle(c, "consumer") }?;
+        let c = handle(c, "consumer")?;
         let t = c.inner.telemetry().prometheus();
         // SAFETY: as above.
         unsafe { put_str(&t, buf, cap, out_len) }
@@ -38,8 +37,7 @@ pub unsafe extern "C" fn kvx_agent_peer_gpu_path(
     out: *mut kvx_gpu_path,
 ) -> kvx_status {
     guard("kvx_agent_peer_gpu_path", || {
-        // SAFETY: per this function's contract.
-        let a = unsafe { handle(a, "agent") }?;
+        let a = handle(a, "agent")?;
         // SAFETY: as above.
         let peer = unsafe { cstr(peer, "peer") }?;
         if out.is_null() {
@@ -73,8 +71,7 @@ pub unsafe extern "C" fn kvx_agent_peer_regions(
     n: *mut usize,
 ) -> kvx_status {
     guard("kvx_agent_peer_regions", || {
-        // SAFETY: per this function's contract.
-        let a = unsafe { handle(a, "agent") }?;
+        let a = handle(a, "agent")?;
         // SAFETY: as above.
         let peer = unsafe { cstr(peer, "peer") }?;
         if n.is_null() {
@@ -117,8 +114,7 @@ pub unsafe extern "C" fn kvx_agent_metrics(
     out_len: *mut usize,
 ) -> kvx_status {
     guard("kvx_agent_metrics", || {
-        // SAFETY: per this function's contract.
-        let a = unsafe { handle(a, "agent") }?;
+        let a = handle(a, "agent")?;
         let t = a.inner.prometheus();
         // SAFETY: as above.
         unsafe { put_str(&t, buf, cap, out_len) }
@@ -137,8 +133,7 @@ pub unsafe extern "C" fn kvx_producer_metrics(
     out_len: *mut usize,
 ) -> kvx_status {
     guard("kvx_producer_metrics", || {
-        // SAFETY: per this function's contract.
-        let p = unsafe { handle(p, "producer") }?;
+        let p = handle(p, "producer")?;
         let t = p.inner.telemetry().prometheus();
         // SAFETY: as above.
         unsafe { put_str(&t, buf, cap, out_len) }

@@ -116,8 +116,7 @@ pub unsafe extern "C" fn kvx_consumer_start_load_with(
     read: *const kvx_tp_read,
 ) -> kvx_status {
     guard("kvx_consumer_start_load_with", || {
-        // SAFETY: per this function's contract.
-        let c = unsafe { handle(c, "consumer") }?;
+        let c = handle(c, "consumer")?;
         // SAFETY: as above.
         let h = Handoff::decode(unsafe { slice(handoff, len, "handoff") }?)?;
         // SAFETY: as above.

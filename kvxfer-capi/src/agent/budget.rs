@@ -16,8 +16,7 @@ pub unsafe extern "C" fn kvx_agent_budget(
     peak: *mut u64,
 ) -> kvx_status {
     guard("kvx_agent_budget", || {
-        // SAFETY: per this function's contract.
-        let a = unsafe { handle(a, "agent") }?;
+        let a = handle(a, "agent")?;
         let b = a.inner.budget();
         // SAFETY: each output NULL or valid.
         unsafe {

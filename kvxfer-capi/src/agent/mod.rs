@@ -509,8 +509,7 @@ pub unsafe extern "C" fn kvx_agent_new_with(
     out: *mut *mut kvx_agent,
 ) -> kvx_status {
     guard("kvx_agent_new_with", || {
-        // SAFETY: per this function's contract.
-        let c = unsafe { handle(c, "config") }?;
+        let c = handle(c, "config")?;
         if out.is_null() {
             return Err(null("out"));
         }
@@ -581,8 +580,7 @@ pub unsafe extern "C" fn kvx_agent_listen(
     out_len: *mut usize,
 ) -> kvx_status {
     guard("kvx_agent_listen", || {
-        // SAFETY: per this function's contract.
-        let a = unsafe { handle(a, "agent") }?;
+        let a = handle(a, "agent")?;
         // SAFETY: as above.
         let addr = unsafe { cstr(addr, "addr") }?; // a host name or an IP address, and a port
         early_room(buf, cap, KVX_MAX_ADDRESS, out_len)?;
@@ -607,8 +605,7 @@ pub unsafe extern "C" fn kvx_agent_connect(
     out_len: *mut usize,
 ) -> kvx_status {
     guard("kvx_agent_connect", || {
-        // SAFETY: per this function's contract.
-        let a = unsafe { handle(a, "agent") }?;
+        let a = handle(a, "agent")?;
         // SAFETY: as above.
         let addr = unsafe { cstr(addr, "addr") }?; // a host name or an IP address, and a port
         early_room(buf, cap, KVX_MAX_NAME + 1, out_len)?;
@@ -630,8 +627,7 @@ pub unsafe extern "C" fn kvx_agent_metadata(
     out_len: *mut usize,
 ) -> kvx_status {
     guard("kvx_agent_metadata", || {
-        // SAFETY: per this function's contract.
-        let a = unsafe { handle(a, "agent") }?;
+        let a = handle(a, "agent")?;
         let m = a.inner.metadata()?;
         // SAFETY: as above.
         unsafe { put(&m, buf, cap, out_len) }
@@ -652,8 +648,7 @@ pub unsafe extern "C" fn kvx_agent_load_metadata(
     out_len: *mut usize,
 ) -> kvx_status {
     guard("kvx_agent_load_metadata", || {
-        // SAFETY: per this function's contract.
-        let a = unsafe { handle(a, "agent") }?;
+        let a = handle(a, "agent")?;
         // SAFETY: as above.
         let md = unsafe { slice(md, len, "metadata") }?;
         early_room(name_buf, cap, KVX_MAX_NAME + 1, out_len)?;

@@ -23,8 +23,7 @@ pub unsafe extern "C" fn kvx_agent_register(
     out: *mut *mut kvx_region,
 ) -> kvx_status {
     guard("kvx_agent_register", || {
-        // SAFETY: per this function's contract.
-        let a = unsafe { handle(a, "agent") }?;
+        let a = handle(a, "agent")?;
         if out.is_null() {
             return Err(null("out"));
         }
@@ -54,8 +53,7 @@ pub unsafe extern "C" fn kvx_agent_alloc(
     out: *mut *mut kvx_region,
 ) -> kvx_status {
     guard("kvx_agent_alloc", || {
-        // SAFETY: per this function's contract.
-        let a = unsafe { handle(a, "agent") }?;
+        let a = handle(a, "agent")?;
         if out.is_null() {
             return Err(null("out"));
         }
@@ -76,10 +74,8 @@ pub unsafe extern "C" fn kvx_agent_deregister(
     r: *const kvx_region,
 ) -> kvx_status {
     guard("kvx_agent_deregister", || {
-        // SAFETY: per this function's contract.
-        let a = unsafe { handle(a, "agent") }?;
-        // SAFETY: as above.
-        let r = unsafe { handle(r, "region") }?;
+        let a = handle(a, "agent")?;
+        let r = handle(r, "region")?;
         a.inner.deregister(&r.inner)?;
         Ok(())
     })
@@ -91,8 +87,7 @@ pub unsafe extern "C" fn kvx_agent_deregister(
 /// `r` NULL or live.
 #[no_mangle]
 pub unsafe extern "C" fn kvx_region_id(r: *const kvx_region) -> u32 {
-    // SAFETY: per this function's contract.
-    unsafe { handle(r, "region") }.map_or(u32::MAX, |r| r.inner.id().0)
+    handle(r, "region").map_or(u32::MAX, |r| r.inner.id().0)
 }
 
 /// The region's base address (NULL for NULL or a handle not live).
@@ -101,8 +96,7 @@ pub unsafe extern "C" fn kvx_region_id(r: *const kvx_region) -> u32 {
 /// `r` NULL or live.
 #[no_mangle]
 pub unsafe extern "C" fn kvx_region_ptr(r: *const kvx_region) -> *mut c_void {
-    // SAFETY: per this function's contract.
-    unsafe { handle(r, "region") }.map_or(std::ptr::null_mut(), |r| r.inner.addr() as *mut c_void)
+    handle(r, "region").map_or(std::ptr::null_mut(), |r| r.inner.addr() as *mut c_void)
 }
 
 /// Frees a region handle (NULL ignored). Owned memory is released once it is deregistered (or
@@ -134,8 +128,7 @@ pub unsafe extern "C" fn kvx_agent_prep_local(
     out: *mut *mut kvx_local_list,
 ) -> kvx_status {
     guard("kvx_agent_prep_local", || {
-        // SAFETY: per this function's contract.
-        let a = unsafe { handle(a, "agent") }?;
+        let a = handle(a, "agent")?;
         // SAFETY: as above.
         let d = unsafe { slice(d, n, "descs") }?;
         if out.is_null() {
@@ -161,8 +154,7 @@ pub unsafe extern "C" fn kvx_agent_prep_remote(
     out: *mut *mut kvx_remote_list,
 ) -> kvx_status {
     guard("kvx_agent_prep_remote", || {
-        // SAFETY: per this function's contract.
-        let a = unsafe { handle(a, "agent") }?;
+        let a = handle(a, "agent")?;
         // SAFETY: as above.
         let peer = unsafe { cstr(peer, "peer") }?;
         // SAFETY: as above.

@@ -45,12 +45,9 @@ pub unsafe extern "C" fn kvx_agent_transfer(
                 ))
             }
         };
-        // SAFETY: per this function's contract.
-        let a = unsafe { handle(a, "agent") }?;
-        // SAFETY: as above.
-        let local = unsafe { handle(local, "local") }?;
-        // SAFETY: as above.
-        let remote = unsafe { handle(remote, "remote") }?;
+        let a = handle(a, "agent")?;
+        let local = handle(local, "local")?;
+        let remote = handle(remote, "remote")?;
         if out.is_null() {
             return Err(null("out"));
         }
@@ -229,8 +226,7 @@ pub unsafe extern "C" fn kvx_agent_notify(
     len: usize,
 ) -> kvx_status {
     guard("kvx_agent_notify", || {
-        // SAFETY: per this function's contract.
-        let a = unsafe { handle(a, "agent") }?;
+        let a = handle(a, "agent")?;
         // SAFETY: as above.
         let peer = unsafe { cstr(peer, "peer") }?;
         // SAFETY: as above.
@@ -257,8 +253,7 @@ pub unsafe extern "C" fn kvx_agent_next_notification(
     payload_len: *mut usize,
 ) -> kvx_status {
     guard("kvx_agent_next_notification", || {
-        // SAFETY: per this function's contract.
-        let a = unsafe { handle(a, "agent") }?;
+        let a = handle(a, "agent")?;
         if from.is_null() || payload_len.is_null() || (payload.is_null() && payload_cap > 0) {
             return Err(null("from, payload or payload_len"));
         }
