@@ -243,10 +243,7 @@ impl SideChannelAcceptor {
     }
 
     fn protocol(&self, why: String) -> Error {
-        Error::Protocol {
-            peer: self.who.clone(),
-            why,
-        }
+        Error::protocol(&self.who, why)
     }
 }
 

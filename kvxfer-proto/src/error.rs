@@ -451,6 +451,14 @@ impl Error {
             source,
         }
     }
+
+    /// A peer broke the protocol: who, and how.
+    pub fn protocol(peer: impl Into<String>, why: impl Into<String>) -> Self {
+        Error::Protocol {
+            peer: peer.into(),
+            why: why.into(),
+        }
+    }
 }
 
 /// Result with [`Error`].

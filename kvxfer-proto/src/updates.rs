@@ -60,7 +60,10 @@ impl Updates {
     /// checked to be the agent this connection loaded. Any error ends the connection.
     pub fn on_frame(&mut self, kind: u8, payload: &[u8]) -> Result<Metadata> {
         if kind != UPDATE {
-            return Err(self.protocol(format!("frame kind {kind}, expected UPDATE")));
+            return Err(Error::protocol(
+                &self.who,
+                format!("frame kind {kind}, expected UPDATE"),
+            ));
         }
         let opened;
         let plain = match self.session.as_mut() {
@@ -75,20 +78,16 @@ impl Updates {
             err,
         })?;
         if meta.name != self.peer || meta.epoch != self.epoch {
-            return Err(self.protocol(format!(
-                "an update names agent {:?} epoch {:#018x}; this connection loaded {:?} epoch \
+            return Err(Error::protocol(
+                &self.who,
+                format!(
+                    "an update names agent {:?} epoch {:#018x}; this connection loaded {:?} epoch \
                  {:#018x} (another agent or a restart takes a handshake of its own)",
-                meta.name, meta.epoch, self.peer, self.epoch
-            )));
+                    meta.name, meta.epoch, self.peer, self.epoch
+                ),
+            ));
         }
         Ok(meta)
-    }
-
-    fn protocol(&self, why: String) -> Error {
-        Error::Protocol {
-            peer: self.who.clone(),
-            why,
-        }
     }
 }
 

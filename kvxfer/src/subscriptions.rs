@@ -198,23 +198,19 @@ struct Run<'a> {
 impl Run<'_> {
     /// Sends changes and loads updates until the connection ends or fails.
     fn serve(&mut self) -> Result<()> {
-        let who = self.who.clone();
-        let io = |what: &str, e| Error::io(format!("{what} {who}"), e);
         self.s
             .set_write_timeout(Some(self.timeout))
-            .map_err(|e| io("configuring the connection to", e))?;
+            .map_err(|e| self.io("configuring the connection to", e))?;
         loop {
             let g = self.subs.generation();
             if g != self.sent {
                 let frame = self.updates.frame(&(self.shared.local)()?);
                 self.s
                     .write_all(&frame)
-                    .map_err(|e| io("sending an update to", e))?;
+                    .map_err(|e| self.io("sending an update to", e))?;
                 self.sent = g;
             }
-            self.s
-                .set_read_timeout(Some(POLL))
-                .map_err(|e| io("configuring the connection to", e))?;
+            self.read_timeout(POLL)?;
             match self.s.peek(&mut [0u8; 1]) {
                 Ok(0) => return Ok(()),
                 Ok(_) => self.take_update()?,
@@ -223,22 +219,28 @@ impl Run<'_> {
                         e.kind(),
                         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                     ) => {}
-                Err(e) => return Err(io("reading from", e)),
+                Err(e) => return Err(self.io("reading from", e)),
             }
         }
     }
 
+    fn read_timeout(&self, d: Duration) -> Result<()> {
+        self.s
+            .set_read_timeout(Some(d))
+            .map_err(|e| self.io("configuring the connection to", e))
+    }
+
+    fn io(&self, what: &str, e: std::io::Error) -> Error {
+        Error::io(format!("{what} {}", self.who), e)
+    }
+
     /// Reads one update (charged to the budget while it is read and loaded) and loads it.
     fn take_update(&mut self) -> Result<()> {
-        let who = self.who.clone();
-        let io = |what: &str, e| Error::io(format!("{what} {who}"), e);
-        self.s
-            .set_read_timeout(Some(self.timeout))
-            .map_err(|e| io("configuring the connection to", e))?;
+        self.read_timeout(self.timeout)?;
         let mut h = [0u8; FRAME_HEADER_LEN];
         self.s
             .read_exact(&mut h)
-            .map_err(|e| io("reading an update header from", e))?;
+            .map_err(|e| self.io("reading an update header from", e))?;
         let (kind, n) = frame_header(&h, &self.who)?;
         let _charge = self
             .subs
@@ -247,7 +249,7 @@ impl Run<'_> {
         let mut payload = vec![0u8; n];
         self.s
             .read_exact(&mut payload)
-            .map_err(|e| io("reading an update from", e))?;
+            .map_err(|e| self.io("reading an update from", e))?;
         let meta = self.updates.on_frame(kind, &payload)?;
         drop(payload);
         (self.shared.on_peer)(meta).map(|_| ())
