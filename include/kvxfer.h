@@ -12,8 +12,8 @@
  * Handles. Every handle argument is looked up among the live handles of its type before it
  * is used: NULL, a freed handle or one of another type is KVX_NULL_PARAMETER or
  * KVX_INVALID_HANDLE, never read. Handles may be used from any thread, but a handle is freed
- * (kvx_*_free) only when no call is using it, and a config is not set from two threads at
- * once. */
+ * (kvx_*_free) only when no call is using it, and a config or a transfer is used by one
+ * thread at a time (their calls change them). */
 
 #ifndef KVXFER_H
 #define KVXFER_H

@@ -219,7 +219,8 @@ pub(crate) fn handle<'a, T: Kind>(p: *const T, name: &str) -> Result<&'a T, Fail
 /// As `handle`, mutably.
 ///
 /// # Safety
-/// As `handle`; the caller does not use the handle from two threads at once.
+/// As `handle`; the caller does not use the handle from two threads at once (kvxfer.h's rule
+/// for configs and transfers, the only handles changed through it).
 pub(crate) unsafe fn handle_mut<'a, T: Kind>(p: *mut T, name: &str) -> Result<&'a mut T, Fail> {
     handle(p, name)?;
     // SAFETY: checked live above; exclusivity per the contract.
