@@ -12,7 +12,9 @@ use kvxfer_core::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking, Lay
 use kvxfer_core::{MemKind, MemoryBudget, RegionId};
 
 use crate::error::{fail, guard, set_error, Fail};
-use crate::ffi::{cstr, free_handle, handle, ms, new_handle, null, plain, put_str, slice};
+use crate::ffi::{
+    cstr, free_handle, handle, ms, new_handle, null, plain, put_str, try_cstr, try_slice,
+};
 use crate::{
     kvx_agent, kvx_cache_tensor, kvx_connector, kvx_connector_config, kvx_consumer, kvx_layer_base,
     kvx_layout, kvx_producer, kvx_request_stats, kvx_status,
@@ -149,8 +151,7 @@ pub unsafe extern "C" fn kvx_layout_compat_hash(
     let s = guard("kvx_layout_compat_hash", || {
         // SAFETY: per this function's contract.
         let l = unsafe { plain(layout, "layout") }?;
-        // SAFETY: as above.
-        let b = unsafe { slice(bases, l.layers as usize, "bases") }?;
+        let b = try_slice!(bases, l.layers as usize, "bases");
         h = layout_of(l, b)?.compat_hash();
         Ok(())
     });
@@ -179,8 +180,7 @@ pub unsafe extern "C" fn kvx_producer_new(
         let a = handle(a, "agent")?;
         // SAFETY: as above.
         let l = unsafe { plain(layout, "layout") }?;
-        // SAFETY: as above.
-        let b = unsafe { slice(bases, l.layers as usize, "bases") }?;
+        let b = try_slice!(bases, l.layers as usize, "bases");
         if out.is_null() {
             return Err(null("out"));
         }
@@ -230,8 +230,7 @@ pub unsafe extern "C" fn kvx_producer_layer_done(
 ) -> kvx_status {
     guard("kvx_producer_layer_done", || {
         let p = handle(p, "producer")?;
-        // SAFETY: as above.
-        let r = unsafe { cstr(request, "request") }?;
+        let r = try_cstr!(request, "request");
         p.inner.layer_done(r, layer as usize)?;
         Ok(())
     })
@@ -248,8 +247,7 @@ pub unsafe extern "C" fn kvx_producer_abort(
 ) -> kvx_status {
     guard("kvx_producer_abort", || {
         let p = handle(p, "producer")?;
-        // SAFETY: as above.
-        let r = unsafe { cstr(request, "request") }?;
+        let r = try_cstr!(request, "request");
         p.inner.abort(r);
         Ok(())
     })
@@ -340,8 +338,7 @@ pub unsafe extern "C" fn kvx_consumer_new(
         let a = handle(a, "agent")?;
         // SAFETY: as above.
         let l = unsafe { plain(layout, "layout") }?;
-        // SAFETY: as above.
-        let b = unsafe { slice(bases, l.layers as usize, "bases") }?;
+        let b = try_slice!(bases, l.layers as usize, "bases");
         if out.is_null() {
             return Err(null("out"));
         }
@@ -379,10 +376,8 @@ pub unsafe extern "C" fn kvx_consumer_start_load(
 ) -> kvx_status {
     guard("kvx_consumer_start_load", || {
         let c = handle(c, "consumer")?;
-        // SAFETY: as above.
-        let h = Handoff::decode(unsafe { slice(handoff, len, "handoff") }?)?;
-        // SAFETY: as above.
-        let b = unsafe { slice(local_blocks, n, "local_blocks") }?;
+        let h = Handoff::decode(try_slice!(handoff, len, "handoff"))?;
+        let b = try_slice!(local_blocks, n, "local_blocks");
         c.inner.start_load(&h, b)?;
         Ok(())
     })
@@ -401,8 +396,7 @@ pub unsafe extern "C" fn kvx_consumer_wait_layer(
 ) -> kvx_status {
     guard("kvx_consumer_wait_layer", || {
         let c = handle(c, "consumer")?;
-        // SAFETY: as above.
-        let r = unsafe { cstr(request, "request") }?;
+        let r = try_cstr!(request, "request");
         let t = ms(timeout_ms).unwrap_or(Duration::from_secs(u32::MAX as u64));
         c.inner.wait_layer(r, layer as usize, t)?;
         Ok(())
@@ -421,8 +415,7 @@ pub unsafe extern "C" fn kvx_consumer_wait(
 ) -> kvx_status {
     guard("kvx_consumer_wait", || {
         let c = handle(c, "consumer")?;
-        // SAFETY: as above.
-        let r = unsafe { cstr(request, "request") }?;
+        let r = try_cstr!(request, "request");
         let t = ms(timeout_ms).unwrap_or(Duration::from_secs(u32::MAX as u64));
         c.inner.wait(r, t)?;
         Ok(())
@@ -597,8 +590,7 @@ unsafe fn side_of<T: crate::ffi::Kind>(
         let c = handle(c, "connector")?;
         // SAFETY: as above.
         let l = unsafe { plain(layout, "layout") }?;
-        // SAFETY: as above.
-        let t = unsafe { slice(tensors, l.layers as usize, "tensors") }?;
+        let t = try_slice!(tensors, l.layers as usize, "tensors");
         if out.is_null() {
             return Err(null("out"));
         }
@@ -635,8 +627,7 @@ pub unsafe extern "C" fn kvx_connector_over_agent(
         let side = if side_channel.is_null() {
             None
         } else {
-            // SAFETY: as above.
-            let s = unsafe { cstr(side_channel, "side_channel") }?;
+            let s = try_cstr!(side_channel, "side_channel");
             Some(s.parse().map_err(|e| {
                 fail(
                     kvx_status::KVX_INVALID_ARGUMENT,

@@ -12,7 +12,7 @@ use crate::error::fail;
 use crate::error::guard;
 #[cfg(feature = "etcd")]
 use crate::ffi::new_handle;
-use crate::ffi::{cstr, free_handle, handle, null};
+use crate::ffi::{free_handle, handle, null, try_cstr};
 use crate::{kvx_agent, kvx_discovery, kvx_status};
 
 /// Connects to etcd at `endpoints` (comma-separated URLs, e.g. "http://10.0.0.5:2379") for
@@ -33,10 +33,8 @@ pub unsafe extern "C" fn kvx_discovery_etcd(
         if out.is_null() {
             return Err(null("out"));
         }
-        // SAFETY: per this function's contract.
-        let endpoints = unsafe { cstr(endpoints, "endpoints") }?;
-        // SAFETY: as above.
-        let ns = unsafe { cstr(ns, "ns") }?;
+        let endpoints = try_cstr!(endpoints, "endpoints");
+        let ns = try_cstr!(ns, "ns");
         #[cfg(feature = "etcd")]
         {
             let eps: Vec<&str> = endpoints.split(',').map(str::trim).collect();
@@ -110,8 +108,7 @@ pub unsafe extern "C" fn kvx_discovery_resolve(
     guard("kvx_discovery_resolve", || {
         let d = handle(d, "discovery")?;
         let a = handle(agent, "agent")?;
-        // SAFETY: as above.
-        let name = unsafe { cstr(name, "name") }?;
+        let name = try_cstr!(name, "name");
         d.inner.resolve(&a.inner, name)?;
         Ok(())
     })

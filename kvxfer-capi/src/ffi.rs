@@ -83,6 +83,29 @@ pub(crate) unsafe fn free_handle<T: Kind>(p: *mut T, fname: &str) {
     let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(p) })));
 }
 
+/// A C string argument of an export, as `&str`, or return the failure (rustls-ffi's
+/// `try_str!`): the one place an export's string arguments are read. Every export that takes
+/// a string documents it (its `# Safety`) as NULL or NUL-terminated and valid for the call,
+/// which is all `cstr` needs; NULL and non-UTF-8 are refused, typed.
+macro_rules! try_cstr {
+    ($p:expr, $name:expr) => {{
+        // SAFETY: the export's contract (above): NULL or NUL-terminated, valid for the call.
+        unsafe { $crate::ffi::cstr($p, $name) }?
+    }};
+}
+pub(crate) use try_cstr;
+
+/// A buffer argument of an export (`p`, `n` elements) as a slice, or return the failure
+/// (rustls-ffi's `try_slice!`). Every export that takes one documents it as NULL with `n` 0,
+/// or valid for reads of `n` elements for the call.
+macro_rules! try_slice {
+    ($p:expr, $n:expr, $name:expr) => {{
+        // SAFETY: the export's contract (above): NULL with n 0, or n readable elements.
+        unsafe { $crate::ffi::slice($p, $n, $name) }?
+    }};
+}
+pub(crate) use try_slice;
+
 pub(crate) fn null(name: &str) -> Fail {
     fail(kvx_status::KVX_NULL_PARAMETER, format!("{name} is NULL"))
 }
@@ -216,14 +239,13 @@ pub(crate) fn handle<'a, T: Kind>(p: *const T, name: &str) -> Result<&'a T, Fail
     Ok(unsafe { &*p })
 }
 
-/// As `handle`, mutably.
-///
-/// # Safety
-/// As `handle`; the caller does not use the handle from two threads at once (kvxfer.h's rule
-/// for configs and transfers, the only handles changed through it).
-pub(crate) unsafe fn handle_mut<'a, T: Kind>(p: *mut T, name: &str) -> Result<&'a mut T, Fail> {
+/// As `handle`, mutably: for configs and transfers, the handles whose calls change them.
+/// kvxfer.h's rule that such a handle is used by one thread at a time is what makes the
+/// reference exclusive; the registry checks the rest.
+pub(crate) fn handle_mut<'a, T: Kind>(p: *mut T, name: &str) -> Result<&'a mut T, Fail> {
     handle(p, name)?;
-    // SAFETY: checked live above; exclusivity per the contract.
+    // SAFETY: live (checked above); exclusive by kvxfer.h's one-thread rule for configs and
+    // transfers.
     Ok(unsafe { &mut *p })
 }
 

@@ -7,7 +7,7 @@ use std::ffi::c_char;
 use kvxfer_core::connector::{Grant, Handoff, HandoffKey, GRANT_LEN};
 
 use crate::error::{fail, guard, Fail};
-use crate::ffi::{cstr, handle, null, put, slice};
+use crate::ffi::{handle, null, put, try_cstr, try_slice};
 use crate::{kvx_producer, kvx_status};
 
 /// Holds `blocks` of `request` for consumers; writes the handoff (bytes to pass to the
@@ -68,8 +68,7 @@ pub unsafe extern "C" fn kvx_producer_publish_granted(
     out_len: *mut usize,
 ) -> kvx_status {
     guard("kvx_producer_publish_granted", || {
-        // SAFETY: per this function's contract.
-        let g = unsafe { slice(grant, grant_len, "grant") }?;
+        let g = try_slice!(grant, grant_len, "grant");
         let g = <[u8; GRANT_LEN]>::try_from(g).map_err(|_| {
             fail(
                 kvx_status::KVX_INVALID_ARGUMENT,
@@ -112,10 +111,8 @@ unsafe fn publish(
     out_len: *mut usize,
 ) -> Result<(), Fail> {
     let p = handle(p, "producer")?;
-    // SAFETY: as above.
-    let r = unsafe { cstr(request, "request") }?;
-    // SAFETY: as above.
-    let b = unsafe { slice(blocks, n, "blocks") }?;
+    let r = try_cstr!(request, "request");
+    let b = try_slice!(blocks, n, "blocks");
     if out_len.is_null() {
         return Err(null("out_len"));
     }
@@ -153,8 +150,7 @@ pub unsafe extern "C" fn kvx_handoff_seal(
     guard("kvx_handoff_seal", || {
         // SAFETY: per this function's contract.
         let key = unsafe { key(secret, secret_len) }?;
-        // SAFETY: as above.
-        let b = unsafe { slice(handoff, handoff_len, "handoff") }?;
+        let b = try_slice!(handoff, handoff_len, "handoff");
         let mut h = Handoff::decode(b)?;
         key.seal(&mut h);
         // SAFETY: as above.
@@ -178,8 +174,7 @@ pub unsafe extern "C" fn kvx_handoff_seal_bytes(
     guard("kvx_handoff_seal_bytes", || {
         // SAFETY: per this function's contract.
         let key = unsafe { key(secret, secret_len) }?;
-        // SAFETY: as above.
-        let b = unsafe { slice(bytes, len, "bytes") }?;
+        let b = try_slice!(bytes, len, "bytes");
         if seal.is_null() {
             return Err(null("seal"));
         }
@@ -207,10 +202,8 @@ pub unsafe extern "C" fn kvx_handoff_verify_bytes(
     guard("kvx_handoff_verify_bytes", || {
         // SAFETY: per this function's contract.
         let key = unsafe { key(secret, secret_len) }?;
-        // SAFETY: as above.
-        let b = unsafe { slice(bytes, len, "bytes") }?;
-        // SAFETY: as above.
-        let s = unsafe { slice(seal, seal_len, "seal") }?;
+        let b = try_slice!(bytes, len, "bytes");
+        let s = try_slice!(seal, seal_len, "seal");
         key.verify_bytes(b, s)
             .map_err(|e| fail(kvx_status::KVX_AUTH, format!("handoff: {e}")))
     })
@@ -221,8 +214,7 @@ pub unsafe extern "C" fn kvx_handoff_verify_bytes(
 /// # Safety
 /// `secret` valid for `secret_len` bytes.
 unsafe fn key(secret: *const u8, secret_len: usize) -> Result<HandoffKey, Fail> {
-    // SAFETY: per this function's contract.
-    let s = unsafe { slice(secret, secret_len, "secret") }?;
+    let s = try_slice!(secret, secret_len, "secret");
     if s.is_empty() {
         return Err(fail(
             kvx_status::KVX_INVALID_ARGUMENT,

@@ -3,7 +3,7 @@
 use std::ffi::c_char;
 
 use crate::error::{fail, guard};
-use crate::ffi::{cstr, handle, null, put_str};
+use crate::ffi::{handle, null, put_str, try_cstr};
 use crate::{kvx_agent, kvx_consumer, kvx_gpu_path, kvx_producer, kvx_status};
 
 /// Prometheus text of the consumer's (or producer's, with `kvx_producer_metrics`) telemetry.
@@ -38,8 +38,7 @@ pub unsafe extern "C" fn kvx_agent_peer_gpu_path(
 ) -> kvx_status {
     guard("kvx_agent_peer_gpu_path", || {
         let a = handle(a, "agent")?;
-        // SAFETY: as above.
-        let peer = unsafe { cstr(peer, "peer") }?;
+        let peer = try_cstr!(peer, "peer");
         if out.is_null() {
             return Err(null("out"));
         }
@@ -72,8 +71,7 @@ pub unsafe extern "C" fn kvx_agent_peer_regions(
 ) -> kvx_status {
     guard("kvx_agent_peer_regions", || {
         let a = handle(a, "agent")?;
-        // SAFETY: as above.
-        let peer = unsafe { cstr(peer, "peer") }?;
+        let peer = try_cstr!(peer, "peer");
         if n.is_null() {
             return Err(null("n"));
         }

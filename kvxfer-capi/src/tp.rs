@@ -4,7 +4,7 @@
 use kvxfer_core::connector::{tp_plan, Handoff, HeadMap, LoadSpec, TpSide};
 
 use crate::error::{fail, guard};
-use crate::ffi::{handle, null, slice};
+use crate::ffi::{handle, null, try_slice};
 use crate::{kvx_consumer, kvx_status};
 
 /// One producer rank a decode rank loads from (an entry of `kvx_tp_plan`), and how: the
@@ -117,10 +117,8 @@ pub unsafe extern "C" fn kvx_consumer_start_load_with(
 ) -> kvx_status {
     guard("kvx_consumer_start_load_with", || {
         let c = handle(c, "consumer")?;
-        // SAFETY: as above.
-        let h = Handoff::decode(unsafe { slice(handoff, len, "handoff") }?)?;
-        // SAFETY: as above.
-        let b = unsafe { slice(local_blocks, n, "local_blocks") }?;
+        let h = Handoff::decode(try_slice!(handoff, len, "handoff"))?;
+        let b = try_slice!(local_blocks, n, "local_blocks");
         // SAFETY: NULL or valid per the contract.
         let spec = unsafe { read.as_ref() }
             .map(kvx_tp_read::spec)

@@ -9,7 +9,9 @@ use kvxfer_core::staging::{StagingShape, DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING
 use kvxfer_core::{Agent, AgentConfig, GpuPath, MemoryBudget, Transport};
 
 use crate::error::{fail, guard, Fail};
-use crate::ffi::{cstr, free_handle, handle, handle_mut, new_handle, null, put, put_str, slice};
+use crate::ffi::{
+    free_handle, handle, handle_mut, new_handle, null, put, put_str, try_cstr, try_slice,
+};
 use crate::{kvx_agent, kvx_agent_config, kvx_status, KVX_MAX_ADDRESS, KVX_MAX_NAME};
 
 /// Creates an agent. `transport`: "tcp", "shm", "auto" or a UCX_TLS list; `net_devices` may be
@@ -34,17 +36,14 @@ pub unsafe extern "C" fn kvx_agent_new(
     out: *mut *mut kvx_agent,
 ) -> kvx_status {
     guard("kvx_agent_new", || {
-        // SAFETY: per this function's contract.
-        let name = unsafe { cstr(name, "name") }?;
-        // SAFETY: as above.
-        let transport = unsafe { cstr(transport, "transport") }?;
+        let name = try_cstr!(name, "name");
+        let transport = try_cstr!(transport, "transport");
         if out.is_null() {
             return Err(null("out"));
         }
         let mut cfg = AgentConfig::new(name).transport(Transport::parse(transport));
         if !net_devices.is_null() {
-            // SAFETY: as above.
-            cfg = cfg.net_devices(unsafe { cstr(net_devices, "net_devices") }?);
+            cfg = cfg.net_devices(try_cstr!(net_devices, "net_devices"));
         }
         if budget_bytes > 0 {
             cfg = cfg.budget(MemoryBudget::new(budget_bytes));
@@ -102,8 +101,7 @@ pub unsafe extern "C" fn kvx_agent_config_new(
     out: *mut *mut kvx_agent_config,
 ) -> kvx_status {
     guard("kvx_agent_config_new", || {
-        // SAFETY: per this function's contract.
-        let name = unsafe { cstr(name, "name") }?;
+        let name = try_cstr!(name, "name");
         if out.is_null() {
             return Err(null("out"));
         }
@@ -127,18 +125,15 @@ pub unsafe extern "C" fn kvx_agent_config_free(c: *mut kvx_agent_config) {
     unsafe { free_handle(c, "kvx_agent_config_free") }
 }
 
-/// Applies `f` to the configuration behind `c`, inside the panic boundary.
-///
-/// # Safety
-/// `c` is NULL or a live `kvx_agent_config` not used by another thread during the call.
-unsafe fn with_config(
+/// Applies `f` to the configuration behind `c` (checked by `handle_mut`), inside the panic
+/// boundary; on an error the configuration is left as it was.
+fn with_config(
     fname: &str,
     c: *mut kvx_agent_config,
     f: impl FnOnce(AgentConfig) -> Result<AgentConfig, Fail>,
 ) -> kvx_status {
     guard(fname, || {
-        // SAFETY: per this function's contract.
-        let c = unsafe { handle_mut(c, "config") }?;
+        let c = handle_mut(c, "config")?;
         let cfg = std::mem::replace(&mut c.inner, AgentConfig::new("-"));
         // On an error the configuration is restored unchanged.
         let keep = cfg.clone();
@@ -165,12 +160,9 @@ pub unsafe extern "C" fn kvx_agent_config_set_transport(
     c: *mut kvx_agent_config,
     transport: *const c_char,
 ) -> kvx_status {
-    // SAFETY: per this function's contract.
-    unsafe {
-        with_config("kvx_agent_config_set_transport", c, |cfg| {
-            Ok(cfg.transport(Transport::parse(cstr(transport, "transport")?)))
-        })
-    }
+    with_config("kvx_agent_config_set_transport", c, |cfg| {
+        Ok(cfg.transport(Transport::parse(try_cstr!(transport, "transport"))))
+    })
 }
 
 /// Sets `UCX_NET_DEVICES` (e.g. "eth0", "mlx5_0:1"); NULL restores UCX's default. The TCP lane
@@ -183,15 +175,12 @@ pub unsafe extern "C" fn kvx_agent_config_set_net_devices(
     c: *mut kvx_agent_config,
     devices: *const c_char,
 ) -> kvx_status {
-    // SAFETY: per this function's contract.
-    unsafe {
-        with_config("kvx_agent_config_set_net_devices", c, |cfg| {
-            Ok(match devices.is_null() {
-                true => cfg.default_net_devices(),
-                false => cfg.net_devices(cstr(devices, "devices")?),
-            })
+    with_config("kvx_agent_config_set_net_devices", c, |cfg| {
+        Ok(match devices.is_null() {
+            true => cfg.default_net_devices(),
+            false => cfg.net_devices(try_cstr!(devices, "devices")),
         })
-    }
+    })
 }
 
 /// Sets where the agent publishes itself and finds peers by name: `url` "etcd://host:2379"
@@ -212,16 +201,14 @@ pub unsafe extern "C" fn kvx_agent_config_set_discovery(
     ttl_ms: u64,
 ) -> kvx_status {
     guard("kvx_agent_config_set_discovery", || {
-        // SAFETY: per this function's contract.
-        let c = unsafe { handle_mut(c, "config") }?;
+        let c = handle_mut(c, "config")?;
         // Parsed whole before anything changes: a failed call leaves the configuration as it was.
         c.discovery = match url.is_null() {
             true => None,
             false => {
                 let ttl =
                     std::time::Duration::from_millis(if ttl_ms == 0 { 10_000 } else { ttl_ms });
-                // SAFETY: per this function's contract.
-                let (url, ns) = unsafe { (cstr(url, "url")?, cstr(ns, "ns")?) };
+                let (url, ns) = (try_cstr!(url, "url"), try_cstr!(ns, "ns"));
                 Some(DiscoveryConfig::parse(url, ns, ttl)?)
             }
         };
@@ -247,16 +234,13 @@ pub unsafe extern "C" fn kvx_agent_config_set_secret(
     secret: *const u8,
     len: usize,
 ) -> kvx_status {
-    // SAFETY: per this function's contract.
-    unsafe {
-        with_config("kvx_agent_config_set_secret", c, |cfg| {
-            let s = slice(secret, len, "secret")?;
-            Ok(match s.is_empty() {
-                true => cfg.no_secret(),
-                false => cfg.secret(s),
-            })
+    with_config("kvx_agent_config_set_secret", c, |cfg| {
+        let s = try_slice!(secret, len, "secret");
+        Ok(match s.is_empty() {
+            true => cfg.no_secret(),
+            false => cfg.secret(s),
         })
-    }
+    })
 }
 
 /// With a secret: the blocks' bytes on the TCP lane are sealed too (`on` non-zero;
@@ -272,12 +256,9 @@ pub unsafe extern "C" fn kvx_agent_config_set_lane_encryption(
     c: *mut kvx_agent_config,
     on: i32,
 ) -> kvx_status {
-    // SAFETY: per this function's contract.
-    unsafe {
-        with_config("kvx_agent_config_set_lane_encryption", c, |cfg| {
-            Ok(cfg.lane_encryption(on != 0))
-        })
-    }
+    with_config("kvx_agent_config_set_lane_encryption", c, |cfg| {
+        Ok(cfg.lane_encryption(on != 0))
+    })
 }
 
 /// Lets UCX use its own TCP transport next to the lanes (`on` non-zero; trusted network only,
@@ -293,12 +274,9 @@ pub unsafe extern "C" fn kvx_agent_config_set_ucx_tcp(
     c: *mut kvx_agent_config,
     on: i32,
 ) -> kvx_status {
-    // SAFETY: per this function's contract.
-    unsafe {
-        with_config("kvx_agent_config_set_ucx_tcp", c, |cfg| {
-            Ok(cfg.ucx_tcp(on != 0))
-        })
-    }
+    with_config("kvx_agent_config_set_ucx_tcp", c, |cfg| {
+        Ok(cfg.ucx_tcp(on != 0))
+    })
 }
 
 /// Strict transport (`on` non-zero): a transfer to a peer whose transports fell back from
@@ -312,12 +290,9 @@ pub unsafe extern "C" fn kvx_agent_config_set_strict(
     c: *mut kvx_agent_config,
     on: i32,
 ) -> kvx_status {
-    // SAFETY: per this function's contract.
-    unsafe {
-        with_config("kvx_agent_config_set_strict", c, |cfg| {
-            Ok(cfg.strict(on != 0))
-        })
-    }
+    with_config("kvx_agent_config_set_strict", c, |cfg| {
+        Ok(cfg.strict(on != 0))
+    })
 }
 
 /// kvxfer's own shm and TCP lanes next to UCX (`on` non-zero, the default); 0 sends every
@@ -330,14 +305,11 @@ pub unsafe extern "C" fn kvx_agent_config_set_lanes(
     c: *mut kvx_agent_config,
     on: i32,
 ) -> kvx_status {
-    // SAFETY: per this function's contract.
-    unsafe {
-        with_config(
-            "kvx_agent_config_set_lanes",
-            c,
-            |cfg| Ok(cfg.lanes(on != 0)),
-        )
-    }
+    with_config(
+        "kvx_agent_config_set_lanes",
+        c,
+        |cfg| Ok(cfg.lanes(on != 0)),
+    )
 }
 
 /// How device memory moves: "auto" (direct where the loaded UCX has CUDA transports, else
@@ -350,19 +322,16 @@ pub unsafe extern "C" fn kvx_agent_config_set_gpu_path(
     c: *mut kvx_agent_config,
     path: *const c_char,
 ) -> kvx_status {
-    // SAFETY: per this function's contract.
-    unsafe {
-        with_config("kvx_agent_config_set_gpu_path", c, |cfg| {
-            let s = cstr(path, "path")?;
-            let p = GpuPath::parse(s).ok_or_else(|| {
-                fail(
-                    kvx_status::KVX_INVALID_ARGUMENT,
-                    format!("gpu path {s:?}: auto, direct or staged"),
-                )
-            })?;
-            Ok(cfg.gpu_path(p))
-        })
-    }
+    with_config("kvx_agent_config_set_gpu_path", c, |cfg| {
+        let s = try_cstr!(path, "path");
+        let p = GpuPath::parse(s).ok_or_else(|| {
+            fail(
+                kvx_status::KVX_INVALID_ARGUMENT,
+                format!("gpu path {s:?}: auto, direct or staged"),
+            )
+        })?;
+        Ok(cfg.gpu_path(p))
+    })
 }
 
 /// TCP-lane compression: "auto" (the default: compress a transfer where the measured link is
@@ -375,16 +344,13 @@ pub unsafe extern "C" fn kvx_agent_config_set_compression(
     c: *mut kvx_agent_config,
     mode: *const c_char,
 ) -> kvx_status {
-    // SAFETY: per this function's contract.
-    unsafe {
-        with_config("kvx_agent_config_set_compression", c, |cfg| {
-            let s = cstr(mode, "mode")?;
-            let m: kvxfer_core::Compression = s
-                .parse()
-                .map_err(|e: String| fail(kvx_status::KVX_INVALID_ARGUMENT, e))?;
-            Ok(cfg.compression(m))
-        })
-    }
+    with_config("kvx_agent_config_set_compression", c, |cfg| {
+        let s = try_cstr!(mode, "mode");
+        let m: kvxfer_core::Compression = s
+            .parse()
+            .map_err(|e: String| fail(kvx_status::KVX_INVALID_ARGUMENT, e))?;
+        Ok(cfg.compression(m))
+    })
 }
 
 /// Takes `bytes_per_s` as the link rate to the agent named `peer` (for compression's `auto`)
@@ -399,19 +365,16 @@ pub unsafe extern "C" fn kvx_agent_config_set_link_rate(
     peer: *const c_char,
     bytes_per_s: f64,
 ) -> kvx_status {
-    // SAFETY: per this function's contract.
-    unsafe {
-        with_config("kvx_agent_config_set_link_rate", c, |cfg| {
-            let p = cstr(peer, "peer")?;
-            if !(bytes_per_s.is_finite() && bytes_per_s > 0.0) {
-                return Err(fail(
-                    kvx_status::KVX_INVALID_ARGUMENT,
-                    format!("link rate {bytes_per_s}: a positive number of bytes per second"),
-                ));
-            }
-            Ok(cfg.link_rate(p, bytes_per_s))
-        })
-    }
+    with_config("kvx_agent_config_set_link_rate", c, |cfg| {
+        let p = try_cstr!(peer, "peer");
+        if !(bytes_per_s.is_finite() && bytes_per_s > 0.0) {
+            return Err(fail(
+                kvx_status::KVX_INVALID_ARGUMENT,
+                format!("link rate {bytes_per_s}: a positive number of bytes per second"),
+            ));
+        }
+        Ok(cfg.link_rate(p, bytes_per_s))
+    })
 }
 
 /// The staging of device memory on the staged path: `chunks` pinned host chunks of
@@ -428,12 +391,9 @@ pub unsafe extern "C" fn kvx_agent_config_set_staging(
     chunks: usize,
     chunk_bytes: usize,
 ) -> kvx_status {
-    // SAFETY: per this function's contract.
-    unsafe {
-        with_config("kvx_agent_config_set_staging", c, |cfg| {
-            Ok(cfg.staging(StagingShape::new(chunks, chunk_bytes)?))
-        })
-    }
+    with_config("kvx_agent_config_set_staging", c, |cfg| {
+        Ok(cfg.staging(StagingShape::new(chunks, chunk_bytes)?))
+    })
 }
 
 /// The memory budget the agent charges its own buffers to (`bytes` 0: unlimited).
@@ -445,15 +405,12 @@ pub unsafe extern "C" fn kvx_agent_config_set_budget(
     c: *mut kvx_agent_config,
     bytes: u64,
 ) -> kvx_status {
-    // SAFETY: per this function's contract.
-    unsafe {
-        with_config("kvx_agent_config_set_budget", c, |cfg| {
-            Ok(cfg.budget(match bytes {
-                0 => MemoryBudget::unlimited(),
-                b => MemoryBudget::new(b),
-            }))
-        })
-    }
+    with_config("kvx_agent_config_set_budget", c, |cfg| {
+        Ok(cfg.budget(match bytes {
+            0 => MemoryBudget::unlimited(),
+            b => MemoryBudget::new(b),
+        }))
+    })
 }
 
 /// Sets how long each step of `kvx_agent_connect`'s handshake (the TCP connection, then every
@@ -466,18 +423,15 @@ pub unsafe extern "C" fn kvx_agent_config_set_handshake_timeout(
     c: *mut kvx_agent_config,
     ms: u64,
 ) -> kvx_status {
-    // SAFETY: per this function's contract.
-    unsafe {
-        with_config("kvx_agent_config_set_handshake_timeout", c, |cfg| {
-            if ms == 0 {
-                return Err(fail(
-                    kvx_status::KVX_INVALID_ARGUMENT,
-                    "a handshake time-out of 0 ms",
-                ));
-            }
-            Ok(cfg.handshake_timeout(std::time::Duration::from_millis(ms)))
-        })
-    }
+    with_config("kvx_agent_config_set_handshake_timeout", c, |cfg| {
+        if ms == 0 {
+            return Err(fail(
+                kvx_status::KVX_INVALID_ARGUMENT,
+                "a handshake time-out of 0 ms",
+            ));
+        }
+        Ok(cfg.handshake_timeout(std::time::Duration::from_millis(ms)))
+    })
 }
 
 /// Adds a UCX setting (a name without the `UCX_` prefix, e.g. "RNDV_THRESH"), applied last.
@@ -491,12 +445,9 @@ pub unsafe extern "C" fn kvx_agent_config_set_ucx(
     key: *const c_char,
     value: *const c_char,
 ) -> kvx_status {
-    // SAFETY: per this function's contract.
-    unsafe {
-        with_config("kvx_agent_config_set_ucx", c, |cfg| {
-            Ok(cfg.ucx_setting(cstr(key, "key")?, cstr(value, "value")?))
-        })
-    }
+    with_config("kvx_agent_config_set_ucx", c, |cfg| {
+        Ok(cfg.ucx_setting(try_cstr!(key, "key"), try_cstr!(value, "value")))
+    })
 }
 
 /// Creates an agent from a configuration (which stays the caller's, reusable).
@@ -581,8 +532,7 @@ pub unsafe extern "C" fn kvx_agent_listen(
 ) -> kvx_status {
     guard("kvx_agent_listen", || {
         let a = handle(a, "agent")?;
-        // SAFETY: as above.
-        let addr = unsafe { cstr(addr, "addr") }?; // a host name or an IP address, and a port
+        let addr = try_cstr!(addr, "addr"); // a host name or an IP address, and a port
         early_room(buf, cap, KVX_MAX_ADDRESS, out_len)?;
         let bound = a.inner.listen(addr)?.to_string();
         // SAFETY: as above.
@@ -606,8 +556,7 @@ pub unsafe extern "C" fn kvx_agent_connect(
 ) -> kvx_status {
     guard("kvx_agent_connect", || {
         let a = handle(a, "agent")?;
-        // SAFETY: as above.
-        let addr = unsafe { cstr(addr, "addr") }?; // a host name or an IP address, and a port
+        let addr = try_cstr!(addr, "addr"); // a host name or an IP address, and a port
         early_room(buf, cap, KVX_MAX_NAME + 1, out_len)?;
         let name = a.inner.connect(addr)?;
         // SAFETY: as above.
@@ -649,8 +598,7 @@ pub unsafe extern "C" fn kvx_agent_load_metadata(
 ) -> kvx_status {
     guard("kvx_agent_load_metadata", || {
         let a = handle(a, "agent")?;
-        // SAFETY: as above.
-        let md = unsafe { slice(md, len, "metadata") }?;
+        let md = try_slice!(md, len, "metadata");
         early_room(name_buf, cap, KVX_MAX_NAME + 1, out_len)?;
         let name = a.inner.load_remote_metadata(md)?;
         // SAFETY: as above.

@@ -5,7 +5,7 @@ use std::ffi::{c_char, c_void};
 use kvxfer_core::{Desc, HostBuffer, MemKind, RegionId};
 
 use crate::error::guard;
-use crate::ffi::{cstr, free_handle, handle, new_handle, null, slice};
+use crate::ffi::{free_handle, handle, new_handle, null, try_cstr, try_slice};
 use crate::{kvx_agent, kvx_desc, kvx_local_list, kvx_region, kvx_remote_list, kvx_status};
 
 /// Registers `len` bytes at `ptr`: host memory (`cuda_device` < 0) or CUDA device memory
@@ -129,8 +129,7 @@ pub unsafe extern "C" fn kvx_agent_prep_local(
 ) -> kvx_status {
     guard("kvx_agent_prep_local", || {
         let a = handle(a, "agent")?;
-        // SAFETY: as above.
-        let d = unsafe { slice(d, n, "descs") }?;
+        let d = try_slice!(d, n, "descs");
         if out.is_null() {
             return Err(null("out"));
         }
@@ -155,10 +154,8 @@ pub unsafe extern "C" fn kvx_agent_prep_remote(
 ) -> kvx_status {
     guard("kvx_agent_prep_remote", || {
         let a = handle(a, "agent")?;
-        // SAFETY: as above.
-        let peer = unsafe { cstr(peer, "peer") }?;
-        // SAFETY: as above.
-        let d = unsafe { slice(d, n, "descs") }?;
+        let peer = try_cstr!(peer, "peer");
+        let d = try_slice!(d, n, "descs");
         if out.is_null() {
             return Err(null("out"));
         }

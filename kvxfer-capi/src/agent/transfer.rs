@@ -6,7 +6,7 @@ use std::time::Duration;
 use kvxfer_core::{Error, XferOp, XferStats};
 
 use crate::error::{fail, guard, status_of, Fail};
-use crate::ffi::{cstr, free_handle, handle, handle_mut, ms, new_handle, null, slice};
+use crate::ffi::{free_handle, handle, handle_mut, ms, new_handle, null, try_cstr, try_slice};
 use crate::{
     kvx_agent, kvx_local_list, kvx_op, kvx_remote_list, kvx_status, kvx_transfer, kvx_xfer_stats,
     KVX_MAX_NAME, KVX_MAX_NOTIFICATION,
@@ -55,20 +55,17 @@ pub unsafe extern "C" fn kvx_agent_transfer(
         let li = if li.is_null() {
             all.clone()
         } else {
-            // SAFETY: as above.
-            unsafe { slice(li, n, "li") }?.to_vec()
+            try_slice!(li, n, "li").to_vec()
         };
         let ri = if ri.is_null() {
             all
         } else {
-            // SAFETY: as above.
-            unsafe { slice(ri, n, "ri") }?.to_vec()
+            try_slice!(ri, n, "ri").to_vec()
         };
         let note = if note.is_null() {
             None
         } else {
-            // SAFETY: as above.
-            Some(unsafe { slice(note, note_len, "note") }?)
+            Some(try_slice!(note, note_len, "note"))
         };
         let t = a.inner.transfer(
             op,
@@ -152,8 +149,7 @@ pub unsafe extern "C" fn kvx_transfer_poll(
     stats: *mut kvx_xfer_stats,
 ) -> kvx_status {
     guard("kvx_transfer_poll", || {
-        // SAFETY: per this function's contract.
-        let t = unsafe { handle_mut(t, "transfer") }?;
+        let t = handle_mut(t, "transfer")?;
         match settle(t, Duration::ZERO) {
             Ok(()) => report(t, stats),
             Err(f) => Err(f),
@@ -172,8 +168,7 @@ pub unsafe extern "C" fn kvx_transfer_wait(
     stats: *mut kvx_xfer_stats,
 ) -> kvx_status {
     guard("kvx_transfer_wait", || {
-        // SAFETY: per this function's contract.
-        let t = unsafe { handle_mut(t, "transfer") }?;
+        let t = handle_mut(t, "transfer")?;
         let timeout = ms(timeout_ms).unwrap_or(Duration::from_secs(u32::MAX as u64));
         match settle(t, timeout) {
             Ok(()) => report(t, stats),
@@ -194,8 +189,7 @@ pub unsafe extern "C" fn kvx_transfer_wait(
 #[no_mangle]
 pub unsafe extern "C" fn kvx_transfer_cancel(t: *mut kvx_transfer) -> kvx_status {
     guard("kvx_transfer_cancel", || {
-        // SAFETY: per this function's contract.
-        let t = unsafe { handle_mut(t, "transfer") }?;
+        let t = handle_mut(t, "transfer")?;
         if let Some(x) = t.inner.take() {
             t.result = Some(x.cancel().map_err(|e| (status_of(&e), e.to_string())));
         }
@@ -227,10 +221,8 @@ pub unsafe extern "C" fn kvx_agent_notify(
 ) -> kvx_status {
     guard("kvx_agent_notify", || {
         let a = handle(a, "agent")?;
-        // SAFETY: as above.
-        let peer = unsafe { cstr(peer, "peer") }?;
-        // SAFETY: as above.
-        let note = unsafe { slice(note, len, "note") }?;
+        let peer = try_cstr!(peer, "peer");
+        let note = try_slice!(note, len, "note");
         a.inner.notify(peer, note)?.wait()?;
         Ok(())
     })
