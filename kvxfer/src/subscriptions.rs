@@ -32,7 +32,10 @@ const POLL: Duration = Duration::from_millis(50);
 /// The connections an agent keeps, and the generation of its regions.
 #[derive(Debug)]
 pub(crate) struct Subscriptions {
-    /// Bumped by every registration and deregistration.
+    /// Bumped by every registration. A deregistration is not pushed: peers that go on using
+    /// the region are refused by the target, and at a process's exit, when its caches are
+    /// deregistered, pushing them would make every peer reload and reconnect while both
+    /// sides stop.
     generation: AtomicU64,
     budget: MemoryBudget,
     kept: Mutex<Kept>,
@@ -74,7 +77,7 @@ impl Subscriptions {
         }
     }
 
-    /// This agent's regions changed: every kept connection sends its metadata again.
+    /// This agent registered a region: every kept connection sends its metadata again.
     pub(crate) fn changed(&self) {
         self.generation.fetch_add(1, Ordering::AcqRel);
     }

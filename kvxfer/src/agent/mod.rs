@@ -365,7 +365,6 @@ impl Agent {
             reply,
         })?;
         self.shared.regions.remove(region.inner.id);
-        self.shared.subs.changed();
         Ok(())
     }
 
@@ -450,7 +449,7 @@ impl Agent {
     }
 
     /// Connects to a peer's side channel, exchanges metadata both ways, and keeps the
-    /// connection: regions either agent registers or deregisters later reach the other
+    /// connection: regions either agent registers later reach the other
     /// without a reconnect. Returns the peer's name.
     pub fn connect(&self, addr: impl ToSocketAddrs) -> Result<String> {
         let addr = resolve(addr, "connect")?;
