@@ -1,6 +1,6 @@
 //! The side channel after its handshake, with no I/O. Both ends keep the connection, and each
 //! sends its metadata again (an [`UPDATE`] frame, sealed under the handshake's session with a
-//! secret) whenever its regions change, so that a region registered after `connect` reaches
+//! secret) whenever it registers a region, so that a region registered after `connect` reaches
 //! the peers connected already, as the etcd path publishes it. An update is taken only as the
 //! agent the handshake loaded: the same name and incarnation, from this connection; a
 //! restart or another name takes a handshake of its own.

@@ -1,6 +1,6 @@
 //! The side channel's connections kept after their handshake (the protocol is
 //! `kvxfer_proto::updates`): one per peer, a thread each, that sends this agent's metadata
-//! again once its regions changed and loads the peer's updates, as the agent the handshake
+//! again once it registered a region and loads the peer's updates, as the agent the handshake
 //! loaded. A region registered after `connect` so reaches the peers connected already, on
 //! both ends, without a reconnect (the etcd path publishes its own).
 //!
