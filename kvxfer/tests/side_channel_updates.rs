@@ -7,7 +7,9 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use kvxfer::{Agent, AgentConfig, Desc, HostBuffer, Region, RegionId, Transport, XferOp};
+use kvxfer::{
+    Agent, AgentConfig, Desc, HostBuffer, MemoryBudget, Region, RegionId, Transport, XferOp,
+};
 use kvxfer_proto::wire::metadata::{Metadata, RegionMeta};
 use kvxfer_proto::wire::side_channel::{encode_frame, read_frame, HELLO, META, PREAMBLE, UPDATE};
 
@@ -148,4 +150,54 @@ fn an_update_is_taken_only_as_the_agent_the_handshake_loaded() {
         "an update loaded another agent's name"
     );
     assert!(closed, "the connection stays open after a foreign update");
+}
+
+/// An update is charged to the agent's budget while it is read and loaded: one larger than
+/// the budget is refused, nothing of it loaded, the connection closed.
+#[test]
+fn an_update_past_the_budget_is_refused_and_loads_nothing() {
+    let budget = MemoryBudget::new(16 << 10);
+    let a = Agent::new(
+        AgentConfig::new(format!("upd-budget-{}", std::process::id()))
+            .transport(Transport::Tcp)
+            .net_devices("lo")
+            .budget(budget.clone()),
+    )
+    .unwrap();
+    let c = agent("upd-budget-client", None);
+    let side = a.listen("127.0.0.1:0").unwrap();
+    let mut s = TcpStream::connect(side).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut hello = PREAMBLE.to_vec();
+    hello.extend_from_slice(&encode_frame(HELLO, &c.metadata().unwrap()));
+    s.write_all(&hello).unwrap();
+    let mut pre = [0u8; PREAMBLE.len()];
+    s.read_exact(&mut pre).unwrap();
+    assert_eq!(read_frame(&mut s, "a").unwrap().0, META);
+    // Grown by 8 regions with 4 KiB keys: about 33 KiB, twice the budget.
+    let mut m = Metadata::decode(&c.metadata().unwrap(), kvxfer::DEFAULT_COMPAT).unwrap();
+    for i in 0..8u32 {
+        m.regions.push(RegionMeta {
+            id: RegionId(100 + i),
+            kind: kvxfer::MemKind::Host,
+            base: 0x10_0000 * u64::from(i + 1),
+            len: 4096,
+            rkey: vec![1; 4096],
+            shm: None,
+        });
+    }
+    let frame = encode_frame(UPDATE, &m.encode());
+    assert!(frame.len() as u64 > budget.limit());
+    s.write_all(&frame).unwrap();
+    // Closed: an end of stream, or a reset (the agent closed with the update's body unread).
+    let mut b = [0u8; 1];
+    let got = s.read(&mut b);
+    let closed = matches!(&got, Ok(0))
+        || matches!(&got, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset);
+    assert!(
+        a.peer_regions(c.name()).unwrap().is_empty(),
+        "an update past the budget was loaded"
+    );
+    assert!(closed, "the connection stays open past the budget: {got:?}");
+    assert_eq!(budget.used(), 0, "the refused update still holds budget");
 }
