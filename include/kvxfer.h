@@ -222,7 +222,12 @@ enum kvx_status
    * An error of a kind this build of the header does not name (a newer library): the
    * last error says what happened.
    */
-  KVX_ERROR = 28
+  KVX_ERROR = 28,
+  /**
+   * The agent's peer table is full (its cap, or the file descriptors it keeps free) and no
+   * peer was idle long enough to make room: the peer was not loaded.
+   */
+  KVX_PEER_LIMIT = 29
 };
 #ifndef __cplusplus
 typedef uint32_t kvx_status;
@@ -745,6 +750,27 @@ kvx_status kvx_agent_config_set_budget(struct kvx_agent_config *c, uint64_t byte
  * `c` is a live config not used by another thread during the call.
  */
 kvx_status kvx_agent_config_set_handshake_timeout(struct kvx_agent_config *c, uint64_t ms);
+
+/**
+ * Sets how many peers the agent keeps loaded at once (default 1,024). Past it, or when the
+ * process's free file descriptors would fall under the reserve (an eighth of
+ * `RLIMIT_NOFILE`, at least 64), the peer unused for longest is evicted if it has been idle
+ * for the peer idle time; else the newcomer is refused with `KVX_PEER_LIMIT`. 0 is
+ * `KVX_INVALID_ARGUMENT`.
+ *
+ * # Safety
+ * `c` is a live config not used by another thread during the call.
+ */
+kvx_status kvx_agent_config_set_max_peers(struct kvx_agent_config *c, uint32_t n);
+
+/**
+ * Sets how long a peer must have been unused before a newcomer may evict it from a full
+ * peer table, in milliseconds (default 60,000).
+ *
+ * # Safety
+ * `c` is a live config not used by another thread during the call.
+ */
+kvx_status kvx_agent_config_set_peer_idle(struct kvx_agent_config *c, uint64_t ms);
 
 /**
  * Adds a UCX setting (a name without the `UCX_` prefix, e.g. "RNDV_THRESH"), applied last.

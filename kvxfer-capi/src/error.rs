@@ -58,6 +58,7 @@ pub(crate) fn status_of(e: &Error) -> kvx_status {
         Error::Shutdown => KVX_SHUTDOWN,
         Error::Cuda { .. } => KVX_CUDA,
         Error::NameConflict { .. } => KVX_NAME_CONFLICT,
+        Error::PeerLimit { .. } => KVX_PEER_LIMIT,
         // `Error` is non-exhaustive: a variant added later is still an error, never success
         // or a misleading "invalid argument".
         _ => KVX_ERROR,
@@ -117,7 +118,7 @@ pub unsafe extern "C" fn kvx_last_error(buf: *mut c_char, cap: usize) -> usize {
 }
 
 /// Every status, in value order (0, 1, ...).
-const STATUSES: [kvx_status; 29] = {
+const STATUSES: [kvx_status; 30] = {
     use kvx_status::*;
     [
         KVX_OK,
@@ -149,6 +150,7 @@ const STATUSES: [kvx_status; 29] = {
         KVX_TRANSPORT_MISMATCH,
         KVX_FENCED,
         KVX_ERROR,
+        KVX_PEER_LIMIT,
     ]
 };
 
@@ -195,6 +197,7 @@ fn status_name(s: kvx_status) -> &'static str {
         KVX_TRANSPORT_MISMATCH => "KVX_TRANSPORT_MISMATCH\0",
         KVX_FENCED => "KVX_FENCED\0",
         KVX_ERROR => "KVX_ERROR\0",
+        KVX_PEER_LIMIT => "KVX_PEER_LIMIT\0",
     }
 }
 

@@ -95,6 +95,9 @@ pub enum kvx_status {
     /// An error of a kind this build of the header does not name (a newer library): the
     /// last error says what happened.
     KVX_ERROR = 28,
+    /// The agent's peer table is full (its cap, or the file descriptors it keeps free) and no
+    /// peer was idle long enough to make room: the peer was not loaded.
+    KVX_PEER_LIMIT = 29,
 }
 
 /// Direction of a transfer, seen from the initiator.

@@ -291,6 +291,15 @@ pub enum Error {
         /// Which incarnations, and how the first was found alive.
         why: String,
     },
+    /// The agent's peer table is full (its cap of peers, or the file descriptors it keeps
+    /// free) and no peer has been idle long enough to make room: the newcomer was not loaded.
+    #[error("peer table of {agent:?} is full: {why}")]
+    PeerLimit {
+        /// The agent whose table is full (this one, or the listener that refused).
+        agent: String,
+        /// How full, and what to change.
+        why: String,
+    },
     /// The registry agents find each other through (etcd) is unreachable or refused a call.
     #[error("etcd at {endpoints}: {why}")]
     Registry {

@@ -24,6 +24,7 @@ pub mod lane_seal;
 pub mod layout;
 pub mod lifecycle;
 pub mod paged;
+pub mod peer_table;
 pub mod planning;
 pub mod session;
 pub mod tp;

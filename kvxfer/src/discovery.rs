@@ -122,6 +122,15 @@ fn refusal(shared: &SideChannel, who: &str, text: &[u8]) -> Error {
                 .to_string(),
             why: format!("{} (the listener {who} refused this agent)", rest.1),
         }
+    } else if let Some((agent, rest)) = why
+        .strip_prefix("peer table of ")
+        .and_then(|r| r.split_once(" is full: "))
+    {
+        // The listener's peer table is full and none of its peers was idle.
+        Error::PeerLimit {
+            agent: agent.trim_matches('"').to_string(),
+            why: format!("{rest} (the listener {who} refused this agent)"),
+        }
     } else {
         let ours = if why.contains("no transport in common") {
             format!(

@@ -3,10 +3,11 @@
 //! until each is admitted, refused, or out of time, so that a client that connects and says
 //! nothing, or sends a byte a second, or opens hundreds of connections, delays nobody else.
 //!
-//! Bounds: at most `pending` connections in handshake (the oldest is dropped to admit a new
-//! one), each with a deadline for its whole handshake, and at most `bytes` buffered across
+//! Bounds: at most `pending` connections in handshake, and no more than a quarter of the
+//! process's descriptor limit (the oldest is dropped to admit a new one), each with a deadline for its whole handshake, and at most `bytes` buffered across
 //! them (the connection holding the most is dropped first). Nothing here allocates per byte a
-//! client announces, only per byte it sends. What a handshake means is the caller's
+//! client announces, only per byte it sends. Out of descriptors, a waiting connection is
+//! shed through a spare one (`fd_limit::Spare`) instead of spinning on the backlog. What a handshake means is the caller's
 //! [`Admission`]: a pure state machine fed exactly the bytes it wants. An admitted
 //! connection is handed over, blocking again, to the caller's `admit`.
 
@@ -137,6 +138,16 @@ where
     F: FnMut(TcpStream, A),
 {
     let t0 = Instant::now();
+    // Handshakes hold a descriptor each: at most a quarter of the process's.
+    let limits = Limits {
+        pending: crate::fd_limit::nofile().map_or(limits.pending, |n| {
+            limits
+                .pending
+                .min(usize::try_from(n / 4).unwrap_or(usize::MAX).max(8))
+        }),
+        ..limits
+    };
+    let mut spare = crate::fd_limit::Spare::new();
     let mut conns: Vec<Conn<A>> = Vec::new();
     let mut chunk = vec![0u8; READ_CHUNK];
     // Rebuilt every wake-up (the connections change), allocated once.
@@ -195,7 +206,7 @@ where
             }
         }
         if fds[0].revents & libc::POLLIN != 0 {
-            accept_all(&l, &mut conns, limits, &open, now);
+            accept_all(&l, &mut conns, limits, &open, now, &mut spare);
         }
         // Expired handshakes, then the byte bound.
         for c in conns.iter_mut().filter(|c| c.end == End::Open) {
@@ -255,6 +266,7 @@ fn accept_all<A, O>(
     limits: Limits,
     open: &O,
     now: Duration,
+    spare: &mut crate::fd_limit::Spare,
 ) where
     A: Admission,
     O: Fn(SocketAddr, Duration) -> Result<A>,
@@ -263,8 +275,20 @@ fn accept_all<A, O>(
         let (s, who) = match l.accept() {
             Ok(x) => x,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+            Err(e) if crate::fd_limit::exhausted(&e) => {
+                // Out of descriptors: the waiting connection is shed (closed at once) rather
+                // than left in the backlog, where the listener would stay readable and this
+                // loop spin; what is pending keeps going.
+                if spare.shed(l) {
+                    log::warn!("kvxfer gate: out of file descriptors: a connection was shed");
+                } else {
+                    log::warn!("kvxfer gate: accept: {e}");
+                    std::thread::sleep(Duration::from_millis(10));
+                    return;
+                }
+                continue;
+            }
             Err(e) => {
-                // Out of descriptors, say: what is pending keeps going.
                 log::warn!("kvxfer gate: accept: {e}");
                 return;
             }

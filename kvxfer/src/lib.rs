@@ -51,6 +51,7 @@ mod codec_meter;
 pub mod connector;
 mod device;
 mod discovery;
+mod fd_limit;
 mod gate;
 mod lane;
 mod listener;

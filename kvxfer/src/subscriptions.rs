@@ -57,6 +57,11 @@ struct Conn {
 }
 
 impl Conn {
+    /// Shuts the connection down; its thread then ends on its own (its next read fails).
+    fn shut(self) {
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+
     fn close(mut self) {
         let _ = self.stream.shutdown(Shutdown::Both);
         if let Some(t) = self.thread.take() {
@@ -153,11 +158,13 @@ impl Subscriptions {
         }
     }
 
-    /// Closes `peer`'s connection (the peer was removed or retired).
+    /// Closes `peer`'s connection (the peer was removed, retired or evicted). Not joined: the
+    /// caller may hold the agent's load lock, which that thread's last update may be waiting
+    /// for.
     pub(crate) fn drop_peer(&self, peer: &str) {
         let c = self.lock().by_peer.remove(peer);
         if let Some(c) = c {
-            c.close();
+            c.shut();
         }
     }
 

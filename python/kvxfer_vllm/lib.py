@@ -47,6 +47,7 @@ KVX_AUTH = 25
 KVX_TRANSPORT_MISMATCH = 26
 KVX_FENCED = 27
 KVX_ERROR = 28
+KVX_PEER_LIMIT = 29
 
 STATUS_NAMES = {v: k for k, v in list(globals().items()) if k.startswith("KVX_")}
 

@@ -398,6 +398,11 @@ int main(int argc, char **argv) {
     kvx_last_error(m, sizeof m);
     if (strstr(m, "maybe") == NULL) die("last error does not name the compression mode", KVX_OK);
     EXPECT(kvx_agent_config_set_link_rate(c, "peer", -1.0), KVX_INVALID_ARGUMENT);
+    EXPECT(kvx_agent_config_set_max_peers(c, 0), KVX_INVALID_ARGUMENT);
+    CHECK(kvx_agent_config_set_max_peers(c, 64));
+    CHECK(kvx_agent_config_set_peer_idle(c, 5000));
+    if (strcmp(kvx_status_name(KVX_PEER_LIMIT), "KVX_PEER_LIMIT") != 0)
+      die("KVX_PEER_LIMIT has no name", KVX_OK);
     CHECK(kvx_agent_config_set_compression(c, "auto"));
     CHECK(kvx_agent_config_set_link_rate(c, "peer", 125e6));
     EXPECT(kvx_agent_config_set_transport(c, NULL), KVX_NULL_PARAMETER);

@@ -434,6 +434,42 @@ pub unsafe extern "C" fn kvx_agent_config_set_handshake_timeout(
     })
 }
 
+/// Sets how many peers the agent keeps loaded at once (default 1,024). Past it, or when the
+/// process's free file descriptors would fall under the reserve (an eighth of
+/// `RLIMIT_NOFILE`, at least 64), the peer unused for longest is evicted if it has been idle
+/// for the peer idle time; else the newcomer is refused with `KVX_PEER_LIMIT`. 0 is
+/// `KVX_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `c` is a live config not used by another thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_max_peers(
+    c: *mut kvx_agent_config,
+    n: u32,
+) -> kvx_status {
+    with_config("kvx_agent_config_set_max_peers", c, |cfg| {
+        if n == 0 {
+            return Err(fail(kvx_status::KVX_INVALID_ARGUMENT, "a cap of 0 peers"));
+        }
+        Ok(cfg.max_peers(n as usize))
+    })
+}
+
+/// Sets how long a peer must have been unused before a newcomer may evict it from a full
+/// peer table, in milliseconds (default 60,000).
+///
+/// # Safety
+/// `c` is a live config not used by another thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_peer_idle(
+    c: *mut kvx_agent_config,
+    ms: u64,
+) -> kvx_status {
+    with_config("kvx_agent_config_set_peer_idle", c, |cfg| {
+        Ok(cfg.peer_idle(std::time::Duration::from_millis(ms)))
+    })
+}
+
 /// Adds a UCX setting (a name without the `UCX_` prefix, e.g. "RNDV_THRESH"), applied last.
 ///
 /// # Safety

@@ -12,6 +12,7 @@ use crate::staging::settings::{StagingConfig, StagingShape};
 use kvxfer_proto::compress::planes::Transform;
 use kvxfer_proto::compress::policy::Compression;
 use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::peer_table::PeerLimits;
 use kvxfer_proto::types::{GpuPath, Transport};
 pub use kvxfer_proto::wire::metadata::DEFAULT_COMPAT;
 use kvxfer_proto::wire::metadata::MAX_NAME;
@@ -49,6 +50,7 @@ pub struct AgentConfig {
     pub(crate) ucx: UcxConfig,
     pub(crate) lanes: LaneConfig,
     pub(crate) staging: StagingConfig,
+    pub(crate) peers: PeerLimits,
 }
 
 /// Security's section: the deployment's secret and whether lane data is sealed too.
@@ -89,6 +91,7 @@ impl AgentConfig {
             ucx: UcxConfig::default(),
             lanes: LaneConfig::default(),
             staging: StagingConfig::default(),
+            peers: PeerLimits::default(),
         }
     }
 
@@ -363,6 +366,26 @@ impl AgentConfig {
         self
     }
 
+    /// Peers loaded at once (default 1,024). Past it, or when loading one more would leave
+    /// fewer file descriptors free than the reserve (an eighth of `RLIMIT_NOFILE`, at least
+    /// 64), the peer unused for longest is evicted if it has been idle for
+    /// [`AgentConfig::peer_idle`]; else the newcomer is refused with
+    /// [`Error::PeerLimit`]. An evicted peer's endpoint, kept connection, lanes and mappings
+    /// go; a transfer to it then fails with [`Error::UnknownPeer`] until it connects again.
+    ///
+    /// At least 1.
+    pub fn max_peers(mut self, n: usize) -> Self {
+        self.peers.max_peers = n.max(1);
+        self
+    }
+
+    /// How long a peer must have been unused (no transfer or notification to it, no update
+    /// from it) before a newcomer may evict it from a full table (default 60 s).
+    pub fn peer_idle(mut self, d: Duration) -> Self {
+        self.peers.idle = d;
+        self
+    }
+
     /// How long [`Agent::connect`](super::Agent::connect) waits for each step of the side
     /// channel's handshake (the TCP connection, then every read and write) before it fails
     /// with a typed time-out. Default 10 s; a busy peer across a slow link may need more, a
@@ -389,6 +412,7 @@ mod tests {
         assert!(c.lanes.on && !c.ucx.tcp && c.security.secret.is_none());
         assert!((1..=4).contains(&c.lanes.shm.copy_threads));
         assert!((1..=4).contains(&c.lanes.tcp.compressing.threads));
+        assert_eq!(c.peers, PeerLimits::default());
     }
 
     #[test]
@@ -401,7 +425,11 @@ mod tests {
             .handshake_timeout(Duration::ZERO)
             .net_devices("lo")
             .max_op_bytes(7)
+            .max_peers(0)
+            .peer_idle(Duration::from_millis(5))
             .ucx_tcp(true);
+        assert_eq!(c.peers.max_peers, 1);
+        assert_eq!(c.peers.idle, Duration::from_millis(5));
         assert_eq!(c.lanes.tcp.striping.of("q"), 1);
         assert_eq!(c.lanes.tcp.striping.of("p"), 2);
         assert_eq!(c.lanes.tcp.compressing.threads, 1);

@@ -1,12 +1,14 @@
 //! What an agent reports about its memory: Prometheus text and the staging counters.
 #![forbid(unsafe_code)]
 
+use std::sync::atomic::Ordering;
+
 use super::state::AgentState;
 use crate::staging::pool::StagingStats;
 
 /// The agent's memory in Prometheus text format: its budget (limit, used, peak, waits),
-/// the device staging chunks (bytes, in use, peaks, waits) once allocated, and dropped
-/// notifications. Labelled with the agent's name.
+/// the device staging chunks (bytes, in use, peaks, waits) once allocated, dropped
+/// notifications, and the peer table (loaded, evicted, refused). Labelled with the agent's name.
 pub(crate) fn prometheus(st: &AgentState) -> String {
     use std::fmt::Write;
     let n = st.name.replace(['\\', '"', '\n'], "_");
@@ -48,6 +50,24 @@ pub(crate) fn prometheus(st: &AgentState) -> String {
         "Notifications dropped on a full queue.",
         "counter",
         st.channels.user.dropped(),
+    );
+    gauge(
+        "kvxfer_peers_loaded",
+        "Peers in the agent's table now.",
+        "gauge",
+        st.peers.read().unwrap_or_else(|e| e.into_inner()).len() as u64,
+    );
+    gauge(
+        "kvxfer_peers_evicted_total",
+        "Idle peers evicted to make room for a newcomer.",
+        "counter",
+        st.peers_evicted.load(Ordering::Relaxed),
+    );
+    gauge(
+        "kvxfer_peers_refused_total",
+        "Peers refused: the table was full and none was idle.",
+        "counter",
+        st.peers_refused.load(Ordering::Relaxed),
     );
     if let Some(st) = staging_stats(st) {
         gauge(

@@ -131,6 +131,14 @@ impl Agent {
             secret: cfg.security.secret.clone(),
             seal_data: cfg.security.lane_encryption,
             grants: grants.clone(),
+            peer_used: {
+                let me = me.clone();
+                Arc::new(move |name: &str| {
+                    if let Some(st) = me.get().and_then(std::sync::Weak::upgrade) {
+                        st.peer_used(name);
+                    }
+                })
+            },
         });
         // The TCP lane carries every transfer with the TCP transport, and staged device memory
         // with any transport, in either direction: every agent with lanes on serves it, so that
@@ -184,6 +192,10 @@ impl Agent {
             subs: Arc::new(Subscriptions::new(cfg.budget.clone())),
             notes: notifier,
             grants,
+            peer_limits: cfg.peers,
+            peers_evicted: AtomicU64::new(0),
+            peers_refused: AtomicU64::new(0),
+            clock: Instant::now(),
         });
         let _ = me.set(Arc::downgrade(&shared));
         let thread = std::thread::Builder::new()
@@ -509,6 +521,7 @@ impl Agent {
             .get(peer)
             .cloned()
             .ok_or_else(|| self.shared.missing(peer))?;
+        view.touch(self.shared.now());
         let entries = descriptor::resolve(Side::Remote, descs, &view.spans)?;
         Ok(PreparedRemote {
             peer: peer.to_string(),

@@ -2,12 +2,14 @@
 //! entry, the caller-side view for bounds checks), and what the agent reports about a peer.
 #![forbid(unsafe_code)]
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::state::{AgentState, PeerView};
 use crate::backend::ucx::driver::{Cmd, LoadedPeer};
 use crate::lane::api::PeerLanes;
 use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::peer_table::{admit, Admission, PeerUse};
 use kvxfer_proto::types::{GpuPath, HostInfo, Lane, MemKind, PeerInfo, RegionSpan};
 use kvxfer_proto::wire::metadata::Metadata;
 
@@ -24,6 +26,7 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
     let name = meta.name.clone();
     let _serial = st.load_lock.lock().unwrap_or_else(|e| e.into_inner());
     another_incarnation(st, &meta)?;
+    make_room(st, &name)?;
     let sum = meta_sum(&meta);
     // The same metadata again (a second handshake): keep the lanes already built.
     let existing = st
@@ -58,6 +61,15 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
     } else {
         unmapped
     };
+    if let Some(v) = st
+        .peers
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&name)
+    {
+        // The same metadata again (an update that changed nothing): still a sign of life.
+        v.touch(st.now());
+    }
     if let Some(token) = token {
         st.gone
             .lock()
@@ -76,6 +88,7 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
                 host,
                 worker_addr,
                 ucx: !lane_only,
+                used_ms: AtomicU64::new(u64::try_from(st.now().as_millis()).unwrap_or(u64::MAX)),
             }),
         );
     }
@@ -87,6 +100,55 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
         },
         e => e,
     })
+}
+
+/// Room in the peer table for `name`, not loaded yet ([`kvxfer_proto::peer_table`]): the
+/// least recently used peer idle long enough is evicted (its endpoint, kept connection,
+/// lanes and mappings go), or, with none, `name` is refused with [`Error::PeerLimit`].
+/// Called under the load lock, so that two loads cannot both take the last place.
+fn make_room(st: &AgentState, name: &str) -> Result<()> {
+    let decision = {
+        let g = st.peers.read().unwrap_or_else(|e| e.into_inner());
+        if g.contains_key(name) {
+            return Ok(());
+        }
+        let loaded: Vec<PeerUse<'_>> = g
+            .iter()
+            .map(|(n, v)| PeerUse {
+                name: n,
+                last_used: v.last_used(),
+            })
+            .collect();
+        match admit(&st.peer_limits, crate::fd_limit::fds(), &loaded, st.now()) {
+            Admission::Admit => return Ok(()),
+            Admission::Evict(v) => Ok(v.to_string()),
+            Admission::Refuse(why) => Err(why),
+        }
+    };
+    match decision {
+        Ok(victim) => {
+            log::info!(
+                "kvxfer {}: peer table full: evicting {victim:?}, the least recently used, for                  {name:?}",
+                st.name
+            );
+            st.peers_evicted.fetch_add(1, Ordering::Relaxed);
+            match remove_peer(st, &victim) {
+                Err(Error::UnknownPeer { .. }) => Ok(()),
+                r => r,
+            }
+        }
+        Err(why) => {
+            st.peers_refused.fetch_add(1, Ordering::Relaxed);
+            log::warn!(
+                "kvxfer {}: {name:?} refused: peer table full: {why}",
+                st.name
+            );
+            Err(Error::PeerLimit {
+                agent: st.name.clone(),
+                why,
+            })
+        }
+    }
 }
 
 /// How long a lane listener of the incarnation already loaded gets to answer when another

@@ -67,6 +67,13 @@ pub(crate) struct AgentState {
     pub(crate) grant_charges: Mutex<
         HashMap<kvxfer_proto::wire::connector::Grant, HashMap<String, crate::budget::Charge>>,
     >,
+    /// The peer table's bounds ([`crate::AgentConfig::max_peers`]).
+    pub(crate) peer_limits: kvxfer_proto::peer_table::PeerLimits,
+    /// Peers evicted for a newcomer, and newcomers refused, since the start.
+    pub(crate) peers_evicted: AtomicU64,
+    pub(crate) peers_refused: AtomicU64,
+    /// The agent's clock: peers' last use is measured on it.
+    pub(crate) clock: std::time::Instant,
 }
 
 impl AgentState {
@@ -123,6 +130,23 @@ impl AgentState {
             })
     }
 
+    /// The peer `name` is in use (a request of its was served here).
+    pub(crate) fn peer_used(&self, name: &str) {
+        if let Some(v) = self
+            .peers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+        {
+            v.touch(self.now());
+        }
+    }
+
+    /// Now, on the agent's clock.
+    pub(crate) fn now(&self) -> std::time::Duration {
+        self.clock.elapsed()
+    }
+
     /// This agent's metadata, encoded for a peer.
     pub(crate) fn metadata(&self) -> Result<Vec<u8>> {
         self.cmds.call(|reply| Cmd::Metadata {
@@ -160,4 +184,22 @@ pub(crate) struct PeerView {
     pub(crate) worker_addr: Vec<u8>,
     /// UCX reaches it (false: loaded lane-only, every transfer takes its TCP lane).
     pub(crate) ucx: bool,
+    /// When it was last used, in milliseconds on the agent's clock: an idle peer may be
+    /// evicted for a newcomer when the table is full.
+    pub(crate) used_ms: AtomicU64,
+}
+
+impl PeerView {
+    /// Marks the peer used at `now` (the agent's clock).
+    pub(crate) fn touch(&self, now: std::time::Duration) {
+        self.used_ms.fetch_max(
+            u64::try_from(now.as_millis()).unwrap_or(u64::MAX),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    /// When it was last used.
+    pub(crate) fn last_used(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.used_ms.load(std::sync::atomic::Ordering::Relaxed))
+    }
 }

@@ -69,6 +69,9 @@ impl Agent {
             .get(peer)
             .filter(|v| v.token == token)
             .cloned();
+        if let Some(v) = &view {
+            v.touch(self.shared.now());
+        }
         if view.is_none() {
             // Gone (its key vanished): fail now, typed, without a trip to the engine.
             if let e @ Error::PeerFailed { .. } = self.shared.missing(peer) {

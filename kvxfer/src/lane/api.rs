@@ -117,4 +117,6 @@ pub(crate) struct LaneCtx {
     /// What the connector granted to whom, and the regions only grants open: every request's
     /// table is checked against it.
     pub(crate) grants: Arc<RwLock<GrantTable>>,
+    /// A peer's request was admitted: it is in use, and not to be evicted as idle.
+    pub(crate) peer_used: Arc<dyn Fn(&str) + Send + Sync>,
 }

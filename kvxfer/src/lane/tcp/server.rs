@@ -663,6 +663,7 @@ fn step(
             table_bytes,
             header,
         } => {
+            (ctx.peer_used)(&peer);
             // Compressed data: the frame buffers and planes, charged with the table.
             let codec = if header.frames.is_some() {
                 RECV_BYTES.max(SEND_BYTES * ctx.compress_threads.max(1) as u64)

@@ -1,0 +1,428 @@
+//! The peer table is bounded (issue 34, item 2): a flood of HELLOs, each a new name, fills
+//! it only to its cap, or to what the process's file descriptors allow beside a reserve;
+//! past that the newcomer is refused typed, a good peer connected before the flood keeps
+//! moving verified bytes, and once the flood's peers have been idle long enough a new good
+//! peer connects (evicting the least recently used) and moves bytes too. The metrics count
+//! peers loaded, evicted and refused.
+//!
+//! The flood comes from another process (this test binary again, `flood_child`), as an
+//! attacker's would: its sockets are not counted against the victim's descriptors.
+#![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, RegionId, Transport, XferOp};
+use kvxfer_proto::wire::metadata::Metadata;
+use kvxfer_proto::wire::side_channel::{encode_frame, FRAME_HEADER_LEN, HELLO, META, PREAMBLE};
+
+const LEN: usize = 1 << 20;
+
+/// One test at a time: one lowers the process's descriptor limit.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A metric of `a`'s Prometheus text.
+fn metric(a: &Agent, name: &str) -> u64 {
+    let text = a.prometheus();
+    text.lines()
+        .find(|l| l.starts_with(&format!("{name}{{")))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{name} not in\n{text}"))
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// The victim: lanes on, serving a 1 MiB region filled with 0x5a.
+fn victim(cfg: AgentConfig) -> (Agent, SocketAddr) {
+    let a = Agent::new(cfg.transport(Transport::Tcp).net_devices("lo")).unwrap();
+    let r = a.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    r.write(0, &vec![0x5a; LEN]).unwrap();
+    let side = a.listen("127.0.0.1:0").unwrap();
+    (a, side)
+}
+
+/// A good peer of the victim: connected, with a local region and both lists prepared.
+struct Good {
+    agent: Agent,
+    local: kvxfer::Region,
+    l: kvxfer::PreparedLocal,
+    r: kvxfer::PreparedRemote,
+}
+
+impl Good {
+    fn connect(name: &str, side: SocketAddr) -> Result<Good, Error> {
+        let agent = Agent::new(
+            AgentConfig::new(name)
+                .transport(Transport::Tcp)
+                .net_devices("lo"),
+        )?;
+        let peer = agent.connect(side)?;
+        let local = agent.register(HostBuffer::new(LEN).unwrap())?;
+        let l = agent.prep_local(&[Desc::new(local.id(), 0, LEN as u64)])?;
+        let r = agent.prep_remote(&peer, &[Desc::new(RegionId(0), 0, LEN as u64)])?;
+        Ok(Good { agent, local, l, r })
+    }
+
+    /// READs the victim's region, checks every byte, returns the time it took.
+    fn read(&self) -> Duration {
+        self.local.write(0, &vec![0; LEN]).unwrap();
+        let t = Instant::now();
+        self.agent
+            .transfer_all(
+                XferOp::Read,
+                &self.l,
+                &self.r,
+                None,
+                Some(Duration::from_secs(10)),
+            )
+            .unwrap()
+            .wait()
+            .unwrap();
+        let took = t.elapsed();
+        let mut got = vec![0u8; LEN];
+        self.local.read(0, &mut got).unwrap();
+        assert!(got.iter().all(|&x| x == 0x5a), "READ bytes");
+        took
+    }
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// The flood: this binary again, running `flood_child`, which sends `n` HELLOs to `side`,
+/// each with a new name, and keeps every connection open until its stdin closes.
+struct Flood {
+    child: Child,
+    loaded: usize,
+    refused: usize,
+    first_refusal: String,
+}
+
+impl Flood {
+    fn run(side: SocketAddr, n: usize) -> Flood {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "flood_child", "--ignored", "--nocapture"])
+            .env("KVX_FLOOD", format!("{side} {n}"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        // Owned at once: killed and waited for on every path (`Drop`).
+        let mut flood = Flood {
+            child,
+            loaded: 0,
+            refused: 0,
+            first_refusal: String::new(),
+        };
+        for line in out.lines() {
+            let line = line.unwrap();
+            if let Some(rest) = line.strip_prefix("FLOOD ") {
+                let mut w = rest.splitn(3, ' ');
+                let loaded = w.next().unwrap().parse().unwrap();
+                let refused = w.next().unwrap().parse().unwrap();
+                flood.first_refusal = w.next().unwrap_or("").to_string();
+                flood.loaded = loaded;
+                flood.refused = refused;
+                return flood;
+            }
+        }
+        panic!("the flood child said nothing");
+    }
+}
+
+impl Drop for Flood {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A child's descriptors are not the victim's: lift the soft limit it inherited.
+fn lift_nofile() {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read and write one live `rlimit` each.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
+        r.rlim_cur = r.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+    }
+}
+
+/// A good peer in its own process, as a newcomer on another host or process would be: it
+/// connects to `side` and READs the victim's region once, bytes checked. `Ok` with the
+/// READ's time, or the error's words.
+fn good_elsewhere(side: SocketAddr) -> Result<Duration, String> {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "good_child", "--ignored", "--nocapture"])
+        .env("KVX_GOOD", side.to_string())
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    for line in text.lines() {
+        if let Some(us) = line.strip_prefix("GOOD ") {
+            return Ok(Duration::from_micros(us.parse().unwrap()));
+        }
+        if let Some(e) = line.strip_prefix("REFUSED ") {
+            return Err(e.to_string());
+        }
+    }
+    Err(format!("the good child said nothing: {text}"))
+}
+
+/// The good peer's process (run by [`good_elsewhere`]; ignored otherwise).
+#[test]
+#[ignore = "a good peer's own process, started by the tests here"]
+fn good_child() {
+    let Ok(side) = std::env::var("KVX_GOOD") else {
+        return;
+    };
+    lift_nofile();
+    match Good::connect("newcomer", side.parse().unwrap()) {
+        Ok(g) => println!("GOOD {}", g.read().as_micros()),
+        Err(e) => println!("REFUSED {e:?}"),
+    }
+}
+
+/// The flood's process (run by [`Flood::run`]; ignored otherwise).
+#[test]
+#[ignore = "the flood's own process, started by the tests here"]
+fn flood_child() {
+    let Ok(spec) = std::env::var("KVX_FLOOD") else {
+        return;
+    };
+    let mut w = spec.split(' ');
+    let side: SocketAddr = w.next().unwrap().parse().unwrap();
+    let n: usize = w.next().unwrap().parse().unwrap();
+    lift_nofile();
+    // A real agent's metadata, renamed: every HELLO is a new peer with a reachable worker.
+    let src = Agent::new(
+        AgentConfig::new("flood-src")
+            .transport(Transport::Tcp)
+            .net_devices("lo"),
+    )
+    .unwrap();
+    let meta = src.metadata().unwrap();
+    let (mut loaded, mut refused, mut first) = (0, 0, String::new());
+    let mut keep = Vec::new();
+    for i in 0..n {
+        let mut m = Metadata::decode(&meta, src.compat()).unwrap();
+        m.name = format!("flood-{i}");
+        m.epoch = 0x1000 + i as u64;
+        let mut s = match TcpStream::connect(side) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("flood-{i}: no connection: {e}");
+                refused += 1;
+                continue;
+            }
+        };
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let _ = s.write_all(&PREAMBLE);
+        let _ = s.write_all(&encode_frame(HELLO, &m.encode()));
+        // The listener's preamble, then its answer frame.
+        let mut pre = [0u8; PREAMBLE.len()];
+        let mut h = [0u8; FRAME_HEADER_LEN];
+        if let Err(e) = s.read_exact(&mut pre).and_then(|()| s.read_exact(&mut h)) {
+            eprintln!("flood-{i}: no answer: {e}");
+            refused += 1;
+            continue;
+        }
+        let len = (u32::from_le_bytes(h[..4].try_into().unwrap()) as usize).saturating_sub(1);
+        let mut p = vec![0u8; len.min(1 << 20)];
+        let _ = s.read_exact(&mut p);
+        if h[4] == META {
+            loaded += 1;
+        } else {
+            refused += 1;
+            if first.is_empty() {
+                first = String::from_utf8_lossy(&p).replace('\n', " ");
+            }
+        }
+        keep.push(s);
+    }
+    println!("FLOOD {loaded} {refused} {first}");
+    std::io::stdout().flush().unwrap();
+    let _ = std::io::stdin().read(&mut [0u8; 1]);
+}
+
+/// Runs `good.read()` on a thread until `stop`: the times, each READ verified.
+fn reads_during(good: Arc<Good>, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<Vec<Duration>> {
+    std::thread::spawn(move || {
+        let mut t = Vec::new();
+        while !stop.load(Ordering::Acquire) {
+            t.push(good.read());
+        }
+        t
+    })
+}
+
+#[test]
+fn a_hello_flood_fills_the_table_to_its_cap_and_idle_peers_make_room() {
+    let _one = serial();
+    let idle = Duration::from_millis(500);
+    let (a, side) = victim(AgentConfig::new("victim").max_peers(16).peer_idle(idle));
+    let good = Arc::new(Good::connect("good", side).unwrap());
+    let quiet: Vec<Duration> = (0..20).map(|_| good.read()).collect();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let during = reads_during(good.clone(), stop.clone());
+    let flood = Flood::run(side, 40);
+    stop.store(true, Ordering::Release);
+    let during = during.join().unwrap();
+
+    // The good peer and 15 of the flood fill the table; the other 25 are refused, typed.
+    assert_eq!((flood.loaded, flood.refused), (15, 25));
+    assert!(
+        flood
+            .first_refusal
+            .contains("peer table of \"victim\" is full"),
+        "{}",
+        flood.first_refusal
+    );
+    assert_eq!(metric(&a, "kvxfer_peers_loaded"), 16);
+    assert_eq!(metric(&a, "kvxfer_peers_refused_total"), 25);
+    assert_eq!(metric(&a, "kvxfer_peers_evicted_total"), 0);
+    // A real agent asking now is refused with the typed error, the listener named.
+    match Good::connect("late", side) {
+        Err(Error::PeerLimit { agent, why }) => {
+            assert_eq!(agent, "victim");
+            assert!(why.contains("none has been idle"), "{why}");
+        }
+        Err(e) => panic!("late peer: {e}"),
+        Ok(_) => panic!("late peer loaded past the cap"),
+    }
+
+    // The good peer keeps reading (so it is never idle); the flood's peers go idle.
+    let t = Instant::now();
+    let mut after = Vec::new();
+    while t.elapsed() < idle + Duration::from_millis(200) {
+        after.push(good.read());
+    }
+    let newcomer = Good::connect("newcomer", side).unwrap();
+    newcomer.read();
+    assert_eq!(metric(&a, "kvxfer_peers_evicted_total"), 1);
+    assert_eq!(metric(&a, "kvxfer_peers_loaded"), 16);
+    // The one evicted is the flood's first (the least recently used), not the good peer,
+    // whose READs the victim's lane served all along.
+    assert!(matches!(
+        a.peer_regions("flood-0"),
+        Err(Error::UnknownPeer { .. })
+    ));
+    assert!(a.peer_regions("good").is_ok() && a.peer_regions("newcomer").is_ok());
+    good.read();
+    let (q, d, f) = (median(quiet), median(during.clone()), median(after));
+    eprintln!(
+        "good peer's 1 MiB READ, median: quiet {q:?}, during the flood {d:?} ({} reads), \
+         after {f:?}",
+        during.len()
+    );
+    assert!(
+        d < q + Duration::from_millis(20) && f < q + Duration::from_millis(20),
+        "the flood slowed the good peer: quiet {q:?}, during {d:?}, after {f:?}"
+    );
+    drop(flood);
+}
+
+/// Lowers `RLIMIT_NOFILE`'s soft limit for the test, restores it on drop.
+struct NoFile(libc::rlimit);
+
+impl NoFile {
+    fn lower(to: u64) -> NoFile {
+        let mut old = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit and setrlimit read and write one live `rlimit` each.
+        unsafe {
+            assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut old), 0);
+            let new = libc::rlimit {
+                rlim_cur: to,
+                rlim_max: old.rlim_max,
+            };
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &new), 0);
+        }
+        NoFile(old)
+    }
+}
+
+impl Drop for NoFile {
+    fn drop(&mut self) {
+        // SAFETY: setrlimit reads one live `rlimit`.
+        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &self.0) };
+    }
+}
+
+/// Under `ulimit -n 256`, 300 HELLOs held open: the victim keeps a reserve of descriptors,
+/// refuses the rest typed, its good peer keeps reading, and a new good peer gets in once the
+/// flood has been idle.
+#[test]
+fn a_hello_flood_under_a_low_descriptor_limit_leaves_a_reserve() {
+    let _one = serial();
+    let idle = Duration::from_millis(500);
+    let _limit = NoFile::lower(256);
+    let (a, side) = victim(AgentConfig::new("victim").peer_idle(idle));
+    let good = Arc::new(Good::connect("good", side).unwrap());
+    good.read();
+    let stop = Arc::new(AtomicBool::new(false));
+    let during = reads_during(good.clone(), stop.clone());
+    let flood = Flood::run(side, 300);
+    stop.store(true, Ordering::Release);
+    let during = during.join().unwrap();
+    let fds = open_fds();
+    let loaded = metric(&a, "kvxfer_peers_loaded");
+    eprintln!(
+        "300 HELLOs under a limit of 256: {} loaded, {} refused ({}); this process holds {fds} \
+         descriptors; the good peer read {} times meanwhile",
+        flood.loaded,
+        flood.refused,
+        flood.first_refusal,
+        during.len()
+    );
+    assert!(flood.refused > 0 && flood.loaded + flood.refused == 300);
+    assert!(
+        flood.first_refusal.contains("file descriptors"),
+        "{}",
+        flood.first_refusal
+    );
+    assert_eq!(loaded as usize, flood.loaded + 1);
+    assert_eq!(
+        metric(&a, "kvxfer_peers_refused_total") as usize,
+        flood.refused
+    );
+    // The reserve: an eighth of 256 is under the 64 minimum.
+    assert!(fds <= 256 - 64, "{fds} descriptors open");
+    // A newcomer before the flood's peers are idle: refused, typed, nothing else lost.
+    let early = good_elsewhere(side);
+    assert!(
+        early.as_ref().is_err_and(|e| e.starts_with("PeerLimit")),
+        "{early:?}"
+    );
+    let t = Instant::now();
+    while t.elapsed() < idle + Duration::from_millis(200) {
+        good.read();
+    }
+    let late = good_elsewhere(side).unwrap();
+    eprintln!("the newcomer, once the flood was idle: connected, 1 MiB READ in {late:?}");
+    good.read();
+    assert!(metric(&a, "kvxfer_peers_evicted_total") >= 1);
+    assert!(a.peer_regions("good").is_ok() && a.peer_regions("newcomer").is_ok());
+    assert!(a.peer_regions("flood-0").is_err());
+    drop(flood);
+}
