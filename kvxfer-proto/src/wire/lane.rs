@@ -381,6 +381,15 @@ pub fn parse_paged(raw: &[u8]) -> std::result::Result<PagedTable, String> {
             raw.len()
         ));
     }
+    // encode_paged sends each list once and only when an entry uses it: a list no entry uses
+    // is refused, so that a table cannot hold more lists than entries (a list in memory costs
+    // several times its 4 bytes on the wire; the charge, `table_bytes`, counts on it).
+    if nlists > nentries {
+        return Err(format!(
+            "paged table of {nlists} lists for {nentries} entries: a list no entry uses"
+        ));
+    }
+    let mut used = vec![false; nlists];
     let mut lists: Vec<Arc<[u32]>> = Vec::with_capacity(nlists);
     for k in 0..nlists {
         let n = r.u32("a list's length")? as usize;
@@ -406,6 +415,7 @@ pub fn parse_paged(raw: &[u8]) -> std::result::Result<PagedTable, String> {
             .get(list)
             .ok_or_else(|| format!("entry #{k} names list {list} of {nlists}"))?
             .clone();
+        used[list] = true;
         sum = (blocks.len() as u64)
             .checked_mul(block_len)
             .and_then(|b| sum.checked_add(b))
@@ -420,6 +430,9 @@ pub fn parse_paged(raw: &[u8]) -> std::result::Result<PagedTable, String> {
     }
     if !r.b.is_empty() {
         return Err(format!("{} bytes after the paged table", r.b.len()));
+    }
+    if let Some(k) = used.iter().position(|u| !u) {
+        return Err(format!("list #{k} of the paged table is used by no entry"));
     }
     if sum != total {
         return Err(format!("paged table says {total} bytes, its entries {sum}"));
