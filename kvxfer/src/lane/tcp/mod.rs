@@ -24,4 +24,5 @@ pub(crate) mod link;
 mod mixed;
 pub(crate) mod server;
 pub(crate) mod settings;
+mod shares;
 mod stream;

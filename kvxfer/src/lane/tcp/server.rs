@@ -14,8 +14,8 @@ use super::conn::{skip_paged, sum_segments, Conn};
 use super::framed::{drain_frames, FramesFailed, RECV_BYTES, SEND_BYTES};
 use super::identities::{Identities, Key};
 use super::mixed::{stage_pair, stream_mixed, stream_windows, Framing};
+use super::shares::{PeerCharge, Shares};
 use super::stream::{set_timeouts, Stop};
-use crate::budget::Charge;
 use crate::gate::{Admission, Gate, Limits, Verdict};
 use crate::lane::api::LaneCtx;
 use crate::memory::Pins;
@@ -215,6 +215,7 @@ impl Server {
         let stall = ctx.stall;
         let psk = ctx.secret.as_deref().map(|s| Psk::lane(s, &secret));
         let require_sealed_data = ctx.seal_data;
+        let shares = Shares::new(ctx.budget.clone());
         let open = move |who: SocketAddr, _now: Duration| {
             let t0 = Instant::now();
             let opening = match &psk {
@@ -253,11 +254,23 @@ impl Server {
                 refuse(&c, &mut h);
                 return;
             }
+            let slot = match shares.connect(&peer) {
+                Ok(s) => s,
+                Err(why) => {
+                    log::warn!("kvxfer: TCP lane: a connection refused: {why}");
+                    let _ = c.shutdown(std::net::Shutdown::Both);
+                    return;
+                }
+            };
             let fence = Arc::new(AtomicBool::new(false));
             let f2 = fence.clone();
+            let shares = shares.clone();
             let t = std::thread::Builder::new()
                 .name(format!("kvxfer-lane-{nm}-conn"))
-                .spawn(move || serve(c, sh, h, st2, &f2));
+                .spawn(move || {
+                    let _slot = slot;
+                    serve(c, sh, h, st2, &f2, &shares)
+                });
             if let Ok(thread) = t {
                 g.served.retain(|s| !s.thread.is_finished());
                 g.served.push(Served {
@@ -505,6 +518,7 @@ fn serve(
     mut hello: Hello,
     stop: Arc<AtomicBool>,
     fence: &AtomicBool,
+    shares: &Arc<Shares>,
 ) {
     let peer = c.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     let c = match hello.opening.take().map(LaneOpening::into_session) {
@@ -516,7 +530,7 @@ fn serve(
             return;
         }
     };
-    if let Err(e) = serve_inner(&c, &ctx, hello, &stop, fence) {
+    if let Err(e) = serve_inner(&c, &ctx, hello, &stop, fence, shares) {
         match e {
             Stop::Eof => log::debug!("kvxfer: TCP lane peer {peer} closed"),
             Stop::Io(e) => log::info!("kvxfer: TCP lane peer {peer}: {e}"),
@@ -534,21 +548,20 @@ fn serve_inner(
     hello: Hello,
     stop: &AtomicBool,
     fence: &AtomicBool,
+    shares: &Arc<Shares>,
 ) -> Result<(), Stop> {
     set_timeouts(c.sock())?;
     let Hello { mut t, t0, .. } = hello;
     // The request's budget charge, held until the core releases the request (not while the
-    // connection idles after it).
-    let mut _charge: Option<Charge> = None;
+    // connection idles after it), within its peer's share.
+    let mut _charge: Option<PeerCharge> = None;
     loop {
         match step(c, ctx, &mut t, t0, stop, fence, None)? {
             Flow::Go => {}
             Flow::Admit(table_bytes) => {
                 _charge = None;
-                match ctx
-                    .budget
-                    .charge(table_bytes, "TCP lane request", BUDGET_WAIT)
-                {
+                let peer = t.peer().unwrap_or_default().to_string();
+                match shares.charge(&peer, table_bytes, "TCP lane request", BUDGET_WAIT) {
                     Ok(ch) => {
                         _charge = Some(ch);
                         t.admitted(Ok(()));
