@@ -47,13 +47,21 @@ unsafe impl Send for HostBuffer {}
 // SAFETY: &HostBuffer only gives out shared access (&[u8]); mutation needs &mut.
 unsafe impl Sync for HostBuffer {}
 
+/// The seals of a host buffer's memory file: its size is fixed, for good.
+pub(crate) const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
 impl HostBuffer {
     /// Allocates `len` zeroed bytes aligned to the page size.
     pub fn new(len: usize) -> Result<Self> {
         use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
         let map_len = rounded_len(len, page_size())?;
         // SAFETY: the name is a NUL-terminated literal; flags are valid.
-        let raw = unsafe { libc::memfd_create(c"kvxfer-kv".as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe {
+            libc::memfd_create(
+                c"kvxfer-kv".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
         let fd = if raw >= 0 {
             // SAFETY: raw is a fresh descriptor owned by nobody else.
             let fd = unsafe { OwnedFd::from_raw_fd(raw) };
@@ -63,6 +71,15 @@ impl HostBuffer {
                     "sizing a {len}-byte memory file: {}",
                     std::io::Error::last_os_error()
                 )));
+            }
+            // Its size is final: a same-host peer that maps it can never be made to fault
+            // past a shrunk end (SIGBUS), and the shm lane maps only files sealed so.
+            // SAFETY: fd is a valid memfd made with MFD_ALLOW_SEALING; F_ADD_SEALS takes an int.
+            if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
+                return Err(Error::io(
+                    "sealing a memory file",
+                    std::io::Error::last_os_error(),
+                ));
             }
             Some(fd)
         } else {

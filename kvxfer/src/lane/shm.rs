@@ -19,6 +19,11 @@ use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::types::{Lane, Transport, XferOp};
 use kvxfer_proto::wire::metadata::{HostInfo, Metadata};
 
+/// Regions of one peer the lane maps at most.
+pub(crate) const MAX_PEER_MAPPINGS: usize = 4096;
+/// Peer regions mapped at most in this process, all agents together.
+pub(crate) const MAX_MAPPINGS: usize = 16384;
+
 struct Mapping {
     ptr: *mut u8,
     len: usize,
@@ -52,6 +57,17 @@ impl PeerMaps {
     pub(crate) fn open(meta: &Metadata, me: Option<&HostInfo>) -> Option<PeerMaps> {
         let (me, them) = (me?, meta.host.as_ref()?);
         if me.boot_id != them.boot_id || me.pid_ns != them.pid_ns {
+            return None;
+        }
+        // A mapping is a VMA of this process (vm.max_map_count, 65,530 by default): one peer
+        // maps at most MAX_PEER_MAPPINGS regions, all peers at most MAX_MAPPINGS.
+        let declared = meta.regions.iter().filter(|r| r.shm.is_some()).count();
+        let live = crate::live::live().peer_mappings;
+        if declared > MAX_PEER_MAPPINGS || live + declared > MAX_MAPPINGS {
+            log::warn!(
+                "kvxfer: {:?} declares {declared} shared regions (at most {MAX_PEER_MAPPINGS} a                  peer, {MAX_MAPPINGS} in all, {live} mapped now): none mapped, its transfers                  take the TCP lane or UCX",
+                meta.name
+            );
             return None;
         }
         let mut any = false;
@@ -124,6 +140,29 @@ fn map_region(
             "{path} is not the peer's region file (dev/ino differ)"
         )));
     }
+    // Only a memory file the way kvxfer makes them: a memfd (F_GET_SEALS fails on any other
+    // file) whose size is sealed (so a mapping of it cannot fault), owned by this user. A
+    // peer naming some other file its process holds open (a read-only file on disk, say) is
+    // refused before anything is mapped.
+    // SAFETY: fd is open; F_GET_SEALS takes no argument.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{path} is not a memory file (memfd): refused"
+        )));
+    }
+    if seals & crate::memory::SEALS != crate::memory::SEALS {
+        return Err(Error::InvalidArgument(format!(
+            "{path} is a memory file whose size is not sealed (seals {seals:#x}): refused"
+        )));
+    }
+    // SAFETY: geteuid has no preconditions.
+    if st.st_uid != unsafe { libc::geteuid() } {
+        return Err(Error::InvalidArgument(format!(
+            "{path} belongs to uid {}, not this process's: refused",
+            st.st_uid
+        )));
+    }
     if (st.st_size as u64) < len {
         return Err(Error::InvalidArgument(format!(
             "{path} holds {} bytes, the region {len}",
@@ -131,15 +170,16 @@ fn map_region(
         )));
     }
     let len = len as usize;
-    // SAFETY: a fresh shared mapping of the peer's file, len bytes (checked against its size);
-    // no existing memory of this process is affected. MAP_POPULATE builds the page tables now,
-    // not on the first transfer.
+    // SAFETY: a fresh shared mapping of the peer's file, len bytes (checked against its size,
+    // which its seals fix); no existing memory of this process is affected. Not populated:
+    // pages are mapped as transfers touch them, so a peer's declared size costs nothing at
+    // connect.
     let p = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
             len,
             libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED | libc::MAP_POPULATE,
+            libc::MAP_SHARED,
             fd.as_raw_fd(),
             0,
         )

@@ -1,0 +1,107 @@
+//! The shm lane trusts no claim (issue 34, part 3): a same-host peer whose metadata names, as
+//! its region's memory, a file another process holds open (here a read-only, mode-0444 file
+//! on disk held by `sleep`) gets nothing mapped, and a WRITE to that region does not land in
+//! the file. Only memfds whose size is sealed, owned by this user, are mapped; and they are
+//! mapped without populating, so a peer's declared size costs nothing at connect.
+#![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvxfer::{Agent, AgentConfig, Desc, HostBuffer, RegionId, Transport, XferOp};
+use kvxfer_proto::types::ShmHandle;
+use kvxfer_proto::wire::metadata::Metadata;
+
+const LEN: usize = 1 << 20;
+
+/// One test at a time: they count the process's mappings.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn agent(name: &str) -> Agent {
+    Agent::new(
+        AgentConfig::new(name)
+            .transport(Transport::Auto)
+            .net_devices("lo"),
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_peer_naming_a_read_only_file_gets_nothing_mapped_or_written() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("kvx-shm-claims-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("precious");
+    std::fs::write(&path, vec![0x11u8; LEN]).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444)).unwrap();
+    let st = std::fs::metadata(&path).unwrap();
+    // The helper holds the file open, read-only, as its descriptor 0.
+    let mut helper = Command::new("sleep")
+        .arg("60")
+        .stdin(std::fs::File::open(&path).unwrap())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+
+    // A real peer with a 1 MiB region; its metadata is edited to claim the helper's file.
+    let b = agent("claimer");
+    let region = b.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    let mut meta = Metadata::decode(&b.metadata().unwrap(), b.compat()).unwrap();
+    let host = meta.host.as_mut().unwrap();
+    host.pid = helper.id();
+    meta.regions[0].shm = Some(ShmHandle {
+        fd: 0,
+        dev: st.dev(),
+        ino: st.ino(),
+    });
+    let a = agent("victim");
+    let peer = a.load_remote_metadata(&meta.encode()).unwrap();
+    let mapped = kvxfer::live::live().peer_mappings;
+
+    // A WRITE to the claimed region: wherever it goes, not into the file.
+    let src = a.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    src.write(0, &vec![0x22u8; LEN]).unwrap();
+    let l = a.prep_local(&[Desc::new(src.id(), 0, LEN as u64)]).unwrap();
+    let r = a
+        .prep_remote(&peer, &[Desc::new(RegionId(0), 0, LEN as u64)])
+        .unwrap();
+    let moved = a
+        .transfer_all(XferOp::Write, &l, &r, None, Some(Duration::from_secs(10)))
+        .and_then(|t| t.wait());
+    let after = std::fs::read(&path).unwrap();
+    let _ = helper.kill();
+    let _ = helper.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        after.iter().all(|&x| x == 0x11),
+        "the WRITE ({moved:?}) landed in a read-only file another process held"
+    );
+    assert_eq!(mapped, 0, "the file was mapped");
+    drop(region);
+}
+
+/// Connecting to a same-host peer with `gib` GiB registered: the connect's time (one side's
+/// load maps the other's regions). Run by hand:
+/// `cargo test -p kvxfer --test shm_claims -- --ignored --nocapture connect_cost`.
+#[test]
+#[ignore = "a measurement, run by hand"]
+fn connect_cost() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for mib in [64usize, 2048, 6144] {
+        let b = agent(&format!("big-{mib}"));
+        let regions: Vec<_> = (0..mib / 64)
+            .map(|_| b.register(HostBuffer::new(64 << 20).unwrap()).unwrap())
+            .collect();
+        let side = b.listen("127.0.0.1:0").unwrap();
+        let a = agent(&format!("small-{mib}"));
+        let t = Instant::now();
+        a.connect(side).unwrap();
+        let took = t.elapsed();
+        eprintln!(
+            "connect to a peer with {mib} MiB registered: {took:?} ({} regions mapped)",
+            kvxfer::live::live().peer_mappings
+        );
+        drop((a, regions, b));
+    }
+}
