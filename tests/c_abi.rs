@@ -63,6 +63,10 @@ fn pkg_config(dir: &Path, args: &[&str]) -> Vec<String> {
 }
 
 fn compile(tag: &str, static_link: bool) -> PathBuf {
+    compile_with(tag, static_link, &[])
+}
+
+fn compile_with(tag: &str, static_link: bool, extra: &[&str]) -> PathBuf {
     let lib = libdir();
     let dir = pc(&lib, tag);
     let exe = dir.join("kvx_test");
@@ -77,6 +81,7 @@ fn compile(tag: &str, static_link: bool) -> PathBuf {
         "-Wno-unused-result",
         "-g",
     ])
+    .args(extra)
     .arg(root().join("tests/c/kvx_test.c"))
     .arg("-o")
     .arg(&exe)
@@ -224,6 +229,46 @@ fn c_program_static() {
         "a static build still needs libkvxfer.so:\n{d}"
     );
     print!("{}", run(&exe, "tcp", &[]));
+}
+
+/// The C program built with AddressSanitizer and UndefinedBehaviorSanitizer: every call with a
+/// bad enum value, NULL or a short output buffer, and both transfers, with no report (any
+/// report aborts). The library is not instrumented; ASan's interceptors still check every
+/// byte it copies into the program's buffers.
+#[test]
+fn c_program_under_asan_and_ubsan() {
+    let exe = compile_with(
+        "san",
+        false,
+        &[
+            "-fsanitize=address,undefined",
+            "-fno-sanitize-recover=all",
+            "-fno-omit-frame-pointer",
+        ],
+    );
+    for t in ["tcp", "shm"] {
+        let out = Command::new(&exe)
+            .arg(t)
+            .env("UCX_LOG_LEVEL", "error")
+            // UCX's memory hooks jump into ASan's interceptors; UCX keeps process-lifetime
+            // allocations (its leaks are not this program's).
+            .env("UCX_MEM_EVENTS", "no")
+            .env("ASAN_OPTIONS", "detect_leaks=0:abort_on_error=1")
+            .env("UBSAN_OPTIONS", "print_stacktrace=1:halt_on_error=1")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.status.success(),
+            "kvx_test {t} under ASan+UBSan:\n{text}"
+        );
+        assert!(!text.contains("runtime error"), "{text}");
+        assert!(text.contains(&format!("kvx_test {t}: ok")), "{text}");
+    }
 }
 
 #[test]

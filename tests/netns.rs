@@ -352,6 +352,9 @@ fn link_cut(tag: &str, lanes: bool) {
     writeln!(stdin, "up").unwrap();
     let rec = next(&mut out, "KVX RECOVERED ");
     let _ = child.wait();
+    // The serving side lived through the cut (no UCX fatal error, no panic) and served the
+    // transfer after it.
+    let served_on = peer.try_wait().unwrap();
     common::kill_bench(&ready);
     let _ = peer.kill();
     let _ = peer.wait();
@@ -377,6 +380,10 @@ fn link_cut(tag: &str, lanes: bool) {
     assert!(
         rec.starts_with("Ok(2097152)"),
         "no recovery after the link came back: {rec}"
+    );
+    assert!(
+        served_on.is_none(),
+        "the serving kvxfer-bench ended ({served_on:?}) after the link cut"
     );
     drop(net);
 }

@@ -121,6 +121,10 @@ fn check(what: &str, table: Vec<u8>) {
 }
 
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "20 MB tables: far too slow under Miri; parse_paged's own tests run there"
+)]
 fn the_charge_covers_what_parsing_and_resolving_allocate() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     // What an initiator sends: one list of 148 blocks shared by 56 entries (28 layers, K and

@@ -375,6 +375,12 @@ int main(int argc, char **argv) {
   {
     kvx_agent_config *okc = NULL;
     if (kvx_last_error(NULL, 0) == 0) die("a failure left no message", KVX_OK);
+    {
+      /* A short buffer gets a truncated, terminated message and nothing past its end. */
+      char tiny[8];
+      size_t full = kvx_last_error(tiny, sizeof tiny);
+      if (full <= sizeof tiny || strlen(tiny) != sizeof tiny - 1) die("last error not truncated", KVX_OK);
+    }
     CHECK(kvx_agent_config_new("c-clear", &okc));
     if (kvx_last_error(NULL, 0) != 0) die("last error kept after a success", KVX_OK);
     kvx_agent_config_free(okc);
