@@ -2,9 +2,12 @@
 //! its region's memory, a file another process holds open (here a read-only, mode-0444 file
 //! on disk held by `sleep`) gets nothing mapped, and a WRITE to that region does not land in
 //! the file. Only memfds whose size is sealed, owned by this user, are mapped; and they are
-//! mapped without populating, so a peer's declared size costs nothing at connect.
+//! mapped without populating, so a peer's declared size costs nothing at connect. A peer
+//! whose process was killed fails the next transfer typed instead of "succeeding" into
+//! memory nobody reads (part 4).
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
 
+use std::io::{BufRead, BufReader, Read};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -103,5 +106,71 @@ fn connect_cost() {
             kvxfer::live::live().peer_mappings
         );
         drop((a, regions, b));
+    }
+}
+
+/// A same-host peer in its own process (run by the test below; ignored otherwise): a 1 MiB
+/// region, a listener whose address it prints, then it waits to be killed.
+#[test]
+#[ignore = "a peer's own process, started by the tests here"]
+fn peer_child() {
+    if std::env::var("KVX_SHM_PEER").is_err() {
+        return;
+    }
+    let b = agent("shm-peer");
+    let _r = b.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    println!("SIDE {}", b.listen("127.0.0.1:0").unwrap());
+    let _ = std::io::stdin().read(&mut [0u8; 1]);
+}
+
+#[test]
+fn a_killed_same_host_peer_fails_the_next_transfer_typed() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "peer_child", "--ignored", "--nocapture"])
+        .env("KVX_SHM_PEER", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let side: std::net::SocketAddr = loop {
+        let mut l = String::new();
+        assert!(out.read_line(&mut l).unwrap() > 0, "the peer said nothing");
+        if let Some(i) = l.find("SIDE ") {
+            break l[i + 5..].trim().parse().unwrap();
+        }
+    };
+    let a = agent("survivor");
+    let peer = a.connect(side).unwrap();
+    let src = a.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    let l = a.prep_local(&[Desc::new(src.id(), 0, LEN as u64)]).unwrap();
+    let r = a
+        .prep_remote(&peer, &[Desc::new(RegionId(0), 0, LEN as u64)])
+        .unwrap();
+    let go = |op| {
+        a.transfer_all(op, &l, &r, None, Some(Duration::from_secs(10)))
+            .and_then(|t| t.wait())
+    };
+    let first = go(XferOp::Write).unwrap();
+    assert_eq!(first.lane, kvxfer::Lane::Shm);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    for op in [XferOp::Write, XferOp::Read] {
+        let t = Instant::now();
+        match go(op) {
+            Ok(s) => panic!("{op:?} to a killed peer succeeded: {s:?}"),
+            Err(e) => {
+                eprintln!("{op:?} to the killed peer: {e} (after {:?})", t.elapsed());
+                assert!(
+                    matches!(
+                        e,
+                        kvxfer::Error::LaneFailed { .. } | kvxfer::Error::PeerFailed { .. }
+                    ),
+                    "{e:?}"
+                );
+                assert!(t.elapsed() < Duration::from_secs(10));
+            }
+        }
     }
 }

@@ -39,9 +39,65 @@ impl Drop for Mapping {
     }
 }
 
-/// A peer's regions mapped into this process, by slot in the peer's region table.
+/// A peer's regions mapped into this process, by slot in the peer's region table, and the
+/// peer's process, to tell when it is gone.
 pub(crate) struct PeerMaps {
     maps: Vec<Option<Mapping>>,
+    process: PeerProcess,
+}
+
+/// The process that owns a peer's regions: a pidfd (opened before its regions were, so it is
+/// that process and not a later one with the pid), or the pid alone where the kernel has no
+/// pidfds.
+struct PeerProcess {
+    pid: u32,
+    pidfd: Option<OwnedFd>,
+}
+
+impl PeerProcess {
+    fn open(pid: u32) -> PeerProcess {
+        use std::os::fd::FromRawFd;
+        // SAFETY: pidfd_open takes a pid and flags 0 and returns a new descriptor or -1.
+        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        let pidfd = (raw >= 0).then(|| {
+            // SAFETY: raw is a fresh descriptor that nothing else owns.
+            unsafe { OwnedFd::from_raw_fd(raw as i32) }
+        });
+        PeerProcess { pid, pidfd }
+    }
+
+    /// Whether the process has exited: its regions' memory is then read by nobody, and a
+    /// transfer into or out of it must not look like a success.
+    fn exited(&self) -> bool {
+        match &self.pidfd {
+            Some(fd) => {
+                let mut p = libc::pollfd {
+                    fd: fd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one live pollfd, no wait; a pidfd is readable once its process ends.
+                let n = unsafe { libc::poll(&mut p, 1, 0) };
+                n > 0 && p.revents & libc::POLLIN != 0
+            }
+            None => {
+                // SAFETY: kill with signal 0 only checks that the process exists.
+                let r = unsafe { libc::kill(self.pid as libc::pid_t, 0) };
+                r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+            }
+        }
+    }
+
+    fn error(&self, peer: &str, when: &str) -> Error {
+        Error::LaneFailed {
+            agent: peer.to_string(),
+            lane: "shm",
+            why: format!(
+                "the peer's process (pid {}) has exited {when}: its memory is read by nobody",
+                self.pid
+            ),
+        }
+    }
 }
 
 // SAFETY: the mappings are plain shared memory owned by this struct; the pointers are only
@@ -70,6 +126,8 @@ impl PeerMaps {
             );
             return None;
         }
+        // The process first: the regions opened next are then known to be this process's.
+        let process = PeerProcess::open(them.pid);
         let mut any = false;
         let maps: Vec<Option<Mapping>> = meta
             .regions
@@ -92,7 +150,7 @@ impl PeerMaps {
                 }
             })
             .collect();
-        any.then_some(PeerMaps { maps })
+        any.then_some(PeerMaps { maps, process })
     }
 
     /// Whether every remote range of `plan` lies in a mapped region.
@@ -274,6 +332,11 @@ impl Copier {
             failed: std::sync::atomic::AtomicBool::new(false),
             carrier: self.carrier.clone(),
         });
+        if j.maps.process.exited() {
+            let e = j.maps.process.error(&j.job.peer, "before the transfer");
+            fail_all(j, e);
+            return;
+        }
         let g = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         let Some(tx) = g.as_ref() else {
             drop(g);
@@ -404,7 +467,10 @@ fn chunk_done(j: &Arc<ShmJob>) {
     // the fence orders them before the notification send.
     std::sync::atomic::fence(Ordering::SeqCst);
     let job = &j.job;
-    let error = j.error.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let mut error = j.error.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if error.is_none() && j.maps.process.exited() {
+        error = Some(j.maps.process.error(&job.peer, "during the transfer"));
+    }
     let stats = job.stats(Lane::Shm, job.started.elapsed());
     if let Some(e) = error {
         job.finish(Err(e));
