@@ -2,7 +2,7 @@
 //! carried them has landed (sent as a UCX active message after the transfer's flush).
 #![forbid(unsafe_code)]
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -18,6 +18,12 @@ pub(crate) const MAX_QUEUED: usize = 65_536;
 /// an engine that only uses the connector never drains the user's inbox): older ones beyond
 /// this are dropped and counted.
 pub(crate) const MAX_QUEUED_BYTES: u64 = 16 << 20;
+
+/// What one sender may hold in one inbox: a quarter of its bytes and of its count. A sender
+/// past its share has its new notifications dropped (counted), so that one peer flooding an
+/// inbox nobody drains does not push out the others' (a connector's acknowledgements and
+/// heartbeats).
+pub(crate) const SENDER_SHARE: u64 = 4;
 
 /// What one queued notification holds: its payload, its sender's name and the queue entry.
 fn held(n: &Notification) -> u64 {
@@ -71,13 +77,30 @@ struct Queue {
     items: VecDeque<(Notification, Option<Charge>)>,
     bytes: u64,
     dropped: u64,
+    /// Per sender: notifications and bytes waiting.
+    by_sender: HashMap<String, (usize, u64)>,
 }
 
 impl Queue {
     fn pop(&mut self) -> Option<Notification> {
         let (n, _charge) = self.items.pop_front()?;
-        self.bytes -= held(&n);
+        let size = held(&n);
+        self.bytes -= size;
+        if let Some(s) = self.by_sender.get_mut(&n.from) {
+            s.0 -= 1;
+            s.1 -= size;
+            if s.0 == 0 {
+                self.by_sender.remove(&n.from);
+            }
+        }
         Some(n)
+    }
+
+    /// Whether `from` may queue `size` more bytes within its share.
+    fn within_share(&self, from: &str, size: u64) -> bool {
+        let (count, bytes) = self.by_sender.get(from).copied().unwrap_or_default();
+        count < MAX_QUEUED / SENDER_SHARE as usize
+            && bytes + size <= MAX_QUEUED_BYTES / SENDER_SHARE
     }
 }
 
@@ -93,8 +116,17 @@ impl Inbox {
     pub(crate) fn push(&self, n: Notification) {
         let size = held(&n);
         let mut g = self.q.lock().unwrap_or_else(|e| e.into_inner());
-        if size > MAX_QUEUED_BYTES {
+        if size > MAX_QUEUED_BYTES / SENDER_SHARE || !g.within_share(&n.from, size) {
             g.dropped += 1;
+            if g.dropped.is_power_of_two() {
+                log::warn!(
+                    "kvxfer: notifications from {:?} past its share of the queue ({} of the \
+                     bytes and count) dropped ({} dropped in all)",
+                    n.from,
+                    format_args!("1/{SENDER_SHARE}"),
+                    g.dropped
+                );
+            }
             return;
         }
         // Room by count and bytes first, then in the budget: the oldest go.
@@ -131,6 +163,9 @@ impl Inbox {
             );
         }
         g.bytes += size;
+        let s = g.by_sender.entry(n.from.clone()).or_default();
+        s.0 += 1;
+        s.1 += size;
         g.items.push_back((n, charge));
         drop(g);
         self.cv.notify_all();
@@ -199,8 +234,9 @@ mod tests {
     fn an_undrained_inbox_is_bounded_in_bytes_and_charged_to_the_budget() {
         let budget = MemoryBudget::new(8 << 20);
         let i = Inbox::charged(budget.clone());
+        // Five senders in turn: the inbox fills before any sender reaches its share.
         let note = |k: u32| Notification {
-            from: "flood".into(),
+            from: format!("flood-{}", k % 5),
             payload: [k.to_le_bytes().to_vec(), vec![0u8; 64 << 10]].concat(),
         };
         for k in 0..500 {
@@ -221,5 +257,44 @@ mod tests {
         }
         let bytes: u64 = j.drain().iter().map(held).sum();
         assert!(bytes <= MAX_QUEUED_BYTES && bytes > MAX_QUEUED_BYTES - (65 << 10));
+    }
+
+    /// One sender flooding an undrained inbox holds at most its share; another sender's
+    /// notifications, older than the flood, are still there.
+    #[test]
+    fn one_sender_holds_at_most_its_share() {
+        let i = Inbox::charged(MemoryBudget::new(64 << 20));
+        for k in 0..4u32 {
+            i.push(Notification {
+                from: "good".into(),
+                payload: k.to_le_bytes().to_vec(),
+            });
+        }
+        for _ in 0..2000 {
+            i.push(Notification {
+                from: "flood".into(),
+                payload: vec![0u8; 64 << 10],
+            });
+        }
+        let kept = i.drain();
+        let good: Vec<&Notification> = kept.iter().filter(|n| n.from == "good").collect();
+        assert_eq!(
+            good.len(),
+            4,
+            "the good sender's notifications were pushed out"
+        );
+        let flood: u64 = kept.iter().filter(|n| n.from == "flood").map(held).sum();
+        assert!(flood <= MAX_QUEUED_BYTES / SENDER_SHARE, "{flood}");
+        assert!(
+            flood > MAX_QUEUED_BYTES / SENDER_SHARE - (65 << 10),
+            "{flood}"
+        );
+        assert!(i.dropped() > 1900);
+        // Drained, the flood has its share again.
+        i.push(Notification {
+            from: "flood".into(),
+            payload: vec![1],
+        });
+        assert_eq!(i.drain().len(), 1);
     }
 }
