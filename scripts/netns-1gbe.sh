@@ -8,7 +8,10 @@
 #   sudo scripts/netns-1gbe.sh [kvxfer-bench options]     (default: --op write,read)
 #   sudo scripts/netns-1gbe.sh --data kv --compress off,on,auto   # raw and compressed, side by side
 #
-# Environment: KVX_RATE (default 1gbit), KVX_PREFIX (namespace/link name prefix, default kvx).
+# Environment: KVX_RATE (default 1gbit), KVX_PREFIX (namespace/link name prefix, default kvx),
+# KVX_PEER_ARGS (more options for the peer, e.g. "--secret s" to match the initiator's):
+#
+#   sudo KVX_PEER_ARGS="--secret s" scripts/netns-1gbe.sh --secret s --lane-encryption
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" != 0 ]; then
@@ -65,7 +68,9 @@ fi
 ip netns exec "$nsa" tc qdisc add dev "$la" root tbf rate "$rate" burst 256kb latency 50ms
 ip netns exec "$nsb" tc qdisc add dev "$lb" root tbf rate "$rate" burst 256kb latency 50ms
 peer_out=$(mktemp)
-ip netns exec "$nsb" "$bench" --listen 198.18.0.2:0 --transport tcp --net-devices "$lb" >"$peer_out" &
+read -r -a peer_args <<<"${KVX_PEER_ARGS:-}"
+ip netns exec "$nsb" "$bench" --listen 198.18.0.2:0 --transport tcp --net-devices "$lb" \
+  "${peer_args[@]}" >"$peer_out" &
 peer_pid=$!
 for _ in $(seq 100); do grep -q READY "$peer_out" && break; sleep 0.1; done
 ctl=$(grep -o 'ctl=[^ ]*' "$peer_out" | head -n1 | cut -d= -f2)
