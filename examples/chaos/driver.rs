@@ -31,6 +31,8 @@ struct Worker {
     started: Instant,
     /// Its RSS once it ran for a while (bytes; 0 before).
     rss_first: AtomicU64,
+    /// Its side channel, where it said it listens.
+    side: Option<std::net::SocketAddr>,
 }
 
 impl Worker {
@@ -45,6 +47,10 @@ impl Worker {
         let mut ready = String::new();
         out.read_line(&mut ready).unwrap();
         assert!(ready.starts_with("READY"), "a worker said {ready:?}");
+        let side = ready
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("side="))
+            .and_then(|a| a.parse().ok());
         let pending: Pending = Arc::default();
         let p = pending.clone();
         // Answers go to whoever waits for them; at its end (the worker died) every waiter
@@ -71,6 +77,7 @@ impl Worker {
             pending,
             started: Instant::now(),
             rss_first: AtomicU64::new(0),
+            side,
         };
         Arc::new(w)
     }
@@ -355,8 +362,18 @@ pub fn run(a: &Args) {
             std::thread::spawn(move || slot_loop(slot, &c, &t, &stop, seed))
         })
         .collect();
+    // The hostile peer follows the prefill worker through its restarts (not across
+    // namespaces: it runs here).
+    let hostile = (a.hostile && !a.netns).then(|| {
+        let c = c.clone();
+        crate::hostile::run(
+            Arc::new(move || c.prefill.lock().unwrap().side),
+            stop.clone(),
+        )
+    });
     faults(&c, &t, a.seed, t0 + Duration::from_secs(a.seconds));
     stop.store(true, Ordering::Release);
+    let hostile = hostile.map(|h| h.join().unwrap());
     // Every wait of a slot is bounded (10 s for a handoff, 90 s for a load).
     for s in slots {
         s.join().unwrap();
@@ -379,6 +396,13 @@ pub fn run(a: &Args) {
     let ((pa, pb), (da, db)) = (rss(&p), rss(&d));
     let g = |k: &str| t.get(k);
     let completed = g("verified") + g("bad_bytes");
+    let hostile_json = hostile.as_ref().map_or(String::new(), |h| {
+        format!(
+            ",\"hostile\":{{\"hellos_loaded\":{},\"hellos_refused\":{},\"lane_stalls\":{},\
+             \"garbage\":{}}}",
+            h.loaded, h.refused, h.stalls, h.garbage
+        )
+    });
     println!(
         "{{\"seconds\":{},\"mode\":\"{}\",\"transport\":\"{}\",\"netns\":{},\"handoffs\":{},\
          \"refused_at_start\":{},\"completed\":{completed},\"verified\":{},\"bad_bytes\":{},\
@@ -386,7 +410,7 @@ pub fn run(a: &Args) {
          \"died_with_decode\":{},\"longest_load_ms\":{},\"no_handoff\":{},\"prefill_sigkills\":{},\
          \"prefill_sigstops\":{},\"decode_sigkills\":{},\"decode_sigstops\":{},\"link_cuts\":{},\
          \"held_at_end\":{held},\"in_progress_at_end\":{in_progress},\
-         \"prefill_rss_mib\":[{pa},{pb}],\"decode_rss_mib\":[{da},{db}]}}",
+         \"prefill_rss_mib\":[{pa},{pb}],\"decode_rss_mib\":[{da},{db}]{hostile_json}}}",
         t0.elapsed().as_secs(),
         mode_name(a.mode),
         a.transport,
@@ -408,6 +432,13 @@ pub fn run(a: &Args) {
         g("decode_sigstops"),
         g("link_cuts"),
     );
+    if let Some(h) = &hostile {
+        eprintln!(
+            "chaos: the hostile peer's HELLOs: {} loaded, {} refused; {} stalled lane \
+             requests; {} garbage connections",
+            h.loaded, h.refused, h.stalls, h.garbage
+        );
+    }
     for (kind, n) in t.errors.lock().unwrap().iter() {
         eprintln!("chaos: {n} x {kind}");
     }

@@ -9,6 +9,7 @@
 //! cargo run --release --example chaos -- --seconds 60 --mode pull
 //! cargo run --release --example chaos -- --seconds 60 --mode push --transport shm
 //! sudo target/.../examples/chaos --seconds 60 --netns      # the workers in two namespaces
+//! cargo run --release --example chaos -- --seconds 120 --hostile   # and a hostile peer
 //! ```
 //!
 //! Requests are 4 blocks of Qwen3-0.6B KV (7.3 MB), partial (a cached prefix of 0-3 blocks)
@@ -24,6 +25,7 @@ mod hex;
 mod kv_cache;
 
 mod driver;
+mod hostile;
 mod net;
 mod workers;
 
@@ -50,6 +52,8 @@ struct Args {
     seed: u64,
     /// Driver: run the workers in two network namespaces and cut the link between them.
     netns: bool,
+    /// Driver: a hostile peer floods the prefill worker meanwhile (`hostile.rs`).
+    hostile: bool,
     /// Worker: the address its side channel binds.
     bind: String,
     /// Worker: the network device its transports use.
@@ -64,6 +68,7 @@ fn parse() -> Args {
         transport: "tcp".into(),
         seed: 1,
         netns: false,
+        hostile: false,
         bind: "127.0.0.1".into(),
         dev: "lo".into(),
     };
@@ -83,11 +88,12 @@ fn parse() -> Args {
             "--transport" => a.transport = v(),
             "--seed" => a.seed = v().parse().unwrap(),
             "--netns" => a.netns = true,
+            "--hostile" => a.hostile = true,
             "--bind" => a.bind = v(),
             "--dev" => a.dev = v(),
             _ => panic!(
                 "usage: chaos [--seconds N] [--mode pull|push] [--transport tcp|shm] [--seed S] \
-                 [--netns]"
+                 [--netns] [--hostile]"
             ),
         }
     }

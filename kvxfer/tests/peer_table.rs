@@ -426,3 +426,34 @@ fn a_hello_flood_under_a_low_descriptor_limit_leaves_a_reserve() {
     assert!(a.peer_regions("flood-0").is_err());
     drop(flood);
 }
+
+fn rss() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .unwrap_or(0)
+        * 4096
+}
+
+/// What one loaded peer costs the victim's process, measured: RSS before and after 500
+/// HELLOs held open (their kept connections, threads, UCX endpoints, lanes). Run by hand:
+/// `cargo test -p kvxfer --test peer_table -- --ignored --nocapture peer_rss`.
+#[test]
+#[ignore = "a measurement, run by hand"]
+fn peer_rss() {
+    let _one = serial();
+    let (a, side) = victim(AgentConfig::new("victim"));
+    std::thread::sleep(Duration::from_millis(300));
+    let before = rss();
+    let flood = Flood::run(side, 500);
+    std::thread::sleep(Duration::from_millis(500));
+    let after = rss();
+    eprintln!(
+        "{} peers loaded: RSS {:.1} -> {:.1} MiB, {:.1} KiB a peer; budget used {}",
+        flood.loaded,
+        before as f64 / 1048576.0,
+        after as f64 / 1048576.0,
+        (after - before) as f64 / 1024.0 / flood.loaded as f64,
+        a.budget().used()
+    );
+}
