@@ -19,7 +19,9 @@ use std::time::Duration;
 use kvxfer::{Agent, AgentConfig, Transport};
 use kvxfer_proto::wire::lane::{Hello, RequestHeader, K_WRITE, WELCOME_FIXED_LEN};
 use kvxfer_proto::wire::metadata::Metadata;
-use kvxfer_proto::wire::side_channel::{encode_frame, FRAME_HEADER_LEN, HELLO, META, PREAMBLE};
+use kvxfer_proto::wire::side_channel::META;
+
+use crate::hello::hello_as;
 
 /// The prefill worker's TCP lane (address, credential), learned from a loaded HELLO's answer.
 type LaneSeen = Mutex<Option<(SocketAddr, [u8; 16])>>;
@@ -102,22 +104,17 @@ fn hellos(
         std::thread::sleep(Duration::from_millis(20));
         let Some(side) = target() else { continue };
         k += 1;
-        let mut m = Metadata::decode(&meta, src.compat()).unwrap();
-        m.name = format!("hostile-{k}");
-        m.epoch = 0x4000_0000 + k;
-        let Ok(mut s) = TcpStream::connect_timeout(&side, Duration::from_secs(1)) else {
+        let Ok((s, kind, p)) = hello_as(
+            side,
+            &meta,
+            src.compat(),
+            &format!("hostile-{k}"),
+            0x4000_0000 + k,
+        ) else {
+            counts.lock().unwrap().refused += 1;
             continue;
         };
-        let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-        let _ = s.write_all(&PREAMBLE);
-        let _ = s.write_all(&encode_frame(HELLO, &m.encode()));
-        let mut pre = [0u8; PREAMBLE.len()];
-        let mut h = [0u8; FRAME_HEADER_LEN];
-        let answered = s.read_exact(&mut pre).and_then(|()| s.read_exact(&mut h));
-        let len = (u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize).saturating_sub(1);
-        let mut p = vec![0u8; len.min(16 << 20)];
-        let answered = answered.and_then(|()| s.read_exact(&mut p));
-        if answered.is_ok() && h[4] == META {
+        if kind == META {
             counts.lock().unwrap().loaded += 1;
             if let Some(l) = Metadata::decode(&p, src.compat())
                 .ok()

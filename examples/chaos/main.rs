@@ -19,6 +19,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // An example: fail loudly.
 
+#[path = "../common/hello.rs"]
+mod hello;
 #[path = "../common/hex.rs"]
 mod hex;
 #[path = "../common/kv_cache.rs"]

@@ -9,16 +9,18 @@
 //! attacker's would: its sockets are not counted against the victim's descriptors.
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
 
+#[path = "../../examples/common/hello.rs"]
+mod hello;
+
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, RegionId, Transport, XferOp};
-use kvxfer_proto::wire::metadata::Metadata;
-use kvxfer_proto::wire::side_channel::{encode_frame, FRAME_HEADER_LEN, HELLO, META, PREAMBLE};
+use kvxfer_proto::wire::side_channel::META;
 
 const LEN: usize = 1 << 20;
 
@@ -222,32 +224,21 @@ fn flood_child() {
     let (mut loaded, mut refused, mut first) = (0, 0, String::new());
     let mut keep = Vec::new();
     for i in 0..n {
-        let mut m = Metadata::decode(&meta, src.compat()).unwrap();
-        m.name = format!("flood-{i}");
-        m.epoch = 0x1000 + i as u64;
-        let mut s = match TcpStream::connect(side) {
-            Ok(s) => s,
+        let (s, kind, p) = match hello::hello_as(
+            side,
+            &meta,
+            src.compat(),
+            &format!("flood-{i}"),
+            0x1000 + i as u64,
+        ) {
+            Ok(a) => a,
             Err(e) => {
-                eprintln!("flood-{i}: no connection: {e}");
+                eprintln!("flood-{i}: no answer: {e}");
                 refused += 1;
                 continue;
             }
         };
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let _ = s.write_all(&PREAMBLE);
-        let _ = s.write_all(&encode_frame(HELLO, &m.encode()));
-        // The listener's preamble, then its answer frame.
-        let mut pre = [0u8; PREAMBLE.len()];
-        let mut h = [0u8; FRAME_HEADER_LEN];
-        if let Err(e) = s.read_exact(&mut pre).and_then(|()| s.read_exact(&mut h)) {
-            eprintln!("flood-{i}: no answer: {e}");
-            refused += 1;
-            continue;
-        }
-        let len = (u32::from_le_bytes(h[..4].try_into().unwrap()) as usize).saturating_sub(1);
-        let mut p = vec![0u8; len.min(1 << 20)];
-        let _ = s.read_exact(&mut p);
-        if h[4] == META {
+        if kind == META {
             loaded += 1;
         } else {
             refused += 1;

@@ -107,11 +107,20 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
 /// lanes and mappings go), or, with none, `name` is refused with [`Error::PeerLimit`].
 /// Called under the load lock, so that two loads cannot both take the last place.
 fn make_room(st: &AgentState, name: &str) -> Result<()> {
+    let known = |n: &str| {
+        st.peers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(n)
+    };
+    if known(name) {
+        return Ok(());
+    }
+    // Outside the table's lock: a walk of /proc/self/fd, once per new peer (the load lock
+    // keeps any other load from adding one meanwhile).
+    let fds = crate::fd_limit::fds();
     let decision = {
         let g = st.peers.read().unwrap_or_else(|e| e.into_inner());
-        if g.contains_key(name) {
-            return Ok(());
-        }
         let loaded: Vec<PeerUse<'_>> = g
             .iter()
             .map(|(n, v)| PeerUse {
@@ -119,7 +128,7 @@ fn make_room(st: &AgentState, name: &str) -> Result<()> {
                 last_used: v.last_used(),
             })
             .collect();
-        match admit(&st.peer_limits, crate::fd_limit::fds(), &loaded, st.now()) {
+        match admit(&st.peer_limits, fds, &loaded, st.now()) {
             Admission::Admit => return Ok(()),
             Admission::Evict(v) => Ok(v.to_string()),
             Admission::Refuse(why) => Err(why),
@@ -128,7 +137,7 @@ fn make_room(st: &AgentState, name: &str) -> Result<()> {
     match decision {
         Ok(victim) => {
             log::info!(
-                "kvxfer {}: peer table full: evicting {victim:?}, the least recently used, for                  {name:?}",
+                "kvxfer {}: peer table full: evicting {victim:?}, the least recently used, for {name:?}",
                 st.name
             );
             st.peers_evicted.fetch_add(1, Ordering::Relaxed);

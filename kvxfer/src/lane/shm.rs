@@ -121,7 +121,7 @@ impl PeerMaps {
         let live = crate::live::live().peer_mappings;
         if declared > MAX_PEER_MAPPINGS || live + declared > MAX_MAPPINGS {
             log::warn!(
-                "kvxfer: {:?} declares {declared} shared regions (at most {MAX_PEER_MAPPINGS} a                  peer, {MAX_MAPPINGS} in all, {live} mapped now): none mapped, its transfers                  take the TCP lane or UCX",
+                "kvxfer: {:?} declares {declared} shared regions (at most {MAX_PEER_MAPPINGS} a peer, {MAX_MAPPINGS} in all, {live} mapped now): none mapped, its transfers take the TCP lane or UCX",
                 meta.name
             );
             return None;
