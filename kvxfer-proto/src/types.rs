@@ -34,11 +34,11 @@ pub enum MemKind {
     Cuda(u32),
 }
 
-/// How a process on the same host opens a memfd-backed region: `/proc/<pid>/fd/<fd>`, checked
-/// against the file's device and inode so that a reused descriptor number is never mapped.
+/// Which memory file backs a memfd-backed region: a same-host peer is handed the file by the
+/// owner's socket (`wire::shm_fds`) and maps it only if its device and inode are these.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ShmHandle {
-    /// The descriptor number in the owner process.
+    /// The descriptor number in the owner process (for logs; nothing opens it by number).
     pub fd: u32,
     /// `st_dev` of the file.
     pub dev: u64,

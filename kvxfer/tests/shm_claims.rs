@@ -1,7 +1,9 @@
 //! The shm lane trusts no claim (issue 34, part 3): a same-host peer whose metadata names, as
 //! its region's memory, a file another process holds open (here a read-only, mode-0444 file
 //! on disk held by `sleep`) gets nothing mapped, and a WRITE to that region does not land in
-//! the file. Only memfds whose size is sealed, owned by this user, are mapped; and they are
+//! the file (the files come only from the named process's own socket now: see
+//! `shm_handover.rs` for each of its checks). Only memfds whose size is sealed, owned by this
+//! user, are mapped; and they are
 //! mapped without populating, so a peer's declared size costs nothing at connect. A peer
 //! whose process was killed fails the next transfer typed instead of "succeeding" into
 //! memory nobody reads (part 4).

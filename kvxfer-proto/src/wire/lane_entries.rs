@@ -5,13 +5,16 @@
 //! the metadata is decoded.
 //!
 //! Entry on the wire: `lane u8 | len u16 | body [len]`; the TCP lane's body is
-//! `family u8 (4|6) | ip [4|16] | port u16 | secret [16] | key [32]`.
+//! `family u8 (4|6) | ip [4|16] | port u16 | secret [16] | key [32]`; the shared-memory
+//! lane's is `socket [16] | token [32]` (see [`ShmLaneInfo`]).
 
 use crate::error::MetadataError;
 use crate::types::LaneInfo;
 
 /// The TCP stream lane's id.
 pub const LANE_TCP: u8 = 1;
+/// The shared-memory lane's id.
+pub const LANE_SHM: u8 = 2;
 /// Most entries in one agent's metadata.
 pub const MAX_LANES: usize = 16;
 /// Longest entry body.
@@ -20,6 +23,25 @@ pub const MAX_LANE_ENTRY: usize = 4096;
 pub const ENTRY_HEADER_LEN: usize = 1 + 2;
 /// The TCP lane's body without the IP: family, port, secret, key.
 const TCP_FIXED_LEN: usize = 1 + 2 + 16 + 32;
+
+/// What a same-host peer needs to be handed this agent's memory files: the name of the Unix
+/// socket that hands them out (abstract, `kvxfer-shm-` and the hex of these bytes) and the
+/// token it asks for. The token travels only in metadata, which a shared secret seals; the
+/// socket also checks the asker's user (`SO_PEERCRED`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShmLaneInfo {
+    /// The socket's random name.
+    pub socket: [u8; 16],
+    /// What an asker presents.
+    pub token: [u8; 32],
+}
+
+impl ShmLaneInfo {
+    /// The socket's abstract name (without the leading NUL).
+    pub fn socket_name(&self) -> String {
+        format!("kvxfer-shm-{}", super::hex(&self.socket))
+    }
+}
 
 /// One lane's entry: its id and its bytes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -51,6 +73,35 @@ impl LaneEntry {
             lane: LANE_TCP,
             body,
         }
+    }
+
+    /// The shared-memory lane's entry for `info`.
+    pub fn shm(info: &ShmLaneInfo) -> LaneEntry {
+        let mut body = Vec::with_capacity(48);
+        body.extend_from_slice(&info.socket);
+        body.extend_from_slice(&info.token);
+        LaneEntry {
+            lane: LANE_SHM,
+            body,
+        }
+    }
+
+    /// The shared-memory lane's socket and token, if this is its entry and well formed.
+    pub fn as_shm(&self) -> Result<Option<ShmLaneInfo>, MetadataError> {
+        if self.lane != LANE_SHM {
+            return Ok(None);
+        }
+        if self.body.len() != 48 {
+            return Err(MetadataError::Invalid {
+                field: "shm lane entry",
+                why: format!("{} bytes, expected 48", self.body.len()),
+            });
+        }
+        let mut socket = [0u8; 16];
+        socket.copy_from_slice(&self.body[..16]);
+        let mut token = [0u8; 32];
+        token.copy_from_slice(&self.body[16..]);
+        Ok(Some(ShmLaneInfo { socket, token }))
     }
 
     /// The TCP lane's address, credential and key, if this is its entry and well formed.
@@ -127,8 +178,14 @@ pub fn check(entries: &[LaneEntry]) -> Result<(), MetadataError> {
             });
         }
         e.as_tcp()?;
+        e.as_shm()?;
     }
     Ok(())
+}
+
+/// The shared-memory lane's entry of `entries`, decoded (a list that passed [`check`]).
+pub fn shm_of(entries: &[LaneEntry]) -> Option<ShmLaneInfo> {
+    entries.iter().find_map(|e| e.as_shm().ok().flatten())
 }
 
 /// The TCP lane's entry of `entries`, decoded (a list that passed [`check`]).
@@ -163,6 +220,28 @@ mod tests {
         assert!(e.as_tcp().is_err(), "family");
         let e = LaneEntry::tcp(&info("198.18.0.1:0"));
         assert!(e.as_tcp().is_err(), "port 0");
+    }
+
+    #[test]
+    fn the_shm_entry_round_trips_and_is_checked() {
+        let info = ShmLaneInfo {
+            socket: [3; 16],
+            token: [4; 32],
+        };
+        let e = LaneEntry::shm(&info);
+        assert_eq!(e.as_shm().unwrap(), Some(info));
+        assert_eq!(e.as_tcp().unwrap(), None);
+        assert_eq!(shm_of(std::slice::from_ref(&e)), Some(info));
+        assert_eq!(
+            info.socket_name(),
+            "kvxfer-shm-03030303030303030303030303030303"
+        );
+        let mut short = e.clone();
+        short.body.pop();
+        assert!(short.as_shm().is_err() && check(&[short]).is_err());
+        let mut long = e;
+        long.body.push(0);
+        assert!(long.as_shm().is_err());
     }
 
     #[test]

@@ -7,6 +7,7 @@ pub mod lane;
 pub mod lane_entries;
 pub mod metadata;
 pub mod notify;
+pub mod shm_fds;
 pub mod side_channel;
 
 /// Lowercase hex of `b`.

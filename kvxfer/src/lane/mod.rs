@@ -3,7 +3,7 @@
 //! (thousands of 16-64 KiB blocks at random slots) need:
 //!
 //! - `shm`: a peer on the same host maps the target's memfd-backed regions once (at metadata
-//!   load) and copies with plain loads and stores, split over a few copy threads. No syscall per
+//!   load, handed over by the target's socket) and copies with plain loads and stores, split over a few copy threads. No syscall per
 //!   block, no staging, no bounce buffer.
 //! - [`tcp`]: one TCP stream per peer; WRITE is `writev` straight from registered memory into
 //!   the socket and `readv` straight into the target's blocks; READ is served by the target
@@ -29,6 +29,7 @@ pub(crate) mod config;
 #[cfg(test)]
 mod memory;
 pub(crate) mod shm;
+pub(crate) mod shm_handover;
 pub(crate) mod tcp;
 
 use api::{LaneKind, LaneSetup};

@@ -1,13 +1,16 @@
 //! The shared-memory lane: map a same-host peer's memfd-backed regions once, then move a
 //! transfer with plain copies split over a few copy threads.
 //!
+//! The files come from the peer's own socket, handed over with `SCM_RIGHTS`
+//! ([`super::shm_handover`]), and are mapped read-only until a WRITE needs them.
+//!
 //! Safety of the mappings: a mapping is of the peer's memory *file*, so it stays valid even if
 //! the peer frees or deregisters the region (stores then land in pages nobody reads, never in
 //! unrelated memory of the peer, unlike CMA or a stale rkey). Mappings are dropped with the
 //! peer's metadata.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -17,6 +20,7 @@ use crate::transfer::NoteCarrier;
 use crate::transfer::{Job, Work};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::types::{Lane, Transport, XferOp};
+use kvxfer_proto::wire::lane_entries::LaneEntry;
 use kvxfer_proto::wire::metadata::{HostInfo, Metadata};
 
 /// Regions of one peer the lane maps at most.
@@ -24,18 +28,49 @@ pub(crate) const MAX_PEER_MAPPINGS: usize = 4096;
 /// Peer regions mapped at most in this process, all agents together.
 pub(crate) const MAX_MAPPINGS: usize = 16384;
 
+/// Bytes of peers' memory files mapped in this process at most, all agents together: a
+/// mapping costs address space (128 TiB in all on x86-64), not memory, until it is touched.
+pub(crate) const MAX_MAPPED_BYTES: u64 = 32 << 40;
+/// Bytes of peers' memory files mapped now.
+static MAPPED_BYTES: AtomicU64 = AtomicU64::new(0);
+
 struct Mapping {
     ptr: *mut u8,
     len: usize,
     /// The region's base address in the peer (what descriptors carry).
     base: u64,
+    /// Mapped for writing too (a WRITE into it came); read-only until then.
+    writable: AtomicBool,
     _live: crate::live::Counted,
+}
+
+impl Mapping {
+    /// Whether the mapping may be written, making it so if it is not yet.
+    fn make_writable(&self) -> bool {
+        if self.writable.load(Ordering::Acquire) {
+            return true;
+        }
+        // SAFETY: ptr/len is this mapping, of a file opened read-write by its owner; adding
+        // PROT_WRITE changes no byte. Concurrent calls do the same thing twice.
+        let ok = unsafe {
+            libc::mprotect(
+                self.ptr.cast(),
+                self.len,
+                libc::PROT_READ | libc::PROT_WRITE,
+            )
+        } == 0;
+        if ok {
+            self.writable.store(true, Ordering::Release);
+        }
+        ok
+    }
 }
 
 impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: ptr/len is a mapping made in map_region, unmapped only here.
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
+        MAPPED_BYTES.fetch_sub(self.len as u64, Ordering::SeqCst);
     }
 }
 
@@ -109,12 +144,15 @@ unsafe impl Sync for PeerMaps {}
 
 impl PeerMaps {
     /// Maps every region of `meta` that carries a handle, if the peer runs on this host in
-    /// this pid namespace. None if nothing could be mapped (the transfer then takes UCX).
+    /// this pid namespace and its socket hands the memory files over (see
+    /// [`super::shm_handover`]). None if nothing could be mapped (the transfer then takes
+    /// the TCP lane or UCX).
     pub(crate) fn open(meta: &Metadata, me: Option<&HostInfo>) -> Option<PeerMaps> {
         let (me, them) = (me?, meta.host.as_ref()?);
         if me.boot_id != them.boot_id || me.pid_ns != them.pid_ns {
             return None;
         }
+        let info = kvxfer_proto::wire::lane_entries::shm_of(&meta.lanes)?;
         // A mapping is a VMA of this process (vm.max_map_count, 65,530 by default): one peer
         // maps at most MAX_PEER_MAPPINGS regions, all peers at most MAX_MAPPINGS.
         let declared = meta.regions.iter().filter(|r| r.shm.is_some()).count();
@@ -126,15 +164,28 @@ impl PeerMaps {
             );
             return None;
         }
-        // The process first: the regions opened next are then known to be this process's.
+        // The process first: the files handed over next are then known to be this
+        // process's (the socket's owner is checked to be it).
         let process = PeerProcess::open(them.pid);
+        let mut files = match super::shm_handover::take(&info, them.pid, MAX_PEER_MAPPINGS) {
+            Ok(f) => f,
+            Err(e) => {
+                log::info!(
+                    "kvxfer: {:?} handed over no memory files ({e}); its transfers take the TCP lane or UCX",
+                    meta.name
+                );
+                return None;
+            }
+        };
         let mut any = false;
         let maps: Vec<Option<Mapping>> = meta
             .regions
             .iter()
             .map(|r| {
                 let h = r.shm?;
-                match map_region(them.pid, h, r.len, r.base) {
+                let at = files.iter().position(|(e, _)| e.region == r.id.0)?;
+                let (entry, fd) = files.swap_remove(at);
+                match map_region(fd, h, entry.len.min(r.len), r.len, r.base) {
                     Ok(m) => {
                         any = true;
                         Some(m)
@@ -151,6 +202,15 @@ impl PeerMaps {
             })
             .collect();
         any.then_some(PeerMaps { maps, process })
+    }
+
+    /// Makes the mappings of `plan`'s remote slots writable: they are mapped read-only, and
+    /// only a WRITE into a region makes its mapping writable (once).
+    fn writable(&self, plan: &Work) -> bool {
+        plan.slots(true).all(|s| match self.maps.get(s as usize) {
+            Some(Some(m)) => m.make_writable(),
+            _ => false,
+        })
     }
 
     /// Whether every remote range of `plan` lies in a mapped region.
@@ -171,80 +231,85 @@ impl PeerMaps {
     }
 }
 
+/// Maps the memory file `fd` a peer's socket handed over for the region `h` describes (`len`
+/// bytes at the peer's address `base`), read-only. `handed` is the length the hand-over
+/// gave; both must fit the file.
 fn map_region(
-    pid: u32,
+    fd: OwnedFd,
     h: kvxfer_proto::wire::metadata::ShmHandle,
+    handed: u64,
     len: u64,
     base: u64,
 ) -> Result<Mapping> {
-    let path = format!("/proc/{pid}/fd/{}", h.fd);
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&path)
-        .map_err(|e| Error::io(format!("opening {path}"), e))?;
-    let fd = OwnedFd::from(file);
+    let what = format!("the memory file handed over for {:#x}", base);
     // SAFETY: an all-zero stat is a valid value to be overwritten by fstat.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: fd is open; st is a valid out pointer.
     if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
         return Err(Error::io(
-            format!("fstat {path}"),
+            format!("fstat {what}"),
             std::io::Error::last_os_error(),
         ));
     }
     if st.st_dev != h.dev || st.st_ino != h.ino {
         return Err(Error::InvalidArgument(format!(
-            "{path} is not the peer's region file (dev/ino differ)"
+            "{what} is not the file the peer's metadata names (dev/ino differ)"
         )));
     }
     // Only a memory file the way kvxfer makes them: a memfd (F_GET_SEALS fails on any other
-    // file) whose size is sealed (so a mapping of it cannot fault), owned by this user. A
-    // peer naming some other file its process holds open (a read-only file on disk, say) is
-    // refused before anything is mapped.
+    // file) whose size is sealed (so a mapping of it cannot fault), owned by this user.
     // SAFETY: fd is open; F_GET_SEALS takes no argument.
     let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
     if seals < 0 {
         return Err(Error::InvalidArgument(format!(
-            "{path} is not a memory file (memfd): refused"
+            "{what} is not a memory file (memfd): refused"
         )));
     }
     if seals & crate::memory::SEALS != crate::memory::SEALS {
         return Err(Error::InvalidArgument(format!(
-            "{path} is a memory file whose size is not sealed (seals {seals:#x}): refused"
+            "{what} is a memory file whose size is not sealed (seals {seals:#x}): refused"
         )));
     }
     // SAFETY: geteuid has no preconditions.
     if st.st_uid != unsafe { libc::geteuid() } {
         return Err(Error::InvalidArgument(format!(
-            "{path} belongs to uid {}, not this process's: refused",
+            "{what} belongs to uid {}, not this process's: refused",
             st.st_uid
         )));
     }
-    if (st.st_size as u64) < len {
+    if (st.st_size as u64) < len || handed < len {
         return Err(Error::InvalidArgument(format!(
-            "{path} holds {} bytes, the region {len}",
+            "{what} holds {} bytes (handed over as {handed}), the region {len}",
             st.st_size
+        )));
+    }
+    let reserved = MAPPED_BYTES.fetch_add(len, Ordering::SeqCst);
+    if reserved.saturating_add(len) > MAX_MAPPED_BYTES {
+        MAPPED_BYTES.fetch_sub(len, Ordering::SeqCst);
+        return Err(Error::InvalidArgument(format!(
+            "{what}: {len} bytes more would map past {MAX_MAPPED_BYTES} bytes of peers' memory \
+             ({reserved} mapped now)"
         )));
     }
     let len = len as usize;
     // SAFETY: a fresh shared mapping of the peer's file, len bytes (checked against its size,
-    // which its seals fix); no existing memory of this process is affected. Not populated:
-    // pages are mapped as transfers touch them, so a peer's declared size costs nothing at
-    // connect.
+    // which its seals fix); no existing memory of this process is affected. Read-only until
+    // a WRITE needs it (`make_writable`), and not populated: pages are mapped as transfers
+    // touch them, so a peer's declared size costs nothing at connect.
     let p = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
             len,
-            libc::PROT_READ | libc::PROT_WRITE,
+            libc::PROT_READ,
             libc::MAP_SHARED,
             fd.as_raw_fd(),
             0,
         )
     };
     if p == libc::MAP_FAILED {
+        MAPPED_BYTES.fetch_sub(len as u64, Ordering::SeqCst);
         return Err(Error::io(
-            format!("mapping {path}"),
+            format!("mapping {what}"),
             std::io::Error::last_os_error(),
         ));
     }
@@ -252,6 +317,7 @@ fn map_region(
         ptr: p.cast(),
         len,
         base,
+        writable: AtomicBool::new(false),
         _live: crate::live::Counted::peer_mapping(),
     })
 }
@@ -334,6 +400,18 @@ impl Copier {
         });
         if j.maps.process.exited() {
             let e = j.maps.process.error(&j.job.peer, "before the transfer");
+            fail_all(j, e);
+            return;
+        }
+        if j.job.op == XferOp::Write && !j.maps.writable(&j.job.plan) {
+            let e = Error::LaneFailed {
+                agent: j.job.peer.clone(),
+                lane: "shm",
+                why: format!(
+                    "a peer region could not be made writable: {}",
+                    std::io::Error::last_os_error()
+                ),
+            };
             fail_all(j, e);
             return;
         }
@@ -493,6 +571,8 @@ fn chunk_done(j: &Arc<ShmJob>) {
 pub(crate) struct ShmLane {
     copier: Arc<Copier>,
     host: Option<HostInfo>,
+    /// Hands this agent's memory files to same-host peers of this user.
+    handover: super::shm_handover::HandOver,
 }
 
 impl ShmLane {
@@ -507,9 +587,12 @@ impl ShmLane {
             setup.config.shm.copy_threads,
             setup.notifier.clone(),
         )?;
+        let handover =
+            super::shm_handover::HandOver::start(&setup.name, setup.ctx.regions.clone())?;
         Ok(Some(Box::new(ShmLane {
             copier: Arc::new(copier),
             host: setup.host,
+            handover,
         })))
     }
 }
@@ -517,6 +600,10 @@ impl ShmLane {
 impl LaneKind for ShmLane {
     fn name(&self) -> &'static str {
         "shm"
+    }
+
+    fn advertise(&self) -> Option<LaneEntry> {
+        Some(LaneEntry::shm(&self.handover.info()))
     }
 
     fn open(&self, meta: &Metadata) -> Option<Arc<dyn PeerLane>> {
@@ -529,6 +616,7 @@ impl LaneKind for ShmLane {
 
     fn stop(&self) {
         self.copier.stop();
+        self.handover.stop();
     }
 }
 

@@ -1,0 +1,366 @@
+//! The shm lane's hand-over of memory files (`kvxfer_proto::wire::shm_fds`): the owner's
+//! Unix socket gives a same-host peer of its own user the descriptors of its memfd-backed
+//! regions with `SCM_RIGHTS`; the peer takes them only from the process its metadata names.
+//! Nothing is opened through `/proc/<pid>/fd/<n>`, so no claim of a pid or a descriptor
+//! number reaches a file.
+//!
+//! The socket is abstract (it vanishes with the process) and named at random; who may ask is
+//! decided by the kernel's word on the asker (`SO_PEERCRED`: the same user) and by the token,
+//! which travels only in metadata (sealed under a shared secret).
+
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::memory::RegionTable;
+use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::types::MemKind;
+use kvxfer_proto::wire::lane_entries::ShmLaneInfo;
+use kvxfer_proto::wire::shm_fds::{
+    FdAsk, FdEntry, FdFrame, FrameHead, ASK_LEN, HEADER_LEN, MAX_BATCH,
+};
+
+/// How long either end waits for the other's next bytes.
+const IO_TIMEOUT: Duration = Duration::from_secs(2);
+/// Askers served at once; past it a new one is closed at once (its side falls back to the
+/// TCP lane or UCX), so a stalled asker holds one thread for at most [`IO_TIMEOUT`].
+const MAX_ASKERS: usize = 16;
+
+/// The owner's side: the socket and its thread.
+pub(crate) struct HandOver {
+    info: ShmLaneInfo,
+    fd: RawFd,
+    stop: Arc<AtomicBool>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl HandOver {
+    /// Binds a socket of a fresh random name and serves `regions`' memory files on it.
+    pub(crate) fn start(agent: &str, regions: Arc<RegionTable>) -> Result<HandOver> {
+        let token = crate::random::bytes::<32>()?;
+        let (listener, info) = loop {
+            let socket = crate::random::bytes::<16>()?;
+            let info = ShmLaneInfo { socket, token };
+            let addr = SocketAddr::from_abstract_name(info.socket_name().as_bytes())
+                .map_err(|e| Error::io("naming the shm lane's socket", e))?;
+            match UnixListener::bind_addr(&addr) {
+                Ok(l) => break (l, info),
+                // Taken (by chance, or by someone who guessed 128 random bits): another.
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => continue,
+                Err(e) => return Err(Error::io("binding the shm lane's socket", e)),
+            }
+        };
+        let fd = listener.as_raw_fd();
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = std::thread::Builder::new()
+            .name(format!("kvx-shm-give-{agent}"))
+            .spawn({
+                let stop = stop.clone();
+                move || serve(listener, token, regions, stop)
+            })
+            .map_err(|e| Error::io("starting the shm lane's hand-over thread", e))?;
+        Ok(HandOver {
+            info,
+            fd,
+            stop,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// What the agent's metadata tells peers.
+    pub(crate) fn info(&self) -> ShmLaneInfo {
+        self.info
+    }
+
+    /// Stops serving; the thread is waited for (askers in flight end on their own).
+    pub(crate) fn stop(&self) {
+        let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+            return;
+        };
+        self.stop.store(true, Ordering::SeqCst);
+        // SAFETY: fd is the listener's, owned by the thread until it returns (joined below);
+        // shutting a listening socket down wakes its accept with an error.
+        unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
+        let _ = t.join();
+    }
+}
+
+impl Drop for HandOver {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn serve(
+    listener: UnixListener,
+    token: [u8; 32],
+    regions: Arc<RegionTable>,
+    stop: Arc<AtomicBool>,
+) {
+    let busy = Arc::new(AtomicUsize::new(0));
+    for conn in listener.incoming() {
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(conn) = conn else {
+            // EMFILE and the like: the asker is closed; the next may fare better.
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        };
+        if busy.fetch_add(1, Ordering::SeqCst) >= MAX_ASKERS {
+            busy.fetch_sub(1, Ordering::SeqCst);
+            continue;
+        }
+        let (mine, regions) = (busy.clone(), regions.clone());
+        let spawned = std::thread::Builder::new()
+            .name("kvx-shm-give".into())
+            .spawn(move || {
+                if let Err(e) = give(conn, &token, &regions) {
+                    log::info!("kvxfer: shm lane hand-over refused: {e}");
+                }
+                mine.fetch_sub(1, Ordering::SeqCst);
+            });
+        if spawned.is_err() {
+            // The closure went with the failed spawn, its count not dropped.
+            busy.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// The kernel's word on who is at the other end of `s`: pid and uid.
+fn peer_cred(s: &UnixStream) -> Result<(u32, u32)> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: a live socket; cred and len are valid out pointers of the sizes stated.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(Error::io("SO_PEERCRED", std::io::Error::last_os_error()));
+    }
+    Ok((cred.pid as u32, cred.uid))
+}
+
+fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() }
+}
+
+/// Serves one asker: its user checked, its token checked (in constant time), then the memory
+/// files of every registered memfd-backed host region, in batches, and the end.
+fn give(mut s: UnixStream, token: &[u8; 32], regions: &RegionTable) -> Result<()> {
+    s.set_read_timeout(Some(IO_TIMEOUT))
+        .and_then(|_| s.set_write_timeout(Some(IO_TIMEOUT)))
+        .map_err(|e| Error::io("shm hand-over timeouts", e))?;
+    let (pid, uid) = peer_cred(&s)?;
+    if uid != euid() {
+        let why = format!(
+            "the asker (pid {pid}) runs as uid {uid}, this agent as {}",
+            euid()
+        );
+        let _ = s.write_all(&FdFrame::Refused(why.clone()).encode());
+        return Err(Error::InvalidArgument(why));
+    }
+    let mut ask = [0u8; ASK_LEN];
+    s.read_exact(&mut ask)
+        .map_err(|e| Error::io(format!("reading pid {pid}'s ask"), e))?;
+    let ask = FdAsk::decode(&ask).map_err(|why| Error::protocol(format!("pid {pid}"), why))?;
+    let diff = ask
+        .token
+        .iter()
+        .zip(token)
+        .fold(0u8, |d, (a, b)| d | (a ^ b));
+    if diff != 0 {
+        let why = format!("pid {pid} presented the wrong token");
+        let _ = s.write_all(&FdFrame::Refused("wrong token".into()).encode());
+        return Err(Error::InvalidArgument(why));
+    }
+    // The regions held (their memory, and so their descriptors, live while the Arcs do).
+    let held: Vec<_> = regions
+        .read()
+        .values()
+        .filter(|r| r.kind == MemKind::Host && r.shm.is_some())
+        .filter(|r| r.registered.load(Ordering::SeqCst))
+        .cloned()
+        .collect();
+    for batch in held.chunks(MAX_BATCH) {
+        let entries: Vec<FdEntry> = batch
+            .iter()
+            .map(|r| FdEntry {
+                region: r.id.0,
+                len: r.len,
+            })
+            .collect();
+        let fds: Vec<RawFd> = batch
+            .iter()
+            .filter_map(|r| r.shm.map(|h| h.fd as RawFd))
+            .collect();
+        send_with_fds(&s, &FdFrame::Batch(entries).encode(), &fds)
+            .map_err(|e| Error::io(format!("handing pid {pid} its descriptors"), e))?;
+    }
+    s.write_all(&FdFrame::End.encode())
+        .map_err(|e| Error::io(format!("ending pid {pid}'s hand-over"), e))?;
+    Ok(())
+}
+
+/// Sends `bytes` with `fds` attached to their first byte.
+fn send_with_fds(s: &UnixStream, bytes: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
+    let payload = std::mem::size_of_val(fds);
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(payload as u32) } as usize;
+    let mut control = vec![0u8; space];
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
+    // SAFETY: an all-zero msghdr is valid; its pointers are set below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: msg_control holds CMSG_SPACE(payload) bytes, so the first header fits and
+    // CMSG_DATA points at `payload` writable bytes inside `control`.
+    unsafe {
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(payload as u32) as _;
+        std::ptr::copy_nonoverlapping(fds.as_ptr().cast::<u8>(), libc::CMSG_DATA(c), payload);
+    }
+    // SAFETY: msg points at live iov and control buffers for the call's duration; the
+    // descriptors are open (their regions are held by the caller).
+    let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // The descriptors went with the first byte; the rest is plain data.
+    let mut w = s;
+    w.write_all(&bytes[n as usize..])
+}
+
+/// Reads exactly `buf.len()` bytes, keeping every descriptor that arrives with them (closed
+/// on drop). Fails if the kernel cut the descriptors (`MSG_CTRUNC`).
+fn recv_with_fds(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> std::io::Result<()> {
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE((MAX_BATCH * std::mem::size_of::<RawFd>()) as u32) };
+    let mut control = vec![0u8; space as usize];
+    let mut got = 0;
+    while got < buf.len() {
+        let mut iov = libc::iovec {
+            iov_base: buf[got..].as_mut_ptr().cast(),
+            iov_len: buf.len() - got,
+        };
+        // SAFETY: an all-zero msghdr is valid; its pointers are set below.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = control.len() as _;
+        // SAFETY: msg points at live iov and control buffers for the call's duration.
+        let n = unsafe { libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // Whatever arrived is owned first, so that nothing leaks on any error below.
+        // SAFETY: the kernel filled msg_controllen bytes of `control` with well-formed
+        // headers; CMSG_NXTHDR stays inside them; an SCM_RIGHTS header's data is an array of
+        // descriptors new to this process.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(&msg);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(c);
+                    let len = (*c).cmsg_len as usize - (data as usize - c as usize);
+                    for i in 0..len / std::mem::size_of::<RawFd>() {
+                        let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
+                        fds.push(OwnedFd::from_raw_fd(fd));
+                    }
+                }
+                c = libc::CMSG_NXTHDR(&msg, c);
+            }
+        }
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(std::io::Error::other("descriptors cut short (MSG_CTRUNC)"));
+        }
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        got += n as usize;
+    }
+    Ok(())
+}
+
+/// The peer's side: the memory files the agent at `info` hands over, with their regions,
+/// taken only if the socket's owner is process `pid` of this user. At most `max` regions.
+pub(crate) fn take(info: &ShmLaneInfo, pid: u32, max: usize) -> Result<Vec<(FdEntry, OwnedFd)>> {
+    let name = info.socket_name();
+    let addr = SocketAddr::from_abstract_name(name.as_bytes())
+        .map_err(|e| Error::io("naming the peer's shm socket", e))?;
+    let mut s = UnixStream::connect_addr(&addr)
+        .map_err(|e| Error::io(format!("connecting to the peer's shm socket {name}"), e))?;
+    s.set_read_timeout(Some(IO_TIMEOUT))
+        .and_then(|_| s.set_write_timeout(Some(IO_TIMEOUT)))
+        .map_err(|e| Error::io("shm hand-over timeouts", e))?;
+    let (owner, uid) = peer_cred(&s)?;
+    if owner != pid || uid != euid() {
+        return Err(Error::InvalidArgument(format!(
+            "the shm socket {name} belongs to pid {owner} (uid {uid}), not to the peer's \
+             process {pid} of uid {}: nothing taken",
+            euid()
+        )));
+    }
+    s.write_all(&FdAsk { token: info.token }.encode())
+        .map_err(|e| Error::io(format!("asking {name}"), e))?;
+    let mut out = Vec::new();
+    loop {
+        let mut head = [0u8; HEADER_LEN];
+        let mut fds = Vec::new();
+        recv_with_fds(&s, &mut head, &mut fds)
+            .map_err(|e| Error::io(format!("reading {name}'s hand-over"), e))?;
+        let head = FrameHead::decode(head).map_err(|why| Error::protocol(&name, why))?;
+        let mut body = vec![0u8; head.body_len()];
+        // Descriptors come only with a frame's first byte; any with its body is a breach.
+        recv_with_fds(&s, &mut body, &mut fds)
+            .map_err(|e| Error::io(format!("reading {name}'s hand-over"), e))?;
+        if fds.len() != head.fds() {
+            return Err(Error::protocol(
+                &name,
+                format!(
+                    "{} descriptors with a frame that names {}",
+                    fds.len(),
+                    head.fds()
+                ),
+            ));
+        }
+        match FdFrame::decode(head, &body).map_err(|why| Error::protocol(&name, why))? {
+            FdFrame::Batch(entries) => {
+                if out.len() + entries.len() > max {
+                    return Err(Error::InvalidArgument(format!(
+                        "{name} hands over more than {max} regions"
+                    )));
+                }
+                out.extend(entries.into_iter().zip(fds));
+            }
+            FdFrame::End => return Ok(out),
+            FdFrame::Refused(why) => {
+                return Err(Error::InvalidArgument(format!("{name} refused: {why}")))
+            }
+        }
+    }
+}
