@@ -251,7 +251,8 @@ fn ask(info: &ShmLaneInfo, token: [u8; 32], uid: Option<u32>) -> (u8, u16) {
 }
 
 /// The token check: an asker of this user with the wrong token is refused (kind 3) and
-/// handed no descriptor; the right token gets a batch of one region (kind 1, count 1).
+/// handed no descriptor; the right token gets a batch (kind 1) of two: the registration page
+/// and the one region.
 #[test]
 fn a_wrong_token_is_refused() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -260,7 +261,8 @@ fn a_wrong_token_is_refused() {
     let info = shm_of(&meta_of(&b).lanes).unwrap();
     let mut wrong = info.token;
     wrong[31] ^= 1;
-    assert_eq!(ask(&info, info.token, None), (1, 1), "the right token");
+    // The registration page and the one region.
+    assert_eq!(ask(&info, info.token, None), (1, 2), "the right token");
     let (kind, _) = ask(&info, wrong, None);
     assert_eq!(kind, 3, "the wrong token got frame kind {kind}");
 }

@@ -11,6 +11,12 @@
 //!   `region u32 | len u64` and, attached to its first byte, exactly `count` descriptors in
 //!   the same order; the end (kind 2) has `count` 0 and no body; a refusal (kind 3) has
 //!   `count` bytes of UTF-8 reason.
+//!
+//! The first entry handed over is the agent's registration page ([`CONTROL_REGION`]): a
+//! memfd of [`CONTROL_WORDS`] words the owner writes and peers map read-only. Word
+//! [`control_slot`]`(id)` holds [`alive_word`]`(id)` while region `id` is registered, and
+//! anything else once it is deregistered, so that a peer refuses a transfer into a region
+//! its owner gave up (before it starts, and once it ends if that happened meanwhile).
 
 /// The ask's first bytes.
 pub const MAGIC: &[u8; 4] = b"KVXS";
@@ -26,6 +32,21 @@ pub const ENTRY_LEN: usize = 4 + 8;
 pub const MAX_BATCH: usize = 250;
 /// Longest refusal reason.
 pub const MAX_REASON: usize = 512;
+/// The region id under which the registration page is handed over.
+pub const CONTROL_REGION: u32 = u32::MAX;
+/// Words in the registration page (8 bytes each: 512 KiB, sparse until written).
+pub const CONTROL_WORDS: usize = 1 << 16;
+
+/// The word of the registration page that speaks for region `id`.
+pub fn control_slot(id: u32) -> usize {
+    id as usize % CONTROL_WORDS
+}
+
+/// What that word holds while region `id` is registered: its id and a set low bit, so that a
+/// later region sharing the word never speaks for an earlier one.
+pub fn alive_word(id: u32) -> u64 {
+    (u64::from(id) << 1) | 1
+}
 
 const BATCH: u8 = 1;
 const END: u8 = 2;
@@ -241,6 +262,15 @@ mod tests {
             FdFrame::decode(head, &[0; ENTRY_LEN - 1]).is_err(),
             "short body"
         );
+    }
+
+    #[test]
+    fn a_control_word_speaks_for_one_region_only() {
+        let (a, b) = (7u32, 7 + CONTROL_WORDS as u32);
+        assert_eq!(control_slot(a), control_slot(b));
+        assert_ne!(alive_word(a), alive_word(b));
+        assert_ne!(alive_word(0), 0, "a zeroed page says nothing is registered");
+        assert!(control_slot(CONTROL_REGION - 1) < CONTROL_WORDS);
     }
 
     #[test]

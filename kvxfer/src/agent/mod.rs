@@ -377,6 +377,9 @@ impl Agent {
             reply,
         })?;
         self.shared.regions.remove(region.inner.id);
+        for l in &self.shared.lanes {
+            l.region_gone(region.inner.id.0);
+        }
         Ok(())
     }
 

@@ -62,6 +62,9 @@ pub(crate) trait LaneKind: Send + Sync {
         0
     }
 
+    /// Region `id` of this agent was deregistered: peers the lane gave it to stop using it.
+    fn region_gone(&self, _id: u32) {}
+
     /// Stops its threads (the agent is going).
     fn stop(&self) {}
 }

@@ -22,6 +22,7 @@ use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::types::{Lane, Transport, XferOp};
 use kvxfer_proto::wire::lane_entries::LaneEntry;
 use kvxfer_proto::wire::metadata::{HostInfo, Metadata};
+use kvxfer_proto::wire::shm_fds::{alive_word, control_slot, CONTROL_REGION, CONTROL_WORDS};
 
 /// Regions of one peer the lane maps at most.
 pub(crate) const MAX_PEER_MAPPINGS: usize = 4096;
@@ -41,6 +42,8 @@ struct Mapping {
     base: u64,
     /// Mapped for writing too (a WRITE into it came); read-only until then.
     writable: AtomicBool,
+    /// The region's id in the peer (its word in the registration page).
+    region: u32,
     _live: crate::live::Counted,
 }
 
@@ -79,6 +82,8 @@ impl Drop for Mapping {
 pub(crate) struct PeerMaps {
     maps: Vec<Option<Mapping>>,
     process: PeerProcess,
+    /// The peer's registration page, mapped read-only: whether each region is registered.
+    control: ControlMap,
 }
 
 /// The process that owns a peer's regions: a pidfd (opened before its regions were, so it is
@@ -135,9 +140,10 @@ impl PeerProcess {
     }
 }
 
-// SAFETY: the mappings are plain shared memory owned by this struct; the pointers are only
-// dereferenced by copy threads for ranges checked against the peer's region table, and the
-// struct (an Arc) outlives every copy that uses it.
+// SAFETY: the mappings (regions and the registration page) are plain shared memory owned by
+// this struct; the region pointers are only dereferenced by copy threads for ranges checked
+// against the peer's region table, the page only read atomically, and the struct (an Arc)
+// outlives every copy that uses it.
 unsafe impl Send for PeerMaps {}
 // SAFETY: as above; &PeerMaps hands out no references, only raw pointers for copies.
 unsafe impl Sync for PeerMaps {}
@@ -177,6 +183,20 @@ impl PeerMaps {
                 return None;
             }
         };
+        let control = match files.iter().position(|(e, _)| e.region == CONTROL_REGION) {
+            Some(at) => ControlMap::map(files.swap_remove(at).1),
+            None => Err(Error::InvalidArgument("no registration page".into())),
+        };
+        let control = match control {
+            Ok(c) => c,
+            Err(e) => {
+                log::info!(
+                    "kvxfer: {:?}'s registration page ({e}); its transfers take the TCP lane or UCX",
+                    meta.name
+                );
+                return None;
+            }
+        };
         let mut any = false;
         let maps: Vec<Option<Mapping>> = meta
             .regions
@@ -185,7 +205,7 @@ impl PeerMaps {
                 let h = r.shm?;
                 let at = files.iter().position(|(e, _)| e.region == r.id.0)?;
                 let (entry, fd) = files.swap_remove(at);
-                match map_region(fd, h, entry.len.min(r.len), r.len, r.base) {
+                match map_region(fd, h, entry.len.min(r.len), r.len, r.base, r.id.0) {
                     Ok(m) => {
                         any = true;
                         Some(m)
@@ -201,7 +221,11 @@ impl PeerMaps {
                 }
             })
             .collect();
-        any.then_some(PeerMaps { maps, process })
+        any.then_some(PeerMaps {
+            maps,
+            process,
+            control,
+        })
     }
 
     /// Makes the mappings of `plan`'s remote slots writable: they are mapped read-only, and
@@ -210,6 +234,14 @@ impl PeerMaps {
         plan.slots(true).all(|s| match self.maps.get(s as usize) {
             Some(Some(m)) => m.make_writable(),
             _ => false,
+        })
+    }
+
+    /// The first region of `plan`'s remote side that its owner has deregistered, if any.
+    fn deregistered(&self, plan: &Work) -> Option<u32> {
+        plan.slots(true).find_map(|s| {
+            let m = self.maps.get(s as usize)?.as_ref()?;
+            (!self.control.alive(m.region)).then_some(m.region)
         })
     }
 
@@ -240,6 +272,7 @@ fn map_region(
     handed: u64,
     len: u64,
     base: u64,
+    region: u32,
 ) -> Result<Mapping> {
     let what = format!("the memory file handed over for {:#x}", base);
     // SAFETY: an all-zero stat is a valid value to be overwritten by fstat.
@@ -318,8 +351,85 @@ fn map_region(
         len,
         base,
         writable: AtomicBool::new(false),
+        region,
         _live: crate::live::Counted::peer_mapping(),
     })
+}
+
+/// A transfer into or out of region `id` of `peer`, which its owner deregistered `when`.
+fn deregistered(peer: &str, id: u32, when: &str) -> Error {
+    Error::LaneFailed {
+        agent: peer.to_string(),
+        lane: "shm",
+        why: format!("region {id} of the peer was deregistered {when}: refused"),
+    }
+}
+
+/// A peer's registration page mapped read-only (`kvxfer_proto::wire::shm_fds`).
+struct ControlMap {
+    words: *const AtomicU64,
+}
+
+impl ControlMap {
+    /// Maps the page handed over as `fd`: a memfd of this user, sealed, of the page's size.
+    fn map(fd: OwnedFd) -> Result<ControlMap> {
+        let len = CONTROL_WORDS * 8;
+        // SAFETY: an all-zero stat is a valid value to be overwritten by fstat.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fd is open; st is a valid out pointer; F_GET_SEALS takes no argument.
+        let (ok, seals) = unsafe {
+            (
+                libc::fstat(fd.as_raw_fd(), &mut st) == 0,
+                libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS),
+            )
+        };
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        if !ok
+            || seals < 0
+            || seals & crate::memory::SEALS != crate::memory::SEALS
+            || st.st_uid != me
+            || st.st_size as usize != len
+        {
+            return Err(Error::InvalidArgument(format!(
+                "not a sealed memfd of this user of {len} bytes (seals {seals:#x}, uid {}, {} bytes)",
+                st.st_uid, st.st_size
+            )));
+        }
+        // SAFETY: a fresh read-only shared mapping of a sealed file of exactly `len` bytes.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::io(
+                "mapping a registration page",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(ControlMap { words: p.cast() })
+    }
+
+    /// Whether region `id` is registered now, as its owner last wrote.
+    fn alive(&self, id: u32) -> bool {
+        // SAFETY: control_slot < CONTROL_WORDS, inside the mapping, which lives as long as
+        // &self; the page is only read, atomically (its owner writes it atomically).
+        let w = unsafe { &*self.words.add(control_slot(id)) };
+        w.load(Ordering::Acquire) == alive_word(id)
+    }
+}
+
+impl Drop for ControlMap {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`, unmapped only here.
+        unsafe { libc::munmap(self.words as *mut libc::c_void, CONTROL_WORDS * 8) };
+    }
 }
 
 /// One transfer being copied by the copy threads.
@@ -400,6 +510,11 @@ impl Copier {
         });
         if j.maps.process.exited() {
             let e = j.maps.process.error(&j.job.peer, "before the transfer");
+            fail_all(j, e);
+            return;
+        }
+        if let Some(id) = j.maps.deregistered(&j.job.plan) {
+            let e = deregistered(&j.job.peer, id, "before the transfer");
             fail_all(j, e);
             return;
         }
@@ -546,6 +661,11 @@ fn chunk_done(j: &Arc<ShmJob>) {
     std::sync::atomic::fence(Ordering::SeqCst);
     let job = &j.job;
     let mut error = j.error.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if error.is_none() {
+        if let Some(id) = j.maps.deregistered(&job.plan) {
+            error = Some(deregistered(&job.peer, id, "during the transfer"));
+        }
+    }
     if error.is_none() && j.maps.process.exited() {
         error = Some(j.maps.process.error(&job.peer, "during the transfer"));
     }
@@ -612,6 +732,10 @@ impl LaneKind for ShmLane {
             maps: Arc::new(maps),
             copier: self.copier.clone(),
         }))
+    }
+
+    fn region_gone(&self, id: u32) {
+        self.handover.gone(id);
     }
 
     fn stop(&self) {

@@ -12,7 +12,7 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -22,7 +22,8 @@ use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::types::MemKind;
 use kvxfer_proto::wire::lane_entries::ShmLaneInfo;
 use kvxfer_proto::wire::shm_fds::{
-    FdAsk, FdEntry, FdFrame, FrameHead, ASK_LEN, HEADER_LEN, MAX_BATCH,
+    alive_word, control_slot, FdAsk, FdEntry, FdFrame, FrameHead, ASK_LEN, CONTROL_REGION,
+    CONTROL_WORDS, HEADER_LEN, MAX_BATCH,
 };
 
 /// How long either end waits for the other's next bytes.
@@ -31,12 +32,111 @@ const IO_TIMEOUT: Duration = Duration::from_secs(2);
 /// TCP lane or UCX), so a stalled asker holds one thread for at most [`IO_TIMEOUT`].
 const MAX_ASKERS: usize = 16;
 
-/// The owner's side: the socket and its thread.
+/// The owner's side: the socket, its thread, and the registration page.
 pub(crate) struct HandOver {
     info: ShmLaneInfo,
     fd: RawFd,
     stop: Arc<AtomicBool>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    control: Arc<Control>,
+}
+
+/// The registration page (`kvxfer_proto::wire::shm_fds`): a sealed memfd this agent maps
+/// writable and hands to peers, who map it read-only.
+pub(crate) struct Control {
+    fd: OwnedFd,
+    words: *const AtomicU64,
+}
+
+// SAFETY: `words` points into a shared mapping owned by this struct, accessed only through
+// atomics; the mapping lives until drop.
+unsafe impl Send for Control {}
+// SAFETY: as above.
+unsafe impl Sync for Control {}
+
+impl Control {
+    fn new() -> Result<Control> {
+        let len = CONTROL_WORDS * 8;
+        // SAFETY: the name is a NUL-terminated literal; flags are valid.
+        let raw = unsafe {
+            libc::memfd_create(
+                c"kvxfer-registered".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
+        if raw < 0 {
+            return Err(Error::io(
+                "memfd_create (registration page)",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: raw is a fresh descriptor nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: fd is a memfd of ours; ftruncate sizes it (zeroed).
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+            return Err(Error::io(
+                "sizing the registration page",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: a fresh shared mapping of our own file of `len` bytes.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::io(
+                "mapping the registration page",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // Its size is final, and (where the kernel has F_SEAL_FUTURE_WRITE, 5.1+) nobody
+        // maps it writable after this mapping: a peer cannot forge a word.
+        // SAFETY: fd is open; F_ADD_SEALS takes an int of seal flags.
+        unsafe {
+            libc::fcntl(
+                fd.as_raw_fd(),
+                libc::F_ADD_SEALS,
+                crate::memory::SEALS | libc::F_SEAL_FUTURE_WRITE,
+            );
+            libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, crate::memory::SEALS);
+        }
+        Ok(Control {
+            fd,
+            words: p.cast(),
+        })
+    }
+
+    fn word(&self, id: u32) -> &AtomicU64 {
+        // SAFETY: control_slot < CONTROL_WORDS, inside the mapping, which lives as long as
+        // &self; the words are only accessed atomically.
+        unsafe { &*self.words.add(control_slot(id)) }
+    }
+
+    /// Region `id` is handed over: peers may use it (until [`Control::gone`]).
+    fn alive(&self, id: u32) {
+        self.word(id).store(alive_word(id), Ordering::SeqCst);
+    }
+
+    /// Region `id` is deregistered: peers refuse transfers into or out of it.
+    pub(crate) fn gone(&self, id: u32) {
+        let _ =
+            self.word(id)
+                .compare_exchange(alive_word(id), 0, Ordering::SeqCst, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Control {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped only here.
+        unsafe { libc::munmap(self.words as *mut libc::c_void, CONTROL_WORDS * 8) };
+    }
 }
 
 impl HandOver {
@@ -57,11 +157,12 @@ impl HandOver {
         };
         let fd = listener.as_raw_fd();
         let stop = Arc::new(AtomicBool::new(false));
+        let control = Arc::new(Control::new()?);
         let thread = std::thread::Builder::new()
             .name(format!("kvx-shm-give-{agent}"))
             .spawn({
-                let stop = stop.clone();
-                move || serve(listener, token, regions, stop)
+                let (stop, control) = (stop.clone(), control.clone());
+                move || serve(listener, token, regions, control, stop)
             })
             .map_err(|e| Error::io("starting the shm lane's hand-over thread", e))?;
         Ok(HandOver {
@@ -69,7 +170,13 @@ impl HandOver {
             fd,
             stop,
             thread: Mutex::new(Some(thread)),
+            control,
         })
+    }
+
+    /// Region `id` was deregistered: peers that mapped it refuse to use it from now on.
+    pub(crate) fn gone(&self, id: u32) {
+        self.control.gone(id);
     }
 
     /// What the agent's metadata tells peers.
@@ -100,6 +207,7 @@ fn serve(
     listener: UnixListener,
     token: [u8; 32],
     regions: Arc<RegionTable>,
+    control: Arc<Control>,
     stop: Arc<AtomicBool>,
 ) {
     let busy = Arc::new(AtomicUsize::new(0));
@@ -116,11 +224,11 @@ fn serve(
             busy.fetch_sub(1, Ordering::SeqCst);
             continue;
         }
-        let (mine, regions) = (busy.clone(), regions.clone());
+        let (mine, regions, control) = (busy.clone(), regions.clone(), control.clone());
         let spawned = std::thread::Builder::new()
             .name("kvx-shm-give".into())
             .spawn(move || {
-                if let Err(e) = give(conn, &token, &regions) {
+                if let Err(e) = give(conn, &token, &regions, &control) {
                     log::info!("kvxfer: shm lane hand-over refused: {e}");
                 }
                 mine.fetch_sub(1, Ordering::SeqCst);
@@ -161,9 +269,15 @@ fn euid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
-/// Serves one asker: its user checked, its token checked (in constant time), then the memory
-/// files of every registered memfd-backed host region, in batches, and the end.
-fn give(mut s: UnixStream, token: &[u8; 32], regions: &RegionTable) -> Result<()> {
+/// Serves one asker: its user checked, its token checked (in constant time), then the
+/// registration page and the memory files of every registered memfd-backed host region, in
+/// batches, and the end.
+fn give(
+    mut s: UnixStream,
+    token: &[u8; 32],
+    regions: &RegionTable,
+    control: &Control,
+) -> Result<()> {
     s.set_read_timeout(Some(IO_TIMEOUT))
         .and_then(|_| s.set_write_timeout(Some(IO_TIMEOUT)))
         .map_err(|e| Error::io("shm hand-over timeouts", e))?;
@@ -195,21 +309,36 @@ fn give(mut s: UnixStream, token: &[u8; 32], regions: &RegionTable) -> Result<()
         .read()
         .values()
         .filter(|r| r.kind == MemKind::Host && r.shm.is_some())
-        .filter(|r| r.registered.load(Ordering::SeqCst))
         .cloned()
         .collect();
-    for batch in held.chunks(MAX_BATCH) {
-        let entries: Vec<FdEntry> = batch
-            .iter()
-            .map(|r| FdEntry {
-                region: r.id.0,
-                len: r.len,
-            })
-            .collect();
-        let fds: Vec<RawFd> = batch
-            .iter()
-            .filter_map(|r| r.shm.map(|h| h.fd as RawFd))
-            .collect();
+    // Each region's word is set, then `registered` looked at again: a deregistration clears
+    // `registered` and then the word, so in every order a region gone is not left alive.
+    let mut files: Vec<(FdEntry, RawFd)> = vec![(
+        FdEntry {
+            region: CONTROL_REGION,
+            len: (CONTROL_WORDS * 8) as u64,
+        },
+        control.fd.as_raw_fd(),
+    )];
+    for r in &held {
+        control.alive(r.id.0);
+        if !r.registered.load(Ordering::SeqCst) {
+            control.gone(r.id.0);
+            continue;
+        }
+        if let Some(h) = r.shm {
+            files.push((
+                FdEntry {
+                    region: r.id.0,
+                    len: r.len,
+                },
+                h.fd as RawFd,
+            ));
+        }
+    }
+    for batch in files.chunks(MAX_BATCH) {
+        let entries: Vec<FdEntry> = batch.iter().map(|(e, _)| *e).collect();
+        let fds: Vec<RawFd> = batch.iter().map(|(_, fd)| *fd).collect();
         send_with_fds(&s, &FdFrame::Batch(entries).encode(), &fds)
             .map_err(|e| Error::io(format!("handing pid {pid} its descriptors"), e))?;
     }
@@ -307,7 +436,8 @@ fn recv_with_fds(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> std:
 }
 
 /// The peer's side: the memory files the agent at `info` hands over, with their regions,
-/// taken only if the socket's owner is process `pid` of this user. At most `max` regions.
+/// taken only if the socket's owner is process `pid` of this user. At most `max` regions
+/// besides the registration page (the first, [`CONTROL_REGION`]).
 pub(crate) fn take(info: &ShmLaneInfo, pid: u32, max: usize) -> Result<Vec<(FdEntry, OwnedFd)>> {
     let name = info.socket_name();
     let addr = SocketAddr::from_abstract_name(name.as_bytes())
@@ -350,7 +480,7 @@ pub(crate) fn take(info: &ShmLaneInfo, pid: u32, max: usize) -> Result<Vec<(FdEn
         }
         match FdFrame::decode(head, &body).map_err(|why| Error::protocol(&name, why))? {
             FdFrame::Batch(entries) => {
-                if out.len() + entries.len() > max {
+                if out.len() + entries.len() > max + 1 {
                     return Err(Error::InvalidArgument(format!(
                         "{name} hands over more than {max} regions"
                     )));
