@@ -325,10 +325,26 @@ fn map_region(
         )));
     }
     let len = len as usize;
-    // SAFETY: a fresh shared mapping of the peer's file, len bytes (checked against its size,
-    // which its seals fix); no existing memory of this process is affected. Read-only until
-    // a WRITE needs it (`make_writable`), and not populated: pages are mapped as transfers
-    // touch them, so a peer's declared size costs nothing at connect.
+    // Read-only until a WRITE needs it (`make_writable`), and not populated: pages are
+    // mapped as transfers touch them, so a peer's declared size costs nothing at connect.
+    let p = map_read_only(&fd, len, &what).inspect_err(|_| {
+        MAPPED_BYTES.fetch_sub(len as u64, Ordering::SeqCst);
+    })?;
+    Ok(Mapping {
+        ptr: p,
+        len,
+        base,
+        writable: AtomicBool::new(false),
+        region,
+        _live: crate::live::Counted::peer_mapping(),
+    })
+}
+
+/// A fresh read-only shared mapping of the first `len` bytes of `fd`, a peer's memory file
+/// whose size (fixed by its seals) the caller checked to hold them.
+fn map_read_only(fd: &OwnedFd, len: usize, what: &str) -> Result<*mut u8> {
+    // SAFETY: a new mapping of len bytes of a file at least that long (checked by the
+    // caller); no existing memory of this process is affected.
     let p = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
@@ -340,20 +356,12 @@ fn map_region(
         )
     };
     if p == libc::MAP_FAILED {
-        MAPPED_BYTES.fetch_sub(len as u64, Ordering::SeqCst);
         return Err(Error::io(
             format!("mapping {what}"),
             std::io::Error::last_os_error(),
         ));
     }
-    Ok(Mapping {
-        ptr: p.cast(),
-        len,
-        base,
-        writable: AtomicBool::new(false),
-        region,
-        _live: crate::live::Counted::peer_mapping(),
-    })
+    Ok(p.cast())
 }
 
 /// A transfer into or out of region `id` of `peer`, which its owner deregistered `when`.
@@ -396,23 +404,7 @@ impl ControlMap {
                 st.st_uid, st.st_size
             )));
         }
-        // SAFETY: a fresh read-only shared mapping of a sealed file of exactly `len` bytes.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(Error::io(
-                "mapping a registration page",
-                std::io::Error::last_os_error(),
-            ));
-        }
+        let p = map_read_only(&fd, len, "a registration page")?;
         Ok(ControlMap { words: p.cast() })
     }
 
