@@ -14,7 +14,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvxfer::{Agent, AgentConfig, Desc, HostBuffer, RegionId, Transport, XferOp};
+use kvxfer::{Desc, HostBuffer, RegionId, XferOp};
 use kvxfer_proto::types::ShmHandle;
 use kvxfer_proto::wire::metadata::Metadata;
 
@@ -23,14 +23,9 @@ const LEN: usize = 1 << 20;
 /// One test at a time: they count the process's mappings.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn agent(name: &str) -> Agent {
-    Agent::new(
-        AgentConfig::new(name)
-            .transport(Transport::Auto)
-            .net_devices("lo"),
-    )
-    .unwrap()
-}
+#[path = "support/same_host.rs"]
+mod same_host;
+use same_host::agent;
 
 #[test]
 fn a_peer_naming_a_read_only_file_gets_nothing_mapped_or_written() {

@@ -9,19 +9,14 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, Lane, RegionId, Transport, XferOp};
+use kvxfer::{Agent, Desc, Error, HostBuffer, Lane, RegionId, XferOp};
 
 const LEN: usize = 1 << 20;
 const RUNS: u32 = 20;
 
-fn agent(name: &str) -> Agent {
-    Agent::new(
-        AgentConfig::new(name)
-            .transport(Transport::Auto)
-            .net_devices("lo"),
-    )
-    .unwrap()
-}
+#[path = "support/same_host.rs"]
+mod same_host;
+use same_host::agent;
 
 /// `a`'s `op` of `len` bytes between a fresh local buffer and region `id` of `peer`.
 fn go(a: &Agent, peer: &str, id: u32, len: usize, op: XferOp) -> Result<Lane, Error> {

@@ -13,7 +13,7 @@ use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::process::Command;
 use std::time::Duration;
 
-use kvxfer::{Agent, AgentConfig, Desc, HostBuffer, RegionId, Transport, XferOp};
+use kvxfer::{Agent, Desc, HostBuffer, RegionId, XferOp};
 use kvxfer_proto::types::ShmHandle;
 use kvxfer_proto::wire::lane_entries::{shm_of, LaneEntry, ShmLaneInfo, LANE_SHM};
 use kvxfer_proto::wire::metadata::Metadata;
@@ -24,14 +24,9 @@ const LEN: usize = 1 << 20;
 /// One test at a time: they count the process's mappings.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn agent(name: &str) -> Agent {
-    Agent::new(
-        AgentConfig::new(name)
-            .transport(Transport::Auto)
-            .net_devices("lo"),
-    )
-    .unwrap()
-}
+#[path = "support/same_host.rs"]
+mod same_host;
+use same_host::agent;
 
 fn meta_of(a: &Agent) -> Metadata {
     Metadata::decode(&a.metadata().unwrap(), a.compat()).unwrap()
@@ -114,8 +109,12 @@ fn send_fds(s: &UnixStream, bytes: &[u8], fds: &[RawFd]) {
     assert_eq!(n as usize, bytes.len());
 }
 
-/// A socket of this process that hands over `file` as region 0, to any asker.
-fn impostor(file: std::fs::File) -> (ShmLaneInfo, std::thread::JoinHandle<()>) {
+/// A socket of this process that hands over `file` as region 0, to one asker; with `drip`,
+/// one byte of its answer at a time, that long apart.
+fn impostor(
+    file: std::fs::File,
+    drip: Option<Duration>,
+) -> (ShmLaneInfo, std::thread::JoinHandle<()>) {
     let info = ShmLaneInfo {
         socket: *b"kvx-test-impost\0",
         token: [7; 32],
@@ -130,9 +129,21 @@ fn impostor(file: std::fs::File) -> (ShmLaneInfo, std::thread::JoinHandle<()>) {
             region: 0,
             len: LEN as u64,
         }]);
-        send_fds(&s, &frame.encode(), &[file.as_raw_fd()]);
-        s.write_all(&FdFrame::End.encode()).unwrap();
-        let _ = s.read(&mut [0u8; 1]);
+        let Some(gap) = drip else {
+            send_fds(&s, &frame.encode(), &[file.as_raw_fd()]);
+            s.write_all(&FdFrame::End.encode()).unwrap();
+            let _ = s.read(&mut [0u8; 1]);
+            return;
+        };
+        let mut bytes = frame.encode();
+        bytes.extend(FdFrame::End.encode());
+        send_fds(&s, &bytes[..1], &[file.as_raw_fd()]);
+        for b in &bytes[1..] {
+            std::thread::sleep(gap);
+            if s.write_all(&[*b]).is_err() {
+                return;
+            }
+        }
     });
     (info, t)
 }
@@ -168,7 +179,7 @@ fn a_handed_over_file_that_is_not_a_sealed_memfd_is_not_mapped() {
         ("an unsealed memfd", unsealed.try_clone().unwrap()),
     ] {
         let st = file.metadata().unwrap();
-        let (info, server) = impostor(file);
+        let (info, server) = impostor(file, None);
         let mut meta = meta_of(&b);
         meta.lanes.retain(|e| e.lane != LANE_SHM);
         meta.lanes.push(LaneEntry::shm(&info));
@@ -329,4 +340,35 @@ fn a_region_only_read_is_mapped_read_only() {
     assert_eq!(after_read.len(), 2, "{after_read:?}");
     assert!(after_read.iter().any(|p| p == "r--s"), "{after_read:?}");
     assert!(after_write.iter().all(|p| p == "rw-s"), "{after_write:?}");
+}
+
+/// The hand-over's deadline: a socket of the right process that answers one byte every
+/// 300 ms (each byte well inside a per-read timeout; 18 bytes take 5.4 s) is cut once the
+/// whole hand-over has taken 2 s, so a peer's load (and whatever waits for it) is not held
+/// for as long as the socket likes.
+#[test]
+fn a_socket_dripping_its_answer_is_cut_at_the_hand_over_deadline() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // SAFETY: memfd_create takes a NUL-terminated name and flags; returns a new fd or -1.
+    let raw = unsafe { libc::memfd_create(c"kvx-drip".as_ptr(), 0) };
+    assert!(raw >= 0);
+    // SAFETY: raw is a fresh descriptor nothing else owns.
+    let file: std::fs::File = unsafe { std::os::fd::FromRawFd::from_raw_fd(raw) };
+    let b = agent("dripper");
+    let _region = b.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    let (info, server) = impostor(file, Some(Duration::from_millis(300)));
+    let mut meta = meta_of(&b);
+    meta.lanes.retain(|e| e.lane != LANE_SHM);
+    meta.lanes.push(LaneEntry::shm(&info));
+    meta.host.as_mut().unwrap().pid = std::process::id();
+    let a = agent("victim");
+    let t = std::time::Instant::now();
+    a.load_remote_metadata(&meta.encode()).unwrap();
+    let took = t.elapsed();
+    server.join().unwrap();
+    eprintln!("a dripping hand-over held the load for {took:?}");
+    assert!(
+        took < Duration::from_millis(3500),
+        "the load waited {took:?} for a dripping socket"
+    );
 }

@@ -231,7 +231,7 @@ impl PeerMaps {
     /// Makes the mappings of `plan`'s remote slots writable: they are mapped read-only, and
     /// only a WRITE into a region makes its mapping writable (once).
     fn writable(&self, plan: &Work) -> bool {
-        plan.slots(true).all(|s| match self.maps.get(s as usize) {
+        runs_of(plan).all(|s| match self.maps.get(s as usize) {
             Some(Some(m)) => m.make_writable(),
             _ => false,
         })
@@ -239,7 +239,7 @@ impl PeerMaps {
 
     /// The first region of `plan`'s remote side that its owner has deregistered, if any.
     fn deregistered(&self, plan: &Work) -> Option<u32> {
-        plan.slots(true).find_map(|s| {
+        runs_of(plan).find_map(|s| {
             let m = self.maps.get(s as usize)?.as_ref()?;
             (!self.control.alive(m.region)).then_some(m.region)
         })
@@ -362,6 +362,14 @@ fn map_read_only(fd: &OwnedFd, len: usize, what: &str) -> Result<*mut u8> {
         ));
     }
     Ok(p.cast())
+}
+
+/// The remote slots of `plan`, each run of one slot once: a KV plan's thousands of blocks
+/// lie in a few regions, one after another, so the per-region checks run per region.
+fn runs_of(plan: &Work) -> impl Iterator<Item = u32> + '_ {
+    let mut last = None;
+    plan.slots(true)
+        .filter(move |s| last.replace(*s) != Some(*s))
 }
 
 /// A transfer into or out of region `id` of `peer`, which its owner deregistered `when`.

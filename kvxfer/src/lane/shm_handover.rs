@@ -8,14 +8,14 @@
 //! decided by the kernel's word on the asker (`SO_PEERCRED`: the same user) and by the token,
 //! which travels only in metadata (sealed under a shared secret).
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::memory::RegionTable;
 use kvxfer_proto::error::{Error, Result};
@@ -26,7 +26,9 @@ use kvxfer_proto::wire::shm_fds::{
     CONTROL_WORDS, HEADER_LEN, MAX_BATCH,
 };
 
-/// How long either end waits for the other's next bytes.
+/// How long either end waits for the other's bytes, all of them together: a hand-over is a
+/// few small frames, so a side that drips them one byte at a time is cut at this point
+/// rather than holding a load (or a serving thread) for as long as it likes.
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
 /// Askers served at once; past it a new one is closed at once (its side falls back to the
 /// TCP lane or UCX), so a stalled asker holds one thread for at most [`IO_TIMEOUT`].
@@ -278,8 +280,8 @@ fn give(
     regions: &RegionTable,
     control: &Control,
 ) -> Result<()> {
-    s.set_read_timeout(Some(IO_TIMEOUT))
-        .and_then(|_| s.set_write_timeout(Some(IO_TIMEOUT)))
+    let deadline = Instant::now() + IO_TIMEOUT;
+    s.set_write_timeout(Some(IO_TIMEOUT))
         .map_err(|e| Error::io("shm hand-over timeouts", e))?;
     let (pid, uid) = peer_cred(&s)?;
     if uid != euid() {
@@ -291,7 +293,9 @@ fn give(
         return Err(Error::InvalidArgument(why));
     }
     let mut ask = [0u8; ASK_LEN];
-    s.read_exact(&mut ask)
+    // Descriptors an asker sends along are closed when `sent` drops.
+    let mut sent = Vec::new();
+    recv_with_fds(&s, &mut ask, &mut sent, deadline)
         .map_err(|e| Error::io(format!("reading pid {pid}'s ask"), e))?;
     let ask = FdAsk::decode(&ask).map_err(|why| Error::protocol(format!("pid {pid}"), why))?;
     let diff = ask
@@ -383,14 +387,27 @@ fn send_with_fds(s: &UnixStream, bytes: &[u8], fds: &[RawFd]) -> std::io::Result
     w.write_all(&bytes[n as usize..])
 }
 
-/// Reads exactly `buf.len()` bytes, keeping every descriptor that arrives with them (closed
-/// on drop). Fails if the kernel cut the descriptors (`MSG_CTRUNC`).
-fn recv_with_fds(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> std::io::Result<()> {
+/// Reads exactly `buf.len()` bytes by `deadline`, keeping every descriptor that arrives with
+/// them (closed on drop). Fails if the kernel cut the descriptors (`MSG_CTRUNC`).
+fn recv_with_fds(
+    s: &UnixStream,
+    buf: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+    deadline: Instant,
+) -> std::io::Result<()> {
     // SAFETY: CMSG_SPACE only computes a size.
     let space = unsafe { libc::CMSG_SPACE((MAX_BATCH * std::mem::size_of::<RawFd>()) as u32) };
     let mut control = vec![0u8; space as usize];
     let mut got = 0;
     while got < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("{got} of {} bytes in {IO_TIMEOUT:?}", buf.len()),
+            ));
+        }
+        s.set_read_timeout(Some(left))?;
         let mut iov = libc::iovec {
             iov_base: buf[got..].as_mut_ptr().cast(),
             iov_len: buf.len() - got,
@@ -444,8 +461,8 @@ pub(crate) fn take(info: &ShmLaneInfo, pid: u32, max: usize) -> Result<Vec<(FdEn
         .map_err(|e| Error::io("naming the peer's shm socket", e))?;
     let mut s = UnixStream::connect_addr(&addr)
         .map_err(|e| Error::io(format!("connecting to the peer's shm socket {name}"), e))?;
-    s.set_read_timeout(Some(IO_TIMEOUT))
-        .and_then(|_| s.set_write_timeout(Some(IO_TIMEOUT)))
+    let deadline = Instant::now() + IO_TIMEOUT;
+    s.set_write_timeout(Some(IO_TIMEOUT))
         .map_err(|e| Error::io("shm hand-over timeouts", e))?;
     let (owner, uid) = peer_cred(&s)?;
     if owner != pid || uid != euid() {
@@ -461,12 +478,13 @@ pub(crate) fn take(info: &ShmLaneInfo, pid: u32, max: usize) -> Result<Vec<(FdEn
     loop {
         let mut head = [0u8; HEADER_LEN];
         let mut fds = Vec::new();
-        recv_with_fds(&s, &mut head, &mut fds)
+        recv_with_fds(&s, &mut head, &mut fds, deadline)
             .map_err(|e| Error::io(format!("reading {name}'s hand-over"), e))?;
         let head = FrameHead::decode(head).map_err(|why| Error::protocol(&name, why))?;
         let mut body = vec![0u8; head.body_len()];
-        // Descriptors come only with a frame's first byte; any with its body is a breach.
-        recv_with_fds(&s, &mut body, &mut fds)
+        // However the sender spread them over the frame's bytes, the descriptors that came
+        // with it must be as many as it names.
+        recv_with_fds(&s, &mut body, &mut fds, deadline)
             .map_err(|e| Error::io(format!("reading {name}'s hand-over"), e))?;
         if fds.len() != head.fds() {
             return Err(Error::protocol(
