@@ -14,7 +14,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvxfer::{Desc, HostBuffer, RegionId, XferOp};
+use kvxfer::{Agent, AgentConfig, Desc, HostBuffer, RegionId, Transport, XferOp};
 use kvxfer_proto::types::ShmHandle;
 use kvxfer_proto::wire::metadata::Metadata;
 
@@ -169,5 +169,118 @@ fn a_killed_same_host_peer_fails_the_next_transfer_typed() {
                 assert!(t.elapsed() < Duration::from_secs(10));
             }
         }
+    }
+}
+
+/// A same-host peer on UCX's own shared-memory transports (lanes off), in its own process:
+/// `KVX_UCX_PEER` bytes registered, a listener whose address it prints, then it waits.
+#[test]
+#[ignore = "a peer's own process, started by the tests here"]
+fn ucx_peer_child() {
+    let Ok(len) = std::env::var("KVX_UCX_PEER") else {
+        return;
+    };
+    let b = Agent::new(
+        AgentConfig::new("ucx-shm-peer")
+            .transport(Transport::Shm)
+            .lanes(false),
+    )
+    .unwrap();
+    let _r = b
+        .register(HostBuffer::new(len.parse().unwrap()).unwrap())
+        .unwrap();
+    println!("SIDE {}", b.listen("127.0.0.1:0").unwrap());
+    let _ = std::io::stdin().read(&mut [0u8; 1]);
+}
+
+/// This process's CPU time (user and system), all threads.
+fn cpu_time() -> Duration {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<u64> = after
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .map(|x| x.parse().unwrap())
+        .collect();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    Duration::from_millis((f[0] + f[1]) * 1000 / hz)
+}
+
+/// A same-host peer killed during a 256 MiB WRITE or READ over UCX's shared memory (lanes
+/// off): the transfer fails typed at its deadline (UCX does not complete what a dead peer's
+/// operation left, so it is given up 250 ms after), the next one at once, and the agent does
+/// not spin a core on what UCX still holds.
+#[test]
+fn a_killed_ucx_shm_peer_fails_transfers_within_their_deadline() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    const BIG: usize = 256 << 20;
+    let deadline = Duration::from_secs(5);
+    for op in [XferOp::Write, XferOp::Read] {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "ucx_peer_child", "--ignored", "--nocapture"])
+            .env("KVX_UCX_PEER", BIG.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let side: std::net::SocketAddr = loop {
+            let mut l = String::new();
+            assert!(out.read_line(&mut l).unwrap() > 0, "the peer said nothing");
+            if let Some(i) = l.find("SIDE ") {
+                break l[i + 5..].trim().parse().unwrap();
+            }
+        };
+        let a = Agent::new(
+            AgentConfig::new("ucx-shm-survivor")
+                .transport(Transport::Shm)
+                .lanes(false),
+        )
+        .unwrap();
+        let peer = a.connect(side).unwrap();
+        let src = a.register(HostBuffer::new(BIG).unwrap()).unwrap();
+        let l = a.prep_local(&[Desc::new(src.id(), 0, BIG as u64)]).unwrap();
+        // Many 64 KiB pieces, so that the transfer is still being posted when the peer goes.
+        let descs: Vec<Desc> = (0..(BIG / 65536) as u64)
+            .map(|i| Desc::new(RegionId(0), i * 65536, 65536))
+            .collect();
+        let r = a.prep_remote(&peer, &descs).unwrap();
+        let ld: Vec<Desc> = (0..(BIG / 65536) as u64)
+            .map(|i| Desc::new(src.id(), i * 65536, 65536))
+            .collect();
+        let l2 = a.prep_local(&ld).unwrap();
+        drop(l);
+        let t = Instant::now();
+        let xfer = a.transfer_all(op, &l2, &r, None, Some(deadline)).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let got = xfer.wait();
+        let took = t.elapsed();
+        eprintln!("{op:?} over UCX shm, peer killed after 20 ms: {got:?} after {took:?}");
+        assert!(
+            matches!(got, Err(kvxfer::Error::Deadline { .. })),
+            "{op:?}: {got:?}"
+        );
+        assert!(
+            took < deadline + Duration::from_secs(1),
+            "{op:?} took {took:?}"
+        );
+        let t = Instant::now();
+        let next = a
+            .transfer_all(op, &l2, &r, None, Some(deadline))
+            .and_then(|x| x.wait());
+        eprintln!("the next {op:?}: {next:?} after {:?}", t.elapsed());
+        assert!(next.is_err() && t.elapsed() < deadline + Duration::from_secs(1));
+        let (t, cpu) = (Instant::now(), cpu_time());
+        std::thread::sleep(Duration::from_secs(1));
+        let used = cpu_time() - cpu;
+        eprintln!("CPU used in the next {:?}, idle: {used:?}", t.elapsed());
+        assert!(
+            used < Duration::from_millis(300),
+            "the agent spun {used:?} of CPU in 1 s with nothing to do"
+        );
     }
 }

@@ -35,6 +35,9 @@ pub(super) const POST_BATCH: usize = 1024;
 const MAX_SLEEP: Duration = Duration::from_millis(250);
 /// How long shutdown waits for endpoints to close gracefully.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// Rounds in a row in which UCX says it is busy and nothing progresses, before the loop
+/// sleeps 1 ms between rounds instead of spinning.
+const SPIN_ROUNDS: u32 = 64;
 
 type Reply<T> = mpsc::SyncSender<Result<T>>;
 
@@ -346,6 +349,8 @@ impl Engine {
     /// The progress loop; returns after `Shutdown` (or when every API handle is gone).
     pub(crate) fn run(mut self) {
         let mut shutdown = false;
+        // Rounds in a row where UCX said busy and nothing progressed.
+        let mut unproductive = 0u32;
         while !shutdown {
             let mut busy = false;
             // 1. Commands (bounded per iteration).
@@ -380,14 +385,29 @@ impl Engine {
             self.reap_closing();
             // 4. Deadlines.
             let next_deadline = self.check_deadlines();
+            if busy {
+                unproductive = 0;
+            }
             if busy || shutdown || self.busy_poll {
                 continue;
             }
             // 5. Sleep until UCX or a command wakes us.
             // SAFETY: worker live, this is the engine thread.
             match unsafe { raw::worker_arm(self.worker.as_ptr()) } {
-                Ok(true) => {}
-                Ok(false) => continue,
+                Ok(true) => unproductive = 0,
+                // Busy with events to progress: progress again, at once. Busy while nothing
+                // progresses (an operation towards a dead shared-memory peer keeps UCX
+                // "busy" for good, and its fd readable) is not a reason to spin a core:
+                // after a few rounds the loop sleeps 1 ms between rounds (so a command
+                // waits 1 ms at most) until something progresses again.
+                Ok(false) if unproductive < SPIN_ROUNDS => {
+                    unproductive += 1;
+                    continue;
+                }
+                Ok(false) => {
+                    std::thread::sleep(Duration::from_millis(1));
+                    continue;
+                }
                 Err(s) => {
                     log::warn!("ucp_worker_arm: {s}");
                     continue;

@@ -2,7 +2,7 @@
 //! send the notification, complete the caller's handle; deadlines tear down the endpoint.
 
 use std::ffi::c_void;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::driver::{
     on_send_done, push_event, Active, Engine, Event, Phase, AM_NOTIFY, POST_BATCH,
@@ -147,19 +147,29 @@ impl Engine {
     }
 
     /// Fails transfers past their deadline by tearing down the peer's endpoint (the only way
-    /// to make UCX give up posted RMA); returns the earliest pending deadline.
+    /// to make UCX give up posted RMA), and gives up on those that UCX has not let go of
+    /// [`ABANDON_AFTER`] later; returns the earliest pending deadline.
     pub(super) fn check_deadlines(&mut self) -> Option<Instant> {
         let now = Instant::now();
         let mut next: Option<Instant> = None;
         let mut expired = Vec::new();
+        let mut stuck = Vec::new();
         for (&id, a) in &self.active {
             if let Some(d) = a.deadline_at {
                 if d <= now && a.error.is_none() {
                     expired.push(id);
                 } else if a.error.is_none() {
                     next = Some(next.map_or(d, |n: Instant| n.min(d)));
+                } else if d + ABANDON_AFTER <= now {
+                    stuck.push(id);
+                } else {
+                    let at = d + ABANDON_AFTER;
+                    next = Some(next.map_or(at, |n: Instant| n.min(at)));
                 }
             }
+        }
+        for id in stuck {
+            self.abandon(id);
         }
         for id in expired {
             let Some(a) = self.active.get_mut(&id) else {
@@ -184,6 +194,34 @@ impl Engine {
             self.close_peer(token, true);
         }
         next
+    }
+}
+
+/// How long after its deadline a transfer whose endpoint was force-closed may still wait for
+/// UCX to complete it. Without peer-failure detection (shared memory: no UCX transport that
+/// serves it detects a dead peer) a force-close does not complete what a dead peer's
+/// operations left outstanding, and they would hold the transfer forever.
+pub(super) const ABANDON_AFTER: Duration = Duration::from_millis(250);
+
+impl Engine {
+    /// Completes transfer `id` with its error without UCX's word that it is done: its
+    /// buffers, its notification and its plan stay with the process (leaked, as at shutdown),
+    /// since an operation UCX still holds may touch them; a late callback finds no transfer.
+    fn abandon(&mut self, id: u64) {
+        let Some(a) = self.active.remove(&id) else {
+            return;
+        };
+        let e = a.error.unwrap_or(Error::Canceled);
+        log::warn!(
+            "kvxfer: UCX did not complete transfer {id} to {:?} {ABANDON_AFTER:?} after its \
+             deadline; it fails now, and its buffers stay pinned (deregistering them is Busy)",
+            a.job.peer
+        );
+        a.job.pins.leak();
+        a.job.state.complete(Err(e));
+        let token = a.job.token;
+        Box::leak(a.job);
+        self.job_gone(token);
     }
 }
 
