@@ -219,6 +219,7 @@ impl Engine {
         );
         a.job.pins.leak();
         a.job.state.complete(Err(e));
+        self.stuck = true;
         let token = a.job.token;
         Box::leak(a.job);
         self.job_gone(token);
