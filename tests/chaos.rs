@@ -4,7 +4,8 @@
 //! SIGSTOPs either past its lease, and (as root, in two network namespaces) cuts and restores
 //! the link. Checked from its figures: each kind of fault was injected, loads completed and
 //! were verified byte for byte, every failed load came back typed with its blocks, nothing
-//! stuck, nothing held by the producer at the end, nothing lost.
+//! stuck, nothing held by the producer at the end, nothing lost; and the same with a
+//! hostile peer beside the workers.
 
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
 
@@ -39,6 +40,27 @@ fn handoffs_survive_killed_and_stopped_workers() {
     for mode in ["pull", "push"] {
         chaos(&["--seconds", "15", "--mode", mode, "--seed", "7"]);
     }
+}
+
+/// With a hostile peer beside the workers (`examples/chaos/hostile.rs`): HELLO floods,
+/// stalled lane requests and garbage reached the prefill worker, and the handoffs went on;
+/// the run itself fails if a worker's RSS grew by 32 MiB beyond what its budget held.
+#[test]
+fn handoffs_survive_a_hostile_peer() {
+    let j = chaos(&[
+        "--seconds",
+        "20",
+        "--mode",
+        "pull",
+        "--seed",
+        "7",
+        "--hostile",
+    ]);
+    let h = |k: &str| j["hostile"][k].as_u64().unwrap();
+    assert!(
+        h("hellos_loaded") > 0 && h("lane_stalls") > 0 && h("garbage") > 0,
+        "{j}"
+    );
 }
 
 #[test]

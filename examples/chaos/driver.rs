@@ -60,7 +60,7 @@ impl Worker {
                 let Ok(line) = line else { break };
                 let mut w = line.split_whitespace();
                 let key = match w.next() {
-                    Some("HELD" | "STATE" | "LEFT") => QUERY,
+                    Some("HELD" | "STATE" | "LEFT" | "BUDGET") => QUERY,
                     _ => w.next().and_then(|r| r.parse().ok()).unwrap_or(QUERY - 1),
                 };
                 if let Some(tx) = p.lock().unwrap().remove(&key) {
@@ -138,6 +138,24 @@ impl Worker {
     fn rss(&self) -> u64 {
         rss(&self.pid.to_string())
     }
+
+    /// How much its RSS grew since it was first measured (0 before that): in all, and
+    /// beyond the bytes its memory budget holds now (a stalled peer's charged request is
+    /// allowed memory).
+    fn growth(&self) -> [u64; 2] {
+        let first = self.rss_first.load(Ordering::Relaxed);
+        if first == 0 {
+            return [0, 0];
+        }
+        let grew = self.rss().saturating_sub(first);
+        let budget = self
+            .ask(QUERY, "BUDGET")
+            .recv_timeout(Duration::from_secs(1))
+            .ok()
+            .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .unwrap_or(0);
+        [grew, grew.saturating_sub(budget)]
+    }
 }
 
 /// Both workers, current incarnations, and how to start them.
@@ -146,6 +164,10 @@ struct Cluster {
     net: Option<Netns>,
     prefill: Mutex<Arc<Worker>>,
     decode: Mutex<Arc<Worker>>,
+    /// The most any incarnation's RSS grew beyond its budget in use before it was killed
+    /// (bytes): prefill, decode.
+    /// Survivors alone are too few to judge (a seed may kill a worker near the end).
+    grew_most: [[AtomicU64; 2]; 2],
 }
 
 impl Cluster {
@@ -176,6 +198,7 @@ impl Cluster {
             net,
             prefill: Mutex::new(prefill),
             decode: Mutex::new(decode),
+            grew_most: Default::default(),
         }
     }
 
@@ -186,6 +209,10 @@ impl Cluster {
             &self.decode
         };
         let mut w = slot.lock().unwrap();
+        let most = &self.grew_most[usize::from(role != "prefill")];
+        for (m, g) in most.iter().zip(w.growth()) {
+            m.fetch_max(g, Ordering::Relaxed);
+        }
         w.kill();
         *w = Worker::start(&mut Cluster::command(&self.a, self.net.as_ref(), role));
     }
@@ -394,6 +421,12 @@ pub fn run(a: &Args) {
     let mib = |b: u64| format!("{:.1}", b as f64 / f64::from(1 << 20));
     let rss = |w: &Worker| (mib(w.rss_first.load(Ordering::Relaxed)), mib(w.rss()));
     let ((pa, pb), (da, db)) = (rss(&p), rss(&d));
+    // The most any incarnation grew beyond its budget in use, the survivors included.
+    let most = |k: usize, w: &Worker| {
+        let g = w.growth();
+        [0, 1].map(|i| c.grew_most[k][i].load(Ordering::Relaxed).max(g[i]))
+    };
+    let ([pr, pg], [dr, dg]) = (most(0, &p), most(1, &d));
     let g = |k: &str| t.get(k);
     let completed = g("verified") + g("bad_bytes");
     let hostile_json = hostile.as_ref().map_or(String::new(), |h| {
@@ -410,7 +443,9 @@ pub fn run(a: &Args) {
          \"died_with_decode\":{},\"longest_load_ms\":{},\"no_handoff\":{},\"prefill_sigkills\":{},\
          \"prefill_sigstops\":{},\"decode_sigkills\":{},\"decode_sigstops\":{},\"link_cuts\":{},\
          \"held_at_end\":{held},\"in_progress_at_end\":{in_progress},\
-         \"prefill_rss_mib\":[{pa},{pb}],\"decode_rss_mib\":[{da},{db}]{hostile_json}}}",
+         \"prefill_rss_mib\":[{pa},{pb}],\"decode_rss_mib\":[{da},{db}],\
+         \"rss_growth_most_mib\":[{},{}],\"rss_growth_beyond_budget_mib\":[{},{}]\
+         {hostile_json}}}",
         t0.elapsed().as_secs(),
         mode_name(a.mode),
         a.transport,
@@ -431,6 +466,10 @@ pub fn run(a: &Args) {
         g("decode_sigkills"),
         g("decode_sigstops"),
         g("link_cuts"),
+        mib(pr),
+        mib(dr),
+        mib(pg),
+        mib(dg),
     );
     if let Some(h) = &hostile {
         eprintln!(
@@ -442,13 +481,11 @@ pub fn run(a: &Args) {
     for (kind, n) in t.errors.lock().unwrap().iter() {
         eprintln!("chaos: {n} x {kind}");
     }
-    // RSS flat: a survivor that ran long enough to be measured grew by less than 32 MiB
-    // (a leak of one request's KV, 7.3 MB, per handoff passes that within seconds).
-    let grew = |w: &Worker| {
-        let first = w.rss_first.load(Ordering::Relaxed);
-        first > 0 && w.rss() > first + (32 << 20)
-    };
-    let grew = grew(&p) || grew(&d);
+    // RSS flat: no incarnation that ran long enough to be measured (killed ones just before
+    // their kill, survivors at the end) grew by 32 MiB or more beyond what its memory budget
+    // held then (a leak of one request's KV, 7.3 MB, per handoff passes that within
+    // seconds).
+    let grew = pg.max(dg) >= 32 << 20;
     // Each survivor ends in order on SIGTERM: exit 0 within a second, nothing of kvxfer left.
     let mut unclean = 0;
     for (role, w) in [("prefill", &p), ("decode", &d)] {

@@ -3,7 +3,9 @@
 //! restarts either worker, SIGSTOPs either past its lease, and (with `--netns`) cuts and
 //! restores the link between them. Every completed load is checked byte for byte; every
 //! failed load must come back typed, with its blocks; at the end no block is held on the
-//! prefill side, no request is stuck, and the surviving workers' RSS is flat.
+//! prefill side, no request is stuck, and no worker's RSS grew by 32 MiB beyond what its
+//! 64 MiB memory budget holds, in any incarnation (a killed one measured just before its
+//! kill, the survivors at the end).
 //!
 //! ```text
 //! cargo run --release --example chaos -- --seconds 60 --mode pull

@@ -4,6 +4,7 @@
 //! prefill: `REQ <req> <slot>` -> `H <req> <handoff hex>` | `E <req> <error>`; `HELD` -> `HELD <n>`
 //! decode:  `LOAD <req> <slot> <cached> <handoff hex>` -> `R <req> <outcome> <ms> <blocks> <kind>`;
 //!          `STATE` -> `STATE <loads in progress>`
+//! both:    `BUDGET` -> `BUDGET <bytes of its memory budget in use>`
 
 use std::collections::HashMap;
 use std::io::{BufRead, Write};
@@ -11,7 +12,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvxfer::connector::{Consumer, Handoff, LoadFailure, Producer};
-use kvxfer::{Agent, AgentConfig, Transport};
+use kvxfer::{Agent, AgentConfig, MemoryBudget, Transport};
+
+/// Each worker's memory budget: a hostile peer may hold half of it (its share), and what
+/// the driver allows a worker's RSS to grow by is measured beyond what the budget holds.
+const BUDGET: u64 = 64 << 20;
 
 use crate::hex::{hex, unhex};
 use crate::kv_cache::{cache_of, fill_or_check, slot_blocks_of};
@@ -34,7 +39,8 @@ fn agent(name: &str, a: &Args) -> Arc<Agent> {
         Agent::new(
             AgentConfig::new(name)
                 .transport(Transport::parse(&a.transport))
-                .net_devices(&a.dev),
+                .net_devices(&a.dev)
+                .budget(MemoryBudget::new(BUDGET)),
         )
         .unwrap(),
     )
@@ -98,6 +104,7 @@ fn serve_prefill(a: &Args) {
                 });
             }
             ["HELD"] => out.say(&format!("HELD {}", producer.held())),
+            ["BUDGET"] => out.say(&format!("BUDGET {}", ag.budget().used())),
             _ => {}
         }
     }
@@ -145,6 +152,7 @@ fn serve_decode(a: &Args) {
                 });
             }
             ["STATE"] => out.say(&format!("STATE {}", consumer.in_progress())),
+            ["BUDGET"] => out.say(&format!("BUDGET {}", ag.budget().used())),
             _ => {}
         }
     }

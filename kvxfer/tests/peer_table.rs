@@ -466,3 +466,29 @@ fn peer_rss() {
         a.budget().used()
     );
 }
+
+/// Whether churn through the peer table leaks: 10 rounds of 200 HELLOs into a table of 64
+/// (each round evicts the last round's peers, idle by then), RSS after each. Run by hand:
+/// `cargo test -p kvxfer --test peer_table -- --ignored --nocapture peer_churn_rss`.
+#[test]
+#[ignore = "a measurement, run by hand"]
+fn peer_churn_rss() {
+    let _one = serial();
+    let idle = Duration::from_millis(200);
+    let (a, side) = victim(AgentConfig::new("victim").max_peers(64).peer_idle(idle));
+    std::thread::sleep(Duration::from_millis(300));
+    let start = rss();
+    let mut line = Vec::new();
+    for _ in 0..10 {
+        let flood = Flood::run(side, 200);
+        std::thread::sleep(idle + Duration::from_millis(100));
+        drop(flood);
+        line.push(format!("{:.1}", rss() as f64 / 1048576.0));
+    }
+    eprintln!(
+        "RSS {:.1} MiB, then after each round of 200 HELLOs: {} MiB; evicted {}",
+        start as f64 / 1048576.0,
+        line.join(", "),
+        metric(&a, "kvxfer_peers_evicted_total")
+    );
+}
