@@ -160,6 +160,8 @@ impl Engine {
                     expired.push(id);
                 } else if a.error.is_none() {
                     next = Some(next.map_or(d, |n: Instant| n.min(d)));
+                } else if self.peer_failure {
+                    // UCX completes a force-closed endpoint's operations with errors.
                 } else if d + ABANDON_AFTER <= now {
                     stuck.push(id);
                 } else {
@@ -198,9 +200,11 @@ impl Engine {
 }
 
 /// How long after its deadline a transfer whose endpoint was force-closed may still wait for
-/// UCX to complete it. Without peer-failure detection (shared memory: no UCX transport that
-/// serves it detects a dead peer) a force-close does not complete what a dead peer's
-/// operations left outstanding, and they would hold the transfer forever.
+/// UCX to complete it, without peer-failure detection (shared memory: no UCX transport that
+/// serves it detects a dead peer): a force-close then does not complete what a dead peer's
+/// operations left outstanding, and they would hold the transfer forever. With detection on,
+/// UCX completes them with errors itself, so nothing is given up there (and no buffer
+/// leaked): that path stays as it was.
 pub(super) const ABANDON_AFTER: Duration = Duration::from_millis(250);
 
 impl Engine {
