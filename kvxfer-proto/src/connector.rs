@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::layout::{KvGeometry, KvLayout, KvOrder};
-use crate::lifecycle::{Freed, LeaseError, Ledger};
+use crate::lifecycle::{Freed, LeaseError, Ledger, PeerHold, PeerShare};
 use crate::tp::HeadMap;
 use crate::wire::connector::Grant;
 use crate::wire::connector::{Handoff, Mode, PushWant, Refusal, ToConsumer, ToProducer};
@@ -110,6 +110,24 @@ impl ProducerCore {
         self.ledger =
             std::mem::replace(&mut self.ledger, Ledger::new(lease)).with_max_hold(max_hold);
         self
+    }
+
+    /// This producer with `share` as each reader's share of its cache ([`PeerShare`]).
+    pub fn with_share(mut self, share: PeerShare) -> ProducerCore {
+        let lease = self.ledger.lease();
+        self.ledger = std::mem::replace(&mut self.ledger, Ledger::new(lease)).with_share(share);
+        self
+    }
+
+    /// What `reader` keeps held now.
+    pub fn peer_hold(&self, reader: &str) -> PeerHold {
+        self.ledger.peer_hold(reader)
+    }
+
+    /// The readers whose hold changed since the last call, with what they hold now
+    /// ([`Ledger::take_hold_changes`]).
+    pub fn take_hold_changes(&mut self) -> Vec<(String, PeerHold)> {
+        self.ledger.take_hold_changes()
     }
 
     /// Holds `blocks` of `request` for `readers` consumers from `now`; `layers_done` of its

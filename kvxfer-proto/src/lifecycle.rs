@@ -35,6 +35,46 @@ pub enum FreeReason {
 /// prompt at the slowest supported link (a 40 GB request at 1 GbE takes about 330 s) fits.
 pub const DEFAULT_MAX_HOLD: Duration = Duration::from_secs(900);
 
+/// The most requests one reader may be reading from a producer at once, by default (a decode
+/// worker loads at most its running batch at a time; vLLM's largest default batch is 1,024).
+pub const DEFAULT_PEER_REQUESTS: usize = 1024;
+
+/// How much of a producer's cache one reader may keep held: what it is reading now (it
+/// heartbeated and has not acknowledged). Past it, the reader's first call for another request
+/// is refused with [`LeaseError::PeerShare`] and changes nothing, so one peer that heartbeats
+/// without end cannot pin more than its share of the engine's blocks. A reader that holds
+/// nothing may always take one request, however large: the share never makes a request
+/// unreadable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerShare {
+    /// Requests one reader may be reading at once.
+    pub requests: usize,
+    /// Blocks those requests may hold together.
+    pub blocks: u64,
+    /// The block limit holds only while another reader holds blocks too: a fair share
+    /// among readers, which never refuses a lone reader (one decode worker loading many
+    /// requests at once is the normal 1P1D case). `false`: a hard limit.
+    pub fair: bool,
+}
+
+impl PeerShare {
+    /// No limit.
+    pub const UNLIMITED: PeerShare = PeerShare {
+        requests: usize::MAX,
+        blocks: u64::MAX,
+        fair: false,
+    };
+}
+
+/// What one reader keeps held now.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PeerHold {
+    /// Requests it is reading.
+    pub requests: usize,
+    /// Their blocks.
+    pub blocks: u64,
+}
+
 /// Blocks the engine may reuse.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Freed {
@@ -104,6 +144,24 @@ pub enum LeaseError {
         /// The reader refused.
         reader: String,
     },
+    /// The reader already holds its share of this producer's cache ([`PeerShare`]).
+    #[error(
+        "request {request:?}: {reader:?} is reading {} requests of {} blocks here; one more \
+         of {blocks} blocks is past its share of {} requests and {} blocks",
+        held.requests, held.blocks, share.requests, share.blocks
+    )]
+    PeerShare {
+        /// The request.
+        request: String,
+        /// The reader refused.
+        reader: String,
+        /// What it holds.
+        held: PeerHold,
+        /// The request's blocks.
+        blocks: u64,
+        /// Its share.
+        share: PeerShare,
+    },
 }
 
 #[derive(Debug)]
@@ -129,6 +187,12 @@ pub struct Ledger {
     ended: HashMap<String, FreeReason>,
     ended_order: std::collections::VecDeque<String>,
     pending: Vec<Freed>,
+    share: PeerShare,
+    /// What each reader keeps held: one entry per reader reading something (at most
+    /// [`MAX_READERS`] a request), gone when it holds nothing.
+    pins: HashMap<String, PeerHold>,
+    /// Readers whose hold changed since [`Ledger::take_hold_changes`].
+    changed: HashSet<String>,
 }
 
 /// How many ended requests the ledger remembers for error messages.
@@ -144,7 +208,16 @@ impl Ledger {
             ended: HashMap::new(),
             ended_order: Default::default(),
             pending: Vec::new(),
+            share: PeerShare::UNLIMITED,
+            pins: HashMap::new(),
+            changed: HashSet::new(),
         }
+    }
+
+    /// This ledger with `share` as every reader's share ([`PeerShare`]).
+    pub fn with_share(mut self, share: PeerShare) -> Ledger {
+        self.share = share;
+        self
     }
 
     /// This ledger with a ceiling of `max_hold` on how long any request is held from its
@@ -163,7 +236,7 @@ impl Ledger {
     /// again replaces its blocks and restarts its lease.
     pub fn hold(&mut self, request: &str, blocks: Vec<u32>, readers: usize, now: Duration) {
         self.ended.remove(request);
-        self.held.insert(
+        let old = self.held.insert(
             request.to_string(),
             Hold {
                 blocks,
@@ -174,6 +247,9 @@ impl Ledger {
                 ceiling: now + self.max_hold,
             },
         );
+        if let Some(old) = old {
+            self.unpin_readers(&old);
+        }
     }
 
     fn refuse(&self, request: &str) -> LeaseError {
@@ -249,7 +325,27 @@ impl Ledger {
                     reader: reader.to_string(),
                 });
             }
+            let blocks = h.blocks.len() as u64;
+            let held = self.pins.get(reader).copied().unwrap_or_default();
+            let share = self.share;
+            let others = self.pins.len() > usize::from(held.requests > 0);
+            let over_blocks = held.blocks.saturating_add(blocks) > share.blocks;
+            if held.requests > 0
+                && (held.requests >= share.requests || over_blocks && (others || !share.fair))
+            {
+                return Err(LeaseError::PeerShare {
+                    request: request.to_string(),
+                    reader: reader.to_string(),
+                    held,
+                    blocks,
+                    share,
+                });
+            }
             h.seen.insert(reader.to_string());
+            let p = self.pins.entry(reader.to_string()).or_default();
+            p.requests += 1;
+            p.blocks += blocks;
+            self.changed.insert(reader.to_string());
         }
         h.until = (now + lease).min(h.ceiling);
         Ok(h.until.saturating_sub(now))
@@ -284,6 +380,10 @@ impl Ledger {
                 });
             }
             h.acked.insert(reader.to_string());
+            if h.seen.contains(reader) {
+                let blocks = h.blocks.len() as u64;
+                unpin(&mut self.pins, &mut self.changed, reader, blocks);
+            }
         }
         if h.acked.len() >= h.readers {
             return Ok(self.end(request, FreeReason::Acked));
@@ -331,6 +431,32 @@ impl Ledger {
         self.held.len()
     }
 
+    /// What `reader` keeps held now.
+    pub fn peer_hold(&self, reader: &str) -> PeerHold {
+        self.pins.get(reader).copied().unwrap_or_default()
+    }
+
+    /// The readers whose hold changed since the last call, with what they hold now (zero
+    /// for one that holds nothing any more): for per-peer metrics.
+    pub fn take_hold_changes(&mut self) -> Vec<(String, PeerHold)> {
+        let changed = std::mem::take(&mut self.changed);
+        changed
+            .into_iter()
+            .map(|r| {
+                let h = self.peer_hold(&r);
+                (r, h)
+            })
+            .collect()
+    }
+
+    /// Returns what `h`'s readers that have not acknowledged keep held.
+    fn unpin_readers(&mut self, h: &Hold) {
+        let blocks = h.blocks.len() as u64;
+        for r in h.seen.iter().filter(|r| !h.acked.contains(*r)) {
+            unpin(&mut self.pins, &mut self.changed, r, blocks);
+        }
+    }
+
     fn expire_one(&mut self, request: &str, now: Duration) {
         if self.held.get(request).is_some_and(|h| h.until <= now) {
             // Freed by expiry; the caller reports it through `tick` or the error.
@@ -348,6 +474,7 @@ impl Ledger {
 
     fn end(&mut self, request: &str, reason: FreeReason) -> Option<Freed> {
         let h = self.held.remove(request)?;
+        self.unpin_readers(&h);
         self.ended.insert(request.to_string(), reason);
         self.ended_order.push_back(request.to_string());
         while self.ended_order.len() > ENDED_MEMORY {
@@ -362,6 +489,23 @@ impl Ledger {
             blocks: h.blocks,
             reason,
         })
+    }
+}
+
+/// `reader` no longer holds one request of `blocks` blocks.
+fn unpin(
+    pins: &mut HashMap<String, PeerHold>,
+    changed: &mut HashSet<String>,
+    reader: &str,
+    blocks: u64,
+) {
+    if let Some(p) = pins.get_mut(reader) {
+        p.requests = p.requests.saturating_sub(1);
+        p.blocks = p.blocks.saturating_sub(blocks);
+        if p.requests == 0 {
+            pins.remove(reader);
+        }
+        changed.insert(reader.to_string());
     }
 }
 
@@ -458,6 +602,128 @@ mod tests {
             "{:?} for 40,000 messages",
             t0.elapsed()
         );
+    }
+
+    #[test]
+    fn one_peer_pins_no_more_than_its_share_of_requests() {
+        // A peer given 50 requests heartbeats each without end: it holds 16, the share; its
+        // calls for the others are refused, change nothing, and those expire at their lease.
+        let share = PeerShare {
+            requests: 16,
+            blocks: u64::MAX,
+            fair: false,
+        };
+        let mut l = Ledger::new(s(2)).with_share(share);
+        for i in 0..50 {
+            l.hold(&format!("r{i}"), vec![i; 8], 1, s(0));
+        }
+        l.hold("good", vec![99], 1, s(0));
+        let mut refused = 0;
+        for t in 0..3 {
+            for i in 0..50 {
+                match l.heartbeat(&format!("r{i}"), "hog", s(t)) {
+                    Ok(_) => {}
+                    Err(LeaseError::PeerShare { held, .. }) => {
+                        assert_eq!(held.requests, 16);
+                        refused += 1;
+                    }
+                    Err(LeaseError::Expired(_)) => {}
+                    Err(e) => panic!("{e:?}"),
+                }
+            }
+        }
+        assert!(refused >= 34, "{refused} refusals");
+        assert_eq!(
+            l.peer_hold("hog"),
+            PeerHold {
+                requests: 16,
+                blocks: 128
+            }
+        );
+        // The refused requests lapsed at their lease; the 16 the hog holds are still held.
+        let freed: Vec<_> = l.tick(s(3)).into_iter().chain(l.take_pending()).collect();
+        assert_eq!(freed.iter().filter(|f| f.request != "good").count(), 34);
+        // Another peer is not charged for the hog: its request reads and frees.
+        l.hold("good", vec![99], 1, s(3));
+        l.heartbeat("good", "dec", s(3)).unwrap();
+        assert!(l.ack("good", "dec", s(3)).unwrap().is_some());
+        // The hog's acknowledgements give its share back.
+        for i in 0..16 {
+            assert!(l.ack(&format!("r{i}"), "hog", s(3)).unwrap().is_some());
+        }
+        assert_eq!(l.peer_hold("hog"), PeerHold::default());
+        assert!(l.pins.is_empty(), "{:?}", l.pins);
+    }
+
+    #[test]
+    fn the_share_in_blocks_admits_one_request_of_any_size() {
+        let share = PeerShare {
+            requests: 100,
+            blocks: 150,
+            fair: false,
+        };
+        let mut l = Ledger::new(s(10)).with_share(share);
+        l.hold("huge", (0..400).collect(), 1, s(0));
+        l.hold("a", (0..100).collect(), 1, s(0));
+        l.hold("b", (0..100).collect(), 1, s(0));
+        // A reader that holds nothing may take a request larger than its share ...
+        l.heartbeat("huge", "d", s(0)).unwrap();
+        // ... but nothing more while it holds it.
+        let e = l.heartbeat("a", "d", s(0)).unwrap_err();
+        assert!(
+            matches!(e, LeaseError::PeerShare { blocks: 100, .. }),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("past its share"), "{e}");
+        assert!(l.ack("huge", "d", s(1)).unwrap().is_some());
+        l.heartbeat("a", "d", s(1)).unwrap();
+        assert!(matches!(
+            l.heartbeat("b", "d", s(1)),
+            Err(LeaseError::PeerShare { .. })
+        ));
+        // Expiry, abort and republication give the share back too.
+        assert!(l.abort("a").is_some());
+        l.heartbeat("b", "d", s(1)).unwrap();
+        l.hold("b", (0..10).collect(), 1, s(2));
+        assert_eq!(l.peer_hold("d"), PeerHold::default());
+        l.heartbeat("b", "d", s(2)).unwrap();
+        assert_eq!(l.peer_hold("d").blocks, 10);
+        l.tick(s(20));
+        assert_eq!(l.peer_hold("d"), PeerHold::default());
+        let changes = l.take_hold_changes();
+        assert_eq!(changes, vec![("d".to_string(), PeerHold::default())]);
+    }
+
+    #[test]
+    fn a_fair_share_binds_only_while_another_reader_holds_blocks() {
+        let share = PeerShare {
+            requests: 100,
+            blocks: 10,
+            fair: true,
+        };
+        let mut l = Ledger::new(s(10)).with_share(share);
+        for i in 0..6 {
+            l.hold(&format!("r{i}"), vec![i; 8], 1, s(0));
+        }
+        // Alone, "d" may hold 24 blocks past its 10.
+        for i in 0..3 {
+            l.heartbeat(&format!("r{i}"), "d", s(0)).unwrap();
+        }
+        // Once "e" holds blocks too, "d" gets nothing more; "e" is within its share.
+        l.heartbeat("r3", "e", s(0)).unwrap();
+        assert!(matches!(
+            l.heartbeat("r4", "d", s(0)),
+            Err(LeaseError::PeerShare { .. })
+        ));
+        assert!(
+            matches!(
+                l.heartbeat("r4", "e", s(0)),
+                Err(LeaseError::PeerShare { .. })
+            ),
+            "8 + 8 blocks is past e's 10 too, while d holds some"
+        );
+        assert!(l.ack("r3", "e", s(1)).unwrap().is_some());
+        l.heartbeat("r4", "d", s(1)).unwrap();
     }
 
     #[test]

@@ -87,5 +87,5 @@ pub use kvxfer_proto::error::{Error, MetadataError, Result, Side, UcsStatus};
 pub use kvxfer_proto::types::{GpuPath, Lane, MemKind, PeerInfo, RegionSpan, Transport, XferOp};
 pub use memory::{page_size, HostBuffer, Memory, Region};
 pub use notify::Notification;
-pub use telemetry::{RequestStats, Telemetry};
+pub use telemetry::{PeerHeld, RequestStats, Telemetry};
 pub use transfer::{Transfer, XferStats};

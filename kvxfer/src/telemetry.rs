@@ -2,6 +2,7 @@
 //! Prometheus text (serve it from any HTTP endpoint the engine already has; no server here).
 #![forbid(unsafe_code)]
 
+use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -58,6 +59,18 @@ struct Agg {
     handoff: Hist,
     transfer: Hist,
     post: Hist,
+    /// Producer: what each reader keeps held (requests, bytes); only readers holding some.
+    peers: BTreeMap<String, PeerHeld>,
+    share_refused: u64,
+}
+
+/// What one reader keeps held on a producer: requests it is reading and their bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PeerHeld {
+    /// Requests.
+    pub requests: u64,
+    /// Their bytes (blocks times the bytes of a block over every layer).
+    pub bytes: u64,
 }
 
 /// Aggregates of a connector (producer or consumer).
@@ -101,6 +114,40 @@ impl Telemetry {
     /// Counts a failed handoff.
     pub fn failed(&self) {
         self.agg.lock().unwrap_or_else(|e| e.into_inner()).failed += 1;
+    }
+
+    /// Producer: `peer` now holds `held` (zero: nothing, and it leaves the metrics).
+    pub fn peer_held(&self, peer: &str, held: PeerHeld) {
+        let mut a = self.agg.lock().unwrap_or_else(|e| e.into_inner());
+        if held.requests == 0 {
+            a.peers.remove(peer);
+        } else {
+            a.peers.insert(peer.to_string(), held);
+        }
+    }
+
+    /// Producer: a reader's call was refused past its share ([`PeerShare`]).
+    ///
+    /// [`PeerShare`]: kvxfer_proto::lifecycle::PeerShare
+    pub fn share_refused(&self) {
+        self.agg
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .share_refused += 1;
+    }
+
+    /// Producer: what each reader holds now, by name.
+    pub fn peers_held(&self) -> Vec<(String, PeerHeld)> {
+        let a = self.agg.lock().unwrap_or_else(|e| e.into_inner());
+        a.peers.iter().map(|(k, v)| (k.clone(), *v)).collect()
+    }
+
+    /// Producer: readers' calls refused past their share, so far.
+    pub fn shares_refused(&self) -> u64 {
+        self.agg
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .share_refused
     }
 
     /// Totals: (requests done, requests failed, bytes moved, bytes skipped).
@@ -169,8 +216,47 @@ impl Telemetry {
             let _ = writeln!(o, "{name}_sum{{role=\"{r}\"}} {}", h.sum);
             let _ = writeln!(o, "{name}_count{{role=\"{r}\"}} {}", h.count);
         }
+        if r == "producer" {
+            let name = "kvxfer_share_refused_total";
+            let _ = writeln!(o, "# HELP {name} Readers' calls refused past their share.");
+            let _ = writeln!(o, "# TYPE {name} counter");
+            let _ = writeln!(o, "{name}{{role=\"{r}\"}} {}", a.share_refused);
+            for (name, help, of) in [
+                (
+                    "kvxfer_peer_requests_held",
+                    "Requests a reader is reading from this producer.",
+                    (|h: &PeerHeld| h.requests) as fn(&PeerHeld) -> u64,
+                ),
+                (
+                    "kvxfer_peer_bytes_held",
+                    "Bytes of this producer's cache a reader keeps held.",
+                    |h: &PeerHeld| h.bytes,
+                ),
+            ] {
+                let _ = writeln!(o, "# HELP {name} {help}");
+                let _ = writeln!(o, "# TYPE {name} gauge");
+                for (peer, h) in &a.peers {
+                    let peer = label(peer);
+                    let _ = writeln!(o, "{name}{{role=\"{r}\",peer=\"{peer}\"}} {}", of(h));
+                }
+            }
+        }
         o
     }
+}
+
+/// A Prometheus label value: backslash, quote and newline escaped (a peer's name is its own).
+fn label(v: &str) -> String {
+    let mut o = String::with_capacity(v.len());
+    for c in v.chars() {
+        match c {
+            '\\' => o.push_str("\\\\"),
+            '"' => o.push_str("\\\""),
+            '\n' => o.push_str("\\n"),
+            c => o.push(c),
+        }
+    }
+    o
 }
 
 #[cfg(test)]
@@ -198,5 +284,22 @@ mod tests {
         assert!(p.contains("kvxfer_handoff_seconds_bucket{role=\"consumer\",le=\"0.05\"} 1"));
         assert!(p.contains("kvxfer_handoff_seconds_count{role=\"consumer\"} 1"));
         assert_eq!(t.totals(), (1, 1, 100, 900));
+        assert!(!p.contains("kvxfer_peer_requests_held"), "producer only");
+    }
+
+    #[test]
+    fn per_peer_holds_in_prometheus_text() {
+        let t = Telemetry::new("producer");
+        let held = |requests, bytes| PeerHeld { requests, bytes };
+        t.peer_held("dec-0", held(3, 3 << 20));
+        t.peer_held("ev\"il\n", held(1, 10));
+        t.share_refused();
+        let p = t.prometheus();
+        assert!(p.contains("kvxfer_peer_requests_held{role=\"producer\",peer=\"dec-0\"} 3"));
+        assert!(p.contains("kvxfer_peer_bytes_held{role=\"producer\",peer=\"dec-0\"} 3145728"));
+        assert!(p.contains("peer=\"ev\\\"il\\n\"} 1"), "{p}");
+        assert!(p.contains("kvxfer_share_refused_total{role=\"producer\"} 1"));
+        t.peer_held("dec-0", held(0, 0));
+        assert_eq!(t.peers_held(), vec![("ev\"il\n".to_string(), held(1, 10))]);
     }
 }

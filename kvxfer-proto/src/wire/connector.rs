@@ -283,6 +283,8 @@ pub enum Refusal {
     Readers,
     /// The call did not carry the request's grant.
     Grant,
+    /// The reader already holds its share of the producer's cache.
+    Share,
 }
 
 impl Refusal {
@@ -296,6 +298,7 @@ impl Refusal {
             | LeaseError::ReadersMismatch { .. }
             | LeaseError::TooManyDeclared { .. } => Refusal::Readers,
             LeaseError::NotGranted { .. } => Refusal::Grant,
+            LeaseError::PeerShare { .. } => Refusal::Share,
         }
     }
 
@@ -306,6 +309,7 @@ impl Refusal {
             Refusal::Aborted => "aborted",
             Refusal::Readers => "readers",
             Refusal::Grant => "grant",
+            Refusal::Share => "share",
         }
     }
 
@@ -316,6 +320,7 @@ impl Refusal {
             Refusal::Aborted,
             Refusal::Readers,
             Refusal::Grant,
+            Refusal::Share,
         ]
         .into_iter()
         .find(|r| r.name() == s)

@@ -35,6 +35,17 @@ pub struct ConnectorConfig {
     ///
     /// [`FreeReason::HoldLimit`]: kvxfer_proto::lifecycle::FreeReason::HoldLimit
     pub max_hold: Duration,
+    /// Producer: how many requests one reader may be reading at once (it heartbeated and
+    /// has not acknowledged); past it, its first call for another request is refused
+    /// (`LeaseError::PeerShare`). Default 1,024.
+    pub peer_requests: usize,
+    /// Producer: the bytes of the cache one reader's requests may keep held together, a hard
+    /// limit (a reader that holds nothing may still take one request of any size). Default
+    /// (`None`): a fair share of half the cache, which binds only while another reader holds
+    /// blocks too: a lone decode worker loading many requests is never refused for bytes,
+    /// and one that reads slowly or heartbeats without end cannot hold more than half the
+    /// prefill engine's cache from the others.
+    pub peer_bytes: Option<u64>,
     /// Producer: readers per request (2 for two decode ranks each reading half the heads).
     pub readers: usize,
     /// Consumer: which of the producer's KV heads it reads (default: all). Its own layout
@@ -54,6 +65,8 @@ impl Default for ConnectorConfig {
             lease: Duration::from_secs(30),
             heartbeat: Duration::from_secs(1),
             max_hold: kvxfer_proto::lifecycle::DEFAULT_MAX_HOLD,
+            peer_requests: kvxfer_proto::lifecycle::DEFAULT_PEER_REQUESTS,
+            peer_bytes: None,
             readers: 1,
             heads: None,
             budget: MemoryBudget::unlimited(),
@@ -84,6 +97,14 @@ impl ConnectorConfig {
     /// Sets [`ConnectorConfig::max_hold`](#structfield.max_hold).
     pub fn max_hold(mut self, d: Duration) -> Self {
         self.max_hold = d;
+        self
+    }
+
+    /// Sets [`ConnectorConfig::peer_requests`](#structfield.peer_requests) and
+    /// [`ConnectorConfig::peer_bytes`](#structfield.peer_bytes).
+    pub fn peer_share(mut self, requests: usize, bytes: Option<u64>) -> Self {
+        self.peer_requests = requests;
+        self.peer_bytes = bytes;
         self
     }
 

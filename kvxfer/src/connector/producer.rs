@@ -19,13 +19,15 @@ use super::shell::{
 use crate::agent::Agent;
 use crate::budget::Charge;
 use crate::random;
-use crate::telemetry::{RequestStats, Telemetry};
+use crate::telemetry::{PeerHeld, RequestStats, Telemetry};
 use kvxfer_proto::connector::{LayerError, ProducerAction, ProducerCore};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::layout::KvLayout;
-use kvxfer_proto::lifecycle::{FreeReason, Freed};
+use kvxfer_proto::lifecycle::{FreeReason, Freed, PeerShare};
 use kvxfer_proto::tp::HeadMap;
-use kvxfer_proto::wire::connector::{Grant, Handoff, Mode, PushWant, ToConsumer, ToProducer};
+use kvxfer_proto::wire::connector::{
+    Grant, Handoff, Mode, PushWant, Refusal, ToConsumer, ToProducer,
+};
 use kvxfer_proto::wire::notify::Notification;
 
 /// One push consumer's progress through a request.
@@ -125,11 +127,14 @@ impl Producer {
         let name = format!("kvxfer-producer-{}", carrier.name());
         // Peers read the cache only inside the leases they were granted.
         carrier.restrict(&layout, true);
+        let share = peer_share(&cfg, &layout);
         let sh = Arc::new(ProducerShared {
             carrier,
             layout,
             st: Mutex::new(ProducerState {
-                core: ProducerCore::new(cfg.lease, cfg.mode).with_max_hold(cfg.max_hold),
+                core: ProducerCore::new(cfg.lease, cfg.mode)
+                    .with_max_hold(cfg.max_hold)
+                    .with_share(share),
                 requests: HashMap::new(),
                 freed: VecDeque::new(),
                 stop: false,
@@ -337,6 +342,39 @@ impl Drop for Producer {
     }
 }
 
+/// Each reader's share of the cache in blocks: `cfg`'s bytes over the bytes of a block in
+/// every layer (a hard limit), or by default half the cache as a fair share (it binds only
+/// while another reader holds blocks too).
+fn peer_share(cfg: &ConnectorConfig, layout: &KvLayout) -> PeerShare {
+    let block = block_bytes_all_layers(layout).max(1);
+    let (blocks, fair) = match cfg.peer_bytes {
+        Some(b) => (b / block, false),
+        None => (layout.num_blocks / 2, true),
+    };
+    PeerShare {
+        requests: cfg.peer_requests.max(1),
+        blocks: blocks.max(1),
+        fair,
+    }
+}
+
+/// The bytes one block id stands for: its tensors in every layer.
+fn block_bytes_all_layers(layout: &KvLayout) -> u64 {
+    layout.block_bytes() * layout.tensors_per_layer() as u64 * layout.layers.len() as u64
+}
+
+/// Readers' holds that changed, into the metrics.
+fn publish_holds(st: &mut ProducerState, sh: &ProducerShared) {
+    let block = block_bytes_all_layers(&sh.layout);
+    for (peer, h) in st.core.take_hold_changes() {
+        let held = PeerHeld {
+            requests: h.requests as u64,
+            bytes: h.blocks.saturating_mul(block),
+        };
+        sh.tel.peer_held(&peer, held);
+    }
+}
+
 fn producer_loop(sh: &ProducerShared) {
     loop {
         let busy = {
@@ -351,6 +389,7 @@ fn producer_loop(sh: &ProducerShared) {
         let now = sh.t0.elapsed();
         let mut st = lock(&sh.st);
         let freed = st.core.tick(now);
+        publish_holds(&mut st, sh);
         if !freed.is_empty() {
             for f in freed {
                 st.record_freed(f, &sh.tel, sh.cfg.mode, &*sh.carrier);
@@ -379,7 +418,18 @@ fn producer_msg(sh: &ProducerShared, n: Notification) {
     let mut freed = false;
     for a in actions {
         match a {
-            ProducerAction::Send { to, msg } => out.push((to, msg.encode())),
+            ProducerAction::Send { to, msg } => {
+                if let ToConsumer::Refused {
+                    kind: Some(Refusal::Share),
+                    why,
+                    ..
+                } = &msg
+                {
+                    log::warn!("kvxfer producer: {why}");
+                    sh.tel.share_refused();
+                }
+                out.push((to, msg.encode()))
+            }
             ProducerAction::Open { reader, request } => {
                 if let Some(r) = st.requests.get(&request) {
                     // Not opened: the reader's reads are refused typed ("holds no grant"),

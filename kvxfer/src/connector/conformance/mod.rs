@@ -31,6 +31,7 @@ mod harness;
 use std::thread;
 use std::time::{Duration, Instant};
 
+pub use abuse::{peer_share, squatted_declarations};
 pub use cache::{TestCache, BLOCKS, BLOCK_TOKENS, HEADS, LAYERS};
 use harness::{cfg, failed_naming, freed_as, ok, T};
 pub use harness::{Connectors, Harness, Verdict};
@@ -65,6 +66,8 @@ pub const CASES: &[(&str, Case)] = &[
     ("tp_two_to_one", tp_two_to_one),
     ("tp_one_to_two", tp_one_to_two),
     ("tp_gqa_replicas", tp_gqa_replicas),
+    ("squatted_declarations", squatted_declarations),
+    ("peer_share", peer_share),
 ];
 
 /// Runs every case; the verdicts by name.
@@ -80,7 +83,7 @@ macro_rules! connector_conformance {
             layer_wise_order, push_full_and_partial, push_while_heartbeats_cross, abort,
             lease_expiry, hold_ceiling, two_readers_half_the_heads, failed_load_names_its_blocks,
             concurrent_requests, dropped_consumer, dropped_producer, tp_two_to_two,
-            tp_two_to_one, tp_one_to_two, tp_gqa_replicas);
+            tp_two_to_one, tp_one_to_two, tp_gqa_replicas, squatted_declarations, peer_share);
     };
     (@cases $harness:expr; $($case:ident),*) => {
         $(
@@ -102,7 +105,8 @@ macro_rules! ensure {
     };
 }
 
-// After `ensure!`, which its cases use.
+// After `ensure!`, which their cases use.
+mod abuse;
 mod tp;
 
 /// One producer and its consumers over fresh caches (the producer's filled, the consumers'
