@@ -370,3 +370,5 @@ mod tp;
 mod abi_checks_tests;
 #[cfg(test)]
 mod handle_tests;
+#[cfg(test)]
+mod tp_limits_tests;

@@ -85,6 +85,37 @@ def test_hostile_tp_shapes_are_refused_typed_at_once(shape):
     assert time.monotonic() - t0 < 1.0
 
 
+_UNDER_2_GIB = r"""
+import os, resource, sys, time
+sys.path.insert(0, sys.argv[1])
+limit = 2 << 30
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+from kvxfer_vllm import lib as kx
+shapes = [(2**31, 8, 1, 8, 0), (2**20, 8, 1, 8, 0), (1, 2**31, 1, 2**31, 0),
+          (8, 2**32 - 1, 1, 2**32 - 1, 0), (8, 8, 2**31, 8, 0), (2**32 - 1,) * 5]
+for shape in shapes:
+    t0 = time.monotonic()
+    try:
+        kx.tp_plan(*shape)
+        sys.exit(f"{shape}: planned")
+    except kx.KvxferError as e:
+        assert e.status == kx.KVX_INVALID_ARGUMENT, (shape, e)
+    took = time.monotonic() - t0
+    assert took < 0.05, (shape, took)
+assert len(kx.tp_plan(kx.KVX_MAX_TP, 65536, 1, 65536, 0)) == kx.KVX_MAX_TP
+print("ok", len(shapes))
+"""
+
+
+def test_hostile_tp_shapes_answer_typed_under_a_2_gib_address_space():
+    # Where a plan sized by the shape aborted the process (SIGABRT on a 3 GB allocation).
+    import subprocess
+
+    here = os.path.join(os.path.dirname(__file__), "..")
+    r = subprocess.run([sys.executable, "-c", _UNDER_2_GIB, here], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok 6", (r.returncode, r.stdout, r.stderr)
+
+
 def test_the_largest_allowed_tp_plans():
     reads = kx.tp_plan(kx.KVX_MAX_TP, 64, 1, 64, 0)
     assert len(reads) == kx.KVX_MAX_TP

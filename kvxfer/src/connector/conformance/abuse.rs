@@ -5,8 +5,10 @@
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::harness::{cfg, failed_naming, freed_as, ok, Verdict, T};
-use super::{setup, Harness, ALL, HEADS, LAYERS, LAYERS_ALL};
+use super::cache::{HEADS, LAYERS};
+use super::harness::{
+    cfg, failed_naming, freed_as, ok, setup, Harness, Verdict, ALL, LAYERS_ALL, T,
+};
 use crate::connector::api::LoadSpec;
 use crate::connector::config::ConnectorConfig;
 use kvxfer_proto::lifecycle::{FreeReason, MAX_READERS};

@@ -7,6 +7,13 @@ use crate::connector::config::ConnectorConfig;
 use kvxfer_proto::error::Result;
 use kvxfer_proto::lifecycle::FreeReason;
 
+use super::cache::{TestCache, HEADS, LAYERS};
+
+/// Every head of the test caches.
+pub(super) const ALL: std::ops::Range<u64> = 0..HEADS;
+/// Every layer of the test caches.
+pub(super) const LAYERS_ALL: std::ops::Range<usize> = 0..LAYERS as usize;
+
 /// The connectors of one case: one per prefill rank, and one per decode rank, each decode
 /// rank's able to reach every prefill rank.
 #[derive(Debug)]
@@ -70,4 +77,47 @@ pub(super) fn failed_naming(c: &dyn KvConsumer, blocks: &[u32]) -> Verdict {
         ));
     }
     Ok(())
+}
+
+/// One producer and its consumers over fresh caches (the producer's filled, the consumers'
+/// zeroed). Fields drop in order: connector objects before the caches they name.
+pub(super) struct Setup {
+    pub(super) producer: Box<dyn KvProducer>,
+    pub(super) consumers: Vec<Box<dyn KvConsumer>>,
+    pub(super) _connectors: Connectors,
+    pub(super) src: TestCache,
+    pub(super) dst: Vec<TestCache>,
+}
+
+pub(super) fn setup(
+    h: &dyn Harness,
+    pcfg: ConnectorConfig,
+    ccfgs: Vec<(u64, ConnectorConfig)>,
+) -> std::result::Result<Setup, String> {
+    let src = ok(TestCache::new(HEADS, Some(7)), "producer cache")?;
+    let mut dst = Vec::new();
+    for (heads, _) in &ccfgs {
+        dst.push(ok(TestCache::new(*heads, None), "consumer cache")?);
+    }
+    let conns = ok(h.connectors(1, ccfgs.len()), "connectors")?;
+    if conns.consumers.len() != ccfgs.len() || conns.producers.len() != 1 {
+        return Err(format!(
+            "asked for 1 and {} connectors, got {} and {}",
+            ccfgs.len(),
+            conns.producers.len(),
+            conns.consumers.len()
+        ));
+    }
+    let producer = ok(conns.producers[0].producer(src.caches(), &pcfg), "producer")?;
+    let mut consumers = Vec::new();
+    for ((c, d), (_, cc)) in conns.consumers.iter().zip(&dst).zip(&ccfgs) {
+        consumers.push(ok(c.consumer(d.caches(), cc), "consumer")?);
+    }
+    Ok(Setup {
+        producer,
+        consumers,
+        _connectors: conns,
+        src,
+        dst,
+    })
 }

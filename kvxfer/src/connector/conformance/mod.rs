@@ -33,11 +33,10 @@ use std::time::{Duration, Instant};
 
 pub use abuse::{peer_share, squatted_declarations};
 pub use cache::{TestCache, BLOCKS, BLOCK_TOKENS, HEADS, LAYERS};
-use harness::{cfg, failed_naming, freed_as, ok, T};
+use harness::{cfg, failed_naming, freed_as, ok, setup, Setup, ALL, LAYERS_ALL, T};
 pub use harness::{Connectors, Harness, Verdict};
 pub use tp::{tp_gqa_replicas, tp_one_to_two, tp_two_to_one, tp_two_to_two};
 
-use super::api::{KvConsumer, KvProducer};
 use super::config::ConnectorConfig;
 use kvxfer_proto::error::Error;
 use kvxfer_proto::lifecycle::FreeReason;
@@ -109,55 +108,10 @@ macro_rules! ensure {
 mod abuse;
 mod tp;
 
-/// One producer and its consumers over fresh caches (the producer's filled, the consumers'
-/// zeroed). Fields drop in order: connector objects before the caches they name.
-struct Setup {
-    producer: Box<dyn KvProducer>,
-    consumers: Vec<Box<dyn KvConsumer>>,
-    _connectors: Connectors,
-    src: TestCache,
-    dst: Vec<TestCache>,
-}
-
-fn setup(
-    h: &dyn Harness,
-    pcfg: ConnectorConfig,
-    ccfgs: Vec<(u64, ConnectorConfig)>,
-) -> std::result::Result<Setup, String> {
-    let src = ok(TestCache::new(HEADS, Some(7)), "producer cache")?;
-    let mut dst = Vec::new();
-    for (heads, _) in &ccfgs {
-        dst.push(ok(TestCache::new(*heads, None), "consumer cache")?);
-    }
-    let conns = ok(h.connectors(1, ccfgs.len()), "connectors")?;
-    ensure!(
-        conns.consumers.len() == ccfgs.len() && conns.producers.len() == 1,
-        "asked for 1 and {} connectors, got {} and {}",
-        ccfgs.len(),
-        conns.producers.len(),
-        conns.consumers.len()
-    );
-    let producer = ok(conns.producers[0].producer(src.caches(), &pcfg), "producer")?;
-    let mut consumers = Vec::new();
-    for ((c, d), (_, cc)) in conns.consumers.iter().zip(&dst).zip(&ccfgs) {
-        consumers.push(ok(c.consumer(d.caches(), cc), "consumer")?);
-    }
-    Ok(Setup {
-        producer,
-        consumers,
-        _connectors: conns,
-        src,
-        dst,
-    })
-}
-
 fn one(h: &dyn Harness, mode: Mode) -> std::result::Result<Setup, String> {
     let c = ConnectorConfig { mode, ..cfg() };
     setup(h, c.clone(), vec![(HEADS, c)])
 }
-
-const ALL: std::ops::Range<u64> = 0..HEADS;
-const LAYERS_ALL: std::ops::Range<usize> = 0..LAYERS as usize;
 
 /// A whole request moves; every byte arrives; the figures say so; the producer frees it on
 /// the acknowledgement.
