@@ -512,6 +512,69 @@ fn unpin(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// One hostile call: (what, request index, reader index, declared readers, seconds).
+    fn call() -> impl Strategy<Value = (u8, u8, u16, u32, u8)> {
+        (
+            0u8..6,
+            0u8..6,
+            0u16..2000,
+            prop_oneof![0u32..4, Just(u32::MAX)],
+            0u8..3,
+        )
+    }
+
+    /// What each reader holds, counted again from the held requests.
+    fn recount(l: &Ledger) -> HashMap<String, PeerHold> {
+        let mut m: HashMap<String, PeerHold> = HashMap::new();
+        for h in l.held.values() {
+            for r in h.seen.iter().filter(|r| !h.acked.contains(*r)) {
+                let p = m.entry(r.clone()).or_default();
+                p.requests += 1;
+                p.blocks += h.blocks.len() as u64;
+            }
+        }
+        m
+    }
+
+    proptest! {
+        /// Any run of calls from many readers keeps what the ledger holds bounded (per
+        /// request at most its readers, at most MAX_READERS; per reader at most its share)
+        /// and its per-reader accounting exact, whatever the order.
+        #[test]
+        fn hostile_runs_keep_the_ledger_bounded_and_its_shares_exact(
+            calls in proptest::collection::vec(call(), 1..400),
+        ) {
+            let share = PeerShare { requests: 3, blocks: 20, fair: false };
+            let mut l = Ledger::new(s(2)).with_max_hold(s(6)).with_share(share);
+            let mut now = s(0);
+            for (what, req, reader, declared, dt) in calls {
+                now += s(u64::from(dt));
+                let (r, who) = (format!("r{req}"), format!("peer-{reader}"));
+                match what {
+                    0 => l.hold(&r, vec![u32::from(req); usize::from(req) + 1], 1, now),
+                    1 => { let _ = l.declare(&r, &who, declared as usize, now); }
+                    2 | 3 => { let _ = l.heartbeat(&r, &who, now); }
+                    4 => { let _ = l.ack(&r, &who, now); }
+                    _ => { let _ = l.tick(now); }
+                }
+                l.take_pending();
+                for h in l.held.values() {
+                    prop_assert!(h.readers <= MAX_READERS);
+                    prop_assert!(h.seen.len() <= h.readers && h.acked.len() <= h.readers);
+                    prop_assert!(h.until <= h.ceiling);
+                }
+                prop_assert!(l.ended.len() <= ENDED_MEMORY && l.ended_order.len() <= ENDED_MEMORY + 1);
+                let want = recount(&l);
+                prop_assert_eq!(&l.pins, &want);
+                for p in l.pins.values() {
+                    prop_assert!(p.requests >= 1 && p.requests <= share.requests);
+                    prop_assert!(p.requests == 1 || p.blocks <= share.blocks);
+                }
+            }
+        }
+    }
 
     fn s(x: u64) -> Duration {
         Duration::from_secs(x)
