@@ -27,6 +27,7 @@ use tokio::task::JoinHandle;
 
 use super::api::Discovery;
 use super::assembly::{Assembly, Key, Layout};
+use super::own_keys::{decode_base, heal_loop, holder_alive, reconcile, Published};
 use super::seal::{open, seal};
 use crate::agent::Agent;
 use kvxfer_proto::error::{Error, Result};
@@ -82,6 +83,8 @@ pub struct EtcdDiscovery {
     notes: Arc<Notes>,
     /// What the published agent has in etcd; the lease task and `refresh` bring it up to date.
     published: Arc<tokio::sync::Mutex<Option<Published>>>,
+    /// Keys of the published agent put back after someone else changed or removed them.
+    healed: Arc<std::sync::atomic::AtomicU64>,
     tasks: Mutex<Vec<JoinHandle<()>>>,
     // Last: the runtime shuts down after the tasks were aborted.
     rt: Runtime,
@@ -128,6 +131,7 @@ impl EtcdDiscovery {
             lease: Arc::default(),
             notes: Arc::default(),
             published: Arc::default(),
+            healed: Arc::default(),
             tasks: Mutex::new(Vec::new()),
             rt,
         }))
@@ -151,10 +155,27 @@ impl EtcdDiscovery {
             )));
         }
         let mut c = self.client.clone();
-        self.rt
-            .block_on(c.put(key, value, Some(PutOptions::new().with_lease(lease))))
-            .map(|_| ())
-            .map_err(|e| etcd_err(&self.cfg, "putting a note", e))
+        self.rt.block_on(async {
+            // Under the record's lock: the heal task sees the note and its value together.
+            let mut g = self.published.lock().await;
+            c.put(
+                key.clone(),
+                value,
+                Some(PutOptions::new().with_lease(lease)),
+            )
+            .await
+            .map_err(|e| etcd_err(&self.cfg, "putting a note", e))?;
+            if let Some(p) = g.as_mut().filter(|p| p.lease == lease) {
+                p.values.insert(key, value.to_vec());
+            }
+            Ok(())
+        })
+    }
+
+    /// How many of the published agent's keys were put back after someone else changed or
+    /// removed them (a delete, a swapped or replayed value, an update removed).
+    pub fn healed(&self) -> u64 {
+        self.healed.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The note `what` of agent `name`, if it has one.
@@ -246,8 +267,16 @@ impl Discovery for EtcdDiscovery {
                 lease: self.lease.clone(),
                 notes: self.notes.clone(),
                 published: self.published.clone(),
+                healed: self.healed.clone(),
             },
             Arc::downgrade(agent),
+        ));
+        self.keep(heal_loop(
+            self.cfg.layout(),
+            self.client.clone(),
+            Arc::downgrade(agent),
+            self.published.clone(),
+            self.healed.clone(),
         ));
         Ok(())
     }
@@ -299,15 +328,6 @@ impl Discovery for EtcdDiscovery {
     }
 }
 
-fn decode_base(agent: &Agent, kv: &KeyValue) -> Result<Metadata> {
-    let key = String::from_utf8_lossy(kv.key());
-    let bytes = open(agent.secret(), &key, kv.value())?;
-    Metadata::decode(&bytes, agent.compat()).map_err(|err| Error::Metadata {
-        source_desc: format!("etcd key {key}"),
-        err,
-    })
-}
-
 /// A region update's agent, epoch and region; `None` (logged) when it does not open or decode.
 fn decode_region(
     agent: &Agent,
@@ -318,7 +338,7 @@ fn decode_region(
     let Some(Key::Region { name, epoch, .. }) = layout.parse(&key) else {
         return None;
     };
-    let r = open(agent.secret(), &key, kv.value()).and_then(|b| {
+    let r = open(agent.secret(), &key, kv.lease(), kv.value()).and_then(|b| {
         RegionMeta::decode(&b).map_err(|err| Error::Metadata {
             source_desc: format!("etcd key {key}"),
             err,
@@ -331,14 +351,6 @@ fn decode_region(
             None
         }
     }
-}
-
-/// What this agent has in etcd: its base (as published) and the regions put since.
-struct Published {
-    lease: i64,
-    base: Metadata,
-    /// The base's metadata plus the updates: what a watcher assembles.
-    now: Metadata,
 }
 
 /// Puts `agent`'s metadata under a new lease (and drops this incarnation's older updates, now
@@ -356,13 +368,13 @@ async fn publish_once(
         source_desc: "this agent's own metadata".into(),
         err,
     })?;
-    let meta = seal(agent.secret(), &key, &plain)?;
     let ttl = i64::try_from(cfg.ttl.as_secs().max(1)).unwrap_or(i64::MAX);
     let lease = c
         .lease_grant(ttl, None)
         .await
         .map_err(|e| etcd_err(cfg, "granting a lease", e))?
         .id();
+    let meta = seal(agent.secret(), &key, lease, &plain)?;
     let notes: Vec<(String, Vec<u8>)> = notes.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let ops = || {
         let opts = Some(PutOptions::new().with_lease(lease));
@@ -378,10 +390,17 @@ async fn publish_once(
         }
         ops
     };
-    let done = || Published {
-        lease,
-        base: ours.clone(),
-        now: ours.clone(),
+    let done = || {
+        let mut values: std::collections::BTreeMap<String, Vec<u8>> =
+            notes.iter().cloned().collect();
+        values.insert(key.clone(), meta.clone());
+        Published {
+            lease,
+            base: ours.clone(),
+            now: ours.clone(),
+            values,
+            superseded: false,
+        }
     };
     for _ in 0..3 {
         let txn = Txn::new()
@@ -432,13 +451,6 @@ async fn publish_once(
     Err(etcd_err(cfg, "publishing", "the key kept changing"))
 }
 
-/// Whether the incarnation whose metadata a key holds still answers on its TCP lane.
-fn holder_alive(m: Option<&Metadata>) -> bool {
-    m.and_then(|m| m.tcp_lane()).is_some_and(|l| {
-        std::net::TcpStream::connect_timeout(&l.addr, Duration::from_secs(1)).is_ok()
-    })
-}
-
 /// Brings etcd from `p.now` to the agent's metadata `now`: registrations since are put as
 /// updates and deregistered updates deleted; any other change (a region of the base
 /// deregistered, a new lane) re-puts the base. Returns false when etcd did not take it.
@@ -460,7 +472,11 @@ async fn update(
     let base_kept = p.base.regions.iter().all(|r| now.regions.contains(r));
     if !same_agent || !base_kept {
         return match publish_again(cfg, c, agent, p.lease, &now).await {
-            Ok(()) => {
+            Ok(v) => {
+                // The updates are in the base now, and their keys gone.
+                let regions = layout.regions_of(agent.name(), now.epoch);
+                p.values.retain(|k, _| !k.starts_with(&regions));
+                p.values.insert(layout.agent(agent.name()), v);
                 p.base = now.clone();
                 p.now = now;
                 true
@@ -473,10 +489,15 @@ async fn update(
     }
     let opts = Some(PutOptions::new().with_lease(p.lease));
     let mut ops = Vec::new();
+    let mut puts = Vec::new();
+    let mut deletes = Vec::new();
     for r in now.regions.iter().filter(|r| !p.now.regions.contains(r)) {
         let key = layout.region(agent.name(), now.epoch, r.id.0);
-        match seal(agent.secret(), &key, &r.encode()) {
-            Ok(v) => ops.push(TxnOp::put(key, v, opts.clone())),
+        match seal(agent.secret(), &key, p.lease, &r.encode()) {
+            Ok(v) => {
+                puts.push((key.clone(), v.clone()));
+                ops.push(TxnOp::put(key, v, opts.clone()));
+            }
             Err(e) => {
                 log::warn!("kvxfer: region {} not published: {e}", r.id.0);
                 return false;
@@ -484,31 +505,35 @@ async fn update(
         }
     }
     for r in p.now.regions.iter().filter(|r| !now.regions.contains(r)) {
-        ops.push(TxnOp::delete(
-            layout.region(agent.name(), now.epoch, r.id.0),
-            None,
-        ));
+        let key = layout.region(agent.name(), now.epoch, r.id.0);
+        deletes.push(key.clone());
+        ops.push(TxnOp::delete(key, None));
     }
     if !ops.is_empty() && c.txn(Txn::new().and_then(ops)).await.is_err() {
         return false;
     }
+    for k in deletes {
+        p.values.remove(&k);
+    }
+    p.values.extend(puts);
     p.now = now;
     true
 }
 
-/// Re-puts the base under the lease held, dropping the updates (now in the base).
+/// Re-puts the base under the lease held, dropping the updates (now in the base); returns the
+/// value put.
 async fn publish_again(
     cfg: &EtcdConfig,
     mut c: Client,
     agent: &Agent,
     lease: i64,
     now: &Metadata,
-) -> Result<()> {
+) -> Result<Vec<u8>> {
     let layout = cfg.layout();
     let key = layout.agent(agent.name());
-    let v = seal(agent.secret(), &key, &now.encode())?;
+    let v = seal(agent.secret(), &key, lease, &now.encode())?;
     let txn = Txn::new().and_then([
-        TxnOp::put(key, v, Some(PutOptions::new().with_lease(lease))),
+        TxnOp::put(key, v.clone(), Some(PutOptions::new().with_lease(lease))),
         TxnOp::delete(
             layout.regions_of(agent.name(), now.epoch),
             Some(DeleteOptions::new().with_prefix()),
@@ -516,7 +541,7 @@ async fn publish_again(
     ]);
     c.txn(txn)
         .await
-        .map(|_| ())
+        .map(|_| v)
         .map_err(|e| etcd_err(cfg, "publishing", e))
 }
 
@@ -527,6 +552,7 @@ struct Ctx {
     lease: Arc<std::sync::atomic::AtomicI64>,
     notes: Arc<Notes>,
     published: Arc<tokio::sync::Mutex<Option<Published>>>,
+    healed: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Keeps the lease alive; re-publishes (new lease, notes again) when it was lost or etcd came
@@ -567,6 +593,11 @@ async fn lease_loop(ctx: Ctx, agent: Weak<Agent>) {
             .and_then(|b| Metadata::decode(&b, a.compat()).ok());
         if let Some(now) = now.filter(|m| *m != p.now) {
             update(cfg, c.clone(), &a, p, now).await;
+        }
+        // Whatever the heal task's watch missed is mended here, within a third of the TTL.
+        if let Ok(n) = reconcile(&cfg.layout(), &mut c.clone(), &a, p).await {
+            ctx.healed
+                .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         }
     }
 }

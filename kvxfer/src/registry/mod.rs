@@ -31,6 +31,8 @@ pub(crate) mod config;
 mod etcd;
 mod join;
 #[cfg(feature = "etcd")]
+mod own_keys;
+#[cfg(feature = "etcd")]
 mod seal;
 
 pub use api::{Discovery, SideChannelDiscovery};
