@@ -246,3 +246,92 @@ fn old_values_replayed_or_swapped_are_never_loaded_and_heal() {
     }
     assert!(a2.disc.healed() >= 2 && b.disc.healed() >= 1);
 }
+
+/// An agent without a secret (the churn and size cases need values that decode).
+fn open_agent(name: &str) -> Arc<Agent> {
+    let cfg = AgentConfig::new(name)
+        .transport(Transport::Tcp)
+        .net_devices("lo");
+    Arc::new(Agent::new(cfg).unwrap())
+}
+
+#[test]
+fn a_namespace_larger_than_a_response_lists_and_watches_recover() {
+    let Some(mut etcd) = Etcd::start() else {
+        return;
+    };
+    let url = etcd.url();
+    let ns = format!("/kvx-big-{}", std::process::id());
+    // Four 1.2 MiB notes: 4.9 MB in the namespace, over the client's 4 MiB response limit
+    // (a watcher lists no notes now).
+    let n = open_agent("big-n");
+    let nd = discovery(&url, &ns);
+    nd.publish(&n).unwrap();
+    for i in 0..4 {
+        nd.note(&n, &format!("blob-{i}"), &vec![b'x'; 1_200_000])
+            .unwrap();
+    }
+    let mut x = Attacker::new(&url);
+    // Four values over the watcher's limit under agents' keys (4.8 MB of agents alone): the
+    // listing takes them in pages, and none is opened.
+    for i in 0..4 {
+        x.put(&format!("{ns}/agents/huge-{i}"), &vec![7u8; 1_200_000], 0);
+    }
+    let w = open_agent("big-w");
+    let wd = discovery(&url, &ns);
+    let t0 = Instant::now();
+    wd.watch(&w).unwrap();
+    println!("a watcher joined a 9.7 MB namespace in {:?}", t0.elapsed());
+    assert!(w.peer_epoch("big-n").is_some(), "big-n not loaded");
+    assert!(
+        w.peer_epoch("huge").is_none(),
+        "the oversized value was loaded"
+    );
+    // etcd restarts: the watch breaks, the watcher lists again and finds a newcomer.
+    etcd.stop();
+    std::thread::sleep(Duration::from_millis(300));
+    etcd.run();
+    let m = open_agent("big-m");
+    let md = discovery(&url, &ns);
+    md.publish(&m).unwrap();
+    let t = until(
+        Duration::from_secs(20),
+        "the newcomer found after etcd came back",
+        || w.peer_epoch("big-m") == Some(m.epoch()),
+    );
+    println!("etcd restarted: the newcomer found after {t:?}");
+    // 3,000 put-and-delete cycles of valid updates of names that never publish: nothing is
+    // left waiting (before: an entry per name, 1.7 MB of RSS).
+    let mut x = Attacker::new(&url);
+    let update = kvxfer_proto::wire::metadata::RegionMeta {
+        id: RegionId(0),
+        kind: kvxfer::MemKind::Host,
+        base: 0x1000,
+        len: 4096,
+        rkey: vec![1; 8],
+        shm: None,
+    }
+    .encode();
+    let keys: Vec<String> = (0..3000)
+        .map(|i| format!("{ns}/regions/ghost-{i}/0000000000000001/0"))
+        .collect();
+    let mut most = 0;
+    for chunk in keys.chunks(100) {
+        for k in chunk {
+            x.put(k, &update, 0);
+        }
+        most = most.max(wd.watch_counts().pending_updates);
+        for k in chunk {
+            x.delete(k);
+        }
+    }
+    until(Duration::from_secs(10), "nothing left waiting", || {
+        let c = wd.watch_counts();
+        c.pending_updates == 0 && c.pending_agents == 0
+    });
+    println!(
+        "3,000 put-and-delete cycles: at most {most} updates waiting, 0 after; {:?}",
+        wd.watch_counts()
+    );
+    assert!(most <= 4096);
+}

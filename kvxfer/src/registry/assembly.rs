@@ -40,9 +40,19 @@ impl Layout {
         }
     }
 
-    /// Every key of the namespace starts with this.
-    pub(super) fn all(&self) -> String {
-        format!("{}/", self.ns)
+    /// Every agent's base key starts with this.
+    pub(super) fn agents(&self) -> String {
+        format!("{}/agents/", self.ns)
+    }
+
+    /// Every region update's key starts with this.
+    pub(super) fn regions(&self) -> String {
+        format!("{}/regions/", self.ns)
+    }
+
+    /// The notes of `name` (and of any name that starts with `name/`).
+    pub(super) fn notes_of(&self, name: &str) -> String {
+        format!("{}/notes/{name}/", self.ns)
     }
 
     pub(super) fn agent(&self, name: &str) -> String {
@@ -102,33 +112,104 @@ impl Entry {
     }
 }
 
+/// The most region updates a watcher keeps waiting for their base, in all: keys of names that
+/// never publish a base (an etcd writer's churn) cannot grow it further.
+pub(super) const MAX_EARLY: usize = 4096;
+
+/// The most agents a watcher assembles by default; past it a new name is not loaded.
+pub(super) const DEFAULT_MAX_AGENTS: usize = 4096;
+
 /// The peers of a namespace as a watcher assembles them. Each method returns the metadata to
 /// load now, if the change makes any.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct Assembly {
     peers: HashMap<String, Entry>,
-    /// Updates seen before their base (a watch may deliver them in one batch, either order).
+    /// Updates seen before their base (a watch may deliver them in one batch, either order),
+    /// at most [`MAX_EARLY`] in all; an entry goes with its last update.
     early: HashMap<(String, u64), BTreeMap<u32, RegionMeta>>,
+    early_len: usize,
+    max_agents: usize,
+    /// Updates not kept (past [`MAX_EARLY`]) and new agents not loaded (past the cap).
+    pub(super) dropped_early: u64,
+    pub(super) refused_agents: u64,
+}
+
+impl Default for Assembly {
+    fn default() -> Assembly {
+        Assembly::new(DEFAULT_MAX_AGENTS)
+    }
 }
 
 impl Assembly {
+    /// An empty assembly of at most `max_agents` agents.
+    pub(super) fn new(max_agents: usize) -> Assembly {
+        Assembly {
+            peers: HashMap::new(),
+            early: HashMap::new(),
+            early_len: 0,
+            max_agents,
+            dropped_early: 0,
+            refused_agents: 0,
+        }
+    }
+
+    /// Agents assembled.
+    pub(super) fn agents(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// Region updates waiting for their base.
+    pub(super) fn early_len(&self) -> usize {
+        self.early_len
+    }
+
+    /// Incarnations with updates waiting for their base.
+    pub(super) fn early_agents(&self) -> usize {
+        self.early.len()
+    }
+
+    /// Drops every update waiting for its base (a listing brings back those still in etcd).
+    pub(super) fn forget_early(&mut self) {
+        self.early.clear();
+        self.early_len = 0;
+    }
+
+    fn drop_early_of(&mut self, name: &str) {
+        let mut n = 0;
+        self.early.retain(|(k, _), v| {
+            let keep = k != name;
+            if !keep {
+                n += v.len();
+            }
+            keep
+        });
+        self.early_len -= n;
+    }
+
     /// An agent's base metadata was put: a new incarnation drops the old one's updates.
-    pub(super) fn base(&mut self, base: Metadata) -> Metadata {
+    /// `None` for a new agent past the cap (counted).
+    pub(super) fn base(&mut self, base: Metadata) -> Option<Metadata> {
         let name = base.name.clone();
+        if !self.peers.contains_key(&name) && self.peers.len() >= self.max_agents {
+            self.refused_agents += 1;
+            self.drop_early_of(&name);
+            return None;
+        }
         let mut added = self
             .early
             .remove(&(name.clone(), base.epoch))
             .unwrap_or_default();
+        self.early_len -= added.len();
         if let Some(old) = self.peers.remove(&name) {
             if old.base.epoch == base.epoch {
                 added.extend(old.added);
             }
         }
-        self.early.retain(|(n, _), _| *n != name);
+        self.drop_early_of(&name);
         let e = Entry { base, added };
         let m = e.merged();
         self.peers.insert(name, e);
-        m
+        Some(m)
     }
 
     /// A region update of `name`'s incarnation `epoch`.
@@ -141,10 +222,24 @@ impl Assembly {
             // No base yet, or another incarnation's: held until a base of `epoch` comes (an
             // old incarnation's leftovers are dropped with the next base, never applied).
             _ => {
-                self.early
-                    .entry((name.to_string(), epoch))
+                let key = (name.to_string(), epoch);
+                let known = self
+                    .early
+                    .get(&key)
+                    .is_some_and(|v| v.contains_key(&r.id.0));
+                if !known && self.early_len >= MAX_EARLY {
+                    self.dropped_early += 1;
+                    return None;
+                }
+                if self
+                    .early
+                    .entry(key)
                     .or_default()
-                    .insert(r.id.0, r);
+                    .insert(r.id.0, r)
+                    .is_none()
+                {
+                    self.early_len += 1;
+                }
                 None
             }
         }
@@ -152,8 +247,14 @@ impl Assembly {
 
     /// A region update was deleted (the agent deregistered it).
     pub(super) fn region_gone(&mut self, name: &str, epoch: u64, id: u32) -> Option<Metadata> {
-        if let Some(v) = self.early.get_mut(&(name.to_string(), epoch)) {
-            v.remove(&id);
+        let key = (name.to_string(), epoch);
+        if let Some(v) = self.early.get_mut(&key) {
+            if v.remove(&id).is_some() {
+                self.early_len -= 1;
+            }
+            if v.is_empty() {
+                self.early.remove(&key);
+            }
         }
         let e = self.peers.get_mut(name).filter(|e| e.base.epoch == epoch)?;
         e.added.remove(&id)?;
@@ -162,7 +263,7 @@ impl Assembly {
 
     /// An agent's base key was deleted (its lease ended): true if it was known.
     pub(super) fn agent_gone(&mut self, name: &str) -> bool {
-        self.early.retain(|(n, _), _| n != name);
+        self.drop_early_of(name);
         self.peers.remove(name).is_some()
     }
 
@@ -247,28 +348,64 @@ mod tests {
     #[test]
     fn updates_add_regions_to_the_base_of_their_epoch_only() {
         let mut a = Assembly::default();
-        assert_eq!(ids(&a.base(meta("p", 5, &[0]))), [0]);
+        assert_eq!(ids(&a.base(meta("p", 5, &[0])).unwrap()), [0]);
         assert_eq!(ids(&a.region("p", 5, region(1)).unwrap()), [0, 1]);
         assert_eq!(ids(&a.region("p", 5, region(2)).unwrap()), [0, 1, 2]);
         // Deregistered: the update's key is deleted.
         assert_eq!(ids(&a.region_gone("p", 5, 1).unwrap()), [0, 2]);
         assert!(a.region_gone("p", 5, 1).is_none());
         // The same incarnation re-publishing its base keeps its updates.
-        assert_eq!(ids(&a.base(meta("p", 5, &[0]))), [0, 2]);
+        assert_eq!(ids(&a.base(meta("p", 5, &[0])).unwrap()), [0, 2]);
         // Another epoch's update is not applied to this one.
         assert!(a.region("p", 9, region(3)).is_none());
         // A restart: the old updates are dropped; the new one's early update (seen before its
         // base) is applied with it.
-        assert_eq!(ids(&a.base(meta("p", 9, &[0]))), [0, 3]);
+        assert_eq!(ids(&a.base(meta("p", 9, &[0])).unwrap()), [0, 3]);
     }
 
     #[test]
     fn an_update_before_its_base_waits_for_it() {
         let mut a = Assembly::default();
         assert!(a.region("q", 2, region(4)).is_none());
-        assert_eq!(ids(&a.base(meta("q", 2, &[0]))), [0, 4]);
+        assert_eq!(ids(&a.base(meta("q", 2, &[0])).unwrap()), [0, 4]);
         // A base listing a region also sent as update keeps it once.
         assert_eq!(ids(&a.region("q", 2, region(0)).unwrap()), [0, 4]);
+    }
+
+    #[test]
+    fn updates_of_names_that_never_publish_leave_nothing_and_are_capped() {
+        let mut a = Assembly::default();
+        // Put-and-delete churn of unknown names: nothing is left (before: an empty entry
+        // per name stayed for good).
+        for i in 0..3000 {
+            let n = format!("ghost-{i}");
+            assert!(a.region(&n, 1, region(0)).is_none());
+            assert!(a.region_gone(&n, 1, 0).is_none());
+        }
+        assert_eq!((a.early.len(), a.early_len()), (0, 0));
+        // Without deletes, at most MAX_EARLY are kept; a base still takes its own.
+        for i in 0..(MAX_EARLY + 100) {
+            a.region(&format!("ghost-{i}"), 1, region(0));
+        }
+        assert_eq!(a.early_len(), MAX_EARLY);
+        assert_eq!(a.dropped_early, 100);
+        assert_eq!(ids(&a.base(meta("ghost-7", 1, &[])).unwrap()), [0]);
+        assert_eq!(a.early_len(), MAX_EARLY - 1);
+        a.forget_early();
+        assert_eq!((a.early.len(), a.early_len()), (0, 0));
+    }
+
+    #[test]
+    fn agents_past_the_cap_are_not_loaded() {
+        let mut a = Assembly::new(2);
+        assert!(a.base(meta("a", 1, &[0])).is_some());
+        assert!(a.base(meta("b", 1, &[0])).is_some());
+        assert!(a.base(meta("c", 1, &[0])).is_none());
+        assert_eq!(a.refused_agents, 1);
+        // A known agent's restart is not a new agent.
+        assert!(a.base(meta("a", 2, &[0])).is_some());
+        assert!(a.agent_gone("b"));
+        assert!(a.base(meta("c", 1, &[0])).is_some());
     }
 
     #[test]

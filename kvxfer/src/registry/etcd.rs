@@ -27,6 +27,7 @@ use tokio::task::JoinHandle;
 
 use super::api::Discovery;
 use super::assembly::{Assembly, Key, Layout};
+use super::listing::{list, MAX_VALUE};
 use super::own_keys::{decode_base, heal_loop, holder_alive, reconcile, Published};
 use super::seal::{open, seal};
 use crate::agent::Agent;
@@ -46,6 +47,25 @@ pub struct EtcdConfig {
     pub ttl: Duration,
     /// How long connecting (and each call) may take.
     pub timeout: Duration,
+    /// The most agents a watcher loads from the namespace; past it a new name is not loaded
+    /// (logged, counted in [`WatchCounts::agents_refused`]). Default 4,096.
+    pub max_agents: usize,
+}
+
+/// What a watcher holds and refused: [`EtcdDiscovery::watch_counts`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WatchCounts {
+    /// Agents assembled from the namespace.
+    pub agents: usize,
+    /// Region updates waiting for their agent's base (at most 4,096).
+    pub pending_updates: usize,
+    /// Incarnations (name and epoch) those updates are of.
+    pub pending_agents: usize,
+    /// Region updates not kept because that many were waiting.
+    pub updates_dropped: u64,
+    /// New agents not loaded past [`EtcdConfig::max_agents`].
+    pub agents_refused: u64,
 }
 
 impl EtcdConfig {
@@ -56,6 +76,7 @@ impl EtcdConfig {
             namespace: namespace.trim_end_matches('/').to_string(),
             ttl: Duration::from_secs(10),
             timeout: Duration::from_secs(3),
+            max_agents: super::assembly::DEFAULT_MAX_AGENTS,
         }
     }
 
@@ -85,6 +106,8 @@ pub struct EtcdDiscovery {
     published: Arc<tokio::sync::Mutex<Option<Published>>>,
     /// Keys of the published agent put back after someone else changed or removed them.
     healed: Arc<std::sync::atomic::AtomicU64>,
+    /// The watch task's counts, after each batch of events.
+    counts: Arc<Mutex<WatchCounts>>,
     tasks: Mutex<Vec<JoinHandle<()>>>,
     // Last: the runtime shuts down after the tasks were aborted.
     rt: Runtime,
@@ -132,6 +155,7 @@ impl EtcdDiscovery {
             notes: Arc::default(),
             published: Arc::default(),
             healed: Arc::default(),
+            counts: Arc::default(),
             tasks: Mutex::new(Vec::new()),
             rt,
         }))
@@ -170,6 +194,11 @@ impl EtcdDiscovery {
             }
             Ok(())
         })
+    }
+
+    /// What the watcher holds and refused, as of its last batch of events.
+    pub fn watch_counts(&self) -> WatchCounts {
+        *self.counts.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// How many of the published agent's keys were put back after someone else changed or
@@ -282,19 +311,21 @@ impl Discovery for EtcdDiscovery {
     }
 
     fn watch(&self, agent: &Arc<Agent>) -> Result<()> {
-        let mut asm = Assembly::default();
+        let mut asm = Assembly::new(self.cfg.max_agents);
         let (rev, load_now, _) =
             self.rt
                 .block_on(load_all(&self.cfg, self.client.clone(), agent, &mut asm))?;
         for m in load_now.values() {
             load(agent, m);
         }
+        count(&self.counts, &asm);
         self.keep(watch_loop(
             self.cfg.clone(),
             self.client.clone(),
             Arc::downgrade(agent),
             rev,
             asm,
+            self.counts.clone(),
         ));
         Ok(())
     }
@@ -318,7 +349,11 @@ impl Discovery for EtcdDiscovery {
             ))
             .map_err(|e| etcd_err(&self.cfg, "reading an agent's updates", e))?;
         let mut asm = Assembly::default();
-        let mut meta = asm.base(base);
+        let Some(mut meta) = asm.base(base) else {
+            return Err(Error::UnknownPeer {
+                agent: name.to_string(),
+            });
+        };
         for kv in updates.kvs() {
             if let Some((n, epoch, r)) = decode_region(agent, &layout, kv) {
                 meta = asm.region(&n, epoch, r).unwrap_or(meta);
@@ -611,13 +646,19 @@ async fn load_all(
     asm: &mut Assembly,
 ) -> Result<(i64, HashMap<String, Metadata>, Vec<String>)> {
     let layout = cfg.layout();
-    let r = c
-        .get(layout.all(), Some(GetOptions::new().with_prefix()))
+    // Agents, then their updates at the same revision; never the notes (not metadata, and
+    // as large as anyone makes them).
+    let (agents, rev) = list(&mut c, &layout.agents(), 0)
         .await
         .map_err(|e| etcd_err(cfg, "listing agents", e))?;
+    let (regions, _) = list(&mut c, &layout.regions(), rev)
+        .await
+        .map_err(|e| etcd_err(cfg, "listing region updates", e))?;
     let mut load = HashMap::new();
     let mut names = HashSet::new();
-    for kv in r.kvs() {
+    // What is waiting for its base is rebuilt from the listing.
+    asm.forget_early();
+    for kv in agents.iter().chain(&regions) {
         if let Some((name, change)) = apply(agent, &layout, asm, kv, EventType::Put) {
             names.insert(name.clone());
             if let Change::Load(m) = change {
@@ -626,7 +667,7 @@ async fn load_all(
         }
     }
     let gone = asm.relisted(&names);
-    Ok((r.header().map_or(0, |h| h.revision()), load, gone))
+    Ok((rev, load, gone))
 }
 
 /// What one key's put or delete means for an agent.
@@ -656,13 +697,30 @@ fn apply(
     if name == agent.name() {
         return None;
     }
+    if kv.value().len() > MAX_VALUE {
+        log::warn!(
+            "kvxfer: etcd key {key} not used: its value is {} bytes, more than {MAX_VALUE}",
+            kv.value().len()
+        );
+        return None;
+    }
     let m = match (k, ev) {
         (Key::Agent(_), EventType::Delete) => {
             asm.agent_gone(&name);
             return Some((name, Change::Gone));
         }
         (Key::Agent(_), EventType::Put) => match decode_base(agent, kv) {
-            Ok(m) if m.name == name => Some(asm.base(m)),
+            Ok(m) if m.name == name => {
+                let loaded = asm.base(m);
+                if loaded.is_none() {
+                    log::warn!(
+                        "kvxfer: agent {name:?} from etcd not loaded: this watcher holds its \
+                         cap of agents already ({} refused)",
+                        asm.refused_agents
+                    );
+                }
+                loaded
+            }
             Ok(m) => {
                 log::warn!(
                     "kvxfer: etcd key {key} holds agent {:?}: not loaded",
@@ -684,6 +742,17 @@ fn apply(
         name,
         m.map_or(Change::Nothing, |m| Change::Load(Box::new(m))),
     ))
+}
+
+/// The watch task's counts into `counts`.
+fn count(counts: &Mutex<WatchCounts>, asm: &Assembly) {
+    *counts.lock().unwrap_or_else(|e| e.into_inner()) = WatchCounts {
+        agents: asm.agents(),
+        pending_updates: asm.early_len(),
+        pending_agents: asm.early_agents(),
+        updates_dropped: asm.dropped_early,
+        agents_refused: asm.refused_agents,
+    };
 }
 
 /// Loads `m` into `agent` (logged when refused).
@@ -710,6 +779,7 @@ async fn watch_loop(
     agent: Weak<Agent>,
     mut rev: i64,
     mut asm: Assembly,
+    counts: Arc<Mutex<WatchCounts>>,
 ) {
     let layout = cfg.layout();
     loop {
@@ -717,10 +787,18 @@ async fn watch_loop(
         let opts = WatchOptions::new()
             .with_prefix()
             .with_start_revision(rev + 1);
-        let stream = c.clone().watch(layout.all(), Some(opts)).await;
+        // Agents and their updates on one stream; never the notes.
+        let stream = match c.clone().watch(layout.agents(), Some(opts.clone())).await {
+            Ok((mut w, s)) => w.watch(layout.regions(), Some(opts)).await.map(|()| (w, s)),
+            Err(e) => Err(e),
+        };
         drop(a);
         if let Ok((_watcher, mut stream)) = stream {
             while let Ok(Some(resp)) = stream.message().await {
+                if resp.canceled() {
+                    // Compacted past our revision (or refused): list again.
+                    break;
+                }
                 let Some(a) = agent.upgrade() else { return };
                 let mut load_now: Vec<Metadata> = Vec::new();
                 let mut gone: Vec<String> = Vec::new();
@@ -733,6 +811,7 @@ async fn watch_loop(
                         _ => {}
                     }
                 }
+                count(&counts, &asm);
                 // Loading talks to the engine and may probe a peer: off the runtime.
                 let _ = tokio::task::spawn_blocking(move || {
                     for m in &load_now {
@@ -748,6 +827,7 @@ async fn watch_loop(
         let Some(a) = agent.upgrade() else { return };
         if let Ok((r, load_now, gone)) = load_all(&cfg, c.clone(), &a, &mut asm).await {
             rev = r;
+            count(&counts, &asm);
             let _ = tokio::task::spawn_blocking(move || {
                 for m in load_now.values() {
                     load(&a, m);

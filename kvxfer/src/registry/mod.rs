@@ -31,6 +31,8 @@ pub(crate) mod config;
 mod etcd;
 mod join;
 #[cfg(feature = "etcd")]
+mod listing;
+#[cfg(feature = "etcd")]
 mod own_keys;
 #[cfg(feature = "etcd")]
 mod seal;
@@ -39,5 +41,5 @@ pub use api::{Discovery, SideChannelDiscovery};
 pub use config::DiscoveryConfig;
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
-pub use etcd::{EtcdConfig, EtcdDiscovery};
+pub use etcd::{EtcdConfig, EtcdDiscovery, WatchCounts};
 pub use join::{join, Member};

@@ -160,12 +160,23 @@ pub(super) async fn heal_loop(
     healed: Arc<AtomicU64>,
 ) {
     loop {
-        let stream = c
-            .clone()
-            .watch(layout.all(), Some(WatchOptions::new().with_prefix()))
-            .await;
+        let Some(a) = agent.upgrade() else { return };
+        // Its base key, the updates (of every name: a prefix of its own would miss none of
+        // its epochs), and its notes; one stream.
+        let prefix = Some(WatchOptions::new().with_prefix());
+        let watch = async {
+            let (mut w, s) = c.clone().watch(layout.agent(a.name()), None).await?;
+            w.watch(layout.regions(), prefix.clone()).await?;
+            w.watch(layout.notes_of(a.name()), prefix.clone()).await?;
+            Ok::<_, etcd_client::Error>((w, s))
+        };
+        let stream = watch.await;
+        drop(a);
         if let Ok((_watcher, mut stream)) = stream {
             while let Ok(Some(resp)) = stream.message().await {
+                if resp.canceled() {
+                    break;
+                }
                 let Some(a) = agent.upgrade() else { return };
                 let mut g = published.lock().await;
                 let Some(p) = g.as_mut() else { continue };
