@@ -14,25 +14,24 @@
 //! re-publishes (new lease) and the watch lists the namespace again when etcd is back,
 //! retiring the agents whose keys went meanwhile.
 
-use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, DeleteOptions, EventType, GetOptions, KeyValue,
-    PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
+    Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp,
+    TxnOpResponse,
 };
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
 use super::api::Discovery;
-use super::assembly::{Assembly, Key, Layout};
-use super::listing::{list, MAX_VALUE};
+use super::assembly::{Assembly, Layout};
 use super::own_keys::{decode_base, heal_loop, holder_alive, reconcile, Published};
-use super::seal::{open, seal};
+use super::seal::seal;
+use super::watch::{count, decode_region, load, load_all, watch_loop, WatchCounts};
 use crate::agent::Agent;
 use kvxfer_proto::error::{Error, Result};
-use kvxfer_proto::wire::metadata::{Metadata, RegionMeta};
+use kvxfer_proto::wire::metadata::Metadata;
 
 /// Where etcd is and how agents are kept there: [`EtcdConfig::new`], then the fields or
 /// [`EtcdConfig::ttl`].
@@ -50,22 +49,6 @@ pub struct EtcdConfig {
     /// The most agents a watcher loads from the namespace; past it a new name is not loaded
     /// (logged, counted in [`WatchCounts::agents_refused`]). Default 4,096.
     pub max_agents: usize,
-}
-
-/// What a watcher holds and refused: [`EtcdDiscovery::watch_counts`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct WatchCounts {
-    /// Agents assembled from the namespace.
-    pub agents: usize,
-    /// Region updates waiting for their agent's base (at most 4,096).
-    pub pending_updates: usize,
-    /// Incarnations (name and epoch) those updates are of.
-    pub pending_agents: usize,
-    /// Region updates not kept because that many were waiting.
-    pub updates_dropped: u64,
-    /// New agents not loaded past [`EtcdConfig::max_agents`].
-    pub agents_refused: u64,
 }
 
 impl EtcdConfig {
@@ -312,15 +295,21 @@ impl Discovery for EtcdDiscovery {
 
     fn watch(&self, agent: &Arc<Agent>) -> Result<()> {
         let mut asm = Assembly::new(self.cfg.max_agents);
-        let (rev, load_now, _) =
-            self.rt
-                .block_on(load_all(&self.cfg, self.client.clone(), agent, &mut asm))?;
+        let (rev, load_now, _) = self
+            .rt
+            .block_on(load_all(
+                &self.cfg.layout(),
+                self.client.clone(),
+                agent,
+                &mut asm,
+            ))
+            .map_err(|(what, e)| etcd_err(&self.cfg, what, e))?;
         for m in load_now.values() {
             load(agent, m);
         }
         count(&self.counts, &asm);
         self.keep(watch_loop(
-            self.cfg.clone(),
+            self.cfg.layout(),
             self.client.clone(),
             Arc::downgrade(agent),
             rev,
@@ -360,31 +349,6 @@ impl Discovery for EtcdDiscovery {
             }
         }
         agent.load_remote_metadata(&meta.encode()).map(|_| ())
-    }
-}
-
-/// A region update's agent, epoch and region; `None` (logged) when it does not open or decode.
-fn decode_region(
-    agent: &Agent,
-    layout: &Layout,
-    kv: &KeyValue,
-) -> Option<(String, u64, RegionMeta)> {
-    let key = String::from_utf8_lossy(kv.key());
-    let Some(Key::Region { name, epoch, .. }) = layout.parse(&key) else {
-        return None;
-    };
-    let r = open(agent.secret(), &key, kv.lease(), kv.value()).and_then(|b| {
-        RegionMeta::decode(&b).map_err(|err| Error::Metadata {
-            source_desc: format!("etcd key {key}"),
-            err,
-        })
-    });
-    match r {
-        Ok(r) => Some((name, epoch, r)),
-        Err(e) => {
-            log::warn!("kvxfer: region update {key} not used: {e}");
-            None
-        }
     }
 }
 
@@ -633,208 +597,6 @@ async fn lease_loop(ctx: Ctx, agent: Weak<Agent>) {
         if let Ok(n) = reconcile(&cfg.layout(), &mut c.clone(), &a, p).await {
             ctx.healed
                 .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-}
-
-/// Lists the namespace into `asm`; returns the revision seen, and per agent (but `agent`
-/// itself) the metadata to load. Agents known to `asm` whose keys went are retired.
-async fn load_all(
-    cfg: &EtcdConfig,
-    mut c: Client,
-    agent: &Arc<Agent>,
-    asm: &mut Assembly,
-) -> Result<(i64, HashMap<String, Metadata>, Vec<String>)> {
-    let layout = cfg.layout();
-    // Agents, then their updates at the same revision; never the notes (not metadata, and
-    // as large as anyone makes them).
-    let (agents, rev) = list(&mut c, &layout.agents(), 0)
-        .await
-        .map_err(|e| etcd_err(cfg, "listing agents", e))?;
-    let (regions, _) = list(&mut c, &layout.regions(), rev)
-        .await
-        .map_err(|e| etcd_err(cfg, "listing region updates", e))?;
-    let mut load = HashMap::new();
-    let mut names = HashSet::new();
-    // What is waiting for its base is rebuilt from the listing.
-    asm.forget_early();
-    for kv in agents.iter().chain(&regions) {
-        if let Some((name, change)) = apply(agent, &layout, asm, kv, EventType::Put) {
-            names.insert(name.clone());
-            if let Change::Load(m) = change {
-                load.insert(name, *m);
-            }
-        }
-    }
-    let gone = asm.relisted(&names);
-    Ok((rev, load, gone))
-}
-
-/// What one key's put or delete means for an agent.
-enum Change {
-    /// Its assembled metadata changed: load this (boxed: it dwarfs the other variants).
-    Load(Box<Metadata>),
-    /// Its base key went (its lease ended): retire it.
-    Gone,
-    /// Nothing to do now.
-    Nothing,
-}
-
-/// Applies one key's put or delete to `asm`: the agent it concerns, and what changed for it.
-/// Keys of `agent` itself and keys that do not open or decode (logged) are skipped.
-fn apply(
-    agent: &Agent,
-    layout: &Layout,
-    asm: &mut Assembly,
-    kv: &KeyValue,
-    ev: EventType,
-) -> Option<(String, Change)> {
-    let key = String::from_utf8_lossy(kv.key()).into_owned();
-    let k = layout.parse(&key)?;
-    let name = match &k {
-        Key::Agent(n) | Key::Region { name: n, .. } => n.clone(),
-    };
-    if name == agent.name() {
-        return None;
-    }
-    if kv.value().len() > MAX_VALUE {
-        log::warn!(
-            "kvxfer: etcd key {key} not used: its value is {} bytes, more than {MAX_VALUE}",
-            kv.value().len()
-        );
-        return None;
-    }
-    let m = match (k, ev) {
-        (Key::Agent(_), EventType::Delete) => {
-            asm.agent_gone(&name);
-            return Some((name, Change::Gone));
-        }
-        (Key::Agent(_), EventType::Put) => match decode_base(agent, kv) {
-            Ok(m) if m.name == name => {
-                let loaded = asm.base(m);
-                if loaded.is_none() {
-                    log::warn!(
-                        "kvxfer: agent {name:?} from etcd not loaded: this watcher holds its \
-                         cap of agents already ({} refused)",
-                        asm.refused_agents
-                    );
-                }
-                loaded
-            }
-            Ok(m) => {
-                log::warn!(
-                    "kvxfer: etcd key {key} holds agent {:?}: not loaded",
-                    m.name
-                );
-                None
-            }
-            Err(e) => {
-                log::warn!("kvxfer: agent {name:?} from etcd not loaded: {e}");
-                None
-            }
-        },
-        (Key::Region { .. }, EventType::Put) => {
-            decode_region(agent, layout, kv).and_then(|(n, e, r)| asm.region(&n, e, r))
-        }
-        (Key::Region { epoch, id, .. }, EventType::Delete) => asm.region_gone(&name, epoch, id),
-    };
-    Some((
-        name,
-        m.map_or(Change::Nothing, |m| Change::Load(Box::new(m))),
-    ))
-}
-
-/// The watch task's counts into `counts`.
-fn count(counts: &Mutex<WatchCounts>, asm: &Assembly) {
-    *counts.lock().unwrap_or_else(|e| e.into_inner()) = WatchCounts {
-        agents: asm.agents(),
-        pending_updates: asm.early_len(),
-        pending_agents: asm.early_agents(),
-        updates_dropped: asm.dropped_early,
-        agents_refused: asm.refused_agents,
-    };
-}
-
-/// Loads `m` into `agent` (logged when refused).
-fn load(agent: &Agent, m: &Metadata) {
-    if let Err(e) = agent.load_remote_metadata(&m.encode()) {
-        log::warn!("kvxfer: agent {:?} from etcd not loaded: {e}", m.name);
-    }
-}
-
-/// Retires the agents `gone` in `agent`: their transfers fail with `PeerFailed`.
-fn retire(agent: &Agent, gone: &[String]) {
-    for name in gone {
-        if agent.retire_peer(name).is_ok() {
-            log::info!("kvxfer: agent {name:?} left etcd (lease ended): retired");
-        }
-    }
-}
-
-/// Follows the namespace from revision `rev`: loads what appears or changes, retires what
-/// goes; starts over (listing again, retiring what went meanwhile) when the watch breaks.
-async fn watch_loop(
-    cfg: EtcdConfig,
-    c: Client,
-    agent: Weak<Agent>,
-    mut rev: i64,
-    mut asm: Assembly,
-    counts: Arc<Mutex<WatchCounts>>,
-) {
-    let layout = cfg.layout();
-    loop {
-        let Some(a) = agent.upgrade() else { return };
-        let opts = WatchOptions::new()
-            .with_prefix()
-            .with_start_revision(rev + 1);
-        // Agents and their updates on one stream; never the notes.
-        let stream = match c.clone().watch(layout.agents(), Some(opts.clone())).await {
-            Ok((mut w, s)) => w.watch(layout.regions(), Some(opts)).await.map(|()| (w, s)),
-            Err(e) => Err(e),
-        };
-        drop(a);
-        if let Ok((_watcher, mut stream)) = stream {
-            while let Ok(Some(resp)) = stream.message().await {
-                if resp.canceled() {
-                    // Compacted past our revision (or refused): list again.
-                    break;
-                }
-                let Some(a) = agent.upgrade() else { return };
-                let mut load_now: Vec<Metadata> = Vec::new();
-                let mut gone: Vec<String> = Vec::new();
-                for ev in resp.events() {
-                    let Some(kv) = ev.kv() else { continue };
-                    rev = rev.max(kv.mod_revision());
-                    match apply(&a, &layout, &mut asm, kv, ev.event_type()) {
-                        Some((name, Change::Gone)) => gone.push(name),
-                        Some((_, Change::Load(m))) => load_now.push(*m),
-                        _ => {}
-                    }
-                }
-                count(&counts, &asm);
-                // Loading talks to the engine and may probe a peer: off the runtime.
-                let _ = tokio::task::spawn_blocking(move || {
-                    for m in &load_now {
-                        load(&a, m);
-                    }
-                    retire(&a, &gone);
-                })
-                .await;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        // The watch broke (etcd gone or compacted): list again once etcd answers.
-        let Some(a) = agent.upgrade() else { return };
-        if let Ok((r, load_now, gone)) = load_all(&cfg, c.clone(), &a, &mut asm).await {
-            rev = r;
-            count(&counts, &asm);
-            let _ = tokio::task::spawn_blocking(move || {
-                for m in load_now.values() {
-                    load(&a, m);
-                }
-                retire(&a, &gone);
-            })
-            .await;
         }
     }
 }

@@ -36,10 +36,15 @@ mod listing;
 mod own_keys;
 #[cfg(feature = "etcd")]
 mod seal;
+#[cfg(feature = "etcd")]
+mod watch;
 
 pub use api::{Discovery, SideChannelDiscovery};
 pub use config::DiscoveryConfig;
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
-pub use etcd::{EtcdConfig, EtcdDiscovery, WatchCounts};
+pub use etcd::{EtcdConfig, EtcdDiscovery};
 pub use join::{join, Member};
+#[cfg(feature = "etcd")]
+#[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
+pub use watch::WatchCounts;
