@@ -335,3 +335,52 @@ fn a_namespace_larger_than_a_response_lists_and_watches_recover() {
     );
     assert!(most <= 4096);
 }
+
+#[test]
+fn a_port_that_only_accepts_connections_does_not_hold_a_name() {
+    let Some(etcd) = Etcd::start() else { return };
+    let url = etcd.url();
+    let ns = format!("/kvx-squat-{}", std::process::id());
+    let mut x = Attacker::new(&url);
+    let key = format!("{ns}/agents/sq-a");
+    // An incarnation that published and left; its value and lease id are on record.
+    let (old, old_lease, old_lane) = {
+        let a1 = publish(&url, &ns, "sq-a", 0x51);
+        let (v, l) = x.get(&key).unwrap();
+        let meta = kvxfer_proto::wire::metadata::Metadata::decode(
+            &a1.agent.metadata().unwrap(),
+            a1.agent.compat(),
+        )
+        .unwrap();
+        (v, l, meta.tcp_lane().unwrap().addr)
+    };
+    until(TTL, "the old incarnation's key gone", || {
+        x.get(&key).is_none()
+    });
+    // Something else now listens on the old lane's port and accepts every connection; the
+    // old value is replayed under the old lease's id, granted again (so it opens).
+    let squatter = std::net::TcpListener::bind(old_lane).unwrap();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in squatter.incoming().flatten() {
+            held.push(c);
+        }
+    });
+    assert_eq!(x.lease(Some(old_lease)), old_lease);
+    x.put(&key, &old, old_lease);
+    // The name's new incarnation starts: the squatter proves nothing, so it is not a live
+    // holder (before: "is taken by a live agent" because the port accepted a connection).
+    let t0 = Instant::now();
+    let a2 = publish(&url, &ns, "sq-a", 0x52);
+    println!(
+        "a replayed value whose lane port a squatter holds: the new incarnation published in {:?}",
+        t0.elapsed()
+    );
+    assert_ne!(x.get(&key).unwrap().0, old);
+    assert_eq!(fresh_read(&url, &ns, "sq-reader", "sq-a").unwrap(), 0x52);
+    // The live incarnation proves itself: a third one of the name is refused.
+    let a3 = agent("sq-a");
+    let e = discovery(&url, &ns).publish(&a3).unwrap_err();
+    assert!(matches!(e, Error::NameConflict { .. }), "{e}");
+    drop(a2);
+}

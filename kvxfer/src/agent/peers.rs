@@ -8,6 +8,7 @@ use std::sync::Arc;
 use super::state::{AgentState, PeerView};
 use crate::backend::ucx::driver::{Cmd, LoadedPeer};
 use crate::lane::api::PeerLanes;
+use crate::lane::tcp::liveness::answers_as;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::peer_table::{admit, Admission, PeerUse};
 use kvxfer_proto::types::{GpuPath, HostInfo, Lane, MemKind, PeerInfo, RegionSpan};
@@ -42,7 +43,8 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
     };
     let spans: Vec<RegionSpan> = meta.regions.iter().map(|r| r.span()).collect();
     let unmapped: Vec<bool> = meta.regions.iter().map(|r| r.rkey.is_empty()).collect();
-    let (epoch, lane_addr, host) = (meta.epoch, meta.tcp_lane().map(|l| l.addr), meta.host);
+    let (epoch, lane, host) = (meta.epoch, meta.tcp_lane(), meta.host);
+    let lane_addr = lane.map(|l| l.addr);
     let worker_addr = meta.worker_addr.clone();
     let LoadedPeer { token, connected } = st.cmds.call(|reply| Cmd::LoadPeer { meta, reply })?;
     // UCX's TCP transport left out: a peer no other UCX transport reaches is loaded lane-only
@@ -85,6 +87,7 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
                 meta_sum: sum,
                 epoch,
                 lane_addr,
+                lane,
                 host,
                 worker_addr,
                 ucx: !lane_only,
@@ -219,7 +222,10 @@ fn another_incarnation(st: &AgentState, meta: &Metadata) -> Result<()> {
     let new_lane = meta.tcp_lane().map(|l| l.addr);
     let alive = match old.lane_addr {
         Some(a) if Some(a) != new_lane => {
-            std::net::TcpStream::connect_timeout(&a, PROBE_TIMEOUT).is_ok()
+            // With a secret, proven: a port that only accepts connections is not the old
+            // incarnation.
+            old.lane
+                .is_some_and(|l| answers_as(&l, st.secret.as_deref(), PROBE_TIMEOUT))
         }
         // The newcomer listens where the old one did: the old one's socket is gone.
         Some(_) => false,

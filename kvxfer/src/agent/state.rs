@@ -12,7 +12,7 @@ use crate::notify::Channels;
 use crate::staging::pool::StagingCell;
 use crate::transfer::Canceller;
 use kvxfer_proto::error::{Error, Result, UcsStatus};
-use kvxfer_proto::types::{GpuPath, HostInfo, Lane, RegionSpan, Transport};
+use kvxfer_proto::types::{GpuPath, HostInfo, Lane, LaneInfo, RegionSpan, Transport};
 use kvxfer_proto::wire::lane_entries::LaneEntry;
 
 /// The agent's state, shared with the threads it starts (side-channel listeners). Only the
@@ -177,6 +177,9 @@ pub(crate) struct PeerView {
     /// Where its TCP lane listens, to tell whether it is still alive when another agent
     /// offers its name.
     pub(crate) lane_addr: Option<std::net::SocketAddr>,
+    /// Its TCP lane as advertised: with a secret, the key it must prove it holds to count as
+    /// alive.
+    pub(crate) lane: Option<LaneInfo>,
     /// Its host and process, for the same check when it has no lane.
     pub(crate) host: Option<HostInfo>,
     /// Its UCX worker's address: with the lane address and the process, what metadata of the

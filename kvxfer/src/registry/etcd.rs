@@ -418,7 +418,9 @@ async fn publish_once(
         };
         let Some(kv) = g.kvs().first() else { continue };
         let theirs = decode_base(agent, kv).ok();
-        if theirs.as_ref().is_some_and(|m| m.epoch != ours.epoch) && holder_alive(theirs.as_ref()) {
+        if theirs.as_ref().is_some_and(|m| m.epoch != ours.epoch)
+            && holder_alive(agent, theirs.as_ref())
+        {
             let _ = c.lease_revoke(lease).await;
             return Err(Error::NameConflict {
                 name: agent.name().to_string(),

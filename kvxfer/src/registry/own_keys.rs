@@ -19,6 +19,7 @@ use etcd_client::{Client, GetOptions, KeyValue, PutOptions, Txn, TxnOp, WatchOpt
 use super::assembly::{Key, Layout};
 use super::seal::open;
 use crate::agent::Agent;
+use crate::lane::tcp::liveness::answers_as;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::wire::metadata::Metadata;
 
@@ -46,11 +47,12 @@ pub(super) fn decode_base(agent: &Agent, kv: &KeyValue) -> Result<Metadata> {
     })
 }
 
-/// Whether the incarnation whose metadata a key holds still answers on its TCP lane.
-pub(super) fn holder_alive(m: Option<&Metadata>) -> bool {
-    m.and_then(|m| m.tcp_lane()).is_some_and(|l| {
-        std::net::TcpStream::connect_timeout(&l.addr, Duration::from_secs(1)).is_ok()
-    })
+/// Whether the incarnation whose metadata a key holds still answers on its TCP lane: with a
+/// secret, proven on the lane's sealed opening against that incarnation's key, never because
+/// a port accepts a connection ([`answers_as`]).
+pub(super) fn holder_alive(agent: &Agent, m: Option<&Metadata>) -> bool {
+    m.and_then(|m| m.tcp_lane())
+        .is_some_and(|l| answers_as(&l, agent.secret(), Duration::from_secs(1)))
 }
 
 /// Whether `key` is one of `agent`'s (its base, an update of any of its epochs, or a key it
@@ -106,9 +108,9 @@ pub(super) async fn reconcile(
         )
     }) {
         let theirs = decode_base(agent, kv).ok();
-        let other_live = theirs
-            .as_ref()
-            .is_some_and(|m| m.name == name && m.epoch != p.base.epoch && holder_alive(Some(m)));
+        let other_live = theirs.as_ref().is_some_and(|m| {
+            m.name == name && m.epoch != p.base.epoch && holder_alive(agent, Some(m))
+        });
         if other_live {
             p.superseded = true;
             log::error!(

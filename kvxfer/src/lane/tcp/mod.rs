@@ -21,6 +21,7 @@ mod framed;
 pub(crate) mod identities;
 pub(crate) mod lane;
 pub(crate) mod link;
+pub(crate) mod liveness;
 mod mixed;
 pub(crate) mod server;
 pub(crate) mod settings;
