@@ -614,7 +614,8 @@ kvx_status kvx_agent_config_set_net_devices(struct kvx_agent_config *c, const ch
 
 /**
  * Sets where the agent publishes itself and finds peers by name: `url` "etcd://host:2379"
- * (several endpoints comma-separated), the namespace `ns` (a key prefix starting with '/', one
+ * (several endpoints comma-separated; "etcd://user:password@host:2379" with etcd's own
+ * authentication on), the namespace `ns` (a key prefix starting with '/', one
  * per deployment), leases of `ttl_ms` (0: 10 s); `url` NULL removes it. `kvx_agent_new_with`
  * then connects to etcd (an unreachable one is an error creating no agent), publishes the
  * agent and loads every agent of the namespace as they come and go, for the agent's life.
@@ -1252,10 +1253,11 @@ kvx_status kvx_connector_consumer(const struct kvx_connector *c,
                                   struct kvx_consumer **out);
 
 /**
- * Connects to etcd at `endpoints` (comma-separated URLs, e.g. "http://10.0.0.5:2379") for
- * the namespace `ns` (a key prefix, one per deployment), agents' leases lasting `ttl_ms`
- * (0: 10 s). An etcd that does not answer is an error naming it; a library built without
- * the `etcd` feature says so.
+ * Connects to etcd at `endpoints` (comma-separated URLs, e.g. "http://10.0.0.5:2379"; with
+ * etcd's own authentication on, "http://user:password@10.0.0.5:2379") for the namespace `ns`
+ * (a key prefix, one per deployment), agents' leases lasting `ttl_ms` (0: 10 s). An etcd that
+ * does not answer, or refuses the user, is an error naming it (never the password); a
+ * library built without the `etcd` feature says so.
  *
  * # Safety
  * `endpoints`, `ns` NUL-terminated; `out` valid.

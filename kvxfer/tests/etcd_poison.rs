@@ -384,3 +384,72 @@ fn a_port_that_only_accepts_connections_does_not_hold_a_name() {
     assert!(matches!(e, Error::NameConflict { .. }), "{e}");
     drop(a2);
 }
+
+#[test]
+fn etcd_with_authentication_on_works_end_to_end() {
+    let Some(etcd) = Etcd::start() else { return };
+    let url = etcd.url();
+    let ns = format!("/kvx-auth-{}", std::process::id());
+    // etcd's own authentication: a root user, and a user "kvx" that may read and write only
+    // the deployment's namespace.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut c = Client::connect([url.as_str()], None).await.unwrap();
+        c.user_add("root", "root-pw", None).await.unwrap();
+        c.user_grant_role("root", "root").await.unwrap();
+        c.role_add("kvx").await.unwrap();
+        let perm = etcd_client::Permission::read_write(ns.as_str()).with_prefix();
+        c.role_grant_permission("kvx", perm).await.unwrap();
+        c.user_add("kvx", "kvx-pw", None).await.unwrap();
+        c.user_grant_role("kvx", "kvx").await.unwrap();
+        c.auth_enable().await.unwrap();
+    });
+    let with_user = url.replace("http://", "http://kvx:kvx-pw@");
+    let member = |name: &str, fill: u8| {
+        let a = agent(name);
+        let r = a.register(HostBuffer::new(LEN).unwrap()).unwrap();
+        r.write(0, &vec![fill; LEN]).unwrap();
+        let d = EtcdDiscovery::connect(EtcdConfig::new(&[&with_user], &ns).ttl(TTL)).unwrap();
+        d.publish(&a).unwrap();
+        d.watch(&a).unwrap();
+        (a, d, r)
+    };
+    let (a, _ad, _ar) = member("auth-a", 0x61);
+    let (b, _bd, _br) = member("auth-b", 0x62);
+    let local = b.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    until(Duration::from_secs(5), "auth-b reads auth-a", || {
+        read_fill(&b, &local, "auth-a").ok() == Some(0x61)
+    });
+    // The healing works under the user too.
+    let mut admin = rt.block_on(async {
+        let o = etcd_client::ConnectOptions::new().with_user("root", "root-pw");
+        Client::connect([url.as_str()], Some(o)).await.unwrap()
+    });
+    let key = format!("{ns}/agents/auth-a");
+    rt.block_on(admin.delete(key.as_str(), None)).unwrap();
+    until(TTL, "auth-a's key put back", || {
+        rt.block_on(admin.get(key.as_str(), None)).unwrap().count() == 1
+    });
+    // Without the user, or with a wrong password, nothing is published or read: typed.
+    let x = agent("auth-x");
+    match EtcdDiscovery::connect(EtcdConfig::new(&[&url], &ns).ttl(TTL)) {
+        Ok(d) => {
+            let e = d.publish(&x).unwrap_err();
+            assert!(matches!(e, Error::Registry { .. }), "{e}");
+            println!("no user: {e}");
+        }
+        Err(e) => println!("no user: {e}"),
+    }
+    let wrong = url.replace("http://", "http://kvx:wrong@");
+    let e = EtcdDiscovery::connect(EtcdConfig::new(&[&wrong], &ns).ttl(TTL)).unwrap_err();
+    assert!(matches!(e, Error::Registry { .. }), "{e}");
+    assert!(
+        !e.to_string().contains("wrong"),
+        "the password is in the error: {e}"
+    );
+    println!("wrong password: {e}");
+    drop(a);
+}

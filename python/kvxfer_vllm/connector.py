@@ -44,7 +44,8 @@ not yet),
 ``ucx_tcp`` (let UCX use its own, unauthenticated TCP transport too; off by default, with a
 secret or without: trusted networks only), ``strict`` (refuse a silent transport fallback), ``discovery`` (``etcd://host:2379``: workers publish
 themselves in etcd and load each other before any handoff; ``namespace``,
-``discovery_ttl_ms``), ``compression`` (the TCP lane's: ``auto``, the default, compresses a
+``discovery_ttl_ms``; with etcd's own authentication on, ``etcd_user`` and ``etcd_password``,
+or ``etcd://user:password@host:2379``), ``compression`` (the TCP lane's: ``auto``, the default, compresses a
 handoff where the measured link is slower than the codec makes worthwhile; ``on``; ``off``),
 ``handshake_timeout_ms`` (how long each step of meeting a peer on its side channel may wait;
 default 10,000). Every option goes to the agent through the C ABI's
@@ -564,6 +565,10 @@ class KvxferConnector(KVConnectorBase_V1):
         disc = str(ex.get("discovery") or "")
         if disc:
             endpoints = ",".join("http://" + e.split("://", 1)[-1] for e in disc.split(","))
+            user = ex.get("etcd_user")
+            if user:
+                # etcd's own authentication (also accepted as etcd://user:password@host).
+                endpoints = endpoints.replace("http://", f"http://{user}:{ex.get('etcd_password', '')}@", 1)
             self.discovery = kx.Discovery(endpoints, str(ex.get("namespace", "/kvxfer")), int(ex.get("discovery_ttl_ms", 0)))
             self.discovery.publish(self.agent)
             self.discovery.watch(self.agent)

@@ -4,6 +4,7 @@ worker loaded before the handoff arrives and never dials the side channel the ha
 (made unreachable here). Needs a libkvxfer built with the etcd feature (scripts/test.sh builds
 it so) and Debian's etcd-server; skips without an etcd binary."""
 
+import base64
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import pytest
 
@@ -56,12 +58,36 @@ def etcd():
         shutil.rmtree(d, ignore_errors=True)
 
 
-def test_workers_find_each_other_through_etcd_not_the_side_channel(etcd):
+def enable_auth(url, ns):
+    """etcd's own authentication on, through its JSON gateway: a root user, and a user "kvx"
+    that may read and write the namespace only."""
+
+    def call(path, body):
+        req = urllib.request.Request(f"{url}/v3/{path}", data=json.dumps(body).encode(), method="POST")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.loads(r.read() or b"{}")
+
+    b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
+    end = ns.encode()[:-1] + bytes([ns.encode()[-1] + 1])
+    call("auth/user/add", {"name": "root", "password": "root-pw"})
+    call("auth/user/grant", {"user": "root", "role": "root"})
+    call("auth/role/add", {"name": "kvx"})
+    call("auth/role/grant", {"name": "kvx", "perm": {"permType": "READWRITE", "key": b64(ns.encode()), "range_end": b64(end)}})
+    call("auth/user/add", {"name": "kvx", "password": "kvx-pw"})
+    call("auth/user/grant", {"user": "kvx", "role": "kvx"})
+    call("auth/enable", {})
+
+
+@pytest.mark.parametrize("auth", [False, True], ids=["open", "etcd-auth"])
+def test_workers_find_each_other_through_etcd_not_the_side_channel(etcd, auth):
     from kvxfer_vllm import KvxferConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     ns = f"/kvx-plugin-{os.getpid()}"
     extra = {"transport": "tcp", "net_devices": "lo", "discovery": etcd.replace("http://", "etcd://"), "namespace": ns}
+    if auth:
+        enable_auth(etcd, ns)
+        extra.update(etcd_user="kvx", etcd_password="kvx-pw")
     vp = h.vllm_config(role="kv_producer", extra=dict(extra), engine_id=f"etcd-pre-{os.getpid()}")
     raw, caches, kv = h.kv_caches()
     raw.copy_(torch.randint(-128, 127, raw.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(3)))

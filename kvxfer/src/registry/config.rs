@@ -6,6 +6,58 @@ use std::time::Duration;
 
 use kvxfer_proto::error::{Error, Result};
 
+/// A user of etcd's own authentication: a name and its password (the password never prints).
+#[derive(Clone, PartialEq, Eq)]
+pub struct EtcdUser {
+    /// The user's name.
+    pub name: String,
+    password: String,
+}
+
+impl EtcdUser {
+    /// User `name` with `password`.
+    pub fn new(name: &str, password: &str) -> EtcdUser {
+        EtcdUser {
+            name: name.to_string(),
+            password: password.to_string(),
+        }
+    }
+
+    /// The password.
+    pub fn password(&self) -> &str {
+        &self.password
+    }
+
+    /// `url` without a `user:password@` before its host, and that user: how a discovery URL
+    /// or an endpoint carries etcd credentials.
+    pub fn split_url(url: &str) -> (String, Option<EtcdUser>) {
+        let (scheme, rest) = match url.split_once("://") {
+            Some((s, r)) => (format!("{s}://"), r),
+            None => (String::new(), url),
+        };
+        // Hosts hold no '@'; a password may.
+        match rest.rsplit_once('@') {
+            Some((info, hosts)) => {
+                let (name, password) = info.split_once(':').unwrap_or((info, ""));
+                (
+                    format!("{scheme}{hosts}"),
+                    Some(EtcdUser::new(name, password)),
+                )
+            }
+            None => (url.to_string(), None),
+        }
+    }
+}
+
+impl std::fmt::Debug for EtcdUser {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdUser")
+            .field("name", &self.name)
+            .field("password", &"<redacted>")
+            .finish()
+    }
+}
+
 /// How an agent publishes itself and finds peers by name.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -18,19 +70,26 @@ pub enum DiscoveryConfig {
         namespace: String,
         /// Lease TTL: how long a dead agent's keys outlive it.
         ttl: Duration,
+        /// etcd's own authentication (`etcd://user:password@host:port`), if it is on.
+        user: Option<EtcdUser>,
     },
 }
 
 impl DiscoveryConfig {
-    /// Parses a discovery URL: `etcd://host:2379[,host2:2379]` (plain HTTP to each endpoint),
-    /// for the namespace `namespace`, leases of `ttl` (at least 1 s: etcd counts seconds).
+    /// Parses a discovery URL: `etcd://[user:password@]host:2379[,host2:2379]` (plain HTTP to
+    /// each endpoint; with a user, etcd's own authentication), for the namespace `namespace`,
+    /// leases of `ttl` (at least 1 s: etcd counts seconds).
     pub fn parse(url: &str, namespace: &str, ttl: Duration) -> Result<DiscoveryConfig> {
+        let (shown, user) = EtcdUser::split_url(url);
         let bad = |why: &str| {
             Error::InvalidArgument(format!(
-                "discovery {url:?}: {why} (expected etcd://host:port[,host:port])"
+                "discovery {shown:?}: {why} (expected etcd://[user:password@]host:port[,host:port])"
             ))
         };
-        let rest = url
+        if user.as_ref().is_some_and(|u| u.name.is_empty()) {
+            return Err(bad("an empty user name"));
+        }
+        let rest = shown
             .strip_prefix("etcd://")
             .ok_or_else(|| bad("unknown scheme"))?;
         let endpoints: Vec<String> = rest
@@ -56,6 +115,7 @@ impl DiscoveryConfig {
             endpoints,
             namespace: namespace.to_string(),
             ttl,
+            user,
         })
     }
 }
@@ -73,13 +133,24 @@ mod tests {
             DiscoveryConfig::Etcd {
                 endpoints: vec!["http://a:2379".into(), "http://b:2379".into()],
                 namespace: "/ns".into(),
-                ttl
+                ttl,
+                user: None,
             }
         );
+        let d = DiscoveryConfig::parse("etcd://kvx:p@ss:w@a:2379,b:2379", "/ns", ttl).unwrap();
+        let DiscoveryConfig::Etcd {
+            endpoints, user, ..
+        } = &d;
+        assert_eq!(endpoints, &["http://a:2379", "http://b:2379"]);
+        let u = user.as_ref().unwrap();
+        assert_eq!((u.name.as_str(), u.password()), ("kvx", "p@ss:w"));
+        let shown = format!("{d:?}");
+        assert!(!shown.contains("p@ss"), "{shown}");
         for (url, ns, ttl, says) in [
             ("consul://a:1", "/ns", ttl, "unknown scheme"),
             ("etcd://", "/ns", ttl, "no endpoint"),
             ("etcd://a:1,", "/ns", ttl, "no endpoint"),
+            ("etcd://:pw@a:1", "/ns", ttl, "an empty user name"),
             ("etcd://a:1", "ns", ttl, "must start with '/'"),
             (
                 "etcd://a:1",

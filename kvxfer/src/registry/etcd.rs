@@ -26,6 +26,7 @@ use tokio::task::JoinHandle;
 
 use super::api::Discovery;
 use super::assembly::{Assembly, Layout};
+use super::config::EtcdUser;
 use super::own_keys::{decode_base, heal_loop, holder_alive, reconcile, Published};
 use super::seal::seal;
 use super::watch::{count, decode_region, load, load_all, watch_loop, WatchCounts};
@@ -46,21 +47,43 @@ pub struct EtcdConfig {
     pub ttl: Duration,
     /// How long connecting (and each call) may take.
     pub timeout: Duration,
+    /// etcd's own authentication, if it is on (also taken from an endpoint's
+    /// `user:password@`). Without it, anyone who reaches etcd can write the namespace: with a
+    /// shared secret set, what they write is never loaded (sealed values), but they can still
+    /// delete keys (which their owners put back) and fill etcd.
+    pub user: Option<EtcdUser>,
     /// The most agents a watcher loads from the namespace; past it a new name is not loaded
     /// (logged, counted in [`WatchCounts::agents_refused`]). Default 4,096.
     pub max_agents: usize,
 }
 
 impl EtcdConfig {
-    /// Endpoints `endpoints`, namespace `namespace`, a 10 s lease, 3 s timeouts.
+    /// Endpoints `endpoints`, namespace `namespace`, a 10 s lease, 3 s timeouts. An endpoint
+    /// `http://user:password@host:port` gives the user (etcd's own authentication).
     pub fn new(endpoints: &[&str], namespace: &str) -> EtcdConfig {
+        let mut user = None;
+        let endpoints = endpoints
+            .iter()
+            .map(|e| {
+                let (e, u) = EtcdUser::split_url(e);
+                user = user.take().or(u);
+                e
+            })
+            .collect();
         EtcdConfig {
-            endpoints: endpoints.iter().map(|e| e.to_string()).collect(),
+            endpoints,
+            user,
             namespace: namespace.trim_end_matches('/').to_string(),
             ttl: Duration::from_secs(10),
             timeout: Duration::from_secs(3),
             max_agents: super::assembly::DEFAULT_MAX_AGENTS,
         }
+    }
+
+    /// Sets the user of etcd's own authentication.
+    pub fn user(mut self, user: EtcdUser) -> EtcdConfig {
+        self.user = Some(user);
+        self
     }
 
     /// Sets the lease TTL.
@@ -122,15 +145,25 @@ impl EtcdDiscovery {
             .enable_all()
             .build()
             .map_err(|e| Error::io("starting the etcd runtime", e))?;
-        let opts = ConnectOptions::new()
+        let mut opts = ConnectOptions::new()
             .with_connect_timeout(cfg.timeout)
             .with_timeout(cfg.timeout);
+        if let Some(u) = &cfg.user {
+            opts = opts.with_user(u.name.clone(), u.password().to_string());
+        }
         let client = rt.block_on(async {
             let mut c = Client::connect(cfg.endpoints.clone(), Some(opts)).await?;
             c.status().await?;
             Ok::<_, etcd_client::Error>(c)
         });
-        let client = client.map_err(|e| etcd_err(&cfg, "unreachable", e))?;
+        let client = client.map_err(|e| {
+            let what = if e.to_string().contains("authentication failed") {
+                "the user was refused"
+            } else {
+                "unreachable"
+            };
+            etcd_err(&cfg, what, e)
+        })?;
         Ok(Arc::new(EtcdDiscovery {
             cfg,
             client,

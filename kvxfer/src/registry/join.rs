@@ -57,9 +57,13 @@ fn etcd(d: DiscoveryConfig) -> Result<Arc<dyn Discovery>> {
         endpoints,
         namespace,
         ttl,
+        user,
     } = d;
     let eps: Vec<&str> = endpoints.iter().map(String::as_str).collect();
-    let cfg = super::etcd::EtcdConfig::new(&eps, &namespace).ttl(ttl);
+    let mut cfg = super::etcd::EtcdConfig::new(&eps, &namespace).ttl(ttl);
+    if let Some(u) = user {
+        cfg = cfg.user(u);
+    }
     Ok(super::etcd::EtcdDiscovery::connect(cfg)?)
 }
 

@@ -40,7 +40,7 @@ mod seal;
 mod watch;
 
 pub use api::{Discovery, SideChannelDiscovery};
-pub use config::DiscoveryConfig;
+pub use config::{DiscoveryConfig, EtcdUser};
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
 pub use etcd::{EtcdConfig, EtcdDiscovery};
