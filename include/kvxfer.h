@@ -615,7 +615,7 @@ kvx_status kvx_agent_config_set_net_devices(struct kvx_agent_config *c, const ch
 /**
  * Sets where the agent publishes itself and finds peers by name: `url` "etcd://host:2379"
  * (several endpoints comma-separated; "etcd://user:password@host:2379" with etcd's own
- * authentication on), the namespace `ns` (a key prefix starting with '/', one
+ * authentication on; "etcds://host:2379?ca=/path/ca.pem" over TLS), the namespace `ns` (a key prefix starting with '/', one
  * per deployment), leases of `ttl_ms` (0: 10 s); `url` NULL removes it. `kvx_agent_new_with`
  * then connects to etcd (an unreachable one is an error creating no agent), publishes the
  * agent and loads every agent of the namespace as they come and go, for the agent's life.
@@ -1254,7 +1254,9 @@ kvx_status kvx_connector_consumer(const struct kvx_connector *c,
 
 /**
  * Connects to etcd at `endpoints` (comma-separated URLs, e.g. "http://10.0.0.5:2379"; with
- * etcd's own authentication on, "http://user:password@10.0.0.5:2379") for the namespace `ns`
+ * etcd's own authentication on, "http://user:password@10.0.0.5:2379"; over TLS,
+ * "https://10.0.0.5:2379?ca=/path/ca.pem", the CA that signed etcd's certificate) for the
+ * namespace `ns`
  * (a key prefix, one per deployment), agents' leases lasting `ttl_ms` (0: 10 s). An etcd that
  * does not answer, or refuses the user, is an error naming it (never the password); a
  * library built without the `etcd` feature says so.

@@ -19,8 +19,9 @@ prune() {
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 
-# A real etcd for discovery tests (etcd-client needs protoc to build).
-for p in etcd-server protobuf-compiler; do
+# A real etcd for discovery tests (etcd-client needs protoc to build; openssl makes the
+# certificates of the TLS cases).
+for p in etcd-server protobuf-compiler openssl; do
   dpkg -s "$p" >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$p" >/dev/null; }
 done
 

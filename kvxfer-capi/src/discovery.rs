@@ -16,7 +16,9 @@ use crate::ffi::{free_handle, handle, null, try_cstr};
 use crate::{kvx_agent, kvx_discovery, kvx_status};
 
 /// Connects to etcd at `endpoints` (comma-separated URLs, e.g. "http://10.0.0.5:2379"; with
-/// etcd's own authentication on, "http://user:password@10.0.0.5:2379") for the namespace `ns`
+/// etcd's own authentication on, "http://user:password@10.0.0.5:2379"; over TLS,
+/// "https://10.0.0.5:2379?ca=/path/ca.pem", the CA that signed etcd's certificate) for the
+/// namespace `ns`
 /// (a key prefix, one per deployment), agents' leases lasting `ttl_ms` (0: 10 s). An etcd that
 /// does not answer, or refuses the user, is an error naming it (never the password); a
 /// library built without the `etcd` feature says so.

@@ -453,3 +453,45 @@ fn etcd_with_authentication_on_works_end_to_end() {
     println!("wrong password: {e}");
     drop(a);
 }
+
+#[test]
+fn etcd_over_tls_works_end_to_end() {
+    let Some(etcd) = Etcd::start_tls() else {
+        return;
+    };
+    let url = etcd.url();
+    let ca = etcd.ca().unwrap();
+    let ns = format!("/kvx-tls-{}", std::process::id());
+    // Through a discovery URL, as C and the plugin give it.
+    let disc = kvxfer::registry::DiscoveryConfig::parse(
+        &format!(
+            "{}?ca={}",
+            url.replace("https://", "etcds://"),
+            ca.display()
+        ),
+        &ns,
+        TTL,
+    )
+    .unwrap();
+    let cfg = |name: &str| {
+        AgentConfig::new(name)
+            .transport(Transport::Tcp)
+            .net_devices("lo")
+            .secret(SECRET)
+    };
+    let a = kvxfer::registry::join(cfg("tls-a"), disc.clone()).unwrap();
+    let r = a.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    r.write(0, &vec![0x71; LEN]).unwrap();
+    let b = kvxfer::registry::join(cfg("tls-b"), disc).unwrap();
+    let local = b.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    let t = until(Duration::from_secs(10), "tls-b reads tls-a", || {
+        read_fill(b.agent(), &local, "tls-a").ok() == Some(0x71)
+    });
+    println!("two agents found each other through etcd over TLS; read after {t:?}");
+    // Plain HTTP to a TLS etcd, or TLS without its CA: refused, typed.
+    let plain = url.replace("https://", "http://");
+    assert!(EtcdDiscovery::connect(EtcdConfig::new(&[&plain], &ns)).is_err());
+    let e = EtcdDiscovery::connect(EtcdConfig::new(&[&url], &ns)).unwrap_err();
+    assert!(matches!(e, Error::Registry { .. }), "{e}");
+    println!("without the CA: {e}");
+}

@@ -45,7 +45,8 @@ not yet),
 secret or without: trusted networks only), ``strict`` (refuse a silent transport fallback), ``discovery`` (``etcd://host:2379``: workers publish
 themselves in etcd and load each other before any handoff; ``namespace``,
 ``discovery_ttl_ms``; with etcd's own authentication on, ``etcd_user`` and ``etcd_password``,
-or ``etcd://user:password@host:2379``), ``compression`` (the TCP lane's: ``auto``, the default, compresses a
+or ``etcd://user:password@host:2379``; over TLS, ``etcd_ca`` (the CA's PEM file) or
+``etcds://host:2379?ca=PATH``), ``compression`` (the TCP lane's: ``auto``, the default, compresses a
 handoff where the measured link is slower than the codec makes worthwhile; ``on``; ``off``),
 ``handshake_timeout_ms`` (how long each step of meeting a peer on its side channel may wait;
 default 10,000). Every option goes to the agent through the C ABI's
@@ -564,7 +565,11 @@ class KvxferConnector(KVConnectorBase_V1):
         # the namespace loaded before any handoff names it (no side-channel handshake then).
         disc = str(ex.get("discovery") or "")
         if disc:
-            endpoints = ",".join("http://" + e.split("://", 1)[-1] for e in disc.split(","))
+            # etcds://host:2379?ca=PATH (or etcd_ca): TLS, etcd's certificate signed by that CA.
+            scheme = "https://" if disc.startswith("etcds://") or ex.get("etcd_ca") else "http://"
+            endpoints = ",".join(scheme + e.split("://", 1)[-1] for e in disc.split(","))
+            if ex.get("etcd_ca"):
+                endpoints += f"?ca={ex['etcd_ca']}"
             user = ex.get("etcd_user")
             if user:
                 # etcd's own authentication (also accepted as etcd://user:password@host).

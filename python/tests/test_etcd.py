@@ -29,16 +29,37 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def etcd():
+def make_certs(d):
+    """A CA and a certificate for 127.0.0.1 it signed (openssl), in `d`."""
+    sh = (
+        "set -e; openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=kvx-test-ca -keyout ca.key -out ca.pem; "
+        "openssl req -newkey rsa:2048 -nodes -subj /CN=127.0.0.1 -keyout server.key -out server.csr; "
+        "printf 'subjectAltName=IP:127.0.0.1\\n' > san.ext; "
+        "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 1 -extfile san.ext -out server.pem"
+    )
+    subprocess.run(["sh", "-c", sh], cwd=d, check=True, capture_output=True)
+    return os.path.join(d, "server.pem"), os.path.join(d, "server.key"), os.path.join(d, "ca.pem")
+
+
+@pytest.fixture(params=["open", "etcd-auth", "tls"])
+def etcd(request):
+    """(client URL, mode, CA file or None) of a fresh etcd."""
     if shutil.which("etcd") is None:
         pytest.skip("no etcd binary (apt-get install etcd-server)")
+    mode = request.param
+    if mode == "tls" and shutil.which("openssl") is None:
+        pytest.skip("no openssl binary")
     d = tempfile.mkdtemp(prefix="kvx-etcd-")
     client, peer = free_port(), free_port()
-    url, purl = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+    scheme = "https" if mode == "tls" else "http"
+    url, purl = f"{scheme}://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+    tls, ca = [], None
+    if mode == "tls":
+        cert, key, ca = make_certs(d)
+        tls = ["--cert-file", cert, "--key-file", key]
     p = subprocess.Popen(
-        ["etcd", "--name", "kvx", "--data-dir", d, "--listen-client-urls", url, "--advertise-client-urls", url,
-         "--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl, "--initial-cluster", f"kvx={purl}"],
+        ["etcd", "--name", "kvx", "--data-dir", os.path.join(d, "data"), "--listen-client-urls", url, "--advertise-client-urls", url,
+         "--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl, "--initial-cluster", f"kvx={purl}", *tls],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -51,7 +72,8 @@ def etcd():
             except OSError:
                 assert time.time() < end, "etcd did not come up"
                 time.sleep(0.1)
-        yield url
+        time.sleep(0.3)
+        yield url, mode, ca
     finally:
         p.kill()
         p.wait()
@@ -78,16 +100,19 @@ def enable_auth(url, ns):
     call("auth/enable", {})
 
 
-@pytest.mark.parametrize("auth", [False, True], ids=["open", "etcd-auth"])
-def test_workers_find_each_other_through_etcd_not_the_side_channel(etcd, auth):
+def test_workers_find_each_other_through_etcd_not_the_side_channel(etcd):
     from kvxfer_vllm import KvxferConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+    url, mode, ca = etcd
     ns = f"/kvx-plugin-{os.getpid()}"
-    extra = {"transport": "tcp", "net_devices": "lo", "discovery": etcd.replace("http://", "etcd://"), "namespace": ns}
-    if auth:
-        enable_auth(etcd, ns)
+    disc = url.replace("http://", "etcd://").replace("https://", "etcds://")
+    extra = {"transport": "tcp", "net_devices": "lo", "discovery": disc, "namespace": ns}
+    if mode == "etcd-auth":
+        enable_auth(url, ns)
         extra.update(etcd_user="kvx", etcd_password="kvx-pw")
+    if mode == "tls":
+        extra.update(etcd_ca=ca)
     vp = h.vllm_config(role="kv_producer", extra=dict(extra), engine_id=f"etcd-pre-{os.getpid()}")
     raw, caches, kv = h.kv_caches()
     raw.copy_(torch.randint(-128, 127, raw.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(3)))

@@ -185,7 +185,7 @@ pub unsafe extern "C" fn kvx_agent_config_set_net_devices(
 
 /// Sets where the agent publishes itself and finds peers by name: `url` "etcd://host:2379"
 /// (several endpoints comma-separated; "etcd://user:password@host:2379" with etcd's own
-/// authentication on), the namespace `ns` (a key prefix starting with '/', one
+/// authentication on; "etcds://host:2379?ca=/path/ca.pem" over TLS), the namespace `ns` (a key prefix starting with '/', one
 /// per deployment), leases of `ttl_ms` (0: 10 s); `url` NULL removes it. `kvx_agent_new_with`
 /// then connects to etcd (an unreachable one is an error creating no agent), publishes the
 /// agent and loads every agent of the namespace as they come and go, for the agent's life.

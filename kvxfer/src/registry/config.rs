@@ -72,15 +72,34 @@ pub enum DiscoveryConfig {
         ttl: Duration,
         /// etcd's own authentication (`etcd://user:password@host:port`), if it is on.
         user: Option<EtcdUser>,
+        /// Over TLS (`etcds://host:port?ca=PATH`): the CA certificate (PEM) that signed
+        /// etcd's server certificate.
+        tls_ca: Option<std::path::PathBuf>,
     },
 }
 
 impl DiscoveryConfig {
     /// Parses a discovery URL: `etcd://[user:password@]host:2379[,host2:2379]` (plain HTTP to
-    /// each endpoint; with a user, etcd's own authentication), for the namespace `namespace`,
-    /// leases of `ttl` (at least 1 s: etcd counts seconds).
+    /// each endpoint; with a user, etcd's own authentication), or `etcds://...?ca=PATH` (TLS,
+    /// etcd's certificate signed by the CA in the PEM file `PATH`), for the namespace
+    /// `namespace`, leases of `ttl` (at least 1 s: etcd counts seconds).
     pub fn parse(url: &str, namespace: &str, ttl: Duration) -> Result<DiscoveryConfig> {
+        let (url, tls_ca) = match url.split_once("?ca=") {
+            Some((u, ca)) => (u, Some(std::path::PathBuf::from(ca))),
+            None => (url, None),
+        };
         let (shown, user) = EtcdUser::split_url(url);
+        let (scheme, http) = if shown.starts_with("etcds://") {
+            ("etcds://", "https://")
+        } else {
+            ("etcd://", "http://")
+        };
+        if (scheme == "etcds://") != tls_ca.is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "discovery {shown:?}: TLS is etcds://host:port?ca=PATH (the CA's PEM file), both \
+                 or neither"
+            )));
+        }
         let bad = |why: &str| {
             Error::InvalidArgument(format!(
                 "discovery {shown:?}: {why} (expected etcd://[user:password@]host:port[,host:port])"
@@ -90,15 +109,15 @@ impl DiscoveryConfig {
             return Err(bad("an empty user name"));
         }
         let rest = shown
-            .strip_prefix("etcd://")
+            .strip_prefix(scheme)
             .ok_or_else(|| bad("unknown scheme"))?;
         let endpoints: Vec<String> = rest
             .trim_end_matches('/')
             .split(',')
             .map(str::trim)
-            .map(|h| format!("http://{h}"))
+            .map(|h| format!("{http}{h}"))
             .collect();
-        if rest.trim().is_empty() || endpoints.iter().any(|e| e == "http://") {
+        if rest.trim().is_empty() || endpoints.iter().any(|e| e == http) {
             return Err(bad("no endpoint"));
         }
         if namespace.is_empty() || !namespace.starts_with('/') {
@@ -116,6 +135,7 @@ impl DiscoveryConfig {
             namespace: namespace.to_string(),
             ttl,
             user,
+            tls_ca,
         })
     }
 }
@@ -135,8 +155,14 @@ mod tests {
                 namespace: "/ns".into(),
                 ttl,
                 user: None,
+                tls_ca: None,
             }
         );
+        let DiscoveryConfig::Etcd {
+            endpoints, tls_ca, ..
+        } = DiscoveryConfig::parse("etcds://a:2379?ca=/etc/ca.pem", "/ns", ttl).unwrap();
+        assert_eq!(endpoints, ["https://a:2379"]);
+        assert_eq!(tls_ca.unwrap(), std::path::Path::new("/etc/ca.pem"));
         let d = DiscoveryConfig::parse("etcd://kvx:p@ss:w@a:2379,b:2379", "/ns", ttl).unwrap();
         let DiscoveryConfig::Etcd {
             endpoints, user, ..
@@ -151,6 +177,8 @@ mod tests {
             ("etcd://", "/ns", ttl, "no endpoint"),
             ("etcd://a:1,", "/ns", ttl, "no endpoint"),
             ("etcd://:pw@a:1", "/ns", ttl, "an empty user name"),
+            ("etcds://a:1", "/ns", ttl, "both or neither"),
+            ("etcd://a:1?ca=/x", "/ns", ttl, "both or neither"),
             ("etcd://a:1", "ns", ttl, "must start with '/'"),
             (
                 "etcd://a:1",

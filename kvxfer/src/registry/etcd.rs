@@ -52,6 +52,9 @@ pub struct EtcdConfig {
     /// shared secret set, what they write is never loaded (sealed values), but they can still
     /// delete keys (which their owners put back) and fill etcd.
     pub user: Option<EtcdUser>,
+    /// The CA certificate (a PEM file) that signed etcd's server certificate: with it, the
+    /// endpoints (`https://`) are reached over TLS (also taken from an endpoint's `?ca=PATH`).
+    pub tls_ca: Option<std::path::PathBuf>,
     /// The most agents a watcher loads from the namespace; past it a new name is not loaded
     /// (logged, counted in [`WatchCounts::agents_refused`]). Default 4,096.
     pub max_agents: usize,
@@ -61,10 +64,15 @@ impl EtcdConfig {
     /// Endpoints `endpoints`, namespace `namespace`, a 10 s lease, 3 s timeouts. An endpoint
     /// `http://user:password@host:port` gives the user (etcd's own authentication).
     pub fn new(endpoints: &[&str], namespace: &str) -> EtcdConfig {
-        let mut user = None;
+        let (mut user, mut tls_ca) = (None, None);
         let endpoints = endpoints
             .iter()
             .map(|e| {
+                let (e, ca) = match e.split_once("?ca=") {
+                    Some((e, ca)) => (e, Some(std::path::PathBuf::from(ca))),
+                    None => (*e, None),
+                };
+                tls_ca = tls_ca.take().or(ca);
                 let (e, u) = EtcdUser::split_url(e);
                 user = user.take().or(u);
                 e
@@ -73,6 +81,7 @@ impl EtcdConfig {
         EtcdConfig {
             endpoints,
             user,
+            tls_ca,
             namespace: namespace.trim_end_matches('/').to_string(),
             ttl: Duration::from_secs(10),
             timeout: Duration::from_secs(3),
@@ -150,6 +159,14 @@ impl EtcdDiscovery {
             .with_timeout(cfg.timeout);
         if let Some(u) = &cfg.user {
             opts = opts.with_user(u.name.clone(), u.password().to_string());
+        }
+        if let Some(ca) = &cfg.tls_ca {
+            let pem = std::fs::read(ca).map_err(|e| {
+                Error::io(format!("reading etcd's CA certificate {}", ca.display()), e)
+            })?;
+            let tls = etcd_client::TlsOptions::new()
+                .ca_certificate(etcd_client::Certificate::from_pem(pem));
+            opts = opts.with_tls(tls);
         }
         let client = rt.block_on(async {
             let mut c = Client::connect(cfg.endpoints.clone(), Some(opts)).await?;

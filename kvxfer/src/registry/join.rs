@@ -58,12 +58,14 @@ fn etcd(d: DiscoveryConfig) -> Result<Arc<dyn Discovery>> {
         namespace,
         ttl,
         user,
+        tls_ca,
     } = d;
     let eps: Vec<&str> = endpoints.iter().map(String::as_str).collect();
     let mut cfg = super::etcd::EtcdConfig::new(&eps, &namespace).ttl(ttl);
     if let Some(u) = user {
         cfg = cfg.user(u);
     }
+    cfg.tls_ca = tls_ca;
     Ok(super::etcd::EtcdDiscovery::connect(cfg)?)
 }
 

@@ -22,6 +22,8 @@ pub struct Etcd {
     dir: PathBuf,
     client: u16,
     peer: u16,
+    /// With TLS: the server's certificate and key (PEM files) and the CA that signed them.
+    tls: Option<(PathBuf, PathBuf, PathBuf)>,
 }
 
 impl Etcd {
@@ -37,13 +39,54 @@ impl Etcd {
             dir,
             client: free_port(),
             peer: free_port(),
+            tls: None,
         };
         e.run();
         Some(e)
     }
 
+    /// An etcd that serves clients over TLS only, with a certificate for 127.0.0.1 signed by a
+    /// CA made here (`openssl`); `None` (SKIP said) without etcd or openssl.
+    pub fn start_tls() -> Option<Etcd> {
+        if Command::new("openssl").arg("version").output().is_err() {
+            eprintln!("SKIP: no openssl binary");
+            return None;
+        }
+        let mut e = Etcd::start()?;
+        e.stop();
+        let pki = e.dir.with_extension("pki");
+        std::fs::create_dir_all(&pki).unwrap();
+        let sh = format!(
+            "set -e; cd {0}; \
+             openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=kvx-test-ca \
+               -keyout ca.key -out ca.pem 2>/dev/null; \
+             openssl req -newkey rsa:2048 -nodes -subj /CN=127.0.0.1 -keyout server.key \
+               -out server.csr 2>/dev/null; \
+             printf 'subjectAltName=IP:127.0.0.1\\n' > san.ext; \
+             openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
+               -days 1 -extfile san.ext -out server.pem 2>/dev/null",
+            pki.display()
+        );
+        let ok = Command::new("sh").args(["-c", &sh]).status().unwrap();
+        assert!(ok.success(), "making the test certificates");
+        e.tls = Some((
+            pki.join("server.pem"),
+            pki.join("server.key"),
+            pki.join("ca.pem"),
+        ));
+        let _ = std::fs::remove_dir_all(&e.dir);
+        e.run();
+        Some(e)
+    }
+
+    /// The CA certificate of a TLS etcd.
+    pub fn ca(&self) -> Option<PathBuf> {
+        self.tls.as_ref().map(|t| t.2.clone())
+    }
+
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client)
     }
 
     pub fn run(&mut self) {
@@ -64,13 +107,23 @@ impl Etcd {
                 &peer,
             ])
             .args(["--initial-cluster", &format!("kvx={peer}")])
+            .args(self.tls.iter().flat_map(|(cert, key, _)| {
+                [
+                    "--cert-file".into(),
+                    cert.clone().into_os_string(),
+                    "--key-file".into(),
+                    key.clone().into_os_string(),
+                ]
+            }))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
         self.child = Some(child);
         let end = Instant::now() + Duration::from_secs(20);
-        while EtcdDiscovery::connect(EtcdConfig::new(&[&self.url()], "/probe")).is_err() {
+        let mut probe = EtcdConfig::new(&[&self.url()], "/probe");
+        probe.tls_ca = self.ca();
+        while EtcdDiscovery::connect(probe.clone()).is_err() {
             assert!(
                 Instant::now() < end,
                 "etcd did not come up at {}",
@@ -92,5 +145,6 @@ impl Drop for Etcd {
     fn drop(&mut self) {
         self.stop();
         let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_dir_all(self.dir.with_extension("pki"));
     }
 }
