@@ -262,16 +262,26 @@ fn a_namespace_larger_than_a_response_lists_and_watches_recover() {
     };
     let url = etcd.url();
     let ns = format!("/kvx-big-{}", std::process::id());
-    // Four 1.2 MiB notes: 4.9 MB in the namespace, over the client's 4 MiB response limit
-    // (a watcher lists no notes now).
     let n = open_agent("big-n");
     let nd = discovery(&url, &ns);
     nd.publish(&n).unwrap();
-    for i in 0..4 {
-        nd.note(&n, &format!("blob-{i}"), &vec![b'x'; 1_200_000])
-            .unwrap();
+    // An agent's own notes are small and few.
+    assert!(nd.note(&n, "blob", &vec![b'x'; 65 << 10]).is_err());
+    for i in 0..64 {
+        nd.note(&n, &format!("n-{i}"), b"small").unwrap();
     }
+    assert!(nd.note(&n, "n-64", b"small").is_err());
+    nd.note(&n, "n-3", b"replaced").unwrap();
     let mut x = Attacker::new(&url);
+    // Four 1.2 MiB notes written by someone else: 4.9 MB in the namespace, over the client's
+    // 4 MiB response limit (a watcher lists no notes now).
+    for i in 0..4 {
+        x.put(
+            &format!("{ns}/notes/big-n/blob-{i}"),
+            &vec![b'x'; 1_200_000],
+            0,
+        );
+    }
     // Four values over the watcher's limit under agents' keys (4.8 MB of agents alone): the
     // listing takes them in pages, and none is opened.
     for i in 0..4 {

@@ -106,6 +106,12 @@ impl EtcdConfig {
     }
 }
 
+/// The most notes one agent attaches ([`EtcdDiscovery::note`]): a note is for a tool's
+/// address or a small record, never for data (watchers never list notes).
+const MAX_NOTES: usize = 64;
+/// The largest note, bytes.
+const MAX_NOTE: usize = 64 << 10;
+
 /// Notes attached to an agent's name: (key, value).
 type Notes = Mutex<Vec<(String, Vec<u8>)>>;
 
@@ -196,12 +202,25 @@ impl EtcdDiscovery {
 
     /// Attaches a note `what` = `value` to the agent published through `self` (e.g. a tool's
     /// control address): held by the agent's lease, so it goes when the agent does, and put
-    /// again when the agent re-publishes. Notes are not sealed: put nothing secret in one.
+    /// again when the agent re-publishes. Notes are not sealed: put nothing secret in one. At
+    /// most 64 notes an agent, of at most 64 KiB each (`InvalidArgument` past either).
     pub fn note(&self, agent: &Agent, what: &str, value: &[u8]) -> Result<()> {
         let key = self.cfg.layout().note(agent.name(), what);
+        if value.len() > MAX_NOTE || what.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "note {what:?}: {} bytes (at most {MAX_NOTE}, and a name)",
+                value.len()
+            )));
+        }
         {
             let mut notes = self.notes.lock().unwrap_or_else(|e| e.into_inner());
             notes.retain(|(k, _)| *k != key);
+            if notes.len() >= MAX_NOTES {
+                return Err(Error::InvalidArgument(format!(
+                    "note {what:?}: agent {:?} has {MAX_NOTES} notes already",
+                    agent.name()
+                )));
+            }
             notes.push((key.clone(), value.to_vec()));
         }
         let lease = self.lease.load(std::sync::atomic::Ordering::Acquire);
