@@ -4,11 +4,27 @@
 //! the peers connected already, as the etcd path publishes it. An update is taken only as the
 //! agent the handshake loaded: the same name and incarnation, from this connection; a
 //! restart or another name takes a handshake of its own.
+//!
+//! A deregistration is fenced over the same connection: the owner sends [`GONE`] with the
+//! region's id, the peer stops using it, waits for what it has in flight to the owner, and
+//! answers [`GONE_ACK`]; the owner's `deregister` returns once every kept peer answered
+//! (UCX's emulated RMA checks no key on the target, so only the peer can stop its own puts).
 
 use crate::error::{Error, Result};
 use crate::session::Session;
 use crate::wire::metadata::Metadata;
-use crate::wire::side_channel::{encode_frame, UPDATE};
+use crate::wire::side_channel::{encode_frame, GONE, GONE_ACK, UPDATE};
+
+/// What a kept connection's frame carries.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Pushed {
+    /// The peer's metadata again: its regions changed.
+    Metadata(Metadata),
+    /// The peer deregisters its region of this id: stop using it and answer.
+    Gone(u32),
+    /// The peer no longer touches this agent's region of this id.
+    GoneAck(u32),
+}
 
 /// One connection's update phase, as either end holds it.
 #[derive(Debug)]
@@ -56,13 +72,31 @@ impl Updates {
         }
     }
 
-    /// The peer's frame of `kind`: its metadata, opened (with a secret), decoded strictly and
-    /// checked to be the agent this connection loaded. Any error ends the connection.
-    pub fn on_frame(&mut self, kind: u8, payload: &[u8]) -> Result<Metadata> {
-        if kind != UPDATE {
+    /// The frame that tells the peer this agent deregisters region `id`.
+    pub fn gone_frame(&mut self, id: u32) -> Vec<u8> {
+        self.frame_of(GONE, &id.to_le_bytes())
+    }
+
+    /// The frame that answers the peer's [`GONE`] of region `id`.
+    pub fn ack_frame(&mut self, id: u32) -> Vec<u8> {
+        self.frame_of(GONE_ACK, &id.to_le_bytes())
+    }
+
+    fn frame_of(&mut self, kind: u8, plain: &[u8]) -> Vec<u8> {
+        match self.session.as_mut() {
+            Some(s) => encode_frame(kind, &s.seal(plain)),
+            None => encode_frame(kind, plain),
+        }
+    }
+
+    /// The peer's frame of `kind`, opened (with a secret): its metadata (decoded strictly and
+    /// checked to be the agent this connection loaded), or a deregistration or its answer.
+    /// Any error ends the connection.
+    pub fn on_frame(&mut self, kind: u8, payload: &[u8]) -> Result<Pushed> {
+        if ![UPDATE, GONE, GONE_ACK].contains(&kind) {
             return Err(Error::protocol(
                 &self.who,
-                format!("frame kind {kind}, expected UPDATE"),
+                format!("frame kind {kind}, expected UPDATE, GONE or GONE_ACK"),
             ));
         }
         let opened;
@@ -73,6 +107,18 @@ impl Updates {
             }
             None => payload,
         };
+        if kind != UPDATE {
+            let id = <[u8; 4]>::try_from(plain)
+                .map(u32::from_le_bytes)
+                .map_err(|_| {
+                    Error::protocol(&self.who, format!("a {}-byte region id", plain.len()))
+                })?;
+            return Ok(if kind == GONE {
+                Pushed::Gone(id)
+            } else {
+                Pushed::GoneAck(id)
+            });
+        }
         let meta = Metadata::decode(plain, self.compat).map_err(|err| Error::Metadata {
             source_desc: format!("{} (update)", self.who),
             err,
@@ -87,7 +133,7 @@ impl Updates {
                 ),
             ));
         }
-        Ok(meta)
+        Ok(Pushed::Metadata(meta))
     }
 }
 
@@ -133,7 +179,7 @@ mod tests {
         let mut rx = Updates::new("c", "a", 7, COMPAT, None);
         let grown = meta("a", 7, 3);
         let (k, p) = one(&tx.frame(&grown.encode()));
-        assert_eq!(rx.on_frame(k, &p).unwrap(), grown);
+        assert_eq!(rx.on_frame(k, &p).unwrap(), Pushed::Metadata(grown));
         for (bad, what) in [
             (meta("b", 7, 3), "another name"),
             (meta("a", 8, 3), "another incarnation"),
@@ -165,12 +211,40 @@ mod tests {
         let f1 = one(&tx.frame(&m.encode()));
         let f2 = one(&tx.frame(&meta("a", 7, 3).encode()));
         assert_ne!(f1.1, m.encode(), "sealed");
-        assert_eq!(rx.on_frame(f1.0, &f1.1).unwrap(), m);
+        assert_eq!(rx.on_frame(f1.0, &f1.1).unwrap(), Pushed::Metadata(m));
         // Replayed or tampered: refused.
         assert!(matches!(rx.on_frame(f1.0, &f1.1), Err(Error::Auth { .. })));
         let mut t = f2.1.clone();
         t[3] ^= 1;
         assert!(rx.on_frame(f2.0, &t).is_err());
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "X25519 takes minutes under Miri")]
+    fn deregistrations_and_their_answers_travel_sealed_and_in_order() {
+        let psk = Psk::side_channel(b"s");
+        let (init, first) = Initiator::start(&psk, [1; SEED], "l").unwrap();
+        let (resp, answer) = Session::respond(&psk, [2; SEED], &first, "c").unwrap();
+        let client = init.finish(&answer).unwrap();
+        let mut tx = Updates::new("l", "me", 0, COMPAT, Some(client));
+        let mut rx = Updates::new("c", "a", 7, COMPAT, Some(resp));
+        let g = one(&tx.gone_frame(7));
+        let a = one(&tx.ack_frame(9));
+        assert_eq!(rx.on_frame(g.0, &g.1).unwrap(), Pushed::Gone(7));
+        assert!(rx.on_frame(g.0, &g.1).is_err(), "a replayed GONE");
+        assert_eq!(rx.on_frame(a.0, &a.1).unwrap(), Pushed::GoneAck(9));
+        // In the clear, a region id is exactly four bytes.
+        let mut plain = Updates::new("c", "a", 7, COMPAT, None);
+        let (k, _) = one(&Updates::new("l", "me", 0, COMPAT, None).gone_frame(3));
+        assert_eq!(
+            plain.on_frame(k, &3u32.to_le_bytes()).unwrap(),
+            Pushed::Gone(3)
+        );
+        assert!(matches!(
+            plain.on_frame(k, &[1, 2, 3]),
+            Err(Error::Protocol { .. })
+        ));
+        assert!(plain.on_frame(99, &[0; 4]).is_err());
     }
 
     #[test]

@@ -17,4 +17,10 @@ pub(crate) struct SideChannel {
     pub(crate) transport: String,
     pub(crate) local: Box<dyn Fn() -> Result<Vec<u8>> + Send + Sync>,
     pub(crate) on_peer: Box<dyn Fn(Metadata) -> Result<String> + Send + Sync>,
+    /// A peer deregisters its region (name, id): true once nothing of this agent's touches
+    /// it ([`crate::subscriptions`]).
+    pub(crate) on_gone: OnGone,
 }
+
+/// What the side channel calls when a peer deregisters a region (name, id).
+pub(crate) type OnGone = Box<dyn Fn(&str, u32) -> bool + Send + Sync>;

@@ -7,19 +7,23 @@
 //! Bounded: at most [`MAX_KEPT`] connections (one per peer name: a newer handshake replaces
 //! the older), every update frame charged to the agent's budget while it is read and loaded,
 //! and a peer that breaks the protocol loses its connection and nothing else.
+//!
+//! Deregistrations are fenced here ([`Subscriptions::fence_region`]): every kept peer is told
+//! (`GONE`), refuses the region from then on, and answers (`GONE_ACK`) once its UCX transfers
+//! to this agent that were in flight have ended; `deregister` lets the memory go only then.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::budget::MemoryBudget;
 use crate::side_channel::SideChannel;
 use kvxfer_proto::error::{Error, Result};
-use kvxfer_proto::updates::Updates;
+use kvxfer_proto::updates::{Pushed, Updates};
 use kvxfer_proto::wire::side_channel::{frame_header, FRAME_HEADER_LEN};
 
 /// Connections kept at once; past it a new handshake's connection is closed (its peer is
@@ -39,6 +43,17 @@ pub(crate) struct Subscriptions {
     generation: AtomicU64,
     budget: MemoryBudget,
     kept: Mutex<Kept>,
+    /// Answers to deregistrations: (connection, region) pairs, taken by `fence_region`.
+    acks: Mutex<HashSet<(u64, u32)>>,
+    /// Signalled on every answer and every connection that ends.
+    answered: Condvar,
+}
+
+/// The writing half of a kept connection: the socket and the session that seals its frames
+/// (shared by its thread and a deregistration).
+struct Tx {
+    s: TcpStream,
+    updates: Updates,
 }
 
 #[derive(Debug, Default)]
@@ -48,12 +63,22 @@ struct Kept {
     closed: bool,
 }
 
-/// One kept connection: a handle to shut it down, its thread.
-#[derive(Debug)]
+/// One kept connection: a handle to shut it down, its writing half, its thread.
 struct Conn {
     id: u64,
     stream: TcpStream,
+    tx: Arc<Mutex<Tx>>,
     thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conn").field("id", &self.id).finish()
+    }
+}
+
+fn lock_tx(tx: &Mutex<Tx>) -> MutexGuard<'_, Tx> {
+    tx.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Conn {
@@ -79,7 +104,54 @@ impl Subscriptions {
             generation: AtomicU64::new(0),
             budget,
             kept: Mutex::default(),
+            acks: Mutex::default(),
+            answered: Condvar::new(),
         }
+    }
+
+    /// This agent deregisters region `id`: tells every kept peer and waits, up to `wait`, for
+    /// each to answer that nothing of its touches the region any more (or for its connection
+    /// to end: that peer is gone). Returns the peers that did not answer.
+    pub(crate) fn fence_region(&self, id: u32, wait: Duration) -> Vec<String> {
+        let conns: Vec<(u64, String, Arc<Mutex<Tx>>)> = self
+            .lock()
+            .by_peer
+            .iter()
+            .map(|(p, c)| (c.id, p.clone(), c.tx.clone()))
+            .collect();
+        let mut waiting: Vec<(u64, String)> = Vec::new();
+        for (cid, peer, tx) in conns {
+            let mut t = lock_tx(&tx);
+            let frame = t.updates.gone_frame(id);
+            // A connection that cannot take it is broken: its peer is gone.
+            if t.s.write_all(&frame).is_ok() {
+                waiting.push((cid, peer));
+            }
+        }
+        let deadline = Instant::now() + wait;
+        let mut acks = self.acks.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let live: HashSet<u64> = self.lock().by_peer.values().map(|c| c.id).collect();
+            waiting.retain(|(cid, _)| live.contains(cid) && !acks.remove(&(*cid, id)));
+            let now = Instant::now();
+            if waiting.is_empty() || now >= deadline {
+                break;
+            }
+            acks = self
+                .answered
+                .wait_timeout(acks, (deadline - now).min(POLL))
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+        waiting.into_iter().map(|(_, p)| p).collect()
+    }
+
+    fn answer(&self, conn: u64, id: u32) {
+        self.acks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert((conn, id));
+        self.answered.notify_all();
     }
 
     /// This agent registered a region: every kept connection sends its metadata again.
@@ -104,6 +176,7 @@ impl Subscriptions {
         timeout: Duration,
     ) {
         let peer = updates.peer().to_string();
+        let peer_name = peer.clone();
         let mut k = self.lock();
         if k.closed || (k.by_peer.len() >= MAX_KEPT && !k.by_peer.contains_key(&peer)) {
             drop(k);
@@ -116,9 +189,11 @@ impl Subscriptions {
             return;
         }
         let Ok(handle) = s.try_clone() else { return };
+        let Ok(writer) = s.try_clone() else { return };
+        let tx = Arc::new(Mutex::new(Tx { s: writer, updates }));
         k.next += 1;
         let id = k.next;
-        let (subs, sh) = (self.clone(), shared.clone());
+        let (subs, sh, tx2) = (self.clone(), shared.clone(), tx.clone());
         let spawned = std::thread::Builder::new()
             .name(format!("kvxfer-sub-{}", shared.name))
             .spawn(move || {
@@ -129,7 +204,9 @@ impl Subscriptions {
                     subs: &subs,
                     shared: &sh,
                     s,
-                    updates,
+                    tx: tx2,
+                    conn: id,
+                    peer: peer_name,
                     sent,
                     timeout,
                     who,
@@ -137,11 +214,11 @@ impl Subscriptions {
                 if let Err(e) = run.serve() {
                     log::info!(
                         "kvxfer side channel: updates with {:?} at {} ended: {e}",
-                        run.updates.peer(),
+                        run.peer,
                         run.who
                     );
                 }
-                subs.forget(run.updates.peer(), id);
+                subs.forget(&run.peer, id);
             });
         let Ok(thread) = spawned else { return };
         let old = k.by_peer.insert(
@@ -149,6 +226,7 @@ impl Subscriptions {
             Conn {
                 id,
                 stream: handle,
+                tx,
                 thread: Some(thread),
             },
         );
@@ -186,6 +264,9 @@ impl Subscriptions {
         if k.by_peer.get(peer).is_some_and(|c| c.id == id) {
             k.by_peer.remove(peer);
         }
+        drop(k);
+        // A deregistration waiting for this peer's answer waits no more.
+        self.answered.notify_all();
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Kept> {
@@ -198,7 +279,10 @@ struct Run<'a> {
     subs: &'a Subscriptions,
     shared: &'a SideChannel,
     s: TcpStream,
-    updates: Updates,
+    tx: Arc<Mutex<Tx>>,
+    /// This connection's id in [`Kept`], and the peer the handshake loaded.
+    conn: u64,
+    peer: String,
     /// The generation of the metadata the peer has.
     sent: u64,
     timeout: Duration,
@@ -214,10 +298,12 @@ impl Run<'_> {
         loop {
             let g = self.subs.generation();
             if g != self.sent {
-                let frame = self.updates.frame(&(self.shared.local)()?);
-                self.s
-                    .write_all(&frame)
+                let meta = (self.shared.local)()?;
+                let mut t = lock_tx(&self.tx);
+                let frame = t.updates.frame(&meta);
+                t.s.write_all(&frame)
                     .map_err(|e| self.io("sending an update to", e))?;
+                drop(t);
                 self.sent = g;
             }
             self.read_timeout(POLL)?;
@@ -260,8 +346,24 @@ impl Run<'_> {
         self.s
             .read_exact(&mut payload)
             .map_err(|e| self.io("reading an update from", e))?;
-        let meta = self.updates.on_frame(kind, &payload)?;
+        let pushed = lock_tx(&self.tx).updates.on_frame(kind, &payload)?;
         drop(payload);
-        (self.shared.on_peer)(meta).map(|_| ())
+        match pushed {
+            Pushed::Metadata(meta) => (self.shared.on_peer)(meta).map(|_| ()),
+            Pushed::Gone(id) => {
+                // Answered only once nothing of this agent's touches the region.
+                if (self.shared.on_gone)(&self.peer, id) {
+                    let mut t = lock_tx(&self.tx);
+                    let frame = t.updates.ack_frame(id);
+                    t.s.write_all(&frame)
+                        .map_err(|e| self.io("answering a deregistration of", e))?;
+                }
+                Ok(())
+            }
+            Pushed::GoneAck(id) => {
+                self.subs.answer(self.conn, id);
+                Ok(())
+            }
+        }
     }
 }

@@ -63,6 +63,11 @@ impl XferState {
         self.slot.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Whether the transfer completed (UCX no longer touches its buffers, unless given up).
+    pub(crate) fn is_done(&self) -> bool {
+        self.lock().done
+    }
+
     /// Whether the caller asked to cancel (the lanes poll this between steps).
     pub(crate) fn is_canceled(&self) -> bool {
         self.canceled.load(std::sync::atomic::Ordering::Acquire)

@@ -192,13 +192,31 @@ fn ucx_shm_read_write_random_blocks() {
 #[test]
 fn tcp_lane_target_refuses_unregistered_memory_and_stays_in_step() {
     let p = pair(Transport::Tcp, "refuse");
+    // An initiator that loaded b's metadata by hand: no kept side-channel connection tells it
+    // of a deregistration (a kept one would, and it would refuse before the target does).
+    let p = Pair {
+        a: Agent::new(
+            AgentConfig::new(format!("a2-refuse-{}", std::process::id()))
+                .transport(Transport::Tcp)
+                .net_devices("lo"),
+        )
+        .unwrap(),
+        ..p
+    };
+    let ra =
+        p.a.register(HostBuffer::new((BLOCK * SLOTS) as usize).unwrap())
+            .unwrap();
+    let p = Pair { ra, ..p };
+    assert_eq!(
+        p.a.load_remote_metadata(&p.b.metadata().unwrap()).unwrap(),
+        p.peer_of_a
+    );
     let ld = [Desc::new(p.ra.id(), 0, 4 * BLOCK)];
     let local = p.a.prep_local(&ld).unwrap();
     let remote =
         p.a.prep_remote(&p.peer_of_a, &[Desc::new(p.rb.id(), 0, 4 * BLOCK)])
             .unwrap();
-    // The target drops the region; the initiator still has the old metadata (a
-    // deregistration is not pushed over the kept side-channel connection).
+    // The target drops the region; the initiator still has the old metadata.
     p.b.deregister(&p.rb).unwrap();
     let e =
         p.a.transfer_all(XferOp::Write, &local, &remote, Some(b"x"), None)

@@ -31,8 +31,11 @@ fn go(a: &Agent, peer: &str, id: u32, len: usize, op: XferOp) -> Result<Lane, Er
     out
 }
 
+/// Refused typed: by the shm lane (the owner's registration page says the region is gone), or,
+/// for a peer kept on the owner's side channel, before any lane (the owner told it).
 fn refused(r: &Result<Lane, Error>) -> bool {
     matches!(r, Err(Error::LaneFailed { lane: "shm", ref why, .. }) if why.contains("deregistered"))
+        || matches!(r, Err(Error::Deregistered { .. }))
 }
 
 #[test]

@@ -38,6 +38,12 @@ pub const NOISE2: u8 = 7;
 /// After the handshake, either end's metadata again (sealed, with a secret): its regions
 /// changed ([`crate::updates`]).
 pub const UPDATE: u8 = 8;
+/// After the handshake: the sender deregisters a region (its id, u32 little-endian; sealed
+/// with a secret). The receiver refuses new transfers touching it, waits for those in flight
+/// to it to end, and answers [`GONE_ACK`] ([`crate::updates`]).
+pub const GONE: u8 = 9;
+/// After the handshake: nothing of the receiver's touches the region any more (its id).
+pub const GONE_ACK: u8 = 10;
 
 /// What each side sends first: the magic `KVXF`, the version (big-endian u16) and CRLF. The
 /// line end makes a line-based server on the other end (HTTP) answer at once, so that its

@@ -8,6 +8,7 @@
 //! [`Agent::transfer`] many times → [`Agent::deregister`] → drop.
 
 mod config;
+mod deregister;
 mod grants;
 mod handle;
 mod metrics;
@@ -370,19 +371,6 @@ impl Agent {
             .containing(addr as u64, len as u64, kind)
     }
 
-    /// Deregisters a region. Fails with [`Error::Busy`] while a transfer uses it.
-    pub fn deregister(&self, region: &Region) -> Result<()> {
-        self.shared.cmds.call(|reply| Cmd::Deregister {
-            region: region.inner.clone(),
-            reply,
-        })?;
-        self.shared.regions.remove(region.inner.id);
-        for l in &self.shared.lanes {
-            l.region_gone(region.inner.id.0);
-        }
-        Ok(())
-    }
-
     /// This agent's metadata, encoded for a peer.
     pub fn metadata(&self) -> Result<Vec<u8>> {
         self.shared.metadata()
@@ -654,14 +642,14 @@ impl Drop for Agent {
     }
 }
 
-/// The side channel's view of this agent.
 /// A random, non-zero incarnation number for a new agent.
 fn new_epoch() -> Result<u64> {
     Ok(u64::from_le_bytes(crate::random::bytes()?).max(1))
 }
 
+/// The side channel's view of this agent.
 fn side_channel(st: &Arc<AgentState>) -> Arc<SideChannel> {
-    let (a, b) = (st.clone(), st.clone());
+    let (a, b, c) = (st.clone(), st.clone(), Arc::downgrade(st));
     Arc::new(SideChannel {
         name: st.name.clone(),
         compat: st.compat,
@@ -669,6 +657,10 @@ fn side_channel(st: &Arc<AgentState>) -> Arc<SideChannel> {
         transport: st.transport.ucx_tls(),
         local: Box::new(move || a.metadata()),
         on_peer: Box::new(move |meta| load_decoded(&b, meta)),
+        on_gone: Box::new(move |peer, id| {
+            c.upgrade()
+                .is_none_or(|st| peers::region_gone_at(&st, peer, id, deregister::FENCE_WAIT))
+        }),
     })
 }
 

@@ -4,6 +4,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::state::{AgentState, PeerView};
 use crate::backend::ucx::driver::{Cmd, LoadedPeer};
@@ -77,7 +78,14 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&name);
-        st.peers.write().unwrap_or_else(|e| e.into_inner()).insert(
+        let mut peers = st.peers.write().unwrap_or_else(|e| e.into_inner());
+        // The same incarnation grown in place keeps what its deregistrations fence.
+        let fence = peers
+            .get(&name)
+            .filter(|v| v.token == token)
+            .map(|v| v.fence.clone())
+            .unwrap_or_default();
+        peers.insert(
             name.clone(),
             Arc::new(PeerView {
                 token,
@@ -92,6 +100,7 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
                 worker_addr,
                 ucx: !lane_only,
                 used_ms: AtomicU64::new(u64::try_from(st.now().as_millis()).unwrap_or(u64::MAX)),
+                fence,
             }),
         );
     }
@@ -347,4 +356,43 @@ fn meta_sum(m: &Metadata) -> u64 {
     m.encode().iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     })
+}
+
+/// Peer `name` tells this agent it deregisters its region `id`: transfers touching it are
+/// refused from now on, and this waits (up to `wait`) for this agent's UCX transfers to the
+/// peer that were in flight to end. Returns whether they did: nothing of this agent's touches
+/// the region any more, and the peer may let its memory go.
+pub(crate) fn region_gone_at(st: &AgentState, name: &str, id: u32, wait: Duration) -> bool {
+    let view = st
+        .peers
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(name)
+        .cloned();
+    let Some(view) = view else { return true };
+    let in_flight = {
+        let mut f = view.fence.lock().unwrap_or_else(|e| e.into_inner());
+        if f.gone.len() < view.spans.len() {
+            f.gone.resize(view.spans.len(), false);
+        }
+        for (k, s) in view.spans.iter().enumerate() {
+            if s.id.0 == id {
+                f.gone[k] = true;
+            }
+        }
+        f.ucx.retain(|s| !s.is_done());
+        f.ucx.clone()
+    };
+    let deadline = Instant::now() + wait;
+    while in_flight.iter().any(|s| !s.is_done()) {
+        if Instant::now() >= deadline {
+            log::warn!(
+                "kvxfer: {name:?} deregisters region {id}: this agent's UCX transfers to it did \
+                 not end within {wait:?}; not answered"
+            );
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    true
 }

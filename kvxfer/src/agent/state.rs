@@ -190,6 +190,36 @@ pub(crate) struct PeerView {
     /// When it was last used, in milliseconds on the agent's clock: an idle peer may be
     /// evicted for a newcomer when the table is full.
     pub(crate) used_ms: AtomicU64,
+    /// Its regions it told this agent it deregisters, and this agent's UCX transfers to it;
+    /// shared by the views of one incarnation (one that grew in place keeps it).
+    pub(crate) fence: Arc<Mutex<RegionFence>>,
+}
+
+/// What a peer's deregistration fences on this side ([`PeerView::fence`]): the region slots
+/// it gave up (a transfer touching one is refused), and the UCX transfers in flight to it
+/// (what must end before this agent answers that it no longer touches the region).
+#[derive(Default)]
+pub(crate) struct RegionFence {
+    /// Per region slot of the view: deregistered by its owner.
+    pub(crate) gone: Vec<bool>,
+    /// UCX transfers to the peer, pruned of finished ones as new ones come.
+    pub(crate) ucx: Vec<Arc<crate::transfer::XferState>>,
+}
+
+impl std::fmt::Debug for RegionFence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegionFence")
+            .field("gone", &self.gone.iter().filter(|g| **g).count())
+            .field("ucx", &self.ucx.len())
+            .finish()
+    }
+}
+
+impl RegionFence {
+    /// Whether region slot `k` was deregistered by its owner.
+    pub(crate) fn is_gone(&self, k: u32) -> bool {
+        self.gone.get(k as usize).copied().unwrap_or(false)
+    }
 }
 
 impl PeerView {

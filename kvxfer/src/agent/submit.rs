@@ -127,11 +127,31 @@ impl Agent {
                 .then(|| self.shared.notes.clone()),
             local_dev,
         };
+        // A region its owner deregistered is refused on every route; a UCX transfer is
+        // recorded (under the same lock) so that a later deregistration waits for it.
+        let fence = view.as_ref().map(|v| v.fence.clone());
+        let mut fenced = fence
+            .as_ref()
+            .map(|f| f.lock().unwrap_or_else(|e| e.into_inner()));
+        if let Some(f) = fenced.as_deref().filter(|f| f.gone.contains(&true)) {
+            if let Some(k) = job.plan.slots(true).find(|&k| f.is_gone(k)) {
+                let region = view.as_ref().map_or(0, |v| v.spans[k as usize].id.0);
+                log::info!("kvxfer: {peer:?} deregistered its region {region}: refused");
+                return Err(Error::Deregistered { region });
+            }
+        }
         match route {
             Route::Lane(l) => l.submit(job),
             // On error the job was dropped with the channel; the engine never saw it.
-            Route::Ucx => self.shared.cmds.post(job)?,
+            Route::Ucx => {
+                self.shared.cmds.post(job)?;
+                if let Some(f) = fenced.as_deref_mut() {
+                    f.ucx.retain(|s| !s.is_done());
+                    f.ucx.push(state.clone());
+                }
+            }
         }
+        drop(fenced);
         Ok(Transfer {
             state,
             id,

@@ -1,0 +1,54 @@
+//! Deregistration, fenced against the peers kept on the side channel: UCX's emulated RMA
+//! checks no key on this side, so only a peer can stop its own puts and gets into memory this
+//! agent lets go ([`crate::subscriptions::Subscriptions::fence_region`]).
+#![forbid(unsafe_code)]
+
+use std::time::Duration;
+
+use super::handle::Agent;
+use crate::backend::ucx::driver::Cmd;
+use crate::memory::Region;
+use kvxfer_proto::error::{Error, Result};
+
+/// How long a deregistration waits for the peers' answers, and a peer for its transfers to
+/// the region to end, before the region stays registered (`Busy`).
+pub(super) const FENCE_WAIT: Duration = Duration::from_secs(10);
+
+impl Agent {
+    /// Deregisters a region. Fails with [`Error::Busy`] while a transfer of this agent uses
+    /// it, or while a peer kept on its side channel has not confirmed (within 10 s) that
+    /// nothing of its touches the region any more: each such peer is told first, refuses the
+    /// region from then on ([`Error::Deregistered`]) and answers once its UCX transfers to this
+    /// agent that were in flight have ended. Peers that loaded this agent's metadata otherwise
+    /// (by hand, through etcd) are not told: deregister memory they may use only once they are
+    /// done with it.
+    pub fn deregister(&self, region: &Region) -> Result<()> {
+        let id = region.inner.id.0;
+        if !self.shared.regions.read().contains_key(&id) {
+            return Err(Error::Deregistered { region: id });
+        }
+        // Every peer kept on the side channel stops using the region and says so before its
+        // memory may go: UCX's emulated RMA checks no key on this side.
+        let unconfirmed = self.shared.subs.fence_region(id, FENCE_WAIT);
+        if !unconfirmed.is_empty() {
+            log::warn!(
+                "kvxfer: region {id} stays registered: {} did not confirm within {FENCE_WAIT:?} \
+                 that nothing of theirs touches it",
+                unconfirmed.join(", ")
+            );
+            return Err(Error::Busy {
+                region: id,
+                inflight: u32::try_from(unconfirmed.len()).unwrap_or(u32::MAX),
+            });
+        }
+        self.shared.cmds.call(|reply| Cmd::Deregister {
+            region: region.inner.clone(),
+            reply,
+        })?;
+        self.shared.regions.remove(region.inner.id);
+        for l in &self.shared.lanes {
+            l.region_gone(region.inner.id.0);
+        }
+        Ok(())
+    }
+}

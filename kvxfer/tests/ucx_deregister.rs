@@ -1,0 +1,238 @@
+//! Deregistration while a peer's UCX transfer touches the region (issue 34, part 4), with
+//! kvxfer's lanes off so that UCX carries everything (shared memory and UCX's own TCP). UCX's
+//! emulated RMA checks no key on the target: before, `deregister` returned `Ok` while a peer
+//! still wrote, the memory went, and the owner died with SIGSEGV in `ucp_put_handler` (11 of
+//! 11 runs). Now the owner tells every peer kept on its side channel, each refuses the region
+//! from then on and answers once its transfers in flight to the owner have ended, and only
+//! then does `deregister` return and the memory go. One process and two, WRITE and READ,
+//! shared memory and TCP, 20 runs each: no crash; every transfer ends `Ok` or refused typed.
+#![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, RegionId, Transport, XferOp};
+
+const BIG: usize = 16 << 20;
+const RUNS: u32 = 20;
+
+fn agent(name: &str, t: Transport) -> Agent {
+    Agent::new(
+        AgentConfig::new(name)
+            .transport(t)
+            .net_devices("lo")
+            .lanes(false),
+    )
+    .unwrap()
+}
+
+fn transport(name: &str) -> Transport {
+    match name {
+        "shm" => Transport::Shm,
+        _ => Transport::Tcp,
+    }
+}
+
+/// `a`'s `op` of the whole of `peer`'s region `id` with `l`.
+fn go(a: &Agent, l: &kvxfer::PreparedLocal, peer: &str, id: u32, op: XferOp) -> kvxfer::Result<()> {
+    let r = a.prep_remote(peer, &[Desc::new(RegionId(id), 0, BIG as u64)])?;
+    a.transfer_all(op, l, &r, None, Some(Duration::from_secs(20)))?
+        .wait()
+        .map(|_| ())
+}
+
+/// Waits until `peer`'s region `id` is known to `a` (its registration travels as an update).
+fn known(a: &Agent, peer: &str, id: u32) {
+    let t0 = Instant::now();
+    while a
+        .prep_remote(peer, &[Desc::new(RegionId(id), 0, BIG as u64)])
+        .is_err()
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "region {id} never reached the peer"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// What a run saw: the transfer across the deregistration ended `Ok`, or was refused typed
+/// before it began; the deregistration's time.
+#[derive(Default)]
+struct Tally {
+    ok: u32,
+    refused: u32,
+    waited: Vec<Duration>,
+}
+
+impl Tally {
+    fn take(&mut self, name: &str, r: kvxfer::Result<()>, waited: Duration) {
+        match r {
+            Ok(()) => self.ok += 1,
+            Err(Error::Deregistered { .. }) => self.refused += 1,
+            Err(e) => panic!("{name}: a transfer across a deregistration: {e:?}"),
+        }
+        self.waited.push(waited);
+    }
+
+    fn report(&mut self, name: &str) {
+        self.waited.sort();
+        let n = self.waited.len();
+        eprintln!(
+            "{name}: {} transfers across a deregistration: {} ended Ok, {} refused before they \
+             began; deregister took median {:?}, longest {:?}",
+            n,
+            self.ok,
+            self.refused,
+            self.waited[n / 2],
+            self.waited[n - 1]
+        );
+        assert_eq!(self.ok + self.refused, n as u32);
+        // Some deregistrations came while a 16 MiB transfer was under way and waited for it.
+        assert!(self.ok > 0, "{name}: no transfer was under way");
+    }
+}
+
+fn one_process(t: &str) {
+    let owner = agent(&format!("own-{t}"), transport(t));
+    let side = owner.listen("127.0.0.1:0").unwrap();
+    let a = agent(&format!("peer-{t}"), transport(t));
+    let peer = a.connect(side).unwrap();
+    let buf = a.register(HostBuffer::new(BIG).unwrap()).unwrap();
+    let l = a.prep_local(&[Desc::new(buf.id(), 0, BIG as u64)]).unwrap();
+    let mut tally = Tally::default();
+    for run in 0..RUNS {
+        for op in [XferOp::Write, XferOp::Read] {
+            let r = owner.register(HostBuffer::new(BIG).unwrap()).unwrap();
+            let id = r.id().0;
+            known(&a, &peer, id);
+            let (moved, waited) = std::thread::scope(|s| {
+                let t = s.spawn(|| go(&a, &l, &peer, id, op));
+                std::thread::sleep(Duration::from_micros(u64::from(run % 8) * 300));
+                let t0 = Instant::now();
+                owner.deregister(&r).unwrap();
+                let waited = t0.elapsed();
+                // The memory goes now: a peer still writing would crash this process.
+                drop(r);
+                (t.join().unwrap(), waited)
+            });
+            tally.take(t, moved, waited);
+            let after = go(&a, &l, &peer, id, op);
+            assert!(
+                matches!(after, Err(Error::Deregistered { region }) if region == id),
+                "{t} run {run}: {op:?} after deregistration: {after:?}"
+            );
+        }
+    }
+    tally.report(&format!("one process, {t}"));
+}
+
+#[test]
+fn deregistration_during_a_peers_ucx_transfer_in_one_process_shm() {
+    one_process("shm");
+}
+
+#[test]
+fn deregistration_during_a_peers_ucx_transfer_in_one_process_tcp() {
+    one_process("tcp");
+}
+
+/// The owner in its own process (ignored in a normal run): `reg` registers a region and
+/// prints its id; `dereg ID` deregisters it, lets the memory go and prints how long it took.
+#[test]
+#[ignore = "an owner's own process, started by the tests here"]
+fn owner_child() {
+    let Ok(t) = std::env::var("KVX_UCX_OWNER") else {
+        return;
+    };
+    let b = agent(&format!("owner-elsewhere-{t}"), transport(&t));
+    println!("SIDE {}", b.listen("127.0.0.1:0").unwrap());
+    let mut held = Vec::new();
+    for line in std::io::stdin().lines() {
+        let line = line.unwrap();
+        match line.split_whitespace().collect::<Vec<_>>().as_slice() {
+            ["reg"] => {
+                let r = b.register(HostBuffer::new(BIG).unwrap()).unwrap();
+                println!("REG {}", r.id().0);
+                held.push(r);
+            }
+            ["dereg", id] => {
+                let id: u32 = id.parse().unwrap();
+                let i = held.iter().position(|r| r.id().0 == id).unwrap();
+                let r = held.swap_remove(i);
+                let t0 = Instant::now();
+                b.deregister(&r).unwrap();
+                let us = t0.elapsed().as_micros();
+                drop(r);
+                println!("GONE {id} {us}");
+            }
+            _ => panic!("unknown command {line:?}"),
+        }
+    }
+}
+
+fn two_processes(t: &str) {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "owner_child", "--ignored", "--nocapture"])
+        .env("KVX_UCX_OWNER", t)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut to = child.stdin.take().unwrap();
+    let mut from = BufReader::new(child.stdout.take().unwrap());
+    let mut said = |want: &str| -> String {
+        loop {
+            let mut l = String::new();
+            assert!(
+                from.read_line(&mut l).unwrap() > 0,
+                "the owner ended (crashed?) before it said {want:?}"
+            );
+            if let Some(i) = l.find(want) {
+                return l[i + want.len()..].trim().to_string();
+            }
+        }
+    };
+    let side: std::net::SocketAddr = said("SIDE ").parse().unwrap();
+    let a = agent(&format!("peer-here-{t}"), transport(t));
+    let peer = a.connect(side).unwrap();
+    let buf = a.register(HostBuffer::new(BIG).unwrap()).unwrap();
+    let l = a.prep_local(&[Desc::new(buf.id(), 0, BIG as u64)]).unwrap();
+    let mut tally = Tally::default();
+    for run in 0..RUNS {
+        for op in [XferOp::Write, XferOp::Read] {
+            writeln!(to, "reg").unwrap();
+            let id: u32 = said("REG ").parse().unwrap();
+            known(&a, &peer, id);
+            let (moved, gone) = std::thread::scope(|s| {
+                let t = s.spawn(|| go(&a, &l, &peer, id, op));
+                std::thread::sleep(Duration::from_micros(u64::from(run % 8) * 300));
+                writeln!(to, "dereg {id}").unwrap();
+                let gone = said("GONE ");
+                (t.join().unwrap(), gone)
+            });
+            let us: u64 = gone.split_whitespace().nth(1).unwrap().parse().unwrap();
+            tally.take(t, moved, Duration::from_micros(us));
+            let after = go(&a, &l, &peer, id, op);
+            assert!(
+                matches!(after, Err(Error::Deregistered { region }) if region == id),
+                "{t} run {run}: {op:?} after deregistration: {after:?}"
+            );
+        }
+    }
+    drop(to);
+    let status = child.wait().unwrap();
+    assert!(status.success(), "the owner process: {status:?}");
+    tally.report(&format!("two processes, {t}"));
+}
+
+#[test]
+fn deregistration_during_a_peers_ucx_transfer_in_two_processes_shm() {
+    two_processes("shm");
+}
+
+#[test]
+fn deregistration_during_a_peers_ucx_transfer_in_two_processes_tcp() {
+    two_processes("tcp");
+}
