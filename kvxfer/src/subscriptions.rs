@@ -109,16 +109,23 @@ impl Subscriptions {
         }
     }
 
-    /// This agent deregisters region `id`: tells every kept peer and waits, up to `wait`, for
-    /// each to answer that nothing of its touches the region any more (or for its connection
-    /// to end: that peer is gone). Returns the peers that did not answer.
-    pub(crate) fn fence_region(&self, id: u32, wait: Duration) -> Vec<String> {
+    /// This agent deregisters region `id`: tells every kept peer that `concerned` names and
+    /// waits, up to `wait`, for each to answer that nothing of its touches the region any more
+    /// (or for its connection to end: that peer is gone). Returns the peers that did not
+    /// answer.
+    pub(crate) fn fence_region(
+        &self,
+        id: u32,
+        wait: Duration,
+        concerned: impl Fn(&str) -> bool,
+    ) -> Vec<String> {
         let conns: Vec<(u64, String, Arc<Mutex<Tx>>)> = self
             .lock()
             .by_peer
             .iter()
             .map(|(p, c)| (c.id, p.clone(), c.tx.clone()))
             .collect();
+        let conns: Vec<_> = conns.into_iter().filter(|(_, p, _)| concerned(p)).collect();
         let mut waiting: Vec<(u64, String)> = Vec::new();
         for (cid, peer, tx) in conns {
             let mut t = lock_tx(&tx);

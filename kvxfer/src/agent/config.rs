@@ -45,6 +45,7 @@ pub struct AgentConfig {
     pub(crate) compat: u64,
     pub(crate) strict: bool,
     pub(crate) handshake_timeout: Duration,
+    pub(crate) deregister_wait: Duration,
     pub(crate) budget: MemoryBudget,
     pub(crate) security: SecurityConfig,
     pub(crate) ucx: UcxConfig,
@@ -86,6 +87,7 @@ impl AgentConfig {
             compat: DEFAULT_COMPAT,
             strict: false,
             handshake_timeout: Duration::from_secs(10),
+            deregister_wait: Duration::from_secs(10),
             budget: MemoryBudget::unlimited(),
             security: SecurityConfig::default(),
             ucx: UcxConfig::default(),
@@ -376,6 +378,16 @@ impl AgentConfig {
     /// At least 1.
     pub fn max_peers(mut self, n: usize) -> Self {
         self.peers.max_peers = n.max(1);
+        self
+    }
+
+    /// How long [`Agent::deregister`](super::Agent::deregister) waits for each peer that UCX
+    /// reaches and that is kept on the side channel to confirm that nothing of its touches
+    /// the region any more (its UCX transfers to this agent in flight have ended), and how
+    /// long this agent, told of a peer's deregistration, waits for its own before it answers.
+    /// Past it the region stays registered (`Busy`). Default 10 s.
+    pub fn deregister_wait(mut self, d: Duration) -> Self {
+        self.deregister_wait = d;
         self
     }
 

@@ -3,21 +3,18 @@
 //! agent lets go ([`crate::subscriptions::Subscriptions::fence_region`]).
 #![forbid(unsafe_code)]
 
-use std::time::Duration;
-
 use super::handle::Agent;
+#[cfg(doc)]
+use super::AgentConfig;
 use crate::backend::ucx::driver::Cmd;
 use crate::memory::Region;
 use kvxfer_proto::error::{Error, Result};
 
-/// How long a deregistration waits for the peers' answers, and a peer for its transfers to
-/// the region to end, before the region stays registered (`Busy`).
-pub(super) const FENCE_WAIT: Duration = Duration::from_secs(10);
-
 impl Agent {
     /// Deregisters a region. Fails with [`Error::Busy`] while a transfer of this agent uses
-    /// it, or while a peer kept on its side channel has not confirmed (within 10 s) that
-    /// nothing of its touches the region any more: each such peer is told first, refuses the
+    /// it, or while a peer that UCX reaches and that is kept on its side channel has not
+    /// confirmed (within [`AgentConfig::deregister_wait`], 10 s) that nothing of its touches
+    /// the region any more: each such peer is told first, refuses the
     /// region from then on ([`Error::Deregistered`]) and answers once its UCX transfers to this
     /// agent that were in flight have ended. Peers that loaded this agent's metadata otherwise
     /// (by hand, through etcd) are not told: deregister memory they may use only once they are
@@ -29,11 +26,22 @@ impl Agent {
         }
         // Every peer kept on the side channel stops using the region and says so before its
         // memory may go: UCX's emulated RMA checks no key on this side.
-        let unconfirmed = self.shared.subs.fence_region(id, FENCE_WAIT);
+        // Peers that UCX does not reach (loaded lane-only) write only through this agent's
+        // TCP lane, whose target refuses a region in use itself.
+        let wait = self.shared.deregister_wait;
+        let ucx_reaches = |peer: &str| {
+            self.shared
+                .peers
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(peer)
+                .is_none_or(|v| v.ucx)
+        };
+        let unconfirmed = self.shared.subs.fence_region(id, wait, ucx_reaches);
         if !unconfirmed.is_empty() {
             log::warn!(
-                "kvxfer: region {id} stays registered: {} did not confirm within {FENCE_WAIT:?} \
-                 that nothing of theirs touches it",
+                "kvxfer: region {id} stays registered: {} did not confirm within {wait:?} that \
+                 nothing of theirs touches it",
                 unconfirmed.join(", ")
             );
             return Err(Error::Busy {

@@ -187,6 +187,7 @@ impl Agent {
             gone: Mutex::new(HashSet::new()),
             codec,
             handshake: cfg.handshake_timeout,
+            deregister_wait: cfg.deregister_wait,
             ucx_tcp_off: cfg.ucx_tcp_off(),
             lane_notes,
             grant_charges: Mutex::default(),
@@ -659,7 +660,7 @@ fn side_channel(st: &Arc<AgentState>) -> Arc<SideChannel> {
         on_peer: Box::new(move |meta| load_decoded(&b, meta)),
         on_gone: Box::new(move |peer, id| {
             c.upgrade()
-                .is_none_or(|st| peers::region_gone_at(&st, peer, id, deregister::FENCE_WAIT))
+                .is_none_or(|st| peers::region_gone_at(&st, peer, id, st.deregister_wait))
         }),
     })
 }

@@ -51,6 +51,9 @@ pub(crate) struct AgentState {
     pub(crate) codec: Arc<crate::codec_meter::CodecMeter>,
     /// How long each step of a connect's handshake waits.
     pub(crate) handshake: std::time::Duration,
+    /// How long a deregistration waits for the peers' answers, and an answer for this
+    /// agent's transfers to the region to end.
+    pub(crate) deregister_wait: std::time::Duration,
     /// UCX's TCP transport is left out (lanes on, no `ucx_tcp`): a peer UCX cannot reach
     /// is loaded lane-only.
     pub(crate) ucx_tcp_off: bool,
