@@ -53,6 +53,7 @@ mod device;
 mod discovery;
 mod fd_limit;
 mod gate;
+mod host;
 mod lane;
 mod listener;
 pub mod live;

@@ -5,7 +5,7 @@
 
 use super::handle::Agent;
 #[cfg(doc)]
-use super::AgentConfig;
+use super::config::AgentConfig;
 use crate::backend::ucx::driver::Cmd;
 use crate::memory::Region;
 use kvxfer_proto::error::{Error, Result};

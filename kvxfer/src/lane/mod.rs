@@ -34,7 +34,6 @@ pub(crate) mod tcp;
 
 use api::{LaneKind, LaneSetup};
 use kvxfer_proto::error::Result;
-use kvxfer_proto::types::HostInfo;
 
 /// The lanes an agent runs, in the order a transfer tries them. Lanes off: none (UCX only).
 pub(crate) fn start(setup: &LaneSetup) -> Result<Vec<Box<dyn LaneKind>>> {
@@ -47,21 +46,6 @@ pub(crate) fn start(setup: &LaneSetup) -> Result<Vec<Box<dyn LaneKind>>> {
     lanes.extend(shm::ShmLane::start(setup)?);
     lanes.push(Box::new(tcp::lane::TcpLane::start(setup)?));
     Ok(lanes)
-}
-
-/// This process's host identity, or None where /proc does not tell it.
-pub(crate) fn host_info() -> Option<HostInfo> {
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
-    let hex: String = boot.trim().chars().filter(|c| *c != '-').collect();
-    let boot_id = kvxfer_proto::wire::unhex::<16>(&hex)?;
-    let ns = std::fs::read_link("/proc/self/ns/pid").ok()?;
-    let ns = ns.to_str()?;
-    let pid_ns: u64 = ns.strip_prefix("pid:[")?.strip_suffix(']')?.parse().ok()?;
-    Some(HostInfo {
-        boot_id,
-        pid_ns,
-        pid: std::process::id(),
-    })
 }
 
 /// The first IPv4 address of the first interface in `devices` (a `UCX_NET_DEVICES` list such
@@ -134,14 +118,6 @@ fn ipv4_interfaces() -> Vec<(String, std::net::Ipv4Addr, bool)> {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn host_info_reads_this_process() {
-        let h = super::host_info().expect("Linux /proc");
-        assert_eq!(h.pid, std::process::id());
-        assert_ne!(h.boot_id, [0; 16]);
-        assert_eq!(super::host_info(), Some(h));
-    }
-
     #[test]
     fn iface_addr_finds_loopback() {
         assert_eq!(

@@ -16,6 +16,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use super::api::{LaneKind, LaneSetup, PeerLane, Query};
+use crate::host::PeerProcess;
 use crate::transfer::NoteCarrier;
 use crate::transfer::{Job, Work};
 use kvxfer_proto::error::{Error, Result};
@@ -86,57 +87,15 @@ pub(crate) struct PeerMaps {
     control: ControlMap,
 }
 
-/// The process that owns a peer's regions: a pidfd (opened before its regions were, so it is
-/// that process and not a later one with the pid), or the pid alone where the kernel has no
-/// pidfds.
-struct PeerProcess {
-    pid: u32,
-    pidfd: Option<OwnedFd>,
-}
-
-impl PeerProcess {
-    fn open(pid: u32) -> PeerProcess {
-        use std::os::fd::FromRawFd;
-        // SAFETY: pidfd_open takes a pid and flags 0 and returns a new descriptor or -1.
-        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-        let pidfd = (raw >= 0).then(|| {
-            // SAFETY: raw is a fresh descriptor that nothing else owns.
-            unsafe { OwnedFd::from_raw_fd(raw as i32) }
-        });
-        PeerProcess { pid, pidfd }
-    }
-
-    /// Whether the process has exited: its regions' memory is then read by nobody, and a
-    /// transfer into or out of it must not look like a success.
-    fn exited(&self) -> bool {
-        match &self.pidfd {
-            Some(fd) => {
-                let mut p = libc::pollfd {
-                    fd: fd.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                };
-                // SAFETY: one live pollfd, no wait; a pidfd is readable once its process ends.
-                let n = unsafe { libc::poll(&mut p, 1, 0) };
-                n > 0 && p.revents & libc::POLLIN != 0
-            }
-            None => {
-                // SAFETY: kill with signal 0 only checks that the process exists.
-                let r = unsafe { libc::kill(self.pid as libc::pid_t, 0) };
-                r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
-            }
-        }
-    }
-
-    fn error(&self, peer: &str, when: &str) -> Error {
-        Error::LaneFailed {
-            agent: peer.to_string(),
-            lane: "shm",
-            why: format!(
-                "the peer's process (pid {}) has exited {when}: its memory is read by nobody",
-                self.pid
-            ),
-        }
+/// The error of a transfer whose peer process `p` has exited `when`.
+fn exited_error(p: &PeerProcess, peer: &str, when: &str) -> Error {
+    Error::LaneFailed {
+        agent: peer.to_string(),
+        lane: "shm",
+        why: format!(
+            "the peer's process (pid {}) has exited {when}: its memory is read by nobody",
+            p.pid()
+        ),
     }
 }
 
@@ -509,7 +468,7 @@ impl Copier {
             carrier: self.carrier.clone(),
         });
         if j.maps.process.exited() {
-            let e = j.maps.process.error(&j.job.peer, "before the transfer");
+            let e = exited_error(&j.maps.process, &j.job.peer, "before the transfer");
             fail_all(j, e);
             return;
         }
@@ -667,7 +626,11 @@ fn chunk_done(j: &Arc<ShmJob>) {
         }
     }
     if error.is_none() && j.maps.process.exited() {
-        error = Some(j.maps.process.error(&job.peer, "during the transfer"));
+        error = Some(exited_error(
+            &j.maps.process,
+            &job.peer,
+            "during the transfer",
+        ));
     }
     let stats = job.stats(Lane::Shm, job.started.elapsed());
     if let Some(e) = error {

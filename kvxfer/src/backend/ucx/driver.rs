@@ -237,6 +237,9 @@ pub(super) struct Peer {
     /// Transfers using this peer that have not completed.
     pub(super) jobs: usize,
     pub(super) retired: bool,
+    /// Without peer-failure detection (shared memory), a same-host peer's process, watched
+    /// through a pidfd: its death fails its transfers at once, deadline or none.
+    pub(super) process: Option<crate::host::PeerProcess>,
 }
 
 pub(super) struct Active {
@@ -262,6 +265,9 @@ pub(crate) struct Engine {
     pub(super) efd: i32,
     pub(super) busy_poll: bool,
     pub(super) peer_failure: bool,
+    /// When the processes of same-host peers were last looked at (every `WATCH_PERIOD`
+    /// while transfers to them are in flight, not every round: a round is a few us).
+    pub(super) watched_at: Instant,
     /// UCX keeps only its loopback to this worker (`TLS=self`: its TCP transport left out):
     /// no endpoint to another agent can be made, so none is tried (UCX would log an error).
     pub(super) self_only: bool,
@@ -334,6 +340,7 @@ impl Engine {
                 efd,
                 busy_poll,
                 peer_failure,
+                watched_at: Instant::now(),
                 self_only: settings.iter().any(|(k, v)| k == "TLS" && v == "self"),
                 am_notes,
                 rx,

@@ -38,6 +38,10 @@ impl Engine {
         let token = self.next_token;
         self.next_token += 1;
         let name = meta.name.clone();
+        // Opened before anything of the peer is used: the pidfd is that process.
+        let process = (!self.peer_failure && crate::host::same_host_elsewhere(meta.host))
+            .then(|| meta.host.map(|h| crate::host::PeerProcess::open(h.pid)))
+            .flatten();
         self.peers.insert(
             token,
             Peer {
@@ -49,6 +53,7 @@ impl Engine {
                 transports: String::new(),
                 jobs: 0,
                 retired: false,
+                process,
             },
         );
         self.names.insert(name, token);

@@ -154,7 +154,25 @@ impl Engine {
         let mut next: Option<Instant> = None;
         let mut expired = Vec::new();
         let mut stuck = Vec::new();
+        let mut dead = Vec::new();
+        let watch = now >= self.watched_at + WATCH_PERIOD;
+        if watch {
+            self.watched_at = now;
+        }
         for (&id, a) in &self.active {
+            // A same-host peer whose process exited: UCX's shared memory never says so.
+            if let Some(p) = self
+                .peers
+                .get(&a.job.token)
+                .and_then(|p| p.process.as_ref())
+            {
+                if watch && p.exited() {
+                    dead.push(id);
+                    continue;
+                }
+                let at = self.watched_at + WATCH_PERIOD;
+                next = Some(next.map_or(at, |n: Instant| n.min(at)));
+            }
             if let Some(d) = a.deadline_at {
                 if d <= now && a.error.is_none() {
                     expired.push(id);
@@ -171,6 +189,28 @@ impl Engine {
             }
         }
         for id in stuck {
+            self.abandon(id);
+        }
+        for id in dead {
+            let Some(a) = self.active.get_mut(&id) else {
+                continue;
+            };
+            let token = a.job.token;
+            if a.error.is_none() {
+                a.error = Some(Error::PeerFailed {
+                    agent: a.job.peer.clone(),
+                    status: raw::status(-25), // UCS_ERR_CONNECTION_RESET
+                });
+                log::warn!(
+                    "kvxfer: transfer {id} to {:?}: the peer's process has exited",
+                    a.job.peer
+                );
+            }
+            if let Some(p) = self.peers.get_mut(&token) {
+                p.failed.get_or_insert(raw::status(-25));
+            }
+            self.close_peer(token, true);
+            // Nobody will complete what the dead process left outstanding.
             self.abandon(id);
         }
         for id in expired {
@@ -207,6 +247,9 @@ impl Engine {
 /// leaked): that path stays as it was.
 pub(super) const ABANDON_AFTER: Duration = Duration::from_millis(250);
 
+/// How often the processes of same-host peers with transfers in flight are looked at.
+const WATCH_PERIOD: Duration = Duration::from_millis(20);
+
 impl Engine {
     /// Completes transfer `id` with its error without UCX's word that it is done: its
     /// buffers, its notification and its plan stay with the process (leaked, as at shutdown),
@@ -217,8 +260,8 @@ impl Engine {
         };
         let e = a.error.unwrap_or(Error::Canceled);
         log::warn!(
-            "kvxfer: UCX did not complete transfer {id} to {:?} {ABANDON_AFTER:?} after its \
-             deadline; it fails now, and its buffers stay pinned (deregistering them is Busy)",
+            "kvxfer: UCX did not complete transfer {id} to {:?} ({e}); it fails now, and its \
+             buffers stay pinned (deregistering them is Busy)",
             a.job.peer
         );
         a.job.pins.leak();
