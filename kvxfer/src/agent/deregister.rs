@@ -3,9 +3,9 @@
 //! agent lets go ([`crate::subscriptions::Subscriptions::fence_region`]).
 #![forbid(unsafe_code)]
 
-use super::handle::Agent;
 #[cfg(doc)]
 use super::config::AgentConfig;
+use super::handle::Agent;
 use crate::backend::ucx::driver::Cmd;
 use crate::memory::Region;
 use kvxfer_proto::error::{Error, Result};
