@@ -50,6 +50,7 @@ fn stopped_peer(lanes: bool) {
     let region = agent
         .register(HostBuffer::new(LEN as usize).unwrap())
         .unwrap();
+    let spare = agent.register(HostBuffer::new(4096).unwrap()).unwrap();
     let peer = agent.connect(side).unwrap();
     let local = agent.prep_local(&[Desc::new(region.id(), 0, LEN)]).unwrap();
     let remote = agent.prep_remote(&peer, &[Desc::new(rid, 0, LEN)]).unwrap();
@@ -120,12 +121,40 @@ fn stopped_peer(lanes: bool) {
     // (Busy) until it does, once it runs again.
     assert_eq!(region.inflight(), 0);
     if !lanes {
+        let t = Instant::now();
         let e = agent.deregister(&region).unwrap_err();
         assert!(matches!(e, Error::Busy { inflight: 1, .. }), "{e}");
+        assert!(
+            t.elapsed() >= Duration::from_millis(300),
+            "{:?}",
+            t.elapsed()
+        );
+        // Having let one wait run out, the stopped peer is not waited for again (a shutdown
+        // deregistering many regions would wait for it once per region).
+        let t = Instant::now();
+        let e = agent.deregister(&spare).unwrap_err();
+        assert!(matches!(e, Error::Busy { inflight: 1, .. }), "{e}");
+        assert!(
+            t.elapsed() < Duration::from_millis(200),
+            "{:?}",
+            t.elapsed()
+        );
     }
     // SAFETY: as above.
     unsafe { libc::kill(pid, libc::SIGCONT) };
-    agent.deregister(&region).unwrap();
+    // Running again, it answers what it was told; then both regions go.
+    let t = Instant::now();
+    for r in [&region, &spare] {
+        loop {
+            match agent.deregister(r) {
+                Ok(()) => break,
+                Err(Error::Busy { .. }) if t.elapsed() < Duration::from_secs(10) => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => panic!("after SIGCONT: {e}"),
+            }
+        }
+    }
     let _ = child.kill();
     let _ = child.wait();
 }

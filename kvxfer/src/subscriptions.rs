@@ -43,10 +43,23 @@ pub(crate) struct Subscriptions {
     generation: AtomicU64,
     budget: MemoryBudget,
     kept: Mutex<Kept>,
-    /// Answers to deregistrations: (connection, region) pairs, taken by `fence_region`.
-    acks: Mutex<HashSet<(u64, u32)>>,
+    /// Deregistrations waited for and their answers.
+    fences: Mutex<Fences>,
     /// Signalled on every answer and every connection that ends.
     answered: Condvar,
+}
+
+/// Deregistrations in progress, by (connection, region).
+#[derive(Debug, Default)]
+struct Fences {
+    /// Asked and not answered yet.
+    asked: HashSet<(u64, u32)>,
+    /// Answered, for `fence_region` to take.
+    answered: HashSet<(u64, u32)>,
+    /// Connections that let a deregistration's wait run out: the next ones do not wait for
+    /// them (a stopped peer would hold every region of a shutdown for the whole wait), until
+    /// they answer anything.
+    silent: HashSet<u64>,
 }
 
 /// The writing half of a kept connection: the socket and the session that seals its frames
@@ -104,7 +117,7 @@ impl Subscriptions {
             generation: AtomicU64::new(0),
             budget,
             kept: Mutex::default(),
-            acks: Mutex::default(),
+            fences: Mutex::default(),
             answered: Condvar::new(),
         }
     }
@@ -127,38 +140,58 @@ impl Subscriptions {
             .collect();
         let conns: Vec<_> = conns.into_iter().filter(|(_, p, _)| concerned(p)).collect();
         let mut waiting: Vec<(u64, String)> = Vec::new();
+        let mut silent: Vec<String> = Vec::new();
         for (cid, peer, tx) in conns {
+            self.fence_lock().asked.insert((cid, id));
             let mut t = lock_tx(&tx);
             let frame = t.updates.gone_frame(id);
             // A connection that cannot take it is broken: its peer is gone.
-            if t.s.write_all(&frame).is_ok() {
+            if t.s.write_all(&frame).is_err() {
+                self.fence_lock().asked.remove(&(cid, id));
+            } else if self.fence_lock().silent.contains(&cid) {
+                // Told (it learns when it runs again), but not waited for: it let an earlier
+                // wait run out.
+                self.fence_lock().asked.remove(&(cid, id));
+                silent.push(peer);
+            } else {
                 waiting.push((cid, peer));
             }
         }
         let deadline = Instant::now() + wait;
-        let mut acks = self.acks.lock().unwrap_or_else(|e| e.into_inner());
+        let mut f = self.fence_lock();
         loop {
             let live: HashSet<u64> = self.lock().by_peer.values().map(|c| c.id).collect();
-            waiting.retain(|(cid, _)| live.contains(cid) && !acks.remove(&(*cid, id)));
+            waiting.retain(|(cid, _)| live.contains(cid) && !f.answered.remove(&(*cid, id)));
             let now = Instant::now();
             if waiting.is_empty() || now >= deadline {
                 break;
             }
-            acks = self
+            f = self
                 .answered
-                .wait_timeout(acks, (deadline - now).min(POLL))
+                .wait_timeout(f, (deadline - now).min(POLL))
                 .map(|(g, _)| g)
                 .unwrap_or_else(|e| e.into_inner().0);
         }
-        waiting.into_iter().map(|(_, p)| p).collect()
+        for (cid, _) in &waiting {
+            f.asked.remove(&(*cid, id));
+            f.silent.insert(*cid);
+        }
+        drop(f);
+        waiting.into_iter().map(|(_, p)| p).chain(silent).collect()
     }
 
     fn answer(&self, conn: u64, id: u32) {
-        self.acks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert((conn, id));
+        let mut f = self.fence_lock();
+        f.silent.remove(&conn);
+        if f.asked.remove(&(conn, id)) {
+            f.answered.insert((conn, id));
+        }
+        drop(f);
         self.answered.notify_all();
+    }
+
+    fn fence_lock(&self) -> MutexGuard<'_, Fences> {
+        self.fences.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// This agent registered a region: every kept connection sends its metadata again.
@@ -272,6 +305,11 @@ impl Subscriptions {
             k.by_peer.remove(peer);
         }
         drop(k);
+        let mut f = self.fence_lock();
+        f.silent.remove(&id);
+        f.asked.retain(|(c, _)| *c != id);
+        f.answered.retain(|(c, _)| *c != id);
+        drop(f);
         // A deregistration waiting for this peer's answer waits no more.
         self.answered.notify_all();
     }
