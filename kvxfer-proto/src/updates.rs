@@ -168,6 +168,18 @@ mod tests {
         }
     }
 
+    /// Both ends of a connection whose handshake loaded agent "a" epoch 7, sealed.
+    fn sealed_pair() -> (Updates, Updates) {
+        let psk = Psk::side_channel(b"s");
+        let (init, first) = Initiator::start(&psk, [1; SEED], "l").unwrap();
+        let (resp, answer) = Session::respond(&psk, [2; SEED], &first, "c").unwrap();
+        let client = init.finish(&answer).unwrap();
+        (
+            Updates::new("l", "me", 0, COMPAT, Some(client)),
+            Updates::new("c", "a", 7, COMPAT, Some(resp)),
+        )
+    }
+
     /// The one frame `f` holds.
     fn one(f: &[u8]) -> (u8, Vec<u8>) {
         read_frame(&mut &f[..], "test").unwrap()
@@ -201,12 +213,7 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore = "X25519 takes minutes under Miri")]
     fn a_sealed_update_opens_only_under_its_session_and_in_order() {
-        let psk = Psk::side_channel(b"s");
-        let (init, first) = Initiator::start(&psk, [1; SEED], "l").unwrap();
-        let (resp, answer) = Session::respond(&psk, [2; SEED], &first, "c").unwrap();
-        let client = init.finish(&answer).unwrap();
-        let mut tx = Updates::new("l", "me", 0, COMPAT, Some(client));
-        let mut rx = Updates::new("c", "a", 7, COMPAT, Some(resp));
+        let (mut tx, mut rx) = sealed_pair();
         let m = meta("a", 7, 2);
         let f1 = one(&tx.frame(&m.encode()));
         let f2 = one(&tx.frame(&meta("a", 7, 3).encode()));
@@ -222,12 +229,7 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore = "X25519 takes minutes under Miri")]
     fn deregistrations_and_their_answers_travel_sealed_and_in_order() {
-        let psk = Psk::side_channel(b"s");
-        let (init, first) = Initiator::start(&psk, [1; SEED], "l").unwrap();
-        let (resp, answer) = Session::respond(&psk, [2; SEED], &first, "c").unwrap();
-        let client = init.finish(&answer).unwrap();
-        let mut tx = Updates::new("l", "me", 0, COMPAT, Some(client));
-        let mut rx = Updates::new("c", "a", 7, COMPAT, Some(resp));
+        let (mut tx, mut rx) = sealed_pair();
         let g = one(&tx.gone_frame(7));
         let a = one(&tx.ack_frame(9));
         assert_eq!(rx.on_frame(g.0, &g.1).unwrap(), Pushed::Gone(7));

@@ -42,6 +42,15 @@ fn go(a: &Agent, l: &kvxfer::PreparedLocal, peer: &str, id: u32, op: XferOp) -> 
         .map(|_| ())
 }
 
+/// The next `op` on `peer`'s deregistered region `id` is refused, typed, before any lane.
+fn refused_after(a: &Agent, l: &kvxfer::PreparedLocal, peer: &str, id: u32, op: XferOp) {
+    let after = go(a, l, peer, id, op);
+    assert!(
+        matches!(after, Err(Error::Deregistered { region }) if region == id),
+        "{op:?} on region {id} after its deregistration: {after:?}"
+    );
+}
+
 /// Waits until `peer`'s region `id` is known to `a` (its registration travels as an update).
 fn known(a: &Agent, peer: &str, id: u32) {
     let t0 = Instant::now();
@@ -118,11 +127,7 @@ fn one_process(t: &str) {
                 (t.join().unwrap(), waited)
             });
             tally.take(t, moved, waited);
-            let after = go(&a, &l, &peer, id, op);
-            assert!(
-                matches!(after, Err(Error::Deregistered { region }) if region == id),
-                "{t} run {run}: {op:?} after deregistration: {after:?}"
-            );
+            refused_after(&a, &l, &peer, id, op);
         }
     }
     tally.report(&format!("one process, {t}"));
@@ -214,11 +219,7 @@ fn two_processes(t: &str) {
             });
             let us: u64 = gone.split_whitespace().nth(1).unwrap().parse().unwrap();
             tally.take(t, moved, Duration::from_micros(us));
-            let after = go(&a, &l, &peer, id, op);
-            assert!(
-                matches!(after, Err(Error::Deregistered { region }) if region == id),
-                "{t} run {run}: {op:?} after deregistration: {after:?}"
-            );
+            refused_after(&a, &l, &peer, id, op);
         }
     }
     drop(to);
