@@ -378,9 +378,11 @@ pub(crate) fn region_gone_at(st: &AgentState, name: &str, id: u32, wait: Duratio
         for (k, s) in view.spans.iter().enumerate() {
             if s.id.0 == id {
                 f.gone[k] = true;
+                f.any_gone = true;
             }
         }
         f.ucx.retain(|s| !s.is_done());
+        f.pruned = f.ucx.len();
         f.ucx.clone()
     };
     let deadline = Instant::now() + wait;

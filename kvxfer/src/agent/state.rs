@@ -205,8 +205,13 @@ pub(crate) struct PeerView {
 pub(crate) struct RegionFence {
     /// Per region slot of the view: deregistered by its owner.
     pub(crate) gone: Vec<bool>,
+    /// Whether any slot is: the per-transfer check is skipped while none is.
+    pub(crate) any_gone: bool,
     /// UCX transfers to the peer, pruned of finished ones as new ones come.
     pub(crate) ucx: Vec<Arc<crate::transfer::XferState>>,
+    /// `ucx`'s length after its last pruning: it is pruned again only once it has doubled,
+    /// so that recording a transfer costs O(1) amortized whatever is in flight.
+    pub(crate) pruned: usize,
 }
 
 impl std::fmt::Debug for RegionFence {
@@ -222,6 +227,15 @@ impl RegionFence {
     /// Whether region slot `k` was deregistered by its owner.
     pub(crate) fn is_gone(&self, k: u32) -> bool {
         self.gone.get(k as usize).copied().unwrap_or(false)
+    }
+
+    /// Records a UCX transfer to the peer (pruning finished ones now and then).
+    pub(crate) fn record(&mut self, s: Arc<crate::transfer::XferState>) {
+        if self.ucx.len() >= 2 * self.pruned + 16 {
+            self.ucx.retain(|s| !s.is_done());
+            self.pruned = self.ucx.len();
+        }
+        self.ucx.push(s);
     }
 }
 

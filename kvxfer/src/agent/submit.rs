@@ -133,7 +133,7 @@ impl Agent {
         let mut fenced = fence
             .as_ref()
             .map(|f| f.lock().unwrap_or_else(|e| e.into_inner()));
-        if let Some(f) = fenced.as_deref().filter(|f| f.gone.contains(&true)) {
+        if let Some(f) = fenced.as_deref().filter(|f| f.any_gone) {
             if let Some(k) = job.plan.slots(true).find(|&k| f.is_gone(k)) {
                 let region = view.as_ref().map_or(0, |v| v.spans[k as usize].id.0);
                 log::info!("kvxfer: {peer:?} deregistered its region {region}: refused");
@@ -146,8 +146,7 @@ impl Agent {
             Route::Ucx => {
                 self.shared.cmds.post(job)?;
                 if let Some(f) = fenced.as_deref_mut() {
-                    f.ucx.retain(|s| !s.is_done());
-                    f.ucx.push(state.clone());
+                    f.record(state.clone());
                 }
             }
         }
