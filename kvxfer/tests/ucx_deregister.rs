@@ -6,6 +6,9 @@
 //! from then on and answers once its transfers in flight to the owner have ended, and only
 //! then does `deregister` return and the memory go. One process and two, WRITE and READ,
 //! shared memory and TCP, 20 runs each: no crash; every transfer ends `Ok` or refused typed.
+//! The same over kvxfer's TCP lane (lanes on), whose target pins a region while a request
+//! uses it: there `deregister` is `Busy` until the transfer ends, and a later one is refused
+//! by the target.
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
 
 use std::io::{BufRead, BufReader, Write};
@@ -17,21 +20,44 @@ use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, RegionId, Transport, X
 const BIG: usize = 16 << 20;
 const RUNS: u32 = 20;
 
-fn agent(name: &str, t: Transport) -> Agent {
+/// An agent for `mode`: "shm" and "tcp" are UCX's (lanes off), "lane" kvxfer's TCP lane.
+fn agent(name: &str, mode: &str) -> Agent {
+    let t = if mode == "shm" {
+        Transport::Shm
+    } else {
+        Transport::Tcp
+    };
     Agent::new(
         AgentConfig::new(name)
             .transport(t)
             .net_devices("lo")
-            .lanes(false),
+            .lanes(mode == "lane"),
     )
     .unwrap()
 }
 
-fn transport(name: &str) -> Transport {
-    match name {
-        "shm" => Transport::Shm,
-        _ => Transport::Tcp,
+/// `owner` deregisters `r`; returns how many times it was `Busy` first (a TCP-lane request
+/// in flight pins the region; over UCX the fence waits instead, so never).
+fn deregister(owner: &Agent, r: &kvxfer::Region, mode: &str) -> u32 {
+    let t0 = Instant::now();
+    let mut busy = 0;
+    loop {
+        match owner.deregister(r) {
+            Ok(()) => return busy,
+            Err(Error::Busy { .. }) if mode == "lane" && t0.elapsed() < Duration::from_secs(20) => {
+                busy += 1;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => panic!("{mode}: deregister: {e}"),
+        }
     }
+}
+
+/// Refused typed: by the peer itself (its owner told it), or by the TCP lane's target.
+fn refused(r: &kvxfer::Result<()>, id: u32) -> bool {
+    matches!(r, Err(Error::Deregistered { region }) if *region == id)
+        || matches!(r, Err(Error::LaneFailed { lane: "tcp", why, .. })
+            if why.contains("not registered") || why.contains("being deregistered"))
 }
 
 /// `a`'s `op` of the whole of `peer`'s region `id` with `l`.
@@ -42,11 +68,11 @@ fn go(a: &Agent, l: &kvxfer::PreparedLocal, peer: &str, id: u32, op: XferOp) -> 
         .map(|_| ())
 }
 
-/// The next `op` on `peer`'s deregistered region `id` is refused, typed, before any lane.
+/// The next `op` on `peer`'s deregistered region `id` is refused, typed.
 fn refused_after(a: &Agent, l: &kvxfer::PreparedLocal, peer: &str, id: u32, op: XferOp) {
     let after = go(a, l, peer, id, op);
     assert!(
-        matches!(after, Err(Error::Deregistered { region }) if region == id),
+        refused(&after, id),
         "{op:?} on region {id} after its deregistration: {after:?}"
     );
 }
@@ -72,16 +98,18 @@ fn known(a: &Agent, peer: &str, id: u32) {
 struct Tally {
     ok: u32,
     refused: u32,
+    busy: u32,
     waited: Vec<Duration>,
 }
 
 impl Tally {
-    fn take(&mut self, name: &str, r: kvxfer::Result<()>, waited: Duration) {
+    fn take(&mut self, name: &str, id: u32, r: kvxfer::Result<()>, waited: Duration, busy: u32) {
         match r {
             Ok(()) => self.ok += 1,
-            Err(Error::Deregistered { .. }) => self.refused += 1,
+            ref e if refused(e, id) => self.refused += 1,
             Err(e) => panic!("{name}: a transfer across a deregistration: {e:?}"),
         }
+        self.busy += busy;
         self.waited.push(waited);
     }
 
@@ -90,12 +118,13 @@ impl Tally {
         let n = self.waited.len();
         eprintln!(
             "{name}: {} transfers across a deregistration: {} ended Ok, {} refused before they \
-             began; deregister took median {:?}, longest {:?}",
+             began; deregister took median {:?}, longest {:?} ({} Busy answers on the way)",
             n,
             self.ok,
             self.refused,
             self.waited[n / 2],
-            self.waited[n - 1]
+            self.waited[n - 1],
+            self.busy
         );
         assert_eq!(self.ok + self.refused, n as u32);
         // Some deregistrations came while a 16 MiB transfer was under way and waited for it.
@@ -104,9 +133,9 @@ impl Tally {
 }
 
 fn one_process(t: &str) {
-    let owner = agent(&format!("own-{t}"), transport(t));
+    let owner = agent(&format!("own-{t}"), t);
     let side = owner.listen("127.0.0.1:0").unwrap();
-    let a = agent(&format!("peer-{t}"), transport(t));
+    let a = agent(&format!("peer-{t}"), t);
     let peer = a.connect(side).unwrap();
     let buf = a.register(HostBuffer::new(BIG).unwrap()).unwrap();
     let l = a.prep_local(&[Desc::new(buf.id(), 0, BIG as u64)]).unwrap();
@@ -117,16 +146,16 @@ fn one_process(t: &str) {
             let id = r.id().0;
             known(&a, &peer, id);
             let (moved, waited) = std::thread::scope(|s| {
-                let t = s.spawn(|| go(&a, &l, &peer, id, op));
+                let h = s.spawn(|| go(&a, &l, &peer, id, op));
                 std::thread::sleep(Duration::from_micros(u64::from(run % 8) * 300));
                 let t0 = Instant::now();
-                owner.deregister(&r).unwrap();
+                let busy = deregister(&owner, &r, t);
                 let waited = t0.elapsed();
                 // The memory goes now: a peer still writing would crash this process.
                 drop(r);
-                (t.join().unwrap(), waited)
+                (h.join().unwrap(), (waited, busy))
             });
-            tally.take(t, moved, waited);
+            tally.take(t, id, moved, waited.0, waited.1);
             refused_after(&a, &l, &peer, id, op);
         }
     }
@@ -143,6 +172,11 @@ fn deregistration_during_a_peers_ucx_transfer_in_one_process_tcp() {
     one_process("tcp");
 }
 
+#[test]
+fn deregistration_during_a_peers_tcp_lane_transfer_in_one_process() {
+    one_process("lane");
+}
+
 /// The owner in its own process (ignored in a normal run): `reg` registers a region and
 /// prints its id; `dereg ID` deregisters it, lets the memory go and prints how long it took.
 #[test]
@@ -151,7 +185,7 @@ fn owner_child() {
     let Ok(t) = std::env::var("KVX_UCX_OWNER") else {
         return;
     };
-    let b = agent(&format!("owner-elsewhere-{t}"), transport(&t));
+    let b = agent(&format!("owner-elsewhere-{t}"), &t);
     println!("SIDE {}", b.listen("127.0.0.1:0").unwrap());
     let mut held = Vec::new();
     for line in std::io::stdin().lines() {
@@ -167,10 +201,10 @@ fn owner_child() {
                 let i = held.iter().position(|r| r.id().0 == id).unwrap();
                 let r = held.swap_remove(i);
                 let t0 = Instant::now();
-                b.deregister(&r).unwrap();
+                let busy = deregister(&b, &r, &t);
                 let us = t0.elapsed().as_micros();
                 drop(r);
-                println!("GONE {id} {us}");
+                println!("GONE {id} {us} {busy}");
             }
             _ => panic!("unknown command {line:?}"),
         }
@@ -200,7 +234,7 @@ fn two_processes(t: &str) {
         }
     };
     let side: std::net::SocketAddr = said("SIDE ").parse().unwrap();
-    let a = agent(&format!("peer-here-{t}"), transport(t));
+    let a = agent(&format!("peer-here-{t}"), t);
     let peer = a.connect(side).unwrap();
     let buf = a.register(HostBuffer::new(BIG).unwrap()).unwrap();
     let l = a.prep_local(&[Desc::new(buf.id(), 0, BIG as u64)]).unwrap();
@@ -217,8 +251,12 @@ fn two_processes(t: &str) {
                 let gone = said("GONE ");
                 (t.join().unwrap(), gone)
             });
-            let us: u64 = gone.split_whitespace().nth(1).unwrap().parse().unwrap();
-            tally.take(t, moved, Duration::from_micros(us));
+            let w: Vec<u64> = gone
+                .split_whitespace()
+                .skip(1)
+                .map(|x| x.parse().unwrap())
+                .collect();
+            tally.take(t, id, moved, Duration::from_micros(w[0]), w[1] as u32);
             refused_after(&a, &l, &peer, id, op);
         }
     }
@@ -236,4 +274,9 @@ fn deregistration_during_a_peers_ucx_transfer_in_two_processes_shm() {
 #[test]
 fn deregistration_during_a_peers_ucx_transfer_in_two_processes_tcp() {
     two_processes("tcp");
+}
+
+#[test]
+fn deregistration_during_a_peers_tcp_lane_transfer_in_two_processes() {
+    two_processes("lane");
 }
