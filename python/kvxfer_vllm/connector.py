@@ -793,6 +793,14 @@ class KvxferConnector(KVConnectorBase_V1):
         return s
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """No: sleep mode frees the KV cache and maps new memory at wake-up, and kvxfer has no
+        ``unregister_kv_caches``/``restore_kv_caches`` yet: it would keep the freed memory
+        registered, and a peer could go on reading it. vLLM then refuses the combination at
+        start ("does not support sleep mode") instead of serving wrong KV."""
+        return False
+
+    @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return KvxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

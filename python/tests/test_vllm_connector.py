@@ -36,6 +36,20 @@ def test_subclass_satisfies_the_abstract_interface():
         c.shutdown()
 
 
+def test_sleep_mode_is_refused_not_served_with_stale_registrations():
+    # The base class says True; kvxfer cannot follow sleep mode's remap yet (issue 35), so
+    # vLLM's config check (VllmConfig, enable_sleep_mode) refuses the pair at start.
+    cfg = h.vllm_config(role="kv_both", extra={"transport": "tcp", "net_devices": "lo"})
+    assert KVConnectorBase_V1.supports_sleep_mode(cfg.kv_transfer_config) is True
+    assert KvxferConnector.supports_sleep_mode(cfg.kv_transfer_config) is False
+    cls = KVConnectorFactory.get_connector_class(cfg.kv_transfer_config)
+    assert cls.supports_sleep_mode(cfg.kv_transfer_config) is False
+    # vLLM's own check, as it runs at start with sleep mode on.
+    cfg.model_config.enable_sleep_mode = True
+    with pytest.raises(ValueError, match="does not support sleep mode"):
+        cfg._verify_kv_transfer_compat()
+
+
 def test_factory_loads_it_by_module_path_in_both_roles():
     vc = h.vllm_config()
     assert KVConnectorFactory.get_connector_class(vc.kv_transfer_config) is KvxferConnector
