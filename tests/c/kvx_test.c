@@ -407,6 +407,7 @@ int main(int argc, char **argv) {
     EXPECT(kvx_agent_config_set_max_peers(c, 0), KVX_INVALID_ARGUMENT);
     CHECK(kvx_agent_config_set_max_peers(c, 64));
     CHECK(kvx_agent_config_set_peer_idle(c, 5000));
+    CHECK(kvx_agent_config_set_deregister_wait(c, 2000));
     if (strcmp(kvx_status_name(KVX_PEER_LIMIT), "KVX_PEER_LIMIT") != 0)
       die("KVX_PEER_LIMIT has no name", KVX_OK);
     CHECK(kvx_agent_config_set_compression(c, "auto"));

@@ -471,6 +471,23 @@ pub unsafe extern "C" fn kvx_agent_config_set_peer_idle(
     })
 }
 
+/// Sets how long `kvx_agent_deregister` waits, in milliseconds (default 10,000), for each
+/// peer that UCX reaches and that is kept on the side channel to confirm that nothing of its
+/// touches the region any more; past it the region stays registered (`KVX_BUSY`). Also how
+/// long this agent, told of a peer's deregistration, waits for its own transfers first.
+///
+/// # Safety
+/// `c` is a live config not used by another thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_deregister_wait(
+    c: *mut kvx_agent_config,
+    ms: u64,
+) -> kvx_status {
+    with_config("kvx_agent_config_set_deregister_wait", c, |cfg| {
+        Ok(cfg.deregister_wait(std::time::Duration::from_millis(ms)))
+    })
+}
+
 /// Adds a UCX setting (a name without the `UCX_` prefix, e.g. "RNDV_THRESH"), applied last.
 ///
 /// # Safety
