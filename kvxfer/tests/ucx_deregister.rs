@@ -280,3 +280,54 @@ fn deregistration_during_a_peers_ucx_transfer_in_two_processes_tcp() {
 fn deregistration_during_a_peers_tcp_lane_transfer_in_two_processes() {
     two_processes("lane");
 }
+
+/// A deregistration that this agent's own transfer makes `Busy` tells no peer: the peer goes
+/// on using the region, which stays registered, until a later deregistration succeeds.
+#[test]
+fn a_deregistration_busy_with_a_local_transfer_tells_no_peer() {
+    let owner = agent("own-busy", "shm");
+    let side = owner.listen("127.0.0.1:0").unwrap();
+    let a = agent("peer-busy", "shm");
+    let peer = a.connect(side).unwrap();
+    let peer_of_owner = owner
+        .peer_info(a.name())
+        .map(|_| a.name().to_string())
+        .unwrap();
+    let buf = a.register(HostBuffer::new(BIG).unwrap()).unwrap();
+    let l = a.prep_local(&[Desc::new(buf.id(), 0, BIG as u64)]).unwrap();
+    let r = owner.register(HostBuffer::new(BIG).unwrap()).unwrap();
+    let id = r.id().0;
+    known(&a, &peer, id);
+    known(&owner, &peer_of_owner, buf.id().0);
+    // The owner's own WRITE out of the region pins it.
+    let ol = owner
+        .prep_local(&[Desc::new(r.id(), 0, BIG as u64)])
+        .unwrap();
+    let orr = owner
+        .prep_remote(&peer_of_owner, &[Desc::new(buf.id(), 0, BIG as u64)])
+        .unwrap();
+    let mut busy = 0;
+    for _ in 0..20 {
+        let t = owner
+            .transfer_all(
+                XferOp::Write,
+                &ol,
+                &orr,
+                None,
+                Some(Duration::from_secs(20)),
+            )
+            .unwrap();
+        if let Err(e) = owner.deregister(&r) {
+            assert!(matches!(e, Error::Busy { .. }), "{e}");
+            busy += 1;
+        } else {
+            panic!("deregistered while its own transfer was in flight");
+        }
+        t.wait().unwrap();
+        // Not told: the peer still reads the region.
+        go(&a, &l, &peer, id, XferOp::Read).unwrap();
+    }
+    assert_eq!(busy, 20);
+    owner.deregister(&r).unwrap();
+    refused_after(&a, &l, &peer, id, XferOp::Read);
+}

@@ -24,6 +24,17 @@ impl Agent {
         if !self.shared.regions.read().contains_key(&id) {
             return Err(Error::Deregistered { region: id });
         }
+        // This agent's own transfers first: once the peers are told, they refuse the region
+        // for good, so a deregistration that is going to be Busy here should not tell them.
+        // (A transfer pinning it between this look and the engine's is still Busy below,
+        // with the peers told: the caller's retry then completes what it asked for.)
+        let inflight = region.inflight();
+        if inflight > 0 {
+            return Err(Error::Busy {
+                region: id,
+                inflight,
+            });
+        }
         // Every peer kept on the side channel stops using the region and says so before its
         // memory may go: UCX's emulated RMA checks no key on this side.
         // Peers that UCX does not reach (loaded lane-only) write only through this agent's

@@ -128,7 +128,8 @@ impl Agent {
             local_dev,
         };
         // A region its owner deregistered is refused on every route; a UCX transfer is
-        // recorded (under the same lock) so that a later deregistration waits for it.
+        // recorded (under the same lock, held until it is posted) so that a deregistration
+        // told after this check waits for it.
         let fence = view.as_ref().map(|v| v.fence.clone());
         let mut fenced = fence
             .as_ref()
@@ -141,7 +142,12 @@ impl Agent {
             }
         }
         match route {
-            Route::Lane(l) => l.submit(job),
+            Route::Lane(l) => {
+                // The lanes' targets refuse a deregistered region themselves: only the check
+                // above needs the lock.
+                drop(fenced);
+                l.submit(job)
+            }
             // On error the job was dropped with the channel; the engine never saw it.
             Route::Ucx => {
                 self.shared.cmds.post(job)?;
@@ -150,7 +156,6 @@ impl Agent {
                 }
             }
         }
-        drop(fenced);
         Ok(Transfer {
             state,
             id,

@@ -50,9 +50,20 @@ pub(super) fn decode_base(agent: &Agent, kv: &KeyValue) -> Result<Metadata> {
 /// Whether the incarnation whose metadata a key holds still answers on its TCP lane: with a
 /// secret, proven on the lane's sealed opening against that incarnation's key, never because
 /// a port accepts a connection ([`answers_as`]).
+/// It blocks (a connection and an answer, a second each at most): called from the etcd
+/// runtime's tasks, it hands the runtime's worker to another thread meanwhile, so that the
+/// lease and watch tasks go on.
 pub(super) fn holder_alive(agent: &Agent, m: Option<&Metadata>) -> bool {
-    m.and_then(|m| m.tcp_lane())
-        .is_some_and(|l| answers_as(&l, agent.secret(), Duration::from_secs(1)))
+    let Some(l) = m.and_then(|m| m.tcp_lane()) else {
+        return false;
+    };
+    let ask = || answers_as(&l, agent.secret(), Duration::from_secs(1));
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(ask)
+        }
+        _ => ask(),
+    }
 }
 
 /// Whether `key` is one of `agent`'s (its base, an update of any of its epochs, or a key it

@@ -266,8 +266,10 @@ pub(crate) struct Engine {
     pub(super) busy_poll: bool,
     pub(super) peer_failure: bool,
     /// When the processes of same-host peers were last looked at (every `WATCH_PERIOD`
-    /// while transfers to them are in flight, not every round: a round is a few us).
+    /// while transfers to them are in flight, not every round: a round is a few us), and
+    /// whether one had transfers then or got one since.
     pub(super) watched_at: Instant,
+    pub(super) watching: bool,
     /// UCX keeps only its loopback to this worker (`TLS=self`: its TCP transport left out):
     /// no endpoint to another agent can be made, so none is tried (UCX would log an error).
     pub(super) self_only: bool,
@@ -341,6 +343,7 @@ impl Engine {
                 busy_poll,
                 peer_failure,
                 watched_at: Instant::now(),
+                watching: false,
                 self_only: settings.iter().any(|(k, v)| k == "TLS" && v == "self"),
                 am_notes,
                 rx,

@@ -44,6 +44,8 @@ impl Engine {
         }
         if let Some(p) = self.peers.get_mut(&token) {
             p.jobs += 1;
+            // A same-host peer's process is watched while transfers to it are in flight.
+            self.watching |= p.process.is_some();
         }
         let deadline_at = job.deadline.map(|d| job.started + d);
         self.active.insert(
@@ -154,24 +156,30 @@ impl Engine {
         let mut next: Option<Instant> = None;
         let mut expired = Vec::new();
         let mut stuck = Vec::new();
-        let mut dead = Vec::new();
-        let watch = now >= self.watched_at + WATCH_PERIOD;
-        if watch {
+        // Same-host peers whose process exited (UCX's shared memory never says so): each
+        // watched peer's pidfd is looked at once a WATCH_PERIOD, only while it has transfers.
+        let mut dead: Vec<u64> = Vec::new();
+        if self.watching && now >= self.watched_at + WATCH_PERIOD {
             self.watched_at = now;
+            let mut still = false;
+            for (&t, p) in &self.peers {
+                if let Some(pr) = p.process.as_ref().filter(|_| p.jobs > 0) {
+                    if pr.exited() {
+                        dead.push(t);
+                    } else {
+                        still = true;
+                    }
+                }
+            }
+            self.watching = still;
+        }
+        if self.watching {
+            let at = self.watched_at + WATCH_PERIOD;
+            next = Some(at);
         }
         for (&id, a) in &self.active {
-            // A same-host peer whose process exited: UCX's shared memory never says so.
-            if let Some(p) = self
-                .peers
-                .get(&a.job.token)
-                .and_then(|p| p.process.as_ref())
-            {
-                if watch && p.exited() {
-                    dead.push(id);
-                    continue;
-                }
-                let at = self.watched_at + WATCH_PERIOD;
-                next = Some(next.map_or(at, |n: Instant| n.min(at)));
+            if dead.contains(&a.job.token) {
+                continue;
             }
             if let Some(d) = a.deadline_at {
                 if d <= now && a.error.is_none() {
@@ -191,27 +199,33 @@ impl Engine {
         for id in stuck {
             self.abandon(id);
         }
-        for id in dead {
-            let Some(a) = self.active.get_mut(&id) else {
-                continue;
-            };
-            let token = a.job.token;
-            if a.error.is_none() {
-                a.error = Some(Error::PeerFailed {
-                    agent: a.job.peer.clone(),
-                    status: raw::status(-25), // UCS_ERR_CONNECTION_RESET
-                });
-                log::warn!(
-                    "kvxfer: transfer {id} to {:?}: the peer's process has exited",
-                    a.job.peer
-                );
-            }
+        for token in dead {
             if let Some(p) = self.peers.get_mut(&token) {
                 p.failed.get_or_insert(raw::status(-25));
             }
+            let ids: Vec<u64> = self
+                .active
+                .iter()
+                .filter(|(_, a)| a.job.token == token)
+                .map(|(&id, _)| id)
+                .collect();
+            for &id in &ids {
+                if let Some(a) = self.active.get_mut(&id) {
+                    a.error.get_or_insert_with(|| Error::PeerFailed {
+                        agent: a.job.peer.clone(),
+                        status: raw::status(-25), // UCS_ERR_CONNECTION_RESET
+                    });
+                }
+            }
+            log::warn!(
+                "kvxfer: a same-host peer's process has exited: {} transfer(s) to it fail",
+                ids.len()
+            );
             self.close_peer(token, true);
             // Nobody will complete what the dead process left outstanding.
-            self.abandon(id);
+            for id in ids {
+                self.abandon(id);
+            }
         }
         for id in expired {
             let Some(a) = self.active.get_mut(&id) else {
