@@ -477,21 +477,21 @@ fn a_sealed_lane_charges_its_record_buffers_to_the_budget() {
     }
 }
 
-/// An agent with a secret that lets UCX use TCP too (`ucx_tcp`, where the network is
-/// trusted), so that a process without the secret reaches its UCX worker.
+/// An agent with a secret whose UCX worker a same-host process without the secret reaches:
+/// over UCX's shared memory (a secret keeps UCX off TCP; `Auto` keeps posix, sysv and cma).
 fn ucx_reachable(name: &str) -> Agent {
     let c = AgentConfig::new(format!("{name}-{}", std::process::id()))
-        .transport(Transport::Tcp)
+        .transport(Transport::Auto)
         .net_devices("lo")
-        .secret(b"open sesame".to_vec())
-        .ucx_tcp(true);
+        .secret(b"open sesame".to_vec());
     Agent::new(c).unwrap()
 }
 
 /// With a secret, notifications and connector messages are believed only from the sealed TCP
 /// lane, whose sender the session gives: a process without the secret that reaches the
-/// agents' UCX workers (opted in to UCX over TCP; without it nothing reaches them) and sends over UCX active messages an acknowledgement naming the
-/// consumer, a refusal naming the producer, and a user notification, changes nothing. The
+/// agents' UCX workers (over shared memory: with a secret UCX never takes TCP) and sends over
+/// UCX active messages an acknowledgement naming the consumer, a refusal naming the producer,
+/// and a user notification, changes nothing. The
 /// producer still holds the request, the consumer's load completes with the producer's bytes,
 /// no forged notification is delivered, and the real ones arrive with their sender.
 #[test]
@@ -514,7 +514,7 @@ fn forged_senders_over_ucx_are_not_believed() {
     // each holding its target's metadata (so its UCX worker address).
     let forger = |name: &str, target: &Agent| {
         let cfg = AgentConfig::new(name.to_string())
-            .transport(Transport::Tcp)
+            .transport(Transport::Shm)
             .net_devices("lo")
             .lanes(false);
         let f = Agent::new(cfg).unwrap();
@@ -566,7 +566,7 @@ fn a_forged_acknowledgement_frees_nothing() {
     producer.publish("req", &[3, 4], 32, 2).unwrap();
     let f = Agent::new(
         AgentConfig::new(format!("ack-reader-{}", std::process::id()))
-            .transport(Transport::Tcp)
+            .transport(Transport::Shm)
             .net_devices("lo")
             .lanes(false),
     )
@@ -590,19 +590,20 @@ fn a_forged_acknowledgement_frees_nothing() {
 
 /// With a secret, a notification that follows data the shm lane or UCX moved arrives (over the
 /// sealed TCP lane), after the data, with its sender; the transfer reports the lane that moved
-/// the data. (UCX moves host memory here only with its TCP transport opted in.)
+/// the data. (UCX moves host memory here over its shared-memory transports: with a secret it
+/// never takes TCP.)
 #[test]
 fn with_a_secret_notifications_follow_shm_and_ucx_data() {
     for (transport, lane) in [
         (Transport::Shm, kvxfer::Lane::Shm),
-        (Transport::Custom("tcp".into()), kvxfer::Lane::Ucx),
+        (Transport::Custom("sm".into()), kvxfer::Lane::Ucx),
     ] {
         let mk = |n: &str| {
             let c = AgentConfig::new(format!("note-{n}-{lane:?}-{}", std::process::id()))
                 .transport(transport.clone())
                 .net_devices("lo")
                 .secret(b"open sesame".to_vec())
-                .ucx_tcp(lane == kvxfer::Lane::Ucx);
+                .peer_failure(Some(false));
             Agent::new(c).unwrap()
         };
         let (a, b) = (mk("a"), mk("b"));

@@ -1,5 +1,5 @@
-//! UCX's own TCP transport is off by default, with a secret or without (`AgentConfig::ucx_tcp`
-//! opts back in): an agent listens on its side channel and its TCP lane only, and garbage sent
+//! UCX's own TCP transport is off by default (`AgentConfig::ucx_tcp` opts back in, never with a
+//! secret): an agent listens on its side channel and its TCP lane only, and garbage sent
 //! to each reads nothing, writes nothing and stops nothing. One test in its own binary: it counts the
 //! listening sockets this process opens, which other tests would change.
 
@@ -49,12 +49,39 @@ fn agent(name: &str, t: Transport, secret: bool, ucx_tcp: bool) -> Agent {
     Agent::new(c).unwrap()
 }
 
+/// With a secret, no configuration brings UCX's TCP listener back: the opt-in and lanes off
+/// with tcp are refused at `Agent::new`, before anything listens.
+#[test]
+fn a_secret_refuses_every_way_to_ucx_over_tcp() {
+    let before = listening();
+    for (t, lanes, ucx_tcp) in [
+        (Transport::Tcp, true, true),
+        (Transport::Auto, true, true),
+        (Transport::Tcp, false, false),
+        (Transport::Auto, false, false),
+    ] {
+        let c = AgentConfig::new(format!("ports-s-{}", std::process::id()))
+            .transport(t.clone())
+            .net_devices("lo")
+            .lanes(lanes)
+            .ucx_tcp(ucx_tcp)
+            .secret(b"open sesame".to_vec());
+        match Agent::new(c) {
+            Err(kvxfer::Error::InvalidArgument(m)) => {
+                assert!(m.contains("authenticates nobody"), "{m}")
+            }
+            Err(e) => panic!("{t:?} lanes {lanes} ucx_tcp {ucx_tcp}: {e:?}"),
+            Ok(_) => panic!("{t:?} lanes {lanes} ucx_tcp {ucx_tcp}: UCX over TCP with a secret"),
+        }
+    }
+    assert!(listening().difference(&before).next().is_none());
+}
+
 #[test]
 fn nothing_listens_for_ucx_over_tcp_unless_opted_in() {
     for (t, secret, ucx_tcp, want) in [
         // With the opt-in, UCX's TCP listener is there too.
         (Transport::Tcp, false, true, 3),
-        (Transport::Tcp, true, true, 3),
         (Transport::Tcp, true, false, 2),
         (Transport::Auto, true, false, 2),
         (Transport::Tcp, false, false, 2),

@@ -41,8 +41,8 @@ of every TCP-lane connection, and sealing each handoff the scheduler writes: the
 loads none whose ``kvxfer_seal`` does not verify; SECURITY.md says what it protects and what
 not yet),
 ``lane_encryption`` (with ``secret``: the KV bytes on the TCP lane are encrypted too),
-``ucx_tcp`` (let UCX use its own, unauthenticated TCP transport too; off by default, with a
-secret or without: trusted networks only), ``strict`` (refuse a silent transport fallback), ``discovery`` (``etcd://host:2379``: workers publish
+``ucx_tcp`` (let UCX use its own, unauthenticated TCP transport too; off by default; trusted
+networks only, and refused with a ``secret``, as ``lanes`` off with UCX's ``tcp`` is), ``strict`` (refuse a silent transport fallback), ``discovery`` (``etcd://host:2379``: workers publish
 themselves in etcd and load each other before any handoff; ``namespace``,
 ``discovery_ttl_ms``; with etcd's own authentication on, ``etcd_user`` and ``etcd_password``,
 or ``etcd://user:password@host:2379``; over TLS, ``etcd_ca`` (the CA's PEM file) or

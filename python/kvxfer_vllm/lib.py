@@ -275,7 +275,7 @@ class Agent:
     """One kvxfer agent, configured through the C ABI's config builder (nothing is passed
     through environment variables). ``secret`` (bytes), ``lane_encryption`` (with a secret,
     the TCP lane's data sealed too), ``ucx_tcp`` (let UCX use its own TCP transport too: trusted
-    networks only), ``strict``, ``lanes``, ``gpu_path``
+    networks only; refused with a secret), ``strict``, ``lanes``, ``gpu_path``
     ("auto", "direct", "staged"), ``staging`` ((chunks, chunk_bytes)), ``compression``
     ("auto", "on", "off") and ``handshake_timeout_ms`` (each step of ``connect``'s handshake;
     default 10,000) are optional."""

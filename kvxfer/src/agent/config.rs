@@ -116,7 +116,21 @@ impl AgentConfig {
             )));
         }
         self.transport.check().map_err(Error::InvalidArgument)?;
-        self.security.check()
+        self.security.check()?;
+        // A secret promises that nobody without it reads or writes this agent's memory. UCX
+        // over TCP cannot keep that: it accepts anyone who reaches its port and its emulated
+        // RMA serves any address a message names (SECURITY.md). So it never listens here.
+        if self.security.secret.is_some() && self.may_use("tcp") {
+            return Err(Error::InvalidArgument(format!(
+                "agent {:?}: a secret and UCX's own TCP transport ({}) do not go together: UCX \
+                 over TCP authenticates nobody and reads or writes any address a message \
+                 names. Leave the lanes on and ucx_tcp off (kvxfer's sealed TCP lane carries \
+                 TCP), or with lanes off name transports without tcp (shm)",
+                self.name,
+                if self.ucx.tcp { "ucx_tcp" } else { "lanes off" }
+            )));
+        }
+        Ok(())
     }
 
     /// Whether UCX's TCP transport is left out ([`AgentConfig::ucx_tcp`]).
@@ -187,10 +201,11 @@ impl AgentConfig {
     /// and its emulated RMA reads or writes whatever address a message names, so a process
     /// that reaches its port can read or overwrite registered memory or crash the agent. It
     /// is therefore left out of [`AgentConfig::transport`] unless this opts in (trusted
-    /// network only; logged at start), with or without a secret: kvxfer's TCP lane carries
-    /// host memory, staged device memory and notifications instead, and a peer UCX cannot
-    /// reach is loaded lane-only. With lanes off UCX is all there is, and keeps TCP
-    /// (SECURITY.md).
+    /// network only; logged at start): kvxfer's TCP lane carries host memory, staged device
+    /// memory and notifications instead, and a peer UCX cannot reach is loaded lane-only.
+    /// With lanes off UCX is all there is, and keeps TCP. With a secret, neither the opt-in
+    /// nor lanes off with tcp among the transports is accepted: `Agent::new` fails with
+    /// `InvalidArgument`, so nothing listens for UCX over TCP (SECURITY.md).
     pub fn ucx_tcp(mut self, on: bool) -> Self {
         self.ucx.tcp = on;
         self
@@ -474,5 +489,38 @@ mod tests {
         assert!(bad(
             AgentConfig::new("a").transport(Transport::parse("tcp,nope"))
         ));
+    }
+
+    #[test]
+    fn a_secret_never_lets_ucx_listen_on_tcp() {
+        let secret = |c: AgentConfig| c.secret(b"s".to_vec()).check();
+        let refused = |c: AgentConfig| {
+            let e = secret(c).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+            assert!(e.to_string().contains("authenticates nobody"), "{e}");
+        };
+        refused(AgentConfig::new("a").ucx_tcp(true));
+        refused(
+            AgentConfig::new("a")
+                .transport(Transport::Auto)
+                .ucx_tcp(true),
+        );
+        for t in [Transport::Tcp, Transport::Auto, Transport::parse("rc,tcp")] {
+            refused(AgentConfig::new("a").transport(t).lanes(false));
+        }
+        // What keeps TCP away from UCX: the lanes (the default), or no tcp asked for.
+        for t in [Transport::Tcp, Transport::Auto, Transport::Shm] {
+            assert!(secret(AgentConfig::new("a").transport(t)).is_ok());
+        }
+        for t in [
+            Transport::Shm,
+            Transport::parse("^tcp"),
+            Transport::parse("rc,sm"),
+        ] {
+            assert!(secret(AgentConfig::new("a").transport(t).lanes(false)).is_ok());
+        }
+        // Without a secret, the opt-in stands (trusted network only, logged at start).
+        assert!(AgentConfig::new("a").ucx_tcp(true).check().is_ok());
+        assert!(AgentConfig::new("a").lanes(false).check().is_ok());
     }
 }
