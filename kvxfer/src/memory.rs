@@ -306,6 +306,12 @@ impl RegionInner {
         }
         Ok(())
     }
+
+    /// Undoes a [`retire`](Self::retire) whose deregistration could not finish (a peer did not
+    /// confirm it stopped using the region): pins succeed again.
+    pub(crate) fn unretire(&self) {
+        self.registered.store(true, Ordering::SeqCst);
+    }
 }
 
 /// Pins on registered regions: while held, deregistering any of them fails with `Busy`. The

@@ -353,3 +353,87 @@ fn a_deregistration_busy_with_a_local_transfer_tells_no_peer() {
     owner.deregister(&r).unwrap();
     refused_after(&a, &l, &peer, id, XferOp::Read);
 }
+
+/// A deregistration racing this agent's own transfers: either they pin the region first and
+/// it is `Busy` with no peer told (the peer still reads it), or the deregistration takes it
+/// first and they are refused (`Deregistered`); never told peers and then `Busy`. (Before,
+/// a transfer pinning the region while peers were being told made it `Busy` after they had
+/// been told: the peer then refused a region that stayed registered.)
+#[test]
+fn a_deregistration_racing_local_transfers_is_busy_before_telling_peers() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let owner = Arc::new(agent("own-race", "tcp"));
+    let side = owner.listen("127.0.0.1:0").unwrap();
+    let a = agent("peer-race", "tcp");
+    let peer = a.connect(side).unwrap();
+    let peer_of_owner = a.name().to_string();
+    let buf = a.register(HostBuffer::new(BIG).unwrap()).unwrap();
+    let l = a.prep_local(&[Desc::new(buf.id(), 0, BIG as u64)]).unwrap();
+    known(&owner, &peer_of_owner, buf.id().0);
+    let (mut busy, mut refused_local) = (0u32, 0u32);
+    for _ in 0..RUNS {
+        let r = owner.register(HostBuffer::new(BIG).unwrap()).unwrap();
+        let id = r.id().0;
+        known(&a, &peer, id);
+        let stop = Arc::new(AtomicBool::new(false));
+        // Local WRITEs out of the region, back to back, until the deregistration went through.
+        let hammer = {
+            let (owner, stop, rid, to) =
+                (owner.clone(), stop.clone(), r.id(), peer_of_owner.clone());
+            let bid = buf.id();
+            std::thread::spawn(move || {
+                let (mut refused, mut n) = (0u32, 0u64);
+                let ol = owner.prep_local(&[Desc::new(rid, 0, BIG as u64)]);
+                let Ok(ol) = ol else { return 1 };
+                let orr = owner
+                    .prep_remote(&to, &[Desc::new(bid, 0, BIG as u64)])
+                    .unwrap();
+                while !stop.load(Ordering::Acquire) {
+                    // A gap between transfers for the deregistration to find, varied so that
+                    // the next transfer sometimes comes while the peers are being told.
+                    n += 1;
+                    std::thread::sleep(Duration::from_micros(50 * (n % 8)));
+                    match owner.transfer_all(
+                        XferOp::Write,
+                        &ol,
+                        &orr,
+                        None,
+                        Some(Duration::from_secs(20)),
+                    ) {
+                        Ok(t) => {
+                            if let Err(e) = t.wait() {
+                                assert!(matches!(e, Error::Deregistered { .. }), "{e}");
+                                refused += 1;
+                            }
+                        }
+                        Err(e) => {
+                            assert!(matches!(e, Error::Deregistered { .. }), "{e}");
+                            refused += 1;
+                        }
+                    }
+                }
+                refused
+            })
+        };
+        std::thread::sleep(Duration::from_millis(2));
+        loop {
+            match owner.deregister(&r) {
+                Ok(()) => break,
+                Err(Error::Busy { .. }) => {
+                    busy += 1;
+                    // Not told: the peer still reads the region.
+                    let got = go(&a, &l, &peer, id, XferOp::Read);
+                    assert!(got.is_ok(), "Busy after the peer was told: {got:?}");
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        stop.store(true, Ordering::Release);
+        refused_local += hammer.join().unwrap();
+        let after = go(&a, &l, &peer, id, XferOp::Read);
+        assert!(refused(&after, id), "{after:?}");
+    }
+    eprintln!("busy answers {busy}, local transfers refused {refused_local}");
+    assert!(busy > 0, "no deregistration met a local transfer");
+}

@@ -25,16 +25,11 @@ impl Agent {
             return Err(Error::Deregistered { region: id });
         }
         // This agent's own transfers first: once the peers are told, they refuse the region
-        // for good, so a deregistration that is going to be Busy here should not tell them.
-        // (A transfer pinning it between this look and the engine's is still Busy below,
-        // with the peers told: the caller's retry then completes what it asked for.)
-        let inflight = region.inflight();
-        if inflight > 0 {
-            return Err(Error::Busy {
-                region: id,
-                inflight,
-            });
-        }
+        // for good, so a deregistration that is going to be Busy here must not tell them.
+        // Retiring it now (the pin handshake) makes it Busy while a transfer holds it, and
+        // refuses every later pin, so nothing of this agent's can take it while peers are
+        // being told.
+        region.inner.retire()?;
         // Every peer kept on the side channel stops using the region and says so before its
         // memory may go: UCX's emulated RMA checks no key on this side.
         // Peers that UCX does not reach (loaded lane-only) write only through this agent's
@@ -50,6 +45,7 @@ impl Agent {
         };
         let unconfirmed = self.shared.subs.fence_region(id, wait, ucx_reaches);
         if !unconfirmed.is_empty() {
+            region.inner.unretire();
             log::warn!(
                 "kvxfer: region {id} stays registered: {} did not confirm within {wait:?} that \
                  nothing of theirs touches it",
@@ -60,6 +56,7 @@ impl Agent {
                 inflight: u32::try_from(unconfirmed.len()).unwrap_or(u32::MAX),
             });
         }
+        // An error here leaves it retired: the peers were told, and UCX may have unmapped it.
         self.shared.cmds.call(|reply| Cmd::Deregister {
             region: region.inner.clone(),
             reply,

@@ -536,9 +536,8 @@ impl Engine {
 
     fn deregister(&mut self, region: &Arc<RegionInner>) -> Result<()> {
         let id = region.id.0;
-        // The handshake with every pin (lanes and transfers): either they see the region
-        // gone, or this sees it in use.
-        region.retire()?;
+        // The agent retired it (the pin handshake with every lane and transfer) before it
+        // told the peers: no pin holds it, and new ones are refused.
         let reg = self
             .regions
             .remove(&id)
