@@ -2,8 +2,9 @@
 //! region the connector registers for its cache is *restricted*, and a peer reads (or writes)
 //! bytes of it only inside the blocks a lease granted to that peer. A pull producer grants a
 //! reader the published blocks (every layer) once the reader presented the request's grant;
-//! a push consumer grants its producer write access to the blocks it opened. Regions nobody
-//! restricted stay open to every authenticated peer (plain agent-level transfers).
+//! a push consumer grants its producer write access to the blocks it opened. A plain region
+//! its owner shared with named peers only opens, whole, to those peers; regions nobody
+//! restricted or shared stay open to every authenticated peer (plain agent-level transfers).
 //!
 //! What a peer may touch is the cache's geometry and a counted block set, not a list of byte
 //! ranges: a grant holds a few bytes a block, whatever the layer count, and a check is one
@@ -93,6 +94,8 @@ impl PeerGrants {
 #[derive(Debug, Default)]
 pub struct GrantTable {
     restricted: HashMap<u32, usize>,
+    /// Plain regions their owner shared with these peers only (read and write, whole).
+    only: HashMap<u32, Vec<String>>,
     by_peer: HashMap<String, PeerGrants>,
 }
 
@@ -125,6 +128,16 @@ impl GrantTable {
     /// Whether only grants open `region`.
     pub fn is_restricted(&self, region: u32) -> bool {
         self.restricted.contains_key(&region)
+    }
+
+    /// Only `peers` may read or write `region` (none: no peer); replaces an earlier set.
+    pub fn share_only(&mut self, region: u32, peers: Vec<String>) {
+        self.only.insert(region, peers);
+    }
+
+    /// Forgets `region`'s share set (it was deregistered).
+    pub fn forget(&mut self, region: u32) {
+        self.only.remove(&region);
     }
 
     /// `peer` may read (`write`: write) `blocks` of every layer of the cache `layout`
@@ -225,10 +238,22 @@ pub struct PeerAccess<'a> {
 }
 
 impl PeerAccess<'_> {
+    /// Whether the region's share set, if its owner gave one, names the peer; `Err` says why
+    /// not. (A region only grants open has no share set: see [`PeerAccess::check`].)
+    pub fn check_share(&self, region: u32) -> Result<(), String> {
+        match self.table.only.get(&region) {
+            Some(peers) if !peers.iter().any(|p| p == self.peer) => Err(format!(
+                "{:?} is not among the peers region {region} is shared with",
+                self.peer
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Whether the peer may touch `[off, off + len)` of `region`; `Err` says why not.
     pub fn check(&self, region: u32, off: u64, len: u64) -> Result<(), String> {
         if !self.table.is_restricted(region) {
-            return Ok(());
+            return self.check_share(region);
         }
         let granted = self.grants.is_some_and(|p| {
             p.opened
@@ -347,5 +372,24 @@ mod tests {
         t.revoke(&b);
         assert!(t.check("d", false, 7, 2 * bb, bb).is_err());
         assert_eq!(t.scopes(), 0);
+    }
+
+    #[test]
+    fn a_shared_region_opens_whole_to_its_peers_only() {
+        let mut t = GrantTable::new();
+        t.share_only(3, vec!["a".into(), "b".into()]);
+        t.share_only(4, Vec::new());
+        for write in [false, true] {
+            assert!(t.check("a", write, 3, 0, u64::MAX / 2).is_ok());
+            assert!(t.check("b", write, 3, 100, 1).is_ok());
+            let e = t.check("c", write, 3, 0, 1).unwrap_err();
+            assert!(e.contains("\"c\" is not among the peers region 3"), "{e}");
+            assert!(t.check("a", write, 4, 0, 1).is_err());
+            // Regions without a set stay open.
+            assert!(t.check("c", write, 5, 0, 1).is_ok());
+        }
+        assert!(t.access("c", false).check_share(3).is_err());
+        t.forget(3);
+        assert!(t.check("c", false, 3, 0, 1).is_ok());
     }
 }

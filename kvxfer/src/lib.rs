@@ -76,7 +76,7 @@ pub use device::cuda;
 pub use kvxfer_proto::{layout, paged, planning};
 
 pub use agent::{
-    Agent, AgentConfig, PreparedLocal, PreparedRemote, TransferBuilder, DEFAULT_COMPAT,
+    Agent, AgentConfig, PreparedLocal, PreparedRemote, Share, TransferBuilder, DEFAULT_COMPAT,
 };
 pub use budget::{cgroup_memory_limit, Charge, MemoryBudget};
 pub use codec_meter::CodecTotals;

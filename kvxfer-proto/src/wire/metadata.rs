@@ -142,14 +142,9 @@ impl RegionMeta {
                 why: format!("region {} base {base:#x} len {len}", id.0),
             });
         }
+        // No key: device memory on the staged path, or a region shared with named peers only
+        // (only kvxfer's TCP lane reaches either; its target checks who asks).
         let rkey_len = r.u16()? as usize;
-        // No key: device memory on the staged path (only kvxfer's lane reaches it).
-        if rkey_len == 0 && kind == MemKind::Host {
-            return Err(MetadataError::Invalid {
-                field: "rkey",
-                why: format!("host region {} without a remote key", id.0),
-            });
-        }
         if rkey_len > MAX_RKEY {
             return Err(MetadataError::TooLarge {
                 field: "rkey",
@@ -585,10 +580,10 @@ mod tests {
         let mut host_without_key = sample().regions[0].clone();
         host_without_key.kind = MemKind::Host;
         host_without_key.rkey.clear();
-        assert!(matches!(
-            RegionMeta::decode(&host_without_key.encode()),
-            Err(MetadataError::Invalid { field: "rkey", .. })
-        ));
+        assert_eq!(
+            RegionMeta::decode(&host_without_key.encode()).unwrap(),
+            host_without_key
+        );
     }
 
     #[test]
@@ -614,18 +609,15 @@ mod tests {
     }
 
     #[test]
-    fn staged_device_regions_carry_no_key_host_regions_must() {
+    fn lane_only_regions_carry_no_key() {
         let mut m = sample();
         // Device memory on the staged path: no UCX key, reached only through the lane.
         m.regions[1].rkey.clear();
         assert_eq!(Metadata::decode(&m.encode(), m.compat).unwrap(), m);
-        // Host memory without a key is malformed.
-        let mut m = sample();
+        // Host memory shared with named peers only: no key, no address either.
         m.regions[0].rkey.clear();
-        assert!(matches!(
-            Metadata::decode(&m.encode(), m.compat),
-            Err(MetadataError::Invalid { field: "rkey", .. })
-        ));
+        m.regions[0].base = 0;
+        assert_eq!(Metadata::decode(&m.encode(), m.compat).unwrap(), m);
     }
 
     #[test]

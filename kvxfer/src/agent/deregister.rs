@@ -62,6 +62,7 @@ impl Agent {
             reply,
         })?;
         self.shared.regions.remove(region.inner.id);
+        self.forget_share(id);
         for l in &self.shared.lanes {
             l.region_gone(region.inner.id.0);
         }

@@ -15,6 +15,7 @@ mod metrics;
 mod paged;
 mod peers;
 mod prepared;
+mod register;
 mod route;
 mod state;
 mod submit;
@@ -22,7 +23,7 @@ mod submit;
 use std::collections::{HashMap, HashSet};
 use std::ffi::CString;
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -30,9 +31,10 @@ pub use config::{AgentConfig, DEFAULT_COMPAT};
 pub use handle::Agent;
 use peers::{load_decoded, peer_info, remove_peer, retire_peer};
 pub use prepared::{PreparedLocal, PreparedRemote};
+pub use register::Share;
 use state::AgentState;
 
-use crate::backend::ucx::driver::{Cmd, Engine, MEMORY_TYPES};
+use crate::backend::ucx::driver::{Cmd, Engine};
 use crate::backend::ucx::raw;
 use crate::budget::MemoryBudget;
 use crate::codec_meter::CodecMeter;
@@ -41,7 +43,7 @@ use crate::host::host_info;
 use crate::lane::api::{LaneCtx, LaneSetup};
 use crate::lane::iface_addr;
 use crate::listener::Listener;
-use crate::memory::{Memory, Region, RegionInner, RegionTable};
+use crate::memory::{Region, RegionTable};
 use crate::notify::{Channels, Inbox};
 use crate::side_channel::SideChannel;
 use crate::staging::pool::{StagingCell, StagingStats};
@@ -50,10 +52,7 @@ use crate::transfer::{Canceller, NoteCarrier, Transfer};
 use kvxfer_proto::descriptor::{self, Desc};
 use kvxfer_proto::error::{Error, Result, Side};
 use kvxfer_proto::grants::GrantTable;
-use kvxfer_proto::types::{
-    choose_gpu_path, GpuPath, MemKind, PeerInfo, RegionId, RegionSpan, Transport, XferOp,
-};
-use kvxfer_proto::wire::lane_entries::LANE_TCP;
+use kvxfer_proto::types::{MemKind, PeerInfo, RegionId, RegionSpan, Transport, XferOp};
 use kvxfer_proto::wire::metadata::Metadata;
 use kvxfer_proto::wire::notify::{check_payload, Notification};
 
@@ -268,15 +267,6 @@ impl Agent {
         raw::BUILD_VERSION
     }
 
-    /// Registers owned memory (page-aligned buffers, memory maps, and with the `cuda` feature
-    /// cudarc device buffers); the agent keeps it alive.
-    pub fn register(&self, mem: impl Into<Memory>) -> Result<Region> {
-        let mut mem = mem.into();
-        let (p, len) = mem.raw_parts();
-        let kind = mem.kind();
-        self.register_inner(p, len, kind, Some(mem))
-    }
-
     /// Registers memory the agent does not own, such as an engine's KV cache tensor.
     ///
     /// # Safety
@@ -288,76 +278,7 @@ impl Agent {
         if ptr.is_null() {
             return Err(Error::InvalidArgument("register_raw: NULL pointer".into()));
         }
-        self.register_inner(ptr, len, kind, None)
-    }
-
-    fn register_inner(
-        &self,
-        ptr: *mut u8,
-        len: usize,
-        kind: MemKind,
-        backing: Option<Memory>,
-    ) -> Result<Region> {
-        if len == 0 {
-            return Err(Error::InvalidArgument("registering 0 bytes".into()));
-        }
-        let ucx_mapped = match kind {
-            MemKind::Host => true,
-            MemKind::Cuda(d) => self.device_path(d)? == GpuPath::Direct,
-        };
-        let id = RegionId(self.shared.next_region.fetch_add(1, Ordering::Relaxed));
-        let shm = backing.as_ref().and_then(Memory::shm_handle);
-        let inner = Arc::new(RegionInner {
-            shm,
-            id,
-            addr: ptr as u64,
-            len: len as u64,
-            kind,
-            ucx_mapped,
-            _backing: backing,
-            inflight: crate::memory::AtomicU32::new(0),
-            registered: crate::memory::AtomicBool::new(false),
-        });
-        // In the table before the engine can put it into metadata, unregistered until the
-        // engine has mapped it (lanes refuse it meanwhile).
-        self.shared.regions.insert(inner.clone());
-        if let Err(e) = self.shared.cmds.call(|reply| Cmd::Register {
-            region: inner.clone(),
-            reply,
-        }) {
-            self.shared.regions.remove(id);
-            return Err(e);
-        }
-        self.shared.subs.changed();
-        Ok(Region { inner })
-    }
-
-    /// The path device memory of `device` takes here ([`GpuPath::Direct`] or
-    /// [`GpuPath::Staged`]); a typed error where it can take none.
-    fn device_path(&self, device: u32) -> Result<GpuPath> {
-        let engine = self.shared.staging.engine(device)?;
-        engine.check_device(device)?;
-        let path = choose_gpu_path(
-            self.shared.gpu_path,
-            engine.ucx_visible().then_some(engine.name()),
-            raw::supports_cuda(MEMORY_TYPES.load(Ordering::Relaxed)),
-            &self.shared.transport,
-            &self.shared.ucx_version,
-        )
-        .map_err(|why| Error::Cuda { device, why })?;
-        if path == GpuPath::Staged {
-            if !self.shared.advertised.iter().any(|e| e.lane == LANE_TCP) {
-                return Err(Error::Cuda {
-                    device,
-                    why: "the staged path moves device memory over kvxfer's TCP lane, which is \
-                          off (AgentConfig::lanes(false))"
-                        .into(),
-                });
-            }
-            // The staging chunks: allocated now, from the budget, or the registration fails.
-            self.shared.staging.pools(device)?;
-        }
-        Ok(path)
+        self.register_inner(ptr, len, kind, None, None)
     }
 
     /// The registered region that holds `[addr, addr+len)` of memory of kind `kind`, and the

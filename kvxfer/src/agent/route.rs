@@ -40,6 +40,19 @@ pub(crate) fn route(
     let mut unreachable = false;
     let local_has = local.regions.iter().any(|r| r.kind != MemKind::Host);
     let remote_dev = view.filter(|v| v.spans.iter().any(|s| s.kind != MemKind::Host));
+    // Host memory UCX has no key for (shared with named peers only): the TCP lane's.
+    let host_unmapped = (local
+        .regions
+        .iter()
+        .any(|r| r.kind == MemKind::Host && !r.ucx_mapped)
+        || view.is_some_and(|v| {
+            v.ucx
+                && v.spans
+                    .iter()
+                    .zip(&v.unmapped)
+                    .any(|(s, &u)| s.kind == MemKind::Host && u)
+        }))
+        && host_unmapped_in(local, plan, view);
     if local_has || remote_dev.is_some() {
         for o in plan.iter_ops() {
             let r = &local.regions[o.lslot as usize];
@@ -70,6 +83,7 @@ pub(crate) fn route(
         plan,
         device,
         ucx_reaches: device && !unreachable,
+        host_unmapped,
     };
     let route = match v.lanes.0.iter().find(|l| l.carries(&q)) {
         Some(l) => Route::Lane(l.clone()),
@@ -82,6 +96,12 @@ pub(crate) fn route(
                 )))
             }
         },
+        None if host_unmapped => {
+            return Err(Error::InvalidArgument(format!(
+                "the transfer touches a region shared with named peers only, which moves \
+                 only over kvxfer's TCP lane, and {peer:?} has none (lanes off on either side)"
+            )))
+        }
         None if device && unreachable => {
             return Err(Error::InvalidArgument(format!(
                 "the transfer touches staged device memory, which moves over kvxfer's TCP \
@@ -91,6 +111,19 @@ pub(crate) fn route(
         None => Route::Ucx,
     };
     Ok((route, local_dev))
+}
+
+/// Whether an operation of `plan` touches a host region without a UCX key: a local one, or
+/// one of the peer's (`view`). Only asked where such a region exists at all.
+fn host_unmapped_in(local: &PreparedLocal, plan: &Work, view: Option<&PeerView>) -> bool {
+    plan.iter_ops().any(|o| {
+        let l = &local.regions[o.lslot as usize];
+        (l.kind == MemKind::Host && !l.ucx_mapped)
+            || view.is_some_and(|v| {
+                let k = o.rslot as usize;
+                v.spans[k].kind == MemKind::Host && v.unmapped[k]
+            })
+    })
 }
 
 /// Strict mode, for a transfer UCX carries: the transports UCX selected for `peer` must be

@@ -23,6 +23,9 @@ pub(crate) struct Query<'a> {
     pub(crate) device: bool,
     /// UCX maps every device region of it (the direct path); false with no device memory.
     pub(crate) ucx_reaches: bool,
+    /// It touches host memory UCX has no key for on either side (a region shared with named
+    /// peers only): only the TCP lane, whose target checks the share set, may carry it.
+    pub(crate) host_unmapped: bool,
 }
 
 /// One of kvxfer's own lanes towards one peer.

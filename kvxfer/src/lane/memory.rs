@@ -93,7 +93,7 @@ impl PeerLane for MemoryPeer {
     }
 
     fn carries(&self, q: &Query<'_>) -> bool {
-        !q.device
+        !q.device && !q.host_unmapped
     }
 
     fn submit(&self, job: Job) {

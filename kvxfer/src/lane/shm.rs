@@ -720,7 +720,7 @@ impl PeerLane for ShmPeer {
 
     /// Host memory only, every peer region of the plan mapped.
     fn carries(&self, q: &Query<'_>) -> bool {
-        !q.device && self.maps.covers(q.plan)
+        !q.device && !q.host_unmapped && self.maps.covers(q.plan)
     }
 
     fn submit(&self, job: Job) {

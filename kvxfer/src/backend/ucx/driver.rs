@@ -576,7 +576,14 @@ impl Engine {
                     RegionMeta {
                         id: r.region.id,
                         kind: r.region.kind,
-                        base: r.region.addr,
+                        // Host memory without a key is shared with named peers only,
+                        // reached by region and offset on the TCP lane: its address stays
+                        // here (nothing a peer could aim UCX's keyless emulated RMA at).
+                        base: if r.region.kind == MemKind::Host && !r.region.ucx_mapped {
+                            0
+                        } else {
+                            r.region.addr
+                        },
                         len: r.region.len,
                         rkey: r.rkey.clone(),
                         shm: r.region.shm,

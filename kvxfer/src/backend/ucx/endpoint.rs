@@ -259,8 +259,9 @@ pub(super) fn parse_transports(info: &str) -> String {
     names.join(",")
 }
 
-/// Region `r`'s key of peer `name`, unpacked on `ep`; `None` for staged device memory (the
-/// decoder allows no key only there: UCX cannot reach it, kvxfer's TCP lane carries it).
+/// Region `r`'s key of peer `name`, unpacked on `ep`; `None` for staged device memory and
+/// regions shared with named peers only (UCX cannot reach them, kvxfer's TCP lane carries
+/// them).
 fn unpack(ep: &Endpoint, name: &str, r: &RegionMeta) -> Result<Option<Rkey>> {
     if r.rkey.is_empty() {
         return Ok(None);

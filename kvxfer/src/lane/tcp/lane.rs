@@ -161,7 +161,7 @@ impl PeerLane for TcpPeer {
         if q.device {
             !q.ucx_reaches
         } else {
-            self.host_memory
+            self.host_memory || q.host_unmapped
         }
     }
 

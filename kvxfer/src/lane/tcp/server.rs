@@ -421,6 +421,9 @@ fn resolve_entries(ctx: &LaneCtx, entries: &[Paged], who: &Access<'_>) -> Result
     for (k, e) in entries.iter().enumerate() {
         let id = e.region.0;
         if !table.is_restricted(id) {
+            grants
+                .check_share(id)
+                .map_err(|why| format!("entry #{k}: {why}"))?;
             continue;
         }
         for &b in e.blocks.iter() {
