@@ -875,6 +875,23 @@ kvx_status kvx_agent_register(const struct kvx_agent *a,
                               struct kvx_region **out);
 
 /**
+ * As `kvx_agent_alloc`, but the region is shared with the `n_peers` peers named in `peers`
+ * only (none: with no peer; the agent's own transfers still use it). It is published with no
+ * UCX key, no shared-memory handle and no address, and moves only on kvxfer's TCP lane, whose
+ * target refuses every other peer (`KVX_LANE_FAILED`, "is not among the peers region N is
+ * shared with"). Naming peers needs a secret and the lanes (else `KVX_INVALID_ARGUMENT`).
+ *
+ * # Safety
+ * `a` live; `peers` valid for `n_peers` NUL-terminated strings (NULL when `n_peers` is 0);
+ * `out` valid.
+ */
+kvx_status kvx_agent_alloc_shared(const struct kvx_agent *a,
+                                  size_t len,
+                                  const char *const *peers,
+                                  size_t n_peers,
+                                  struct kvx_region **out);
+
+/**
  * Allocates `len` zeroed, page-aligned bytes of host memory owned by kvxfer (memfd-backed,
  * so a same-host peer maps it for the shared-memory lane) and registers it. The memory lives
  * until the region is deregistered and freed; `kvx_region_ptr` gives its address.

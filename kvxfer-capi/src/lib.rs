@@ -371,4 +371,6 @@ mod abi_checks_tests;
 #[cfg(test)]
 mod handle_tests;
 #[cfg(test)]
+mod share_tests;
+#[cfg(test)]
 mod tp_limits_tests;

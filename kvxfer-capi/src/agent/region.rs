@@ -2,7 +2,7 @@
 
 use std::ffi::{c_char, c_void};
 
-use kvxfer_core::{Desc, HostBuffer, MemKind, RegionId};
+use kvxfer_core::{Desc, HostBuffer, MemKind, RegionId, Share};
 
 use crate::error::guard;
 use crate::ffi::{free_handle, handle, new_handle, null, try_cstr, try_slice};
@@ -34,6 +34,42 @@ pub unsafe extern "C" fn kvx_agent_register(
         };
         // SAFETY: the caller guarantees validity and lifetime (this function's contract).
         let r = unsafe { a.inner.register_raw(ptr.cast(), len, kind) }?;
+        // SAFETY: out non-NULL, valid.
+        unsafe { *out = new_handle(kvx_region { inner: r }) };
+        Ok(())
+    })
+}
+
+/// As `kvx_agent_alloc`, but the region is shared with the `n_peers` peers named in `peers`
+/// only (none: with no peer; the agent's own transfers still use it). It is published with no
+/// UCX key, no shared-memory handle and no address, and moves only on kvxfer's TCP lane, whose
+/// target refuses every other peer (`KVX_LANE_FAILED`, "is not among the peers region N is
+/// shared with"). Naming peers needs a secret and the lanes (else `KVX_INVALID_ARGUMENT`).
+///
+/// # Safety
+/// `a` live; `peers` valid for `n_peers` NUL-terminated strings (NULL when `n_peers` is 0);
+/// `out` valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_alloc_shared(
+    a: *const kvx_agent,
+    len: usize,
+    peers: *const *const c_char,
+    n_peers: usize,
+    out: *mut *mut kvx_region,
+) -> kvx_status {
+    guard("kvx_agent_alloc_shared", || {
+        let a = handle(a, "agent")?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let ptrs = try_slice!(peers, n_peers, "peers");
+        let mut names = Vec::with_capacity(ptrs.len());
+        for (i, &p) in ptrs.iter().enumerate() {
+            names.push(try_cstr!(p, &format!("peers[{i}]")).to_string());
+        }
+        let r = a
+            .inner
+            .register_shared(HostBuffer::new(len)?, Share::Only(names))?;
         // SAFETY: out non-NULL, valid.
         unsafe { *out = new_handle(kvx_region { inner: r }) };
         Ok(())
