@@ -89,6 +89,11 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
             name.clone(),
             Arc::new(PeerView {
                 token,
+                host_unmapped: !lane_only
+                    && spans
+                        .iter()
+                        .zip(&unmapped)
+                        .any(|(s, &u)| s.kind == MemKind::Host && u),
                 spans,
                 lanes,
                 unmapped,

@@ -45,13 +45,7 @@ pub(crate) fn route(
         .regions
         .iter()
         .any(|r| r.kind == MemKind::Host && !r.ucx_mapped)
-        || view.is_some_and(|v| {
-            v.ucx
-                && v.spans
-                    .iter()
-                    .zip(&v.unmapped)
-                    .any(|(s, &u)| s.kind == MemKind::Host && u)
-        }))
+        || view.is_some_and(|v| v.host_unmapped))
         && host_unmapped_in(local, plan, view);
     if local_has || remote_dev.is_some() {
         for o in plan.iter_ops() {

@@ -171,8 +171,12 @@ pub(crate) struct PeerView {
     pub(crate) token: u64,
     pub(crate) spans: Vec<RegionSpan>,
     pub(crate) lanes: PeerLanes,
-    /// Per region slot: device memory UCX cannot reach (no remote key; staged path).
+    /// Per region slot: memory UCX cannot reach (no remote key: staged device memory, or a
+    /// region shared with named peers only).
     pub(crate) unmapped: Vec<bool>,
+    /// Some host region of it has no remote key (shared with named peers only): routes
+    /// look at the plan's regions only then.
+    pub(crate) host_unmapped: bool,
     /// Checksum of the metadata the view was built from.
     pub(crate) meta_sum: u64,
     /// The peer's incarnation (0: a peer that sends none).
