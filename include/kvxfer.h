@@ -875,6 +875,23 @@ kvx_status kvx_agent_register(const struct kvx_agent *a,
                               struct kvx_region **out);
 
 /**
+ * As `kvx_agent_register` (host memory only), but the region is shared with the `n_peers`
+ * peers named in `peers` only, as `kvx_agent_alloc_shared` says. An engine's KV cache
+ * registered with no peer (`n_peers` 0) and then used by a connector opens only through the
+ * connector's grants, on every path: it moves only on the TCP lane, in-host too.
+ *
+ * # Safety
+ * `a` live; `[ptr, ptr+len)` valid host memory for the lifetime `kvx_agent_register` states;
+ * `peers` valid for `n_peers` NUL-terminated strings (NULL when `n_peers` is 0); `out` valid.
+ */
+kvx_status kvx_agent_register_shared(const struct kvx_agent *a,
+                                     void *ptr,
+                                     size_t len,
+                                     const char *const *peers,
+                                     size_t n_peers,
+                                     struct kvx_region **out);
+
+/**
  * As `kvx_agent_alloc`, but the region is shared with the `n_peers` peers named in `peers`
  * only (none: with no peer; the agent's own transfers still use it). It is published with no
  * UCX key, no shared-memory handle and no address, and moves only on kvxfer's TCP lane, whose

@@ -7,7 +7,9 @@
 use std::ffi::{c_char, CStr};
 use std::ptr::{null, null_mut};
 
-use crate::agent::region::{kvx_agent_alloc_shared, kvx_region_free};
+use crate::agent::region::{
+    kvx_agent_alloc_shared, kvx_agent_deregister, kvx_agent_register_shared, kvx_region_free,
+};
 use crate::agent::{
     kvx_agent_config_free, kvx_agent_config_new, kvx_agent_config_set_net_devices,
     kvx_agent_config_set_secret, kvx_agent_free, kvx_agent_new_with,
@@ -94,8 +96,36 @@ fn shared_regions_are_checked_and_need_a_secret_to_name_peers() {
         .find(|m| m.id == region.inner.id())
         .unwrap();
     assert!(m.rkey.is_empty() && m.shm.is_none() && m.base == 0, "{m:?}");
+    // An engine's memory registered shared with no peer: no key either, and it deregisters.
+    let mut mem = vec![0u8; 1 << 16];
+    let mut raw: *mut kvx_region = null_mut();
+    // SAFETY: `mem` outlives the registration (deregistered below); NULL list with 0 names.
+    let st = unsafe {
+        kvx_agent_register_shared(
+            sealed,
+            mem.as_mut_ptr().cast(),
+            mem.len(),
+            null(),
+            0,
+            &mut raw,
+        )
+    };
+    assert_eq!(st, kvx_status::KVX_OK, "{}", last_error());
+    // SAFETY: both handles live.
+    let id = unsafe { (*raw).inner.id() };
+    let meta = kvxfer_proto::wire::metadata::Metadata::decode(
+        &a.inner.metadata().unwrap(),
+        kvxfer_core::DEFAULT_COMPAT,
+    )
+    .unwrap();
+    let m = meta.regions.iter().find(|m| m.id == id).unwrap();
+    assert!(m.rkey.is_empty() && m.base == 0, "{m:?}");
+    // SAFETY: live handles.
+    let st = unsafe { kvx_agent_deregister(sealed, raw) };
+    assert_eq!(st, kvx_status::KVX_OK);
     // SAFETY: live handles, each freed once.
     unsafe {
+        kvx_region_free(raw);
         kvx_region_free(r);
         kvx_agent_free(sealed);
         kvx_agent_free(open);

@@ -216,3 +216,98 @@ fn naming_peers_needs_a_secret_and_the_lanes() {
         .unwrap_err();
     assert!(e.to_string().contains("lanes are off"), "{e}");
 }
+
+/// A connector cache registered shared with no peer (`Share::Only(vec![])`) opens only
+/// through grants, on every path: a handoff loads (over the TCP lane), while another
+/// authenticated peer's read of a block nobody granted it is refused. With the cache registered
+/// as usual, that same read succeeds over the shm lane: the hole this closes.
+#[test]
+fn a_cache_shared_with_no_peer_opens_only_through_grants() {
+    use kvxfer::connector::{ConnectorConfig, Consumer, Producer};
+    use kvxfer::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking};
+    use std::sync::Arc;
+    let cache = |a: &Agent, fill: u8, lane_only: bool| {
+        let g = KvGeometry {
+            name: "share".into(),
+            layers: 2,
+            kv_heads: 2,
+            head_dim: 32,
+            dtype: KvDtype::Bf16,
+        };
+        let probe = KvLayout::contiguous(
+            g.clone(),
+            16,
+            16,
+            KvPacking::Separate,
+            KvOrder::Nhd,
+            RegionId(0),
+        );
+        let mem = HostBuffer::new(probe.region_bytes() as usize).unwrap();
+        let r = if lane_only {
+            a.register_shared(mem, Share::Only(Vec::new())).unwrap()
+        } else {
+            a.register(mem).unwrap()
+        };
+        r.write(0, &vec![fill; r.len() as usize]).unwrap();
+        let l = KvLayout::contiguous(g, 16, 16, KvPacking::Separate, KvOrder::Nhd, r.id());
+        (r, l)
+    };
+    for lane_only in [true, false] {
+        let tag = if lane_only { "lo" } else { "open" };
+        let p = Arc::new(agent(&format!("share-p-{tag}"), true));
+        let (pr, pl) = cache(&p, 0x5a, lane_only);
+        let side = p.listen("127.0.0.1:0").unwrap();
+        let c = Arc::new(agent(&format!("share-c-{tag}"), true));
+        let (cr, cl) = cache(&c, 0, lane_only);
+        let producer = Producer::new(
+            p.clone(),
+            pl.clone(),
+            ConnectorConfig::default(),
+            Some(side),
+        )
+        .unwrap();
+        let consumer = Consumer::new(c.clone(), cl.clone(), ConnectorConfig::default()).unwrap();
+        let h = producer.publish("req", &[3, 4], 32, 2).unwrap();
+        consumer.start_load(&h, &[1, 2]).unwrap();
+        consumer.wait("req", Duration::from_secs(20)).unwrap();
+        for d in cl.descs(&[1, 2], 0..2, 0..2).unwrap() {
+            let mut b = vec![0u8; d.len as usize];
+            cr.read(d.offset, &mut b).unwrap();
+            assert!(
+                b.iter().all(|&x| x == 0x5a),
+                "{tag}: the load's bytes landed"
+            );
+        }
+        // Another agent with the secret reads block 5 of the producer's cache, which nobody
+        // granted it.
+        let rogue = agent(&format!("share-r-{tag}"), true);
+        let to_p = rogue.connect(side).unwrap();
+        let d = pl.descs(&[5], 0..1, 0..1).unwrap()[0];
+        let mine = rogue
+            .register(HostBuffer::new(d.len as usize).unwrap())
+            .unwrap();
+        let l = rogue.prep_local(&[Desc::new(mine.id(), 0, d.len)]).unwrap();
+        let r = rogue
+            .prep_remote(&to_p, &[Desc::new(pr.id(), d.offset, d.len)])
+            .unwrap();
+        let got = rogue
+            .transfer_all(XferOp::Read, &l, &r, None, Some(Duration::from_secs(10)))
+            .and_then(|t| t.wait())
+            .map(|s| s.lane);
+        let mut b = vec![0u8; d.len as usize];
+        mine.read(0, &mut b).unwrap();
+        if lane_only {
+            assert!(
+                matches!(&got, Err(Error::LaneFailed { why, .. }) if why.contains("holds no grant")),
+                "{tag}: {got:?}"
+            );
+            assert!(b.iter().all(|&x| x == 0), "{tag}: bytes reached the rogue");
+        } else {
+            // What a cache registered as usual allows a same-host peer with the secret.
+            assert_eq!(got.unwrap(), Lane::Shm, "{tag}");
+            assert!(b.iter().all(|&x| x == 0x5a));
+        }
+        drop(consumer);
+        drop(producer);
+    }
+}

@@ -119,3 +119,49 @@ def test_edited_kv_transfer_params_fail_alone_and_dial_nothing():
         assert torch.count_nonzero(t[sorted(edited_blocks)].view(torch.int16)) == 0, name
     dec.shutdown()
     pre.shutdown()
+
+
+def test_lane_only_caches_load_through_grants_on_the_tcp_lane():
+    """``lane_only_cache``: both caches are published with no UCX key and no shared-memory
+    handle (kvxfer's ``kvx_agent_register_shared`` with no peer), so in one host, where the shm
+    lane would carry the handoff, it takes the TCP lane, whose target checks the decode
+    worker's grant (kvxfer/tests/shares.rs shows another peer refused). The bytes land."""
+    from kvxfer_vllm import KvxferConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    pid = os.getpid()
+    extra = {"transport": "auto", "net_devices": "lo", "secret": "open sesame", "lane_only_cache": True}
+    vp = h.vllm_config(role="kv_producer", extra=dict(extra), engine_id=f"lo-pre-{pid}")
+    raw, caches, kv = h.kv_caches()
+    raw.copy_(torch.randint(-128, 127, raw.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(7)))
+    pre = KvxferConnector(vp, KVConnectorRole.WORKER, kv)
+    pre.register_kv_caches(caches)
+    s = h.scheduler(vp, kv)
+    s.connector.set_xfer_handshake_metadata({0: pre.get_handshake_metadata()})
+    real, remote = h.prefill(s, [pre], "lo-real", 40)
+
+    vd = h.vllm_config(role="kv_consumer", extra=dict(extra), engine_id=f"lo-dec-{pid}")
+    _, dcaches, dkv = h.kv_caches()
+    dec = KvxferConnector(vd, KVConnectorRole.WORKER, dkv)
+    dec.register_kv_caches(dcaches)
+    sd = h.scheduler(vd, dkv)
+    sd.add_request(h.request("lo-dec", 40, dict(real), max_tokens=4))
+    out = sd.schedule()
+    local = out.kv_connector_metadata.loads["lo-dec"][1]
+    dec.bind_connector_metadata(out.kv_connector_metadata)
+    dec.start_load_kv(None)
+    dec.clear_connector_metadata()
+    got = set()
+    end = time.time() + 30
+    while time.time() < end and not got:
+        _, rv = dec.get_finished(set())
+        got |= rv or set()
+        time.sleep(0.01)
+    assert got == {"lo-dec"}, got
+    assert dec.get_block_ids_with_load_errors() == set()
+    assert dec.get_kv_connector_stats().data["loads"] == 1
+    for name, t in dcaches.items():
+        for lb, rb in zip(local, remote):
+            assert torch.equal(t[lb].view(torch.int16), caches[name][rb].view(torch.int16)), (name, lb, rb)
+    dec.shutdown()
+    pre.shutdown()

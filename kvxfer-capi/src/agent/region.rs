@@ -4,7 +4,7 @@ use std::ffi::{c_char, c_void};
 
 use kvxfer_core::{Desc, HostBuffer, MemKind, RegionId, Share};
 
-use crate::error::guard;
+use crate::error::{guard, Fail};
 use crate::ffi::{free_handle, handle, new_handle, null, try_cstr, try_slice};
 use crate::{kvx_agent, kvx_desc, kvx_local_list, kvx_region, kvx_remote_list, kvx_status};
 
@@ -40,6 +40,55 @@ pub unsafe extern "C" fn kvx_agent_register(
     })
 }
 
+/// As `kvx_agent_register` (host memory only), but the region is shared with the `n_peers`
+/// peers named in `peers` only, as `kvx_agent_alloc_shared` says. An engine's KV cache
+/// registered with no peer (`n_peers` 0) and then used by a connector opens only through the
+/// connector's grants, on every path: it moves only on the TCP lane, in-host too.
+///
+/// # Safety
+/// `a` live; `[ptr, ptr+len)` valid host memory for the lifetime `kvx_agent_register` states;
+/// `peers` valid for `n_peers` NUL-terminated strings (NULL when `n_peers` is 0); `out` valid.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_register_shared(
+    a: *const kvx_agent,
+    ptr: *mut c_void,
+    len: usize,
+    peers: *const *const c_char,
+    n_peers: usize,
+    out: *mut *mut kvx_region,
+) -> kvx_status {
+    guard("kvx_agent_register_shared", || {
+        let a = handle(a, "agent")?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        // SAFETY: as this function's contract says of `peers`.
+        let names = unsafe { peer_names(peers, n_peers) }?;
+        // SAFETY: the caller guarantees validity and lifetime (this function's contract).
+        let r = unsafe {
+            a.inner
+                .register_raw_shared(ptr.cast(), len, MemKind::Host, Share::Only(names))
+        }?;
+        // SAFETY: out non-NULL, valid.
+        unsafe { *out = new_handle(kvx_region { inner: r }) };
+        Ok(())
+    })
+}
+
+/// The names of a `peers`, `n_peers` argument, each checked.
+///
+/// # Safety
+/// `peers` is NULL with `n_peers` 0, or valid for `n_peers` pointers, each NULL or a
+/// NUL-terminated string, for the call.
+unsafe fn peer_names(peers: *const *const c_char, n_peers: usize) -> Result<Vec<String>, Fail> {
+    let ptrs = try_slice!(peers, n_peers, "peers");
+    let mut names = Vec::with_capacity(ptrs.len());
+    for (i, &p) in ptrs.iter().enumerate() {
+        names.push(try_cstr!(p, &format!("peers[{i}]")).to_string());
+    }
+    Ok(names)
+}
+
 /// As `kvx_agent_alloc`, but the region is shared with the `n_peers` peers named in `peers`
 /// only (none: with no peer; the agent's own transfers still use it). It is published with no
 /// UCX key, no shared-memory handle and no address, and moves only on kvxfer's TCP lane, whose
@@ -62,11 +111,8 @@ pub unsafe extern "C" fn kvx_agent_alloc_shared(
         if out.is_null() {
             return Err(null("out"));
         }
-        let ptrs = try_slice!(peers, n_peers, "peers");
-        let mut names = Vec::with_capacity(ptrs.len());
-        for (i, &p) in ptrs.iter().enumerate() {
-            names.push(try_cstr!(p, &format!("peers[{i}]")).to_string());
-        }
+        // SAFETY: as this function's contract says of `peers`.
+        let names = unsafe { peer_names(peers, n_peers) }?;
         let r = a
             .inner
             .register_shared(HostBuffer::new(len)?, Share::Only(names))?;

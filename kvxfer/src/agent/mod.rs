@@ -281,6 +281,27 @@ impl Agent {
         self.register_inner(ptr, len, kind, None, None)
     }
 
+    /// As [`register_raw`](Self::register_raw), shared as `with` says
+    /// ([`register_shared`](Self::register_shared)): an engine's KV cache registered with
+    /// `Share::Only(vec![])` and restricted by a connector opens only through its grants, on
+    /// every path (it moves only on the TCP lane, in-host too).
+    ///
+    /// # Safety
+    /// As [`register_raw`](Self::register_raw).
+    pub unsafe fn register_raw_shared(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        kind: MemKind,
+        with: Share,
+    ) -> Result<Region> {
+        if ptr.is_null() {
+            return Err(Error::InvalidArgument("register_raw: NULL pointer".into()));
+        }
+        let only = self.share_set(with)?;
+        self.register_inner(ptr, len, kind, None, only)
+    }
+
     /// The registered region that holds `[addr, addr+len)` of memory of kind `kind`, and the
     /// offset of `addr` in it.
     pub fn region_containing(

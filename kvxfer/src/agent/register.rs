@@ -46,7 +46,16 @@ impl Agent {
     /// is shared with"), nothing moved. Errors: `InvalidArgument` for named peers without a
     /// secret or with lanes off.
     pub fn register_shared(&self, mem: impl Into<Memory>, with: Share) -> Result<Region> {
-        let only = match with {
+        let only = self.share_set(with)?;
+        let mut mem = mem.into();
+        let (p, len) = mem.raw_parts();
+        let kind = mem.kind();
+        self.register_inner(p, len, kind, Some(mem), only)
+    }
+
+    /// The peers a region shared as `with` is open to (`None`: all), checked.
+    pub(super) fn share_set(&self, with: Share) -> Result<Option<Vec<String>>> {
+        Ok(match with {
             Share::AllPeers => None,
             Share::Only(peers) => {
                 if !peers.is_empty() && self.shared.secret.is_none() {
@@ -65,11 +74,7 @@ impl Agent {
                 }
                 Some(peers)
             }
-        };
-        let mut mem = mem.into();
-        let (p, len) = mem.raw_parts();
-        let kind = mem.kind();
-        self.register_inner(p, len, kind, Some(mem), only)
+        })
     }
 
     /// Drops `region`'s share set (deregistered, or never registered).
@@ -91,6 +96,14 @@ impl Agent {
     ) -> Result<Region> {
         if len == 0 {
             return Err(Error::InvalidArgument("registering 0 bytes".into()));
+        }
+        if only.is_some() && kind != MemKind::Host {
+            // It would take the staged path; that is not built for shared regions yet.
+            return Err(Error::InvalidArgument(
+                "device memory cannot be shared with named peers only (yet): register it \
+                 for all peers, or share host memory"
+                    .into(),
+            ));
         }
         let ucx_mapped = only.is_none()
             && match kind {
