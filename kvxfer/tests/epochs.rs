@@ -172,3 +172,34 @@ fn an_impostor_with_the_real_epoch_or_epoch_zero_is_refused() {
         );
     }
 }
+
+/// Without a secret, an old incarnation counts as alive only if its lane welcomes a hello with
+/// the credential its metadata carries: another socket listening where its lane listened (a
+/// port reused by the next process, here a bare listener) does not hold the name, so the
+/// restart is accepted. (With the check back to "a connection is accepted", the restart was
+/// refused: `NameConflict`, "still answers at".)
+#[test]
+fn a_reused_lane_port_does_not_keep_a_dead_incarnation_alive() {
+    use kvxfer_proto::wire::metadata::Metadata;
+    let name = format!("ep-reuse-{}", std::process::id());
+    let d = agent(&format!("ep-reuse-d-{}", std::process::id()));
+    let dl = d.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    let side = d.listen("127.0.0.1:0").unwrap();
+    let (p1, _r1) = prefill(&name, 0x11);
+    let old = Metadata::decode(&p1.metadata().unwrap(), kvxfer::DEFAULT_COMPAT)
+        .unwrap()
+        .tcp_lane()
+        .unwrap()
+        .addr;
+    assert_eq!(p1.connect(side).unwrap(), d.name());
+    drop(p1);
+    // Something else takes the old lane's port and accepts connections (into its backlog).
+    let squat = std::net::TcpListener::bind(old).unwrap();
+    let (p3, _r3) = prefill(&name, 0x33);
+    assert_eq!(p3.connect(side).unwrap(), d.name());
+    assert!(read_from(&d, &dl, &name)
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0x33));
+    drop(squat);
+}

@@ -239,7 +239,7 @@ fn another_incarnation(st: &AgentState, meta: &Metadata) -> Result<()> {
             // With a secret, proven: a port that only accepts connections is not the old
             // incarnation.
             old.lane
-                .is_some_and(|l| answers_as(&l, st.secret.as_deref(), PROBE_TIMEOUT))
+                .is_some_and(|l| answers_as(&l, st.secret.as_deref(), &st.name, PROBE_TIMEOUT))
         }
         // The newcomer listens where the old one did: the old one's socket is gone.
         Some(_) => false,

@@ -57,7 +57,7 @@ pub(super) fn holder_alive(agent: &Agent, m: Option<&Metadata>) -> bool {
     let Some(l) = m.and_then(|m| m.tcp_lane()) else {
         return false;
     };
-    let ask = || answers_as(&l, agent.secret(), Duration::from_secs(1));
+    let ask = || answers_as(&l, agent.secret(), agent.name(), Duration::from_secs(1));
     match tokio::runtime::Handle::try_current() {
         Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
             tokio::task::block_in_place(ask)

@@ -4,8 +4,10 @@
 //! that key's private half, which was drawn for that incarnation and never leaves it. So a
 //! port that merely accepts connections (another process listening where an old incarnation
 //! listened, or a squatter an etcd writer pointed a forged value at) is not taken for it.
-//! Without a secret nothing can be proven: a connection accepted at the address is all there is
-//! (SECURITY.md says what that lets an etcd writer or a network peer do).
+//! Without a secret nothing can be proven, but the lane's open hello with the credential that
+//! incarnation's metadata carries must be welcomed: a port another process reuses (a restarted
+//! agent's side channel, say) does not pass for it. A network peer that read the credential can
+//! still answer for it (SECURITY.md says what that lets an etcd writer or a network peer do).
 
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
@@ -13,17 +15,34 @@ use std::time::{Duration, Instant};
 use super::stream::{recv_buf, send_buf, set_timeouts, Stop};
 use kvxfer_proto::session::{Initiator, Psk, StaticKey, HANDSHAKE_LEN, SEED};
 use kvxfer_proto::types::LaneInfo;
-use kvxfer_proto::wire::lane::SEALED_MAGIC;
+use kvxfer_proto::wire::lane::{
+    parse_welcome, Hello, SEALED_MAGIC, WELCOME_FIXED_LEN, W_FENCED, W_OK,
+};
 
 /// Whether the holder of `lane` answers as the incarnation that advertised it, within
 /// `timeout`: with `secret`, by completing the sealed opening against `lane.key` (the proof);
-/// without, by accepting a connection.
-pub(crate) fn answers_as(lane: &LaneInfo, secret: Option<&[u8]>, timeout: Duration) -> bool {
+/// without, by welcoming an open hello (as `me`) that presents `lane.secret`.
+pub(crate) fn answers_as(
+    lane: &LaneInfo,
+    secret: Option<&[u8]>,
+    me: &str,
+    timeout: Duration,
+) -> bool {
     let Ok(sock) = TcpStream::connect_timeout(&lane.addr, timeout) else {
         return false;
     };
     let Some(secret) = secret else {
-        return true;
+        return match welcomed(&sock, lane, me, timeout) {
+            Ok(()) => true,
+            Err(why) => {
+                log::info!(
+                    "kvxfer: {} accepts connections but did not welcome the lane credential \
+                     its metadata names: {why}",
+                    lane.addr
+                );
+                false
+            }
+        };
     };
     match prove(&sock, lane, secret, timeout) {
         Ok(()) => true,
@@ -35,6 +54,38 @@ pub(crate) fn answers_as(lane: &LaneInfo, secret: Option<&[u8]>, timeout: Durati
             );
             false
         }
+    }
+}
+
+/// An open hello presenting `lane.secret`, and the welcome read: the credential accepted
+/// (welcomed, or told a fence count, which only follows an accepted credential).
+fn welcomed(sock: &TcpStream, lane: &LaneInfo, me: &str, timeout: Duration) -> Result<(), String> {
+    set_timeouts(sock).map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    let mut ctl = |_moved: bool| -> Result<(), Stop> {
+        if t0.elapsed() > timeout {
+            Err(Stop::Eof)
+        } else {
+            Ok(())
+        }
+    };
+    let io = |s: Stop| match s {
+        Stop::Io(e) => e.to_string(),
+        Stop::Eof => "no answer".to_string(),
+        Stop::Abort(e) => e.to_string(),
+    };
+    let hello = Hello {
+        name: me,
+        secret: lane.secret,
+        epoch: 0,
+    }
+    .encode();
+    send_buf(sock, &hello, &mut ctl).map_err(io)?;
+    let mut w = [0u8; WELCOME_FIXED_LEN];
+    recv_buf(sock, &mut w, &mut ctl).map_err(io)?;
+    match parse_welcome(&w).0 {
+        W_OK | W_FENCED => Ok(()),
+        s => Err(format!("welcome status {s}")),
     }
 }
 
