@@ -50,8 +50,8 @@ fn agent(name: &str, t: Transport, secret: bool, ucx_tcp: bool) -> Agent {
 }
 
 /// With a secret, no configuration brings UCX's TCP listener back: the opt-in and lanes off
-/// with tcp are refused at `Agent::new`, before anything listens.
-#[test]
+/// with tcp are refused at `Agent::new`, before anything listens. (Called from the one test
+/// of this binary: another test running beside it would open listeners.)
 fn a_secret_refuses_every_way_to_ucx_over_tcp() {
     let before = listening();
     for (t, lanes, ucx_tcp) in [
@@ -79,6 +79,7 @@ fn a_secret_refuses_every_way_to_ucx_over_tcp() {
 
 #[test]
 fn nothing_listens_for_ucx_over_tcp_unless_opted_in() {
+    a_secret_refuses_every_way_to_ucx_over_tcp();
     for (t, secret, ucx_tcp, want) in [
         // With the opt-in, UCX's TCP listener is there too.
         (Transport::Tcp, false, true, 3),
