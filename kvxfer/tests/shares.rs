@@ -13,6 +13,9 @@ use kvxfer::{
 };
 use kvxfer_proto::wire::metadata::Metadata;
 
+#[path = "support/kv.rs"]
+mod kv;
+
 const LEN: usize = 1 << 20;
 
 fn agent(name: &str, secret: bool) -> Agent {
@@ -224,33 +227,14 @@ fn naming_peers_needs_a_secret_and_the_lanes() {
 #[test]
 fn a_cache_shared_with_no_peer_opens_only_through_grants() {
     use kvxfer::connector::{ConnectorConfig, Consumer, Producer};
-    use kvxfer::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking};
     use std::sync::Arc;
     let cache = |a: &Agent, fill: u8, lane_only: bool| {
-        let g = KvGeometry {
-            name: "share".into(),
-            layers: 2,
-            kv_heads: 2,
-            head_dim: 32,
-            dtype: KvDtype::Bf16,
-        };
-        let probe = KvLayout::contiguous(
-            g.clone(),
-            16,
-            16,
-            KvPacking::Separate,
-            KvOrder::Nhd,
-            RegionId(0),
-        );
-        let mem = HostBuffer::new(probe.region_bytes() as usize).unwrap();
-        let r = if lane_only {
-            a.register_shared(mem, Share::Only(Vec::new())).unwrap()
+        let with = if lane_only {
+            Share::Only(Vec::new())
         } else {
-            a.register(mem).unwrap()
+            Share::AllPeers
         };
-        r.write(0, &vec![fill; r.len() as usize]).unwrap();
-        let l = KvLayout::contiguous(g, 16, 16, KvPacking::Separate, KvOrder::Nhd, r.id());
-        (r, l)
+        kv::kv_layout_shared(a, fill, with)
     };
     for lane_only in [true, false] {
         let tag = if lane_only { "lo" } else { "open" };

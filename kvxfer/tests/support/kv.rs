@@ -6,6 +6,15 @@ use kvxfer::{Agent, HostBuffer};
 
 /// The cache's region (every byte `fill`) and its layout.
 pub fn kv_layout(a: &Agent, fill: u8) -> (kvxfer::Region, kvxfer::layout::KvLayout) {
+    kv_layout_shared(a, fill, kvxfer::Share::AllPeers)
+}
+
+/// As [`kv_layout`], the region registered shared as `with` says.
+pub fn kv_layout_shared(
+    a: &Agent,
+    fill: u8,
+    with: kvxfer::Share,
+) -> (kvxfer::Region, kvxfer::layout::KvLayout) {
     use kvxfer::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking};
     let g = KvGeometry {
         name: "sec".into(),
@@ -23,7 +32,10 @@ pub fn kv_layout(a: &Agent, fill: u8) -> (kvxfer::Region, kvxfer::layout::KvLayo
         kvxfer::RegionId(0),
     );
     let r = a
-        .register(HostBuffer::new(probe.region_bytes() as usize).unwrap())
+        .register_shared(
+            HostBuffer::new(probe.region_bytes() as usize).unwrap(),
+            with,
+        )
         .unwrap();
     r.write(0, &vec![fill; r.len() as usize]).unwrap();
     let l = KvLayout::contiguous(g, 16, 16, KvPacking::Separate, KvOrder::Nhd, r.id());

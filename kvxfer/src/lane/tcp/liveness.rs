@@ -57,32 +57,40 @@ pub(crate) fn answers_as(
     }
 }
 
-/// An open hello presenting `lane.secret`, and the welcome read: the credential accepted
-/// (welcomed, or told a fence count, which only follows an accepted credential).
-fn welcomed(sock: &TcpStream, lane: &LaneInfo, me: &str, timeout: Duration) -> Result<(), String> {
-    set_timeouts(sock).map_err(|e| e.to_string())?;
-    let t0 = Instant::now();
-    let mut ctl = |_moved: bool| -> Result<(), Stop> {
+/// The stream control that stops a question once `timeout` has passed since `t0`.
+fn within(t0: Instant, timeout: Duration) -> impl FnMut(bool) -> Result<(), Stop> {
+    move |_moved| {
         if t0.elapsed() > timeout {
             Err(Stop::Eof)
         } else {
             Ok(())
         }
-    };
-    let io = |s: Stop| match s {
+    }
+}
+
+/// Why a question's I/O stopped, in words.
+fn said(s: Stop) -> String {
+    match s {
         Stop::Io(e) => e.to_string(),
         Stop::Eof => "no answer".to_string(),
         Stop::Abort(e) => e.to_string(),
-    };
+    }
+}
+
+/// An open hello presenting `lane.secret`, and the welcome read: the credential accepted
+/// (welcomed, or told a fence count, which only follows an accepted credential).
+fn welcomed(sock: &TcpStream, lane: &LaneInfo, me: &str, timeout: Duration) -> Result<(), String> {
+    set_timeouts(sock).map_err(|e| e.to_string())?;
+    let mut ctl = within(Instant::now(), timeout);
     let hello = Hello {
         name: me,
         secret: lane.secret,
         epoch: 0,
     }
     .encode();
-    send_buf(sock, &hello, &mut ctl).map_err(io)?;
+    send_buf(sock, &hello, &mut ctl).map_err(said)?;
     let mut w = [0u8; WELCOME_FIXED_LEN];
-    recv_buf(sock, &mut w, &mut ctl).map_err(io)?;
+    recv_buf(sock, &mut w, &mut ctl).map_err(said)?;
     match parse_welcome(&w).0 {
         W_OK | W_FENCED => Ok(()),
         s => Err(format!("welcome status {s}")),
@@ -104,23 +112,11 @@ fn prove(
     let who = lane.addr.to_string();
     let (init, first) =
         Initiator::start_keyed(&psk, &me, &lane.key, seed, &who).map_err(|e| e.to_string())?;
-    let t0 = Instant::now();
-    let mut ctl = |_moved: bool| -> Result<(), Stop> {
-        if t0.elapsed() > timeout {
-            Err(Stop::Eof)
-        } else {
-            Ok(())
-        }
-    };
+    let mut ctl = within(Instant::now(), timeout);
     let mut opening = SEALED_MAGIC.to_vec();
     opening.extend_from_slice(&first);
-    let io = |s: Stop| match s {
-        Stop::Io(e) => e.to_string(),
-        Stop::Eof => "no answer".to_string(),
-        Stop::Abort(e) => e.to_string(),
-    };
-    send_buf(sock, &opening, &mut ctl).map_err(io)?;
+    send_buf(sock, &opening, &mut ctl).map_err(said)?;
     let mut answer = [0u8; HANDSHAKE_LEN];
-    recv_buf(sock, &mut answer, &mut ctl).map_err(io)?;
+    recv_buf(sock, &mut answer, &mut ctl).map_err(said)?;
     init.finish(&answer).map(|_| ()).map_err(|e| e.to_string())
 }
