@@ -795,6 +795,18 @@ class KvxferConnector(KVConnectorBase_V1):
         return s
 
     @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        """``LBHNC`` (vLLM's HND): each layer's blocks together, and inside a block each KV
+        head's tokens together, so a decode rank of another TP size reads its heads of a block
+        as one piece per layer (NHD would cut them per token). ``register_kv_caches`` takes
+        either layer-compact layout; a backend that cannot give this one makes vLLM warn and
+        choose another. MLA caches have no head dimension: no preference (``None``)."""
+        mc = getattr(vllm_config, "model_config", None)
+        if mc is None or getattr(mc, "use_mla", False):
+            return None
+        return "LBHNC"
+
+    @classmethod
     def supports_sleep_mode(cls, kv_transfer_config) -> bool:
         """No: sleep mode frees the KV cache and maps new memory at wake-up, and kvxfer has no
         ``unregister_kv_caches``/``restore_kv_caches`` yet: it would keep the freed memory

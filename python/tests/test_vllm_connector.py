@@ -50,6 +50,28 @@ def test_sleep_mode_is_refused_not_served_with_stale_registrations():
         cfg._verify_kv_transfer_compat()
 
 
+def test_vllm_resolves_the_kv_cache_layout_kvxfer_asks_for():
+    # vLLM's own resolver, as the engine core runs it with the backends' supported sets: with
+    # kvxfer configured it picks LBHNC where a backend offers it, ahead of its default LBNHC.
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+
+    vc = h.vllm_config()
+    assert KvxferConnector.get_required_kvcache_layout(vc) == "LBHNC"
+    assert get_kv_connector_cache_layout(vc) == "LBHNC"
+    assert resolve_kv_cache_layout(vc, [["LBNHC", "LBHNC"]]).name == "LBHNC"
+    assert vc.cache_config.kv_cache_layout == "LBHNC"
+    # A backend without it: vLLM keeps its own (and warns); register_kv_caches takes both.
+    vc = h.vllm_config()
+    assert resolve_kv_cache_layout(vc, [["LBNHC"]]).name == "LBNHC"
+    # MLA (ModelConfig.use_mla, a property of the model's architecture): no head dimension,
+    # no preference.
+    from types import SimpleNamespace
+
+    mla = SimpleNamespace(model_config=SimpleNamespace(use_mla=True))
+    assert KvxferConnector.get_required_kvcache_layout(mla) is None
+
+
 def test_factory_loads_it_by_module_path_in_both_roles():
     vc = h.vllm_config()
     assert KVConnectorFactory.get_connector_class(vc.kv_transfer_config) is KvxferConnector
