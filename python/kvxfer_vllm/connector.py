@@ -74,6 +74,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from . import lib as kx
 
@@ -332,6 +333,9 @@ def _shutdown_alive() -> None:
 
 
 class KvxferConnector(KVConnectorBase_V1):
+    # Tokens it loads come from another engine's KV (vLLM's cache-hit metrics by tier).
+    _cache_hit_source = CacheHitSource.P2P
+
     def __init__(
         self,
         vllm_config: "VllmConfig",

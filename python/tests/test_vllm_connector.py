@@ -72,6 +72,18 @@ def test_vllm_resolves_the_kv_cache_layout_kvxfer_asks_for():
     assert KvxferConnector.get_required_kvcache_layout(mla) is None
 
 
+def test_loaded_tokens_count_as_peer_to_peer_cache_hits():
+    # vLLM's cache-hit metrics split external tokens by tier: kvxfer's are another engine's.
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _, _, kv = h.kv_caches()
+    c = KvxferConnector(h.vllm_config(role="kv_consumer"), KVConnectorRole.SCHEDULER, kv)
+    r = h.request("hit", 40, {"do_remote_prefill": True}, max_tokens=1)
+    assert c.get_external_cache_hit_sources(r, 40) == {CacheHitSource.P2P: 40}
+    assert c.get_external_cache_hit_sources(r, 0) == {}
+    c.shutdown()
+
+
 def test_factory_loads_it_by_module_path_in_both_roles():
     vc = h.vllm_config()
     assert KVConnectorFactory.get_connector_class(vc.kv_transfer_config) is KvxferConnector
