@@ -46,7 +46,7 @@ def model_dir():
     return d
 
 
-def vllm_config(role="kv_both", extra=None, engine_id=None, prefix_caching=True, tp=1):
+def vllm_config(role="kv_both", extra=None, engine_id=None, prefix_caching=True, tp=1, load_failure_policy=None):
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -63,6 +63,7 @@ def vllm_config(role="kv_both", extra=None, engine_id=None, prefix_caching=True,
         kv_role=role,
         kv_connector_extra_config=extra or {"transport": "tcp", "net_devices": "lo"},
         **({"engine_id": engine_id} if engine_id else {}),
+        **({"kv_load_failure_policy": load_failure_policy} if load_failure_policy else {}),
     )
     vc = VllmConfig(
         model_config=mc,

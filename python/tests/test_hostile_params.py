@@ -13,6 +13,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 import helpers as h  # noqa: E402
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 EXTRA = {"transport": "tcp", "net_devices": "lo"}
@@ -136,6 +137,75 @@ def test_any_kv_transfer_params_fail_alone_and_the_engine_keeps_serving():
     assert not set(loads["dec-real"][1]) & errors, (errors, dec.get_kv_connector_stats().data)
     for name, t in dcaches.items():
         for lb, rb in zip(loads["dec-real"][1], remote):
+            assert torch.equal(t[lb].view(torch.int16), caches[name][rb].view(torch.int16)), (name, lb, rb)
+    dec.shutdown()
+    pre.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_failed_load_follows_vllms_load_failure_policy(policy):
+    """kv_load_failure_policy, as vLLM's scheduler applies it to what kvxfer reports (the
+    request received, its blocks invalid): "fail" ends the request with an error; "recompute"
+    schedules its whole prompt for local prefill. Another request loads either way."""
+    import json
+
+    from kvxfer_vllm import KvxferConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.outputs import KVConnectorOutput
+
+    pid = os.getpid()
+    vp = h.vllm_config(role="kv_producer", extra=dict(EXTRA), engine_id=f"pol-pre-{policy}-{pid}")
+    raw, caches, kv = h.kv_caches()
+    raw.copy_(torch.randint(-128, 127, raw.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(3)))
+    pre = KvxferConnector(vp, KVConnectorRole.WORKER, kv)
+    pre.register_kv_caches(caches)
+    s = h.scheduler(vp, kv)
+    s.connector.set_xfer_handshake_metadata({0: pre.get_handshake_metadata()})
+    good, remote = h.prefill(s, [pre], "pol-good", TOKENS)
+    other, _ = h.prefill(s, [pre], "pol-other", TOKENS)
+    # A client's edit: blocks the producer never published for this request.
+    hd = json.loads(other["kvxfer_handoff"])
+    hd["blocks"] = [b + 1 for b in hd["blocks"]]
+    bad = dict(other, kvxfer_handoff=json.dumps(hd))
+
+    vd = h.vllm_config(role="kv_consumer", extra=dict(EXTRA), engine_id=f"pol-dec-{policy}-{pid}", load_failure_policy=policy)
+    _, dcaches, dkv = h.kv_caches()
+    dec = KvxferConnector(vd, KVConnectorRole.WORKER, dkv)
+    dec.register_kv_caches(dcaches)
+    sd = h.scheduler(vd, dkv)
+    sd.add_request(h.request("dec-bad", TOKENS, bad, max_tokens=2))
+    sd.add_request(h.request("dec-good", TOKENS, dict(good), max_tokens=2))
+    out = sd.schedule()
+    loads = out.kv_connector_metadata.loads
+    assert set(loads) == {"dec-bad", "dec-good"}
+    dec.bind_connector_metadata(out.kv_connector_metadata)
+    dec.start_load_kv(None)
+    dec.clear_connector_metadata()
+    got = set()
+    end = time.time() + 30
+    while time.time() < end and len(got) < 2:
+        _, rv = dec.get_finished(set())
+        got |= rv or set()
+        time.sleep(0.01)
+    assert got == {"dec-bad", "dec-good"}, got
+    errors = dec.get_block_ids_with_load_errors()
+    assert errors == set(loads["dec-bad"][1]) and errors, errors
+    # The workers' report reaches the scheduler, as the engine passes it on.
+    eco = sd.update_from_output(out, h.model_output(out, kv=KVConnectorOutput(finished_recving=got, invalid_block_ids=errors)))
+    ended = {o.request_id: o.finish_reason for v in eco.values() for o in v.outputs if o.finish_reason is not None}
+    out2 = sd.schedule()
+    if policy == "fail":
+        assert ended == {"dec-bad": FinishReason.ERROR}, ended
+        assert "dec-bad" not in out2.num_scheduled_tokens
+    else:
+        assert ended == {}, ended
+        # Recomputed here: its whole prompt scheduled for this engine's own prefill.
+        assert out2.num_scheduled_tokens.get("dec-bad") == TOKENS, out2.num_scheduled_tokens
+    # The good request loaded its KV either way, and is scheduled to decode.
+    assert "dec-good" in out2.num_scheduled_tokens
+    for name, t in dcaches.items():
+        for lb, rb in zip(loads["dec-good"][1], remote):
             assert torch.equal(t[lb].view(torch.int16), caches[name][rb].view(torch.int16)), (name, lb, rb)
     dec.shutdown()
     pre.shutdown()
