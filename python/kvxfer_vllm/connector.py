@@ -72,6 +72,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -748,8 +749,25 @@ class KvxferConnector(KVConnectorBase_V1):
         return
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, failed = self._collect(finished_req_ids)
+        recving |= failed
+        return (sending or None), (recving or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """What vLLM 0.33's workers ask: sends done, loads done, and which of those loads
+        failed (also among the received, as vLLM wants; their blocks are reported invalid
+        too). A failed load here is always a whole request, so ``failed_recving`` and the
+        invalid blocks agree under both of vLLM's load-failure policies."""
+        sending, recving, failed = self._collect(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving | failed, failed_recving=failed
+        )
+
+    def _collect(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """Sends done; loads done; loads failed (each request reported once)."""
         sending: set[str] = set()
         recving: set[str] = set()
+        failed: set[str] = set()
         with self._lock:
             self._finished_seen |= set(finished_req_ids)
             if self.producer is not None:
@@ -773,11 +791,11 @@ class KvxferConnector(KVConnectorBase_V1):
                 while (fl := self.consumer.next_failed()) is not None:
                     logger.warning("kvxfer: load of %s failed (%d blocks invalid): %s", fl[0], len(fl[1]), fl[2])
                     self._part_done(fl[0], failed=True)
-                recving |= self._failed_now
+                failed = self._failed_now
                 self._failed_now = set()
-        if (sending or recving) and self.extra.get("metrics_file"):
+        if (sending or recving or failed) and self.extra.get("metrics_file"):
             self._write_metrics()
-        return (sending or None), (recving or None)
+        return sending, recving - failed, failed
 
     def _write_metrics(self):
         path = self.extra["metrics_file"]

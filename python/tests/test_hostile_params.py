@@ -142,10 +142,12 @@ def test_any_kv_transfer_params_fail_alone_and_the_engine_keeps_serving():
     pre.shutdown()
 
 
+@pytest.mark.parametrize("report", ["get_finished", "get_transfer_results"])
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_a_failed_load_follows_vllms_load_failure_policy(policy):
+def test_a_failed_load_follows_vllms_load_failure_policy(policy, report):
     """kv_load_failure_policy, as vLLM's scheduler applies it to what kvxfer reports (the
-    request received, its blocks invalid): "fail" ends the request with an error; "recompute"
+    request received, its blocks invalid; through get_transfer_results, as vLLM 0.33's
+    workers ask, also in failed_recving): "fail" ends the request with an error; "recompute"
     schedules its whole prompt for local prefill. Another request loads either way."""
     import json
 
@@ -155,7 +157,7 @@ def test_a_failed_load_follows_vllms_load_failure_policy(policy):
     from vllm.v1.outputs import KVConnectorOutput
 
     pid = os.getpid()
-    vp = h.vllm_config(role="kv_producer", extra=dict(EXTRA), engine_id=f"pol-pre-{policy}-{pid}")
+    vp = h.vllm_config(role="kv_producer", extra=dict(EXTRA), engine_id=f"pol-pre-{policy}-{report}-{pid}")
     raw, caches, kv = h.kv_caches()
     raw.copy_(torch.randint(-128, 127, raw.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(3)))
     pre = KvxferConnector(vp, KVConnectorRole.WORKER, kv)
@@ -169,7 +171,7 @@ def test_a_failed_load_follows_vllms_load_failure_policy(policy):
     hd["blocks"] = [b + 1 for b in hd["blocks"]]
     bad = dict(other, kvxfer_handoff=json.dumps(hd))
 
-    vd = h.vllm_config(role="kv_consumer", extra=dict(EXTRA), engine_id=f"pol-dec-{policy}-{pid}", load_failure_policy=policy)
+    vd = h.vllm_config(role="kv_consumer", extra=dict(EXTRA), engine_id=f"pol-dec-{policy}-{report}-{pid}", load_failure_policy=policy)
     _, dcaches, dkv = h.kv_caches()
     dec = KvxferConnector(vd, KVConnectorRole.WORKER, dkv)
     dec.register_kv_caches(dcaches)
@@ -182,17 +184,25 @@ def test_a_failed_load_follows_vllms_load_failure_policy(policy):
     dec.bind_connector_metadata(out.kv_connector_metadata)
     dec.start_load_kv(None)
     dec.clear_connector_metadata()
-    got = set()
+    got, failed = set(), set()
     end = time.time() + 30
     while time.time() < end and len(got) < 2:
-        _, rv = dec.get_finished(set())
-        got |= rv or set()
+        if report == "get_finished":
+            _, rv = dec.get_finished(set())
+            got |= rv or set()
+        else:
+            r = dec.get_transfer_results(set())
+            got |= r.finished_recving
+            failed |= r.failed_recving
         time.sleep(0.01)
     assert got == {"dec-bad", "dec-good"}, got
+    if report == "get_transfer_results":
+        assert failed == {"dec-bad"}, failed
     errors = dec.get_block_ids_with_load_errors()
     assert errors == set(loads["dec-bad"][1]) and errors, errors
     # The workers' report reaches the scheduler, as the engine passes it on.
-    eco = sd.update_from_output(out, h.model_output(out, kv=KVConnectorOutput(finished_recving=got, invalid_block_ids=errors)))
+    kv_out = KVConnectorOutput(finished_recving=got, failed_recving=failed, invalid_block_ids=errors)
+    eco = sd.update_from_output(out, h.model_output(out, kv=kv_out))
     ended = {o.request_id: o.finish_reason for v in eco.values() for o in v.outputs if o.finish_reason is not None}
     out2 = sd.schedule()
     if policy == "fail":
