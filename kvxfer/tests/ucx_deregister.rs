@@ -77,6 +77,21 @@ fn refused_after(a: &Agent, l: &kvxfer::PreparedLocal, peer: &str, id: u32, op: 
     );
 }
 
+/// A peer named `name` connected to the owner's side channel at `side`, with a buffer of
+/// [`BIG`] bytes of its own: the agent, the owner's name as it knows it, the buffer and the
+/// buffer's prepared list.
+fn reader(
+    name: &str,
+    mode: &str,
+    side: std::net::SocketAddr,
+) -> (Agent, String, kvxfer::Region, kvxfer::PreparedLocal) {
+    let a = agent(name, mode);
+    let peer = a.connect(side).unwrap();
+    let buf = a.register(HostBuffer::new(BIG).unwrap()).unwrap();
+    let l = a.prep_local(&[Desc::new(buf.id(), 0, BIG as u64)]).unwrap();
+    (a, peer, buf, l)
+}
+
 /// Waits until `peer`'s region `id` is known to `a` (its registration travels as an update).
 fn known(a: &Agent, peer: &str, id: u32) {
     let t0 = Instant::now();
@@ -135,10 +150,7 @@ impl Tally {
 fn one_process(t: &str) {
     let owner = agent(&format!("own-{t}"), t);
     let side = owner.listen("127.0.0.1:0").unwrap();
-    let a = agent(&format!("peer-{t}"), t);
-    let peer = a.connect(side).unwrap();
-    let buf = a.register(HostBuffer::new(BIG).unwrap()).unwrap();
-    let l = a.prep_local(&[Desc::new(buf.id(), 0, BIG as u64)]).unwrap();
+    let (a, peer, _buf, l) = reader(&format!("peer-{t}"), t, side);
     let mut tally = Tally::default();
     for run in 0..RUNS {
         for op in [XferOp::Write, XferOp::Read] {
@@ -234,10 +246,7 @@ fn two_processes(t: &str) {
         }
     };
     let side: std::net::SocketAddr = said("SIDE ").parse().unwrap();
-    let a = agent(&format!("peer-here-{t}"), t);
-    let peer = a.connect(side).unwrap();
-    let buf = a.register(HostBuffer::new(BIG).unwrap()).unwrap();
-    let l = a.prep_local(&[Desc::new(buf.id(), 0, BIG as u64)]).unwrap();
+    let (a, peer, _buf, l) = reader(&format!("peer-here-{t}"), t, side);
     let mut tally = Tally::default();
     for run in 0..RUNS {
         for op in [XferOp::Write, XferOp::Read] {
@@ -291,14 +300,8 @@ fn deregistration_during_a_peers_tcp_lane_transfer_in_two_processes() {
 fn a_deregistration_busy_with_a_local_transfer_tells_no_peer() {
     let owner = agent("own-busy", "tcp");
     let side = owner.listen("127.0.0.1:0").unwrap();
-    let a = agent("peer-busy", "tcp");
-    let peer = a.connect(side).unwrap();
-    let peer_of_owner = owner
-        .peer_info(a.name())
-        .map(|_| a.name().to_string())
-        .unwrap();
-    let buf = a.register(HostBuffer::new(BIG).unwrap()).unwrap();
-    let l = a.prep_local(&[Desc::new(buf.id(), 0, BIG as u64)]).unwrap();
+    let (a, peer, buf, l) = reader("peer-busy", "tcp", side);
+    let peer_of_owner = a.name().to_string();
     known(&owner, &peer_of_owner, buf.id().0);
     let orr = owner
         .prep_remote(&peer_of_owner, &[Desc::new(buf.id(), 0, BIG as u64)])
@@ -365,11 +368,8 @@ fn a_deregistration_racing_local_transfers_is_busy_before_telling_peers() {
     use std::sync::Arc;
     let owner = Arc::new(agent("own-race", "tcp"));
     let side = owner.listen("127.0.0.1:0").unwrap();
-    let a = agent("peer-race", "tcp");
-    let peer = a.connect(side).unwrap();
+    let (a, peer, buf, l) = reader("peer-race", "tcp", side);
     let peer_of_owner = a.name().to_string();
-    let buf = a.register(HostBuffer::new(BIG).unwrap()).unwrap();
-    let l = a.prep_local(&[Desc::new(buf.id(), 0, BIG as u64)]).unwrap();
     known(&owner, &peer_of_owner, buf.id().0);
     let (mut busy, mut refused_local) = (0u32, 0u32);
     for _ in 0..RUNS {

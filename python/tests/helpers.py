@@ -208,3 +208,56 @@ def model_output(sched_out, sampled=None, kv=None):
         sampled_token_ids=[[sampled] if sampled is not None else [] for _ in ids],
         kv_connector_output=kv,
     )
+
+
+def prefill_engine(extra, engine_id, seed):
+    """A one-rank prefill engine: its worker connector with registered caches filled from
+    `seed`, the caches, and its scheduler holding the worker's handshake metadata."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvxfer_vllm import KvxferConnector
+
+    vp = vllm_config(role="kv_producer", extra=dict(extra), engine_id=engine_id)
+    raw, caches, kv = kv_caches()
+    raw.copy_(torch.randint(-128, 127, raw.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed)))
+    pre = KvxferConnector(vp, KVConnectorRole.WORKER, kv)
+    pre.register_kv_caches(caches)
+    sched = scheduler(vp, kv)
+    sched.connector.set_xfer_handshake_metadata({0: pre.get_handshake_metadata()})
+    return pre, caches, sched
+
+
+def decode_worker(extra, engine_id, load_failure_policy=None):
+    """A one-rank decode engine's worker connector with registered (zeroed) caches: the
+    connector, the caches, and the config and KV spec its scheduler is made from."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvxfer_vllm import KvxferConnector
+
+    vd = vllm_config(role="kv_consumer", extra=dict(extra), engine_id=engine_id, load_failure_policy=load_failure_policy)
+    _, dcaches, dkv = kv_caches()
+    dec = KvxferConnector(vd, KVConnectorRole.WORKER, dkv)
+    dec.register_kv_caches(dcaches)
+    return dec, dcaches, vd, dkv
+
+
+def start_loads(worker_, sched_out):
+    """A scheduled step's connector metadata given to `worker_`, which starts its loads."""
+    worker_.bind_connector_metadata(sched_out.kv_connector_metadata)
+    worker_.start_load_kv(None)
+    worker_.clear_connector_metadata()
+
+
+def received(worker_, want, timeout=30):
+    """The requests `worker_` reports received (get_finished) until `want` are all among them
+    or `timeout` seconds pass."""
+    import time
+
+    got = set()
+    end = time.time() + timeout
+    while time.time() < end and not set(want) <= got:
+        _, rv = worker_.get_finished(set())
+        got |= rv or set()
+        time.sleep(0.01)
+    return got

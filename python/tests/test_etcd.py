@@ -101,9 +101,6 @@ def enable_auth(url, ns):
 
 
 def test_workers_find_each_other_through_etcd_not_the_side_channel(etcd):
-    from kvxfer_vllm import KvxferConnector
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
     url, mode, ca = etcd
     ns = f"/kvx-plugin-{os.getpid()}"
     disc = url.replace("http://", "etcd://").replace("https://", "etcds://")
@@ -113,20 +110,11 @@ def test_workers_find_each_other_through_etcd_not_the_side_channel(etcd):
         extra.update(etcd_user="kvx", etcd_password="kvx-pw")
     if mode == "tls":
         extra.update(etcd_ca=ca)
-    vp = h.vllm_config(role="kv_producer", extra=dict(extra), engine_id=f"etcd-pre-{os.getpid()}")
-    raw, caches, kv = h.kv_caches()
-    raw.copy_(torch.randint(-128, 127, raw.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(3)))
-    pre = KvxferConnector(vp, KVConnectorRole.WORKER, kv)
-    pre.register_kv_caches(caches)
-    s = h.scheduler(vp, kv)
-    s.connector.set_xfer_handshake_metadata({0: pre.get_handshake_metadata()})
+    pre, caches, s = h.prefill_engine(extra, f"etcd-pre-{os.getpid()}", 3)
     params, remote = h.prefill(s, [pre], "e-1", 70)
 
     # The decode worker starts after the prefill worker published: its watch loads it.
-    vd = h.vllm_config(role="kv_consumer", extra=dict(extra), engine_id=f"etcd-dec-{os.getpid()}")
-    _, dcaches, dkv = h.kv_caches()
-    dec = KvxferConnector(vd, KVConnectorRole.WORKER, dkv)
-    dec.register_kv_caches(dcaches)
+    dec, dcaches, vd, dkv = h.decode_worker(extra, f"etcd-dec-{os.getpid()}")
     # A side channel nobody can reach (TEST-NET-1): the load must not need it.
     hd = json.loads(params["kvxfer_handoff"])
     hd["side_channel"] = "192.0.2.1:9"
@@ -141,12 +129,7 @@ def test_workers_find_each_other_through_etcd_not_the_side_channel(etcd):
     t0 = time.time()
     dec.start_load_kv(None)
     dec.clear_connector_metadata()
-    got = set()
-    end = time.time() + 30
-    while time.time() < end and "e-dec" not in got:
-        _, rv = dec.get_finished(set())
-        got |= rv or set()
-        time.sleep(0.01)
+    got = h.received(dec, {"e-dec"})
     assert "e-dec" in got and dec.get_block_ids_with_load_errors() == set()
     for name, t in dcaches.items():
         for lb, rb in zip(local, remote):

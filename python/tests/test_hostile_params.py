@@ -57,25 +57,14 @@ def _odd_params():
 
 
 def test_any_kv_transfer_params_fail_alone_and_the_engine_keeps_serving():
-    from kvxfer_vllm import KvxferConnector
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import RequestStatus
 
     pid = os.getpid()
-    vp = h.vllm_config(role="kv_producer", extra=dict(EXTRA), engine_id=f"odd-pre-{pid}")
-    raw, caches, kv = h.kv_caches()
-    raw.copy_(torch.randint(-128, 127, raw.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(7)))
-    pre = KvxferConnector(vp, KVConnectorRole.WORKER, kv)
-    pre.register_kv_caches(caches)
-    s = h.scheduler(vp, kv)
-    s.connector.set_xfer_handshake_metadata({0: pre.get_handshake_metadata()})
+    pre, caches, s = h.prefill_engine(EXTRA, f"odd-pre-{pid}", 7)
     victim, _ = h.prefill(s, [pre], "victim", TOKENS)
 
-    vd = h.vllm_config(role="kv_consumer", extra=dict(EXTRA), engine_id=f"odd-dec-{pid}")
-    _, dcaches, dkv = h.kv_caches()
-    dec = KvxferConnector(vd, KVConnectorRole.WORKER, dkv)
-    dec.register_kv_caches(dcaches)
+    dec, dcaches, vd, dkv = h.decode_worker(EXTRA, f"odd-dec-{pid}")
     sd = h.scheduler(vd, dkv)
 
     cases = list(_odd_params().items()) + list(_mutations(victim["kvxfer_handoff"]).items())
@@ -90,15 +79,8 @@ def test_any_kv_transfer_params_fail_alone_and_the_engine_keeps_serving():
             sd.add_request(h.request(name, TOKENS, params, max_tokens=2))
         out = sd.schedule()  # raises nothing, whatever the params
         loads = out.kv_connector_metadata.loads
-        dec.bind_connector_metadata(out.kv_connector_metadata)
-        dec.start_load_kv(None)  # raises nothing either
-        dec.clear_connector_metadata()
-        got = set()
-        end = time.time() + 60
-        while time.time() < end and len(got) < len(loads):
-            _, rv = dec.get_finished(set())
-            got |= rv or set()
-            time.sleep(0.01)
+        h.start_loads(dec, out)  # raises nothing either
+        got = h.received(dec, set(loads), timeout=60)
         assert got == set(loads), f"round {at}: never ended: {set(loads) - got}"
         errors = dec.get_block_ids_with_load_errors()
         round_failed = {r for r, v in loads.items() if set(v[1]) & errors}
@@ -123,15 +105,8 @@ def test_any_kv_transfer_params_fail_alone_and_the_engine_keeps_serving():
     sd.add_request(h.request("dec-real", TOKENS, dict(real), max_tokens=2))
     out = sd.schedule()
     loads = out.kv_connector_metadata.loads
-    dec.bind_connector_metadata(out.kv_connector_metadata)
-    dec.start_load_kv(None)
-    dec.clear_connector_metadata()
-    end = time.time() + 30
-    got = set()
-    while time.time() < end and "dec-real" not in got:
-        _, rv = dec.get_finished(set())
-        got |= rv or set()
-        time.sleep(0.01)
+    h.start_loads(dec, out)
+    got = h.received(dec, {"dec-real"})
     assert "dec-real" in got
     errors = dec.get_block_ids_with_load_errors()
     assert not set(loads["dec-real"][1]) & errors, (errors, dec.get_kv_connector_stats().data)
@@ -151,19 +126,11 @@ def test_a_failed_load_follows_vllms_load_failure_policy(policy, report):
     schedules its whole prompt for local prefill. Another request loads either way."""
     import json
 
-    from kvxfer_vllm import KvxferConnector
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.engine import FinishReason
     from vllm.v1.outputs import KVConnectorOutput
 
     pid = os.getpid()
-    vp = h.vllm_config(role="kv_producer", extra=dict(EXTRA), engine_id=f"pol-pre-{policy}-{report}-{pid}")
-    raw, caches, kv = h.kv_caches()
-    raw.copy_(torch.randint(-128, 127, raw.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(3)))
-    pre = KvxferConnector(vp, KVConnectorRole.WORKER, kv)
-    pre.register_kv_caches(caches)
-    s = h.scheduler(vp, kv)
-    s.connector.set_xfer_handshake_metadata({0: pre.get_handshake_metadata()})
+    pre, caches, s = h.prefill_engine(EXTRA, f"pol-pre-{policy}-{report}-{pid}", 3)
     good, remote = h.prefill(s, [pre], "pol-good", TOKENS)
     other, _ = h.prefill(s, [pre], "pol-other", TOKENS)
     # A client's edit: blocks the producer never published for this request.
@@ -171,19 +138,14 @@ def test_a_failed_load_follows_vllms_load_failure_policy(policy, report):
     hd["blocks"] = [b + 1 for b in hd["blocks"]]
     bad = dict(other, kvxfer_handoff=json.dumps(hd))
 
-    vd = h.vllm_config(role="kv_consumer", extra=dict(EXTRA), engine_id=f"pol-dec-{policy}-{report}-{pid}", load_failure_policy=policy)
-    _, dcaches, dkv = h.kv_caches()
-    dec = KvxferConnector(vd, KVConnectorRole.WORKER, dkv)
-    dec.register_kv_caches(dcaches)
+    dec, dcaches, vd, dkv = h.decode_worker(EXTRA, f"pol-dec-{policy}-{report}-{pid}", load_failure_policy=policy)
     sd = h.scheduler(vd, dkv)
     sd.add_request(h.request("dec-bad", TOKENS, bad, max_tokens=2))
     sd.add_request(h.request("dec-good", TOKENS, dict(good), max_tokens=2))
     out = sd.schedule()
     loads = out.kv_connector_metadata.loads
     assert set(loads) == {"dec-bad", "dec-good"}
-    dec.bind_connector_metadata(out.kv_connector_metadata)
-    dec.start_load_kv(None)
-    dec.clear_connector_metadata()
+    h.start_loads(dec, out)
     got, failed = set(), set()
     end = time.time() + 30
     while time.time() < end and len(got) < 2:

@@ -7,7 +7,6 @@ import json
 import os
 import socket
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 import helpers as h  # noqa: E402
@@ -52,17 +51,8 @@ def _edits(params, victim, listener):
 
 
 def test_edited_kv_transfer_params_fail_alone_and_dial_nothing():
-    from kvxfer_vllm import KvxferConnector
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
     pid = os.getpid()
-    vp = h.vllm_config(role="kv_producer", extra=dict(EXTRA), engine_id=f"seal-pre-{pid}")
-    raw, caches, kv = h.kv_caches()
-    raw.copy_(torch.randint(-128, 127, raw.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(5)))
-    pre = KvxferConnector(vp, KVConnectorRole.WORKER, kv)
-    pre.register_kv_caches(caches)
-    s = h.scheduler(vp, kv)
-    s.connector.set_xfer_handshake_metadata({0: pre.get_handshake_metadata()})
+    pre, caches, s = h.prefill_engine(EXTRA, f"seal-pre-{pid}", 5)
     real, remote = h.prefill(s, [pre], "real", 40)
     other, _ = h.prefill(s, [pre], "other", 40)
     assert real["kvxfer_seal"] and other["kvxfer_seal"] != real["kvxfer_seal"]
@@ -76,10 +66,7 @@ def test_edited_kv_transfer_params_fail_alone_and_dial_nothing():
     listener = "127.0.0.1:%d" % lsock.getsockname()[1]
     edits = _edits(other, real, listener)
 
-    vd = h.vllm_config(role="kv_consumer", extra=dict(EXTRA), engine_id=f"seal-dec-{pid}")
-    _, dcaches, dkv = h.kv_caches()
-    dec = KvxferConnector(vd, KVConnectorRole.WORKER, dkv)
-    dec.register_kv_caches(dcaches)
+    dec, dcaches, vd, dkv = h.decode_worker(EXTRA, f"seal-dec-{pid}")
     sd = h.scheduler(vd, dkv)
     for name, params in edits.items():
         sd.add_request(h.request(f"edit-{name}", 40, params, max_tokens=4))
@@ -87,15 +74,8 @@ def test_edited_kv_transfer_params_fail_alone_and_dial_nothing():
     out = sd.schedule()
     loads = out.kv_connector_metadata.loads
     assert set(loads) == {f"edit-{n}" for n in edits} | {"dec-real"}, set(loads)
-    dec.bind_connector_metadata(out.kv_connector_metadata)
-    dec.start_load_kv(None)
-    dec.clear_connector_metadata()
-    got = set()
-    end = time.time() + 30
-    while time.time() < end and len(got) < len(loads):
-        _, rv = dec.get_finished(set())
-        got |= rv or set()
-        time.sleep(0.01)
+    h.start_loads(dec, out)
+    got = h.received(dec, set(loads))
     assert got == set(loads), got
     # Every edited request failed: its blocks, and only its, reported invalid.
     edited_blocks = {b for r, v in loads.items() if r != "dec-real" for b in v[1]}
@@ -126,37 +106,18 @@ def test_lane_only_caches_load_through_grants_on_the_tcp_lane():
     handle (kvxfer's ``kvx_agent_register_shared`` with no peer), so in one host, where the shm
     lane would carry the handoff, it takes the TCP lane, whose target checks the decode
     worker's grant (kvxfer/tests/shares.rs shows another peer refused). The bytes land."""
-    from kvxfer_vllm import KvxferConnector
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
     pid = os.getpid()
     extra = {"transport": "auto", "net_devices": "lo", "secret": "open sesame", "lane_only_cache": True}
-    vp = h.vllm_config(role="kv_producer", extra=dict(extra), engine_id=f"lo-pre-{pid}")
-    raw, caches, kv = h.kv_caches()
-    raw.copy_(torch.randint(-128, 127, raw.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(7)))
-    pre = KvxferConnector(vp, KVConnectorRole.WORKER, kv)
-    pre.register_kv_caches(caches)
-    s = h.scheduler(vp, kv)
-    s.connector.set_xfer_handshake_metadata({0: pre.get_handshake_metadata()})
+    pre, caches, s = h.prefill_engine(extra, f"lo-pre-{pid}", 7)
     real, remote = h.prefill(s, [pre], "lo-real", 40)
 
-    vd = h.vllm_config(role="kv_consumer", extra=dict(extra), engine_id=f"lo-dec-{pid}")
-    _, dcaches, dkv = h.kv_caches()
-    dec = KvxferConnector(vd, KVConnectorRole.WORKER, dkv)
-    dec.register_kv_caches(dcaches)
+    dec, dcaches, vd, dkv = h.decode_worker(extra, f"lo-dec-{pid}")
     sd = h.scheduler(vd, dkv)
     sd.add_request(h.request("lo-dec", 40, dict(real), max_tokens=4))
     out = sd.schedule()
     local = out.kv_connector_metadata.loads["lo-dec"][1]
-    dec.bind_connector_metadata(out.kv_connector_metadata)
-    dec.start_load_kv(None)
-    dec.clear_connector_metadata()
-    got = set()
-    end = time.time() + 30
-    while time.time() < end and not got:
-        _, rv = dec.get_finished(set())
-        got |= rv or set()
-        time.sleep(0.01)
+    h.start_loads(dec, out)
+    got = h.received(dec, {"lo-dec"})
     assert got == {"lo-dec"}, got
     assert dec.get_block_ids_with_load_errors() == set()
     assert dec.get_kv_connector_stats().data["loads"] == 1

@@ -275,10 +275,8 @@ impl Agent {
     ///    agent is dropped, whichever comes first.
     /// 2. The caller does not free or remap it before then.
     pub unsafe fn register_raw(&self, ptr: *mut u8, len: usize, kind: MemKind) -> Result<Region> {
-        if ptr.is_null() {
-            return Err(Error::InvalidArgument("register_raw: NULL pointer".into()));
-        }
-        self.register_inner(ptr, len, kind, None, None)
+        // SAFETY: this function's contract is register_raw_shared's.
+        unsafe { self.register_raw_shared(ptr, len, kind, Share::AllPeers) }
     }
 
     /// As [`register_raw`](Self::register_raw), shared as `with` says
