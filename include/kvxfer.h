@@ -43,6 +43,23 @@
 #define KVX_MAX_TP 4096
 
 /**
+ * `kvx_layout::packing`: one tensor for K and one for V per layer.
+ */
+#define KVX_PACKING_SEPARATE 0
+
+/**
+ * `kvx_layout::packing`: K and V in one tensor per layer, `[blocks, ..., 2 * head_dim]`.
+ */
+#define KVX_PACKING_FUSED 1
+
+/**
+ * `kvx_layout::packing`: multi-head latent attention (DeepSeek-V2/V3): one tensor per layer,
+ * `[blocks, block_tokens, head_dim]`, no head dimension (`kv_heads` 1), the same on every
+ * tensor-parallel rank.
+ */
+#define KVX_PACKING_LATENT 2
+
+/**
  * Most KV heads (of the whole model) `kvx_tp_plan` takes.
  */
 #define KVX_MAX_KV_HEADS 65536
@@ -370,10 +387,11 @@ typedef struct kvx_layout {
    */
   uint64_t num_blocks;
   /**
-   * 1: K and V fused per layer (vLLM 0.33), 0: separate tensors; any other value is
-   * `KVX_INVALID_ARGUMENT`.
+   * How a layer's tensors hold K and V: `KVX_PACKING_SEPARATE` (0), `KVX_PACKING_FUSED`
+   * (1, vLLM 0.33's attention caches) or `KVX_PACKING_LATENT` (2, MLA: one headless
+   * tensor, `kv_heads` 1); any other value is `KVX_INVALID_ARGUMENT`.
    */
-  uint32_t fused;
+  uint32_t packing;
   /**
    * 1: HND order inside a block, 0: NHD (any other value is `KVX_INVALID_ARGUMENT`).
    */

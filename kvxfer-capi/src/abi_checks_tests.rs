@@ -112,7 +112,7 @@ fn a_connector_flag_or_mode_outside_its_values_is_refused() {
         dtype_bytes: 2,
         block_tokens: 4,
         num_blocks: 4,
-        fused: 1,
+        packing: 1,
         hnd: 0,
     };
     let bases = [kvx_layer_base {
@@ -122,7 +122,16 @@ fn a_connector_flag_or_mode_outside_its_values_is_refused() {
         v_offset: 0,
     }];
     let cases = [
-        ("fused is 2", kvx_layout { fused: 2, ..good }, 0),
+        ("packing is 3", kvx_layout { packing: 3, ..good }, 0),
+        (
+            "kv_heads must be 1, not 2",
+            kvx_layout {
+                packing: 2,
+                kv_heads: 2,
+                ..good
+            },
+            0,
+        ),
         ("hnd is 9", kvx_layout { hnd: 9, ..good }, 0),
         ("mode 7", good, 7),
     ];

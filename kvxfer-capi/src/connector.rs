@@ -17,7 +17,8 @@ use crate::ffi::{
 };
 use crate::{
     kvx_agent, kvx_cache_tensor, kvx_connector, kvx_connector_config, kvx_consumer, kvx_layer_base,
-    kvx_layout, kvx_producer, kvx_request_stats, kvx_status,
+    kvx_layout, kvx_producer, kvx_request_stats, kvx_status, KVX_PACKING_FUSED, KVX_PACKING_LATENT,
+    KVX_PACKING_SEPARATE,
 };
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -65,15 +66,25 @@ fn layout_of(l: &kvx_layout, bases: &[kvx_layer_base]) -> Result<KvLayout, Fail>
         1 => Ok(true),
         v => Err(bad(&format!("{name} is {v}, not 0 or 1"))),
     };
-    let fused = flag(l.fused, "fused")?;
+    let packing = match l.packing {
+        KVX_PACKING_SEPARATE => KvPacking::Separate,
+        KVX_PACKING_FUSED => KvPacking::Fused,
+        KVX_PACKING_LATENT => KvPacking::Latent,
+        v => {
+            return Err(bad(&format!(
+                "packing is {v}: 0 (separate), 1 (fused) or 2 (latent)"
+            )))
+        }
+    };
+    let separate = packing == KvPacking::Separate;
     let hnd = flag(l.hnd, "hnd")?;
     let layers = bases
         .iter()
         .map(|b| {
             let v = (b.v_region != u32::MAX).then_some((RegionId(b.v_region), b.v_offset));
-            if fused == v.is_some() {
+            if separate != v.is_some() {
                 return Err(bad(
-                    "a fused layout has no V bases, a separate one needs them",
+                    "a fused or latent layout has no V bases, a separate one needs them",
                 ));
             }
             Ok(LayerBase {
@@ -82,7 +93,7 @@ fn layout_of(l: &kvx_layout, bases: &[kvx_layer_base]) -> Result<KvLayout, Fail>
             })
         })
         .collect::<Result<Vec<_>, Fail>>()?;
-    Ok(KvLayout {
+    let layout = KvLayout {
         geometry: KvGeometry {
             name: "c".into(),
             layers: u64::from(l.layers),
@@ -92,14 +103,15 @@ fn layout_of(l: &kvx_layout, bases: &[kvx_layer_base]) -> Result<KvLayout, Fail>
         },
         block_tokens: u64::from(l.block_tokens),
         num_blocks: l.num_blocks,
-        packing: if fused {
-            KvPacking::Fused
-        } else {
-            KvPacking::Separate
-        },
+        packing,
         order: if hnd { KvOrder::Hnd } else { KvOrder::Nhd },
         layers,
-    })
+    };
+    layout.check_packing().map_err(|e| match e {
+        kvxfer_core::Error::InvalidArgument(w) => bad(&w),
+        e => bad(&e.to_string()),
+    })?;
+    Ok(layout)
 }
 
 fn config_of(c: Option<&kvx_connector_config>) -> Result<ConnectorConfig, Fail> {
@@ -534,7 +546,7 @@ unsafe fn caches_of(
     tensors: &[kvx_cache_tensor],
     cuda_device: i32,
 ) -> Result<KvCaches, Fail> {
-    // The shape is checked as a layout's is; the bases here only say fused or separate.
+    // The shape is checked as a layout's is; the bases here only say whether V is separate.
     let bases: Vec<kvx_layer_base> = tensors
         .iter()
         .map(|t| kvx_layer_base {

@@ -132,6 +132,14 @@ pub const KVX_MAX_ADDRESS: usize = 64;
 pub const KVX_MAX_NOTIFICATION: usize = 65536;
 /// Largest tensor-parallel size `kvx_tp_plan` takes (a larger one is `KVX_INVALID_ARGUMENT`).
 pub const KVX_MAX_TP: u32 = 4096;
+/// `kvx_layout::packing`: one tensor for K and one for V per layer.
+pub const KVX_PACKING_SEPARATE: u32 = 0;
+/// `kvx_layout::packing`: K and V in one tensor per layer, `[blocks, ..., 2 * head_dim]`.
+pub const KVX_PACKING_FUSED: u32 = 1;
+/// `kvx_layout::packing`: multi-head latent attention (DeepSeek-V2/V3): one tensor per layer,
+/// `[blocks, block_tokens, head_dim]`, no head dimension (`kv_heads` 1), the same on every
+/// tensor-parallel rank.
+pub const KVX_PACKING_LATENT: u32 = 2;
 /// Most KV heads (of the whole model) `kvx_tp_plan` takes.
 pub const KVX_MAX_KV_HEADS: u32 = 65536;
 const _: () = assert!(KVX_MAX_NAME == kvxfer_proto::wire::metadata::MAX_NAME);
@@ -200,9 +208,10 @@ pub struct kvx_layout {
     pub block_tokens: u32,
     /// Blocks per layer tensor.
     pub num_blocks: u64,
-    /// 1: K and V fused per layer (vLLM 0.33), 0: separate tensors; any other value is
-    /// `KVX_INVALID_ARGUMENT`.
-    pub fused: u32,
+    /// How a layer's tensors hold K and V: `KVX_PACKING_SEPARATE` (0), `KVX_PACKING_FUSED`
+    /// (1, vLLM 0.33's attention caches) or `KVX_PACKING_LATENT` (2, MLA: one headless
+    /// tensor, `kv_heads` 1); any other value is `KVX_INVALID_ARGUMENT`.
+    pub packing: u32,
     /// 1: HND order inside a block, 0: NHD (any other value is `KVX_INVALID_ARGUMENT`).
     pub hnd: u32,
 }

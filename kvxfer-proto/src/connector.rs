@@ -667,6 +667,10 @@ pub fn check_load(
             ),
         });
     }
+    want.check_packing().map_err(|e| Error::Handoff {
+        request: h.request.clone(),
+        why: format!("the producer's layout: {e}"),
+    })?;
     let all = HeadMap::all(h.kv_heads);
     let m = heads.unwrap_or(&all);
     let lh = local.geometry.kv_heads;
@@ -1060,6 +1064,7 @@ mod tests {
             blocks: vec![4, 5],
             num_blocks: 8,
             layers: Vec::new(),
+            more: Vec::new(),
         };
         let mut p = Pair::new(Mode::Push);
         p.start("decode", "r1", Mode::Push, Some(want.clone()));
@@ -1236,6 +1241,7 @@ mod tests {
             epoch: 7,
             grant: None,
             seal: None,
+            groups: Vec::new(),
         };
         let local = layout(4);
         let m = |r: std::ops::Range<u64>, l: std::ops::Range<u64>| HeadMap {

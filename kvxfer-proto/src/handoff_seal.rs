@@ -11,6 +11,7 @@
 
 use hmac::Mac;
 
+use crate::layout::LayerBase;
 use crate::session::{hmac as mac, hmac_state};
 use crate::wire::connector::{Handoff, Mode, SEAL_LEN};
 
@@ -84,6 +85,28 @@ fn seal_input(h: &Handoff) -> Vec<u8> {
         v.extend_from_slice(b);
     };
     let num = |v: &mut Vec<u8>, n: u64| v.extend_from_slice(&n.to_le_bytes());
+    let group = |v: &mut Vec<u8>, blocks: &[u32], nums: [u64; 3], layers: &[LayerBase]| {
+        num(v, blocks.len() as u64);
+        for b in blocks {
+            v.extend_from_slice(&b.to_le_bytes());
+        }
+        for n in nums {
+            num(v, n);
+        }
+        num(v, layers.len() as u64);
+        for l in layers {
+            v.extend_from_slice(&l.k.0 .0.to_le_bytes());
+            num(v, l.k.1);
+            match l.v {
+                Some((r, off)) => {
+                    v.push(1);
+                    v.extend_from_slice(&r.0.to_le_bytes());
+                    num(v, off);
+                }
+                None => v.push(0),
+            }
+        }
+    };
     bytes(&mut v, h.request.as_bytes());
     bytes(&mut v, h.producer.as_bytes());
     let side = h.side_channel.map(|a| a.to_string()).unwrap_or_default();
@@ -119,6 +142,19 @@ fn seal_input(h: &Handoff) -> Vec<u8> {
         }
         None => v.push(0),
     }
+    // Groups after the first, only where there are some: a one-group handoff's input is the
+    // one it always was (every field before is length-prefixed or fixed, so the two never meet).
+    if !h.groups.is_empty() {
+        num(&mut v, h.groups.len() as u64);
+        for g in &h.groups {
+            group(
+                &mut v,
+                &g.blocks,
+                [g.compat, g.kv_heads, g.num_blocks],
+                &g.layers,
+            );
+        }
+    }
     v
 }
 
@@ -153,6 +189,7 @@ mod tests {
             epoch: 77,
             grant: Some(Grant([7; GRANT_LEN])),
             seal: None,
+            groups: Vec::new(),
         }
     }
 
@@ -200,6 +237,7 @@ mod tests {
             ("epoch", |h| h.epoch = 0),
             ("grant", |h| h.grant = Some(Grant([8; GRANT_LEN]))),
             ("no grant", |h| h.grant = None),
+            ("a group added", |h| h.groups.push(h.group(0).unwrap())),
         ];
         for (what, edit) in edits {
             let mut e = h.clone();
@@ -212,6 +250,26 @@ mod tests {
             s
         });
         assert_eq!(key.verify(&cut), Err(SealError::Mismatch));
+        // A handoff of two groups: every field of the second is sealed too.
+        let mut two = handoff();
+        two.groups.push(two.group(0).unwrap());
+        key.seal(&mut two);
+        assert_eq!(key.verify(&two), Ok(()));
+        let back = Handoff::decode(&two.encode()).unwrap();
+        assert_eq!(key.verify(&back), Ok(()));
+        let group_edits: Vec<(&str, Edit)> = vec![
+            ("group blocks", |h| h.groups[0].blocks[0] = 99),
+            ("group compat", |h| h.groups[0].compat ^= 1),
+            ("group heads", |h| h.groups[0].kv_heads = 1),
+            ("group num_blocks", |h| h.groups[0].num_blocks = 1),
+            ("group layer", |h| h.groups[0].layers[0].k.1 = 1),
+            ("group dropped", |h| h.groups.clear()),
+        ];
+        for (what, edit) in group_edits {
+            let mut e = two.clone();
+            edit(&mut e);
+            assert_eq!(key.verify(&e), Err(SealError::Mismatch), "{what}");
+        }
     }
 
     #[test]

@@ -186,6 +186,31 @@ pub enum KvPacking {
     /// vLLM 0.33: one tensor per layer, `(num_blocks, <order>, 2 * head_dim)`: every head's K
     /// then V for a token sit side by side.
     Fused,
+    /// Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): one tensor per layer,
+    /// `(num_blocks, block_tokens, head_dim)`, with no head dimension (`kv_heads` is 1) and no
+    /// separate K and V (`head_dim` is the latent width, `kv_lora_rank + qk_rope_head_dim`).
+    /// Every tensor-parallel rank holds all of it, so [`crate::tp::plan`] has each decode rank
+    /// read it whole from one prefill rank.
+    Latent,
+}
+
+impl KvPacking {
+    /// Tensors per layer: 2 for separate K and V, else 1.
+    pub fn tensors(self) -> usize {
+        match self {
+            KvPacking::Separate => 2,
+            KvPacking::Fused | KvPacking::Latent => 1,
+        }
+    }
+
+    /// Elements of one head and token in a tensor, in units of `head_dim`: 2 where K and V
+    /// share the tensor, else 1.
+    fn per_head(self) -> u64 {
+        match self {
+            KvPacking::Fused => 2,
+            KvPacking::Separate | KvPacking::Latent => 1,
+        }
+    }
 }
 
 /// Where a layer's tensors live: a registered region and the byte offset of block 0.
@@ -239,7 +264,7 @@ impl KvLayout {
         let n = l.geometry.layers;
         l.layers = (0..n)
             .map(|i| match packing {
-                KvPacking::Fused => LayerBase {
+                KvPacking::Fused | KvPacking::Latent => LayerBase {
                     k: (region, i * t),
                     v: None,
                 },
@@ -252,14 +277,10 @@ impl KvLayout {
         l
     }
 
-    /// Bytes of one block of one tensor (K, V, or the fused K+V).
+    /// Bytes of one block of one tensor (K, V, the fused K+V, or the latent).
     pub fn block_bytes(&self) -> u64 {
         let per = self.block_tokens * self.geometry.kv_heads * self.geometry.head_dim;
-        let b = per * self.geometry.dtype.bytes();
-        match self.packing {
-            KvPacking::Separate => b,
-            KvPacking::Fused => 2 * b,
-        }
+        per * self.geometry.dtype.bytes() * self.packing.per_head()
     }
 
     /// Bytes of one layer's tensor (K, V, or fused).
@@ -269,19 +290,24 @@ impl KvLayout {
 
     /// Bytes a region needs for [`KvLayout::contiguous`].
     pub fn region_bytes(&self) -> u64 {
-        let tensors = match self.packing {
-            KvPacking::Separate => 2,
-            KvPacking::Fused => 1,
-        };
-        self.tensor_bytes() * self.geometry.layers * tensors
+        self.tensor_bytes() * self.geometry.layers * self.packing.tensors() as u64
     }
 
-    /// Tensors per layer (2 separate, 1 fused).
+    /// Tensors per layer (2 separate, 1 fused or latent).
     pub fn tensors_per_layer(&self) -> usize {
-        match self.packing {
-            KvPacking::Separate => 2,
-            KvPacking::Fused => 1,
+        self.packing.tensors()
+    }
+
+    /// Checks what the packing asks of the geometry: a latent cache has one head (MLA keeps
+    /// no head dimension; a layout claiming more would slice the latent as if it had).
+    pub fn check_packing(&self) -> Result<()> {
+        if self.packing == KvPacking::Latent && self.geometry.kv_heads != 1 {
+            return Err(Error::InvalidArgument(format!(
+                "a latent (MLA) cache has no head dimension: kv_heads must be 1, not {}",
+                self.geometry.kv_heads
+            )));
         }
+        Ok(())
     }
 
     /// Hash of everything peers must agree on to exchange blocks (not the block count or the
@@ -467,7 +493,7 @@ impl KvLayout {
         let mut out = Vec::with_capacity(blocks.len() * layers.len() * 2);
         let kvs: &[Kv] = match self.packing {
             KvPacking::Separate => &[Kv::K, Kv::V],
-            KvPacking::Fused => &[Kv::K],
+            KvPacking::Fused | KvPacking::Latent => &[Kv::K],
         };
         for layer in layers {
             for &kv in kvs {
@@ -545,6 +571,10 @@ mod tests {
         let tensor =
             l.num_blocks * bt * h * hd * e * if l.packing == KvPacking::Fused { 2 } else { 1 };
         match l.packing {
+            KvPacking::Latent => {
+                assert_eq!((h, kv), (1, 0));
+                layer * tensor + ((block * bt + tok) * hd + d) * e
+            }
             KvPacking::Separate => {
                 let base = (kv * n + layer) * tensor;
                 let idx = match l.order {
@@ -568,17 +598,21 @@ mod tests {
         #[test]
         fn descs_cover_exactly_the_elements(
             layers in 1u64..4, heads in 1u64..5, hd in 1u64..6, bt in 1u64..5,
-            nb in 1u64..6, dt in 0usize..3, fused: bool, hnd: bool,
+            nb in 1u64..6, dt in 0usize..3, pk in 0usize..3, hnd: bool,
             sel in proptest::collection::vec(0u32..6, 0..5), h0 in 0u64..5, hn in 1u64..5,
         ) {
             let dtype = [KvDtype::Fp8, KvDtype::Bf16, KvDtype::F32][dt];
+            let packing = [KvPacking::Separate, KvPacking::Fused, KvPacking::Latent][pk];
+            // A latent cache has one head and one tensor (no K and V).
+            let heads = if packing == KvPacking::Latent { 1 } else { heads };
+            let kvs = if packing == KvPacking::Latent { 1 } else { 2 };
             let g = KvGeometry { name: "t".into(), layers, kv_heads: heads, head_dim: hd, dtype };
             let l = KvLayout::contiguous(
-                g, bt, nb,
-                if fused { KvPacking::Fused } else { KvPacking::Separate },
+                g, bt, nb, packing,
                 if hnd { KvOrder::Hnd } else { KvOrder::Nhd },
                 crate::types::RegionId(0),
             );
+            proptest::prop_assert!(l.check_packing().is_ok());
             let blocks: Vec<u32> = sel.iter().map(|b| b % nb as u32).collect();
             let h0 = h0 % heads;
             let h1 = (h0 + hn).min(heads);
@@ -587,7 +621,7 @@ mod tests {
             let mut want = Vec::new();
             let e = l.geometry.dtype.bytes();
             for layer in 0..layers {
-                for kv in 0..2 {
+                for kv in 0..kvs {
                     for &b in &blocks {
                         for t in 0..bt {
                             for h in h0..h1 {
@@ -606,6 +640,54 @@ mod tests {
             proptest::prop_assert_eq!(got, want);
             proptest::prop_assert!(d.iter().all(|d| d.offset + d.len <= l.region_bytes()));
         }
+    }
+
+    /// DeepSeek-V3's MLA cache: 61 layers of one 576-wide latent (512 + 64 rope), bf16, 64
+    /// tokens a block: a block of a layer is 73,728 bytes, one tensor, no head slicing.
+    #[test]
+    fn a_latent_cache_is_one_headless_tensor_per_layer() {
+        let g = KvGeometry {
+            name: "deepseek-v3".into(),
+            layers: 61,
+            kv_heads: 1,
+            head_dim: 576,
+            dtype: KvDtype::Bf16,
+        };
+        let rid = crate::types::RegionId(0);
+        let l = KvLayout::contiguous(g.clone(), 64, 100, KvPacking::Latent, KvOrder::Nhd, rid);
+        assert_eq!(l.block_bytes(), 73_728);
+        assert_eq!(l.tensors_per_layer(), 1);
+        assert_eq!(l.region_bytes(), 73_728 * 100 * 61);
+        assert!(l.layers.iter().all(|b| b.v.is_none()));
+        let d = l.descs(&[3, 4, 9], 0..61, 0..1).unwrap();
+        assert_eq!(d.len(), 3 * 61);
+        assert!(d.iter().all(|d| d.len == 73_728));
+        assert!(l.block_descs(0, Kv::V, 0, 0..1, &mut vec![]).is_err());
+        assert!(l.block_descs(0, Kv::K, 0, 0..2, &mut vec![]).is_err());
+        // Not interchangeable with a one-head fused cache of half the width.
+        let f = KvLayout::contiguous(
+            KvGeometry {
+                head_dim: 288,
+                ..g.clone()
+            },
+            64,
+            100,
+            KvPacking::Fused,
+            KvOrder::Nhd,
+            rid,
+        );
+        assert_eq!(f.block_bytes(), l.block_bytes());
+        assert_ne!(f.compat_hash(), l.compat_hash());
+        let two = KvLayout::contiguous(
+            KvGeometry { kv_heads: 2, ..g },
+            64,
+            100,
+            KvPacking::Latent,
+            KvOrder::Nhd,
+            rid,
+        );
+        let e = two.check_packing().unwrap_err().to_string();
+        assert!(e.contains("kv_heads must be 1, not 2"), "{e}");
     }
 
     #[test]

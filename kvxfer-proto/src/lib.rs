@@ -17,6 +17,7 @@ pub mod connector;
 pub mod descriptor;
 pub mod error;
 pub mod grants;
+pub mod groups;
 pub mod handoff_seal;
 pub mod lane;
 pub mod lane_request;

@@ -25,7 +25,9 @@ shapes, and the request's blocks are reported invalid, never silently wrong.
 
 Supported caches: vLLM 0.33's per-layer views ``[num_blocks, num_kv_heads, block_size,
 2*head_size]`` with K and V packed in the last dimension, physical order NHD
-(``KVCacheLayout.LBNHC``, the default) or HND (``LBHNC``), one KV cache group, host (CPU)
+(``KVCacheLayout.LBNHC``, the default) or HND (``LBHNC``); MLA models' ``[num_blocks,
+block_size, latent]`` views (no head dimension, the same latent on every TP rank: each decode
+rank reads it once, from prefill rank ``rank % prefill_tp``); one KV cache group, host (CPU)
 tensors or device tensors with a libkvxfer built with ``--features cuda``. Device tensors are
 registered as device memory and never mirrored in host memory (what
 ``kv_buffer_device=cpu`` does in NixlConnector): UCX moves them directly where it has CUDA
@@ -299,7 +301,7 @@ def _shape(t: dict[str, Any]) -> str:
         f"TP {t.get('tp', 1)} over {t.get('kv_heads_total', t.get('kv_heads'))} KV heads "
         f"({t.get('kv_heads')} per rank), {len(t.get('layers', []))} layers, head size "
         f"{t.get('head_size')}, {t.get('dtype_bytes')}-byte elements, {t.get('block_size')}-token "
-        f"blocks, {'HND' if t.get('hnd') else 'NHD'}"
+        f"blocks, {'MLA latent' if t.get('mla') else 'HND' if t.get('hnd') else 'NHD'}"
     )
 
 
@@ -455,7 +457,7 @@ class KvxferConnector(KVConnectorBase_V1):
                 {k: r[k] for k in RANK_KEYS if k in r}
                 for r in ranks
             ],
-            "shape": {k: t.get(k) for k in ("tp", "kv_heads_total", "kv_heads", "head_size", "dtype_bytes", "block_size", "hnd")}
+            "shape": {k: t.get(k) for k in ("tp", "kv_heads_total", "kv_heads", "head_size", "dtype_bytes", "block_size", "hnd", "mla")}
             | {"layers": t["layers"], "tp": len(ranks)},
         }
         self._pending_publishes[request.request_id] = (blocks, tokens, grant)
@@ -510,19 +512,37 @@ class KvxferConnector(KVConnectorBase_V1):
         if not names:
             raise ValueError("kvxfer: no KV caches to register")
         first = kv_caches[names[0]]
-        if first.dim() != 4:
-            raise ValueError(f"kvxfer: expected [blocks, heads, block_size, 2*head_size] views, got {tuple(first.shape)}")
-        nb, heads, bs, c = first.shape
+        # Attention: [blocks, heads, block_size, 2*head_size] (K and V in the last dimension,
+        # NHD or HND strides). MLA: [blocks, block_size, latent] (no head dimension, no V; the
+        # same latent on every TP rank).
+        if first.dim() == 3:
+            nb, bs, c = first.shape
+            heads, packing, hnd, head_size = 1, kx.KVX_PACKING_LATENT, False, c
+            compact = first.stride() == (bs * c, c, 1)
+        elif first.dim() == 4:
+            nb, heads, bs, c = first.shape
+            if c % 2:
+                raise ValueError(f"kvxfer: last dimension {c} is not 2*head_size")
+            packing, hnd, head_size = kx.KVX_PACKING_FUSED, first.stride()[1] > first.stride()[2], c // 2
+            compact = first.stride()[0] == heads * bs * c
+        else:
+            raise ValueError(
+                "kvxfer: expected [blocks, heads, block_size, 2*head_size] attention views or "
+                f"[blocks, block_size, latent] MLA views, got {tuple(first.shape)}"
+            )
+        if packing == kx.KVX_PACKING_LATENT:
+            # One latent per token whatever the config's num_key_value_heads says, held whole
+            # by every rank: the TP plan then reads it once per decode rank, from one prefill
+            # rank (spread over them), and only acknowledges the other prefill ranks.
+            self.kv_heads_total = 1
         es = first.element_size()
         s = first.stride()
-        if s[0] != heads * bs * c:
+        if not compact:
             raise ValueError(
                 "kvxfer: KV cache blocks are not contiguous per layer; use a layer-compact "
                 "layout (VLLM_KV_CACHE_LAYOUT=LBNHC or LBHNC)"
             )
-        hnd = s[1] > s[2]
-        if c % 2:
-            raise ValueError(f"kvxfer: last dimension {c} is not 2*head_size")
+        block_bytes = s[0] * es
         ex = self.extra
         name = f"kvxfer-{self.engine_id}-tp{self.rank}"
         budget = int(ex.get("budget_mib", 0)) << 20
@@ -550,13 +570,13 @@ class KvxferConnector(KVConnectorBase_V1):
         tensors = []
         for n in names:
             t = kv_caches[n]
-            if tuple(t.shape) != (nb, heads, bs, c) or t.stride() != s:
+            if t.shape != first.shape or t.stride() != s or t.element_size() != es:
                 raise ValueError(f"kvxfer: layer {n} has another shape or layout")
-            rid = self.agent.register(t.data_ptr(), nb * s[0] * es, cuda, lane_only=bool(ex.get("lane_only_cache", False)))
+            rid = self.agent.register(t.data_ptr(), nb * block_bytes, cuda, lane_only=bool(ex.get("lane_only_cache", False)))
             bases.append((rid, 0, None, 0))
-            tensors.append((t.data_ptr(), nb * s[0] * es))
+            tensors.append((t.data_ptr(), nb * block_bytes))
         self.num_layers = len(names)
-        self.layout, self.bases = kx.layout_struct(len(names), heads, c // 2, es, bs, nb, True, hnd, bases)
+        self.layout, self.bases = kx.layout_struct(len(names), heads, head_size, es, bs, nb, packing, hnd, bases)
         cfg = kx.config_struct(lease_ms=int(ex.get("lease_ms", 0)), budget_bytes=budget)
         # Through the connector traits (kvx_connector): the tensors lie in the regions just
         # registered, which the agent's connector uses as they are.
@@ -595,9 +615,10 @@ class KvxferConnector(KVConnectorBase_V1):
             "hnd": hnd,
             "tp": self.tp_size,
             "kv_heads_total": self.kv_heads_total,
-            "head_size": c // 2,
+            "head_size": head_size,
             "dtype_bytes": es,
             "block_size": bs,
+            "mla": packing == kx.KVX_PACKING_LATENT,
         }
         self._shape = tmpl
         self._handshake = KvxferHandshakeMetadata(tmpl)
@@ -682,7 +703,7 @@ class KvxferConnector(KVConnectorBase_V1):
         theirs = h.get("shape") or {}
         mine = self._shape or {}
         if theirs:
-            for k in ("head_size", "dtype_bytes", "block_size", "hnd"):
+            for k in ("head_size", "dtype_bytes", "block_size", "hnd", "mla"):
                 if k in theirs and theirs[k] != mine.get(k):
                     raise ValueError(f"the two sides' caches differ in {k}: prefill {_shape(theirs)}; decode {_shape(mine)}")
             if len(theirs.get("layers", [])) != len(mine.get("layers", [])):

@@ -53,6 +53,8 @@ STATUS_NAMES = {v: k for k, v in list(globals().items()) if k.startswith("KVX_")
 
 # Limits of kvx_tp_plan (the header's KVX_MAX_TP, KVX_MAX_KV_HEADS).
 KVX_MAX_TP = 4096
+# kvx_layout.packing (the header's KVX_PACKING_*).
+KVX_PACKING_SEPARATE, KVX_PACKING_FUSED, KVX_PACKING_LATENT = 0, 1, 2
 KVX_MAX_KV_HEADS = 65536
 
 
@@ -72,7 +74,7 @@ class Layout(Structure):
         ("dtype_bytes", c_uint32),
         ("block_tokens", c_uint32),
         ("num_blocks", c_uint64),
-        ("fused", c_uint32),
+        ("packing", c_uint32),
         ("hnd", c_uint32),
     ]
 
@@ -442,8 +444,9 @@ def tp_plan(prefill_tp, prefill_kv_heads, decode_tp, decode_kv_heads, decode_ran
         return [TpRead.from_buffer_copy(out[i]) for i in range(n.value)]
 
 
-def layout_struct(layers, kv_heads, head_dim, dtype_bytes, block_tokens, num_blocks, fused, hnd, bases):
-    lay = Layout(layers, kv_heads, head_dim, dtype_bytes, block_tokens, num_blocks, 1 if fused else 0, 1 if hnd else 0)
+def layout_struct(layers, kv_heads, head_dim, dtype_bytes, block_tokens, num_blocks, packing, hnd, bases):
+    """A kvx_layout and its layer bases; ``packing`` is one of the KVX_PACKING_* constants."""
+    lay = Layout(layers, kv_heads, head_dim, dtype_bytes, block_tokens, num_blocks, packing, 1 if hnd else 0)
     arr = (LayerBase * layers)()
     for i, (kr, ko, vr, vo) in enumerate(bases):
         arr[i] = LayerBase(kr, ko, 0xFFFFFFFF if vr is None else vr, vo)

@@ -125,6 +125,22 @@ def kv_caches(num_blocks=64, layout="LBNHC", kv_heads=KV_HEADS):
     return raw, dict(zip(layer_names(), views)), cfg
 
 
+MLA_LATENT = 96  # kv_lora_rank 64 + qk_rope_head_dim 32, as DeepSeek's 512 + 64 scaled down
+
+
+def mla_caches(num_blocks=64):
+    """An MLA model's per-layer caches as vLLM's MLA backends take them: [B, N, latent] (bf16,
+    no head dimension, K and V one latent) over one flat buffer, layer after layer."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=MLA_LATENT, dtype=torch.bfloat16)
+    page = spec.page_size_bytes
+    assert page == BLOCK * MLA_LATENT * 2, page
+    raw = torch.zeros(page * num_blocks * LAYERS, dtype=torch.int8)
+    per = raw.view(torch.bfloat16).view(LAYERS, num_blocks, BLOCK, MLA_LATENT)
+    return raw, dict(zip(layer_names(), per.unbind(0)))
+
+
 def scheduler(vllm_cfg, kv_cfg):
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager

@@ -45,7 +45,7 @@ layers, heads, head_dim, bs, nb = 2, 8, 128, 16, 128
 src = torch.ones((layers, nb, heads, bs, 2 * head_dim), dtype=torch.bfloat16)
 dst = torch.zeros_like(src)
 per_layer = nb * heads * bs * 2 * head_dim * 2
-lay, _ = kx.layout_struct(layers, heads, head_dim, 2, bs, nb, True, False, [(0, 0, None, 0)] * layers)
+lay, _ = kx.layout_struct(layers, heads, head_dim, 2, bs, nb, kx.KVX_PACKING_FUSED, False, [(0, 0, None, 0)] * layers)
 cfg = kx.config_struct(heartbeat_ms=20)
 pa, da = kx.Agent("clean-exit-p", "tcp", "lo"), kx.Agent("clean-exit-d", "tcp", "lo")
 side = pa.listen()

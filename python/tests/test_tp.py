@@ -195,3 +195,122 @@ def test_a_geometry_that_cannot_work_fails_the_load_naming_both_sides(dtp, over,
     w.shutdown()
     for p, _ in producers:
         p.shutdown()
+
+
+def _prefill_mla(conn, tp, engine):
+    """A TP `tp` prefill deployment of an MLA model: every rank holds the whole latent (each
+    its own pattern here, so a decode rank's bytes say which rank it read)."""
+    try:
+        vc = h.vllm_config(role="kv_producer", engine_id=engine, tp=tp)
+        _, _, kv0 = h.kv_caches()
+        truths, workers, keep = [], [], []
+        for rank in range(tp):
+            g = torch.Generator().manual_seed(70 + rank)
+            raw, caches = h.mla_caches()
+            truth = [torch.randint(-30000, 30000, tuple(t.shape), dtype=torch.int16, generator=g) for t in caches.values()]
+            for t, want in zip(caches.values(), truth):
+                t.view(torch.int16).copy_(want)
+            w = h.worker(vc, kv0, rank)
+            w.register_kv_caches(caches)
+            workers.append(w)
+            truths.append(truth)
+            keep.append((raw, caches))
+        s = h.scheduler(vc, kv0)
+        s.connector.set_xfer_handshake_metadata({r: w.get_handshake_metadata() for r, w in enumerate(workers)})
+        params, blocks = h.prefill(s, workers, "pre-mla", TOKENS)
+        conn.send((params, blocks, truths))
+        sent = set()
+        end = time.time() + 60
+        while time.time() < end and len(sent) < tp:
+            for rank, w in enumerate(workers):
+                got, _ = w.get_finished({"pre-mla"})
+                if got and "pre-mla" in got:
+                    sent.add(rank)
+            time.sleep(0.01)
+        conn.send(("sent", sorted(sent)))
+        for w in workers:
+            w.shutdown()
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+
+
+@pytest.mark.parametrize("ptp,dtp", [(2, 1), (1, 2), (2, 2)], ids=["mla-tp2-to-tp1", "mla-tp1-to-tp2", "mla-tp2-to-tp2"])
+def test_mla_caches_move_whole_from_one_prefill_rank_per_decode_rank(ptp, dtp):
+    """MLA caches ([blocks, block_size, latent], no head dimension, replicated over TP): each
+    decode rank reads the whole latent once, from prefill rank (its rank mod the prefill TP),
+    and every prefill rank is freed on acknowledgement, read or not."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_prefill_mla, args=(child, ptp, f"kvx-mla-{ptp}{dtp}-{os.getpid()}"))
+    p.start()
+    msg = parent.recv()
+    assert not (isinstance(msg, tuple) and msg[0] == "error"), msg[1]
+    params, remote_blocks, truths = msg
+    vc = h.vllm_config(role="kv_consumer", engine_id=f"kvx-mla-dec-{os.getpid()}", tp=dtp)
+    _, _, kv0 = h.kv_caches()
+    ranks = []
+    for rank in range(dtp):
+        raw, caches = h.mla_caches()
+        w = h.worker(vc, kv0, rank)
+        w.register_kv_caches(caches)
+        ranks.append((w, raw, caches))
+    s = h.scheduler(vc, kv0)
+    r = h.request("dec-mla", TOKENS, dict(params), max_tokens=4)
+    s.add_request(r)
+    out = s.schedule()
+    assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    local = out.kv_connector_metadata.loads[r.request_id][1]
+    assert len(local) == len(remote_blocks) == 5
+    for w, _, _ in ranks:
+        w.bind_connector_metadata(out.kv_connector_metadata)
+        w.start_load_kv(None)
+        w.clear_connector_metadata()
+    done = set()
+    end = time.time() + 60
+    while time.time() < end and len(done) < dtp:
+        for rank, (w, _, _) in enumerate(ranks):
+            _, rv = w.get_finished(set())
+            if rv and r.request_id in rv:
+                done.add(rank)
+        time.sleep(0.01)
+    assert done == set(range(dtp)), f"ranks {done} of {dtp} received"
+    block_bytes = h.BLOCK * h.MLA_LATENT * 2
+    for rank, (w, _, caches) in enumerate(ranks):
+        assert w.get_block_ids_with_load_errors() == set(), rank
+        truth = truths[rank % ptp]
+        for i, t in enumerate(caches.values()):
+            for lb, rb in zip(local, remote_blocks):
+                assert torch.equal(t[lb].view(torch.int16), truth[i][rb]), (rank, i, lb, rb)
+            others = [b for b in range(64) if b not in local]
+            assert torch.count_nonzero(t[others].view(torch.int16)) == 0, (rank, i)
+        st = w.get_kv_connector_stats()
+        # The whole latent once: not once per prefill rank, not split.
+        assert st.data["bytes_moved"] == 5 * h.LAYERS * block_bytes, st.data
+        w.shutdown()
+    sent = parent.recv()
+    assert sent == ("sent", list(range(ptp))), sent
+    p.join(30)
+
+
+def test_an_mla_cache_does_not_load_into_an_attention_cache():
+    """A prefill side of MLA caches and a decode side of attention caches hold different
+    models: refused before anything moves, naming both shapes."""
+    import json
+
+    vc = h.vllm_config(role="kv_producer")
+    _, caches = h.mla_caches()
+    _, _, kv0 = h.kv_caches()
+    p = h.worker(vc, kv0, 0)
+    p.register_kv_caches(caches)
+    s = h.scheduler(vc, kv0)
+    s.connector.set_xfer_handshake_metadata({0: p.get_handshake_metadata()})
+    params, _ = h.prefill(s, [p], "pre-mix", 40)
+    dvc = h.vllm_config(role="kv_consumer")
+    _, dcaches, kv = h.kv_caches()
+    w = h.worker(dvc, kv, 0)
+    w.register_kv_caches(dcaches)
+    with pytest.raises(ValueError) as e:
+        w._plan_load(json.loads(params["kvxfer_handoff"]), True)
+    assert "MLA latent" in str(e.value) and "NHD" in str(e.value), str(e.value)
+    w.shutdown()
+    p.shutdown()

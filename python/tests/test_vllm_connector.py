@@ -242,7 +242,7 @@ def test_in_process_connector_through_the_same_bindings():
     src = torch.randint(0, 255, (layers, nb, heads, bs, 2 * head_dim), dtype=torch.uint8).to(torch.bfloat16)
     dst = torch.zeros_like(src)
     per_layer = nb * heads * bs * 2 * head_dim * 2
-    lay, _ = kx.layout_struct(layers, heads, head_dim, 2, bs, nb, True, False, [(0, 0, None, 0)] * layers)
+    lay, _ = kx.layout_struct(layers, heads, head_dim, 2, bs, nb, kx.KVX_PACKING_FUSED, False, [(0, 0, None, 0)] * layers)
     cfg = kx.config_struct(heartbeat_ms=20)
     conn = kx.Connector.in_process()
     prod = conn.producer(lay, [(src[i].data_ptr(), per_layer) for i in range(layers)], cfg)

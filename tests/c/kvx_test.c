@@ -75,7 +75,7 @@ static void fill_descs(kvx_desc *d, uint32_t region, int reverse) {
 /* Connector layout: 2 layers, 2 heads, dim 64, bf16, 16-token blocks, fused K/V. */
 static kvx_layout layout(uint64_t blocks) {
   kvx_layout l = {.layers = 2, .kv_heads = 2, .head_dim = 64, .dtype_bytes = 2, .block_tokens = 16,
-                  .num_blocks = blocks, .fused = 1, .hnd = 0};
+                  .num_blocks = blocks, .packing = KVX_PACKING_FUSED, .hnd = 0};
   return l;
 }
 #define CBLOCK (2u * 16u * 2u * 64u * 2u) /* fused block bytes */

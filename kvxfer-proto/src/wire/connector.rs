@@ -19,6 +19,9 @@ use crate::wire::{hex, unhex};
 pub const MAX_HANDOFF: usize = 16 << 20;
 /// Handoff format version.
 pub const HANDOFF_VERSION: u64 = 1;
+/// The version of a handoff of several cache groups ([`Handoff::groups`]): a reader that knows
+/// only version 1 refuses it rather than load the first group alone.
+pub const HANDOFF_VERSION_GROUPS: u64 = 2;
 
 /// Bytes of a [`Grant`].
 pub const GRANT_LEN: usize = 16;
@@ -102,6 +105,101 @@ pub struct Handoff {
     /// The producer's seal over every other field ([`crate::handoff_seal::HandoffKey`]);
     /// a consumer with a secret loads nothing without it.
     pub seal: Option<[u8; SEAL_LEN]>,
+    /// The request's cache groups after the first ([`crate::groups`]; the fields above are
+    /// the first's): empty for a cache of one group.
+    pub groups: Vec<HandoffGroup>,
+}
+
+/// One cache group of a handoff: its blocks and the producer's layout of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HandoffGroup {
+    /// The producer's blocks of this group, in token order ([`crate::groups::NO_BLOCK`]
+    /// where it holds none).
+    pub blocks: Vec<u32>,
+    /// The producer's [`crate::layout::KvLayout::compat_hash`] of this group.
+    pub compat: u64,
+    /// The producer's KV heads in this group.
+    pub kv_heads: u64,
+    /// Blocks per layer tensor of this group on the producer.
+    pub num_blocks: u64,
+    /// The producer's per-layer tensors of this group.
+    pub layers: Vec<LayerBase>,
+}
+
+impl Handoff {
+    /// Cache groups: 1 and [`Handoff::groups`].
+    pub fn group_count(&self) -> usize {
+        1 + self.groups.len()
+    }
+
+    /// Group `g` (0: the handoff's own fields).
+    pub fn group(&self, g: usize) -> Option<HandoffGroup> {
+        if g == 0 {
+            return Some(HandoffGroup {
+                blocks: self.blocks.clone(),
+                compat: self.compat,
+                kv_heads: self.kv_heads,
+                num_blocks: self.num_blocks,
+                layers: self.layers.clone(),
+            });
+        }
+        self.groups.get(g - 1).cloned()
+    }
+
+    /// The handoff as if the request had group `g` alone: what a check of one group's load
+    /// takes.
+    pub fn of_group(&self, g: usize) -> Option<Handoff> {
+        let p = self.group(g)?;
+        Some(Handoff {
+            blocks: p.blocks,
+            compat: p.compat,
+            kv_heads: p.kv_heads,
+            num_blocks: p.num_blocks,
+            layers: p.layers,
+            groups: Vec::new(),
+            ..self.clone_head()
+        })
+    }
+
+    /// Every field but the groups' (blocks and layers left empty).
+    fn clone_head(&self) -> Handoff {
+        Handoff {
+            request: self.request.clone(),
+            producer: self.producer.clone(),
+            side_channel: self.side_channel,
+            blocks: Vec::new(),
+            tokens: self.tokens,
+            compat: self.compat,
+            kv_heads: self.kv_heads,
+            num_blocks: self.num_blocks,
+            layers: Vec::new(),
+            mode: self.mode,
+            epoch: self.epoch,
+            grant: self.grant,
+            seal: self.seal,
+            groups: Vec::new(),
+        }
+    }
+}
+
+fn group_json(g: &HandoffGroup) -> Value {
+    json!({
+        "blocks": g.blocks,
+        "compat": format!("{:016x}", g.compat),
+        "kv_heads": g.kv_heads,
+        "num_blocks": g.num_blocks,
+        "layers": g.layers.iter().map(base_json).collect::<Vec<_>>(),
+    })
+}
+
+fn group_from(v: &Value) -> Option<HandoffGroup> {
+    Some(HandoffGroup {
+        blocks: u32_list(&v["blocks"])?,
+        compat: u64::from_str_radix(v["compat"].as_str()?, 16).ok()?,
+        kv_heads: v["kv_heads"].as_u64()?,
+        num_blocks: v["num_blocks"].as_u64()?,
+        layers: bases_from(&v["layers"])?,
+    })
 }
 
 fn base_json(b: &LayerBase) -> Value {
@@ -137,8 +235,13 @@ fn u32_list(v: &Value) -> Option<Vec<u32>> {
 impl Handoff {
     /// JSON bytes.
     pub fn encode(&self) -> Vec<u8> {
+        let version = if self.groups.is_empty() {
+            HANDOFF_VERSION
+        } else {
+            HANDOFF_VERSION_GROUPS
+        };
         let mut v = json!({
-            "v": HANDOFF_VERSION,
+            "v": version,
             "request": self.request,
             "producer": self.producer,
             "side_channel": self.side_channel.map(|a| a.to_string()),
@@ -158,6 +261,10 @@ impl Handoff {
             if let Some(s) = &self.seal {
                 m.insert("seal".into(), hex(s).into());
             }
+            if !self.groups.is_empty() {
+                let g: Vec<Value> = self.groups.iter().map(group_json).collect();
+                m.insert("groups".into(), g.into());
+            }
         }
         v.to_string().into_bytes()
     }
@@ -169,9 +276,22 @@ impl Handoff {
             return Err(bad("larger than 16 MiB"));
         }
         let v: Value = serde_json::from_slice(b).map_err(|e| bad(&e.to_string()))?;
-        if v["v"] != HANDOFF_VERSION {
-            return Err(bad("unknown version"));
-        }
+        let groups = match (&v["v"], &v["groups"]) {
+            (n, Value::Null) if *n == HANDOFF_VERSION => Vec::new(),
+            (n, Value::Array(gs)) if *n == HANDOFF_VERSION_GROUPS => {
+                if gs.is_empty() || gs.len() >= crate::groups::MAX_GROUPS {
+                    return Err(bad("groups: 1 to 63 after the first"));
+                }
+                gs.iter()
+                    .map(group_from)
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(|| bad("groups"))?
+            }
+            (n, _) if *n == HANDOFF_VERSION || *n == HANDOFF_VERSION_GROUPS => {
+                return Err(bad("groups (version 2 has them, version 1 not)"))
+            }
+            _ => return Err(bad("unknown version")),
+        };
         let s = |k: &str| v[k].as_str().map(str::to_string).ok_or_else(|| bad(k));
         let n = |k: &str| v[k].as_u64().ok_or_else(|| bad(k));
         let side_channel = match &v["side_channel"] {
@@ -215,6 +335,7 @@ impl Handoff {
                 Value::String(s) => Some(unhex::<SEAL_LEN>(s).ok_or_else(|| bad("seal"))?),
                 _ => return Err(bad("seal")),
             },
+            groups,
         })
     }
 }
@@ -228,6 +349,26 @@ pub struct PushWant {
     pub num_blocks: u64,
     /// The consumer's per-layer tensors.
     pub layers: Vec<LayerBase>,
+    /// The same for each cache group after the first ([`crate::groups`]; each with no
+    /// `more` of its own).
+    pub more: Vec<PushWant>,
+}
+
+fn want_json(w: &PushWant) -> Value {
+    json!({
+        "blocks": w.blocks,
+        "nb": w.num_blocks,
+        "layers": w.layers.iter().map(base_json).collect::<Vec<_>>(),
+    })
+}
+
+fn want_from(v: &Value) -> std::result::Result<PushWant, String> {
+    Ok(PushWant {
+        blocks: u32_list(&v["blocks"]).ok_or("want: blocks")?,
+        num_blocks: v["nb"].as_u64().ok_or("want: nb")?,
+        layers: bases_from(&v["layers"]).ok_or("want: layers")?,
+        more: Vec::new(),
+    })
 }
 
 /// Messages to a producer. Each may carry `readers` (`"n"`): how many consumer ranks will
@@ -398,11 +539,15 @@ impl ToProducer {
         let mut v = match self {
             ToProducer::Heartbeat { request, .. } => json!({"t": "hb", "r": request}),
             ToProducer::Ack { request, .. } => json!({"t": "ack", "r": request}),
-            ToProducer::Want { request, want, .. } => json!({
-                "t": "want", "r": request, "blocks": want.blocks,
-                "nb": want.num_blocks,
-                "layers": want.layers.iter().map(base_json).collect::<Vec<_>>(),
-            }),
+            ToProducer::Want { request, want, .. } => {
+                let mut v = want_json(want);
+                v["t"] = "want".into();
+                v["r"] = request.as_str().into();
+                if !want.more.is_empty() {
+                    v["more"] = want.more.iter().map(want_json).collect::<Vec<_>>().into();
+                }
+                v
+            }
         };
         if let Value::Object(m) = &mut v {
             if let Some(n) = self.readers() {
@@ -447,10 +592,14 @@ impl ToProducer {
                 grant,
             }),
             "want" => {
-                let want = PushWant {
-                    blocks: u32_list(&v["blocks"]).ok_or("want: blocks")?,
-                    num_blocks: v["nb"].as_u64().ok_or("want: nb")?,
-                    layers: bases_from(&v["layers"]).ok_or("want: layers")?,
+                let mut want = want_from(&v)?;
+                want.more = match &v["more"] {
+                    Value::Null => Vec::new(),
+                    Value::Array(gs) if gs.len() < crate::groups::MAX_GROUPS => gs
+                        .iter()
+                        .map(want_from)
+                        .collect::<std::result::Result<_, _>>()?,
+                    _ => return Err("want: more".into()),
                 };
                 Ok(ToProducer::Want {
                     request,
@@ -597,6 +746,7 @@ mod tests {
             epoch: 0x1234_5678_9abc_def0,
             grant: Some(Grant([0x5a; GRANT_LEN])),
             seal: Some([0xc3; SEAL_LEN]),
+            groups: Vec::new(),
         };
         assert_eq!(Handoff::decode(&h.encode()).unwrap(), h);
         // A handoff of the first format (no epoch) decodes as epoch 0: unknown.
@@ -636,6 +786,78 @@ mod tests {
             j[k] = v;
             assert!(Handoff::decode(j.to_string().as_bytes()).is_err(), "{k}");
         }
+    }
+
+    /// A handoff of several cache groups is version 2 and names every group; a version 1
+    /// reader refuses it, and neither version is taken with the other's groups.
+    #[test]
+    fn a_handoff_of_groups_roundtrips_and_is_refused_where_it_does_not_fit() {
+        let one = Handoff::decode(
+            br#"{"v":1,"request":"r","producer":"p","side_channel":null,"blocks":[1,2],
+            "tokens":20,"compat":"00000000000000aa","kv_heads":2,"num_blocks":8,
+            "layers":[[0,0]],"mode":"pull"}"#,
+        )
+        .unwrap();
+        let mut h = one.clone();
+        h.groups.push(HandoffGroup {
+            blocks: vec![crate::groups::NO_BLOCK, 7],
+            compat: 0xbb,
+            kv_heads: 1,
+            num_blocks: 4,
+            layers: vec![LayerBase {
+                k: (RegionId(3), 64),
+                v: None,
+            }],
+        });
+        let b = h.encode();
+        let j: Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(j["v"], 2);
+        assert_eq!(Handoff::decode(&b).unwrap(), h);
+        assert_eq!(h.group_count(), 2);
+        let g1 = h.of_group(1).unwrap();
+        assert_eq!(
+            (g1.blocks, g1.compat, g1.groups.len()),
+            (vec![u32::MAX, 7], 0xbb, 0)
+        );
+        assert_eq!(h.of_group(0).unwrap(), one);
+        assert!(h.group(2).is_none());
+        for (what, edit) in [
+            ("v1 with groups", json!({"v": 1})),
+            ("v2 without groups", json!({"groups": null})),
+            ("empty groups", json!({"groups": []})),
+            (
+                "a group without blocks",
+                json!({"groups": [{"compat": "1"}]}),
+            ),
+        ] {
+            let mut j = j.clone();
+            for (k, v) in edit.as_object().unwrap() {
+                j[k] = v.clone();
+            }
+            assert!(Handoff::decode(j.to_string().as_bytes()).is_err(), "{what}");
+        }
+        let mut many = j.clone();
+        many["groups"] = Value::Array(vec![j["groups"][0].clone(); crate::groups::MAX_GROUPS]);
+        assert!(Handoff::decode(many.to_string().as_bytes()).is_err());
+        // A push consumer's blocks of every group.
+        let want = PushWant {
+            blocks: vec![1],
+            num_blocks: 8,
+            layers: Vec::new(),
+            more: vec![PushWant {
+                blocks: vec![2, 3],
+                num_blocks: 4,
+                layers: Vec::new(),
+                more: Vec::new(),
+            }],
+        };
+        let m = ToProducer::Want {
+            request: "r".into(),
+            want,
+            readers: None,
+            grant: None,
+        };
+        assert_eq!(ToProducer::decode(&m.encode()).unwrap(), m);
     }
 
     #[test]
@@ -703,7 +925,7 @@ mod tests {
                 0 => ToProducer::Heartbeat { request, readers, grant },
                 1 => ToProducer::Ack { request, readers, grant },
                 _ => ToProducer::Want {
-                    request, want: PushWant { blocks, num_blocks, layers }, readers, grant,
+                    request, want: PushWant { blocks, num_blocks, layers, more: Vec::new() }, readers, grant,
                 },
             };
             prop_assert_eq!(ToProducer::decode(&m.encode()), Ok(m));

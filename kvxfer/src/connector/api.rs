@@ -147,7 +147,11 @@ impl KvCaches {
         if self.block_tokens == 0 || self.num_blocks == 0 {
             return bad("zero tokens per block or zero blocks".into());
         }
-        let need = self.layout(|_| (RegionId(0), 0)).tensor_bytes();
+        let probe = self.layout(|_| (RegionId(0), 0));
+        probe
+            .check_packing()
+            .map_err(|e| Error::InvalidArgument(format!("KV caches: {e}")))?;
+        let need = probe.tensor_bytes();
         for (i, l) in self.layers.iter().enumerate() {
             if l.v.is_some() != (self.packing == KvPacking::Separate) {
                 return bad(format!(

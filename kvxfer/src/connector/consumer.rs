@@ -173,6 +173,7 @@ impl Consumer {
             blocks: local_blocks.to_vec(),
             num_blocks: sh.layout.num_blocks,
             layers: sh.layout.layers.clone(),
+            more: Vec::new(),
         };
         let proto = LoadProtocol::new(
             &h.request,

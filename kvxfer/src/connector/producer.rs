@@ -235,6 +235,7 @@ impl Producer {
             epoch: carrier.epoch(),
             grant: Some(grant),
             seal: None,
+            groups: Vec::new(),
         };
         if let Some(key) = carrier.handoff_key() {
             key.seal(&mut h);
@@ -499,6 +500,7 @@ fn push_target(
         blocks,
         num_blocks: nb,
         layers,
+        ..
     } = want;
     if blocks.len() > producer_blocks || layers.len() != sh.layout.layers.len() {
         return Err(bad("more blocks than published, or another layer count"));

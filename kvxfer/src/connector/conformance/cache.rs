@@ -30,24 +30,35 @@ pub struct TestCache {
 impl TestCache {
     /// A cache of `heads` heads (HND, separate K and V), zeroed, or filled from `seed`.
     pub fn new(heads: u64, seed: Option<u64>) -> Result<TestCache> {
+        TestCache::packed(KvPacking::Separate, heads, seed)
+    }
+
+    /// An MLA cache (one 24-wide latent per token and layer, no heads), zeroed or filled from
+    /// `seed`.
+    pub fn latent(seed: Option<u64>) -> Result<TestCache> {
+        TestCache::packed(KvPacking::Latent, 1, seed)
+    }
+
+    fn packed(packing: KvPacking, heads: u64, seed: Option<u64>) -> Result<TestCache> {
         let geometry = KvGeometry {
             name: "conformance".into(),
             layers: LAYERS,
             kv_heads: heads,
-            head_dim: 8,
+            head_dim: if packing == KvPacking::Latent { 24 } else { 8 },
             dtype: KvDtype::Bf16,
         };
         let probe = KvLayout::contiguous(
             geometry.clone(),
             BLOCK_TOKENS,
             BLOCKS,
-            KvPacking::Separate,
+            packing,
             KvOrder::Hnd,
             RegionId(0),
         );
         let len = probe.tensor_bytes() as usize;
+        let per_layer = packing.tensors() as u64;
         let mut bufs = Vec::new();
-        for i in 0..(LAYERS * 2) {
+        for i in 0..(LAYERS * per_layer) {
             let mut b = HostBuffer::new(len)?;
             if let Some(seed) = seed {
                 fill(b.as_mut_slice(), seed.wrapping_mul(1000).wrapping_add(i));
@@ -68,13 +79,13 @@ impl TestCache {
             geometry,
             block_tokens: BLOCK_TOKENS,
             num_blocks: BLOCKS,
-            packing: KvPacking::Separate,
+            packing,
             order: KvOrder::Hnd,
             layers: tensors
-                .chunks(2)
+                .chunks(per_layer as usize)
                 .map(|kv| LayerTensors {
                     k: kv[0],
-                    v: Some(kv[1]),
+                    v: kv.get(1).copied(),
                 })
                 .collect(),
         };
@@ -155,9 +166,9 @@ impl TestCache {
             .unwrap_or(false)
     }
 
-    /// Bytes of one block in every layer (K and V).
+    /// Bytes of one block in every layer (K and V, or the latent).
     pub fn request_block_bytes(&self) -> u64 {
-        self.view.block_bytes() * LAYERS * 2
+        self.view.block_bytes() * LAYERS * self.view.tensors_per_layer() as u64
     }
 }
 

@@ -35,7 +35,10 @@ pub use abuse::{peer_share, squatted_declarations};
 pub use cache::{TestCache, BLOCKS, BLOCK_TOKENS, HEADS, LAYERS};
 use harness::{cfg, failed_naming, freed_as, ok, setup, Setup, ALL, LAYERS_ALL, T};
 pub use harness::{Connectors, Harness, Verdict};
-pub use tp::{tp_gqa_replicas, tp_one_to_two, tp_two_to_one, tp_two_to_two};
+pub use tp::{
+    tp_gqa_replicas, tp_mla_one_to_two, tp_mla_two_to_one, tp_one_to_two, tp_two_to_one,
+    tp_two_to_two,
+};
 
 use super::config::ConnectorConfig;
 use kvxfer_proto::error::Error;
@@ -65,6 +68,8 @@ pub const CASES: &[(&str, Case)] = &[
     ("tp_two_to_one", tp_two_to_one),
     ("tp_one_to_two", tp_one_to_two),
     ("tp_gqa_replicas", tp_gqa_replicas),
+    ("tp_mla_two_to_one", tp_mla_two_to_one),
+    ("tp_mla_one_to_two", tp_mla_one_to_two),
     ("squatted_declarations", squatted_declarations),
     ("peer_share", peer_share),
 ];
@@ -82,7 +87,8 @@ macro_rules! connector_conformance {
             layer_wise_order, push_full_and_partial, push_while_heartbeats_cross, abort,
             lease_expiry, hold_ceiling, two_readers_half_the_heads, failed_load_names_its_blocks,
             concurrent_requests, dropped_consumer, dropped_producer, tp_two_to_two,
-            tp_two_to_one, tp_one_to_two, tp_gqa_replicas, squatted_declarations, peer_share);
+            tp_two_to_one, tp_one_to_two, tp_gqa_replicas, tp_mla_two_to_one, tp_mla_one_to_two,
+            squatted_declarations, peer_share);
     };
     (@cases $harness:expr; $($case:ident),*) => {
         $(

@@ -32,6 +32,18 @@ pub fn tp_gqa_replicas(h: &dyn Harness) -> Verdict {
     tp_case(h, 4, 1, 2)
 }
 
+/// MLA, prefill TP 2 to decode TP 1: the latent is whole on both prefill ranks; the decode
+/// rank reads it once, from one of them, and only acknowledges the other.
+pub fn tp_mla_two_to_one(h: &dyn Harness) -> Verdict {
+    tp_case_of(h, 2, 1, 1, |_, seed| TestCache::latent(seed))
+}
+
+/// MLA, prefill TP 1 to decode TP 2: each decode rank reads the whole latent from the one
+/// prefill rank, which frees its blocks after both.
+pub fn tp_mla_one_to_two(h: &dyn Harness) -> Verdict {
+    tp_case_of(h, 1, 2, 1, |_, seed| TestCache::latent(seed))
+}
+
 /// Ranks built over fresh caches; fields drop in order (connector objects before caches).
 struct Ranks {
     producers: Vec<Box<dyn KvProducer>>,
@@ -41,7 +53,14 @@ struct Ranks {
     dst: Vec<TestCache>,
 }
 
+/// A rank's cache of `heads` heads, zeroed or filled from `seed`.
+type RankCache = fn(u64, Option<u64>) -> kvxfer_proto::error::Result<TestCache>;
+
 fn tp_case(h: &dyn Harness, ptp: u64, dtp: u64, kv_heads: u64) -> Verdict {
+    tp_case_of(h, ptp, dtp, kv_heads, TestCache::new)
+}
+
+fn tp_case_of(h: &dyn Harness, ptp: u64, dtp: u64, kv_heads: u64, cache: RankCache) -> Verdict {
     let (pre, dec) = (TpSide::new(ptp, kv_heads), TpSide::new(dtp, kv_heads));
     let conns = ok(h.connectors(ptp as usize, dtp as usize), "connectors")?;
     let mut r = Ranks {
@@ -55,14 +74,11 @@ fn tp_case(h: &dyn Harness, ptp: u64, dtp: u64, kv_heads: u64) -> Verdict {
         },
     };
     for p in 0..ptp {
-        r.src.push(ok(
-            TestCache::new(pre.heads_per_rank(), Some(31 + p)),
-            "cache",
-        )?);
+        r.src
+            .push(ok(cache(pre.heads_per_rank(), Some(31 + p)), "cache")?);
     }
     for _ in 0..dtp {
-        r.dst
-            .push(ok(TestCache::new(dec.heads_per_rank(), None), "cache")?);
+        r.dst.push(ok(cache(dec.heads_per_rank(), None), "cache")?);
     }
     for (c, s) in conns.producers.iter().zip(&r.src) {
         r.producers
