@@ -60,6 +60,17 @@
 #define KVX_PACKING_LATENT 2
 
 /**
+ * A block-list entry for a slot a cache group does not hold (a sliding window's blocks before
+ * it, vLLM's null block): a pair with it moves nothing.
+ */
+#define KVX_NO_BLOCK 4294967295
+
+/**
+ * The most cache groups a producer, a consumer or a handoff has.
+ */
+#define KVX_MAX_GROUPS 64
+
+/**
  * Most KV heads (of the whole model) `kvx_tp_plan` takes.
  */
 #define KVX_MAX_KV_HEADS 65536
@@ -1368,6 +1379,76 @@ kvx_status kvx_discovery_resolve(const struct kvx_discovery *d,
  * `d` live or NULL.
  */
 void kvx_discovery_free(struct kvx_discovery *d);
+
+/**
+ * A producer over caches of `n` groups: group `g` is `layouts[g]` with `tensors[g]` (one
+ * per layer, as `kvx_connector_producer` takes them). Layers are numbered across groups,
+ * group 0's first (`kvx_producer_layer_done`, `kvx_consumer_wait_layer`).
+ *
+ * # Safety
+ * `c` live; `layouts` and `tensors` valid for `n` entries, `tensors[g]` for
+ * `layouts[g].layers`; the memory as `kvx_connector_producer` says; `out` valid.
+ */
+kvx_status kvx_connector_producer_groups(const struct kvx_connector *c,
+                                         const struct kvx_layout *layouts,
+                                         const struct kvx_cache_tensor *const *tensors,
+                                         size_t n,
+                                         int32_t cuda_device,
+                                         const struct kvx_connector_config *cfg,
+                                         struct kvx_producer **out);
+
+/**
+ * As `kvx_connector_producer_groups`, for the decode side.
+ *
+ * # Safety
+ * As `kvx_connector_producer_groups`, until the consumer is freed.
+ */
+kvx_status kvx_connector_consumer_groups(const struct kvx_connector *c,
+                                         const struct kvx_layout *layouts,
+                                         const struct kvx_cache_tensor *const *tensors,
+                                         size_t n,
+                                         int32_t cuda_device,
+                                         const struct kvx_connector_config *cfg,
+                                         struct kvx_consumer **out);
+
+/**
+ * `kvx_producer_publish` for a cache of `n` groups: `blocks[g]` (`counts[g]` entries,
+ * `KVX_NO_BLOCK` where the group holds none) are group `g`'s. Under `grant` (16 bytes), or
+ * a fresh one when `grant` is NULL.
+ *
+ * # Safety
+ * `p` live; `request` NUL-terminated; `grant` NULL or valid for `grant_len`; `blocks` and
+ * `counts` valid for `n`, each list for its count; `buf` for `cap`; `out_len` valid.
+ */
+kvx_status kvx_producer_publish_groups(const struct kvx_producer *p,
+                                       const char *request,
+                                       const uint8_t *grant,
+                                       size_t grant_len,
+                                       const uint32_t *const *blocks,
+                                       const size_t *counts,
+                                       size_t n,
+                                       uint64_t tokens,
+                                       uint32_t layers_done,
+                                       uint8_t *buf,
+                                       size_t cap,
+                                       size_t *out_len);
+
+/**
+ * `kvx_consumer_start_load_with` for a cache of `n` groups: `blocks[g]` (`counts[g]`
+ * entries) into group `g`, paired with the last of the handoff's group `g` (each group its
+ * own cached prefix; a pair with `KVX_NO_BLOCK` moves nothing). `read` NULL: every head.
+ *
+ * # Safety
+ * `c` live; `handoff` valid for `len`; `blocks` and `counts` valid for `n`, each list for its
+ * count; `read` NULL or valid.
+ */
+kvx_status kvx_consumer_start_load_groups(const struct kvx_consumer *c,
+                                          const uint8_t *handoff,
+                                          size_t len,
+                                          const uint32_t *const *blocks,
+                                          const size_t *counts,
+                                          size_t n,
+                                          const struct kvx_tp_read *read);
 
 /**
  * Holds `blocks` of `request` for consumers; writes the handoff (bytes to pass to the

@@ -26,7 +26,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl kvx_producer {
-    fn new(inner: Box<dyn KvProducer>) -> kvx_producer {
+    pub(crate) fn new(inner: Box<dyn KvProducer>) -> kvx_producer {
         kvx_producer {
             inner,
             pending: Mutex::new(None),
@@ -35,7 +35,7 @@ impl kvx_producer {
 }
 
 impl kvx_consumer {
-    fn new(inner: Box<dyn KvConsumer>) -> kvx_consumer {
+    pub(crate) fn new(inner: Box<dyn KvConsumer>) -> kvx_consumer {
         kvx_consumer {
             inner,
             finished: Mutex::new(None),
@@ -114,7 +114,7 @@ fn layout_of(l: &kvx_layout, bases: &[kvx_layer_base]) -> Result<KvLayout, Fail>
     Ok(layout)
 }
 
-fn config_of(c: Option<&kvx_connector_config>) -> Result<ConnectorConfig, Fail> {
+pub(crate) fn config_of(c: Option<&kvx_connector_config>) -> Result<ConnectorConfig, Fail> {
     let mut cfg = ConnectorConfig::default();
     if let Some(c) = c {
         cfg.mode = match c.mode {
@@ -541,7 +541,7 @@ pub unsafe extern "C" fn kvx_consumer_next_failed(
 ///
 /// # Safety
 /// The tensors' memory is valid per `kvx_connector_producer`'s contract.
-unsafe fn caches_of(
+pub(crate) unsafe fn caches_of(
     l: &kvx_layout,
     tensors: &[kvx_cache_tensor],
     cuda_device: i32,

@@ -140,6 +140,11 @@ pub const KVX_PACKING_FUSED: u32 = 1;
 /// `[blocks, block_tokens, head_dim]`, no head dimension (`kv_heads` 1), the same on every
 /// tensor-parallel rank.
 pub const KVX_PACKING_LATENT: u32 = 2;
+/// A block-list entry for a slot a cache group does not hold (a sliding window's blocks before
+/// it, vLLM's null block): a pair with it moves nothing.
+pub const KVX_NO_BLOCK: u32 = 0xFFFF_FFFF;
+/// The most cache groups a producer, a consumer or a handoff has.
+pub const KVX_MAX_GROUPS: u32 = 64;
 /// Most KV heads (of the whole model) `kvx_tp_plan` takes.
 pub const KVX_MAX_KV_HEADS: u32 = 65536;
 const _: () = assert!(KVX_MAX_NAME == kvxfer_proto::wire::metadata::MAX_NAME);
@@ -370,6 +375,7 @@ pub extern "C" fn kvx_version() -> *const c_char {
 mod agent;
 mod connector;
 mod discovery;
+mod groups;
 mod handoff;
 mod metrics;
 mod process;

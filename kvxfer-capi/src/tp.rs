@@ -30,7 +30,7 @@ pub struct kvx_tp_read {
 }
 
 impl kvx_tp_read {
-    fn spec(&self) -> LoadSpec {
+    pub(crate) fn spec(&self) -> LoadSpec {
         LoadSpec {
             // Empty ranges: nothing moves (only with no local blocks).
             heads: Some(HeadMap {

@@ -10,6 +10,7 @@
 
 use std::ops::Range;
 
+use crate::error::{Error, Result};
 use crate::layout::KvLayout;
 
 /// "No block here": a slot a group does not hold (vLLM's null block, a sliding window's
@@ -71,19 +72,123 @@ impl GroupLayers {
     }
 }
 
-/// The blocks one group's load moves: `local` pairs with the last `local.len()` of `remote`
-/// (the consumer holds the ones before: a cached prefix), and a pair with [`NO_BLOCK`] on
-/// either side is dropped. `None` when `local` is longer than `remote`.
-pub fn pair_blocks(local: &[u32], remote: &[u32]) -> Option<(Vec<u32>, Vec<u32>)> {
-    let skip = remote.len().checked_sub(local.len())?;
-    Some(
-        local
+/// An end's cache as groups: each group's layout and the layer numbering across them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheGroups {
+    layouts: Vec<KvLayout>,
+    layers: GroupLayers,
+}
+
+impl CacheGroups {
+    /// `layouts` as groups, in order: 1 to [`MAX_GROUPS`] of them, each of at least one layer
+    /// and a geometry its packing allows.
+    pub fn new(layouts: Vec<KvLayout>) -> Result<CacheGroups> {
+        if layouts.is_empty() || layouts.len() > MAX_GROUPS {
+            return Err(Error::InvalidArgument(format!(
+                "{} cache groups: 1 to {MAX_GROUPS}",
+                layouts.len()
+            )));
+        }
+        for (g, l) in layouts.iter().enumerate() {
+            l.check_packing()
+                .map_err(|e| Error::InvalidArgument(format!("cache group {g}: {e}")))?;
+            if l.layers.is_empty() {
+                return Err(Error::InvalidArgument(format!(
+                    "cache group {g}: no layers"
+                )));
+            }
+        }
+        let layers = GroupLayers::of(&layouts);
+        Ok(CacheGroups { layouts, layers })
+    }
+
+    /// One group of `layout`.
+    pub fn one(layout: KvLayout) -> Result<CacheGroups> {
+        CacheGroups::new(vec![layout])
+    }
+
+    /// Every group's layout.
+    pub fn layouts(&self) -> &[KvLayout] {
+        &self.layouts
+    }
+
+    /// Groups.
+    pub fn len(&self) -> usize {
+        self.layouts.len()
+    }
+
+    /// Never: a cache has at least one group.
+    pub fn is_empty(&self) -> bool {
+        self.layouts.is_empty()
+    }
+
+    /// Layers of every group.
+    pub fn total_layers(&self) -> usize {
+        self.layers.total()
+    }
+
+    /// The group of layer `layer` (numbered across groups), its layout and its index there.
+    pub fn locate(&self, layer: usize) -> Option<(usize, &KvLayout, usize)> {
+        let (g, l) = self.layers.locate(layer)?;
+        Some((g, &self.layouts[g], l))
+    }
+
+    /// The layer numbering.
+    pub fn layers(&self) -> &GroupLayers {
+        &self.layers
+    }
+
+    /// Bytes one block id of group `g` stands for: its tensors in every layer of the group.
+    pub fn block_bytes_all_layers(&self, g: usize) -> u64 {
+        self.layouts.get(g).map_or(0, |l| {
+            l.block_bytes() * l.tensors_per_layer() as u64 * l.layers.len() as u64
+        })
+    }
+
+    /// Descriptors `blocks[g]` blocks of each group make in every layer (whole blocks).
+    pub fn descs<T: AsRef<[u32]>>(&self, blocks: &[T]) -> u64 {
+        self.layouts
             .iter()
-            .zip(&remote[skip..])
-            .filter(|(&l, &r)| l != NO_BLOCK && r != NO_BLOCK)
-            .map(|(&l, &r)| (l, r))
-            .unzip(),
-    )
+            .zip(blocks)
+            .map(|(l, b)| (b.as_ref().len() * l.layers.len() * l.tensors_per_layer()) as u64)
+            .sum()
+    }
+}
+
+/// The blocks one group's load moves: `local` pairs with the last `local.len()` of `remote`
+/// (the consumer holds the ones before: a cached prefix), and a pair whose local side is
+/// [`NO_BLOCK`] is dropped (nothing is to land there). A local block paired with a slot the
+/// producer does not hold is refused: it would stay unfilled and be taken as loaded. Why, when
+/// the lists do not pair.
+pub fn pair_blocks(local: &[u32], remote: &[u32]) -> Result<(Vec<u32>, Vec<u32>), String> {
+    let skip = remote.len().checked_sub(local.len()).ok_or_else(|| {
+        format!(
+            "{} local blocks for {} published",
+            local.len(),
+            remote.len()
+        )
+    })?;
+    let mut out = (
+        Vec::with_capacity(local.len()),
+        Vec::with_capacity(local.len()),
+    );
+    for (i, (&l, &r)) in local.iter().zip(&remote[skip..]).enumerate() {
+        match (l, r) {
+            (NO_BLOCK, _) => {}
+            (l, NO_BLOCK) => {
+                return Err(format!(
+                    "local block {l} pairs with slot {} of the producer's, which it does not \
+                     hold",
+                    skip + i
+                ))
+            }
+            (l, r) => {
+                out.0.push(l);
+                out.1.push(r);
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// `blocks` without [`NO_BLOCK`]: what a group actually holds.
@@ -125,7 +230,13 @@ mod tests {
         assert_eq!((l, r), (vec![7, 8], vec![4, 5]));
         let (l, r) = pair_blocks(&[1, n, 3], &[9, 8, 7]).unwrap();
         assert_eq!((l, r), (vec![1, 3], vec![9, 7]));
-        assert!(pair_blocks(&[1, 2], &[3]).is_none());
+        assert_eq!(
+            pair_blocks(&[1, 2], &[3]).unwrap_err(),
+            "2 local blocks for 1 published"
+        );
+        // A block to fill from a slot the producer no longer holds: refused, never left empty.
+        let e = pair_blocks(&[6, 7], &[n, 4]).unwrap_err();
+        assert!(e.contains("local block 6 pairs with slot 0"), "{e}");
         assert_eq!(held(&[n, 2, n, 5]).collect::<Vec<_>>(), [2, 5]);
     }
 

@@ -75,6 +75,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -103,11 +104,11 @@ if TYPE_CHECKING:
 class KvxferConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> worker, per step."""
 
-    # decode side: vLLM request id -> (handoff bytes, local block ids, report as received,
-    # the handoff's seal as the client passed it: hex, or None)
-    loads: dict[str, tuple[bytes, list[int], bool, str | None]] = field(default_factory=dict)
-    # prefill side: vLLM request id -> (block ids, prompt tokens, the grant in its handoff)
-    publishes: dict[str, tuple[list[int], int, bytes]] = field(default_factory=dict)
+    # decode side: vLLM request id -> (handoff bytes, local block ids per KV cache group,
+    # report as received, the handoff's seal as the client passed it: hex, or None)
+    loads: dict[str, tuple[bytes, list[list[int]], bool, str | None]] = field(default_factory=dict)
+    # prefill side: vLLM request id -> (block ids per group, prompt tokens, the handoff's grant)
+    publishes: dict[str, tuple[list[list[int]], int, bytes]] = field(default_factory=dict)
 
 
 @dataclass
@@ -225,7 +226,18 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
 # What a handoff carries of each prefill rank: one libkvxfer handoff's producer part. "epoch"
 # (the rank's incarnation) lets a decode rank fail a load at once when that prefill rank
 # restarted; templates of a libkvxfer without it lack it.
-RANK_KEYS = ("producer", "side_channel", "compat", "kv_heads", "num_blocks", "layers", "epoch")
+RANK_KEYS = ("producer", "side_channel", "compat", "kv_heads", "num_blocks", "layers", "epoch", "groups")
+# What two sides' caches must agree on in each KV cache group after the first.
+GROUP_SHAPE_KEYS = ("kv_heads", "head_size", "block_size", "hnd", "mla")
+# vLLM's null block (a sliding window's blocks before it): kvxfer's "no block here".
+NULL_BLOCK = 0
+
+
+def _group_blocks(blocks: Any, block_size: int, tokens: int | None = None) -> list[int]:
+    """One KV cache group's block ids as libkvxfer takes them: vLLM's null block as
+    KVX_NO_BLOCK, and (with `tokens`) only the prompt's blocks."""
+    b = [kx.KVX_NO_BLOCK if x == NULL_BLOCK else int(x) for x in blocks]
+    return b[: -(-tokens // block_size)] if tokens is not None else b
 # The longest kvxfer_handoff text taken from a client (a TP-8 handoff of a 128k-token prompt
 # is under 200 KiB).
 MAX_HANDOFF_TEXT = 4 << 20
@@ -281,6 +293,9 @@ def _checked_handoff(h: Any) -> dict[str, Any]:
     heads = (shape or {}).get("kv_heads_total")
     if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or not 0 < heads <= kx.KVX_MAX_KV_HEADS):
         raise ValueError(f"the handoff's shape.kv_heads_total {heads!r} is not 1 to {kx.KVX_MAX_KV_HEADS}")
+    gb = h.get("group_blocks")
+    if gb is not None and (not isinstance(gb, list) or not 1 <= len(gb) < kx.KVX_MAX_GROUPS or not all(isinstance(b, list) for b in gb)):
+        raise ValueError(f"the handoff's group_blocks are not 1 to {kx.KVX_MAX_GROUPS - 1} lists")
     return h
 
 
@@ -335,7 +350,7 @@ def _shutdown_alive() -> None:
             pass
 
 
-class KvxferConnector(KVConnectorBase_V1):
+class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     # Tokens it loads come from another engine's KV (vLLM's cache-hit metrics by tier).
     _cache_hit_source = CacheHitSource.P2P
 
@@ -376,6 +391,7 @@ class KvxferConnector(KVConnectorBase_V1):
         self.consumer: kx.Consumer | None = None
         self.discovery: kx.Discovery | None = None
         self.num_layers = 0
+        self.num_groups = 1
         self._by_handoff: dict[str, str] = {}  # handoff request -> local request id
         # local request id -> (handoff requests still loading, local blocks, any part failed)
         self._parts: dict[str, tuple[set[str], list[int], bool]] = {}
@@ -406,8 +422,9 @@ class KvxferConnector(KVConnectorBase_V1):
         handoff = _handoff_text(p.get("kvxfer_handoff"))
         seal = p.get("kvxfer_seal")
         if num_external_tokens > 0:
+            # Every KV cache group's blocks (a sliding window's null blocks move nothing).
             groups = blocks.get_unhashed_block_ids_all_groups()
-            local = list(groups[0]) if groups else []
+            local = [_group_blocks(g, self.block_size) for g in groups] if groups else [[]]
             self._pending_loads[request.request_id] = (handoff, local, True, seal)
         else:
             # Everything is cached locally: nothing moves, but the producer may free.
@@ -421,6 +438,13 @@ class KvxferConnector(KVConnectorBase_V1):
         return meta
 
     def request_finished(self, request: "Request", block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM without its hybrid allocator: one KV cache group's blocks."""
+        blocks = list(block_ids[0]) if block_ids and isinstance(block_ids[0], (list, tuple)) else list(block_ids or [])
+        return self.request_finished_all_groups(request, (blocks,))
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """Every KV cache group's blocks of a finished prefill (``SupportsHMA``): each group
+        moves its own, a sliding window's null blocks (outside the window) not at all."""
         from vllm.v1.request import RequestStatus
 
         p = _params(request)
@@ -428,14 +452,18 @@ class KvxferConnector(KVConnectorBase_V1):
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None
-        blocks = list(block_ids[0]) if block_ids and isinstance(block_ids[0], (list, tuple)) else list(block_ids or [])
-        if not blocks:
+        if not block_ids or not any(len(b) for b in block_ids):
             return False, None
         ranks = self._rank_templates()
         t = ranks[0]
+        ngroups = 1 + len(t.get("groups", []))
+        if len(block_ids) != ngroups:
+            raise ValueError(f"kvxfer: blocks of {len(block_ids)} KV cache groups for caches of {ngroups}")
         tokens = len(request.prompt_token_ids or [])
+        sizes = [t["block_size"]] + [g["block_size"] for g in t.get("groups", [])]
         # Only the prompt's blocks hold KV (a sampled token may have opened one more).
-        blocks = blocks[: -(-tokens // self.block_size)]
+        per_group = [_group_blocks(b, bs, tokens) for b, bs in zip(block_ids, sizes)]
+        blocks = per_group[0]
         grant = os.urandom(16)
         handoff = {
             "v": 1,
@@ -458,9 +486,13 @@ class KvxferConnector(KVConnectorBase_V1):
                 for r in ranks
             ],
             "shape": {k: t.get(k) for k in ("tp", "kv_heads_total", "kv_heads", "head_size", "dtype_bytes", "block_size", "hnd", "mla")}
-            | {"layers": t["layers"], "tp": len(ranks)},
+            | {"layers": t["layers"], "tp": len(ranks)}
+            | ({"groups": [{k: g[k] for k in GROUP_SHAPE_KEYS} for g in t["groups"]]} if t.get("groups") else {}),
         }
-        self._pending_publishes[request.request_id] = (blocks, tokens, grant)
+        if ngroups > 1:
+            handoff["v"] = 2
+            handoff["group_blocks"] = per_group[1:]
+        self._pending_publishes[request.request_id] = (per_group, tokens, grant)
         text = json.dumps(handoff)
         params = {
             "do_remote_prefill": True,
@@ -472,6 +504,12 @@ class KvxferConnector(KVConnectorBase_V1):
             # seal over its exact text verifies.
             params["kvxfer_seal"] = kx.seal_bytes(self._secret, text.encode()).hex()
         return True, params
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        """Every KV cache group: a load moves the request's own blocks of each (a sliding
+        window's too), not only the prefix-cacheable ones."""
+        cfg = getattr(self, "_kv_cache_config", None)
+        return tuple(range(len(cfg.kv_cache_groups))) if cfg is not None else (0,)
 
     def _rank_templates(self) -> list[dict[str, Any]]:
         """Every prefill rank's template, by rank: from vLLM's handshake metadata, else (with
@@ -507,42 +545,59 @@ class KvxferConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker side
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        names = list(kv_caches)
-        if not names:
-            raise ValueError("kvxfer: no KV caches to register")
-        first = kv_caches[names[0]]
-        # Attention: [blocks, heads, block_size, 2*head_size] (K and V in the last dimension,
-        # NHD or HND strides). MLA: [blocks, block_size, latent] (no head dimension, no V; the
-        # same latent on every TP rank).
+    def _group_names(self, kv_caches: dict[str, torch.Tensor]) -> list[list[str]]:
+        """The layers of each KV cache group, in vLLM's group order (one group when vLLM
+        gave no config or one group)."""
+        cfg = getattr(self, "_kv_cache_config", None)
+        groups = [list(g.layer_names) for g in (cfg.kv_cache_groups if cfg is not None else [])]
+        if len(groups) <= 1:
+            return [list(kv_caches)]
+        missing = sorted(n for g in groups for n in g if n not in kv_caches)
+        if missing:
+            raise ValueError(f"kvxfer: KV cache groups name layers without caches: {missing[:4]}")
+        return groups
+
+    @staticmethod
+    def _cache_shape(first: torch.Tensor) -> dict[str, Any]:
+        """The shape of one group's per-layer views: attention ``[blocks, heads, block_size,
+        2*head_size]`` (K and V in the last dimension, NHD or HND strides) or MLA ``[blocks,
+        block_size, latent]`` (no head dimension, no V; the same latent on every TP rank)."""
         if first.dim() == 3:
             nb, bs, c = first.shape
-            heads, packing, hnd, head_size = 1, kx.KVX_PACKING_LATENT, False, c
+            shape = dict(heads=1, packing=kx.KVX_PACKING_LATENT, hnd=False, head_size=c)
             compact = first.stride() == (bs * c, c, 1)
         elif first.dim() == 4:
             nb, heads, bs, c = first.shape
             if c % 2:
                 raise ValueError(f"kvxfer: last dimension {c} is not 2*head_size")
-            packing, hnd, head_size = kx.KVX_PACKING_FUSED, first.stride()[1] > first.stride()[2], c // 2
+            hnd = first.stride()[1] > first.stride()[2]
+            shape = dict(heads=heads, packing=kx.KVX_PACKING_FUSED, hnd=hnd, head_size=c // 2)
             compact = first.stride()[0] == heads * bs * c
         else:
             raise ValueError(
                 "kvxfer: expected [blocks, heads, block_size, 2*head_size] attention views or "
                 f"[blocks, block_size, latent] MLA views, got {tuple(first.shape)}"
             )
-        if packing == kx.KVX_PACKING_LATENT:
-            # One latent per token whatever the config's num_key_value_heads says, held whole
-            # by every rank: the TP plan then reads it once per decode rank, from one prefill
-            # rank (spread over them), and only acknowledges the other prefill ranks.
-            self.kv_heads_total = 1
-        es = first.element_size()
-        s = first.stride()
         if not compact:
             raise ValueError(
                 "kvxfer: KV cache blocks are not contiguous per layer; use a layer-compact "
                 "layout (VLLM_KV_CACHE_LAYOUT=LBNHC or LBHNC)"
             )
-        block_bytes = s[0] * es
+        es = first.element_size()
+        return shape | dict(nb=nb, bs=bs, es=es, block_bytes=first.stride()[0] * es)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        names = list(kv_caches)
+        if not names:
+            raise ValueError("kvxfer: no KV caches to register")
+        group_names = self._group_names(kv_caches)
+        shapes = [self._cache_shape(kv_caches[g[0]]) for g in group_names]
+        if any(sh["packing"] == kx.KVX_PACKING_LATENT for sh in shapes):
+            # One latent per token whatever the config's num_key_value_heads says, held whole
+            # by every rank: the TP plan then reads it once per decode rank, from one prefill
+            # rank (spread over them), and only acknowledges the other prefill ranks.
+            self.kv_heads_total = 1
+        first = kv_caches[group_names[0][0]]
         ex = self.extra
         name = f"kvxfer-{self.engine_id}-tp{self.rank}"
         budget = int(ex.get("budget_mib", 0)) << 20
@@ -566,26 +621,46 @@ class KvxferConnector(KVConnectorBase_V1):
         side = self.agent.listen(f"{_advertised_host(ex)}:{int(ex.get('port', 0))}")
         device = first.device
         cuda = device.index if device.type == "cuda" else -1
-        bases = []
-        tensors = []
-        for n in names:
-            t = kv_caches[n]
-            if t.shape != first.shape or t.stride() != s or t.element_size() != es:
-                raise ValueError(f"kvxfer: layer {n} has another shape or layout")
-            rid = self.agent.register(t.data_ptr(), nb * block_bytes, cuda, lane_only=bool(ex.get("lane_only_cache", False)))
-            bases.append((rid, 0, None, 0))
-            tensors.append((t.data_ptr(), nb * block_bytes))
-        self.num_layers = len(names)
-        self.layout, self.bases = kx.layout_struct(len(names), heads, head_size, es, bs, nb, packing, hnd, bases)
+        lane_only = bool(ex.get("lane_only_cache", False))
+        # vLLM's hybrid allocator lays layers of different groups over one tensor: each
+        # piece of memory is registered once.
+        regions: dict[int, tuple[int, int]] = {}
+        groups = []
+        for g, (gnames, sh) in enumerate(zip(group_names, shapes)):
+            gfirst = kv_caches[gnames[0]]
+            bases, tensors = [], []
+            for n in gnames:
+                t = kv_caches[n]
+                if t.shape != gfirst.shape or t.stride() != gfirst.stride() or t.element_size() != sh["es"]:
+                    raise ValueError(f"kvxfer: layer {n} has another shape or layout than its group's first")
+                length = sh["nb"] * sh["block_bytes"]
+                rid, have = regions.get(t.data_ptr(), (None, 0))
+                if rid is None:
+                    rid = self.agent.register(t.data_ptr(), length, cuda, lane_only=lane_only)
+                    regions[t.data_ptr()] = (rid, length)
+                elif have < length:
+                    raise ValueError(f"kvxfer: layer {n} overlaps another group's tensor of another size")
+                bases.append((rid, 0, None, 0))
+                tensors.append((t.data_ptr(), length))
+            layout, lbases = kx.layout_struct(
+                len(gnames), sh["heads"], sh["head_size"], sh["es"], sh["bs"], sh["nb"], sh["packing"], sh["hnd"], bases
+            )
+            compat = self.agent.lib.L.kvx_layout_compat_hash(layout, lbases)
+            groups.append((layout, lbases, tensors, bases, compat))
+        self.num_layers = sum(len(g) for g in group_names)
+        self.num_groups = len(groups)
+        self._group_block_sizes = [sh["bs"] for sh in shapes]
+        self.layout, self.bases = groups[0][0], groups[0][1]
         cfg = kx.config_struct(lease_ms=int(ex.get("lease_ms", 0)), budget_bytes=budget)
         # Through the connector traits (kvx_connector): the tensors lie in the regions just
         # registered, which the agent's connector uses as they are.
         conn = kx.Connector.over_agent(self.agent, side)
         try:
+            made = [(g[0], g[2]) for g in groups]
             if self.kv_role in ("kv_producer", "kv_both"):
-                self.producer = conn.producer(self.layout, tensors, cfg, cuda)
+                self.producer = conn.producer_groups(made, cfg, cuda)
             if self.kv_role in ("kv_consumer", "kv_both"):
-                self.consumer = conn.consumer(self.layout, tensors, cfg, cuda)
+                self.consumer = conn.consumer_groups(made, cfg, cuda)
         finally:
             conn.close()
         # Discovery through etcd: this worker published under its name, every other worker of
@@ -604,22 +679,37 @@ class KvxferConnector(KVConnectorBase_V1):
             self.discovery = kx.Discovery(endpoints, str(ex.get("namespace", "/kvxfer")), int(ex.get("discovery_ttl_ms", 0)))
             self.discovery.publish(self.agent)
             self.discovery.watch(self.agent)
-        compat = self.agent.lib.L.kvx_layout_compat_hash(self.layout, self.bases)
+        sh0 = shapes[0]
         tmpl = {
             "producer": name,
             "side_channel": side,
-            "compat": f"{compat:016x}",
-            "kv_heads": heads,
-            "num_blocks": nb,
-            "layers": [[b[0], b[1]] for b in bases],
-            "hnd": hnd,
+            "compat": f"{groups[0][4]:016x}",
+            "kv_heads": sh0["heads"],
+            "num_blocks": sh0["nb"],
+            "layers": [[b[0], b[1]] for b in groups[0][3]],
+            "hnd": sh0["hnd"],
             "tp": self.tp_size,
             "kv_heads_total": self.kv_heads_total,
-            "head_size": head_size,
-            "dtype_bytes": es,
-            "block_size": bs,
-            "mla": packing == kx.KVX_PACKING_LATENT,
+            "head_size": sh0["head_size"],
+            "dtype_bytes": sh0["es"],
+            "block_size": sh0["bs"],
+            "mla": sh0["packing"] == kx.KVX_PACKING_LATENT,
         }
+        if len(groups) > 1:
+            # The other KV cache groups (hybrid allocator): each its layout and shape.
+            tmpl["groups"] = [
+                {
+                    "compat": f"{g[4]:016x}",
+                    "kv_heads": sh["heads"],
+                    "num_blocks": sh["nb"],
+                    "layers": [[b[0], b[1]] for b in g[3]],
+                    "head_size": sh["head_size"],
+                    "block_size": sh["bs"],
+                    "hnd": sh["hnd"],
+                    "mla": sh["packing"] == kx.KVX_PACKING_LATENT,
+                }
+                for g, sh in zip(groups[1:], shapes[1:])
+            ]
         self._shape = tmpl
         self._handshake = KvxferHandshakeMetadata(tmpl)
         if self.template_path is not None:
@@ -640,8 +730,10 @@ class KvxferConnector(KVConnectorBase_V1):
         for req, (blocks, tokens, grant) in meta.publishes.items():
             if self.producer is None:
                 raise RuntimeError("kvxfer: a publish reached a worker without the producer role")
-            self.producer.publish(f"{req}#tp{self.rank}", blocks, tokens, self.num_layers, grant=grant)
-        for req, (handoff, local, report, seal) in meta.loads.items():
+            self.producer.publish_groups(f"{req}#tp{self.rank}", blocks, tokens, self.num_layers, grant=grant)
+        for req, (handoff, local_groups, report, seal) in meta.loads.items():
+            # Every group's blocks, for what a failure leaves invalid.
+            local = [b for g in local_groups for b in g if b != kx.KVX_NO_BLOCK]
             if self.consumer is None:
                 raise RuntimeError("kvxfer: a load reached a worker without the consumer role")
             with self._lock:
@@ -675,7 +767,8 @@ class KvxferConnector(KVConnectorBase_V1):
                         # Built from a handoff whose seal verified: sealed for libkvxfer,
                         # which loads only sealed handoffs when a secret is set.
                         part = kx.seal_handoff(self._secret, part)
-                    self.consumer.start_load(part, local if read.moves else [], read)
+                    moved = local_groups if read.moves and local else [[] for _ in range(self.num_groups)]
+                    self.consumer.start_load_groups(part, moved, read)
                 except Exception as e:  # noqa: BLE001 - this part fails, the others go on
                     logger.error("kvxfer: load of %s from %r failed to start: %s", req, h.get("producer"), e)
                     with self._lock:
@@ -706,6 +799,13 @@ class KvxferConnector(KVConnectorBase_V1):
             for k in ("head_size", "dtype_bytes", "block_size", "hnd", "mla"):
                 if k in theirs and theirs[k] != mine.get(k):
                     raise ValueError(f"the two sides' caches differ in {k}: prefill {_shape(theirs)}; decode {_shape(mine)}")
+            tg, mg = theirs.get("groups") or [], mine.get("groups") or []
+            if len(tg) != len(mg):
+                raise ValueError(f"the two sides have {1 + len(tg)} and {1 + len(mg)} KV cache groups: prefill {_shape(theirs)}; decode {_shape(mine)}")
+            for i, (a, b) in enumerate(zip(tg, mg), start=1):
+                diff = [k for k in GROUP_SHAPE_KEYS if isinstance(a, dict) and k in a and a[k] != b.get(k)]
+                if not isinstance(a, dict) or diff:
+                    raise ValueError(f"the two sides' KV cache group {i} differs in {diff or 'its shape'}: prefill {a!r}; decode {b!r}")
             if len(theirs.get("layers", [])) != len(mine.get("layers", [])):
                 raise ValueError(f"the two sides' caches differ in layers: prefill {_shape(theirs)}; decode {_shape(mine)}")
         ptp = int(h.get("tp", len(ranks)))
@@ -721,6 +821,17 @@ class KvxferConnector(KVConnectorBase_V1):
             if "grant" in h:
                 part["grant"] = h["grant"]
             part.update({k: r[k] for k in RANK_KEYS if k in r})
+            # The other KV cache groups: the blocks the handoff names with that rank's layouts.
+            layouts = part.pop("groups", None) or []
+            gb = h.get("group_blocks") or []
+            if len(gb) != len(layouts):
+                raise ValueError(f"the handoff names blocks of {1 + len(gb)} KV cache groups for prefill caches of {1 + len(layouts)}")
+            if gb:
+                part["v"] = 2
+                part["groups"] = [
+                    {"blocks": b, **{k: g[k] for k in ("compat", "kv_heads", "num_blocks", "layers")}}
+                    for b, g in zip(gb, layouts)
+                ]
             # The request as that prefill rank published it (tensor-parallel prefill ranks
             # publish under their rank; a handoff of the first release carries no "ranks").
             part["request"] = f"{h['request']}#tp{read.producer_rank}" if h.get("ranks") else h["request"]

@@ -55,6 +55,9 @@ STATUS_NAMES = {v: k for k, v in list(globals().items()) if k.startswith("KVX_")
 KVX_MAX_TP = 4096
 # kvx_layout.packing (the header's KVX_PACKING_*).
 KVX_PACKING_SEPARATE, KVX_PACKING_FUSED, KVX_PACKING_LATENT = 0, 1, 2
+# A slot a cache group does not hold (the header's KVX_NO_BLOCK), and the most groups.
+KVX_NO_BLOCK = 0xFFFFFFFF
+KVX_MAX_GROUPS = 64
 KVX_MAX_KV_HEADS = 65536
 
 
@@ -204,6 +207,10 @@ SIGNATURES = {
     "kvx_connector_producer": (_st, [c_void_p, POINTER(Layout), POINTER(CacheTensor), c_int32, POINTER(ConnectorConfig), POINTER(c_void_p)]),
     "kvx_connector_consumer": (_st, [c_void_p, POINTER(Layout), POINTER(CacheTensor), c_int32, POINTER(ConnectorConfig), POINTER(c_void_p)]),
     "kvx_consumer_metrics": (_st, [c_void_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
+    "kvx_connector_producer_groups": (_st, [c_void_p, POINTER(Layout), POINTER(POINTER(CacheTensor)), c_size_t, c_int32, POINTER(ConnectorConfig), POINTER(c_void_p)]),
+    "kvx_connector_consumer_groups": (_st, [c_void_p, POINTER(Layout), POINTER(POINTER(CacheTensor)), c_size_t, c_int32, POINTER(ConnectorConfig), POINTER(c_void_p)]),
+    "kvx_producer_publish_groups": (_st, [c_void_p, c_char_p, POINTER(c_uint8), c_size_t, POINTER(POINTER(c_uint32)), POINTER(c_size_t), c_size_t, c_uint64, c_uint32, POINTER(c_uint8), c_size_t, POINTER(c_size_t)]),
+    "kvx_consumer_start_load_groups": (_st, [c_void_p, POINTER(c_uint8), c_size_t, POINTER(POINTER(c_uint32)), POINTER(c_size_t), c_size_t, POINTER(TpRead)]),
     "kvx_live": (_st, [POINTER(c_size_t)] * 4),
 }
 
@@ -465,6 +472,14 @@ def config_struct(mode="pull", lease_ms=0, heartbeat_ms=0, readers=0, heads=None
     return c
 
 
+def _block_lists(groups):
+    """Arrays of each group's blocks (kept alive by the caller), their pointers and counts."""
+    arrays = [(c_uint32 * max(1, len(b)))(*b) for b in groups]
+    ptrs = (POINTER(c_uint32) * len(groups))(*[ctypes.cast(a, POINTER(c_uint32)) for a in arrays])
+    counts = (c_size_t * len(groups))(*[len(b) for b in groups])
+    return arrays, ptrs, counts
+
+
 def tensors_struct(tensors):
     """Per layer (k_ptr, k_len) for a fused layout, or (k_ptr, k_len, v_ptr, v_len)."""
     arr = (CacheTensor * len(tensors))()
@@ -506,6 +521,21 @@ class Connector:
     def consumer(self, layout, tensors, cfg, cuda_device=-1):
         return Consumer.wrap(self.lib, self._make(self.lib.L.kvx_connector_consumer, layout, tensors, cuda_device, cfg))
 
+    def _make_groups(self, fn, groups, cuda_device, cfg):
+        """``groups``: (layout, tensors) per cache group, in the engine's order."""
+        layouts = (Layout * len(groups))(*[g[0] for g in groups])
+        arrays = [tensors_struct(g[1]) for g in groups]
+        ptrs = (POINTER(CacheTensor) * len(groups))(*[ctypes.cast(a, POINTER(CacheTensor)) for a in arrays])
+        h = c_void_p()
+        self.lib.check(fn(self.h, layouts, ptrs, len(groups), cuda_device, ctypes.byref(cfg), ctypes.byref(h)))
+        return h
+
+    def producer_groups(self, groups, cfg, cuda_device=-1):
+        return Producer.wrap(self.lib, self._make_groups(self.lib.L.kvx_connector_producer_groups, groups, cuda_device, cfg))
+
+    def consumer_groups(self, groups, cfg, cuda_device=-1):
+        return Consumer.wrap(self.lib, self._make_groups(self.lib.L.kvx_connector_consumer_groups, groups, cuda_device, cfg))
+
     def close(self):
         if self.h is not None:
             self.lib.L.kvx_connector_free(self.h)
@@ -543,6 +573,25 @@ class Producer:
             else:
                 g = _bytes(grant)
                 s = self.lib.L.kvx_producer_publish_granted(self.h, request.encode(), g, len(grant), arr, len(blocks), tokens, layers_done, buf, cap, ctypes.byref(n))
+            if s == KVX_BUFFER_TOO_SMALL:
+                cap = n.value
+                continue
+            self.lib.check(s)
+            return bytes(buf[: n.value])
+
+    def publish_groups(self, request, groups, tokens, layers_done, grant=None):
+        """``publish`` for a cache of several groups: ``groups[g]`` are group g's blocks
+        (``KVX_NO_BLOCK`` where it holds none)."""
+        arrays, ptrs, counts = _block_lists(groups)
+        g = _bytes(grant) if grant is not None else None
+        cap = 4096 + 16 * sum(len(b) for b in groups) + 512 * len(groups)
+        while True:
+            buf = (c_uint8 * cap)()
+            n = c_size_t(0)
+            s = self.lib.L.kvx_producer_publish_groups(
+                self.h, request.encode(), g, len(grant) if grant is not None else 0, ptrs, counts, len(groups),
+                tokens, layers_done, buf, cap, ctypes.byref(n),
+            )
             if s == KVX_BUFFER_TOO_SMALL:
                 cap = n.value
                 continue
@@ -603,6 +652,14 @@ class Consumer:
         arr = (c_uint32 * len(local_blocks))(*local_blocks)
         ref = ctypes.byref(read) if read is not None else None
         self.lib.check(self.lib.L.kvx_consumer_start_load_with(self.h, hb, len(handoff), arr, len(local_blocks), ref))
+
+    def start_load_groups(self, handoff, groups, read=None):
+        """``start_load`` for a cache of several groups: ``groups[g]`` are group g's local
+        blocks (``KVX_NO_BLOCK`` where nothing is to land)."""
+        hb = (c_uint8 * len(handoff)).from_buffer_copy(handoff)
+        arrays, ptrs, counts = _block_lists(groups)
+        ref = ctypes.byref(read) if read is not None else None
+        self.lib.check(self.lib.L.kvx_consumer_start_load_groups(self.h, hb, len(handoff), ptrs, counts, len(groups), ref))
 
     def wait(self, request, timeout_ms=0):
         self.lib.check(self.lib.L.kvx_consumer_wait(self.h, request.encode(), timeout_ms))

@@ -55,7 +55,7 @@ def main():
         s = h.scheduler(vc, kv)
         s.add_request(h.request("ns-dec", 70, params, max_tokens=4))
         so = s.schedule()
-        local = so.kv_connector_metadata.loads["ns-dec"][1]
+        local = so.kv_connector_metadata.loads["ns-dec"][1][0]
         w.bind_connector_metadata(so.kv_connector_metadata)
         w.start_load_kv(None)
         w.clear_connector_metadata()

@@ -124,7 +124,7 @@ def test_workers_find_each_other_through_etcd_not_the_side_channel(etcd):
     sd = h.scheduler(vd, dkv)
     sd.add_request(h.request("e-dec", 70, params, max_tokens=4))
     out = sd.schedule()
-    local = out.kv_connector_metadata.loads["e-dec"][1]
+    local = out.kv_connector_metadata.loads["e-dec"][1][0]
     dec.bind_connector_metadata(out.kv_connector_metadata)
     t0 = time.time()
     dec.start_load_kv(None)

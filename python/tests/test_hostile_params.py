@@ -83,7 +83,7 @@ def test_any_kv_transfer_params_fail_alone_and_the_engine_keeps_serving():
         got = h.received(dec, set(loads), timeout=60)
         assert got == set(loads), f"round {at}: never ended: {set(loads) - got}"
         errors = dec.get_block_ids_with_load_errors()
-        round_failed = {r for r, v in loads.items() if set(v[1]) & errors}
+        round_failed = {r for r, v in loads.items() if {b for g in v[1] for b in g} & errors}
         failed += len(round_failed)
         loaded += len(loads) - len(round_failed)
         # As the engine does: the workers' report reaches the scheduler, then the requests
@@ -109,9 +109,9 @@ def test_any_kv_transfer_params_fail_alone_and_the_engine_keeps_serving():
     got = h.received(dec, {"dec-real"})
     assert "dec-real" in got
     errors = dec.get_block_ids_with_load_errors()
-    assert not set(loads["dec-real"][1]) & errors, (errors, dec.get_kv_connector_stats().data)
+    assert not set(loads["dec-real"][1][0]) & errors, (errors, dec.get_kv_connector_stats().data)
     for name, t in dcaches.items():
-        for lb, rb in zip(loads["dec-real"][1], remote):
+        for lb, rb in zip(loads["dec-real"][1][0], remote):
             assert torch.equal(t[lb].view(torch.int16), caches[name][rb].view(torch.int16)), (name, lb, rb)
     dec.shutdown()
     pre.shutdown()
@@ -161,7 +161,7 @@ def test_a_failed_load_follows_vllms_load_failure_policy(policy, report):
     if report == "get_transfer_results":
         assert failed == {"dec-bad"}, failed
     errors = dec.get_block_ids_with_load_errors()
-    assert errors == set(loads["dec-bad"][1]) and errors, errors
+    assert errors == set(loads["dec-bad"][1][0]) and errors, errors
     # The workers' report reaches the scheduler, as the engine passes it on.
     kv_out = KVConnectorOutput(finished_recving=got, failed_recving=failed, invalid_block_ids=errors)
     eco = sd.update_from_output(out, h.model_output(out, kv=kv_out))
@@ -177,7 +177,7 @@ def test_a_failed_load_follows_vllms_load_failure_policy(policy, report):
     # The good request loaded its KV either way, and is scheduled to decode.
     assert "dec-good" in out2.num_scheduled_tokens
     for name, t in dcaches.items():
-        for lb, rb in zip(loads["dec-good"][1], remote):
+        for lb, rb in zip(loads["dec-good"][1][0], remote):
             assert torch.equal(t[lb].view(torch.int16), caches[name][rb].view(torch.int16)), (name, lb, rb)
     dec.shutdown()
     pre.shutdown()

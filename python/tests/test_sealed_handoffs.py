@@ -78,7 +78,7 @@ def test_edited_kv_transfer_params_fail_alone_and_dial_nothing():
     got = h.received(dec, set(loads))
     assert got == set(loads), got
     # Every edited request failed: its blocks, and only its, reported invalid.
-    edited_blocks = {b for r, v in loads.items() if r != "dec-real" for b in v[1]}
+    edited_blocks = {b for r, v in loads.items() if r != "dec-real" for g in v[1] for b in g}
     errors = dec.get_block_ids_with_load_errors()
     assert errors == edited_blocks, (errors, edited_blocks)
     st = dec.get_kv_connector_stats()
@@ -92,7 +92,7 @@ def test_edited_kv_transfer_params_fail_alone_and_dial_nothing():
         pass
     lsock.close()
     # The real request's KV landed; nothing was written into the edited requests' blocks.
-    local = loads["dec-real"][1]
+    local = loads["dec-real"][1][0]
     for name, t in dcaches.items():
         for lb, rb in zip(local, remote):
             assert torch.equal(t[lb].view(torch.int16), caches[name][rb].view(torch.int16)), (name, lb, rb)
@@ -115,7 +115,7 @@ def test_lane_only_caches_load_through_grants_on_the_tcp_lane():
     sd = h.scheduler(vd, dkv)
     sd.add_request(h.request("lo-dec", 40, dict(real), max_tokens=4))
     out = sd.schedule()
-    local = out.kv_connector_metadata.loads["lo-dec"][1]
+    local = out.kv_connector_metadata.loads["lo-dec"][1][0]
     h.start_loads(dec, out)
     got = h.received(dec, {"lo-dec"})
     assert got == {"lo-dec"}, got

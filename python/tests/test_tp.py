@@ -97,7 +97,7 @@ def test_tensor_parallel_handoff_both_layouts(ptp, dtp):
         s.add_request(r)
         out = s.schedule()
         assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-        local = out.kv_connector_metadata.loads[r.request_id][1]
+        local = out.kv_connector_metadata.loads[r.request_id][1][0]
         assert len(local) == len(remote_blocks) == 5
         for w, _, _ in ranks:
             w.bind_connector_metadata(out.kv_connector_metadata)
@@ -180,7 +180,7 @@ def test_a_geometry_that_cannot_work_fails_the_load_naming_both_sides(dtp, over,
     r = h.request("dec-bad", 40, dict(params), max_tokens=2)
     s.add_request(r)
     out = s.schedule()
-    local = out.kv_connector_metadata.loads["dec-bad"][1]
+    local = out.kv_connector_metadata.loads["dec-bad"][1][0]
     w.bind_connector_metadata(out.kv_connector_metadata)
     with pytest.raises(ValueError) as e:
         w._plan_load(json.loads(params["kvxfer_handoff"]), True)
@@ -259,7 +259,7 @@ def test_mla_caches_move_whole_from_one_prefill_rank_per_decode_rank(ptp, dtp):
     s.add_request(r)
     out = s.schedule()
     assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    local = out.kv_connector_metadata.loads[r.request_id][1]
+    local = out.kv_connector_metadata.loads[r.request_id][1][0]
     assert len(local) == len(remote_blocks) == 5
     for w, _, _ in ranks:
         w.bind_connector_metadata(out.kv_connector_metadata)

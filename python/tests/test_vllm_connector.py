@@ -115,7 +115,8 @@ def test_real_scheduler_skips_what_the_connector_loads():
     meta = out.kv_connector_metadata
     handoff, local, report, seal = meta.loads["dec-1"]
     assert seal is None  # no secret, no seal
-    assert len(local) == 3 and report  # 40 tokens in 16-token blocks
+    # One KV cache group: 40 tokens in 16-token blocks.
+    assert len(local) == 1 and len(local[0]) == 3 and report
     # The worker reports it loaded: only the last prompt token is computed, not 40.
     s.update_from_output(out, _output(out, kv=KVConnectorOutput(finished_recving={"dec-1"})))
     out2 = s.schedule()
@@ -208,7 +209,7 @@ def test_two_process_handoff_through_the_worker_methods(layout):
     worker.bind_connector_metadata(out.kv_connector_metadata)
     worker.start_load_kv(None)
     worker.clear_connector_metadata()
-    local = out.kv_connector_metadata.loads["dec-2"][1]
+    local = out.kv_connector_metadata.loads["dec-2"][1][0]
     import time
 
     end = time.time() + 60

@@ -51,6 +51,17 @@ impl Grant {
         unhex::<GRANT_LEN>(s).map(Grant)
     }
 
+    /// The key under which a request's cache group `g` is opened to a peer: the grant itself
+    /// for group 0, a distinct one for each other group (a grant table keeps one opening per
+    /// key; the request's groups are separate tensors). Revoking a request revokes each.
+    pub fn for_group(&self, g: usize) -> Grant {
+        let mut k = self.0;
+        for (i, b) in (g as u64).to_le_bytes().iter().enumerate() {
+            k[GRANT_LEN - 1 - i] ^= b;
+        }
+        Grant(k)
+    }
+
     /// Whether `other` is this grant, in time independent of where they differ.
     pub fn matches(&self, other: &Grant) -> bool {
         self.0

@@ -38,6 +38,11 @@ impl Registrations {
     pub(crate) fn push(&mut self, r: Region) {
         self.regions.push(r);
     }
+
+    /// Takes over `other`'s regions (deregistered when this drops).
+    pub(crate) fn extend(&mut self, mut other: Registrations) {
+        self.regions.append(&mut other.regions);
+    }
 }
 
 impl Drop for Registrations {

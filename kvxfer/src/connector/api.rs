@@ -180,10 +180,31 @@ impl KvCaches {
 /// (memcpy between caches of one process, no network).
 pub trait KvConnector: Send + Sync + Debug {
     /// Registers `caches` and returns the prefill side over them.
-    fn producer(&self, caches: &KvCaches, cfg: &ConnectorConfig) -> Result<Box<dyn KvProducer>>;
+    fn producer(&self, caches: &KvCaches, cfg: &ConnectorConfig) -> Result<Box<dyn KvProducer>> {
+        self.producer_groups(std::slice::from_ref(caches), cfg)
+    }
 
     /// Registers `caches` and returns the decode side over them.
-    fn consumer(&self, caches: &KvCaches, cfg: &ConnectorConfig) -> Result<Box<dyn KvConsumer>>;
+    fn consumer(&self, caches: &KvCaches, cfg: &ConnectorConfig) -> Result<Box<dyn KvConsumer>> {
+        self.consumer_groups(std::slice::from_ref(caches), cfg)
+    }
+
+    /// [`KvConnector::producer`] for a cache of several groups (vLLM's KV cache groups: a
+    /// sliding-window group beside a full-attention one, a hybrid model's state): one
+    /// [`KvCaches`] each, in the engine's order. Groups may share tensors (vLLM's hybrid
+    /// allocator lays one group's layer over another's memory); each has its own block ids.
+    fn producer_groups(
+        &self,
+        groups: &[KvCaches],
+        cfg: &ConnectorConfig,
+    ) -> Result<Box<dyn KvProducer>>;
+
+    /// [`KvConnector::consumer`] for a cache of several groups.
+    fn consumer_groups(
+        &self,
+        groups: &[KvCaches],
+        cfg: &ConnectorConfig,
+    ) -> Result<Box<dyn KvConsumer>>;
 }
 
 /// The prefill side: holds published requests' blocks for consumers until each is freed.
@@ -198,7 +219,9 @@ pub trait KvProducer: Send + Sync + Debug {
         blocks: &[u32],
         tokens: u64,
         layers_done: usize,
-    ) -> Result<Handoff>;
+    ) -> Result<Handoff> {
+        self.publish_groups(request, &[blocks], tokens, layers_done, None)
+    }
 
     /// [`KvProducer::publish`] under `grant`, chosen by the caller: for an engine whose
     /// scheduler writes the handoff its clients see and puts the same grant into it.
@@ -209,6 +232,21 @@ pub trait KvProducer: Send + Sync + Debug {
         tokens: u64,
         layers_done: usize,
         grant: Grant,
+    ) -> Result<Handoff> {
+        self.publish_groups(request, &[blocks], tokens, layers_done, Some(grant))
+    }
+
+    /// [`KvProducer::publish`] for a cache of several groups: `blocks[g]` are group `g`'s
+    /// ([`NO_BLOCK`](kvxfer_proto::groups::NO_BLOCK) where it holds none: a sliding
+    /// window's blocks before the window, vLLM's null block); layers are numbered across
+    /// groups, group 0's first. Under `grant`, or a fresh one when `None`.
+    fn publish_groups(
+        &self,
+        request: &str,
+        blocks: &[&[u32]],
+        tokens: u64,
+        layers_done: usize,
+        grant: Option<Grant>,
     ) -> Result<Handoff>;
 
     /// Layer `layer` of `request` is computed: consumers may take it now.
@@ -240,8 +278,10 @@ pub struct LoadFailure {
     /// Why.
     pub error: Error,
     /// Local blocks whose content is invalid (the ones that were to be loaded; blocks of a
-    /// cached prefix stay valid).
+    /// cached prefix stay valid), every group's.
     pub invalid_blocks: Vec<u32>,
+    /// The same per cache group (one list for a cache of one group).
+    pub invalid_groups: Vec<Vec<u32>>,
 }
 
 /// How one load moves its blocks, beyond which blocks: the heads (tensor parallelism) and the
@@ -290,6 +330,20 @@ pub trait KvConsumer: Send + Sync + Debug {
         &self,
         handoff: &Handoff,
         local_blocks: &[u32],
+        spec: &LoadSpec,
+    ) -> Result<()> {
+        self.start_load_groups(handoff, &[local_blocks], spec)
+    }
+
+    /// [`KvConsumer::start_load_with`] for a cache of several groups: `local_blocks[g]`
+    /// pairs with the last `local_blocks[g].len()` of the handoff's group `g`, each group
+    /// with its own cached prefix; a pair with
+    /// [`NO_BLOCK`](kvxfer_proto::groups::NO_BLOCK) on either side moves nothing (a sliding
+    /// window's blocks outside it). A latent (MLA) group reads whole whatever `spec`'s heads.
+    fn start_load_groups(
+        &self,
+        handoff: &Handoff,
+        local_blocks: &[&[u32]],
         spec: &LoadSpec,
     ) -> Result<()>;
 

@@ -12,8 +12,9 @@ use super::agent_carrier::AgentCarrier;
 use super::api::{failure_reason, load_failed, KvConsumer, LoadFailure, LoadSpec};
 use super::carrier::{Carrier, InFlight, LayerMove, Role};
 use super::config::ConnectorConfig;
+use super::load_plan::{plan_groups, GroupLoad};
 use super::shell::{
-    join_thread, load_plan, lock, spawn_thread, state_charge, take_control, wait_until, Figures,
+    join_thread, lock, spawn_thread, state_charge, take_control, wait_until, Figures,
 };
 use crate::agent::Agent;
 use crate::budget::{Charge, MemoryBudget};
@@ -21,18 +22,19 @@ use crate::random;
 use crate::telemetry::{RequestStats, Telemetry};
 use kvxfer_proto::connector::{LoadEvent, LoadProtocol};
 use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::groups::{held, CacheGroups};
 use kvxfer_proto::layout::KvLayout;
-use kvxfer_proto::tp::HeadMap;
 use kvxfer_proto::wire::connector::{Grant, Handoff, Mode, PushWant, ToConsumer, ToProducer};
 use kvxfer_proto::wire::notify::Notification;
 
 struct Load {
     h: Handoff,
-    remote: KvLayout,
-    /// The producer's heads read, and the local heads they land in.
-    heads: HeadMap,
-    local_blocks: Vec<u32>,
-    skip: usize,
+    /// Per cache group: the producer's layout, the heads and the blocks paired.
+    parts: Vec<GroupLoad>,
+    /// Per cache group, the local blocks the load writes (what a failure leaves invalid).
+    local_blocks: Vec<Vec<u32>>,
+    /// Bytes of the producer's blocks held here already (a cached prefix).
+    skipped: u64,
     /// The protocol: lease, ready and landed layers, heartbeats.
     proto: LoadProtocol,
     posted: usize,
@@ -67,7 +69,7 @@ struct ConsumerState {
 struct ConsumerShared {
     carrier: Box<dyn Carrier>,
     t0: Instant,
-    layout: KvLayout,
+    groups: CacheGroups,
     cfg: ConnectorConfig,
     st: Mutex<ConsumerState>,
     cv: Condvar,
@@ -91,23 +93,35 @@ impl std::fmt::Debug for Consumer {
 impl Consumer {
     /// A consumer over `agent`, whose registered cache `layout` describes.
     pub fn new(agent: Arc<Agent>, layout: KvLayout, cfg: ConnectorConfig) -> Result<Consumer> {
-        let carrier = AgentCarrier::new(agent, Role::Consumer, None, None);
-        Consumer::over(Box::new(carrier), layout, cfg)
+        Consumer::with_groups(agent, vec![layout], cfg)
     }
 
-    /// A consumer whose messages and blocks `carrier` moves; `layout` describes its cache.
+    /// [`Consumer::new`] for a cache of several groups ([`kvxfer_proto::groups`]), one
+    /// layout each, in the order the engine numbers them.
+    pub fn with_groups(
+        agent: Arc<Agent>,
+        groups: Vec<KvLayout>,
+        cfg: ConnectorConfig,
+    ) -> Result<Consumer> {
+        let carrier = AgentCarrier::new(agent, Role::Consumer, None, None);
+        Consumer::over(Box::new(carrier), CacheGroups::new(groups)?, cfg)
+    }
+
+    /// A consumer whose messages and blocks `carrier` moves; `groups` describes its cache.
     pub(crate) fn over(
         carrier: Box<dyn Carrier>,
-        layout: KvLayout,
+        groups: CacheGroups,
         cfg: ConnectorConfig,
     ) -> Result<Consumer> {
         let name = format!("kvxfer-consumer-{}", carrier.name());
         // Only a push load's producer writes into the cache, into the blocks opened to it.
-        carrier.restrict(&layout, true);
+        for l in groups.layouts() {
+            carrier.restrict(l, true);
+        }
         let sh = Arc::new(ConsumerShared {
             carrier,
             t0: Instant::now(),
-            layout,
+            groups,
             cfg,
             st: Mutex::new(ConsumerState {
                 loads: HashMap::new(),
@@ -146,6 +160,17 @@ impl Consumer {
         local_blocks: &[u32],
         spec: &LoadSpec,
     ) -> Result<()> {
+        self.start_load_groups(h, &[local_blocks], spec)
+    }
+
+    /// [`Consumer::start_load_with`] for a cache of several groups: `local_blocks[g]` into
+    /// group `g` ([`KvConsumer::start_load_groups`]).
+    pub fn start_load_groups(
+        &self,
+        h: &Handoff,
+        local_blocks: &[&[u32]],
+        spec: &LoadSpec,
+    ) -> Result<()> {
         let sh = &self.sh;
         // Before anything is dialled or read: the handoff came through clients.
         if let Some(key) = sh.carrier.handoff_key() {
@@ -157,7 +182,7 @@ impl Consumer {
                 why: e.to_string(),
             })?;
         }
-        let (remote, heads) = load_plan(&sh.layout, &sh.cfg, spec, h, local_blocks)?;
+        let parts = plan_groups(&sh.groups, &sh.cfg, spec, h, local_blocks)?;
         if lock(&sh.st).loads.contains_key(&h.request) {
             return Err(Error::InvalidArgument(format!(
                 "load {:?} is already in progress",
@@ -165,23 +190,35 @@ impl Consumer {
             )));
         }
         sh.carrier.reach(h)?;
-        let nl = sh.layout.layers.len();
-        let descs = (local_blocks.len() * nl * sh.layout.tensors_per_layer()) as u64;
+        let nl = sh.groups.total_layers();
+        let moved: Vec<&[u32]> = parts.iter().map(|p| &p.local[..]).collect();
+        let descs = sh.groups.descs(&moved);
         let charge = state_charge(&sh.cfg.budget, descs, "load state", sh.cfg.budget_wait)?;
-        let skip = h.blocks.len() - local_blocks.len();
-        let want = PushWant {
-            blocks: local_blocks.to_vec(),
-            num_blocks: sh.layout.num_blocks,
-            layers: sh.layout.layers.clone(),
-            more: Vec::new(),
-        };
+        let nothing = moved.iter().all(|b| b.is_empty());
+        let wants: Vec<PushWant> = sh
+            .groups
+            .layouts()
+            .iter()
+            .zip(local_blocks)
+            .map(|(l, b)| PushWant {
+                blocks: b.to_vec(),
+                num_blocks: l.num_blocks,
+                layers: l.layers.clone(),
+                more: Vec::new(),
+            })
+            .collect();
+        let mut wants = wants.into_iter();
+        let want = wants.next().map(|w| PushWant {
+            more: wants.collect(),
+            ..w
+        });
         let proto = LoadProtocol::new(
             &h.request,
             &h.producer,
             h.mode,
             nl,
-            Some(want),
-            local_blocks.is_empty(),
+            want,
+            nothing,
             sh.t0.elapsed(),
         )
         .declaring(spec.readers)
@@ -199,23 +236,39 @@ impl Consumer {
         }
         let first = proto.opening();
         // Push: the producer writes these blocks, and only these, over the lane.
-        let pushed_under = if h.mode == Mode::Push && !local_blocks.is_empty() {
+        let pushed_under = if h.mode == Mode::Push && !nothing {
             let g = match h.grant {
                 Some(g) => g,
                 None => Grant(random::bytes()?),
             };
-            sh.carrier
-                .grant(g, &h.producer, true, &sh.layout, local_blocks)?;
+            for (i, (l, p)) in sh.groups.layouts().iter().zip(&parts).enumerate() {
+                if let Err(e) = sh
+                    .carrier
+                    .grant(g.for_group(i), &h.producer, true, l, &p.local)
+                {
+                    revoke_groups(sh, &g);
+                    return Err(e);
+                }
+            }
             Some(g)
         } else {
             None
         };
+        let skipped = parts
+            .iter()
+            .zip(sh.groups.layouts())
+            .enumerate()
+            .map(|(g, (p, l))| {
+                // A head slice skips its share of each cached block.
+                p.cached * sh.groups.block_bytes_all_layers(g) * p.heads.width()
+                    / l.geometry.kv_heads.max(1)
+            })
+            .sum();
         let load = Load {
             h: h.clone(),
-            remote,
-            heads,
-            local_blocks: local_blocks.to_vec(),
-            skip,
+            parts,
+            local_blocks: local_blocks.iter().map(|b| held(b).collect()).collect(),
+            skipped,
             proto,
             posted: 0,
             inflight: Vec::new(),
@@ -242,7 +295,7 @@ impl Consumer {
                 agent: h.producer.clone(),
             };
             fail(sh, &mut st, &h.request, gone);
-        } else if local_blocks.is_empty() {
+        } else if nothing {
             finish(sh, &mut st, &h.request);
         }
         drop(st);
@@ -397,7 +450,9 @@ impl Drop for Consumer {
                 t.cancel();
             }
         }
-        self.sh.carrier.restrict(&self.sh.layout, false);
+        for l in self.sh.groups.layouts() {
+            self.sh.carrier.restrict(l, false);
+        }
         self.sh.carrier.close();
     }
 }
@@ -417,7 +472,14 @@ fn remember(st: &mut ConsumerState, req: &str, e: Ended) {
 /// A push load's blocks are closed to its producer again (what it queued is fenced apart).
 fn close_push(sh: &ConsumerShared, l: &Load) {
     if let Some(g) = &l.pushed_under {
-        sh.carrier.revoke(g);
+        revoke_groups(sh, g);
+    }
+}
+
+/// Ends what `grant` opened of each cache group.
+fn revoke_groups(sh: &ConsumerShared, grant: &Grant) {
+    for g in 0..sh.groups.len() {
+        sh.carrier.revoke(&grant.for_group(g));
     }
 }
 
@@ -426,14 +488,10 @@ fn finish(sh: &ConsumerShared, st: &mut ConsumerState, req: &str) {
         return;
     };
     close_push(sh, &l);
-    let nl = sh.layout.layers.len() as u64;
-    let per_block = sh.layout.block_bytes() * nl * sh.layout.tensors_per_layer() as u64;
     let s = RequestStats {
         request: req.to_string(),
         bytes_moved: l.figures.bytes,
-        // A head slice skips its share of each cached block.
-        bytes_skipped: l.skip as u64 * per_block * l.heads.width()
-            / sh.layout.geometry.kv_heads.max(1),
+        bytes_skipped: l.skipped,
         descriptors: l.figures.descs,
         post_time: l.figures.post,
         transfer_time: l.figures.busy,
@@ -501,7 +559,8 @@ fn report_failure(sh: &ConsumerShared, st: &mut ConsumerState, req: &str, l: Loa
     st.failed.push_back(LoadFailure {
         request: req.to_string(),
         error: e,
-        invalid_blocks: l.local_blocks,
+        invalid_blocks: l.local_blocks.concat(),
+        invalid_groups: l.local_blocks,
     });
 }
 
@@ -553,11 +612,13 @@ fn consumer_msg(sh: &ConsumerShared, n: Notification) {
     }
     match l.proto.handle(&n.from, &m, sh.t0.elapsed()) {
         LoadEvent::Ignored | LoadEvent::Progress => {}
-        LoadEvent::Landed(_) => {
+        LoadEvent::Landed(layer) => {
             // Push: this layer's data landed before this message.
-            let per_layer = l.local_blocks.len() * sh.layout.tensors_per_layer();
-            l.figures.descs += per_layer as u64;
-            l.figures.bytes += per_layer as u64 * sh.layout.block_bytes();
+            if let Some((g, layout, _)) = sh.groups.locate(layer) {
+                let per_layer = l.parts[g].local.len() * layout.tensors_per_layer();
+                l.figures.descs += per_layer as u64;
+                l.figures.bytes += per_layer as u64 * layout.block_bytes();
+            }
             if l.proto.complete() {
                 finish(sh, &mut st, &req);
             }
@@ -613,13 +674,24 @@ fn consumer_progress(sh: &ConsumerShared) {
                         ));
                         break;
                     }
+                    let Some((g, layout, layer)) = sh.groups.locate(l.posted) else {
+                        break;
+                    };
+                    let p = &l.parts[g];
+                    if p.local.is_empty() {
+                        // Nothing of this group moves (a window, a cached prefix).
+                        l.proto.mark_loaded(l.posted);
+                        l.posted += 1;
+                        changed = true;
+                        continue;
+                    }
                     let m = LayerMove {
-                        local: &sh.layout,
-                        local_blocks: &l.local_blocks,
-                        remote: &l.remote,
-                        remote_blocks: &l.h.blocks[l.skip..],
-                        heads: &l.heads,
-                        layer: l.posted,
+                        local: layout,
+                        local_blocks: &p.local,
+                        remote: &p.remote,
+                        remote_blocks: &p.theirs,
+                        heads: &p.heads,
+                        layer,
                     };
                     // Bounded by the lease: never read blocks the producer may have freed.
                     match sh.carrier.read(&l.h.producer, &m, until - now) {
@@ -696,13 +768,13 @@ fn consumer_progress(sh: &ConsumerShared) {
 }
 
 impl KvConsumer for Consumer {
-    fn start_load_with(
+    fn start_load_groups(
         &self,
         handoff: &Handoff,
-        local_blocks: &[u32],
+        local_blocks: &[&[u32]],
         spec: &LoadSpec,
     ) -> Result<()> {
-        Consumer::start_load_with(self, handoff, local_blocks, spec)
+        Consumer::start_load_groups(self, handoff, local_blocks, spec)
     }
     fn wait_layer(&self, request: &str, layer: usize, timeout: Duration) -> Result<()> {
         Consumer::wait_layer(self, request, layer, timeout)

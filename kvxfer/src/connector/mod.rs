@@ -79,6 +79,7 @@ mod config;
 pub mod conformance;
 mod consumer;
 mod in_process;
+mod load_plan;
 mod over_agent;
 mod producer;
 mod shell;

@@ -12,6 +12,7 @@ use super::consumer::Consumer;
 use super::producer::Producer;
 use crate::agent::Agent;
 use kvxfer_proto::error::Result;
+use kvxfer_proto::groups::CacheGroups;
 use kvxfer_proto::types::RegionId;
 
 /// Builds [`Producer`]s and [`Consumer`]s over one agent. A producer's handoffs carry
@@ -68,9 +69,28 @@ impl AgentConnector {
     }
 }
 
+impl AgentConnector {
+    /// [`AgentConnector::register`] for every group; a tensor two groups share (vLLM's hybrid
+    /// allocator) is registered once.
+    fn register_groups(&self, groups: &[KvCaches]) -> Result<(CacheGroups, Registrations)> {
+        let mut regs = Registrations::new(self.agent.clone());
+        let mut layouts = Vec::with_capacity(groups.len());
+        for caches in groups {
+            let (layout, r) = self.register(caches)?;
+            regs.extend(r);
+            layouts.push(layout);
+        }
+        Ok((CacheGroups::new(layouts)?, regs))
+    }
+}
+
 impl KvConnector for AgentConnector {
-    fn producer(&self, caches: &KvCaches, cfg: &ConnectorConfig) -> Result<Box<dyn KvProducer>> {
-        let (layout, regs) = self.register(caches)?;
+    fn producer_groups(
+        &self,
+        groups: &[KvCaches],
+        cfg: &ConnectorConfig,
+    ) -> Result<Box<dyn KvProducer>> {
+        let (layout, regs) = self.register_groups(groups)?;
         let carrier = AgentCarrier::new(
             self.agent.clone(),
             Role::Producer,
@@ -84,8 +104,12 @@ impl KvConnector for AgentConnector {
         )?))
     }
 
-    fn consumer(&self, caches: &KvCaches, cfg: &ConnectorConfig) -> Result<Box<dyn KvConsumer>> {
-        let (layout, regs) = self.register(caches)?;
+    fn consumer_groups(
+        &self,
+        groups: &[KvCaches],
+        cfg: &ConnectorConfig,
+    ) -> Result<Box<dyn KvConsumer>> {
+        let (layout, regs) = self.register_groups(groups)?;
         let carrier = AgentCarrier::new(self.agent.clone(), Role::Consumer, None, Some(regs));
         Ok(Box::new(Consumer::over(
             Box::new(carrier),

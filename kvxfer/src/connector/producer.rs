@@ -22,22 +22,24 @@ use crate::random;
 use crate::telemetry::{PeerHeld, RequestStats, Telemetry};
 use kvxfer_proto::connector::{LayerError, ProducerAction, ProducerCore};
 use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::groups::{held, pair_blocks, CacheGroups};
 use kvxfer_proto::layout::KvLayout;
 use kvxfer_proto::lifecycle::{FreeReason, Freed, PeerShare};
 use kvxfer_proto::tp::HeadMap;
 use kvxfer_proto::wire::connector::{
-    Grant, Handoff, Mode, PushWant, Refusal, ToConsumer, ToProducer,
+    Grant, Handoff, HandoffGroup, Mode, PushWant, Refusal, ToConsumer, ToProducer,
 };
 use kvxfer_proto::wire::notify::Notification;
 
 /// One push consumer's progress through a request.
 struct PushTarget {
     reader: String,
-    /// The consumer's cache as its push request described it.
-    local: KvLayout,
-    blocks: Vec<u32>,
-    /// Producer blocks before the consumer's (its cached prefix).
-    skip: usize,
+    /// The consumer's cache as its push request described it, per group.
+    local: Vec<KvLayout>,
+    /// Per group, the producer's blocks and the consumer's they go to, paired.
+    pairs: Vec<(Vec<u32>, Vec<u32>)>,
+    /// Bytes of the producer's blocks the consumer holds already (its cached prefix).
+    skipped: u64,
     posted: usize,
     inflight: Vec<(usize, Box<dyn InFlight>)>,
     landed: usize,
@@ -48,7 +50,8 @@ struct PushTarget {
 
 /// The shell's side of a held request (the protocol's side is in the core).
 struct HeldRequest {
-    blocks: Vec<u32>,
+    /// Per cache group.
+    blocks: Vec<Vec<u32>>,
     pushes: Vec<PushTarget>,
     published: Instant,
     /// The handoff's grant: what its readers are opened under.
@@ -69,7 +72,7 @@ impl ProducerState {
     fn record_freed(&mut self, f: Freed, tel: &Telemetry, mode: Mode, carrier: &dyn Carrier) {
         if let Some(r) = self.requests.remove(&f.request) {
             // Closed before the engine may reuse the blocks.
-            carrier.revoke(&r.grant);
+            revoke_groups(carrier, &r.grant, r.blocks.len());
             match f.reason {
                 FreeReason::Acked if mode == Mode::Pull => tel.served(r.published.elapsed()),
                 FreeReason::Expired | FreeReason::HoldLimit => tel.failed(),
@@ -80,10 +83,17 @@ impl ProducerState {
     }
 }
 
+/// Ends what `grant` opened of each of a request's `groups` cache groups.
+fn revoke_groups(carrier: &dyn Carrier, grant: &Grant, groups: usize) {
+    for g in 0..groups {
+        carrier.revoke(&grant.for_group(g));
+    }
+}
+
 /// What the engine's calls and the producer's thread share.
 struct ProducerShared {
     carrier: Box<dyn Carrier>,
-    layout: KvLayout,
+    groups: CacheGroups,
     cfg: ConnectorConfig,
     st: Mutex<ProducerState>,
     cv: Condvar,
@@ -114,23 +124,36 @@ impl Producer {
         cfg: ConnectorConfig,
         side_channel: Option<SocketAddr>,
     ) -> Result<Producer> {
-        let carrier = AgentCarrier::new(agent, Role::Producer, side_channel, None);
-        Producer::over(Box::new(carrier), layout, cfg)
+        Producer::with_groups(agent, vec![layout], cfg, side_channel)
     }
 
-    /// A producer whose messages and blocks `carrier` moves; `layout` describes its cache.
+    /// [`Producer::new`] for a cache of several groups ([`kvxfer_proto::groups`]), one
+    /// layout each, in the order the engine numbers them.
+    pub fn with_groups(
+        agent: Arc<Agent>,
+        groups: Vec<KvLayout>,
+        cfg: ConnectorConfig,
+        side_channel: Option<SocketAddr>,
+    ) -> Result<Producer> {
+        let carrier = AgentCarrier::new(agent, Role::Producer, side_channel, None);
+        Producer::over(Box::new(carrier), CacheGroups::new(groups)?, cfg)
+    }
+
+    /// A producer whose messages and blocks `carrier` moves; `groups` describes its cache.
     pub(crate) fn over(
         carrier: Box<dyn Carrier>,
-        layout: KvLayout,
+        groups: CacheGroups,
         cfg: ConnectorConfig,
     ) -> Result<Producer> {
         let name = format!("kvxfer-producer-{}", carrier.name());
         // Peers read the cache only inside the leases they were granted.
-        carrier.restrict(&layout, true);
-        let share = peer_share(&cfg, &layout);
+        for l in groups.layouts() {
+            carrier.restrict(l, true);
+        }
+        let share = peer_share(&cfg, &groups);
         let sh = Arc::new(ProducerShared {
             carrier,
-            layout,
+            groups,
             st: Mutex::new(ProducerState {
                 core: ProducerCore::new(cfg.lease, cfg.mode)
                     .with_max_hold(cfg.max_hold)
@@ -166,8 +189,7 @@ impl Producer {
         tokens: u64,
         layers_done: usize,
     ) -> Result<Handoff> {
-        let grant = Grant(random::bytes()?);
-        self.publish_granted(request, blocks, tokens, layers_done, grant)
+        self.publish_groups(request, &[blocks], tokens, layers_done, None)
     }
 
     /// [`Producer::publish`] under `grant`, chosen by the caller: for an engine whose
@@ -180,19 +202,52 @@ impl Producer {
         layers_done: usize,
         grant: Grant,
     ) -> Result<Handoff> {
-        let layout = &self.sh.layout;
-        let nl = layout.layers.len();
+        self.publish_groups(request, &[blocks], tokens, layers_done, Some(grant))
+    }
+
+    /// [`Producer::publish`] for a cache of several groups: `blocks[g]` are group `g`'s
+    /// ([`NO_BLOCK`](kvxfer_proto::groups::NO_BLOCK) where it holds none, as a sliding window's blocks before it);
+    /// `layers_done` counts layers across groups, group 0's first. Under `grant`, or a fresh
+    /// one when `None`.
+    pub fn publish_groups(
+        &self,
+        request: &str,
+        blocks: &[&[u32]],
+        tokens: u64,
+        layers_done: usize,
+        grant: Option<Grant>,
+    ) -> Result<Handoff> {
+        let groups = &self.sh.groups;
+        let nl = groups.total_layers();
         if request.is_empty() || layers_done > nl {
             return Err(Error::InvalidArgument(format!(
                 "publish {request:?}: layers_done {layers_done} of {nl}"
             )));
         }
-        if let Some(&b) = blocks.iter().find(|&&b| u64::from(b) >= layout.num_blocks) {
+        if blocks.len() != groups.len() {
             return Err(Error::InvalidArgument(format!(
-                "publish {request:?}: block {b} of {}",
-                layout.num_blocks
+                "publish {request:?}: blocks of {} cache groups for a cache of {}",
+                blocks.len(),
+                groups.len()
             )));
         }
+        for (g, (b, l)) in blocks.iter().zip(groups.layouts()).enumerate() {
+            if let Some(b) = held(b).find(|&b| u64::from(b) >= l.num_blocks) {
+                let group = if groups.len() > 1 {
+                    format!("group {g} ")
+                } else {
+                    String::new()
+                };
+                return Err(Error::InvalidArgument(format!(
+                    "publish {request:?}: {group}block {b} of {}",
+                    l.num_blocks
+                )));
+            }
+        }
+        let grant = match grant {
+            Some(g) => g,
+            None => Grant(random::bytes()?),
+        };
         let now = self.sh.t0.elapsed();
         let mut st = lock(&self.sh.st);
         if st.core.is_held(request) {
@@ -200,9 +255,11 @@ impl Producer {
                 "publish {request:?}: already held"
             )));
         }
+        // The lease counts every group's blocks toward a reader's share.
+        let all: Vec<u32> = blocks.iter().flat_map(|b| held(b)).collect();
         st.core.publish(
             request,
-            blocks.to_vec(),
+            all,
             self.sh.cfg.readers,
             nl,
             layers_done,
@@ -212,7 +269,7 @@ impl Producer {
         st.requests.insert(
             request.to_string(),
             HeldRequest {
-                blocks: blocks.to_vec(),
+                blocks: blocks.iter().map(|b| b.to_vec()).collect(),
                 pushes: Vec::new(),
                 published: Instant::now(),
                 grant,
@@ -221,21 +278,32 @@ impl Producer {
         drop(st);
         self.sh.cv.notify_all();
         let carrier = &self.sh.carrier;
+        let first = &groups.layouts()[0];
         let mut h = Handoff {
             request: request.to_string(),
             producer: carrier.name().to_string(),
             side_channel: carrier.side_channel(),
-            blocks: blocks.to_vec(),
+            blocks: blocks[0].to_vec(),
             tokens,
-            compat: layout.compat_hash(),
-            kv_heads: layout.geometry.kv_heads,
-            num_blocks: layout.num_blocks,
-            layers: layout.layers.clone(),
+            compat: first.compat_hash(),
+            kv_heads: first.geometry.kv_heads,
+            num_blocks: first.num_blocks,
+            layers: first.layers.clone(),
             mode: self.sh.cfg.mode,
             epoch: carrier.epoch(),
             grant: Some(grant),
             seal: None,
-            groups: Vec::new(),
+            groups: groups.layouts()[1..]
+                .iter()
+                .zip(&blocks[1..])
+                .map(|(l, b)| HandoffGroup {
+                    blocks: b.to_vec(),
+                    compat: l.compat_hash(),
+                    kv_heads: l.geometry.kv_heads,
+                    num_blocks: l.num_blocks,
+                    layers: l.layers.clone(),
+                })
+                .collect(),
         };
         if let Some(key) = carrier.handoff_key() {
             key.seal(&mut h);
@@ -268,7 +336,7 @@ impl Producer {
     pub fn abort(&self, request: &str) {
         let mut st = lock(&self.sh.st);
         if let Some(r) = st.requests.remove(request) {
-            self.sh.carrier.revoke(&r.grant);
+            revoke_groups(&*self.sh.carrier, &r.grant, r.blocks.len());
         }
         if let Some(f) = st.core.abort(request) {
             st.freed.push_back(f);
@@ -331,14 +399,16 @@ impl Drop for Producer {
             .requests
             .drain()
             .flat_map(|(_, r)| {
-                carrier.revoke(&r.grant);
+                revoke_groups(&**carrier, &r.grant, r.blocks.len());
                 r.pushes
             })
             .collect();
         for (_, t) in pushes.into_iter().flat_map(|p| p.inflight) {
             t.cancel();
         }
-        self.sh.carrier.restrict(&self.sh.layout, false);
+        for l in self.sh.groups.layouts() {
+            self.sh.carrier.restrict(l, false);
+        }
         self.sh.carrier.close();
     }
 }
@@ -346,11 +416,11 @@ impl Drop for Producer {
 /// Each reader's share of the cache in blocks: `cfg`'s bytes over the bytes of a block in
 /// every layer (a hard limit), or by default half the cache as a fair share (it binds only
 /// while another reader holds blocks too).
-fn peer_share(cfg: &ConnectorConfig, layout: &KvLayout) -> PeerShare {
-    let block = block_bytes_all_layers(layout).max(1);
+fn peer_share(cfg: &ConnectorConfig, groups: &CacheGroups) -> PeerShare {
+    let block = block_bytes(groups).max(1);
     let (blocks, fair) = match cfg.peer_bytes {
         Some(b) => (b / block, false),
-        None => (layout.num_blocks / 2, true),
+        None => (groups.layouts()[0].num_blocks / 2, true),
     };
     PeerShare {
         requests: cfg.peer_requests.max(1),
@@ -359,14 +429,19 @@ fn peer_share(cfg: &ConnectorConfig, layout: &KvLayout) -> PeerShare {
     }
 }
 
-/// The bytes one block id stands for: its tensors in every layer.
-fn block_bytes_all_layers(layout: &KvLayout) -> u64 {
-    layout.block_bytes() * layout.tensors_per_layer() as u64 * layout.layers.len() as u64
+/// The bytes one block id stands for: its tensors in every layer of its group, in the group
+/// where that is most (a share counts blocks of every group alike, so it errs on the safe
+/// side for the others).
+fn block_bytes(groups: &CacheGroups) -> u64 {
+    (0..groups.len())
+        .map(|g| groups.block_bytes_all_layers(g))
+        .max()
+        .unwrap_or(0)
 }
 
 /// Readers' holds that changed, into the metrics.
 fn publish_holds(st: &mut ProducerState, sh: &ProducerShared) {
-    let block = block_bytes_all_layers(&sh.layout);
+    let block = block_bytes(&sh.groups);
     for (peer, h) in st.core.take_hold_changes() {
         let held = PeerHeld {
             requests: h.requests as u64,
@@ -435,10 +510,8 @@ fn producer_msg(sh: &ProducerShared, n: Notification) {
                 if let Some(r) = st.requests.get(&request) {
                     // Not opened: the reader's reads are refused typed ("holds no grant"),
                     // and the lease frees the request.
-                    if let Err(e) = sh
-                        .carrier
-                        .grant(r.grant, &reader, false, &sh.layout, &r.blocks)
-                    {
+                    if let Err(e) = grant_groups(sh, &r.grant, &reader, &r.blocks) {
+                        revoke_groups(&*sh.carrier, &r.grant, r.blocks.len());
                         log::warn!(
                             "kvxfer producer: request {request:?} not opened to {reader:?}: {e}"
                         );
@@ -451,10 +524,10 @@ fn producer_msg(sh: &ProducerShared, n: Notification) {
                 want,
                 lease,
             } => {
-                let published = st.requests.get(&request).map(|r| r.blocks.len());
-                let target = published
-                    .ok_or_else(|| Error::InvalidArgument("push request: not held".into()))
-                    .and_then(|nb| push_target(sh, reader.clone(), want, nb));
+                let target = match st.requests.get(&request) {
+                    Some(r) => push_target(sh, reader.clone(), want, &r.blocks),
+                    None => Err(Error::InvalidArgument("push request: not held".into())),
+                };
                 match target {
                     Ok(p) => {
                         if let Some(r) = st.requests.get_mut(&request) {
@@ -488,36 +561,76 @@ fn producer_msg(sh: &ProducerShared, n: Notification) {
     }
 }
 
-/// Builds a push target from a consumer's "want".
+/// Opens `blocks` (per group) of the cache to `reader` for reading, under `grant`'s key for
+/// each group.
+fn grant_groups(
+    sh: &ProducerShared,
+    grant: &Grant,
+    reader: &str,
+    blocks: &[Vec<u32>],
+) -> Result<()> {
+    for (g, (l, b)) in sh.groups.layouts().iter().zip(blocks).enumerate() {
+        let b: Vec<u32> = held(b).collect();
+        sh.carrier.grant(grant.for_group(g), reader, false, l, &b)?;
+    }
+    Ok(())
+}
+
+/// Builds a push target from a consumer's "want" (one per cache group), against the blocks
+/// `published` of each group.
 fn push_target(
     sh: &ProducerShared,
     reader: String,
     want: PushWant,
-    producer_blocks: usize,
+    published: &[Vec<u32>],
 ) -> Result<PushTarget> {
     let bad = |w: &str| Error::InvalidArgument(format!("push request: {w}"));
     let PushWant {
         blocks,
-        num_blocks: nb,
+        num_blocks,
         layers,
-        ..
+        more,
     } = want;
-    if blocks.len() > producer_blocks || layers.len() != sh.layout.layers.len() {
-        return Err(bad("more blocks than published, or another layer count"));
-    }
-    let local = KvLayout {
-        num_blocks: nb,
+    let first = PushWant {
+        blocks,
+        num_blocks,
         layers,
-        ..sh.layout.clone()
+        more: Vec::new(),
     };
-    let descs = (blocks.len() * local.layers.len() * local.tensors_per_layer()) as u64;
+    let wants: Vec<PushWant> = std::iter::once(first).chain(more).collect();
+    if wants.len() != sh.groups.len() {
+        return Err(bad(&format!(
+            "blocks of {} cache groups for a cache of {}",
+            wants.len(),
+            sh.groups.len()
+        )));
+    }
+    let (mut local, mut pairs, mut skipped) = (Vec::new(), Vec::new(), 0u64);
+    for (g, (w, mine)) in wants.into_iter().zip(published).enumerate() {
+        let ours = &sh.groups.layouts()[g];
+        if w.layers.len() != ours.layers.len() {
+            return Err(bad("another layer count"));
+        }
+        let (theirs, from) = pair_blocks(&w.blocks, mine).map_err(|why| bad(&why))?;
+        let cached = held(&mine[..mine.len() - w.blocks.len()]).count() as u64;
+        skipped += cached * sh.groups.block_bytes_all_layers(g);
+        local.push(KvLayout {
+            num_blocks: w.num_blocks,
+            layers: w.layers,
+            ..ours.clone()
+        });
+        pairs.push((from, theirs));
+    }
+    let descs = sh
+        .groups
+        .descs(&pairs.iter().map(|p| &p.0[..]).collect::<Vec<_>>());
     // The producer's thread must not block: no room now is a refusal.
     let charge = state_charge(&sh.cfg.budget, descs, "push state", Duration::ZERO)?;
     Ok(PushTarget {
         reader,
-        skip: producer_blocks - blocks.len(),
-        blocks,
         local,
+        pairs,
+        skipped,
         posted: 0,
         inflight: Vec::new(),
         landed: 0,
@@ -538,9 +651,8 @@ fn producer_pushes(sh: &ProducerShared) {
         kind: None,
         why: format!("the push failed: {e}"),
     };
-    let layout = &sh.layout;
-    let nl = layout.layers.len();
-    let heads = HeadMap::all(layout.geometry.kv_heads);
+    let groups = &sh.groups;
+    let nl = groups.total_layers();
     let ProducerState { core, requests, .. } = &mut *st;
     for (req, r) in requests.iter_mut() {
         let ready = core.ready_layers(req);
@@ -552,14 +664,25 @@ fn producer_pushes(sh: &ProducerShared) {
                     layer: l,
                 }
                 .encode();
+                let Some((g, layout, layer)) = groups.locate(l) else {
+                    break;
+                };
+                if p.pairs[g].0.is_empty() {
+                    // Nothing of this group moves: the layer is the consumer's at once.
+                    sh.carrier.send(&p.reader, &note);
+                    p.posted += 1;
+                    p.landed += 1;
+                    continue;
+                }
                 // Whole blocks: the consumer's blocks as its push request named them.
+                let heads = HeadMap::all(layout.geometry.kv_heads);
                 let m = LayerMove {
                     local: layout,
-                    local_blocks: &r.blocks[p.skip..],
-                    remote: &p.local,
-                    remote_blocks: &p.blocks,
+                    local_blocks: &p.pairs[g].0,
+                    remote: &p.local[g],
+                    remote_blocks: &p.pairs[g].1,
                     heads: &heads,
-                    layer: l,
+                    layer,
                 };
                 match sh.carrier.write(&p.reader, &m, &note, sh.cfg.lease) {
                     Ok(t) => {
@@ -600,9 +723,7 @@ fn producer_pushes(sh: &ProducerShared) {
                 sh.tel.record(&RequestStats {
                     request: req.clone(),
                     bytes_moved: f.bytes,
-                    bytes_skipped: p.skip as u64
-                        * layout.block_bytes()
-                        * (nl * layout.tensors_per_layer()) as u64,
+                    bytes_skipped: p.skipped,
                     descriptors: f.descs,
                     post_time: f.post,
                     transfer_time: f.busy,
@@ -638,24 +759,15 @@ fn producer_pushes(sh: &ProducerShared) {
 }
 
 impl KvProducer for Producer {
-    fn publish(
+    fn publish_groups(
         &self,
         request: &str,
-        blocks: &[u32],
+        blocks: &[&[u32]],
         tokens: u64,
         layers_done: usize,
+        grant: Option<Grant>,
     ) -> Result<Handoff> {
-        Producer::publish(self, request, blocks, tokens, layers_done)
-    }
-    fn publish_granted(
-        &self,
-        request: &str,
-        blocks: &[u32],
-        tokens: u64,
-        layers_done: usize,
-        grant: Grant,
-    ) -> Result<Handoff> {
-        Producer::publish_granted(self, request, blocks, tokens, layers_done, grant)
+        Producer::publish_groups(self, request, blocks, tokens, layers_done, grant)
     }
     fn layer_done(&self, request: &str, layer: usize) -> Result<()> {
         Producer::layer_done(self, request, layer)

@@ -7,16 +7,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::budget::{Charge, MemoryBudget};
-use kvxfer_proto::connector::check_load;
 use kvxfer_proto::error::{Error, Result};
-use kvxfer_proto::layout::KvLayout;
-use kvxfer_proto::tp::HeadMap;
-use kvxfer_proto::wire::connector::{Handoff, Mode};
 use kvxfer_proto::wire::notify::Notification;
 
-use super::api::LoadSpec;
 use super::carrier::{Carrier, Moved};
-use super::config::ConnectorConfig;
 
 /// Bytes of request state charged per descriptor.
 pub(crate) const STATE_BYTES_PER_DESC: u64 = 160;
@@ -25,35 +19,6 @@ pub(crate) const STATE_BYTES_FIXED: u64 = 4096;
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// What both consumers check before a load of `h` into `local_blocks` of `local`: the heads
-/// `spec` asks for (else `cfg`'s, into every local head) against both caches
-/// ([`check_load`]), and no head slice in push mode. The producer's layout and the heads.
-pub(crate) fn load_plan(
-    local: &KvLayout,
-    cfg: &ConnectorConfig,
-    spec: &LoadSpec,
-    h: &Handoff,
-    local_blocks: &[u32],
-) -> Result<(KvLayout, HeadMap)> {
-    let lh = local.geometry.kv_heads;
-    let map = spec.heads.clone().or_else(|| {
-        cfg.heads.clone().map(|remote| HeadMap {
-            remote,
-            local: 0..lh,
-        })
-    });
-    let remote = check_load(local, map.as_ref(), h, local_blocks)?;
-    let map = map.unwrap_or(HeadMap::all(h.kv_heads));
-    if h.mode == Mode::Push && map != HeadMap::all(lh) {
-        return Err(Error::InvalidArgument(format!(
-            "load {:?}: heads {:?} into {:?} need pull mode (a push producer writes whole \
-             blocks)",
-            h.request, map.remote, map.local
-        )));
-    }
-    Ok((remote, map))
 }
 
 /// Waits on `cv` up to `timeout` until `ready` returns `Some` for the state in `m` (checked

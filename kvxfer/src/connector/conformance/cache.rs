@@ -40,11 +40,23 @@ impl TestCache {
     }
 
     fn packed(packing: KvPacking, heads: u64, seed: Option<u64>) -> Result<TestCache> {
+        let dim = if packing == KvPacking::Latent { 24 } else { 8 };
+        TestCache::shaped(packing, heads, dim, seed)
+    }
+
+    /// A cache of `heads` heads of `head_dim` packed as `packing`, zeroed or filled from
+    /// `seed`.
+    pub fn shaped(
+        packing: KvPacking,
+        heads: u64,
+        head_dim: u64,
+        seed: Option<u64>,
+    ) -> Result<TestCache> {
         let geometry = KvGeometry {
             name: "conformance".into(),
             layers: LAYERS,
             kv_heads: heads,
-            head_dim: if packing == KvPacking::Latent { 24 } else { 8 },
+            head_dim,
             dtype: KvDtype::Bf16,
         };
         let probe = KvLayout::contiguous(

@@ -33,6 +33,10 @@ use std::time::{Duration, Instant};
 
 pub use abuse::{peer_share, squatted_declarations};
 pub use cache::{TestCache, BLOCKS, BLOCK_TOKENS, HEADS, LAYERS};
+pub use groups::{
+    groups_layer_wise, groups_of_two_shapes_pushed, groups_refused_and_failed,
+    groups_window_beside_full,
+};
 use harness::{cfg, failed_naming, freed_as, ok, setup, Setup, ALL, LAYERS_ALL, T};
 pub use harness::{Connectors, Harness, Verdict};
 pub use tp::{
@@ -70,6 +74,10 @@ pub const CASES: &[(&str, Case)] = &[
     ("tp_gqa_replicas", tp_gqa_replicas),
     ("tp_mla_two_to_one", tp_mla_two_to_one),
     ("tp_mla_one_to_two", tp_mla_one_to_two),
+    ("groups_window_beside_full", groups_window_beside_full),
+    ("groups_of_two_shapes_pushed", groups_of_two_shapes_pushed),
+    ("groups_layer_wise", groups_layer_wise),
+    ("groups_refused_and_failed", groups_refused_and_failed),
     ("squatted_declarations", squatted_declarations),
     ("peer_share", peer_share),
 ];
@@ -88,7 +96,8 @@ macro_rules! connector_conformance {
             lease_expiry, hold_ceiling, two_readers_half_the_heads, failed_load_names_its_blocks,
             concurrent_requests, dropped_consumer, dropped_producer, tp_two_to_two,
             tp_two_to_one, tp_one_to_two, tp_gqa_replicas, tp_mla_two_to_one, tp_mla_one_to_two,
-            squatted_declarations, peer_share);
+            groups_window_beside_full, groups_of_two_shapes_pushed, groups_layer_wise,
+            groups_refused_and_failed, squatted_declarations, peer_share);
     };
     (@cases $harness:expr; $($case:ident),*) => {
         $(
@@ -112,6 +121,7 @@ macro_rules! ensure {
 
 // After `ensure!`, which their cases use.
 mod abuse;
+mod groups;
 mod tp;
 
 fn one(h: &dyn Harness, mode: Mode) -> std::result::Result<Setup, String> {

@@ -10,10 +10,11 @@ use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::layout::KvLayout;
 use kvxfer_proto::types::{MemKind, RegionId};
 
-/// An engine's caches: the layout names tensor `i` as region `i`.
+/// An engine's caches: each group's layout names tensor `i` (numbered across groups) as
+/// region `i`.
 #[derive(Debug)]
 pub(super) struct Caches {
-    pub(super) layout: KvLayout,
+    pub(super) layouts: Vec<KvLayout>,
     tensors: Vec<CacheTensor>,
     /// True while the producer or consumer that registered them lives; copies hold the read
     /// side, the owner's drop takes the write side and clears it.
@@ -21,23 +22,30 @@ pub(super) struct Caches {
 }
 
 impl Caches {
-    pub(super) fn new(caches: &KvCaches) -> Result<Caches> {
-        caches.validate()?;
-        if let Some(t) = caches.tensors().find(|t| t.kind() != MemKind::Host) {
-            return Err(Error::InvalidArgument(format!(
-                "the in-process connector moves host memory only; a tensor is {:?} (use the \
-                 agent's connector for device memory)",
-                t.kind()
-            )));
+    pub(super) fn new(groups: &[KvCaches]) -> Result<Caches> {
+        let mut tensors: Vec<CacheTensor> = Vec::new();
+        let mut layouts = Vec::with_capacity(groups.len());
+        for caches in groups {
+            caches.validate()?;
+            if let Some(t) = caches.tensors().find(|t| t.kind() != MemKind::Host) {
+                return Err(Error::InvalidArgument(format!(
+                    "the in-process connector moves host memory only; a tensor is {:?} (use \
+                     the agent's connector for device memory)",
+                    t.kind()
+                )));
+            }
+            tensors.extend(caches.tensors().copied());
+            let mut i = layouts
+                .iter()
+                .map(|l: &KvLayout| (l.layers.len() * l.tensors_per_layer()) as u32)
+                .sum::<u32>();
+            layouts.push(caches.layout(|_| {
+                i += 1;
+                (RegionId(i - 1), 0)
+            }));
         }
-        let tensors: Vec<CacheTensor> = caches.tensors().copied().collect();
-        let mut i = 0u32;
-        let layout = caches.layout(|_| {
-            i += 1;
-            (RegionId(i - 1), 0)
-        });
         Ok(Caches {
-            layout,
+            layouts,
             tensors,
             alive: RwLock::new(true),
         })

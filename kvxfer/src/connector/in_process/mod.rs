@@ -19,6 +19,7 @@ use carrier::InProcessCarrier;
 use copy::Caches;
 use hub::{End, Hub};
 use kvxfer_proto::error::Result;
+use kvxfer_proto::groups::CacheGroups;
 
 /// Builds producers and consumers that find each other in memory: a handoff published by
 /// one of this connector's producers can be loaded by any of its consumers (clones share
@@ -34,27 +35,35 @@ impl InProcessConnector {
         InProcessConnector::default()
     }
 
-    /// A carrier for a new end of `role` over `caches`, and the caches' layout.
+    /// A carrier for a new end of `role` over `groups`, and their layouts.
     fn carrier(
         &self,
         role: &str,
-        caches: &KvCaches,
-    ) -> Result<(Box<InProcessCarrier>, kvxfer_proto::layout::KvLayout)> {
-        let mem = Caches::new(caches)?;
-        let layout = mem.layout.clone();
+        groups: &[KvCaches],
+    ) -> Result<(Box<InProcessCarrier>, CacheGroups)> {
+        let mem = Caches::new(groups)?;
+        let layouts = CacheGroups::new(mem.layouts.clone())?;
         let c = InProcessCarrier::new(&self.hub, self.hub.name(role), End::new(mem))?;
-        Ok((Box::new(c), layout))
+        Ok((Box::new(c), layouts))
     }
 }
 
 impl KvConnector for InProcessConnector {
-    fn producer(&self, caches: &KvCaches, cfg: &ConnectorConfig) -> Result<Box<dyn KvProducer>> {
-        let (c, layout) = self.carrier("producer", caches)?;
-        Ok(Box::new(Producer::over(c, layout, cfg.clone())?))
+    fn producer_groups(
+        &self,
+        groups: &[KvCaches],
+        cfg: &ConnectorConfig,
+    ) -> Result<Box<dyn KvProducer>> {
+        let (c, layouts) = self.carrier("producer", groups)?;
+        Ok(Box::new(Producer::over(c, layouts, cfg.clone())?))
     }
 
-    fn consumer(&self, caches: &KvCaches, cfg: &ConnectorConfig) -> Result<Box<dyn KvConsumer>> {
-        let (c, layout) = self.carrier("consumer", caches)?;
-        Ok(Box::new(Consumer::over(c, layout, cfg.clone())?))
+    fn consumer_groups(
+        &self,
+        groups: &[KvCaches],
+        cfg: &ConnectorConfig,
+    ) -> Result<Box<dyn KvConsumer>> {
+        let (c, layouts) = self.carrier("consumer", groups)?;
+        Ok(Box::new(Consumer::over(c, layouts, cfg.clone())?))
     }
 }

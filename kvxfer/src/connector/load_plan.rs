@@ -1,0 +1,130 @@
+//! What a consumer checks and plans before it loads a handoff: per cache group, the heads it
+//! reads into which of its own, the producer's layout, and the blocks paired. Pure decisions
+//! over the shell's configuration (the checks themselves are [`check_load`]'s).
+#![forbid(unsafe_code)]
+
+use kvxfer_proto::connector::check_load;
+use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::groups::{held, pair_blocks, CacheGroups};
+use kvxfer_proto::layout::{KvLayout, KvPacking};
+use kvxfer_proto::tp::HeadMap;
+use kvxfer_proto::wire::connector::{Handoff, Mode};
+
+use super::api::LoadSpec;
+use super::config::ConnectorConfig;
+
+/// One cache group's part of a load.
+#[derive(Debug)]
+pub(crate) struct GroupLoad {
+    /// The producer's layout of the group, as the handoff describes it.
+    pub(crate) remote: KvLayout,
+    /// The producer's heads read, and the local heads they land in.
+    pub(crate) heads: HeadMap,
+    /// Local blocks written, paired index by index with `theirs`.
+    pub(crate) local: Vec<u32>,
+    /// The producer's blocks read.
+    pub(crate) theirs: Vec<u32>,
+    /// The producer's blocks this consumer holds already (a cached prefix): not moved.
+    pub(crate) cached: u64,
+}
+
+/// What both consumers check before a load of `h` into `local_blocks` of `local`: the heads
+/// `spec` asks for (else `cfg`'s, into every local head) against both caches
+/// ([`check_load`]), and no head slice in push mode. The producer's layout and the heads.
+pub(crate) fn load_plan(
+    local: &KvLayout,
+    cfg: &ConnectorConfig,
+    spec: &LoadSpec,
+    h: &Handoff,
+    local_blocks: &[u32],
+) -> Result<(KvLayout, HeadMap)> {
+    let lh = local.geometry.kv_heads;
+    let map = spec.heads.clone().or_else(|| {
+        cfg.heads.clone().map(|remote| HeadMap {
+            remote,
+            local: 0..lh,
+        })
+    });
+    let remote = check_load(local, map.as_ref(), h, local_blocks)?;
+    let map = map.unwrap_or(HeadMap::all(h.kv_heads));
+    if h.mode == Mode::Push && map != HeadMap::all(lh) {
+        return Err(Error::InvalidArgument(format!(
+            "load {:?}: heads {:?} into {:?} need pull mode (a push producer writes whole \
+             blocks)",
+            h.request, map.remote, map.local
+        )));
+    }
+    Ok((remote, map))
+}
+
+/// [`load_plan`] for every cache group of `groups`: `local_blocks[g]` into group `g`, paired
+/// with the handoff's blocks of that group ([`pair_blocks`]). A latent (MLA) group holds no
+/// heads: it is read whole wherever `spec` moves anything. An error names the group when
+/// there are several.
+pub(crate) fn plan_groups(
+    groups: &CacheGroups,
+    cfg: &ConnectorConfig,
+    spec: &LoadSpec,
+    h: &Handoff,
+    local_blocks: &[&[u32]],
+) -> Result<Vec<GroupLoad>> {
+    if h.group_count() != groups.len() || local_blocks.len() != groups.len() {
+        return Err(Error::Handoff {
+            request: h.request.clone(),
+            why: format!(
+                "the producer's cache has {} group(s), this consumer's {}, and block lists of \
+                 {} were given",
+                h.group_count(),
+                groups.len(),
+                local_blocks.len()
+            ),
+        });
+    }
+    let named = |g: usize, e: Error| -> Error {
+        if groups.len() == 1 {
+            return e;
+        }
+        match e {
+            Error::Handoff { request, why } => Error::Handoff {
+                request,
+                why: format!("group {g}: {why}"),
+            },
+            Error::InvalidArgument(w) => Error::InvalidArgument(format!("group {g}: {w}")),
+            e => e,
+        }
+    };
+    let mut out = Vec::with_capacity(groups.len());
+    for (g, (layout, &mine)) in groups.layouts().iter().zip(local_blocks).enumerate() {
+        let Some(hg) = h.of_group(g) else {
+            return Err(named(g, Error::InvalidArgument("no such group".into())));
+        };
+        let (local, theirs) = pair_blocks(mine, &hg.blocks).map_err(|why| {
+            named(
+                g,
+                Error::InvalidArgument(format!("load {:?}: {why}", h.request)),
+            )
+        })?;
+        let latent = LoadSpec {
+            heads: Some(match &spec.heads {
+                Some(m) if m.width() == 0 => m.clone(),
+                _ => HeadMap::all(1),
+            }),
+            readers: spec.readers,
+        };
+        let spec = if layout.packing == KvPacking::Latent {
+            &latent
+        } else {
+            spec
+        };
+        let (remote, heads) = load_plan(layout, cfg, spec, &hg, &local).map_err(|e| named(g, e))?;
+        let cached = held(&hg.blocks[..hg.blocks.len() - mine.len()]).count() as u64;
+        out.push(GroupLoad {
+            remote,
+            heads,
+            local,
+            theirs,
+            cached,
+        });
+    }
+    Ok(out)
+}
