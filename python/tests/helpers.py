@@ -125,6 +125,56 @@ def kv_caches(num_blocks=64, layout="LBNHC", kv_heads=KV_HEADS):
     return raw, dict(zip(layer_names(), views)), cfg
 
 
+SW_WINDOW = 32  # tokens: a sliding window of 2 blocks
+
+
+def hma_layer_names():
+    """A gpt-oss / Gemma-style model of 4 layers: full attention on the even ones, a sliding
+    window on the odd ones."""
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    return names[0::2], names[1::2]
+
+
+def hma_caches(num_blocks=64, layout="LBNHC"):
+    """What vLLM's hybrid allocator makes for that model: two KV cache groups (full
+    attention, sliding window) overlaid on one allocation (layer i of each group on the same
+    bytes; a block belongs to one group at a time), the per-layer views by vLLM's own code,
+    and the KVCacheConfig."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        SlidingWindowSpec,
+        create_kv_cache_views,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    common = dict(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.bfloat16)
+    specs = (FullAttentionSpec(**common), SlidingWindowSpec(**common, sliding_window=SW_WINDOW))
+    page = specs[0].page_size_bytes
+    full, window = hma_layer_names()
+    size = page * num_blocks * len(full)
+    tensors = [
+        KVCacheTensor(size=size, layers=names, layer_stride=page * num_blocks, block_stride=page)
+        for names in (full, window)
+    ]
+    cfg = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=[KVCacheGroupSpec(full, specs[0]), KVCacheGroupSpec(window, specs[1])],
+    )
+    try:
+        cfg.kv_cache_layout = layout
+    except Exception:
+        pass
+    raw = torch.zeros(size, dtype=torch.int8)
+    views = {}
+    for spec, t in zip(specs, tensors):
+        views.update(zip(t.layers, create_kv_cache_views(raw, spec, num_blocks, KVCacheLayout[layout], t)))
+    return raw, views, cfg
+
+
 MLA_LATENT = 96  # kv_lora_rank 64 + qk_rope_head_dim 32, as DeepSeek's 512 + 64 scaled down
 
 
@@ -226,16 +276,17 @@ def model_output(sched_out, sampled=None, kv=None):
     )
 
 
-def prefill_engine(extra, engine_id, seed):
+def prefill_engine(extra, engine_id, seed, caches_of=None):
     """A one-rank prefill engine: its worker connector with registered caches filled from
-    `seed`, the caches, and its scheduler holding the worker's handshake metadata."""
+    `seed`, the caches, and its scheduler holding the worker's handshake metadata.
+    `caches_of`: what makes the caches (`kv_caches`, or `hma_caches`)."""
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvxfer_vllm import KvxferConnector
 
     vp = vllm_config(role="kv_producer", extra=dict(extra), engine_id=engine_id)
-    raw, caches, kv = kv_caches()
+    raw, caches, kv = (caches_of or kv_caches)()
     raw.copy_(torch.randint(-128, 127, raw.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed)))
     pre = KvxferConnector(vp, KVConnectorRole.WORKER, kv)
     pre.register_kv_caches(caches)
@@ -244,7 +295,7 @@ def prefill_engine(extra, engine_id, seed):
     return pre, caches, sched
 
 
-def decode_worker(extra, engine_id, load_failure_policy=None):
+def decode_worker(extra, engine_id, load_failure_policy=None, caches_of=None):
     """A one-rank decode engine's worker connector with registered (zeroed) caches: the
     connector, the caches, and the config and KV spec its scheduler is made from."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -252,7 +303,7 @@ def decode_worker(extra, engine_id, load_failure_policy=None):
     from kvxfer_vllm import KvxferConnector
 
     vd = vllm_config(role="kv_consumer", extra=dict(extra), engine_id=engine_id, load_failure_policy=load_failure_policy)
-    _, dcaches, dkv = kv_caches()
+    _, dcaches, dkv = (caches_of or kv_caches)()
     dec = KvxferConnector(vd, KVConnectorRole.WORKER, dkv)
     dec.register_kv_caches(dcaches)
     return dec, dcaches, vd, dkv
