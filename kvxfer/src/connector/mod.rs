@@ -90,6 +90,7 @@ pub use api::{
 pub use config::ConnectorConfig;
 pub use consumer::Consumer;
 pub use in_process::InProcessConnector;
+pub use kvxfer_proto::groups::{MAX_GROUPS, NO_BLOCK};
 pub use kvxfer_proto::handoff_seal::{HandoffKey, SealError};
 pub use kvxfer_proto::lifecycle::{FreeReason, Freed};
 pub use kvxfer_proto::tp::{plan as tp_plan, HeadMap, TpRead, TpSide, MAX_KV_HEADS, MAX_TP};
