@@ -12,6 +12,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod acceptor;
+pub mod block_size;
 pub mod compress;
 pub mod connector;
 pub mod descriptor;

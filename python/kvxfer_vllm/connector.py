@@ -228,7 +228,7 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
 # restarted; templates of a libkvxfer without it lack it.
 RANK_KEYS = ("producer", "side_channel", "compat", "kv_heads", "num_blocks", "layers", "epoch", "groups")
 # What two sides' caches must agree on in each KV cache group after the first.
-GROUP_SHAPE_KEYS = ("kv_heads", "head_size", "block_size", "hnd", "mla")
+GROUP_SHAPE_KEYS = ("kv_heads", "head_size", "hnd", "mla")
 # vLLM's null block (a sliding window's blocks before it): kvxfer's "no block here".
 NULL_BLOCK = 0
 
@@ -549,7 +549,17 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         """The layers of each KV cache group, in vLLM's group order (one group when vLLM
         gave no config or one group)."""
         cfg = getattr(self, "_kv_cache_config", None)
-        groups = [list(g.layer_names) for g in (cfg.kv_cache_groups if cfg is not None else [])]
+        specs = cfg.kv_cache_groups if cfg is not None else []
+        for g, spec in enumerate(specs):
+            kind = type(spec.kv_cache_spec).__name__
+            if "Mamba" in kind:
+                # Per-request recurrent state (Mamba, GDN, short conv) is not attention KV:
+                # refused by name rather than moved as if it were.
+                raise ValueError(
+                    f"kvxfer: KV cache group {g} ({kind}: {spec.layer_names[:2]}...) holds recurrent "
+                    "state; kvxfer moves attention and MLA caches only (hybrid state is open work)"
+                )
+        groups = [list(g.layer_names) for g in specs]
         if len(groups) <= 1:
             return [list(kv_caches)]
         missing = sorted(n for g in groups for n in g if n not in kv_caches)
@@ -562,6 +572,11 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         """The shape of one group's per-layer views: attention ``[blocks, heads, block_size,
         2*head_size]`` (K and V in the last dimension, NHD or HND strides) or MLA ``[blocks,
         block_size, latent]`` (no head dimension, no V; the same latent on every TP rank)."""
+        if not isinstance(first, torch.Tensor):
+            raise ValueError(
+                f"kvxfer: a layer's cache is a {type(first).__name__} (recurrent state tensors?), "
+                "not one tensor; kvxfer moves attention and MLA caches only"
+            )
         if first.dim() == 3:
             nb, bs, c = first.shape
             shape = dict(heads=1, packing=kx.KVX_PACKING_LATENT, hnd=False, head_size=c)
@@ -796,7 +811,9 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         theirs = h.get("shape") or {}
         mine = self._shape or {}
         if theirs:
-            for k in ("head_size", "dtype_bytes", "block_size", "hnd", "mla"):
+            # Block sizes may differ: libkvxfer maps one onto the other where the layout lets
+            # it (NHD), and refuses naming both where not.
+            for k in ("head_size", "dtype_bytes", "hnd", "mla"):
                 if k in theirs and theirs[k] != mine.get(k):
                     raise ValueError(f"the two sides' caches differ in {k}: prefill {_shape(theirs)}; decode {_shape(mine)}")
             tg, mg = theirs.get("groups") or [], mine.get("groups") or []

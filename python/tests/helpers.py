@@ -46,7 +46,7 @@ def model_dir():
     return d
 
 
-def vllm_config(role="kv_both", extra=None, engine_id=None, prefix_caching=True, tp=1, load_failure_policy=None):
+def vllm_config(role="kv_both", extra=None, engine_id=None, prefix_caching=True, tp=1, load_failure_policy=None, block=BLOCK):
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -67,7 +67,7 @@ def vllm_config(role="kv_both", extra=None, engine_id=None, prefix_caching=True,
     )
     vc = VllmConfig(
         model_config=mc,
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
+        cache_config=CacheConfig(block_size=block, enable_prefix_caching=prefix_caching),
         device_config=DeviceConfig("cpu"),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512, is_encoder_decoder=False
@@ -84,7 +84,7 @@ def layer_names():
     return [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def kv_cache_config(num_blocks=64, layout="LBNHC", kv_heads=KV_HEADS):
+def kv_cache_config(num_blocks=64, layout="LBNHC", kv_heads=KV_HEADS, block=BLOCK):
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -92,7 +92,7 @@ def kv_cache_config(num_blocks=64, layout="LBNHC", kv_heads=KV_HEADS):
         KVCacheTensor,
     )
 
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=kv_heads, head_size=HEAD, dtype=torch.bfloat16)
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=kv_heads, head_size=HEAD, dtype=torch.bfloat16)
     page = spec.page_size_bytes
     names = layer_names()
     tensor = KVCacheTensor(
@@ -113,13 +113,13 @@ def kv_cache_config(num_blocks=64, layout="LBNHC", kv_heads=KV_HEADS):
     return cfg, spec, tensor
 
 
-def kv_caches(num_blocks=64, layout="LBNHC", kv_heads=KV_HEADS):
+def kv_caches(num_blocks=64, layout="LBNHC", kv_heads=KV_HEADS, block=BLOCK):
     """Per-layer views [B, H, N, 2*head] (bf16) over one flat buffer, by vLLM's own code;
-    `kv_heads`: a tensor-parallel rank's share."""
+    `kv_heads`: a tensor-parallel rank's share; `block`: tokens a block."""
     from vllm.v1.kv_cache_interface import create_kv_cache_views
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    cfg, spec, tensor = kv_cache_config(num_blocks, layout, kv_heads)
+    cfg, spec, tensor = kv_cache_config(num_blocks, layout, kv_heads, block)
     raw = torch.zeros(tensor.size, dtype=torch.int8)
     views = create_kv_cache_views(raw, spec, num_blocks, KVCacheLayout[layout], tensor)
     return raw, dict(zip(layer_names(), views)), cfg
@@ -200,12 +200,15 @@ def scheduler(vllm_cfg, kv_cfg):
         vllm_config=vllm_cfg,
         kv_cache_config=kv_cfg,
         structured_output_manager=StructuredOutputManager(vllm_cfg),
-        block_size=BLOCK,
+        block_size=vllm_cfg.cache_config.block_size,
         log_stats=True,
     )
 
 
-def request(req_id, n_tokens, params=None, max_tokens=1):
+def request(req_id, n_tokens, params=None, max_tokens=1, hash_block=None):
+    """A request of `n_tokens` prompt tokens (3, 4, ...: prompts share prefixes); with
+    `hash_block`, hashed in blocks of that many tokens as vLLM's engine core does, so that its
+    full blocks enter the prefix cache."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
@@ -213,6 +216,13 @@ def request(req_id, n_tokens, params=None, max_tokens=1):
     if params is not None:
         sp.extra_args = {"kv_transfer_params": params}
     kwargs = dict(request_id=req_id, prompt_token_ids=list(range(3, 3 + n_tokens)), sampling_params=sp, pooling_params=None)
+    if hash_block is not None:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        fn = get_hash_fn_by_name("sha256")
+        init_none_hash(fn)
+        kwargs["block_hasher"] = get_request_block_hasher(hash_block, fn)
     try:
         r = Request(**kwargs)
     except TypeError:
@@ -253,7 +263,8 @@ def prefill(sched, workers, req_id, n_tokens):
     so = sched.schedule()
     eco = sched.update_from_output(so, model_output(so, sampled=5))
     params = [o for v in eco.values() for o in v.outputs][0].kv_transfer_params
-    blocks = list(sched.kv_cache_manager.get_block_ids(req_id)[0])[: -(-n_tokens // BLOCK)]
+    bs = sched.vllm_config.cache_config.block_size
+    blocks = list(sched.kv_cache_manager.get_block_ids(req_id)[0])[: -(-n_tokens // bs)]
     so2 = sched.schedule()
     for w in workers:
         w.bind_connector_metadata(so2.kv_connector_metadata)

@@ -108,3 +108,29 @@ def test_a_decode_side_of_one_group_refuses_a_handoff_of_two():
     assert torch.count_nonzero(torch.stack([t.view(torch.int16) for t in dcaches.values()])) == 0
     dec.shutdown()
     pre.shutdown()
+
+
+def test_a_recurrent_state_group_is_refused_by_name():
+    """A hybrid model's Mamba/GDN group: refused at registration naming the group and its kind,
+    never moved as if it were attention KV."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    from kvxfer_vllm import KvxferConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    raw, views, cfg = h.hma_caches()
+    full, window = h.hma_layer_names()
+    state = MambaSpec(block_size=h.BLOCK, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.bfloat16, torch.float32))
+    mixed = KVCacheConfig(
+        num_blocks=cfg.num_blocks,
+        kv_cache_tensors=cfg.kv_cache_tensors,
+        kv_cache_groups=[cfg.kv_cache_groups[0], KVCacheGroupSpec(window, state)],
+    )
+    w = KvxferConnector(h.vllm_config(role="kv_consumer"), KVConnectorRole.WORKER, mixed)
+    try:
+        w.register_kv_caches(views)
+        raise AssertionError("a recurrent state group was registered")
+    except ValueError as e:
+        assert "KV cache group 1 (MambaSpec" in str(e) and "recurrent state" in str(e), str(e)
+    finally:
+        w.shutdown()

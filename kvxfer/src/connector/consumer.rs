@@ -257,11 +257,9 @@ impl Consumer {
         let skipped = parts
             .iter()
             .zip(sh.groups.layouts())
-            .enumerate()
-            .map(|(g, (p, l))| {
+            .map(|(p, l)| {
                 // A head slice skips its share of each cached block.
-                p.cached * sh.groups.block_bytes_all_layers(g) * p.heads.width()
-                    / l.geometry.kv_heads.max(1)
+                p.cached_bytes * p.heads.width() / l.geometry.kv_heads.max(1)
             })
             .sum();
         let load = Load {
@@ -686,7 +684,7 @@ fn consumer_progress(sh: &ConsumerShared) {
                         continue;
                     }
                     let m = LayerMove {
-                        local: layout,
+                        local: p.view.as_ref().unwrap_or(layout),
                         local_blocks: &p.local,
                         remote: &p.remote,
                         remote_blocks: &p.theirs,

@@ -3,6 +3,7 @@
 //! over the shell's configuration (the checks themselves are [`check_load`]'s).
 #![forbid(unsafe_code)]
 
+use kvxfer_proto::block_size::{producer_block_tokens, resize};
 use kvxfer_proto::connector::check_load;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::groups::{held, pair_blocks, CacheGroups};
@@ -24,8 +25,12 @@ pub(crate) struct GroupLoad {
     pub(crate) local: Vec<u32>,
     /// The producer's blocks read.
     pub(crate) theirs: Vec<u32>,
-    /// The producer's blocks this consumer holds already (a cached prefix): not moved.
-    pub(crate) cached: u64,
+    /// Bytes of the producer's blocks this consumer holds already (a cached prefix), every
+    /// head: not moved.
+    pub(crate) cached_bytes: u64,
+    /// The consumer's cache in the producer's smaller blocks, where the two block sizes
+    /// differ ([`kvxfer_proto::block_size`]); `local` and `theirs` count in those.
+    pub(crate) view: Option<KvLayout>,
 }
 
 /// What both consumers check before a load of `h` into `local_blocks` of `local`: the heads
@@ -95,9 +100,43 @@ pub(crate) fn plan_groups(
     };
     let mut out = Vec::with_capacity(groups.len());
     for (g, (layout, &mine)) in groups.layouts().iter().zip(local_blocks).enumerate() {
-        let Some(hg) = h.of_group(g) else {
+        let Some(mut hg) = h.of_group(g) else {
             return Err(named(g, Error::InvalidArgument("no such group".into())));
         };
+        // Another block size on the producer: both sides in blocks of the smaller one.
+        let (mut mine, mut view) = (mine.to_vec(), None);
+        let bt = producer_block_tokens(layout, hg.kv_heads, hg.compat);
+        if let Some(bt) = bt.filter(|&bt| bt != layout.block_tokens) {
+            if h.mode == Mode::Push {
+                return Err(named(
+                    g,
+                    Error::InvalidArgument(format!(
+                        "load {:?}: {bt}-token blocks on the producer, {}-token blocks here: \
+                         other block sizes need pull mode",
+                        h.request, layout.block_tokens
+                    )),
+                ));
+            }
+            let r =
+                resize(layout, bt, h.tokens, &mine, &hg.blocks, hg.num_blocks).map_err(|why| {
+                    named(
+                        g,
+                        Error::Handoff {
+                            request: h.request.clone(),
+                            why,
+                        },
+                    )
+                })?;
+            // The producer's cache read as blocks of the smaller size hashes as this view.
+            let mut theirs = r.local.clone();
+            theirs.geometry.kv_heads = hg.kv_heads;
+            hg.compat = theirs.compat_hash();
+            (hg.blocks, hg.num_blocks, mine) =
+                (r.remote_blocks, r.remote_num_blocks, r.local_blocks);
+            view = Some(r.local);
+        }
+        let layout = view.as_ref().unwrap_or(layout);
+        let mine = &mine[..];
         let (local, theirs) = pair_blocks(mine, &hg.blocks).map_err(|why| {
             named(
                 g,
@@ -118,12 +157,15 @@ pub(crate) fn plan_groups(
         };
         let (remote, heads) = load_plan(layout, cfg, spec, &hg, &local).map_err(|e| named(g, e))?;
         let cached = held(&hg.blocks[..hg.blocks.len() - mine.len()]).count() as u64;
+        let per_block =
+            layout.block_bytes() * layout.tensors_per_layer() as u64 * layout.layers.len() as u64;
         out.push(GroupLoad {
             remote,
             heads,
             local,
             theirs,
-            cached,
+            cached_bytes: cached * per_block,
+            view,
         });
     }
     Ok(out)

@@ -52,6 +52,18 @@ impl TestCache {
         head_dim: u64,
         seed: Option<u64>,
     ) -> Result<TestCache> {
+        TestCache::laid_out(packing, KvOrder::Hnd, heads, head_dim, BLOCK_TOKENS, seed)
+    }
+
+    /// A cache of `block_tokens`-token blocks in `order`, zeroed or filled from `seed`.
+    pub fn laid_out(
+        packing: KvPacking,
+        order: KvOrder,
+        heads: u64,
+        head_dim: u64,
+        block_tokens: u64,
+        seed: Option<u64>,
+    ) -> Result<TestCache> {
         let geometry = KvGeometry {
             name: "conformance".into(),
             layers: LAYERS,
@@ -61,10 +73,10 @@ impl TestCache {
         };
         let probe = KvLayout::contiguous(
             geometry.clone(),
-            BLOCK_TOKENS,
+            block_tokens,
             BLOCKS,
             packing,
-            KvOrder::Hnd,
+            order,
             RegionId(0),
         );
         let len = probe.tensor_bytes() as usize;
@@ -89,10 +101,10 @@ impl TestCache {
             .collect();
         let caches = KvCaches {
             geometry,
-            block_tokens: BLOCK_TOKENS,
+            block_tokens,
             num_blocks: BLOCKS,
             packing,
-            order: KvOrder::Hnd,
+            order,
             layers: tensors
                 .chunks(per_layer as usize)
                 .map(|kv| LayerTensors {
@@ -164,6 +176,37 @@ impl TestCache {
                 return Err(format!(
                     "tensor {} at {} differs from the producer's tensor {} at {}",
                     a.region.0, a.offset, b.region.0, b.offset
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The layout with tensor `i` as region `i` (what [`TestCache::same_bytes`] reads).
+    pub fn view(&self) -> &KvLayout {
+        &self.view
+    }
+
+    /// Whether this cache's bytes under `mine` equal `src`'s under `theirs`, descriptor by
+    /// descriptor (both built over the two caches' [`TestCache::view`]s).
+    pub fn same_bytes(
+        &self,
+        mine: &[Desc],
+        src: &TestCache,
+        theirs: &[Desc],
+    ) -> std::result::Result<(), String> {
+        if mine.len() != theirs.len() {
+            return Err(format!(
+                "{} descriptors against {}",
+                mine.len(),
+                theirs.len()
+            ));
+        }
+        for (a, b) in mine.iter().zip(theirs) {
+            if a.len != b.len || self.bytes(a) != src.bytes(b) {
+                return Err(format!(
+                    "tensor {} at {} (+{}) differs from the producer's tensor {} at {} (+{})",
+                    a.region.0, a.offset, a.len, b.region.0, b.offset, b.len
                 ));
             }
         }

@@ -32,6 +32,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 pub use abuse::{peer_share, squatted_declarations};
+pub use block_size::{
+    block_sizes_large_to_small, block_sizes_small_to_large, block_sizes_that_cannot_map_are_refused,
+};
 pub use cache::{TestCache, BLOCKS, BLOCK_TOKENS, HEADS, LAYERS};
 pub use groups::{
     groups_layer_wise, groups_of_two_shapes_pushed, groups_refused_and_failed,
@@ -78,6 +81,12 @@ pub const CASES: &[(&str, Case)] = &[
     ("groups_of_two_shapes_pushed", groups_of_two_shapes_pushed),
     ("groups_layer_wise", groups_layer_wise),
     ("groups_refused_and_failed", groups_refused_and_failed),
+    ("block_sizes_small_to_large", block_sizes_small_to_large),
+    ("block_sizes_large_to_small", block_sizes_large_to_small),
+    (
+        "block_sizes_that_cannot_map_are_refused",
+        block_sizes_that_cannot_map_are_refused,
+    ),
     ("squatted_declarations", squatted_declarations),
     ("peer_share", peer_share),
 ];
@@ -97,7 +106,8 @@ macro_rules! connector_conformance {
             concurrent_requests, dropped_consumer, dropped_producer, tp_two_to_two,
             tp_two_to_one, tp_one_to_two, tp_gqa_replicas, tp_mla_two_to_one, tp_mla_one_to_two,
             groups_window_beside_full, groups_of_two_shapes_pushed, groups_layer_wise,
-            groups_refused_and_failed, squatted_declarations, peer_share);
+            groups_refused_and_failed, block_sizes_small_to_large, block_sizes_large_to_small,
+            block_sizes_that_cannot_map_are_refused, squatted_declarations, peer_share);
     };
     (@cases $harness:expr; $($case:ident),*) => {
         $(
@@ -121,6 +131,7 @@ macro_rules! ensure {
 
 // After `ensure!`, which their cases use.
 mod abuse;
+mod block_size;
 mod groups;
 mod tp;
 

@@ -1,0 +1,229 @@
+//! Heterogeneous block sizes: a prefill engine of 16-token blocks handing over to a decode
+//! engine of 32 (or the reverse). In a token-outer block (NHD, or an MLA latent), a block of
+//! `r * n` tokens is `r` blocks of `n` tokens back to back, so the side with the larger blocks
+//! is read as a cache of blocks of the smaller size (same memory, `r` times the blocks) and the
+//! load pairs blocks of one size, by descriptor mapping, no copy in between. In HND a head's
+//! tokens of one block are apart from the next head's: such a geometry cannot map and is
+//! refused naming both sizes.
+//!
+//! The handoff carries the producer's layout as its compat hash only: its block size is the
+//! one among power-of-two multiples and fractions of the consumer's (up to 64x) whose hash
+//! matches.
+
+use crate::groups::NO_BLOCK;
+use crate::layout::{KvLayout, KvOrder, KvPacking};
+
+/// The largest ratio of block sizes tried.
+pub const MAX_RATIO: u64 = 64;
+
+/// The block size, in tokens, of a producer whose layout hashes to `compat` and is `local`
+/// but for its block size and its `kv_heads` heads: `local`'s own first, then power-of-two
+/// multiples and fractions of it. `None`: no block size makes the layouts agree.
+pub fn producer_block_tokens(local: &KvLayout, kv_heads: u64, compat: u64) -> Option<u64> {
+    let sized = |bt: u64| {
+        let mut l = local.clone();
+        l.geometry.kv_heads = kv_heads;
+        l.block_tokens = bt;
+        l.compat_hash() == compat
+    };
+    let bt = local.block_tokens;
+    if sized(bt) {
+        return Some(bt);
+    }
+    let mut r = 2;
+    while r <= MAX_RATIO {
+        if bt.checked_mul(r).is_some_and(sized) {
+            return Some(bt * r);
+        }
+        if bt % r == 0 && sized(bt / r) {
+            return Some(bt / r);
+        }
+        r *= 2;
+    }
+    None
+}
+
+/// One side's cache and blocks of one request in blocks of the smaller size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resized {
+    /// The consumer's cache read as blocks of the smaller size.
+    pub local: KvLayout,
+    /// The consumer's blocks, in blocks of the smaller size.
+    pub local_blocks: Vec<u32>,
+    /// Blocks per tensor of the producer's cache, in blocks of the smaller size.
+    pub remote_num_blocks: u64,
+    /// The producer's blocks, in blocks of the smaller size.
+    pub remote_blocks: Vec<u32>,
+}
+
+/// A load of a `tokens`-token request from a producer of `producer_bt`-token blocks
+/// (`remote`: its blocks, in token order; `remote_num_blocks` per tensor) into `local_blocks`
+/// of `local` (the consumer's last blocks of the request: it holds the ones before), in
+/// blocks of the smaller of the two sizes. Why, where the geometry cannot map.
+pub fn resize(
+    local: &KvLayout,
+    producer_bt: u64,
+    tokens: u64,
+    local_blocks: &[u32],
+    remote: &[u32],
+    remote_num_blocks: u64,
+) -> Result<Resized, String> {
+    let (c, p) = (local.block_tokens, producer_bt);
+    let both = format!("{p}-token blocks on the producer, {c}-token blocks here");
+    let small = c.min(p);
+    if small == 0 || c % small != 0 || p % small != 0 {
+        return Err(format!("{both}: one size must divide the other"));
+    }
+    let token_outer = local.order == KvOrder::Nhd || local.packing == KvPacking::Latent;
+    if !token_outer {
+        return Err(format!(
+            "{both}: in HND order a head's tokens of a block are apart from the next head's, \
+             so one size does not map onto the other (use NHD, VLLM_KV_CACHE_LAYOUT=LBNHC)"
+        ));
+    }
+    let (rc, rp) = (c / small, p / small);
+    let total = tokens.div_ceil(small);
+    let expand = |blocks: &[u32], r: u64, skip: u64| -> Result<Vec<u32>, String> {
+        let mut out = Vec::with_capacity(blocks.len() * r as usize);
+        for &b in blocks {
+            for i in 0..r {
+                out.push(if b == NO_BLOCK {
+                    NO_BLOCK
+                } else {
+                    u32::try_from(u64::from(b) * r + i)
+                        .ok()
+                        .filter(|&x| x != NO_BLOCK)
+                        .ok_or_else(|| format!("{both}: block {b} is out of range"))?
+                });
+            }
+        }
+        // Only the request's tokens: the last block of the larger size may hold fewer.
+        let keep = total.saturating_sub(skip).min(out.len() as u64) as usize;
+        out.truncate(keep);
+        Ok(out)
+    };
+    // The consumer's blocks are its last ones of the request: they start where its cached
+    // prefix ends, in blocks of the smaller size.
+    let mine = tokens.div_ceil(c);
+    let cached = mine.checked_sub(local_blocks.len() as u64).ok_or_else(|| {
+        format!(
+            "{} local blocks for a request of {tokens} tokens in {c}-token blocks",
+            local_blocks.len()
+        )
+    })?;
+    let local_blocks = expand(local_blocks, rc, cached * rc)?;
+    let remote_blocks = expand(remote, rp, 0)?;
+    let view = KvLayout {
+        block_tokens: small,
+        num_blocks: local
+            .num_blocks
+            .checked_mul(rc)
+            .ok_or_else(|| format!("{both}: the cache is too large"))?,
+        ..local.clone()
+    };
+    Ok(Resized {
+        local: view,
+        local_blocks,
+        remote_num_blocks: remote_num_blocks.saturating_mul(rp),
+        remote_blocks,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{KvDtype, KvGeometry};
+    use crate::types::RegionId;
+
+    fn layout(bt: u64, nb: u64, order: KvOrder) -> KvLayout {
+        let g = KvGeometry {
+            name: "t".into(),
+            layers: 2,
+            kv_heads: 2,
+            head_dim: 4,
+            dtype: KvDtype::Bf16,
+        };
+        KvLayout::contiguous(g, bt, nb, KvPacking::Fused, order, RegionId(0))
+    }
+
+    #[test]
+    fn the_producers_block_size_is_found_from_its_hash() {
+        let here = layout(32, 8, KvOrder::Nhd);
+        for bt in [32, 16, 64, 4, 1024] {
+            let theirs = layout(bt, 8, KvOrder::Nhd).compat_hash();
+            assert_eq!(producer_block_tokens(&here, 2, theirs), Some(bt), "{bt}");
+        }
+        // Another ratio than a power of two, or another order: no size matches.
+        let odd = layout(48, 8, KvOrder::Nhd).compat_hash();
+        assert_eq!(producer_block_tokens(&here, 2, odd), None);
+        let hnd = layout(16, 8, KvOrder::Hnd).compat_hash();
+        assert_eq!(producer_block_tokens(&here, 2, hnd), None);
+    }
+
+    /// Byte for byte: every token of the request lands where the other side holds it.
+    #[test]
+    fn blocks_of_two_sizes_pair_token_for_token() {
+        let n = NO_BLOCK;
+        // 70 tokens: 16-token producer blocks [3, 9, 4, 7, 5]; the consumer (32-token blocks)
+        // caches its first block and loads the other two into [6, 2].
+        let here = layout(32, 8, KvOrder::Nhd);
+        let r = resize(&here, 16, 70, &[6, 2], &[3, 9, 4, 7, 5], 10).unwrap();
+        assert_eq!((r.local.block_tokens, r.local.num_blocks), (16, 16));
+        assert_eq!(r.local_blocks, [12, 13, 4]); // 5 was past token 70
+        assert_eq!(r.remote_blocks, [3, 9, 4, 7, 5]);
+        assert_eq!(r.remote_num_blocks, 10);
+        // The reverse: 32-token producer blocks [1, 5, 3], 16-token consumer blocks, the first
+        // two cached.
+        let here = layout(16, 8, KvOrder::Nhd);
+        let r = resize(&here, 32, 70, &[7, 0, 4], &[1, 5, 3], 6).unwrap();
+        assert_eq!(r.local_blocks, [7, 0, 4]);
+        assert_eq!(r.remote_blocks, [2, 3, 10, 11, 6]);
+        assert_eq!((r.local.block_tokens, r.remote_num_blocks), (16, 12));
+        // Slots nobody holds stay so.
+        let r = resize(&here, 32, 64, &[n, 7, 8], &[n, 5], 6).unwrap();
+        assert_eq!(r.remote_blocks, [n, n, 10, 11]);
+        // The token-level check: in the smaller size, token t is block t / 16 of both lists'
+        // (aligned at the end) on both sides. Checked through the descriptors of a whole request.
+        let big = layout(32, 4, KvOrder::Nhd);
+        let small = layout(16, 8, KvOrder::Nhd);
+        let r = resize(&big, 16, 64, &[1, 3], &[0, 2, 4, 6], 8).unwrap();
+        let mine = r.local.descs(&r.local_blocks, 0..2, 0..2).unwrap();
+        let theirs = small.descs(&r.remote_blocks, 0..2, 0..2).unwrap();
+        let tok = big.block_bytes() / 32;
+        for (a, b) in mine.iter().zip(&theirs) {
+            assert_eq!(a.len, b.len);
+            // Local block 1's first 16 tokens are remote block 0's, its last 16 block 2's.
+            let local_tok = (a.offset % big.tensor_bytes()) / tok;
+            let remote_tok = (b.offset % small.tensor_bytes()) / tok;
+            let local_block = local_tok / 32;
+            let remote_block = remote_tok / 16;
+            let pos = |block: u64, size: u64, list: &[u64]| {
+                list.iter()
+                    .position(|&x| x == block)
+                    .map(|i| i as u64 * size)
+            };
+            let lt = pos(local_block, 32, &[1, 3]).unwrap() + local_tok % 32;
+            let rt = pos(remote_block, 16, &[0, 2, 4, 6]).unwrap() + remote_tok % 16;
+            assert_eq!(lt, rt, "{a:?} {b:?}");
+        }
+    }
+
+    #[test]
+    fn geometries_that_cannot_map_are_refused_naming_both_sizes() {
+        let hnd = layout(32, 8, KvOrder::Hnd);
+        let e = resize(&hnd, 16, 64, &[1, 2], &[1, 2, 3, 4], 8).unwrap_err();
+        assert!(
+            e.contains("16-token blocks on the producer, 32-token blocks here"),
+            "{e}"
+        );
+        assert!(e.contains("HND"), "{e}");
+        let nhd = layout(32, 8, KvOrder::Nhd);
+        let e = resize(&nhd, 48, 64, &[1], &[1, 2], 8).unwrap_err();
+        assert!(e.contains("one size must divide the other"), "{e}");
+        let e = resize(&nhd, 16, 64, &[1, 2, 3], &[1, 2, 3, 4], 8).unwrap_err();
+        assert!(
+            e.contains("3 local blocks for a request of 64 tokens"),
+            "{e}"
+        );
+    }
+}
