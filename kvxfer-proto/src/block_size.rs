@@ -35,7 +35,7 @@ pub fn producer_block_tokens(local: &KvLayout, kv_heads: u64, compat: u64) -> Op
         if bt.checked_mul(r).is_some_and(sized) {
             return Some(bt * r);
         }
-        if bt % r == 0 && sized(bt / r) {
+        if bt.is_multiple_of(r) && sized(bt / r) {
             return Some(bt / r);
         }
         r *= 2;
@@ -71,7 +71,7 @@ pub fn resize(
     let (c, p) = (local.block_tokens, producer_bt);
     let both = format!("{p}-token blocks on the producer, {c}-token blocks here");
     let small = c.min(p);
-    if small == 0 || c % small != 0 || p % small != 0 {
+    if small == 0 || !c.is_multiple_of(small) || !p.is_multiple_of(small) {
         return Err(format!("{both}: one size must divide the other"));
     }
     let token_outer = local.order == KvOrder::Nhd || local.packing == KvPacking::Latent;
