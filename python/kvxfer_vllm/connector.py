@@ -296,6 +296,9 @@ def _checked_handoff(h: Any) -> dict[str, Any]:
     gb = h.get("group_blocks")
     if gb is not None and (not isinstance(gb, list) or not 1 <= len(gb) < kx.KVX_MAX_GROUPS or not all(isinstance(b, list) for b in gb)):
         raise ValueError(f"the handoff's group_blocks are not 1 to {kx.KVX_MAX_GROUPS - 1} lists")
+    stages = h.get("stages")
+    if stages is not None and (not isinstance(stages, list) or not 2 <= len(stages) <= kx.KVX_MAX_TP or not all(isinstance(x, dict) for x in stages)):
+        raise ValueError(f"the handoff's stages are not 2 to {kx.KVX_MAX_TP} objects")
     return h
 
 
@@ -327,6 +330,22 @@ def _rank() -> int:
         return get_tensor_model_parallel_rank()
     except Exception:  # not initialised (tests, single process)
         return 0
+
+
+def _pp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return get_pp_group().rank_in_group
+    except Exception:  # not initialised (tests, single process)
+        return 0
+
+
+def _pp_size(vllm_config: "VllmConfig") -> int:
+    try:
+        return int(vllm_config.parallel_config.pipeline_parallel_size)
+    except Exception:  # pragma: no cover
+        return 1
 
 
 def _rundir(extra: dict[str, Any]) -> str:
@@ -369,6 +388,12 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self.block_size = vllm_config.cache_config.block_size
         self.rank = _rank()
         self.tp_size = _tp_size(vllm_config)
+        # Pipeline parallelism: each stage's workers hold its layers; a request is published
+        # and loaded stage by stage, stage q of the decode side from stage q of the prefill side.
+        self.pp_rank = _pp_rank()
+        self.pp_size = _pp_size(vllm_config)
+        self._where = f"tp{self.rank}" if self.pp_size == 1 else f"pp{self.pp_rank}tp{self.rank}"
+        self._stages: list[list[dict[str, Any]]] = []
         self.kv_heads_total = _total_kv_heads(vllm_config)
         # Only with an explicit "rundir" are templates also written to (and read from) files.
         self.template_path = (
@@ -492,6 +517,16 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         if ngroups > 1:
             handoff["v"] = 2
             handoff["group_blocks"] = per_group[1:]
+        if len(self._stages) > 1:
+            # Pipeline parallelism: every stage's ranks and shape (stage 0's are also above).
+            handoff["stages"] = [
+                {
+                    "ranks": [{k: r[k] for k in RANK_KEYS if k in r} for r in stage],
+                    "shape": {k: stage[0].get(k) for k in ("tp", "kv_heads_total", "kv_heads", "head_size", "dtype_bytes", "block_size", "hnd", "mla")}
+                    | {"layers": stage[0]["layers"], "tp": len(stage)},
+                }
+                for stage in self._stages
+            ]
         self._pending_publishes[request.request_id] = (per_group, tokens, grant)
         text = json.dumps(handoff)
         params = {
@@ -531,6 +566,23 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _worker_template(self) -> dict[str, Any]:
         return self._rank_templates()[0]
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        """Scheduler side: the workers' templates by (pipeline stage, TP rank). Every stage
+        publishes its layers of a request; the handoff lists each stage's ranks, and decode
+        stage q loads from prefill stage q (the two sides must split the layers alike)."""
+        stages: dict[int, dict[int, KVConnectorHandshakeMetadata]] = {}
+        for (pp, tp), m in metadata.items():
+            stages.setdefault(pp, {})[tp] = m
+        if sorted(stages) != list(range(len(stages))):
+            raise ValueError(f"kvxfer: handshake metadata from pipeline stages {sorted(stages)}, not 0..{len(stages) - 1}")
+        self.set_xfer_handshake_metadata(stages[0])
+        self._stages = []
+        for pp in sorted(stages):
+            tps = {r: m.template for r, m in stages[pp].items() if isinstance(m, KvxferHandshakeMetadata)}
+            if sorted(tps) != list(range(len(tps))) or len(tps) != len(stages[0]):
+                raise ValueError(f"kvxfer: pipeline stage {pp} has TP ranks {sorted(tps)}, stage 0 {sorted(stages[0])}")
+            self._stages.append([tps[r] for r in sorted(tps)])
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         """Scheduler side: the workers' templates, by TP rank (from vLLM's handshake)."""
@@ -614,7 +666,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             self.kv_heads_total = 1
         first = kv_caches[group_names[0][0]]
         ex = self.extra
-        name = f"kvxfer-{self.engine_id}-tp{self.rank}"
+        name = f"kvxfer-{self.engine_id}-{self._where}"
         budget = int(ex.get("budget_mib", 0)) << 20
         staging = None
         if "staging_chunks" in ex or "staging_chunk_kib" in ex:
@@ -745,7 +797,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         for req, (blocks, tokens, grant) in meta.publishes.items():
             if self.producer is None:
                 raise RuntimeError("kvxfer: a publish reached a worker without the producer role")
-            self.producer.publish_groups(f"{req}#tp{self.rank}", blocks, tokens, self.num_layers, grant=grant)
+            self.producer.publish_groups(f"{req}#{self._where}", blocks, tokens, self.num_layers, grant=grant)
         for req, (handoff, local_groups, report, seal) in meta.loads.items():
             # Every group's blocks, for what a failure leaves invalid.
             local = [b for g in local_groups for b in g if b != kx.KVX_NO_BLOCK]
@@ -807,6 +859,19 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     def _plan_load(self, h: dict[str, Any], moves: bool) -> list[tuple[dict[str, Any], "kx.TpRead"]]:
         """The loads this rank makes for handoff `h`: one per prefill rank its TP plan names,
         each a libkvxfer handoff of that rank's published request."""
+        stages = h.get("stages")
+        if stages is not None or self.pp_size > 1:
+            n = len(stages) if isinstance(stages, list) else 1
+            if n != self.pp_size:
+                raise ValueError(
+                    f"prefill PP {n}, decode PP {self.pp_size}: the two sides' pipeline stages must "
+                    "split the layers alike (stage q loads from stage q)"
+                )
+            if stages is not None:
+                stage = stages[self.pp_rank]
+                if not isinstance(stage, dict) or not isinstance(stage.get("ranks"), list) or not isinstance(stage.get("shape"), dict):
+                    raise ValueError(f"the handoff's stage {self.pp_rank} is not an object of ranks and shape")
+                h = dict(h, ranks=stage["ranks"], shape=stage["shape"], tp=len(stage["ranks"]))
         ranks = h.get("ranks") or [{k: h[k] for k in RANK_KEYS if k in h}]
         theirs = h.get("shape") or {}
         mine = self._shape or {}
@@ -851,7 +916,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                 ]
             # The request as that prefill rank published it (tensor-parallel prefill ranks
             # publish under their rank; a handoff of the first release carries no "ranks").
-            part["request"] = f"{h['request']}#tp{read.producer_rank}" if h.get("ranks") else h["request"]
+            where = f"pp{self.pp_rank}tp{read.producer_rank}" if stages is not None else f"tp{read.producer_rank}"
+            part["request"] = f"{h['request']}#{where}" if h.get("ranks") else h["request"]
             out.append((part, read))
         return out
 
@@ -922,7 +988,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             if self.producer is not None:
                 while (f := self.producer.next_freed()) is not None:
                     name = f[0]
-                    suffix = f"#tp{self.rank}"
+                    suffix = f"#{self._where}"
                     self._freed_unreported.add(name[: -len(suffix)] if name.endswith(suffix) else name)
                 ready = self._freed_unreported & self._finished_seen
                 sending |= ready
