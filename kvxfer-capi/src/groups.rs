@@ -5,11 +5,12 @@
 
 use std::ffi::c_char;
 
-use kvxfer_core::connector::{Grant, Handoff, KvCaches, GRANT_LEN};
+use kvxfer_core::connector::{ConnectorConfig, Handoff, KvCaches, KvConnector};
 
 use crate::connector::{caches_of, config_of};
 use crate::error::{fail, guard, Fail};
-use crate::ffi::{handle, new_handle, null, put, try_cstr, try_slice};
+use crate::ffi::{handle, new_handle, null, try_slice};
+use crate::handoff::{grant_of, publish_groups};
 use crate::tp::kvx_tp_read;
 use crate::{
     kvx_cache_tensor, kvx_connector, kvx_connector_config, kvx_consumer, kvx_layout, kvx_producer,
@@ -86,20 +87,17 @@ pub unsafe extern "C" fn kvx_connector_producer_groups(
     cfg: *const kvx_connector_config,
     out: *mut *mut kvx_producer,
 ) -> kvx_status {
-    guard("kvx_connector_producer_groups", || {
-        let c = handle(c, "connector")?;
-        if out.is_null() {
-            return Err(null("out"));
-        }
-        // SAFETY: per this function's contract.
-        let groups = unsafe { groups_of(layouts, tensors, n, cuda_device) }?;
-        // SAFETY: cfg NULL or valid.
-        let cfg = config_of(unsafe { cfg.as_ref() })?;
-        let p = kvx_producer::new(c.inner.producer_groups(&groups, &cfg)?);
-        // SAFETY: out valid.
-        unsafe { *out = new_handle(p) };
-        Ok(())
-    })
+    let what = (layouts, tensors, n, cuda_device, cfg);
+    // SAFETY: per this function's contract, which `side_of_groups` states.
+    unsafe {
+        side_of_groups(
+            "kvx_connector_producer_groups",
+            c,
+            what,
+            out,
+            |k, g, cfg| Ok(kvx_producer::new(k.producer_groups(g, cfg)?)),
+        )
+    }
 }
 
 /// As `kvx_connector_producer_groups`, for the decode side.
@@ -116,7 +114,40 @@ pub unsafe extern "C" fn kvx_connector_consumer_groups(
     cfg: *const kvx_connector_config,
     out: *mut *mut kvx_consumer,
 ) -> kvx_status {
-    guard("kvx_connector_consumer_groups", || {
+    let what = (layouts, tensors, n, cuda_device, cfg);
+    // SAFETY: per this function's contract, which `side_of_groups` states.
+    unsafe {
+        side_of_groups(
+            "kvx_connector_consumer_groups",
+            c,
+            what,
+            out,
+            |k, g, cfg| Ok(kvx_consumer::new(k.consumer_groups(g, cfg)?)),
+        )
+    }
+}
+
+/// What both `_groups` constructors take: layouts, tensors, groups, CUDA device, config.
+type GroupsArgs = (
+    *const kvx_layout,
+    *const *const kvx_cache_tensor,
+    usize,
+    i32,
+    *const kvx_connector_config,
+);
+
+/// The body of both: the caches of every group, the config, and `make` over them.
+///
+/// # Safety
+/// As [`kvx_connector_producer_groups`].
+unsafe fn side_of_groups<T: crate::ffi::Kind>(
+    name: &str,
+    c: *const kvx_connector,
+    (layouts, tensors, n, cuda_device, cfg): GroupsArgs,
+    out: *mut *mut T,
+    make: impl FnOnce(&dyn KvConnector, &[KvCaches], &ConnectorConfig) -> Result<T, Fail>,
+) -> kvx_status {
+    guard(name, || {
         let c = handle(c, "connector")?;
         if out.is_null() {
             return Err(null("out"));
@@ -125,9 +156,9 @@ pub unsafe extern "C" fn kvx_connector_consumer_groups(
         let groups = unsafe { groups_of(layouts, tensors, n, cuda_device) }?;
         // SAFETY: cfg NULL or valid.
         let cfg = config_of(unsafe { cfg.as_ref() })?;
-        let k = kvx_consumer::new(c.inner.consumer_groups(&groups, &cfg)?);
+        let side = make(&*c.inner, &groups, &cfg)?;
         // SAFETY: out valid.
-        unsafe { *out = new_handle(k) };
+        unsafe { *out = new_handle(side) };
         Ok(())
     })
 }
@@ -155,34 +186,28 @@ pub unsafe extern "C" fn kvx_producer_publish_groups(
     out_len: *mut usize,
 ) -> kvx_status {
     guard("kvx_producer_publish_groups", || {
-        let p = handle(p, "producer")?;
-        let r = try_cstr!(request, "request");
         let grant = if grant.is_null() {
             None
         } else {
-            let g = try_slice!(grant, grant_len, "grant");
-            Some(Grant(<[u8; GRANT_LEN]>::try_from(g).map_err(|_| {
-                fail(
-                    kvx_status::KVX_INVALID_ARGUMENT,
-                    format!("a grant is {GRANT_LEN} bytes, not {grant_len}"),
-                )
-            })?))
+            // SAFETY: valid for `grant_len` per the contract.
+            Some(unsafe { grant_of(grant, grant_len) }?)
         };
         // SAFETY: per this function's contract.
         let b = unsafe { lists(blocks, counts, n) }?;
-        if out_len.is_null() {
-            return Err(null("out_len"));
-        }
-        let h = p
-            .inner
-            .publish_groups(r, &b, tokens, layers_done as usize, grant)?;
-        let bytes = h.encode();
-        // A too-small buffer leaves nothing published.
-        if bytes.len() > cap {
-            p.inner.abort(r);
-        }
         // SAFETY: as above.
-        unsafe { put(&bytes, buf, cap, out_len) }
+        unsafe {
+            publish_groups(
+                p,
+                request,
+                grant,
+                &b,
+                tokens,
+                layers_done,
+                buf,
+                cap,
+                out_len,
+            )
+        }
     })
 }
 

@@ -68,19 +68,14 @@ pub unsafe extern "C" fn kvx_producer_publish_granted(
     out_len: *mut usize,
 ) -> kvx_status {
     guard("kvx_producer_publish_granted", || {
-        let g = try_slice!(grant, grant_len, "grant");
-        let g = <[u8; GRANT_LEN]>::try_from(g).map_err(|_| {
-            fail(
-                kvx_status::KVX_INVALID_ARGUMENT,
-                format!("a grant is {GRANT_LEN} bytes, not {grant_len}"),
-            )
-        })?;
+        // SAFETY: valid for `grant_len` per the contract.
+        let g = unsafe { grant_of(grant, grant_len) }?;
         // SAFETY: as above.
         unsafe {
             publish(
                 p,
                 request,
-                Some(Grant(g)),
+                Some(g),
                 blocks,
                 n,
                 tokens,
@@ -90,6 +85,20 @@ pub unsafe extern "C" fn kvx_producer_publish_granted(
                 out_len,
             )
         }
+    })
+}
+
+/// The grant at `grant` (`len` must be 16).
+///
+/// # Safety
+/// `grant` valid for `len` bytes (NULL with `len` 0 is refused as too short).
+pub(crate) unsafe fn grant_of(grant: *const u8, len: usize) -> Result<Grant, Fail> {
+    let g = try_slice!(grant, len, "grant");
+    <[u8; GRANT_LEN]>::try_from(g).map(Grant).map_err(|_| {
+        fail(
+            kvx_status::KVX_INVALID_ARGUMENT,
+            format!("a grant is {GRANT_LEN} bytes, not {len}"),
+        )
     })
 }
 
@@ -110,17 +119,47 @@ unsafe fn publish(
     cap: usize,
     out_len: *mut usize,
 ) -> Result<(), Fail> {
+    let b = try_slice!(blocks, n, "blocks");
+    // SAFETY: as above.
+    unsafe {
+        publish_groups(
+            p,
+            request,
+            grant,
+            &[b],
+            tokens,
+            layers_done,
+            buf,
+            cap,
+            out_len,
+        )
+    }
+}
+
+/// Publishes `blocks` (per cache group) and writes the handoff to `buf`.
+///
+/// # Safety
+/// `p` live; `request` NUL-terminated; `buf` valid for `cap`; `out_len` valid.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn publish_groups(
+    p: *const kvx_producer,
+    request: *const c_char,
+    grant: Option<Grant>,
+    blocks: &[&[u32]],
+    tokens: u64,
+    layers_done: u32,
+    buf: *mut u8,
+    cap: usize,
+    out_len: *mut usize,
+) -> Result<(), Fail> {
     let p = handle(p, "producer")?;
     let r = try_cstr!(request, "request");
-    let b = try_slice!(blocks, n, "blocks");
     if out_len.is_null() {
         return Err(null("out_len"));
     }
-    let layers_done = layers_done as usize;
-    let h = match grant {
-        Some(g) => p.inner.publish_granted(r, b, tokens, layers_done, g),
-        None => p.inner.publish(r, b, tokens, layers_done),
-    }?;
+    let h = p
+        .inner
+        .publish_groups(r, blocks, tokens, layers_done as usize, grant)?;
     let bytes = h.encode();
     // A too-small buffer leaves nothing published.
     if bytes.len() > cap {

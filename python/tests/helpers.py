@@ -327,6 +327,20 @@ def start_loads(worker_, sched_out):
     worker_.clear_connector_metadata()
 
 
+def sent(worker_, req, timeout=30):
+    """Whether the prefill worker `worker_` reports `req` sent (its blocks freed) within
+    `timeout` seconds."""
+    import time
+
+    end = time.time() + timeout
+    while time.time() < end:
+        got, _ = worker_.get_finished({req})
+        if got and req in got:
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def received(worker_, want, timeout=30):
     """The requests `worker_` reports received (get_finished) until `want` are all among them
     or `timeout` seconds pass."""

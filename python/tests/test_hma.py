@@ -74,16 +74,7 @@ def test_each_group_moves_its_own_blocks_and_the_window_only_its_window():
     want = (len(full_local) + len(window_local)) * len(full) * block
     assert st["bytes_moved"] == want, (st, want)
     # The prefill side frees both groups' blocks on the acknowledgement.
-    sent = set()
-    for _ in range(300):
-        got, _ = pre.get_finished({"hma-1"})
-        sent |= got or set()
-        if "hma-1" in sent:
-            break
-        import time
-
-        time.sleep(0.01)
-    assert "hma-1" in sent
+    assert h.sent(pre, "hma-1")
     dec.shutdown()
     pre.shutdown()
 

@@ -72,16 +72,7 @@ def test_stage_q_loads_from_stage_q():
         assert w.get_kv_connector_stats().data["bytes_moved"] == len(local) * block
     # Every prefill stage frees on its acknowledgement.
     for w in pre:
-        sent = set()
-        for _ in range(300):
-            got, _ = w.get_finished({"pp-1"})
-            sent |= got or set()
-            if sent:
-                break
-            import time
-
-            time.sleep(0.01)
-        assert "pp-1" in sent
+        assert h.sent(w, "pp-1")
     for w in dec + pre:
         w.shutdown()
 

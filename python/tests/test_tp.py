@@ -26,6 +26,21 @@ TOKENS = 70  # 5 blocks of 16
 
 
 
+def _load_on_every_rank(workers, out, req):
+    """A scheduled step's loads started on every decode rank, each waited for."""
+    for w in workers:
+        h.start_loads(w, out)
+    end = time.time() + 60
+    done = set()
+    while time.time() < end and len(done) < len(workers):
+        for rank, w in enumerate(workers):
+            _, rv = w.get_finished(set())
+            if rv and req in rv:
+                done.add(rank)
+        time.sleep(0.01)
+    assert done == set(range(len(workers))), f"ranks {done} of {len(workers)} received"
+
+
 def _truth(seed):
     """The model's KV per layer, every head: [blocks, KV_HEADS, BLOCK, 2*HEAD] bf16 bits."""
     g = torch.Generator().manual_seed(seed)
@@ -99,19 +114,7 @@ def test_tensor_parallel_handoff_both_layouts(ptp, dtp):
         assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         local = out.kv_connector_metadata.loads[r.request_id][1][0]
         assert len(local) == len(remote_blocks) == 5
-        for w, _, _ in ranks:
-            w.bind_connector_metadata(out.kv_connector_metadata)
-            w.start_load_kv(None)
-            w.clear_connector_metadata()
-        done = set()
-        end = time.time() + 60
-        while time.time() < end and len(done) < dtp:
-            for rank, (w, _, _) in enumerate(ranks):
-                _, rv = w.get_finished(set())
-                if rv and r.request_id in rv:
-                    done.add(rank)
-            time.sleep(0.01)
-        assert done == set(range(dtp)), f"{layout}: ranks {done} of {dtp} received"
+        _load_on_every_rank([w for w, _, _ in ranks], out, r.request_id)
         per_head_block = h.BLOCK * 2 * h.HEAD * 2
         for rank, (w, _, caches) in enumerate(ranks):
             assert w.get_block_ids_with_load_errors() == set(), (layout, rank)
@@ -261,19 +264,7 @@ def test_mla_caches_move_whole_from_one_prefill_rank_per_decode_rank(ptp, dtp):
     assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     local = out.kv_connector_metadata.loads[r.request_id][1][0]
     assert len(local) == len(remote_blocks) == 5
-    for w, _, _ in ranks:
-        w.bind_connector_metadata(out.kv_connector_metadata)
-        w.start_load_kv(None)
-        w.clear_connector_metadata()
-    done = set()
-    end = time.time() + 60
-    while time.time() < end and len(done) < dtp:
-        for rank, (w, _, _) in enumerate(ranks):
-            _, rv = w.get_finished(set())
-            if rv and r.request_id in rv:
-                done.add(rank)
-        time.sleep(0.01)
-    assert done == set(range(dtp)), f"ranks {done} of {dtp} received"
+    _load_on_every_rank([w for w, _, _ in ranks], out, r.request_id)
     block_bytes = h.BLOCK * h.MLA_LATENT * 2
     for rank, (w, _, caches) in enumerate(ranks):
         assert w.get_block_ids_with_load_errors() == set(), rank
