@@ -52,8 +52,11 @@ pub struct Resized {
     pub local_blocks: Vec<u32>,
     /// Blocks per tensor of the producer's cache, in blocks of the smaller size.
     pub remote_num_blocks: u64,
-    /// The producer's blocks, in blocks of the smaller size.
+    /// The producer's blocks paired with `local_blocks`, in blocks of the smaller size.
     pub remote_blocks: Vec<u32>,
+    /// The producer's blocks before those (the consumer's cached prefix) that it holds, in
+    /// blocks of the smaller size.
+    pub remote_cached: u64,
 }
 
 /// A load of a `tokens`-token request from a producer of `producer_bt`-token blocks
@@ -83,27 +86,17 @@ pub fn resize(
     }
     let (rc, rp) = (c / small, p / small);
     let total = tokens.div_ceil(small);
-    let expand = |blocks: &[u32], r: u64, skip: u64| -> Result<Vec<u32>, String> {
-        let mut out = Vec::with_capacity(blocks.len() * r as usize);
-        for &b in blocks {
-            for i in 0..r {
-                out.push(if b == NO_BLOCK {
-                    NO_BLOCK
-                } else {
-                    u32::try_from(u64::from(b) * r + i)
-                        .ok()
-                        .filter(|&x| x != NO_BLOCK)
-                        .ok_or_else(|| format!("{both}: block {b} is out of range"))?
-                });
-            }
+    let piece = |b: u32, r: u64, i: u64| -> Result<u32, String> {
+        if b == NO_BLOCK {
+            return Ok(NO_BLOCK);
         }
-        // Only the request's tokens: the last block of the larger size may hold fewer.
-        let keep = total.saturating_sub(skip).min(out.len() as u64) as usize;
-        out.truncate(keep);
-        Ok(out)
+        u32::try_from(u64::from(b) * r + i)
+            .ok()
+            .filter(|&x| x != NO_BLOCK)
+            .ok_or_else(|| format!("{both}: block {b} is out of range"))
     };
     // The consumer's blocks are its last ones of the request: they start where its cached
-    // prefix ends, in blocks of the smaller size.
+    // prefix ends, in blocks of the smaller size; the last may hold fewer tokens.
     let mine = tokens.div_ceil(c);
     let cached = mine.checked_sub(local_blocks.len() as u64).ok_or_else(|| {
         format!(
@@ -111,8 +104,37 @@ pub fn resize(
             local_blocks.len()
         )
     })?;
-    let local_blocks = expand(local_blocks, rc, cached * rc)?;
-    let remote_blocks = expand(remote, rp, 0)?;
+    let keep = total.saturating_sub(cached * rc);
+    let mut local_sub = Vec::new();
+    'out: for &b in local_blocks {
+        for i in 0..rc {
+            if local_sub.len() as u64 == keep {
+                break 'out;
+            }
+            local_sub.push(piece(b, rc, i)?);
+        }
+    }
+    // Only the producer's pieces that pair with those: the last of the request's. Sized by
+    // the consumer's list, never by the handoff's (a client's) token count or block list.
+    let start = total - local_sub.len() as u64;
+    let mut remote_blocks = Vec::with_capacity(local_sub.len());
+    for s in start..total {
+        let b = remote.get((s / rp) as usize).copied().ok_or_else(|| {
+            format!(
+                "{both}: {} blocks published for a request of {tokens} tokens",
+                remote.len()
+            )
+        })?;
+        remote_blocks.push(piece(b, rp, s % rp)?);
+    }
+    let remote_cached = remote
+        .iter()
+        .enumerate()
+        .take_while(|&(j, _)| (j as u64) * rp < start)
+        .filter(|&(_, &b)| b != NO_BLOCK)
+        .map(|(j, _)| rp.min(start - j as u64 * rp))
+        .sum();
+    let local_blocks = local_sub;
     let view = KvLayout {
         block_tokens: small,
         num_blocks: local
@@ -126,6 +148,7 @@ pub fn resize(
         local_blocks,
         remote_num_blocks: remote_num_blocks.saturating_mul(rp),
         remote_blocks,
+        remote_cached,
     })
 }
 
@@ -170,23 +193,29 @@ mod tests {
         let r = resize(&here, 16, 70, &[6, 2], &[3, 9, 4, 7, 5], 10).unwrap();
         assert_eq!((r.local.block_tokens, r.local.num_blocks), (16, 16));
         assert_eq!(r.local_blocks, [12, 13, 4]); // 5 was past token 70
-        assert_eq!(r.remote_blocks, [3, 9, 4, 7, 5]);
-        assert_eq!(r.remote_num_blocks, 10);
+        assert_eq!(r.remote_blocks, [4, 7, 5]);
+        assert_eq!((r.remote_num_blocks, r.remote_cached), (10, 2));
         // The reverse: 32-token producer blocks [1, 5, 3], 16-token consumer blocks, the first
         // two cached.
         let here = layout(16, 8, KvOrder::Nhd);
         let r = resize(&here, 32, 70, &[7, 0, 4], &[1, 5, 3], 6).unwrap();
         assert_eq!(r.local_blocks, [7, 0, 4]);
-        assert_eq!(r.remote_blocks, [2, 3, 10, 11, 6]);
+        assert_eq!(r.remote_blocks, [10, 11, 6]);
         assert_eq!((r.local.block_tokens, r.remote_num_blocks), (16, 12));
+        assert_eq!(r.remote_cached, 2);
         // Slots nobody holds stay so.
         let r = resize(&here, 32, 64, &[n, 7, 8], &[n, 5], 6).unwrap();
-        assert_eq!(r.remote_blocks, [n, n, 10, 11]);
+        assert_eq!((r.remote_blocks, r.remote_cached), (vec![n, 10, 11], 0));
+        // A handoff naming more tokens than its blocks hold is refused, and a huge count makes
+        // nothing large: the work is sized by the consumer's own list.
+        let e = resize(&here, 32, 1 << 40, &[7, 8], &[1, 2], 6).unwrap_err();
+        assert!(e.contains("2 blocks published for a request of"), "{e}");
         // The token-level check: in the smaller size, token t is block t / 16 of both lists'
         // (aligned at the end) on both sides. Checked through the descriptors of a whole request.
         let big = layout(32, 4, KvOrder::Nhd);
         let small = layout(16, 8, KvOrder::Nhd);
         let r = resize(&big, 16, 64, &[1, 3], &[0, 2, 4, 6], 8).unwrap();
+        assert_eq!(r.remote_blocks, [0, 2, 4, 6]);
         let mine = r.local.descs(&r.local_blocks, 0..2, 0..2).unwrap();
         let theirs = small.descs(&r.remote_blocks, 0..2, 0..2).unwrap();
         let tok = big.block_bytes() / 32;

@@ -104,7 +104,7 @@ pub(crate) fn plan_groups(
             return Err(named(g, Error::InvalidArgument("no such group".into())));
         };
         // Another block size on the producer: both sides in blocks of the smaller one.
-        let (mut mine, mut view) = (mine.to_vec(), None);
+        let (mut mine, mut view, mut cached) = (mine.to_vec(), None, None);
         let bt = producer_block_tokens(layout, hg.kv_heads, hg.compat);
         if let Some(bt) = bt.filter(|&bt| bt != layout.block_tokens) {
             if h.mode == Mode::Push {
@@ -133,7 +133,7 @@ pub(crate) fn plan_groups(
             hg.compat = theirs.compat_hash();
             (hg.blocks, hg.num_blocks, mine) =
                 (r.remote_blocks, r.remote_num_blocks, r.local_blocks);
-            view = Some(r.local);
+            (view, cached) = (Some(r.local), Some(r.remote_cached));
         }
         let layout = view.as_ref().unwrap_or(layout);
         let mine = &mine[..];
@@ -156,7 +156,9 @@ pub(crate) fn plan_groups(
             spec
         };
         let (remote, heads) = load_plan(layout, cfg, spec, &hg, &local).map_err(|e| named(g, e))?;
-        let cached = held(&hg.blocks[..hg.blocks.len() - mine.len()]).count() as u64;
+        // The producer's held blocks before the ones paired (the consumer's cached prefix).
+        let cached = cached
+            .unwrap_or_else(|| held(&hg.blocks[..hg.blocks.len() - mine.len()]).count() as u64);
         let per_block =
             layout.block_bytes() * layout.tensors_per_layer() as u64 * layout.layers.len() as u64;
         out.push(GroupLoad {
