@@ -716,8 +716,6 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             groups.append((layout, lbases, tensors, bases, compat))
         self.num_layers = sum(len(g) for g in group_names)
         self.num_groups = len(groups)
-        self._group_block_sizes = [sh["bs"] for sh in shapes]
-        self.layout, self.bases = groups[0][0], groups[0][1]
         cfg = kx.config_struct(lease_ms=int(ex.get("lease_ms", 0)), budget_bytes=budget)
         # Through the connector traits (kvx_connector): the tensors lie in the regions just
         # registered, which the agent's connector uses as they are.

@@ -341,6 +341,29 @@ def sent(worker_, req, timeout=30):
     return False
 
 
+def refused_load(params, req, tokens, words):
+    """A one-rank decode engine (one KV cache group, TP 1, PP 1) given `params`: the plan of
+    the load raises ValueError naming every one of `words`, the request ends received with all
+    its blocks reported invalid, and nothing is written."""
+    import json
+
+    dec, dcaches, vd, dkv = decode_worker({"transport": "tcp", "net_devices": "lo"}, f"refuse-{req}-{os.getpid()}")
+    sd = scheduler(vd, dkv)
+    sd.add_request(request(req, tokens, dict(params), max_tokens=2))
+    out = sd.schedule()
+    local = out.kv_connector_metadata.loads[req][1][0]
+    try:
+        dec._plan_load(json.loads(params["kvxfer_handoff"]), True)
+        raise AssertionError(f"{req}: the load was planned")
+    except ValueError as e:
+        assert all(w in str(e) for w in words), (words, str(e))
+    start_loads(dec, out)
+    assert req in received(dec, {req})
+    assert dec.get_block_ids_with_load_errors() == set(local) and local
+    assert torch.count_nonzero(torch.stack([t.view(torch.int16) for t in dcaches.values()])) == 0
+    dec.shutdown()
+
+
 def received(worker_, want, timeout=30):
     """The requests `worker_` reports received (get_finished) until `want` are all among them
     or `timeout` seconds pass."""

@@ -83,21 +83,7 @@ def test_a_decode_side_of_one_group_refuses_a_handoff_of_two():
     """Caches of other group counts hold different models: refused before anything moves,
     naming both, and the request's blocks are reported invalid."""
     pre, _, params = _handoff("hma-mix", "hma-2")
-    dec, dcaches, vd, dkv = h.decode_worker(EXTRA, f"hma-mix-dec-{os.getpid()}")
-    sd = h.scheduler(vd, dkv)
-    sd.add_request(h.request("hma-mix-dec", TOKENS, dict(params), max_tokens=2))
-    out = sd.schedule()
-    local = out.kv_connector_metadata.loads["hma-mix-dec"][1][0]
-    try:
-        dec._plan_load(json.loads(params["kvxfer_handoff"]), True)
-        raise AssertionError("a two-group handoff planned on a one-group cache")
-    except ValueError as e:
-        assert "2 and 1 KV cache groups" in str(e), str(e)
-    h.start_loads(dec, out)
-    assert "hma-mix-dec" in h.received(dec, {"hma-mix-dec"})
-    assert dec.get_block_ids_with_load_errors() == set(local)
-    assert torch.count_nonzero(torch.stack([t.view(torch.int16) for t in dcaches.values()])) == 0
-    dec.shutdown()
+    h.refused_load(params, "hma-mix-dec", TOKENS, ["2 and 1 KV cache groups"])
     pre.shutdown()
 
 
