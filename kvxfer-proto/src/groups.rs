@@ -102,11 +102,6 @@ impl CacheGroups {
         Ok(CacheGroups { layouts, layers })
     }
 
-    /// One group of `layout`.
-    pub fn one(layout: KvLayout) -> Result<CacheGroups> {
-        CacheGroups::new(vec![layout])
-    }
-
     /// Every group's layout.
     pub fn layouts(&self) -> &[KvLayout] {
         &self.layouts
@@ -131,11 +126,6 @@ impl CacheGroups {
     pub fn locate(&self, layer: usize) -> Option<(usize, &KvLayout, usize)> {
         let (g, l) = self.layers.locate(layer)?;
         Some((g, &self.layouts[g], l))
-    }
-
-    /// The layer numbering.
-    pub fn layers(&self) -> &GroupLayers {
-        &self.layers
     }
 
     /// Bytes one block id of group `g` stands for: its tensors in every layer of the group.
