@@ -15,6 +15,7 @@ pub mod acceptor;
 pub mod block_size;
 pub mod compress;
 pub mod connector;
+pub mod copy_batch;
 pub mod descriptor;
 pub mod error;
 pub mod grants;
