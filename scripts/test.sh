@@ -56,6 +56,9 @@ echo "== UCX: Debian libucx-dev (default)"
   # No import cycle between files, no file over 800 lines of non-test code, and the pure
   # crate built and tested without pkg-config or libclang.
   scripts/check-structure.sh
+  # The checked-in PTX is what its CUDA source compiles to (NVRTC 12.0 from PyPI) and
+  # assembles with ptxas for sm_80 and sm_90: no GPU or CUDA toolkit needed.
+  python3 scripts/gen-ptx.py --check
   # The public API, listed from rustdoc's JSON, against the committed docs/api/*.txt: any
   # change of it shows in a diff (scripts/api.sh writes the listing anew).
   scripts/api.sh --check

@@ -105,6 +105,7 @@ fn both_ways(t: Transport) {
     let data = random(1, len);
     da.write(xa, &data).unwrap();
     let copies0 = da.copies();
+    let (sub_a, sub_b) = (da.submissions(), db.submissions());
 
     // Device → device WRITE, scattered and reversed on the peer, with a notification.
     let l = a.prep_local(&descs(&ra, false)).unwrap();
@@ -124,6 +125,17 @@ fn both_ways(t: Transport) {
     assert!(
         da.copies() > copies0,
         "the initiator's copy engine was not used"
+    );
+    // One submission per staging chunk on each side (a gather into the chunk, a scatter out
+    // of it), not one per block slice: 40 blocks of 48 KiB fill 30 chunks of 64 KiB, cut
+    // into 60 slices (every 192 KiB, 4 blocks in 3 chunks make 6).
+    let chunks = NB * BS / CHUNK as u64;
+    assert_eq!(da.copies() - copies0, 60, "slices gathered");
+    assert_eq!(da.submissions() - sub_a, chunks, "the sender's submissions");
+    assert_eq!(
+        db.submissions() - sub_b,
+        chunks,
+        "the receiver's submissions"
     );
 
     // Device → host WRITE (the peer's host region), then host → device READ back into a

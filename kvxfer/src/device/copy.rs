@@ -51,6 +51,41 @@ pub trait CopyQueue: Send {
     unsafe fn to_device(&mut self, src: *const u8, dst: u64, len: usize) -> Result<()>;
     /// Waits until every queued copy is done; the first failure among them is returned.
     fn sync(&mut self) -> Result<()>;
+
+    /// Queues a gather: `pieces` (device address, length), in order, into the host buffer at
+    /// `dst`, back to back. Engines that batch make it one submission (the CUDA engine: one
+    /// launch of the copy kernel writing into the pinned chunk); this default is a copy a
+    /// piece.
+    ///
+    /// # Safety
+    /// Every piece is device memory of the queue's device; `dst` is writable host memory of
+    /// the pieces' lengths added up, that nothing else reads or writes until `sync` returns
+    /// (the staging pools' chunks, pinned by the same engine).
+    unsafe fn gather_to_host(&mut self, pieces: &[(u64, u64)], dst: *mut u8) -> Result<()> {
+        let mut at = 0usize;
+        for &(src, len) in pieces {
+            // SAFETY: the caller's contract, piece by piece; `at` stays inside `dst`.
+            unsafe { self.to_host(src, dst.add(at), len as usize)? };
+            at += len as usize;
+        }
+        Ok(())
+    }
+
+    /// Queues a scatter, the reverse of [`gather_to_host`](Self::gather_to_host): the host
+    /// bytes at `src`, back to back, into `pieces` of device memory.
+    ///
+    /// # Safety
+    /// Every piece is device memory of the queue's device that nothing else uses until `sync`
+    /// returns; `src` holds the pieces' lengths added up and is not written until then.
+    unsafe fn scatter_to_device(&mut self, src: *const u8, pieces: &[(u64, u64)]) -> Result<()> {
+        let mut at = 0usize;
+        for &(dst, len) in pieces {
+            // SAFETY: as in gather_to_host.
+            unsafe { self.to_device(src.add(at), dst, len as usize)? };
+            at += len as usize;
+        }
+        Ok(())
+    }
 }
 
 /// "Device" memory that is host memory: device addresses are host pointers the caller keeps

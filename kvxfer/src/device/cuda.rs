@@ -64,21 +64,29 @@ fn cuda_err(device: u32, what: &str, e: cudarc::driver::DriverError) -> Error {
     }
 }
 
-/// Idle streams per device, reused by later queues.
-type StreamPool = std::sync::Arc<
-    std::sync::Mutex<std::collections::HashMap<u32, Vec<std::sync::Arc<CudaStream>>>>,
->;
+/// An idle stream and its copy table, reused by a later queue of the same device.
+type Idle = (PriorityStream, Option<Table>);
+/// Idle streams per device.
+type StreamPool = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<u32, Vec<Idle>>>>;
 
-/// The CUDA copy engine: device-to-host and host-to-device copies on a non-blocking stream per
-/// transfer (streams are pooled and reused), staging chunks page-locked with
-/// `cuMemHostRegister`.
+/// The CUDA copy engine: copies between device and host memory on a stream of the highest
+/// priority per transfer (streams are pooled and reused), staging chunks page-locked with
+/// `cuMemHostRegister` and mapped for the device. A gather into a chunk or a scatter out of
+/// it is one launch of the copy kernel (`cuda_batch`), whatever the number of blocks.
 #[derive(Debug, Default)]
 pub struct CudaCopyEngine {
     ctxs: std::sync::Mutex<std::collections::HashMap<u32, std::sync::Arc<CudaContext>>>,
     streams: StreamPool,
+    /// The copy kernel per device, or why it could not be loaded (then gathers are a copy a
+    /// piece, said once in the log).
+    kernels:
+        std::sync::Mutex<std::collections::HashMap<u32, std::result::Result<Arc<Kernel>, String>>>,
 }
 
-use cudarc::driver::{sys, CudaContext, CudaStream};
+use super::cuda_batch::{Kernel, PriorityStream, Table};
+use cudarc::driver::{sys, CudaContext};
+use kvxfer_proto::copy_batch::{batches, BatchLimits, CopyRange};
+use std::sync::Arc;
 
 impl CudaCopyEngine {
     /// An engine; contexts (the devices' primary contexts) are retained on first use.
@@ -96,26 +104,84 @@ impl CudaCopyEngine {
         g.insert(device, c.clone());
         Ok(c)
     }
+
+    fn kernel(&self, ctx: &Arc<CudaContext>, device: u32) -> Option<Arc<Kernel>> {
+        let mut g = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
+        let k = g.entry(device).or_insert_with(|| {
+            Kernel::load(ctx, device).map(Arc::new).map_err(|e| {
+                log::warn!(
+                    "kvxfer: the copy kernel did not load on device {device} ({e}): staged \
+                     chunks are gathered a copy per block"
+                );
+                e.to_string()
+            })
+        });
+        k.as_ref().ok().cloned()
+    }
 }
 
 struct CudaQueue {
     device: u32,
     ctx: std::sync::Arc<CudaContext>,
-    stream: std::sync::Arc<CudaStream>,
+    /// Some until drop hands it back to the pool.
+    stream: Option<PriorityStream>,
+    table: Option<Table>,
+    kernel: Option<Arc<Kernel>>,
     pool: StreamPool,
+}
+
+impl CudaQueue {
+    fn stream(&self) -> &PriorityStream {
+        self.stream.as_ref().expect("taken only in drop")
+    }
+
+    /// One launch per table of `copies` (device addresses on both sides), or None where the
+    /// kernel is not loaded.
+    ///
+    /// # Safety
+    /// As [`cuda_batch::launch`](super::cuda_batch::launch).
+    unsafe fn run(&mut self, copies: impl Iterator<Item = CopyRange>) -> Option<Result<()>> {
+        let kernel = self.kernel.clone()?;
+        let tables = match batches(copies, &BatchLimits::DEVICE) {
+            Ok(t) => t,
+            Err(e) => return Some(Err(Error::InvalidArgument(e.to_string()))),
+        };
+        for b in &tables {
+            let stream = self.stream.as_ref().expect("taken only in drop");
+            // SAFETY: the caller's contract.
+            if let Err(e) = unsafe {
+                super::cuda_batch::launch(&kernel, stream, &mut self.table, self.device, b)
+            } {
+                return Some(Err(e));
+            }
+        }
+        Some(Ok(()))
+    }
+
+    /// The device address of a pinned chunk `p`, or None (then a copy a piece).
+    fn mapped(&self, p: *mut u8) -> Option<u64> {
+        self.kernel.as_ref()?;
+        super::cuda_batch::mapped(&self.ctx, self.device, p).ok()
+    }
 }
 
 impl Drop for CudaQueue {
     fn drop(&mut self) {
         // Copies still queued write into or read from host memory the caller is about to
         // reuse: wait for them; a stream in an error state is not reused.
-        if self.stream.synchronize().is_ok() {
+        let Some(stream) = self.stream.take() else {
+            return;
+        };
+        if stream.sync(self.device).is_ok() {
+            if let Some(t) = self.table.as_mut() {
+                t.busy = false;
+            }
             self.pool
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .entry(self.device)
                 .or_default()
-                .push(self.stream.clone());
+                .push((stream, self.table.take()));
         }
     }
 }
@@ -127,7 +193,7 @@ impl crate::device::copy::CopyQueue for CudaQueue {
             .map_err(|e| cuda_err(self.device, "cuCtxSetCurrent", e))?;
         // SAFETY: the trait's contract: src is device memory of this context, dst host memory
         // untouched until sync; the stream is live.
-        unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, self.stream.cu_stream()) }
+        unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, self.stream().raw) }
             .result()
             .map_err(|e| cuda_err(self.device, "cuMemcpyDtoHAsync", e))
     }
@@ -137,15 +203,59 @@ impl crate::device::copy::CopyQueue for CudaQueue {
             .bind_to_thread()
             .map_err(|e| cuda_err(self.device, "cuCtxSetCurrent", e))?;
         // SAFETY: as above.
-        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, self.stream.cu_stream()) }
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, self.stream().raw) }
             .result()
             .map_err(|e| cuda_err(self.device, "cuMemcpyHtoDAsync", e))
     }
 
     fn sync(&mut self) -> Result<()> {
-        self.stream
-            .synchronize()
-            .map_err(|e| cuda_err(self.device, "cuStreamSynchronize", e))
+        self.stream().sync(self.device)?;
+        if let Some(t) = self.table.as_mut() {
+            t.busy = false;
+        }
+        Ok(())
+    }
+
+    unsafe fn gather_to_host(&mut self, pieces: &[(u64, u64)], dst: *mut u8) -> Result<()> {
+        if let Some(base) = self.mapped(dst) {
+            let copies = pieces.iter().scan(base, |at, &(src, len)| {
+                let c = CopyRange { src, dst: *at, len };
+                *at += len;
+                Some(c)
+            });
+            // SAFETY: the trait's contract; dst is page-locked and mapped (`base`).
+            if let Some(r) = unsafe { self.run(copies) } {
+                return r;
+            }
+        }
+        let mut at = 0usize;
+        for &(src, len) in pieces {
+            // SAFETY: the trait's contract, piece by piece.
+            unsafe { self.to_host(src, dst.add(at), len as usize)? };
+            at += len as usize;
+        }
+        Ok(())
+    }
+
+    unsafe fn scatter_to_device(&mut self, src: *const u8, pieces: &[(u64, u64)]) -> Result<()> {
+        if let Some(base) = self.mapped(src.cast_mut()) {
+            let copies = pieces.iter().scan(base, |at, &(dst, len)| {
+                let c = CopyRange { src: *at, dst, len };
+                *at += len;
+                Some(c)
+            });
+            // SAFETY: as in gather_to_host.
+            if let Some(r) = unsafe { self.run(copies) } {
+                return r;
+            }
+        }
+        let mut at = 0usize;
+        for &(dst, len) in pieces {
+            // SAFETY: the trait's contract, piece by piece.
+            unsafe { self.to_device(src.add(at), dst, len as usize)? };
+            at += len as usize;
+        }
+        Ok(())
     }
 }
 
@@ -170,16 +280,17 @@ impl crate::device::copy::CopyEngine for CudaCopyEngine {
             .unwrap_or_else(|e| e.into_inner())
             .get_mut(&device)
             .and_then(Vec::pop);
-        let stream = match idle {
+        let (stream, table) = match idle {
             Some(s) => s,
-            None => ctx
-                .new_stream()
-                .map_err(|e| cuda_err(device, "cuStreamCreate", e))?,
+            None => (PriorityStream::new(&ctx, device)?, None),
         };
+        let kernel = self.kernel(&ctx, device);
         Ok(Box::new(CudaQueue {
             device,
             ctx,
-            stream,
+            stream: Some(stream),
+            table,
+            kernel,
             pool: self.streams.clone(),
         }))
     }
@@ -188,9 +299,11 @@ impl crate::device::copy::CopyEngine for CudaCopyEngine {
         let ctx = self.ctx(0)?;
         ctx.bind_to_thread()
             .map_err(|e| cuda_err(0, "cuCtxSetCurrent", e))?;
-        // SAFETY: the trait's contract: ptr..+len is host memory live until unpin. PORTABLE:
-        // pinned for every context, whichever device the copies run on.
-        unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
+        // PORTABLE: pinned for every context, whichever device the copies run on; DEVICEMAP:
+        // the copy kernel writes and reads it in place.
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: the trait's contract: ptr..+len is host memory live until unpin.
+        unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, flags) }
             .result()
             .map_err(|e| cuda_err(0, "cuMemHostRegister", e))
     }
@@ -221,5 +334,66 @@ mod tests {
             }
             Err(e) => panic!("untyped: {e}"),
         }
+    }
+
+    /// A gather of scattered pieces (aligned and not) into a pinned chunk and the scatter
+    /// back, each one launch, byte for byte; a skip without a GPU.
+    #[test]
+    fn gather_and_scatter_move_every_byte() {
+        use crate::device::copy::CopyEngine;
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        if let Err(e) = probe(0) {
+            eprintln!("SKIP (no GPU here): {e}");
+            return;
+        }
+        let engine = CudaCopyEngine::new();
+        let ctx = engine.ctx(0).unwrap();
+        let stream = ctx.default_stream();
+        let data: Vec<u8> = (0..1u32 << 20)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        let src = stream.memcpy_stod(&data).unwrap();
+        let mut back = stream.alloc_zeros::<u8>(data.len()).unwrap();
+        stream.synchronize().unwrap();
+        let (s0, _) = src.device_ptr(&stream);
+        let (b0, _) = back.device_ptr_mut(&stream);
+        // Blocks of 32 KiB at reversed slots, then odd lengths at odd offsets.
+        let mut pieces: Vec<(u64, u64)> = (0..16u64).rev().map(|k| (k * 32768, 32768)).collect();
+        pieces.extend([(600_001, 13), (700_003, 4099), (800_000, 1)]);
+        let total: u64 = pieces.iter().map(|p| p.1).sum();
+        let mut chunk = vec![0u8; total as usize];
+        // SAFETY: chunk lives until unpin below, after the queue is synced and dropped.
+        unsafe { engine.pin(chunk.as_mut_ptr(), chunk.len()) }.unwrap();
+        let mut q = engine.queue(0).unwrap();
+        let dev: Vec<(u64, u64)> = pieces.iter().map(|&(o, n)| (s0 + o, n)).collect();
+        // SAFETY: the pieces lie in `src`; the chunk holds their total and is pinned.
+        unsafe { q.gather_to_host(&dev, chunk.as_mut_ptr()) }.unwrap();
+        q.sync().unwrap();
+        let mut at = 0;
+        for &(o, n) in &pieces {
+            assert_eq!(
+                &chunk[at..at + n as usize],
+                &data[o as usize..(o + n) as usize]
+            );
+            at += n as usize;
+        }
+        let dev: Vec<(u64, u64)> = pieces.iter().map(|&(o, n)| (b0 + o, n)).collect();
+        // SAFETY: the pieces lie in `back`.
+        unsafe { q.scatter_to_device(chunk.as_ptr(), &dev) }.unwrap();
+        q.sync().unwrap();
+        drop(q);
+        // SAFETY: pinned above; no copy uses it now.
+        unsafe { engine.unpin(chunk.as_mut_ptr()) };
+        let got = stream.memcpy_dtov(&back).unwrap();
+        for &(o, n) in &pieces {
+            assert_eq!(
+                &got[o as usize..(o + n) as usize],
+                &data[o as usize..(o + n) as usize]
+            );
+        }
+        assert!(
+            engine.kernel(&ctx, 0).is_some(),
+            "the copy kernel did not load"
+        );
     }
 }

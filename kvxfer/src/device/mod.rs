@@ -5,6 +5,8 @@
 pub(crate) mod copy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_batch;
 pub(crate) mod sim;
 
 use std::sync::Arc;

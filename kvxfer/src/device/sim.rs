@@ -17,8 +17,10 @@ pub struct SimulatedDevice {
 #[derive(Debug, Default)]
 pub(crate) struct SimInner {
     pub(crate) allocs: RwLock<Vec<SimAlloc>>,
-    /// Copies queued (to_host + to_device), for tests.
+    /// Copies queued (pieces of every kind), for tests.
     copies: std::sync::atomic::AtomicU64,
+    /// Submissions: a single copy, or a whole gather or scatter (as one kernel launch).
+    submissions: std::sync::atomic::AtomicU64,
 }
 
 pub(crate) struct SimAlloc {
@@ -100,6 +102,21 @@ impl SimulatedDevice {
         self.inner.copies.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Submissions queued through the engine so far: one per single copy, one per gather or
+    /// scatter whatever its pieces (what a batching engine pays for).
+    pub fn submissions(&self) -> u64 {
+        self.inner
+            .submissions
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Counts one submission of `pieces` copies.
+    fn submitted(&self, pieces: usize) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.inner.copies.fetch_add(pieces as u64, Relaxed);
+        self.inner.submissions.fetch_add(1, Relaxed);
+    }
+
     /// This device's copy engine (for [`crate::AgentConfig::copy_engine`]).
     pub fn engine(&self) -> Arc<dyn CopyEngine> {
         Arc::new(self.clone())
@@ -111,22 +128,47 @@ struct SimQueue(SimulatedDevice);
 impl CopyQueue for SimQueue {
     unsafe fn to_host(&mut self, src: u64, dst: *mut u8, len: usize) -> Result<()> {
         let p = self.0.host_ptr(src, len)?;
-        self.0
-            .inner
-            .copies
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.0.submitted(1);
         // SAFETY: p..+len checked inside an allocation; dst valid per the trait contract.
         unsafe { std::ptr::copy_nonoverlapping(p, dst, len) };
         Ok(())
     }
     unsafe fn to_device(&mut self, src: *const u8, dst: u64, len: usize) -> Result<()> {
         let p = self.0.host_ptr(dst, len)?;
-        self.0
-            .inner
-            .copies
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.0.submitted(1);
         // SAFETY: as above.
         unsafe { std::ptr::copy_nonoverlapping(src, p, len) };
+        Ok(())
+    }
+    /// One submission: every piece is checked before any byte moves, as a launch's table is
+    /// built before the launch.
+    unsafe fn gather_to_host(&mut self, pieces: &[(u64, u64)], dst: *mut u8) -> Result<()> {
+        let ptrs = pieces
+            .iter()
+            .map(|&(a, n)| self.0.host_ptr(a, n as usize).map(|p| (p, n as usize)))
+            .collect::<Result<Vec<_>>>()?;
+        self.0.submitted(pieces.len());
+        let mut at = 0;
+        for (p, n) in ptrs {
+            // SAFETY: p..+n checked inside an allocation; dst holds the pieces back to back
+            // (the trait's contract).
+            unsafe { std::ptr::copy_nonoverlapping(p, dst.add(at), n) };
+            at += n;
+        }
+        Ok(())
+    }
+    unsafe fn scatter_to_device(&mut self, src: *const u8, pieces: &[(u64, u64)]) -> Result<()> {
+        let ptrs = pieces
+            .iter()
+            .map(|&(a, n)| self.0.host_ptr(a, n as usize).map(|p| (p, n as usize)))
+            .collect::<Result<Vec<_>>>()?;
+        self.0.submitted(pieces.len());
+        let mut at = 0;
+        for (p, n) in ptrs {
+            // SAFETY: as in gather_to_host, the other way.
+            unsafe { std::ptr::copy_nonoverlapping(src.add(at), p, n) };
+            at += n;
+        }
         Ok(())
     }
     fn sync(&mut self) -> Result<()> {

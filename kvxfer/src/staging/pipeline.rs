@@ -62,19 +62,30 @@ pub(crate) unsafe fn stream_device(
     let qc = |q: &mut Box<dyn CopyQueue>, k: usize| -> Result<()> {
         let (g, used) = &groups[k];
         let s = pair.slice(k % 2, *used);
-        for &(i, at, off, n) in g {
-            let dev = pieces[i].0 + at;
-            // SAFETY: dev..+n lies inside piece i, valid device memory (this function's
-            // contract); the chunk slice is held exclusively and not touched until sync.
-            unsafe {
-                if send {
-                    q.to_host(dev, s.as_mut_ptr().add(off), n)?;
-                } else {
-                    q.to_device(s.as_ptr().add(off), dev, n)?;
-                }
+        // The chunk's slices, back to back from its start (`cut_into_chunks` fills it in
+        // order): one gather or scatter, one submission where the engine batches.
+        debug_assert!(g
+            .iter()
+            .scan(0, |at, c| {
+                let ok = c.2 == *at;
+                *at += c.3;
+                Some(ok)
+            })
+            .all(|ok| ok));
+        let slices: Vec<(u64, u64)> = g
+            .iter()
+            .map(|&(i, at, _, n)| (pieces[i].0 + at, n as u64))
+            .collect();
+        // SAFETY: each slice lies inside its piece, valid device memory (this function's
+        // contract); the chunk slice holds their lengths added up (`used`), is held
+        // exclusively and is not touched until sync.
+        unsafe {
+            if send {
+                q.gather_to_host(&slices, s.as_mut_ptr())
+            } else {
+                q.scatter_to_device(s.as_ptr(), &slices)
             }
         }
-        Ok(())
     };
     let r = (|| -> Result<()> {
         if send {
