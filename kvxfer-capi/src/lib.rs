@@ -178,8 +178,8 @@ pub struct kvx_xfer_stats {
     pub post_ns: u64,
     /// Total time, ns.
     pub duration_ns: u64,
-    /// Lane: 0 UCX, 1 shared memory, 2 TCP stream; `UINT32_MAX` for a lane a newer library
-    /// added.
+    /// Lane: 0 UCX, 1 shared memory, 2 TCP stream, 3 device (same-host GPU memory opened
+    /// through CUDA IPC); `UINT32_MAX` for a lane a newer library added.
     pub lane: u32,
 }
 

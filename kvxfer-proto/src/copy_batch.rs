@@ -323,6 +323,9 @@ mod tests {
     }
 
     proptest! {
+        // Miri runs each case about a thousand times slower.
+        #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 6 } else { 256 }))]
+
         /// Every byte lands where the copies one after another would put it, each written
         /// once, and every table keeps the limits.
         #[test]

@@ -97,6 +97,8 @@ pub enum Lane {
     Shm,
     /// kvxfer's TCP stream lane.
     Tcp,
+    /// Same-host GPU memory opened through CUDA IPC, moved by batched device copies.
+    Device,
 }
 
 impl std::fmt::Display for Lane {
@@ -105,6 +107,7 @@ impl std::fmt::Display for Lane {
             Lane::Ucx => "ucx",
             Lane::Shm => "shm",
             Lane::Tcp => "tcp",
+            Lane::Device => "device",
         })
     }
 }

@@ -50,6 +50,48 @@ unsafe impl Sync for HostBuffer {}
 /// The seals of a host buffer's memory file: its size is fixed, for good.
 pub(crate) const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
 
+/// Checks a memory file a same-host peer handed over before it is mapped: a memfd (F_GET_SEALS
+/// fails on any other file) whose size is sealed (a mapping of it cannot fault past a shrunk
+/// end), owned by this user, of at least `len` bytes. `what` names it in the error.
+pub(crate) fn check_sealed_file(fd: &std::os::fd::OwnedFd, len: u64, what: &str) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: an all-zero stat is a valid value to be overwritten by fstat.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fd is open; st is a valid out pointer.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(Error::io(
+            format!("fstat {what}"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: fd is open; F_GET_SEALS takes no argument.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{what} is not a memory file (memfd): refused"
+        )));
+    }
+    if seals & SEALS != SEALS {
+        return Err(Error::InvalidArgument(format!(
+            "{what} is a memory file whose size is not sealed (seals {seals:#x}): refused"
+        )));
+    }
+    // SAFETY: geteuid has no preconditions.
+    if st.st_uid != unsafe { libc::geteuid() } {
+        return Err(Error::InvalidArgument(format!(
+            "{what} belongs to uid {}, not this process's: refused",
+            st.st_uid
+        )));
+    }
+    if (st.st_size as u64) < len {
+        return Err(Error::InvalidArgument(format!(
+            "{what} holds {} bytes, fewer than the {len} it is said to",
+            st.st_size
+        )));
+    }
+    Ok(())
+}
+
 impl HostBuffer {
     /// Allocates `len` zeroed bytes aligned to the page size.
     pub fn new(len: usize) -> Result<Self> {
@@ -169,6 +211,11 @@ impl HostBuffer {
 
     fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
+    }
+
+    /// The sealed memory file behind the buffer (none for a private mapping).
+    pub(crate) fn file(&self) -> Option<&std::os::fd::OwnedFd> {
+        self.fd.as_ref()
     }
 
     pub(crate) fn shm_handle(&self) -> Option<ShmHandle> {

@@ -38,6 +38,9 @@ fn cfg(p: &str, t: Transport, dev: &SimulatedDevice) -> AgentConfig {
         .lane_addr(std::net::Ipv4Addr::LOCALHOST.into())
         .copy_engine(dev.engine())
         .staging(StagingShape::new(8, CHUNK).unwrap())
+        // The staged path itself; in-host device memory otherwise takes the device lane
+        // (tests/device_lane.rs).
+        .device_lane(false)
 }
 
 /// `len` bytes of simulated device memory registered as CUDA device 0.
@@ -194,8 +197,8 @@ fn staged_device_memory_moves_every_way_over_tcp() {
 
 #[test]
 fn staged_device_memory_in_host_takes_the_tcp_lane_not_shm() {
-    // With the shared-memory transport the host regions map directly, but device memory
-    // cannot be mapped: it goes over the TCP lane (started because a copy engine is set).
+    // With the shared-memory transport the host regions map directly; device memory, with
+    // the device lane off, goes staged over the TCP lane.
     both_ways(Transport::Shm);
 }
 

@@ -97,6 +97,7 @@ fn stats_c(s: &XferStats) -> kvx_xfer_stats {
             kvxfer_core::Lane::Ucx => 0,
             kvxfer_core::Lane::Shm => 1,
             kvxfer_core::Lane::Tcp => 2,
+            kvxfer_core::Lane::Device => 3,
             // A lane this header does not name yet.
             _ => u32::MAX,
         },

@@ -15,6 +15,9 @@ use crate::types::LaneInfo;
 pub const LANE_TCP: u8 = 1;
 /// The shared-memory lane's id.
 pub const LANE_SHM: u8 = 2;
+/// The device lane's id: same-host GPU memory, opened through the hand-over socket it names
+/// (the body has the shm lane's shape: socket and token).
+pub const LANE_DEVICE: u8 = 3;
 /// Most entries in one agent's metadata.
 pub const MAX_LANES: usize = 16;
 /// Longest entry body.
@@ -86,14 +89,35 @@ impl LaneEntry {
         }
     }
 
+    /// The device lane's entry for `info` (its own hand-over socket and token).
+    pub fn device(info: &ShmLaneInfo) -> LaneEntry {
+        LaneEntry {
+            lane: LANE_DEVICE,
+            ..LaneEntry::shm(info)
+        }
+    }
+
     /// The shared-memory lane's socket and token, if this is its entry and well formed.
     pub fn as_shm(&self) -> Result<Option<ShmLaneInfo>, MetadataError> {
-        if self.lane != LANE_SHM {
+        self.socket_entry(LANE_SHM, "shm lane entry")
+    }
+
+    /// The device lane's socket and token, if this is its entry and well formed.
+    pub fn as_device(&self) -> Result<Option<ShmLaneInfo>, MetadataError> {
+        self.socket_entry(LANE_DEVICE, "device lane entry")
+    }
+
+    fn socket_entry(
+        &self,
+        lane: u8,
+        field: &'static str,
+    ) -> Result<Option<ShmLaneInfo>, MetadataError> {
+        if self.lane != lane {
             return Ok(None);
         }
         if self.body.len() != 48 {
             return Err(MetadataError::Invalid {
-                field: "shm lane entry",
+                field,
                 why: format!("{} bytes, expected 48", self.body.len()),
             });
         }
@@ -179,6 +203,7 @@ pub fn check(entries: &[LaneEntry]) -> Result<(), MetadataError> {
         }
         e.as_tcp()?;
         e.as_shm()?;
+        e.as_device()?;
     }
     Ok(())
 }
@@ -186,6 +211,11 @@ pub fn check(entries: &[LaneEntry]) -> Result<(), MetadataError> {
 /// The shared-memory lane's entry of `entries`, decoded (a list that passed [`check`]).
 pub fn shm_of(entries: &[LaneEntry]) -> Option<ShmLaneInfo> {
     entries.iter().find_map(|e| e.as_shm().ok().flatten())
+}
+
+/// The device lane's entry of `entries`, decoded (a list that passed [`check`]).
+pub fn device_of(entries: &[LaneEntry]) -> Option<ShmLaneInfo> {
+    entries.iter().find_map(|e| e.as_device().ok().flatten())
 }
 
 /// The TCP lane's entry of `entries`, decoded (a list that passed [`check`]).

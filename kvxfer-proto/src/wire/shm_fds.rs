@@ -12,6 +12,11 @@
 //!   the same order; the end (kind 2) has `count` 0 and no body; a refusal (kind 3) has
 //!   `count` bytes of UTF-8 reason.
 //!
+//! The device lane's socket answers the same ask with device batches (kind 4): `count`
+//! entries of `region u32 | len u64 | offset u64 | size u64 | handle kind u8 | handle [64]`
+//! ([`DeviceEntry`]), one descriptor attached per entry whose handle is a file
+//! ([`DeviceHandle::File`]), in entry order.
+//!
 //! The first entry handed over is the agent's registration page ([`CONTROL_REGION`]): a
 //! memfd of [`CONTROL_WORDS`] words the owner writes and peers map read-only. Word
 //! [`control_slot`]`(id)` holds [`alive_word`]`(id)` while region `id` is registered, and
@@ -51,6 +56,13 @@ pub fn alive_word(id: u32) -> u64 {
 const BATCH: u8 = 1;
 const END: u8 = 2;
 const REFUSED: u8 = 3;
+const DEVICES: u8 = 4;
+/// One device entry: region, length, offset, allocation size, handle kind and handle.
+pub const DEVICE_ENTRY_LEN: usize = 4 + 8 + 8 + 8 + 1 + IPC_HANDLE_LEN;
+/// A CUDA IPC memory handle's bytes (`CUipcMemHandle`).
+pub const IPC_HANDLE_LEN: usize = 64;
+/// Device entries in one batch at most (every one may carry a descriptor).
+pub const MAX_DEVICE_BATCH: usize = 250;
 
 /// The ask: the token the agent's metadata carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,11 +108,40 @@ pub struct FdEntry {
     pub len: u64,
 }
 
+/// How a peer opens an exported device allocation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceHandle {
+    /// The descriptor attached to the frame: a CUDA virtual-memory allocation exported as a
+    /// POSIX file descriptor (`cuMemExportToShareableHandle`), or a simulated device's memory
+    /// file.
+    File,
+    /// A legacy CUDA IPC handle (`cuIpcGetMemHandle`, for `cuMemAlloc` memory).
+    Ipc([u8; IPC_HANDLE_LEN]),
+}
+
+/// One exported device region: the allocation it lies in (handle and size) and where in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceEntry {
+    /// The region's id.
+    pub region: u32,
+    /// Its length in bytes.
+    pub len: u64,
+    /// Its offset in the exported allocation.
+    pub offset: u64,
+    /// The allocation's size: `offset + len` lies within it.
+    pub size: u64,
+    /// How to open the allocation.
+    pub handle: DeviceHandle,
+}
+
 /// One frame of the answer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FdFrame {
     /// Regions whose descriptors are attached, in this order (at most [`MAX_BATCH`]).
     Batch(Vec<FdEntry>),
+    /// Exported device regions (the device lane's socket; at most [`MAX_DEVICE_BATCH`]), a
+    /// descriptor attached for each [`DeviceHandle::File`] among them, in order.
+    Devices(Vec<DeviceEntry>),
     /// Nothing more follows.
     End,
     /// The ask was refused, and why.
@@ -120,6 +161,7 @@ impl FrameHead {
         let (kind, count) = (b[0], u16::from_le_bytes([b[1], b[2]]));
         let ok = match kind {
             BATCH => (1..=MAX_BATCH).contains(&usize::from(count)),
+            DEVICES => (1..=MAX_DEVICE_BATCH).contains(&usize::from(count)),
             END => count == 0,
             REFUSED => usize::from(count) <= MAX_REASON,
             _ => return Err(format!("hand-over frame kind {kind}")),
@@ -134,14 +176,16 @@ impl FrameHead {
     pub fn body_len(&self) -> usize {
         match self.kind {
             BATCH => usize::from(self.count) * ENTRY_LEN,
+            DEVICES => usize::from(self.count) * DEVICE_ENTRY_LEN,
             END => 0,
             _ => usize::from(self.count),
         }
     }
 
-    /// Descriptors the frame carries.
-    pub fn fds(&self) -> usize {
-        if self.kind == BATCH {
+    /// Descriptors a frame of this kind carries at most (a device batch: those of its
+    /// entries that are files; [`FdFrame::fds`] says how many exactly).
+    pub fn max_fds(&self) -> usize {
+        if matches!(self.kind, BATCH | DEVICES) {
             usize::from(self.count)
         } else {
             0
@@ -150,6 +194,15 @@ impl FrameHead {
 }
 
 impl FdFrame {
+    /// Descriptors that must have come with the frame.
+    pub fn fds(&self) -> usize {
+        match self {
+            FdFrame::Batch(e) => e.len(),
+            FdFrame::Devices(e) => e.iter().filter(|d| d.handle == DeviceHandle::File).count(),
+            _ => 0,
+        }
+    }
+
     /// The frame on the wire: header and body. A batch longer than [`MAX_BATCH`] or a longer
     /// reason is the caller's bug; the reason is cut at [`MAX_REASON`] bytes on a character
     /// boundary.
@@ -163,6 +216,27 @@ impl FdFrame {
                 for e in entries {
                     b.extend_from_slice(&e.region.to_le_bytes());
                     b.extend_from_slice(&e.len.to_le_bytes());
+                }
+            }
+            FdFrame::Devices(entries) => {
+                debug_assert!(!entries.is_empty() && entries.len() <= MAX_DEVICE_BATCH);
+                b.push(DEVICES);
+                b.extend_from_slice(&(entries.len() as u16).to_le_bytes());
+                for e in entries {
+                    b.extend_from_slice(&e.region.to_le_bytes());
+                    b.extend_from_slice(&e.len.to_le_bytes());
+                    b.extend_from_slice(&e.offset.to_le_bytes());
+                    b.extend_from_slice(&e.size.to_le_bytes());
+                    match &e.handle {
+                        DeviceHandle::File => {
+                            b.push(1);
+                            b.extend_from_slice(&[0; IPC_HANDLE_LEN]);
+                        }
+                        DeviceHandle::Ipc(h) => {
+                            b.push(2);
+                            b.extend_from_slice(h);
+                        }
+                    }
                 }
             }
             FdFrame::End => b.extend_from_slice(&[END, 0, 0]),
@@ -203,10 +277,47 @@ impl FdFrame {
                     })
                     .collect(),
             ),
+            DEVICES => FdFrame::Devices(
+                body.chunks_exact(DEVICE_ENTRY_LEN)
+                    .map(device_entry)
+                    .collect::<Result<_, _>>()?,
+            ),
             END => FdFrame::End,
             _ => FdFrame::Refused(String::from_utf8_lossy(body).into_owned()),
         })
     }
+}
+
+/// One device entry from its [`DEVICE_ENTRY_LEN`] bytes: a known handle kind, the region
+/// within the allocation.
+fn device_entry(c: &[u8]) -> Result<DeviceEntry, String> {
+    let u64_at = |at: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&c[at..at + 8]);
+        u64::from_le_bytes(w)
+    };
+    let mut r = [0u8; 4];
+    r.copy_from_slice(&c[..4]);
+    let (region, len, offset, size) = (u32::from_le_bytes(r), u64_at(4), u64_at(12), u64_at(20));
+    let mut h = [0u8; IPC_HANDLE_LEN];
+    h.copy_from_slice(&c[29..]);
+    let handle = match c[28] {
+        1 => DeviceHandle::File,
+        2 => DeviceHandle::Ipc(h),
+        k => return Err(format!("device region {region}: handle kind {k}")),
+    };
+    if len == 0 || offset.checked_add(len).is_none_or(|end| end > size) {
+        return Err(format!(
+            "device region {region}: {len} bytes at {offset} of an allocation of {size}"
+        ));
+    }
+    Ok(DeviceEntry {
+        region,
+        len,
+        offset,
+        size,
+        handle,
+    })
 }
 
 #[cfg(test)]
@@ -239,7 +350,46 @@ mod tests {
         let no = FdFrame::Refused("wrong token".into());
         assert_eq!(round(&no), no);
         let b = batch.encode();
-        assert_eq!(FrameHead::decode([b[0], b[1], b[2]]).unwrap().fds(), 2);
+        assert_eq!(FrameHead::decode([b[0], b[1], b[2]]).unwrap().max_fds(), 2);
+        assert_eq!(batch.fds(), 2);
+        let devices = FdFrame::Devices(vec![
+            DeviceEntry {
+                region: 3,
+                len: 1 << 20,
+                offset: 4096,
+                size: 2 << 20,
+                handle: DeviceHandle::File,
+            },
+            DeviceEntry {
+                region: 4,
+                len: 64,
+                offset: 0,
+                size: 64,
+                handle: DeviceHandle::Ipc([7; IPC_HANDLE_LEN]),
+            },
+        ]);
+        assert_eq!(round(&devices), devices);
+        assert_eq!(devices.fds(), 1, "only the file travels as a descriptor");
+    }
+
+    #[test]
+    fn a_device_entry_outside_its_allocation_is_refused() {
+        let entry = |len: u64, offset: u64, size: u64, kind: u8| {
+            let mut b = vec![DEVICES, 1, 0];
+            b.extend_from_slice(&9u32.to_le_bytes());
+            for w in [len, offset, size] {
+                b.extend_from_slice(&w.to_le_bytes());
+            }
+            b.push(kind);
+            b.extend_from_slice(&[0; IPC_HANDLE_LEN]);
+            let head = FrameHead::decode([b[0], b[1], b[2]]).unwrap();
+            FdFrame::decode(head, &b[HEADER_LEN..])
+        };
+        assert!(entry(10, 0, 10, 1).is_ok());
+        assert!(entry(10, 1, 10, 1).unwrap_err().contains("10 bytes at 1"));
+        assert!(entry(1, u64::MAX, u64::MAX, 2).is_err(), "wraps");
+        assert!(entry(0, 0, 10, 1).is_err(), "empty");
+        assert!(entry(10, 0, 10, 3).unwrap_err().contains("handle kind 3"));
     }
 
     #[test]

@@ -219,6 +219,15 @@ impl AgentConfig {
         self
     }
 
+    /// The device lane (on by default, with [`Transport::Shm`] and [`Transport::Auto`]): a
+    /// same-host peer's GPU memory opened through CUDA IPC and moved by batched device copies,
+    /// a paged request in one submission. Off: device memory moves over UCX (direct) or the
+    /// staged path, as before it existed (for comparisons).
+    pub fn device_lane(mut self, on: bool) -> Self {
+        self.lanes.device = on;
+        self
+    }
+
     /// Threads that copy for the shared-memory lane (default: up to 4, one per core).
     ///
     /// At least 1.

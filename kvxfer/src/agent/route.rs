@@ -76,6 +76,7 @@ pub(crate) fn route(
     let q = Query {
         plan,
         device,
+        local_devices: &local_dev,
         ucx_reaches: device && !unreachable,
         host_unmapped,
     };

@@ -2,7 +2,32 @@
 //! memory itself. Implemented by CUDA streams ([`super::cuda`]) and the simulated device
 //! ([`super::sim`]).
 
-use kvxfer_proto::error::Result;
+use std::os::fd::OwnedFd;
+
+use kvxfer_proto::copy_batch::CopyBatch;
+use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::wire::shm_fds::DeviceHandle;
+
+/// A device allocation exported for same-host peers ([`CopyEngine::export`]): what the device
+/// lane's socket hands over for a region.
+#[derive(Debug)]
+pub struct Exported {
+    /// How a peer opens the allocation.
+    pub handle: DeviceHandle,
+    /// The file handed over with it, for [`DeviceHandle::File`].
+    pub file: Option<OwnedFd>,
+    /// The region's offset in the allocation.
+    pub offset: u64,
+    /// The allocation's size.
+    pub size: u64,
+}
+
+/// A peer's device allocation opened in this process ([`CopyEngine::open`]): its device
+/// addresses are valid here until this is dropped, which closes it.
+pub trait Opened: Send + Sync {
+    /// The device address of the allocation's first byte, in this process.
+    fn base(&self) -> u64;
+}
 
 /// Copies between one kind of device memory and host memory.
 pub trait CopyEngine: Send + Sync + std::fmt::Debug {
@@ -17,6 +42,42 @@ pub trait CopyEngine: Send + Sync + std::fmt::Debug {
     }
     /// A queue of copies on `device` for one thread and one transfer.
     fn queue(&self, device: u32) -> Result<Box<dyn CopyQueue>>;
+
+    /// Exports the allocation holding `[addr, addr+len)` of `device` for same-host peers (the
+    /// device lane). Engines whose memory cannot be shared say why.
+    fn export(&self, device: u32, addr: u64, len: u64) -> Result<Exported> {
+        let _ = (addr, len);
+        Err(Error::Cuda {
+            device,
+            why: format!("the {} copy engine does not export memory", self.name()),
+        })
+    }
+
+    /// Whether [`open`](Self::open) takes this process's own exports (false for CUDA, whose
+    /// IPC handles open only in another process): a peer agent in the same process is then
+    /// not reached by the device lane.
+    fn opens_own_exports(&self) -> bool {
+        true
+    }
+
+    /// Opens on `device` an allocation of `size` bytes a same-host peer exported as `handle`
+    /// (with `file` for [`DeviceHandle::File`]).
+    fn open(
+        &self,
+        device: u32,
+        handle: &DeviceHandle,
+        file: Option<&OwnedFd>,
+        size: u64,
+    ) -> Result<Box<dyn Opened>> {
+        let _ = (handle, file, size);
+        Err(Error::Cuda {
+            device,
+            why: format!(
+                "the {} copy engine does not open peers' memory",
+                self.name()
+            ),
+        })
+    }
     /// Prepares host memory for fast copies (CUDA: page-locks it). Called once per pool.
     ///
     /// # Safety
@@ -51,6 +112,20 @@ pub trait CopyQueue: Send {
     unsafe fn to_device(&mut self, src: *const u8, dst: u64, len: usize) -> Result<()>;
     /// Waits until every queued copy is done; the first failure among them is returned.
     fn sync(&mut self) -> Result<()>;
+
+    /// Queues one table of device-to-device copies (this device's memory, and peers' opened
+    /// on it): one submission, its copies run at once (the table has no byte written twice,
+    /// [`kvxfer_proto::copy_batch`]).
+    ///
+    /// # Safety
+    /// Every entry's source and destination are device memory the queue's device reaches,
+    /// valid and otherwise unused until `sync` returns.
+    unsafe fn copy_batch(&mut self, batch: &CopyBatch) -> Result<()> {
+        let _ = batch;
+        Err(Error::InvalidArgument(
+            "this copy engine has no device-to-device copies".into(),
+        ))
+    }
 
     /// Queues a gather: `pieces` (device address, length), in order, into the host buffer at
     /// `dst`, back to back. Engines that batch make it one submission (the CUDA engine: one

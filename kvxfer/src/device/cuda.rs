@@ -216,6 +216,24 @@ impl crate::device::copy::CopyQueue for CudaQueue {
         Ok(())
     }
 
+    unsafe fn copy_batch(&mut self, batch: &kvxfer_proto::copy_batch::CopyBatch) -> Result<()> {
+        // SAFETY: the trait's contract.
+        if let Some(r) = unsafe { self.run(batch.iter()) } {
+            return r;
+        }
+        // No kernel (said once in the log): a copy an entry.
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err(self.device, "cuCtxSetCurrent", e))?;
+        for e in batch.iter() {
+            // SAFETY: the trait's contract, entry by entry.
+            unsafe { sys::cuMemcpyDtoDAsync_v2(e.dst, e.src, e.len as usize, self.stream().raw) }
+                .result()
+                .map_err(|x| cuda_err(self.device, "cuMemcpyDtoDAsync", x))?;
+        }
+        Ok(())
+    }
+
     unsafe fn gather_to_host(&mut self, pieces: &[(u64, u64)], dst: *mut u8) -> Result<()> {
         if let Some(base) = self.mapped(dst) {
             let copies = pieces.iter().scan(base, |at, &(src, len)| {
@@ -270,6 +288,26 @@ impl crate::device::copy::CopyEngine for CudaCopyEngine {
 
     fn ucx_visible(&self) -> bool {
         true
+    }
+
+    fn export(&self, device: u32, addr: u64, len: u64) -> Result<crate::device::copy::Exported> {
+        super::cuda_ipc::export(&self.ctx(device)?, device, addr, len)
+    }
+
+    fn open(
+        &self,
+        device: u32,
+        handle: &kvxfer_proto::wire::shm_fds::DeviceHandle,
+        file: Option<&std::os::fd::OwnedFd>,
+        size: u64,
+    ) -> Result<Box<dyn crate::device::copy::Opened>> {
+        super::cuda_ipc::open(&self.ctx(device)?, device, handle, file, size)
+    }
+
+    /// A process cannot open its own IPC handles (its memory is in its address space
+    /// already).
+    fn opens_own_exports(&self) -> bool {
+        false
     }
 
     fn queue(&self, device: u32) -> Result<Box<dyn crate::device::copy::CopyQueue>> {

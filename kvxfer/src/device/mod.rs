@@ -7,6 +7,8 @@ pub(crate) mod copy;
 pub mod cuda;
 #[cfg(feature = "cuda")]
 mod cuda_batch;
+#[cfg(feature = "cuda")]
+mod cuda_ipc;
 pub(crate) mod sim;
 
 use std::sync::Arc;

@@ -2,8 +2,12 @@
 
 use std::sync::{Arc, RwLock};
 
-use super::copy::{CopyEngine, CopyQueue};
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use super::copy::{CopyEngine, CopyQueue, Exported, Opened};
+use kvxfer_proto::copy_batch::CopyBatch;
 use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::wire::shm_fds::DeviceHandle;
 
 /// Simulated device memory: allocations whose device addresses are not host addresses (they
 /// lie outside any user address space, so a path that touched them directly instead of
@@ -25,18 +29,40 @@ pub(crate) struct SimInner {
 
 pub(crate) struct SimAlloc {
     pub(crate) addr: u64,
-    mem: Box<[std::cell::UnsafeCell<u8>]>,
+    ptr: *mut u8,
+    len: usize,
+    /// What keeps the bytes: an allocation of this device (a sealed memory file, which the
+    /// device lane hands to same-host peers as an exported allocation would be), or a peer's
+    /// file opened here (mapped, unmapped on drop).
+    backing: Backing,
+}
+
+enum Backing {
+    Own(crate::memory::HostBuffer),
+    Opened,
+}
+
+impl Drop for SimAlloc {
+    fn drop(&mut self) {
+        if let Backing::Opened = self.backing {
+            // SAFETY: the mapping made in `open`, of len bytes, unmapped only here.
+            unsafe { libc::munmap(self.ptr.cast(), self.len) };
+        }
+    }
 }
 
 impl std::fmt::Debug for SimAlloc {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "SimAlloc({:#x}, {} bytes)", self.addr, self.mem.len())
+        write!(f, "SimAlloc({:#x}, {} bytes)", self.addr, self.len)
     }
 }
 
-// SAFETY: the cells are only accessed through raw copies whose exclusivity the copy contracts
-// (and the callers' region pinning) guarantee, like real device memory.
+// SAFETY: the bytes are only accessed through raw copies whose exclusivity the copy
+// contracts (and the callers' region pinning) guarantee, like real device memory; the
+// mapping lives as long as the struct.
 unsafe impl Sync for SimAlloc {}
+// SAFETY: as above; the struct owns its mapping.
+unsafe impl Send for SimAlloc {}
 
 /// Base of simulated device addresses: non-canonical on x86-64 and above 48-bit user space.
 pub(crate) const SIM_BASE: u64 = 0x7e57_0000_0000_0000;
@@ -52,32 +78,51 @@ impl SimulatedDevice {
         if len == 0 {
             return Err(Error::InvalidArgument("simulated alloc of 0 bytes".into()));
         }
+        // A sealed memory file (untouched pages cost nothing), as an exportable allocation.
+        let mut buf = crate::memory::HostBuffer::new(len)?;
+        let ptr = buf.as_mut_slice().as_mut_ptr();
+        Ok(self.insert(ptr, len, Backing::Own(buf)))
+    }
+
+    /// Puts `[ptr, ptr+len)` in the table at a fresh device address.
+    fn insert(&self, ptr: *mut u8, len: usize, backing: Backing) -> u64 {
         let mut a = self.inner.allocs.write().unwrap_or_else(|e| e.into_inner());
-        let addr = a.last().map_or(SIM_BASE, |l| {
-            (l.addr + l.mem.len() as u64 + 4096 + 4095) & !4095
+        let addr = a
+            .iter()
+            .map(|l| l.addr + l.len as u64)
+            .max()
+            .map_or(SIM_BASE, |end| (end + 4096 + 4095) & !4095);
+        a.push(SimAlloc {
+            addr,
+            ptr,
+            len,
+            backing,
         });
-        // Zeroed pages from the allocator (calloc: untouched pages cost nothing), seen as cells.
-        let raw = Box::into_raw(vec![0u8; len].into_boxed_slice());
-        // SAFETY: UnsafeCell<u8> is repr(transparent) over u8: same size, alignment and
-        // validity; the box's allocation is handed over whole, once.
-        let mem: Box<[std::cell::UnsafeCell<u8>]> =
-            unsafe { Box::from_raw(raw as *mut [std::cell::UnsafeCell<u8>]) };
-        a.push(SimAlloc { addr, mem });
-        Ok(addr)
+        addr
     }
 
     /// A host pointer to `[addr, addr+len)` if it lies inside one allocation.
     fn host_ptr(&self, addr: u64, len: usize) -> Result<*mut u8> {
         let a = self.inner.allocs.read().unwrap_or_else(|e| e.into_inner());
         for x in a.iter() {
-            if addr >= x.addr && addr.saturating_add(len as u64) <= x.addr + x.mem.len() as u64 {
-                // The boxes never move or shrink while the device lives.
-                return Ok(x.mem[(addr - x.addr) as usize..].as_ptr() as *mut u8);
+            if addr >= x.addr && addr.saturating_add(len as u64) <= x.addr + x.len as u64 {
+                // SAFETY: addr - x.addr < x.len: inside the mapping, which never moves or
+                // shrinks while the allocation is in the table.
+                return Ok(unsafe { x.ptr.add((addr - x.addr) as usize) });
             }
         }
         Err(Error::InvalidArgument(format!(
             "simulated device: [{addr:#x}, +{len}) is not allocated"
         )))
+    }
+
+    /// Allocations in the table now (own and opened), for tests.
+    pub fn allocations(&self) -> usize {
+        self.inner
+            .allocs
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
     }
 
     /// Copies host bytes into device memory (synchronously).
@@ -174,6 +219,47 @@ impl CopyQueue for SimQueue {
     fn sync(&mut self) -> Result<()> {
         Ok(())
     }
+    /// One submission: every entry checked before any byte moves.
+    unsafe fn copy_batch(&mut self, batch: &CopyBatch) -> Result<()> {
+        let ptrs = batch
+            .iter()
+            .map(|e| {
+                let n = e.len as usize;
+                Ok((self.0.host_ptr(e.src, n)?, self.0.host_ptr(e.dst, n)?, n))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.0.submitted(ptrs.len());
+        for (src, dst, n) in ptrs {
+            // SAFETY: both ranges checked inside allocations; the trait's contract keeps them
+            // otherwise unused (memmove: a device copy within one allocation may overlap).
+            unsafe { std::ptr::copy(src, dst, n) };
+        }
+        Ok(())
+    }
+}
+
+/// A peer's allocation opened on a simulated device: its entry in the device's table.
+struct SimOpened {
+    dev: SimulatedDevice,
+    addr: u64,
+}
+
+impl Opened for SimOpened {
+    fn base(&self) -> u64 {
+        self.addr
+    }
+}
+
+impl Drop for SimOpened {
+    fn drop(&mut self) {
+        let mut a = self
+            .dev
+            .inner
+            .allocs
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        a.retain(|x| x.addr != self.addr);
+    }
 }
 
 impl CopyEngine for SimulatedDevice {
@@ -185,5 +271,82 @@ impl CopyEngine for SimulatedDevice {
     }
     fn queue(&self, _device: u32) -> Result<Box<dyn CopyQueue>> {
         Ok(Box::new(SimQueue(self.clone())))
+    }
+
+    /// The allocation's sealed memory file, duplicated.
+    fn export(&self, device: u32, addr: u64, len: u64) -> Result<Exported> {
+        let a = self.inner.allocs.read().unwrap_or_else(|e| e.into_inner());
+        let x = a
+            .iter()
+            .find(|x| addr >= x.addr && addr.saturating_add(len) <= x.addr + x.len as u64)
+            .ok_or_else(|| Error::Cuda {
+                device,
+                why: format!("simulated device: [{addr:#x}, +{len}) is not allocated"),
+            })?;
+        let Backing::Own(buf) = &x.backing else {
+            return Err(Error::Cuda {
+                device,
+                why: "simulated device: a peer's allocation is not exported again".into(),
+            });
+        };
+        let file = buf
+            .file()
+            .ok_or_else(|| Error::Cuda {
+                device,
+                why: "simulated device: an allocation without a memory file".into(),
+            })?
+            .try_clone()
+            .map_err(|e| Error::io("duplicating a simulated allocation's file", e))?;
+        Ok(Exported {
+            handle: DeviceHandle::File,
+            file: Some(file),
+            offset: addr - x.addr,
+            size: x.len as u64,
+        })
+    }
+
+    /// Maps the peer's memory file (sealed, this user's, at least `size` bytes) and gives it a
+    /// device address here.
+    fn open(
+        &self,
+        device: u32,
+        handle: &DeviceHandle,
+        file: Option<&OwnedFd>,
+        size: u64,
+    ) -> Result<Box<dyn Opened>> {
+        let (DeviceHandle::File, Some(fd)) = (handle, file) else {
+            return Err(Error::Cuda {
+                device,
+                why: "simulated device: only file handles open here".into(),
+            });
+        };
+        let len = usize::try_from(size)
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| Error::InvalidArgument(format!("an allocation of {size} bytes")))?;
+        crate::memory::check_sealed_file(fd, size, "a simulated device allocation")?;
+        // SAFETY: a new shared mapping of `len` bytes of a sealed file at least that long
+        // (checked): it cannot shrink under the mapping; no existing memory is affected.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::io(
+                "mapping a peer's simulated allocation",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let addr = self.insert(p.cast(), len, Backing::Opened);
+        Ok(Box::new(SimOpened {
+            dev: self.clone(),
+            addr,
+        }))
     }
 }

@@ -21,6 +21,9 @@ pub(crate) struct Query<'a> {
     pub(crate) plan: &'a Work,
     /// Either side of it has device memory.
     pub(crate) device: bool,
+    /// Per operation, the device of its local memory (None: host); empty when the local side
+    /// has no device memory at all.
+    pub(crate) local_devices: &'a [Option<u32>],
     /// UCX maps every device region of it (the direct path); false with no device memory.
     pub(crate) ucx_reaches: bool,
     /// It touches host memory UCX has no key for on either side (a region shared with named

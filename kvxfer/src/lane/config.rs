@@ -10,6 +10,8 @@ use super::tcp::settings::TcpLaneConfig;
 pub(crate) struct LaneConfig {
     /// kvxfer's lanes beside UCX; off: UCX moves every byte.
     pub(crate) on: bool,
+    /// The device lane (with lanes on).
+    pub(crate) device: bool,
     pub(crate) shm: ShmLaneConfig,
     pub(crate) tcp: TcpLaneConfig,
 }
@@ -18,6 +20,7 @@ impl Default for LaneConfig {
     fn default() -> Self {
         LaneConfig {
             on: true,
+            device: true,
             shm: Default::default(),
             tcp: Default::default(),
         }

@@ -26,6 +26,7 @@
 
 pub(crate) mod api;
 pub(crate) mod config;
+pub(crate) mod device;
 #[cfg(test)]
 mod memory;
 pub(crate) mod shm;
@@ -44,6 +45,7 @@ pub(crate) fn start(setup: &LaneSetup) -> Result<Vec<Box<dyn LaneKind>>> {
     #[cfg(test)]
     lanes.extend(memory::MemoryLane::start(setup));
     lanes.extend(shm::ShmLane::start(setup)?);
+    lanes.extend(device::DeviceLane::start(setup)?);
     lanes.push(Box::new(tcp::lane::TcpLane::start(setup)?));
     Ok(lanes)
 }

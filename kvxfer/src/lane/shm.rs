@@ -16,6 +16,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use super::api::{LaneKind, LaneSetup, PeerLane, Query};
+use super::shm_handover::ControlMap;
 use crate::host::PeerProcess;
 use crate::transfer::NoteCarrier;
 use crate::transfer::{Job, Work};
@@ -23,7 +24,7 @@ use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::types::{Lane, Transport, XferOp};
 use kvxfer_proto::wire::lane_entries::LaneEntry;
 use kvxfer_proto::wire::metadata::{HostInfo, Metadata};
-use kvxfer_proto::wire::shm_fds::{alive_word, control_slot, CONTROL_REGION, CONTROL_WORDS};
+use kvxfer_proto::wire::shm_fds::CONTROL_REGION;
 
 /// Regions of one peer the lane maps at most.
 pub(crate) const MAX_PEER_MAPPINGS: usize = 4096;
@@ -133,7 +134,7 @@ impl PeerMaps {
         // process's (the socket's owner is checked to be it).
         let process = PeerProcess::open(them.pid);
         let mut files = match super::shm_handover::take(&info, them.pid, MAX_PEER_MAPPINGS) {
-            Ok(f) => f,
+            Ok(f) => f.files,
             Err(e) => {
                 log::info!(
                     "kvxfer: {:?} handed over no memory files ({e}); its transfers take the TCP lane or UCX",
@@ -337,57 +338,6 @@ fn deregistered(peer: &str, id: u32, when: &str) -> Error {
         agent: peer.to_string(),
         lane: "shm",
         why: format!("region {id} of the peer was deregistered {when}: refused"),
-    }
-}
-
-/// A peer's registration page mapped read-only (`kvxfer_proto::wire::shm_fds`).
-struct ControlMap {
-    words: *const AtomicU64,
-}
-
-impl ControlMap {
-    /// Maps the page handed over as `fd`: a memfd of this user, sealed, of the page's size.
-    fn map(fd: OwnedFd) -> Result<ControlMap> {
-        let len = CONTROL_WORDS * 8;
-        // SAFETY: an all-zero stat is a valid value to be overwritten by fstat.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: fd is open; st is a valid out pointer; F_GET_SEALS takes no argument.
-        let (ok, seals) = unsafe {
-            (
-                libc::fstat(fd.as_raw_fd(), &mut st) == 0,
-                libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS),
-            )
-        };
-        // SAFETY: geteuid has no preconditions.
-        let me = unsafe { libc::geteuid() };
-        if !ok
-            || seals < 0
-            || seals & crate::memory::SEALS != crate::memory::SEALS
-            || st.st_uid != me
-            || st.st_size as usize != len
-        {
-            return Err(Error::InvalidArgument(format!(
-                "not a sealed memfd of this user of {len} bytes (seals {seals:#x}, uid {}, {} bytes)",
-                st.st_uid, st.st_size
-            )));
-        }
-        let p = map_read_only(&fd, len, "a registration page")?;
-        Ok(ControlMap { words: p.cast() })
-    }
-
-    /// Whether region `id` is registered now, as its owner last wrote.
-    fn alive(&self, id: u32) -> bool {
-        // SAFETY: control_slot < CONTROL_WORDS, inside the mapping, which lives as long as
-        // &self; the page is only read, atomically (its owner writes it atomically).
-        let w = unsafe { &*self.words.add(control_slot(id)) };
-        w.load(Ordering::Acquire) == alive_word(id)
-    }
-}
-
-impl Drop for ControlMap {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `map`, unmapped only here.
-        unsafe { libc::munmap(self.words as *mut libc::c_void, CONTROL_WORDS * 8) };
     }
 }
 
@@ -670,8 +620,11 @@ impl ShmLane {
             setup.config.shm.copy_threads,
             setup.notifier.clone(),
         )?;
-        let handover =
-            super::shm_handover::HandOver::start(&setup.name, setup.ctx.regions.clone())?;
+        let handover = super::shm_handover::HandOver::start(
+            &setup.name,
+            setup.ctx.regions.clone(),
+            super::shm_handover::Serves::HostFiles,
+        )?;
         Ok(Some(Box::new(ShmLane {
             copier: Arc::new(copier),
             host: setup.host,

@@ -17,13 +17,15 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::device::copy::Exported;
+use crate::memory::RegionInner;
 use crate::memory::RegionTable;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::types::MemKind;
 use kvxfer_proto::wire::lane_entries::ShmLaneInfo;
 use kvxfer_proto::wire::shm_fds::{
-    alive_word, control_slot, FdAsk, FdEntry, FdFrame, FrameHead, ASK_LEN, CONTROL_REGION,
-    CONTROL_WORDS, HEADER_LEN, MAX_BATCH,
+    alive_word, control_slot, DeviceEntry, DeviceHandle, FdAsk, FdEntry, FdFrame, FrameHead,
+    ASK_LEN, CONTROL_REGION, CONTROL_WORDS, HEADER_LEN, MAX_BATCH, MAX_DEVICE_BATCH,
 };
 
 /// How long either end waits for the other's bytes, all of them together: a hand-over is a
@@ -33,6 +35,27 @@ const IO_TIMEOUT: Duration = Duration::from_secs(2);
 /// Askers served at once; past it a new one is closed at once (its side falls back to the
 /// TCP lane or UCX), so a stalled asker holds one thread for at most [`IO_TIMEOUT`].
 const MAX_ASKERS: usize = 16;
+
+/// What a hand-over socket gives an asker besides the registration page.
+#[derive(Clone)]
+pub(crate) enum Serves {
+    /// The memory files of memfd-backed host regions (the shm lane).
+    HostFiles,
+    /// The exported allocations of device regions (the device lane), from its exporter
+    /// (which exports each region once and keeps it).
+    Devices(Exporter),
+}
+
+/// Exports a device region for the device lane's socket (None: it is not exportable).
+pub(crate) type Exporter = Arc<dyn Fn(&RegionInner) -> Option<Arc<Exported>> + Send + Sync>;
+
+/// What a peer's socket handed over: memory files, or exported device allocations (a
+/// descriptor with each file handle), and the registration page among the files.
+#[derive(Default)]
+pub(crate) struct Handed {
+    pub(crate) files: Vec<(FdEntry, OwnedFd)>,
+    pub(crate) devices: Vec<(DeviceEntry, Option<OwnedFd>)>,
+}
 
 /// The owner's side: the socket, its thread, and the registration page.
 pub(crate) struct HandOver {
@@ -143,7 +166,11 @@ impl Drop for Control {
 
 impl HandOver {
     /// Binds a socket of a fresh random name and serves `regions`' memory files on it.
-    pub(crate) fn start(agent: &str, regions: Arc<RegionTable>) -> Result<HandOver> {
+    pub(crate) fn start(
+        agent: &str,
+        regions: Arc<RegionTable>,
+        serves: Serves,
+    ) -> Result<HandOver> {
         let token = crate::random::bytes::<32>()?;
         let (listener, info) = loop {
             let socket = crate::random::bytes::<16>()?;
@@ -164,7 +191,7 @@ impl HandOver {
             .name(format!("kvx-shm-give-{agent}"))
             .spawn({
                 let (stop, control) = (stop.clone(), control.clone());
-                move || serve(listener, token, regions, control, stop)
+                move || serve(listener, token, regions, control, stop, serves)
             })
             .map_err(|e| Error::io("starting the shm lane's hand-over thread", e))?;
         Ok(HandOver {
@@ -211,6 +238,7 @@ fn serve(
     regions: Arc<RegionTable>,
     control: Arc<Control>,
     stop: Arc<AtomicBool>,
+    serves: Serves,
 ) {
     let busy = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
@@ -227,10 +255,11 @@ fn serve(
             continue;
         }
         let (mine, regions, control) = (busy.clone(), regions.clone(), control.clone());
+        let serves = serves.clone();
         let spawned = std::thread::Builder::new()
             .name("kvx-shm-give".into())
             .spawn(move || {
-                if let Err(e) = give(conn, &token, &regions, &control) {
+                if let Err(e) = give(conn, &token, &regions, &control, &serves) {
                     log::info!("kvxfer: shm lane hand-over refused: {e}");
                 }
                 mine.fetch_sub(1, Ordering::SeqCst);
@@ -279,6 +308,7 @@ fn give(
     token: &[u8; 32],
     regions: &RegionTable,
     control: &Control,
+    serves: &Serves,
 ) -> Result<()> {
     let deadline = Instant::now() + IO_TIMEOUT;
     s.set_write_timeout(Some(IO_TIMEOUT))
@@ -312,9 +342,14 @@ fn give(
     let held: Vec<_> = regions
         .read()
         .values()
-        .filter(|r| r.kind == MemKind::Host && r.shm.is_some())
+        .filter(|r| match serves {
+            Serves::HostFiles => r.kind == MemKind::Host && r.shm.is_some(),
+            Serves::Devices(_) => r.kind != MemKind::Host,
+        })
         .cloned()
         .collect();
+    // Device exports, held while they are sent.
+    let mut exports: Vec<(DeviceEntry, Arc<Exported>)> = Vec::new();
     // Each region's word is set, then `registered` looked at again: a deregistration clears
     // `registered` and then the word, so in every order a region gone is not left alive.
     let mut files: Vec<(FdEntry, RawFd)> = vec![(
@@ -328,6 +363,19 @@ fn give(
         control.alive(r.id.0);
         if !r.registered.load(Ordering::SeqCst) {
             control.gone(r.id.0);
+            continue;
+        }
+        if let Serves::Devices(export) = serves {
+            if let Some(x) = export(r) {
+                let entry = DeviceEntry {
+                    region: r.id.0,
+                    len: r.len,
+                    offset: x.offset,
+                    size: x.size,
+                    handle: x.handle,
+                };
+                exports.push((entry, x));
+            }
             continue;
         }
         if let Some(h) = r.shm {
@@ -345,6 +393,15 @@ fn give(
         let fds: Vec<RawFd> = batch.iter().map(|(_, fd)| *fd).collect();
         send_with_fds(&s, &FdFrame::Batch(entries).encode(), &fds)
             .map_err(|e| Error::io(format!("handing pid {pid} its descriptors"), e))?;
+    }
+    for batch in exports.chunks(MAX_DEVICE_BATCH) {
+        let entries: Vec<DeviceEntry> = batch.iter().map(|(e, _)| *e).collect();
+        let fds: Vec<RawFd> = batch
+            .iter()
+            .filter_map(|(_, x)| x.file.as_ref().map(AsRawFd::as_raw_fd))
+            .collect();
+        send_with_fds(&s, &FdFrame::Devices(entries).encode(), &fds)
+            .map_err(|e| Error::io(format!("handing pid {pid} its device exports"), e))?;
     }
     s.write_all(&FdFrame::End.encode())
         .map_err(|e| Error::io(format!("ending pid {pid}'s hand-over"), e))?;
@@ -455,7 +512,7 @@ fn recv_with_fds(
 /// The peer's side: the memory files the agent at `info` hands over, with their regions,
 /// taken only if the socket's owner is process `pid` of this user. At most `max` regions
 /// besides the registration page (the first, [`CONTROL_REGION`]).
-pub(crate) fn take(info: &ShmLaneInfo, pid: u32, max: usize) -> Result<Vec<(FdEntry, OwnedFd)>> {
+pub(crate) fn take(info: &ShmLaneInfo, pid: u32, max: usize) -> Result<Handed> {
     let name = info.socket_name();
     let addr = SocketAddr::from_abstract_name(name.as_bytes())
         .map_err(|e| Error::io("naming the peer's shm socket", e))?;
@@ -474,7 +531,7 @@ pub(crate) fn take(info: &ShmLaneInfo, pid: u32, max: usize) -> Result<Vec<(FdEn
     }
     s.write_all(&FdAsk { token: info.token }.encode())
         .map_err(|e| Error::io(format!("asking {name}"), e))?;
-    let mut out = Vec::new();
+    let mut out = Handed::default();
     loop {
         let mut head = [0u8; HEADER_LEN];
         let mut fds = Vec::new();
@@ -486,24 +543,41 @@ pub(crate) fn take(info: &ShmLaneInfo, pid: u32, max: usize) -> Result<Vec<(FdEn
         // with it must be as many as it names.
         recv_with_fds(&s, &mut body, &mut fds, deadline)
             .map_err(|e| Error::io(format!("reading {name}'s hand-over"), e))?;
-        if fds.len() != head.fds() {
+        let frame = FdFrame::decode(head, &body).map_err(|why| Error::protocol(&name, why))?;
+        if fds.len() != frame.fds() {
             return Err(Error::protocol(
                 &name,
                 format!(
                     "{} descriptors with a frame that names {}",
                     fds.len(),
-                    head.fds()
+                    frame.fds()
                 ),
             ));
         }
-        match FdFrame::decode(head, &body).map_err(|why| Error::protocol(&name, why))? {
+        match frame {
             FdFrame::Batch(entries) => {
-                if out.len() + entries.len() > max + 1 {
+                if out.files.len() + out.devices.len() + entries.len() > max + 1 {
                     return Err(Error::InvalidArgument(format!(
                         "{name} hands over more than {max} regions"
                     )));
                 }
-                out.extend(entries.into_iter().zip(fds));
+                out.files.extend(entries.into_iter().zip(fds));
+            }
+            FdFrame::Devices(entries) => {
+                if out.files.len() + out.devices.len() + entries.len() > max + 1 {
+                    return Err(Error::InvalidArgument(format!(
+                        "{name} hands over more than {max} regions"
+                    )));
+                }
+                // The descriptors came in the order of the entries that are files.
+                let mut fds = fds.into_iter();
+                for e in entries {
+                    let fd = match e.handle {
+                        DeviceHandle::File => fds.next(),
+                        DeviceHandle::Ipc(_) => None,
+                    };
+                    out.devices.push((e, fd));
+                }
             }
             FdFrame::End => return Ok(out),
             FdFrame::Refused(why) => {
@@ -512,3 +586,77 @@ pub(crate) fn take(info: &ShmLaneInfo, pid: u32, max: usize) -> Result<Vec<(FdEn
         }
     }
 }
+
+/// A peer's registration page mapped read-only (`kvxfer_proto::wire::shm_fds`).
+pub(crate) struct ControlMap {
+    words: *const AtomicU64,
+}
+
+impl ControlMap {
+    /// Maps the page handed over as `fd`: a memfd of this user, sealed, of the page's size.
+    pub(crate) fn map(fd: OwnedFd) -> Result<ControlMap> {
+        let len = CONTROL_WORDS * 8;
+        // SAFETY: an all-zero stat is a valid value to be overwritten by fstat.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fd is open; st is a valid out pointer; F_GET_SEALS takes no argument.
+        let (ok, seals) = unsafe {
+            (
+                libc::fstat(fd.as_raw_fd(), &mut st) == 0,
+                libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS),
+            )
+        };
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        if !ok
+            || seals < 0
+            || seals & crate::memory::SEALS != crate::memory::SEALS
+            || st.st_uid != me
+            || st.st_size as usize != len
+        {
+            return Err(Error::InvalidArgument(format!(
+                "not a sealed memfd of this user of {len} bytes (seals {seals:#x}, uid {}, {} bytes)",
+                st.st_uid, st.st_size
+            )));
+        }
+        // SAFETY: a new read-only shared mapping of a sealed file of exactly `len` bytes
+        // (checked above); no existing memory of this process is affected.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::io(
+                "mapping a registration page",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(ControlMap { words: p.cast() })
+    }
+
+    /// Whether region `id` is registered now, as its owner last wrote.
+    pub(crate) fn alive(&self, id: u32) -> bool {
+        // SAFETY: control_slot < CONTROL_WORDS, inside the mapping, which lives as long as
+        // &self; the page is only read, atomically (its owner writes it atomically).
+        let w = unsafe { &*self.words.add(control_slot(id)) };
+        w.load(Ordering::Acquire) == alive_word(id)
+    }
+}
+
+impl Drop for ControlMap {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`, unmapped only here.
+        unsafe { libc::munmap(self.words as *mut libc::c_void, CONTROL_WORDS * 8) };
+    }
+}
+
+// SAFETY: the page is mapped read-only, owned by the struct until drop, and only read
+// through atomics.
+unsafe impl Send for ControlMap {}
+// SAFETY: as above.
+unsafe impl Sync for ControlMap {}

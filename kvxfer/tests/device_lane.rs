@@ -1,0 +1,233 @@
+//! The device lane, with [`SimulatedDevice`] standing in for a GPU (its allocations are sealed
+//! memory files, exported and opened as CUDA virtual-memory allocations are): a same-host
+//! peer's device memory opened once through the lane's hand-over socket, a scattered paged
+//! request moved in one submission, bytes intact both ways, the notification after the data,
+//! and everything the lane must refuse.
+
+#![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use kvxfer::staging::{SimulatedDevice, StagingShape};
+use kvxfer::{
+    Agent, AgentConfig, Desc, Error, HostBuffer, Lane, MemKind, Region, Transport, XferOp,
+};
+use rand::{RngCore, SeedableRng};
+
+static SEQ: AtomicU64 = AtomicU64::new(0);
+
+fn name(p: &str) -> String {
+    format!(
+        "{p}-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+fn cfg(p: &str, dev: &SimulatedDevice) -> AgentConfig {
+    AgentConfig::new(name(p))
+        .transport(Transport::Shm)
+        .lane_addr(std::net::Ipv4Addr::LOCALHOST.into())
+        .copy_engine(dev.engine())
+        .staging(StagingShape::new(4, 64 << 10).unwrap())
+}
+
+/// Blocks of 32 KiB (a Qwen3-0.6B block), scattered: slot `i` of the request at `perm[i]`.
+const BS: u64 = 32 << 10;
+const NB: u64 = 64;
+
+fn perm(seed: u64) -> Vec<u64> {
+    let mut p: Vec<u64> = (0..NB).collect();
+    let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+    for i in (1..p.len()).rev() {
+        let j = (r.next_u64() % (i as u64 + 1)) as usize;
+        p.swap(i, j);
+    }
+    p
+}
+
+fn descs(r: &Region, slots: &[u64]) -> Vec<Desc> {
+    slots
+        .iter()
+        .map(|&s| Desc::new(r.id(), s * BS, BS))
+        .collect()
+}
+
+fn random(seed: u64, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut v);
+    v
+}
+
+/// `len` bytes of simulated device memory registered as CUDA device 0.
+fn device_region(a: &Agent, dev: &SimulatedDevice, len: usize) -> (Region, u64) {
+    let addr = dev.alloc(len).unwrap();
+    // SAFETY: the simulated allocation lives as long as `dev`, which every test keeps alive
+    // past the agents; nothing else frees it.
+    let r = unsafe { a.register_raw(addr as *mut u8, len, MemKind::Cuda(0)) }.unwrap();
+    (r, addr)
+}
+
+struct Pair {
+    a: Agent,
+    da: SimulatedDevice,
+    b: Agent,
+    db: SimulatedDevice,
+}
+
+fn pair(b_cfg: impl FnOnce(AgentConfig) -> AgentConfig) -> Pair {
+    let (da, db) = (SimulatedDevice::new(), SimulatedDevice::new());
+    let a = Agent::new(cfg("dl-a", &da)).unwrap();
+    let b = Agent::new(b_cfg(cfg("dl-b", &db))).unwrap();
+    Pair { a, da, b, db }
+}
+
+fn connect(a: &Agent, b: &Agent) -> String {
+    let addr = b.listen("127.0.0.1:0").unwrap();
+    a.connect(addr).unwrap()
+}
+
+#[test]
+fn a_scattered_request_moves_in_one_submission_both_ways() {
+    let p = pair(|c| c);
+    let len = (NB * BS) as usize;
+    let (ra, xa) = device_region(&p.a, &p.da, len);
+    let (rb, xb) = device_region(&p.b, &p.db, len);
+    let peer = connect(&p.a, &p.b);
+    let data = random(1, len);
+    p.da.write(xa, &data).unwrap();
+    let (src, dst) = (perm(2), perm(3));
+    let l = p.a.prep_local(&descs(&ra, &src)).unwrap();
+    let r = p.a.prep_remote(&peer, &descs(&rb, &dst)).unwrap();
+
+    // WRITE with a notification: one submission on the initiator's device, none on the
+    // target's, and the notification finds the bytes in place.
+    let (sa, sb) = (p.da.submissions(), p.db.submissions());
+    let s =
+        p.a.transfer_all(XferOp::Write, &l, &r, Some(b"landed"), None)
+            .unwrap()
+            .wait()
+            .unwrap();
+    assert_eq!(s.lane, Lane::Device, "{s:?}");
+    assert_eq!(s.bytes, NB * BS);
+    assert_eq!(p.da.submissions() - sa, 1, "one submission for {NB} blocks");
+    assert_eq!(
+        p.db.submissions() - sb,
+        0,
+        "the target's device is not asked"
+    );
+    let n = p.b.wait_notification(Duration::from_secs(10)).unwrap();
+    assert_eq!(n.payload, b"landed");
+    let mut got = vec![0u8; len];
+    p.db.read(xb, &mut got).unwrap();
+    for (i, (&s, &d)) in src.iter().zip(&dst).enumerate() {
+        let (s, d) = ((s * BS) as usize, (d * BS) as usize);
+        assert!(
+            got[d..d + BS as usize] == data[s..s + BS as usize],
+            "block {i} differs"
+        );
+    }
+
+    // READ it back into a cleared region, at the source slots.
+    p.da.write(xa, &vec![0u8; len]).unwrap();
+    let s =
+        p.a.transfer_all(XferOp::Read, &l, &r, None, None)
+            .unwrap()
+            .wait()
+            .unwrap();
+    assert_eq!(s.lane, Lane::Device);
+    let mut back = vec![0u8; len];
+    p.da.read(xa, &mut back).unwrap();
+    assert!(back == data, "READ back differs");
+    // The peer's allocation was opened once, and stays open for the next transfer.
+    assert_eq!(p.da.allocations(), 2, "own and the peer's, opened once");
+}
+
+#[test]
+fn host_memory_on_either_side_is_not_the_device_lanes() {
+    let p = pair(|c| c);
+    let len = (NB * BS) as usize;
+    let (ra, xa) = device_region(&p.a, &p.da, len);
+    let hb = p.b.register(HostBuffer::new(len).unwrap()).unwrap();
+    let peer = connect(&p.a, &p.b);
+    let data = random(4, len);
+    p.da.write(xa, &data).unwrap();
+    let slots: Vec<u64> = (0..NB).collect();
+    let l = p.a.prep_local(&descs(&ra, &slots)).unwrap();
+    let r = p.a.prep_remote(&peer, &descs(&hb, &slots)).unwrap();
+    let s =
+        p.a.transfer_all(XferOp::Write, &l, &r, None, None)
+            .unwrap()
+            .wait()
+            .unwrap();
+    assert_eq!(s.lane, Lane::Tcp, "device to host goes staged: {s:?}");
+    let mut h = vec![0u8; len];
+    hb.read(0, &mut h).unwrap();
+    assert!(h == data);
+}
+
+#[test]
+fn with_the_lane_off_device_memory_goes_staged() {
+    let (da, db) = (SimulatedDevice::new(), SimulatedDevice::new());
+    let a = Agent::new(cfg("dl-off-a", &da).device_lane(false)).unwrap();
+    let b = Agent::new(cfg("dl-off-b", &db)).unwrap();
+    let len = (NB * BS) as usize;
+    let (ra, _) = device_region(&a, &da, len);
+    let (rb, _) = device_region(&b, &db, len);
+    let peer = connect(&a, &b);
+    let slots: Vec<u64> = (0..NB).collect();
+    let l = a.prep_local(&descs(&ra, &slots)).unwrap();
+    let r = a.prep_remote(&peer, &descs(&rb, &slots)).unwrap();
+    let s = a
+        .transfer_all(XferOp::Write, &l, &r, None, None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(s.lane, Lane::Tcp);
+}
+
+/// A peer loaded by hand (no side channel kept, so the owner cannot tell it): the lane itself
+/// reads the owner's registration page and refuses a region its owner gave up, typed, before
+/// any byte moves; a fresh registration moves again.
+#[test]
+fn a_region_its_owner_deregistered_is_refused() {
+    let p = pair(|c| c);
+    let len = (NB * BS) as usize;
+    let (ra, xa) = device_region(&p.a, &p.da, len);
+    let (rb, xb) = device_region(&p.b, &p.db, len);
+    let peer = p.a.load_remote_metadata(&p.b.metadata().unwrap()).unwrap();
+    let slots: Vec<u64> = (0..NB).collect();
+    let l = p.a.prep_local(&descs(&ra, &slots)).unwrap();
+    let r = p.a.prep_remote(&peer, &descs(&rb, &slots)).unwrap();
+    let s =
+        p.a.transfer_all(XferOp::Write, &l, &r, None, None)
+            .unwrap()
+            .wait()
+            .unwrap();
+    assert_eq!(s.lane, Lane::Device);
+    p.b.deregister(&rb).unwrap();
+    p.db.write(xb, &vec![7u8; len]).unwrap();
+    p.da.write(xa, &vec![1u8; len]).unwrap();
+    for op in [XferOp::Write, XferOp::Read] {
+        let e =
+            p.a.transfer_all(op, &l, &r, None, None)
+                .and_then(|t| t.wait())
+                .unwrap_err();
+        assert!(
+            matches!(e, Error::LaneFailed { lane: "device", ref why, .. } if why.contains("deregistered")),
+            "{op:?}: {e}"
+        );
+    }
+    let (mut got_b, mut got_a) = (vec![0u8; len], vec![0u8; len]);
+    p.db.read(xb, &mut got_b).unwrap();
+    p.da.read(xa, &mut got_a).unwrap();
+    assert!(
+        got_b.iter().all(|&x| x == 7),
+        "a byte was written after deregistration"
+    );
+    assert!(
+        got_a.iter().all(|&x| x == 1),
+        "a byte was read after deregistration"
+    );
+}
