@@ -363,8 +363,8 @@ typedef struct kvx_xfer_stats {
    */
   uint64_t duration_ns;
   /**
-   * Lane: 0 UCX, 1 shared memory, 2 TCP stream; `UINT32_MAX` for a lane a newer library
-   * added.
+   * Lane: 0 UCX, 1 shared memory, 2 TCP stream, 3 device (same-host GPU memory opened
+   * through CUDA IPC); `UINT32_MAX` for a lane a newer library added.
    */
   uint32_t lane;
 } kvx_xfer_stats;

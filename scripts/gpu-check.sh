@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The GPU check of issue 6, as one prepared run: GPU->GPU KV handoff between two processes on
-# one GPU, for the direct path (UCX moves VRAM: cuda_ipc / cuda_copy from the UCX 1.22 wheel)
-# and the staged path (pinned host chunks over kvxfer's TCP lane), WRITE and READ, on a
-# KV-shaped request (Qwen3-0.6B, 2,371 tokens: 8,344 blocks of 32 KiB = 273 MB at random
-# slots). Every run fills the source with a pseudo-random pattern, moves it, copies the
-# destination back to the host and compares byte for byte. Prints a table: path, op, lane,
-# ms per request, GB/s, ratio to a plain TCP stream of the same bytes in the same run, peak
-# host RSS of both processes, verified. A host-memory row (shared-memory lane) is the in-host
-# reference.
+# The GPU checks of issues 6 and 36, as one prepared run: GPU->GPU KV handoff between two
+# processes on one GPU. The device lane (kvxfer's own: CUDA IPC, a request as one table of
+# copies run by one kernel launch) alternated with UCX's cuda_ipc (the lane off), random slots
+# and one region, WRITE and READ; the staged path (pinned chunks, one gather launch per
+# chunk, over the TCP lane) alternated with the host TCP lane for the same bytes;
+# virtual-memory (expandable-segment) buffers; pool memory; a Llama-3-70B-shaped 32k-token
+# request. Qwen3-0.6B otherwise (2,371 tokens: 8,344 blocks of 32 KiB = 273 MB). Every
+# iteration clears the destination, moves, copies it back and compares byte for byte
+# (--verify-each, not timed); medians of 5. Prints a table: case, lane, ms per request, GB/s,
+# device submissions per request and microseconds per submission, ratio to a plain TCP
+# stream of the same bytes in the same run, peak host RSS of the peer, verified.
 #
 #   scripts/gpu-check.sh bundle   where cargo and PyPI are reachable: builds target/gpu-bundle
 #                                 (kvxfer-bench --features cuda against the UCX 1.22 wheel,
@@ -17,10 +19,11 @@
 #   scripts/gpu-check.sh          on the GPU machine: runs the checks with the bundle (building
 #                                 it first if it is missing). Under 8 minutes including a build.
 #
-# GPU_CHECK_RUN_TIMEOUT (seconds, default 150) bounds each of the six runs.
+# GPU_CHECK_RUN_TIMEOUT (seconds, default 150) bounds each run (the 70B row: 300).
 # Without a GPU it says SKIP with the reason and exits 0. GPU_CHECK_MEMORY=sim runs the same
-# script on a CPU machine with simulated device memory (a dry run of the script itself; the
-# direct path then fails at registration, as it must: UCX cannot reach simulated memory).
+# script on a CPU machine with simulated device memory (a dry run of the script itself: the
+# device lane runs between the two processes' simulated devices; UCX's cuda_ipc rows fail at
+# registration, as they must: UCX cannot reach simulated memory).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -74,48 +77,68 @@ run() {
   local label="$1"
   shift
   echo "== $label" >&2
-  if ! timeout "${GPU_CHECK_RUN_TIMEOUT:-150}" "$bench" --model qwen3-0.6b --iters 5 --warmup 2 --reference --json "$@" >>"$out"; then
+  local line defaults=()
+  # Qwen3-0.6B and 2 warm-ups unless the row names its own; medians of 5.
+  [[ " $* " == *" --model "* ]] || defaults+=(--model qwen3-0.6b)
+  [[ " $* " == *" --warmup "* ]] || defaults+=(--warmup 2)
+  if line="$(timeout "${GPU_CHECK_RUN_TIMEOUT:-150}" "$bench" "${defaults[@]}" --iters 5 \
+      --reference --json "$@")"; then
+    echo "$line" | python3 -c 'import json,sys; l=sys.argv[1]
+for x in sys.stdin:
+    if x.strip(): r=json.loads(x); r["label"]=l; print(json.dumps(r))' "$label" >>"$out"
+  else
     echo "{\"label\": \"$label\", \"failed\": true}" >>"$out"
   fi
 }
 run "host, shm lane (reference)" --memory host --transport shm --op write
-for path in direct staged; do
-  for op in write read; do
-    # Direct: UCX picks its CUDA transports (cuda_ipc inside one host). Staged: the TCP lane.
-    transport=auto
-    [ "$path" = staged ] && transport=tcp
-    run "$mem $path $op" --memory "$mem" --gpu-path "$path" --transport "$transport" --op "$op"
-  done
+# The device lane against UCX's cuda_ipc (the lane off), alternated (ABAB), random slots,
+# every iteration verified; then the same bytes as one region (contiguous on both sides),
+# the lane's READ, and the staged path against the host TCP lane for the same bytes.
+for round in 1 2; do
+  run "$mem device lane write r$round" --memory "$mem" --gpu-path auto --transport auto \
+    --op write --verify-each
+  run "$mem ucx cuda_ipc write r$round" --memory "$mem" --gpu-path direct --transport auto \
+    --op write --verify-each --no-device-lane --no-peer-failure
 done
-# UCX refuses transports that cannot detect a dead peer when peer-failure detection is on
-# (kvxfer's default); if the direct rows above show tcp rather than cuda_ipc, this row shows
-# what cuda_ipc gives.
-run "$mem direct write, peer-failure detection off" --memory "$mem" --gpu-path direct \
-  --transport auto --op write --no-peer-failure
-# Device memory from the stream-ordered pool (cuMemAllocAsync, cudarc's default; PyTorch's
-# cudaMallocAsync backend) cannot be exported by legacy CUDA IPC: UCX then moves it by
-# software emulation over its host transports. The rows above use cuMemAlloc (PyTorch's
-# default caching allocator).
+run "$mem device lane write, one region" --memory "$mem" --gpu-path auto --transport auto \
+  --op write --placement contiguous --verify-each
+run "$mem device lane read" --memory "$mem" --gpu-path auto --transport auto --op read \
+  --verify-each
+for round in 1 2; do
+  run "$mem staged write r$round" --memory "$mem" --gpu-path staged --transport tcp \
+    --op write --verify-each --no-device-lane
+  run "host tcp lane write r$round" --memory host --transport tcp --op write --verify-each
+done
 if [ "$mem" = cuda ]; then
-  run "cuda direct write, pool memory" --memory cuda --cuda-alloc pool --gpu-path direct \
-    --transport auto --op write
+  # Virtual-memory buffers (PyTorch's expandable segments): the device lane, not refused,
+  # not emulated.
+  run "cuda vmm device lane write" --memory cuda --cuda-alloc vmm --gpu-path direct \
+    --transport auto --op write --verify-each
+  # Pool memory (cuMemAllocAsync) cannot be exported: it must not take a silent slow path.
+  run "cuda pool write" --memory cuda --cuda-alloc pool --gpu-path direct --transport auto \
+    --op write
+  # A Llama-3-70B-shaped 32k-token request: 80 layers x 2 x 2,048 blocks of 32 KiB (10.7 GB
+  # a side), the device lane, every iteration verified.
+  GPU_CHECK_RUN_TIMEOUT=300 run "cuda device lane write, llama-3-70b 32k" --memory cuda \
+    --gpu-path direct --transport auto --op write --model llama-3-70b --tokens 32768 \
+    --verify-each --warmup 1
 fi
 
 rc=0
 python3 - "$out" <<'EOF' || rc=$?
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-print(f"{'memory':<11} {'path':<7} {'op':<6} {'lane':<5} {'ucx transports':<28} {'MB':>5} "
-      f"{'ms':>8} {'GB/s':>6} {'x_tcp':>6} {'rss_self':>9} {'rss_peer':>9} {'ok':>5}")
+print(f"{'case':<34} {'lane':<6} {'ucx transports':<22} {'MB':>6} {'ms':>8} {'GB/s':>7} "
+      f"{'subm':>5} {'us/sub':>7} {'x_tcp':>6} {'rss_peer':>9} {'ok':>5}")
 for r in rows:
     if r.get("failed"):
         print(f"{r['label']}: FAILED (see the log above)")
         continue
-    mem = r['memory'] + (f"-{r['cuda_alloc']}" if r.get('cuda_alloc') else "")
-    print(f"{mem:<11} {str(r.get('gpu_path') or '-'):<7} {r['op']:<6} {r['lane']:<5} "
-          f"{r['transport'][:28]:<28} {r['bytes']/1e6:>5.0f} {r['median_ms']:>8.1f} "
-          f"{r['gbps']:>6.2f} {r.get('x_tcp', float('nan')):>6.2f} "
-          f"{r['rss_peak_self_mib']:>8.0f}M {r['rss_peak_peer_mib']:>8.0f}M {str(r['verified']):>5}")
+    print(f"{r['label'][:34]:<34} {r['lane']:<6} {r['transport'][:22]:<22} "
+          f"{r['bytes']/1e6:>6.0f} {r['median_ms']:>8.2f} {r['gbps']:>7.2f} "
+          f"{r.get('submissions', 0):>5} {r.get('us_per_submission', float('nan')):>7.1f} "
+          f"{r.get('x_tcp', float('nan')):>6.2f} {r['rss_peak_peer_mib']:>8.0f}M "
+          f"{str(r['verified']):>5}")
 bad = [r for r in rows if r.get("failed") or not r.get("verified")]
 sys.exit(1 if bad else 0)
 EOF

@@ -267,14 +267,42 @@ fn plan_reports_the_seed_figures() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown model preset"));
 }
 
+/// The device lane between two processes' simulated devices (sealed memory files, exported
+/// and opened as CUDA's shareable allocations are): a scattered request of 512 blocks is one
+/// submission on the initiator's device, every iteration verified byte for byte.
+#[test]
+fn device_lane_two_processes() {
+    for op in ["write", "read"] {
+        let j = bench(&[
+            "--memory",
+            "sim",
+            "--transport",
+            "shm",
+            "--op",
+            op,
+            "--blocks",
+            "512",
+            "--block-size",
+            "16384",
+            "--verify-each",
+        ]);
+        assert_eq!(j["verified"], true, "{j}");
+        assert_eq!(j["verified_iterations"].as_u64(), Some(3), "{j}");
+        assert_eq!(j["lane"], "device", "{j}");
+        assert_eq!(j["submissions"], 1, "{j}");
+    }
+}
+
 /// Device memory in two processes (simulated: the staged path on a machine without a GPU):
 /// both ends stage through their own bounded chunk pools over the TCP lane, even with the
-/// shared-memory transport, and every byte verifies after a copy back through the engine.
+/// shared-memory transport (the device lane off), and every byte verifies after a copy back
+/// through the engine.
 #[test]
 fn staged_device_memory_two_processes() {
     for transport in ["tcp", "shm"] {
         for op in ["write", "read"] {
             let j = bench(&[
+                "--no-device-lane",
                 "--memory",
                 "sim",
                 "--transport",

@@ -231,3 +231,109 @@ fn a_region_its_owner_deregistered_is_refused() {
         "a byte was read after deregistration"
     );
 }
+
+/// The peer in its own process (run by the test below; ignored otherwise): a simulated
+/// device region of `BIG` bytes, a listener whose address it prints, then it waits to be
+/// killed.
+#[test]
+#[ignore = "a peer's own process, started by the tests here"]
+fn device_owner_child() {
+    if std::env::var("KVX_DEVICE_OWNER").is_err() {
+        return;
+    }
+    let db = SimulatedDevice::new();
+    let b = Agent::new(cfg("dl-owner", &db)).unwrap();
+    let (_rb, _) = device_region(&b, &db, BIG);
+    println!("SIDE {}", b.listen("127.0.0.1:0").unwrap());
+    std::thread::sleep(Duration::from_secs(120));
+}
+
+const BIG: usize = 1 << 30;
+
+/// A peer process SIGKILLed while the device lane copies 1 GiB into its memory: the
+/// transfer (no notification: nothing else would notice) ends typed (the peer's process
+/// exited, before or during), within seconds, never reported as delivered; the agent then serves a live peer as before. The copy lands in the
+/// dead peer's memory file, which this process's mapping keeps valid (no fault, no write
+/// into anything else).
+#[test]
+fn a_peer_killed_mid_copy_fails_the_transfer_typed() {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "device_owner_child", "--ignored", "--nocapture"])
+        .env("KVX_DEVICE_OWNER", "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut from = std::io::BufReader::new(child.stdout.take().unwrap());
+    let side: std::net::SocketAddr = loop {
+        let mut l = String::new();
+        assert!(from.read_line(&mut l).unwrap() > 0, "the peer said nothing");
+        if let Some(i) = l.find("SIDE ") {
+            break l[i + 5..].trim().parse().unwrap();
+        }
+    };
+    let da = SimulatedDevice::new();
+    let a = Agent::new(cfg("dl-killer", &da)).unwrap();
+    let (ra, _) = device_region(&a, &da, BIG);
+    let peer = a.connect(side).unwrap();
+    let whole = |r: kvxfer::RegionId| [Desc::new(r, 0, BIG as u64)];
+    let l = a.prep_local(&whole(ra.id())).unwrap();
+    // The peer's region is its first (id 0).
+    let r = a.prep_remote(&peer, &whole(kvxfer::RegionId(0))).unwrap();
+    // A first WRITE opens the peer's allocation and shows the lane carries it.
+    let s = a
+        .transfer_all(XferOp::Write, &l, &r, None, None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(s.lane, Lane::Device);
+    let first_ms = s.duration.as_millis();
+    // Again, pages in place: the time the copy takes, to aim the kill into it.
+    let s = a
+        .transfer_all(XferOp::Write, &l, &r, None, None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let copy_ms = s.duration.as_millis() as u64;
+    let t0 = std::time::Instant::now();
+    let killed = std::thread::scope(|sc| {
+        let t = sc.spawn(|| {
+            a.transfer_all(XferOp::Write, &l, &r, None, None)
+                .and_then(|t| t.wait())
+        });
+        // A tenth of the way into the copy.
+        std::thread::sleep(Duration::from_millis((copy_ms / 10).max(1)));
+        child.kill().unwrap();
+        t.join().unwrap()
+    });
+    let _ = child.wait();
+    eprintln!(
+        "copies of 1 GiB: {first_ms} ms, then {copy_ms} ms; after the kill: {killed:?} in {:?}",
+        t0.elapsed()
+    );
+    match killed {
+        Err(Error::LaneFailed {
+            lane: "device",
+            ref why,
+            ..
+        }) if why.contains("exited") => {}
+        other => panic!("a WRITE into a killed peer: {other:?}"),
+    }
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    // The same agent goes on serving a live peer.
+    let db2 = SimulatedDevice::new();
+    let b2 = Agent::new(cfg("dl-live", &db2)).unwrap();
+    let len = (NB * BS) as usize;
+    let (ra2, _) = device_region(&a, &da, len);
+    let (rb2, _) = device_region(&b2, &db2, len);
+    let peer2 = connect(&a, &b2);
+    let slots: Vec<u64> = (0..NB).collect();
+    let l2 = a.prep_local(&descs(&ra2, &slots)).unwrap();
+    let r2 = a.prep_remote(&peer2, &descs(&rb2, &slots)).unwrap();
+    let s = a
+        .transfer_all(XferOp::Write, &l2, &r2, None, None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(s.lane, Lane::Device);
+}

@@ -53,6 +53,12 @@ pub trait CopyEngine: Send + Sync + std::fmt::Debug {
         })
     }
 
+    /// Submissions made so far on every queue of this engine (single copies, kernel launches,
+    /// batch calls), for benchmarks: what a transfer costs in driver calls.
+    fn submissions(&self) -> u64 {
+        0
+    }
+
     /// Whether [`open`](Self::open) takes this process's own exports (false for CUDA, whose
     /// IPC handles open only in another process): a peer agent in the same process is then
     /// not reached by the device lane.

@@ -81,6 +81,8 @@ pub struct CudaCopyEngine {
     /// piece, said once in the log).
     kernels:
         std::sync::Mutex<std::collections::HashMap<u32, std::result::Result<Arc<Kernel>, String>>>,
+    /// Submissions on every queue (copies, table uploads, launches).
+    submitted: Arc<std::sync::atomic::AtomicU64>,
 }
 
 use super::cuda_batch::{Kernel, PriorityStream, Table};
@@ -128,6 +130,14 @@ struct CudaQueue {
     table: Option<Table>,
     kernel: Option<Arc<Kernel>>,
     pool: StreamPool,
+    submitted: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl CudaQueue {
+    fn count(&self, n: u64) {
+        self.submitted
+            .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl CudaQueue {
@@ -147,6 +157,8 @@ impl CudaQueue {
             Err(e) => return Some(Err(Error::InvalidArgument(e.to_string()))),
         };
         for b in &tables {
+            // A table upload and a launch.
+            self.count(2);
             let stream = self.stream.as_ref().expect("taken only in drop");
             // SAFETY: the caller's contract.
             if let Err(e) = unsafe {
@@ -191,6 +203,7 @@ impl crate::device::copy::CopyQueue for CudaQueue {
         self.ctx
             .bind_to_thread()
             .map_err(|e| cuda_err(self.device, "cuCtxSetCurrent", e))?;
+        self.count(1);
         // SAFETY: the trait's contract: src is device memory of this context, dst host memory
         // untouched until sync; the stream is live.
         unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, self.stream().raw) }
@@ -202,6 +215,7 @@ impl crate::device::copy::CopyQueue for CudaQueue {
         self.ctx
             .bind_to_thread()
             .map_err(|e| cuda_err(self.device, "cuCtxSetCurrent", e))?;
+        self.count(1);
         // SAFETY: as above.
         unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, self.stream().raw) }
             .result()
@@ -226,6 +240,7 @@ impl crate::device::copy::CopyQueue for CudaQueue {
             .bind_to_thread()
             .map_err(|e| cuda_err(self.device, "cuCtxSetCurrent", e))?;
         for e in batch.iter() {
+            self.count(1);
             // SAFETY: the trait's contract, entry by entry.
             unsafe { sys::cuMemcpyDtoDAsync_v2(e.dst, e.src, e.len as usize, self.stream().raw) }
                 .result()
@@ -290,6 +305,10 @@ impl crate::device::copy::CopyEngine for CudaCopyEngine {
         true
     }
 
+    fn submissions(&self) -> u64 {
+        self.submitted.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     fn export(&self, device: u32, addr: u64, len: u64) -> Result<crate::device::copy::Exported> {
         super::cuda_ipc::export(&self.ctx(device)?, device, addr, len)
     }
@@ -330,6 +349,7 @@ impl crate::device::copy::CopyEngine for CudaCopyEngine {
             table,
             kernel,
             pool: self.streams.clone(),
+            submitted: self.submitted.clone(),
         }))
     }
 

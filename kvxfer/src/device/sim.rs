@@ -272,6 +272,9 @@ impl CopyEngine for SimulatedDevice {
     fn queue(&self, _device: u32) -> Result<Box<dyn CopyQueue>> {
         Ok(Box::new(SimQueue(self.clone())))
     }
+    fn submissions(&self) -> u64 {
+        SimulatedDevice::submissions(self)
+    }
 
     /// The allocation's sealed memory file, duplicated.
     fn export(&self, device: u32, addr: u64, len: u64) -> Result<Exported> {

@@ -22,8 +22,10 @@ pub(crate) mod pipeline;
 pub(crate) mod pool;
 pub(crate) mod settings;
 
-pub use crate::device::copy::{CopyEngine, CopyQueue, HostCopyEngine};
+pub use crate::device::copy::{CopyEngine, CopyQueue, Exported, HostCopyEngine, Opened};
 pub use crate::device::sim::SimulatedDevice;
+pub use kvxfer_proto::copy_batch::{CopyBatch, CopyRange};
+pub use kvxfer_proto::wire::shm_fds::DeviceHandle;
 pub use pool::{DeviceStaging, StagingStats, DEFAULT_STAGING_CHUNKS, DEFAULT_STAGING_CHUNK_BYTES};
 pub use settings::StagingShape;
 

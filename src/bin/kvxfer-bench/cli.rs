@@ -18,6 +18,9 @@ pub(crate) enum CudaAlloc {
     Plain,
     /// cuMemAllocAsync (the stream-ordered pool).
     Pool,
+    /// cuMemCreate + cuMemMap, shareable as a file descriptor (PyTorch's expandable
+    /// segments).
+    Vmm,
 }
 
 impl CudaAlloc {
@@ -26,6 +29,7 @@ impl CudaAlloc {
         match self {
             CudaAlloc::Plain => "plain",
             CudaAlloc::Pool => "pool",
+            CudaAlloc::Vmm => "vmm",
         }
     }
 }
@@ -163,6 +167,10 @@ pub(crate) struct Args {
     /// verified byte for byte, RSS of both processes reported (JSON fields `soak_*`).
     #[arg(long, default_value_t = 0)]
     pub(crate) soak: usize,
+    /// Clear the destination before every timed iteration and verify it byte for byte after
+    /// (neither timed): `verified` then speaks for every iteration, not the last.
+    #[arg(long, conflicts_with = "soak")]
+    pub(crate) verify_each: bool,
     /// Seed for placement and data.
     #[arg(long, default_value_t = 42)]
     pub(crate) seed: u64,
@@ -202,10 +210,15 @@ pub(crate) struct Args {
     #[arg(long)]
     pub(crate) no_peer_failure: bool,
     /// How --memory cuda is allocated: plain (cuMemAlloc, as PyTorch's caching allocator
-    /// does; UCX's cuda_ipc can map it in a peer process) or pool (cudarc's default,
-    /// cuMemAllocAsync from the stream-ordered pool, which legacy CUDA IPC cannot export).
+    /// does; UCX's cuda_ipc can map it in a peer process), pool (cudarc's default,
+    /// cuMemAllocAsync from the stream-ordered pool, which legacy CUDA IPC cannot export) or
+    /// vmm (virtual memory shareable as a file descriptor, as PyTorch's expandable segments).
     #[arg(long, value_enum, default_value = "plain")]
     pub(crate) cuda_alloc: CudaAlloc,
+    /// Turn the device lane off (same-host GPU memory then moves over UCX's cuda_ipc on the
+    /// direct path, or staged): the comparison rows of scripts/gpu-check.sh.
+    #[arg(long)]
+    pub(crate) no_device_lane: bool,
     /// Device staging chunk size, KiB.
     #[arg(long, default_value_t = (kvxfer::staging::DEFAULT_STAGING_CHUNK_BYTES >> 10) as u64)]
     pub(crate) staging_chunk_kib: u64,

@@ -67,6 +67,9 @@ pub(crate) fn spawn_peer(args: &Args, transport: &str) -> Result<(Peer, SocketAd
     if args.no_peer_failure {
         cmd.arg("--no-peer-failure");
     }
+    if args.no_device_lane {
+        cmd.arg("--no-device-lane");
+    }
     cmd.args([
         "--memory",
         match args.memory {

@@ -229,6 +229,8 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
     let mut ops = 0;
     let mut lane = kvxfer::Lane::Ucx;
     let mut post_ms = Vec::new();
+    // The initiator's device submissions per timed iteration (copies, launches).
+    let mut subs: Vec<u64> = Vec::new();
     let total = args.warmup + if args.soak > 0 { args.soak } else { args.iters };
     let mut bar = Progress::new(!args.json && std::io::stderr().is_terminal());
     let peer_pid = _peer.as_ref().map(|p| p.0.id());
@@ -247,6 +249,15 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         } else {
             op
         };
+        if args.verify_each {
+            match op {
+                XferOp::Write => {
+                    ctl.cmd("CLEAR")?;
+                }
+                XferOp::Read => clear(&buf)?,
+            }
+        }
+        let subs0 = dev.as_ref().map_or(0, |d| d.engine.submissions());
         let t = Instant::now();
         let deadline = Some(Duration::from_secs(600));
         let xs = if args.paged {
@@ -277,6 +288,15 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         if i >= args.warmup {
             times.push(dt.as_secs_f64() * 1e3);
             post_ms.push(post);
+            subs.push(dev.as_ref().map_or(0, |d| d.engine.submissions()) - subs0);
+        }
+        if args.verify_each {
+            checks += 1;
+            let ok = match op {
+                XferOp::Write => ctl.cmd(&format!("VERIFY {data_seed}"))? == "true",
+                XferOp::Read => verify(&buf, &lslots, bs, data_seed)?,
+            };
+            bad_checks += usize::from(!ok);
         }
         bar.tick(i + 1, total, "iterations");
         if args.soak > 0 {
@@ -368,6 +388,21 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
     if let Some(st) = agent.staging_stats() {
         j["staging_mib"] = (st.bytes as f64 / (1 << 20) as f64).into();
         j["staging_waits"] = st.waits.into();
+    }
+    if dev.is_some() {
+        // Per request: what one transfer cost the initiator's device in submissions, and
+        // the time of each (the transfer's median over them).
+        let mut per = subs.clone();
+        per.sort_unstable();
+        let n = per.get(per.len() / 2).copied().unwrap_or(0);
+        j["submissions"] = n.into();
+        if n > 0 {
+            j["us_per_submission"] = (med * 1e3 / n as f64).into();
+        }
+    }
+    if args.verify_each {
+        j["verified_iterations"] = checks.into();
+        j["verified"] = (verified && bad_checks == 0 && checks >= times.len()).into();
     }
     if args.soak > 0 {
         let mib = |b: u64| b as f64 / (1 << 20) as f64;

@@ -157,18 +157,93 @@ pub(crate) fn check(r: &Region, off: u64, len: usize) -> kvxfer::Result<()> {
 pub(crate) struct PlainDeviceAlloc {
     ctx: std::sync::Arc<cudarc::driver::CudaContext>,
     ptr: cudarc::driver::sys::CUdeviceptr,
+    /// A virtual-memory allocation: its handle and mapped size.
+    vmm: Option<(cudarc::driver::sys::CUmemGenericAllocationHandle, usize)>,
     deregistered: bool,
 }
 
 #[cfg(feature = "cuda")]
 impl Drop for PlainDeviceAlloc {
     fn drop(&mut self) {
-        if self.deregistered && self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: ptr came from malloc_sync in this context and is freed only here, after
-            // the agent deregistered the region over it (register_raw's contract).
-            let _ = unsafe { cudarc::driver::result::free_sync(self.ptr) };
+        use cudarc::driver::sys;
+        if !self.deregistered || self.ctx.bind_to_thread().is_err() {
+            return;
+        }
+        match self.vmm {
+            // SAFETY: mapped, reserved and created by vmm_alloc in this context, undone once
+            // here, after the agent deregistered the region over it.
+            Some((h, size)) => unsafe {
+                let _ = sys::cuMemUnmap(self.ptr, size);
+                let _ = sys::cuMemAddressFree(self.ptr, size);
+                let _ = sys::cuMemRelease(h);
+            },
+            None => {
+                // SAFETY: ptr came from malloc_sync in this context and is freed only here,
+                // after the agent deregistered the region over it (register_raw's contract).
+                let _ = unsafe { cudarc::driver::result::free_sync(self.ptr) };
+            }
         }
     }
+}
+
+/// `len` bytes (rounded up to the allocation granularity) of virtual memory on `device`,
+/// created shareable as a POSIX file descriptor, reserved, mapped and made read-write: what
+/// PyTorch's expandable segments allocate.
+#[cfg(feature = "cuda")]
+fn vmm_alloc(
+    ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+    device: u32,
+    len: usize,
+) -> Result<PlainDeviceAlloc, BoxErr> {
+    use cudarc::driver::sys;
+    let location = sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: device as i32,
+    };
+    // SAFETY: an all-zero property is valid (no flags); the fields that matter are set next.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes =
+        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    prop.location = location;
+    let mut gran = 0usize;
+    // SAFETY: valid pointers.
+    unsafe {
+        sys::cuMemGetAllocationGranularity(
+            &mut gran,
+            &prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+    }
+    .result()?;
+    let size = len.next_multiple_of(gran.max(1));
+    let mut h: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: valid pointers; the context is current (the caller bound it).
+    unsafe { sys::cuMemCreate(&mut h, size, &prop, 0) }.result()?;
+    let mut ptr: sys::CUdeviceptr = 0;
+    // SAFETY: valid out pointer.
+    if let Err(e) = unsafe { sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0) }.result() {
+        // SAFETY: created above, released once.
+        let _ = unsafe { sys::cuMemRelease(h) };
+        return Err(e.into());
+    }
+    let guard = PlainDeviceAlloc {
+        ctx,
+        ptr,
+        vmm: Some((h, size)),
+        deregistered: true, // nothing registered over it yet: undo on any error below
+    };
+    // SAFETY: the reserved range and the allocation are both `size` bytes.
+    unsafe { sys::cuMemMap(ptr, size, 0, h, 0) }.result()?;
+    let access = sys::CUmemAccessDesc {
+        location,
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    // SAFETY: the range was just mapped; one descriptor.
+    unsafe { sys::cuMemSetAccess(ptr, size, &access, 1) }.result()?;
+    let mut guard = guard;
+    guard.deregistered = false;
+    Ok(guard)
 }
 
 #[cfg(feature = "cuda")]
@@ -228,14 +303,20 @@ pub(crate) fn cuda_region(
         return Ok((agent.register(buf)?, None));
     }
     ctx.bind_to_thread()?;
-    // SAFETY: the context is current on this thread (bound above); the new allocation is
-    // owned by the guard below and zeroed before any use.
-    let ptr = unsafe { cudarc::driver::result::malloc_sync(len) }?;
-    let guard = PlainDeviceAlloc {
-        ctx,
-        ptr,
-        deregistered: false,
+    let guard = if alloc == CudaAlloc::Vmm {
+        vmm_alloc(ctx, device, len)?
+    } else {
+        // SAFETY: the context is current on this thread (bound above); the new allocation
+        // is owned by the guard below and zeroed before any use.
+        let ptr = unsafe { cudarc::driver::result::malloc_sync(len) }?;
+        PlainDeviceAlloc {
+            ctx,
+            ptr,
+            vmm: None,
+            deregistered: false,
+        }
     };
+    let ptr = guard.ptr;
     // SAFETY: ptr is a live allocation of len bytes in this context.
     unsafe { cudarc::driver::result::memset_d8_sync(ptr, 0, len) }?;
     // SAFETY: the guard frees the allocation only after Buf::release has deregistered the
@@ -272,6 +353,7 @@ pub(crate) fn agent_config(
         .busy_poll(args.busy_poll)
         .stripes(args.stripes)
         .lanes(!args.ucx_only)
+        .device_lane(!args.no_device_lane)
         .gpu_path(args.gpu_path)
         .peer_failure(if args.no_peer_failure {
             Some(false)
