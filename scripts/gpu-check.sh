@@ -114,9 +114,11 @@ if [ "$mem" = cuda ]; then
   # not emulated.
   run "cuda vmm device lane write" --memory cuda --cuda-alloc vmm --gpu-path direct \
     --transport auto --op write --verify-each
-  # Pool memory (cuMemAllocAsync) cannot be exported: it must not take a silent slow path.
-  run "cuda pool write" --memory cuda --cuda-alloc pool --gpu-path direct --transport auto \
-    --op write
+  # Pool memory (cuMemAllocAsync) cannot be opened by another process: it takes the staged
+  # path (lane tcp), said at registration, never UCX's emulation (--gpu-path direct would be
+  # refused, typed).
+  run "cuda pool write" --memory cuda --cuda-alloc pool --gpu-path auto --transport auto \
+    --op write --verify-each
   # A Llama-3-70B-shaped 32k-token request: 80 layers x 2 x 2,048 blocks of 32 KiB (10.7 GB
   # a side), the device lane, every iteration verified.
   GPU_CHECK_RUN_TIMEOUT=300 run "cuda device lane write, llama-3-70b 32k" --memory cuda \
@@ -134,7 +136,8 @@ for r in rows:
     if r.get("failed"):
         print(f"{r['label']}: FAILED (see the log above)")
         continue
-    print(f"{r['label'][:34]:<34} {r['lane']:<6} {r['transport'][:22]:<22} "
+    alloc = f" [{r['device_alloc']}]" if r.get('device_alloc') else ""
+    print(f"{(r['label'] + alloc)[:34]:<34} {r['lane']:<6} {r['transport'][:22]:<22} "
           f"{r['bytes']/1e6:>6.0f} {r['median_ms']:>8.2f} {r['gbps']:>7.2f} "
           f"{r.get('submissions', 0):>5} {r.get('us_per_submission', float('nan')):>7.1f} "
           f"{r.get('x_tcp', float('nan')):>6.2f} {r['rss_peak_peer_mib']:>8.0f}M "

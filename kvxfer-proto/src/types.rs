@@ -255,6 +255,32 @@ impl std::fmt::Display for GpuPath {
     }
 }
 
+/// What kind of allocation device memory lies in, as the driver says at registration: what
+/// decides which paths can reach it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DeviceAlloc {
+    /// `cuMemAlloc` / `cudaMalloc` (PyTorch's default caching allocator): shareable through
+    /// legacy CUDA IPC (UCX's cuda_ipc, kvxfer's device lane).
+    Plain,
+    /// A virtual-memory allocation (`cuMemCreate` + `cuMemMap`: PyTorch's
+    /// `expandable_segments`): kvxfer's device lane opens it through a file descriptor.
+    Virtual,
+    /// Stream-ordered pool memory (`cuMemAllocAsync`: PyTorch's `backend:cudaMallocAsync`):
+    /// no other process can open it; it takes the staged path.
+    Pool,
+}
+
+impl std::fmt::Display for DeviceAlloc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DeviceAlloc::Plain => "plain",
+            DeviceAlloc::Virtual => "virtual",
+            DeviceAlloc::Pool => "pool",
+        })
+    }
+}
+
 /// What the agent knows about a peer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PeerInfo {
@@ -270,6 +296,10 @@ pub struct PeerInfo {
     /// memory registered, [`GpuPath::Direct`] where UCX reaches all of it, else
     /// [`GpuPath::Staged`].
     pub gpu_path: Option<GpuPath>,
+    /// kvxfer's lanes open towards the peer, in the order a transfer tries them (the first
+    /// that carries a transfer moves it, else UCX): for example `[Shm, Device, Tcp]` for a
+    /// same-host peer.
+    pub lanes: Vec<Lane>,
 }
 
 /// The path of device memory: `policy`, the engine's name if UCX can reach its memory at all

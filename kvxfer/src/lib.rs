@@ -85,7 +85,9 @@ pub use kvxfer_proto::compress::planes::Transform;
 pub use kvxfer_proto::compress::policy::Compression;
 pub use kvxfer_proto::descriptor::{Desc, RegionId};
 pub use kvxfer_proto::error::{Error, MetadataError, Result, Side, UcsStatus};
-pub use kvxfer_proto::types::{GpuPath, Lane, MemKind, PeerInfo, RegionSpan, Transport, XferOp};
+pub use kvxfer_proto::types::{
+    DeviceAlloc, GpuPath, Lane, MemKind, PeerInfo, RegionSpan, Transport, XferOp,
+};
 pub use memory::{page_size, HostBuffer, Memory, Region};
 pub use notify::Notification;
 pub use telemetry::{PeerHeld, RequestStats, Telemetry};

@@ -16,7 +16,7 @@ pub(crate) use std::sync::atomic::{fence, AtomicBool, AtomicU32};
 use std::sync::{Arc, RwLock, RwLockReadGuard};
 
 use kvxfer_proto::error::{Error, Result};
-use kvxfer_proto::types::{MemKind, RegionId, ShmHandle};
+use kvxfer_proto::types::{DeviceAlloc, MemKind, RegionId, ShmHandle};
 
 /// An owned, page-aligned, zero-filled host allocation.
 ///
@@ -321,6 +321,8 @@ pub(crate) struct RegionInner {
     pub(crate) addr: u64,
     pub(crate) len: u64,
     pub(crate) kind: MemKind,
+    /// What kind of allocation device memory lies in, where the copy engine can tell.
+    pub(crate) alloc: Option<DeviceAlloc>,
     /// Registered with UCX (it has a memory handle and a remote key). False for device memory
     /// on the staged path, which only kvxfer's TCP lane moves, through staging chunks.
     pub(crate) ucx_mapped: bool,
@@ -534,6 +536,12 @@ impl Region {
         self.inner.kind
     }
 
+    /// For device memory, what kind of allocation it lies in (where the copy engine can
+    /// tell), which decided its path at registration: pool memory takes the staged path.
+    pub fn device_alloc(&self) -> Option<DeviceAlloc> {
+        self.inner.alloc
+    }
+
     /// Transfers in flight that use this region.
     pub fn inflight(&self) -> u32 {
         self.inner.inflight.load(Ordering::Acquire)
@@ -719,6 +727,7 @@ mod loom_model {
             addr: 0x1000,
             len: 4096,
             kind: MemKind::Host,
+            alloc: None,
             ucx_mapped: true,
             _backing: None,
             shm: None,

@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use kvxfer::staging::{SimulatedDevice, StagingShape};
 use kvxfer::{
-    Agent, AgentConfig, Desc, Error, HostBuffer, Lane, MemKind, Region, Transport, XferOp,
+    Agent, AgentConfig, Desc, DeviceAlloc, Error, HostBuffer, Lane, MemKind, Region, Transport,
+    XferOp,
 };
 use rand::{RngCore, SeedableRng};
 
@@ -95,6 +96,13 @@ fn a_scattered_request_moves_in_one_submission_both_ways() {
     let (ra, xa) = device_region(&p.a, &p.da, len);
     let (rb, xb) = device_region(&p.b, &p.db, len);
     let peer = connect(&p.a, &p.b);
+    assert_eq!(
+        p.a.peer_info(&peer).unwrap().lanes,
+        vec![Lane::Device, Lane::Tcp],
+        "the lanes towards a same-host peer with device memory only, in the order they are \
+         tried (the shm lane opens where the peer has host memory to map)"
+    );
+    assert_eq!(ra.device_alloc(), Some(DeviceAlloc::Plain));
     let data = random(1, len);
     p.da.write(xa, &data).unwrap();
     let (src, dst) = (perm(2), perm(3));
@@ -336,4 +344,41 @@ fn a_peer_killed_mid_copy_fails_the_transfer_typed() {
         .wait()
         .unwrap();
     assert_eq!(s.lane, Lane::Device);
+}
+
+/// Memory kinds told apart at registration: a virtual-memory allocation moves on the device
+/// lane; pool memory, which no other process can open, is not exported and moves staged over
+/// the TCP lane, its kind visible on the region and its lane in the transfer's figures.
+#[test]
+fn each_allocation_kind_takes_the_path_that_reaches_it() {
+    let p = pair(|c| c);
+    let len = (NB * BS) as usize;
+    let (ra, xa) = device_region(&p.a, &p.da, len);
+    let reg = |dev: &SimulatedDevice, kind| {
+        let addr = dev.alloc_as(len, kind).unwrap();
+        // SAFETY: the simulated allocation lives as long as `dev`, past the agents.
+        let r = unsafe { p.b.register_raw(addr as *mut u8, len, MemKind::Cuda(0)) }.unwrap();
+        (r, addr)
+    };
+    let (rv, xv) = reg(&p.db, DeviceAlloc::Virtual);
+    let (rp, xp) = reg(&p.db, DeviceAlloc::Pool);
+    assert_eq!(rv.device_alloc(), Some(DeviceAlloc::Virtual));
+    assert_eq!(rp.device_alloc(), Some(DeviceAlloc::Pool));
+    let peer = connect(&p.a, &p.b);
+    let data = random(9, len);
+    p.da.write(xa, &data).unwrap();
+    let slots = perm(10);
+    let l = p.a.prep_local(&descs(&ra, &slots)).unwrap();
+    for (r, x, lane) in [(&rv, xv, Lane::Device), (&rp, xp, Lane::Tcp)] {
+        let rd = p.a.prep_remote(&peer, &descs(r, &slots)).unwrap();
+        let s =
+            p.a.transfer_all(XferOp::Write, &l, &rd, None, None)
+                .unwrap()
+                .wait()
+                .unwrap();
+        assert_eq!(s.lane, lane, "{:?}", r.device_alloc());
+        let mut got = vec![0u8; len];
+        p.db.read(x, &mut got).unwrap();
+        assert!(got == data, "{:?}: bytes differ", r.device_alloc());
+    }
 }

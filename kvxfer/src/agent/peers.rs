@@ -301,6 +301,9 @@ pub(crate) fn peer_info(st: &AgentState, name: &str) -> Result<PeerInfo> {
         reply,
     })?;
     info.gpu_path = gpu_path(st, name);
+    if let Some(v) = st.peers.read().unwrap_or_else(|e| e.into_inner()).get(name) {
+        info.lanes = v.lanes.0.iter().map(|l| l.lane()).collect();
+    }
     Ok(info)
 }
 

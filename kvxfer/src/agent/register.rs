@@ -12,7 +12,7 @@ use crate::backend::ucx::driver::{Cmd, MEMORY_TYPES};
 use crate::backend::ucx::raw;
 use crate::memory::{Memory, Region, RegionInner};
 use kvxfer_proto::error::{Error, Result};
-use kvxfer_proto::types::{choose_gpu_path, GpuPath, MemKind, RegionId};
+use kvxfer_proto::types::{choose_gpu_path, DeviceAlloc, GpuPath, MemKind, RegionId};
 use kvxfer_proto::wire::lane_entries::LANE_TCP;
 
 /// Who may read and write a registered region.
@@ -105,10 +105,22 @@ impl Agent {
                     .into(),
             ));
         }
+        let alloc = match kind {
+            MemKind::Host => None,
+            MemKind::Cuda(d) => self.shared.staging.engine(d)?.allocation(d, ptr as u64)?,
+        };
         let ucx_mapped = only.is_none()
             && match kind {
                 MemKind::Host => true,
-                MemKind::Cuda(d) => self.device_path(d)? == GpuPath::Direct,
+                MemKind::Cuda(d) => {
+                    let direct = self.device_path(d)? == GpuPath::Direct;
+                    if direct && alloc == Some(DeviceAlloc::Pool) {
+                        self.pool_memory_staged(d)?;
+                        false
+                    } else {
+                        direct
+                    }
+                }
             };
         let id = RegionId(self.shared.next_region.fetch_add(1, Ordering::Relaxed));
         let shm = backing
@@ -129,6 +141,7 @@ impl Agent {
             addr: ptr as u64,
             len: len as u64,
             kind,
+            alloc,
             ucx_mapped,
             _backing: backing,
             inflight: crate::memory::AtomicU32::new(0),
@@ -149,6 +162,41 @@ impl Agent {
         Ok(Region { inner })
     }
 
+    /// Pool memory on a device whose path is direct: UCX cannot open it in another process
+    /// and would move it by emulation over its host transports (240-800 ms a 273 MB request,
+    /// measured), so it takes the staged path, said in the log; refused typed where the user
+    /// asked for the direct path or for no silent fallback (`strict`).
+    fn pool_memory_staged(&self, device: u32) -> Result<()> {
+        let why = "pool memory (cuMemAllocAsync; PyTorch's backend:cudaMallocAsync) cannot be \
+                   opened by another process, and UCX would move it by emulation over its host \
+                   transports (240-800 ms a 273 MB request): allocate the KV cache with \
+                   cudaMalloc (PyTorch's default) or expandable segments";
+        if self.shared.gpu_path == GpuPath::Direct || self.strict {
+            return Err(Error::Cuda {
+                device,
+                why: format!("{why}, or let it take the staged path (gpu_path auto, strict off)"),
+            });
+        }
+        self.staged_ready(device)?;
+        log::warn!("kvxfer: {why}; it takes the staged path (pinned chunks over the TCP lane)");
+        Ok(())
+    }
+
+    /// The staged path's needs on `device`: the TCP lane, and the staging chunks, allocated
+    /// now from the budget or the registration fails.
+    fn staged_ready(&self, device: u32) -> Result<()> {
+        if !self.shared.advertised.iter().any(|e| e.lane == LANE_TCP) {
+            return Err(Error::Cuda {
+                device,
+                why: "the staged path moves device memory over kvxfer's TCP lane, which is \
+                      off (AgentConfig::lanes(false))"
+                    .into(),
+            });
+        }
+        self.shared.staging.pools(device)?;
+        Ok(())
+    }
+
     /// The path device memory of `device` takes here ([`GpuPath::Direct`] or
     /// [`GpuPath::Staged`]); a typed error where it can take none.
     fn device_path(&self, device: u32) -> Result<GpuPath> {
@@ -163,16 +211,7 @@ impl Agent {
         )
         .map_err(|why| Error::Cuda { device, why })?;
         if path == GpuPath::Staged {
-            if !self.shared.advertised.iter().any(|e| e.lane == LANE_TCP) {
-                return Err(Error::Cuda {
-                    device,
-                    why: "the staged path moves device memory over kvxfer's TCP lane, which is \
-                          off (AgentConfig::lanes(false))"
-                        .into(),
-                });
-            }
-            // The staging chunks: allocated now, from the budget, or the registration fails.
-            self.shared.staging.pools(device)?;
+            self.staged_ready(device)?;
         }
         Ok(path)
     }

@@ -6,6 +6,7 @@ use std::os::fd::OwnedFd;
 
 use kvxfer_proto::copy_batch::CopyBatch;
 use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::types::DeviceAlloc;
 use kvxfer_proto::wire::shm_fds::DeviceHandle;
 
 /// A device allocation exported for same-host peers ([`CopyEngine::export`]): what the device
@@ -51,6 +52,13 @@ pub trait CopyEngine: Send + Sync + std::fmt::Debug {
             device,
             why: format!("the {} copy engine does not export memory", self.name()),
         })
+    }
+
+    /// What kind of allocation `addr` of `device` lies in, where the engine can tell (the
+    /// agent takes the path at registration by it).
+    fn allocation(&self, device: u32, addr: u64) -> Result<Option<DeviceAlloc>> {
+        let _ = (device, addr);
+        Ok(None)
     }
 
     /// Submissions made so far on every queue of this engine (single copies, kernel launches,

@@ -305,6 +305,14 @@ impl crate::device::copy::CopyEngine for CudaCopyEngine {
         true
     }
 
+    fn allocation(
+        &self,
+        device: u32,
+        addr: u64,
+    ) -> Result<Option<kvxfer_proto::types::DeviceAlloc>> {
+        super::cuda_ipc::allocation(&self.ctx(device)?, device, addr).map(Some)
+    }
+
     fn submissions(&self) -> u64 {
         self.submitted.load(std::sync::atomic::Ordering::Relaxed)
     }

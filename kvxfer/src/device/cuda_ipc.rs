@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext};
 use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::types::DeviceAlloc;
 use kvxfer_proto::wire::shm_fds::{DeviceHandle, IPC_HANDLE_LEN};
 
 use super::copy::{Exported, Opened};
@@ -22,30 +23,8 @@ fn err(device: u32, what: &str, e: cudarc::driver::DriverError) -> Error {
     }
 }
 
-/// What kind of allocation device memory lies in, as the driver says.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum AllocationKind {
-    /// `cuMemAlloc` / `cudaMalloc` (PyTorch's default caching allocator): legacy CUDA IPC.
-    Plain,
-    /// A virtual-memory allocation (`cuMemCreate` + `cuMemMap`: PyTorch's
-    /// `expandable_segments`), exported as a file descriptor where it was created shareable.
-    Virtual,
-    /// Stream-ordered pool memory (`cuMemAllocAsync`: PyTorch's `backend:cudaMallocAsync`).
-    Pool,
-}
-
-impl std::fmt::Display for AllocationKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            AllocationKind::Plain => "cuMemAlloc memory",
-            AllocationKind::Virtual => "a virtual-memory allocation",
-            AllocationKind::Pool => "pool memory (cuMemAllocAsync)",
-        })
-    }
-}
-
 /// The kind of allocation `addr` lies in (the context bound by the caller).
-fn kind_at(device: u32, addr: u64) -> Result<AllocationKind> {
+fn kind_at(device: u32, addr: u64) -> Result<DeviceAlloc> {
     let mut pool: *mut c_void = std::ptr::null_mut();
     // SAFETY: the attribute's value is a CUmemoryPool (a pointer); `pool` is a valid out
     // pointer of that size.
@@ -58,7 +37,7 @@ fn kind_at(device: u32, addr: u64) -> Result<AllocationKind> {
     }
     .result();
     if r.is_ok() && !pool.is_null() {
-        return Ok(AllocationKind::Pool);
+        return Ok(DeviceAlloc::Pool);
     }
     let mut legacy: i32 = 0;
     // SAFETY: the attribute's value is an int (a boolean); `legacy` is a valid out pointer.
@@ -72,10 +51,17 @@ fn kind_at(device: u32, addr: u64) -> Result<AllocationKind> {
     .result()
     .map_err(|e| err(device, "cuPointerGetAttribute (is it device memory?)", e))?;
     Ok(if legacy != 0 {
-        AllocationKind::Plain
+        DeviceAlloc::Plain
     } else {
-        AllocationKind::Virtual
+        DeviceAlloc::Virtual
     })
+}
+
+/// The kind of allocation `addr` of `device` lies in.
+pub(crate) fn allocation(ctx: &Arc<CudaContext>, device: u32, addr: u64) -> Result<DeviceAlloc> {
+    ctx.bind_to_thread()
+        .map_err(|e| err(device, "cuCtxSetCurrent", e))?;
+    kind_at(device, addr)
 }
 
 /// Exports the allocation holding `[addr, addr+len)` for a same-host peer.
@@ -98,14 +84,7 @@ pub(crate) fn export(ctx: &Arc<CudaContext>, device: u32, addr: u64, len: u64) -
         });
     }
     match kind_at(device, addr)? {
-        AllocationKind::Pool => Err(Error::Cuda {
-            device,
-            why: "pool memory (cuMemAllocAsync; PyTorch's backend:cudaMallocAsync) cannot be \
-                  shared with another process: allocate the KV cache with cudaMalloc (PyTorch's \
-                  default allocator) or expandable segments"
-                .into(),
-        }),
-        AllocationKind::Plain => {
+        DeviceAlloc::Plain => {
             // SAFETY: an all-zero handle is a valid value to be overwritten.
             let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
             // SAFETY: valid out pointer; base is the allocation's start.
@@ -123,7 +102,7 @@ pub(crate) fn export(ctx: &Arc<CudaContext>, device: u32, addr: u64, len: u64) -
                 size: size as u64,
             })
         }
-        AllocationKind::Virtual => {
+        DeviceAlloc::Virtual => {
             let mut handle: sys::CUmemGenericAllocationHandle = 0;
             // SAFETY: valid out pointer; addr is mapped device memory (checked above).
             unsafe { sys::cuMemRetainAllocationHandle(&mut handle, addr as *mut c_void) }
@@ -159,7 +138,19 @@ pub(crate) fn export(ctx: &Arc<CudaContext>, device: u32, addr: u64, len: u64) -
                 size: size as u64,
             })
         }
+        _ => pool_refused(device),
     }
+}
+
+/// Pool memory: no other process opens it (its default pools are not shareable).
+fn pool_refused(device: u32) -> Result<Exported> {
+    Err(Error::Cuda {
+        device,
+        why: "pool memory (cuMemAllocAsync; PyTorch's backend:cudaMallocAsync) cannot be \
+              shared with another process: allocate the KV cache with cudaMalloc (PyTorch's \
+              default allocator) or expandable segments"
+            .into(),
+    })
 }
 
 /// A peer's allocation opened through a legacy IPC handle.

@@ -7,6 +7,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use super::copy::{CopyEngine, CopyQueue, Exported, Opened};
 use kvxfer_proto::copy_batch::CopyBatch;
 use kvxfer_proto::error::{Error, Result};
+use kvxfer_proto::types::DeviceAlloc;
 use kvxfer_proto::wire::shm_fds::DeviceHandle;
 
 /// Simulated device memory: allocations whose device addresses are not host addresses (they
@@ -38,7 +39,7 @@ pub(crate) struct SimAlloc {
 }
 
 enum Backing {
-    Own(crate::memory::HostBuffer),
+    Own(crate::memory::HostBuffer, DeviceAlloc),
     Opened,
 }
 
@@ -75,13 +76,19 @@ impl SimulatedDevice {
 
     /// Allocates `len` zeroed bytes; returns their device address (page aligned).
     pub fn alloc(&self, len: usize) -> Result<u64> {
+        self.alloc_as(len, DeviceAlloc::Plain)
+    }
+
+    /// Allocates `len` zeroed bytes that the engine reports as an allocation of kind `kind`
+    /// (pool memory is then not exported, as CUDA's is not).
+    pub fn alloc_as(&self, len: usize, kind: DeviceAlloc) -> Result<u64> {
         if len == 0 {
             return Err(Error::InvalidArgument("simulated alloc of 0 bytes".into()));
         }
         // A sealed memory file (untouched pages cost nothing), as an exportable allocation.
         let mut buf = crate::memory::HostBuffer::new(len)?;
         let ptr = buf.as_mut_slice().as_mut_ptr();
-        Ok(self.insert(ptr, len, Backing::Own(buf)))
+        Ok(self.insert(ptr, len, Backing::Own(buf, kind)))
     }
 
     /// Puts `[ptr, ptr+len)` in the table at a fresh device address.
@@ -275,6 +282,20 @@ impl CopyEngine for SimulatedDevice {
     fn submissions(&self) -> u64 {
         SimulatedDevice::submissions(self)
     }
+    fn allocation(&self, device: u32, addr: u64) -> Result<Option<DeviceAlloc>> {
+        let a = self.inner.allocs.read().unwrap_or_else(|e| e.into_inner());
+        let x = a
+            .iter()
+            .find(|x| addr >= x.addr && addr < x.addr + x.len as u64)
+            .ok_or_else(|| Error::Cuda {
+                device,
+                why: format!("simulated device: {addr:#x} is not allocated"),
+            })?;
+        Ok(match x.backing {
+            Backing::Own(_, k) => Some(k),
+            Backing::Opened => None,
+        })
+    }
 
     /// The allocation's sealed memory file, duplicated.
     fn export(&self, device: u32, addr: u64, len: u64) -> Result<Exported> {
@@ -286,11 +307,20 @@ impl CopyEngine for SimulatedDevice {
                 device,
                 why: format!("simulated device: [{addr:#x}, +{len}) is not allocated"),
             })?;
-        let Backing::Own(buf) = &x.backing else {
-            return Err(Error::Cuda {
-                device,
-                why: "simulated device: a peer's allocation is not exported again".into(),
-            });
+        let buf = match &x.backing {
+            Backing::Own(buf, DeviceAlloc::Plain | DeviceAlloc::Virtual) => buf,
+            Backing::Own(_, _) => {
+                return Err(Error::Cuda {
+                    device,
+                    why: "simulated pool memory is not exported (as CUDA's is not)".into(),
+                })
+            }
+            Backing::Opened => {
+                return Err(Error::Cuda {
+                    device,
+                    why: "simulated device: a peer's allocation is not exported again".into(),
+                })
+            }
         };
         let file = buf
             .file()

@@ -378,6 +378,8 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         "cuda_alloc": (args.memory == crate::cli::MemArg::Cuda)
             .then(|| args.cuda_alloc.name()),
         "gpu_path": info.gpu_path.map(|p| p.to_string()),
+        "device_alloc": region.device_alloc().map(|k| k.to_string()),
+        "lanes": info.lanes.iter().map(|l| l.to_string()).collect::<Vec<_>>(),
         "rss_peak_self_mib": self_rss_peak as f64 / (1 << 20) as f64,
         "rss_peak_peer_mib": peer_rss_peak as f64 / (1 << 20) as f64,
         "budget_peak_self_mib": agent.budget().peak() as f64 / (1 << 20) as f64,

@@ -104,6 +104,7 @@ impl Engine {
             transports: p.transports.clone(),
             failed: connected.err().map(|e| e.to_string()),
             gpu_path: None,
+            lanes: Vec::new(),
         })
     }
 
