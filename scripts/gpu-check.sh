@@ -81,8 +81,11 @@ run() {
   # Qwen3-0.6B and 2 warm-ups unless the row names its own; medians of 5.
   [[ " $* " == *" --model "* ]] || defaults+=(--model qwen3-0.6b)
   [[ " $* " == *" --warmup "* ]] || defaults+=(--warmup 2)
+  # The plain TCP stream of the same bytes, in the same run (x_tcp), unless the row is too
+  # large to stream it five times in its time.
+  [ -n "${GPU_CHECK_NO_REF:-}" ] || defaults+=(--reference)
   if line="$(timeout "${GPU_CHECK_RUN_TIMEOUT:-150}" "$bench" "${defaults[@]}" --iters 5 \
-      --reference --json "$@")"; then
+      --json "$@")"; then
     echo "$line" | python3 -c 'import json,sys; l=sys.argv[1]
 for x in sys.stdin:
     if x.strip(): r=json.loads(x); r["label"]=l; print(json.dumps(r))' "$label" >>"$out"
@@ -102,6 +105,14 @@ for round in 1 2; do
 done
 run "$mem device lane write, one region" --memory "$mem" --gpu-path auto --transport auto \
   --op write --placement contiguous --verify-each
+# The driver's batch copy (cuMemcpyBatchAsync, CUDA 12.8) instead of the copy kernel, for the
+# device lane and for the staged path's gathers: which wins where.
+export KVXFER_DEVICE_COPY=driver
+run "$mem device lane write, driver batch" --memory "$mem" --gpu-path auto --transport auto \
+  --op write --verify-each
+run "$mem staged write, driver batch" --memory "$mem" --gpu-path staged --transport tcp \
+  --op write --verify-each --no-device-lane
+unset KVXFER_DEVICE_COPY
 run "$mem device lane read" --memory "$mem" --gpu-path auto --transport auto --op read \
   --verify-each
 for round in 1 2; do
@@ -121,7 +132,7 @@ if [ "$mem" = cuda ]; then
     --op write --verify-each
   # A Llama-3-70B-shaped 32k-token request: 80 layers x 2 x 2,048 blocks of 32 KiB (10.7 GB
   # a side), the device lane, every iteration verified.
-  GPU_CHECK_RUN_TIMEOUT=300 run "cuda device lane write, llama-3-70b 32k" --memory cuda \
+  GPU_CHECK_RUN_TIMEOUT=300 GPU_CHECK_NO_REF=1 run "cuda device lane write, llama-3-70b 32k" --memory cuda \
     --gpu-path direct --transport auto --op write --model llama-3-70b --tokens 32768 \
     --verify-each --warmup 1
 fi

@@ -122,6 +122,14 @@ impl CudaCopyEngine {
     }
 }
 
+/// Whether batched copies go to the driver's batch copy (`KVXFER_DEVICE_COPY=driver`) rather
+/// than the copy kernel (`kernel`, the default): for comparing the two on a GPU
+/// (`scripts/gpu-check.sh`).
+fn driver_batch() -> bool {
+    static MODE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| std::env::var("KVXFER_DEVICE_COPY").is_ok_and(|v| v == "driver"))
+}
+
 struct CudaQueue {
     device: u32,
     ctx: std::sync::Arc<CudaContext>,
@@ -129,6 +137,8 @@ struct CudaQueue {
     stream: Option<PriorityStream>,
     table: Option<Table>,
     kernel: Option<Arc<Kernel>>,
+    /// Tables go to the driver's batch copy instead of the kernel.
+    driver_batch: bool,
     pool: StreamPool,
     submitted: Arc<std::sync::atomic::AtomicU64>,
 }
@@ -151,6 +161,10 @@ impl CudaQueue {
     /// # Safety
     /// As [`cuda_batch::launch`](super::cuda_batch::launch).
     unsafe fn run(&mut self, copies: impl Iterator<Item = CopyRange>) -> Option<Result<()>> {
+        if self.driver_batch {
+            // SAFETY: the caller's contract.
+            return Some(unsafe { self.run_driver(copies) });
+        }
         let kernel = self.kernel.clone()?;
         let tables = match batches(copies, &BatchLimits::DEVICE) {
             Ok(t) => t,
@@ -170,8 +184,59 @@ impl CudaQueue {
         Some(Ok(()))
     }
 
+    /// [`run`](Self::run) by the driver's batch copy (`cuMemcpyBatchAsync`, CUDA 12.8): one
+    /// call per table, the driver's copy engines instead of the kernel's SMs.
+    ///
+    /// # Safety
+    /// As [`run`](Self::run).
+    unsafe fn run_driver(&mut self, copies: impl Iterator<Item = CopyRange>) -> Result<()> {
+        let tables = batches(copies, &BatchLimits::DEVICE)
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err(self.device, "cuCtxSetCurrent", e))?;
+        for b in &tables {
+            self.count(1);
+            let (mut dst, mut src) = (b.dst.clone(), b.src.clone());
+            let mut len: Vec<usize> = b.len.iter().map(|&n| n as usize).collect();
+            // SAFETY: an all-zero attribute is valid (no location hints); set below.
+            let mut attr: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
+            attr.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+            let (mut idx, mut fail) = (0usize, usize::MAX);
+            // SAFETY: the arrays hold `entries` elements each and live across the call (the
+            // driver reads them before it returns); one attribute applies from entry 0; the
+            // entries' memory is the caller's contract.
+            unsafe {
+                sys::cuMemcpyBatchAsync(
+                    dst.as_mut_ptr(),
+                    src.as_mut_ptr(),
+                    len.as_mut_ptr(),
+                    b.entries(),
+                    &mut attr,
+                    &mut idx,
+                    1,
+                    &mut fail,
+                    self.stream().raw,
+                )
+            }
+            .result()
+            .map_err(|e| {
+                cuda_err(
+                    self.device,
+                    &format!("cuMemcpyBatchAsync (entry {fail})"),
+                    e,
+                )
+            })?;
+        }
+        Ok(())
+    }
+
     /// The device address of a pinned chunk `p`, or None (then a copy a piece).
     fn mapped(&self, p: *mut u8) -> Option<u64> {
+        if self.driver_batch {
+            // The driver's batch copy takes host pointers as they are.
+            return Some(p as u64);
+        }
         self.kernel.as_ref()?;
         super::cuda_batch::mapped(&self.ctx, self.device, p).ok()
     }
@@ -356,6 +421,7 @@ impl crate::device::copy::CopyEngine for CudaCopyEngine {
             stream: Some(stream),
             table,
             kernel,
+            driver_batch: driver_batch(),
             pool: self.streams.clone(),
             submitted: self.submitted.clone(),
         }))
