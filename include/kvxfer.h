@@ -722,6 +722,16 @@ kvx_status kvx_agent_config_set_strict(struct kvx_agent_config *c, int32_t on);
 kvx_status kvx_agent_config_set_lanes(struct kvx_agent_config *c, int32_t on);
 
 /**
+ * The device lane (`on` non-zero, the default, with transport "shm" or "auto"): a same-host
+ * peer's GPU memory opened through CUDA IPC and moved by batched device copies; 0 leaves
+ * device memory to UCX (direct) or the staged path.
+ *
+ * # Safety
+ * `c` is a live config not used by another thread during the call.
+ */
+kvx_status kvx_agent_config_set_device_lane(struct kvx_agent_config *c, int32_t on);
+
+/**
  * How device memory moves: "auto" (direct where the loaded UCX has CUDA transports, else
  * staged), "direct" or "staged".
  *

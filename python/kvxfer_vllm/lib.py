@@ -160,6 +160,7 @@ SIGNATURES = {
     "kvx_agent_config_set_ucx_tcp": (_st, [c_void_p, c_int32]),
     "kvx_agent_config_set_strict": (_st, [c_void_p, c_int32]),
     "kvx_agent_config_set_lanes": (_st, [c_void_p, c_int32]),
+    "kvx_agent_config_set_device_lane": (_st, [c_void_p, c_int32]),
     "kvx_agent_config_set_gpu_path": (_st, [c_void_p, c_char_p]),
     "kvx_agent_config_set_compression": (_st, [c_void_p, c_char_p]),
     "kvx_agent_config_set_staging": (_st, [c_void_p, c_size_t, c_size_t]),
@@ -285,14 +286,16 @@ class Agent:
     """One kvxfer agent, configured through the C ABI's config builder (nothing is passed
     through environment variables). ``secret`` (bytes), ``lane_encryption`` (with a secret,
     the TCP lane's data sealed too), ``ucx_tcp`` (let UCX use its own TCP transport too: trusted
-    networks only; refused with a secret), ``strict``, ``lanes``, ``gpu_path``
+    networks only; refused with a secret), ``strict``, ``lanes``, ``device_lane`` (same-host
+    GPU memory through CUDA IPC, on by default), ``gpu_path``
     ("auto", "direct", "staged"), ``staging`` ((chunks, chunk_bytes)), ``compression``
     ("auto", "on", "off") and ``handshake_timeout_ms`` (each step of ``connect``'s handshake;
     default 10,000) are optional."""
 
     def __init__(self, name, transport="auto", net_devices=None, budget_bytes=0, *, secret=None,
                  strict=False, lanes=True, gpu_path=None, staging=None, compression=None,
-                 handshake_timeout_ms=None, lane_encryption=False, ucx_tcp=False):
+                 handshake_timeout_ms=None, lane_encryption=False, ucx_tcp=False,
+                 device_lane=True):
         self.lib = Lib.get()
         L = self.lib.L
         cfg = c_void_p()
@@ -314,6 +317,8 @@ class Agent:
                 self.lib.check(L.kvx_agent_config_set_strict(cfg, 1))
             if not lanes:
                 self.lib.check(L.kvx_agent_config_set_lanes(cfg, 0))
+            if not device_lane:
+                self.lib.check(L.kvx_agent_config_set_device_lane(cfg, 0))
             if gpu_path:
                 self.lib.check(L.kvx_agent_config_set_gpu_path(cfg, str(gpu_path).encode()))
             if staging:

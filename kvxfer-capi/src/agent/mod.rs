@@ -314,6 +314,22 @@ pub unsafe extern "C" fn kvx_agent_config_set_lanes(
     )
 }
 
+/// The device lane (`on` non-zero, the default, with transport "shm" or "auto"): a same-host
+/// peer's GPU memory opened through CUDA IPC and moved by batched device copies; 0 leaves
+/// device memory to UCX (direct) or the staged path.
+///
+/// # Safety
+/// `c` is a live config not used by another thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_device_lane(
+    c: *mut kvx_agent_config,
+    on: i32,
+) -> kvx_status {
+    with_config("kvx_agent_config_set_device_lane", c, |cfg| {
+        Ok(cfg.device_lane(on != 0))
+    })
+}
+
 /// How device memory moves: "auto" (direct where the loaded UCX has CUDA transports, else
 /// staged), "direct" or "staged".
 ///
