@@ -52,10 +52,20 @@ fn bench(args: &[&str]) -> (Vec<serde_json::Value>, String) {
 }
 
 #[test]
-fn staged_cuda_memory_through_the_cuda_engine_both_ops_tcp_and_shm() {
-    // plain: cuMemAlloc (the default); pool: cudarc's stream-ordered allocation.
-    for (transport, alloc) in [("tcp", "plain"), ("shm", "plain"), ("tcp", "pool")] {
-        let (lines, stderr) = bench(&[
+fn cuda_memory_through_the_cuda_engine_both_ops_every_kind_and_lane() {
+    // plain: cuMemAlloc (the default); pool: cudarc's stream-ordered allocation; vmm:
+    // cuMemCreate + cuMemMap, shareable as a file descriptor. Over TCP: the staged path. In
+    // host (shm): the device lane for what another process can open (a legacy IPC handle, a
+    // file descriptor), the kernel launch per request; pool memory stays staged.
+    for (transport, alloc, lane, extra) in [
+        ("tcp", "plain", "tcp", None),
+        ("shm", "plain", "device", None),
+        ("shm", "plain", "tcp", Some("--no-device-lane")),
+        ("tcp", "pool", "tcp", None),
+        ("shm", "pool", "tcp", None),
+        ("shm", "vmm", "device", None),
+    ] {
+        let mut args = vec![
             "--transport",
             transport,
             "--cuda-alloc",
@@ -69,19 +79,30 @@ fn staged_cuda_memory_through_the_cuda_engine_both_ops_tcp_and_shm() {
             // Small chunks: many chunk hand-offs per transfer, each needing its sync.
             "--staging-chunk-kib",
             "64",
-        ]);
-        assert_eq!(lines.len(), 2);
+            "--verify-each",
+        ];
+        args.extend(extra);
+        let (lines, stderr) = bench(&args);
+        let case = format!("{transport} {alloc} {extra:?}");
+        assert_eq!(lines.len(), 2, "{case}");
         for j in &lines {
-            assert_eq!(j["verified"], true, "{j}");
+            assert_eq!(j["verified"], true, "{case}: {j}");
+            assert_eq!(j["verified_iterations"].as_u64(), Some(3), "{case}: {j}");
             assert_eq!(j["memory"], "cuda", "{j}");
             assert_eq!(j["cuda_alloc"], alloc, "{j}");
             assert_eq!(j["gpu_path"], "staged", "{j}");
-            assert_eq!(j["lane"], "tcp", "{j}");
+            assert_eq!(j["lane"], lane, "{case}: {j}");
             assert_eq!(j["staging_mib"], 0.5, "{j}");
+            let kind = if alloc == "vmm" { "virtual" } else { alloc };
+            assert_eq!(j["device_alloc"], kind, "{j}");
+            if lane == "device" {
+                // 512 scattered blocks: one table, uploaded and launched.
+                assert_eq!(j["submissions"], 2, "{case}: {j}");
+            }
         }
         assert!(
             !stderr.contains("not modelled"),
-            "a driver call the fake does not model: {stderr}"
+            "{case}: a driver call the fake does not model: {stderr}"
         );
     }
 }
