@@ -388,9 +388,35 @@ fn handshakes(c: &mut Criterion) {
     g.finish();
 }
 
+/// A transfer's device copies as tables (`copy_batch::batches`, the device lane's CPU work
+/// per request besides planning): the Qwen3-0.6B request and a Llama-3-70B 32k-token one
+/// (80 x 2 x 2,048 = 327,680 blocks), blocks of 32 KiB at random slots on both sides. The
+/// 70B request must move in at most 10 ms on a GPU (issue 36), so this has to stay well
+/// under it.
+fn copy_tables(c: &mut Criterion) {
+    use kvxfer_proto::copy_batch::{batches, BatchLimits, CopyRange};
+    let mut g = c.benchmark_group("copy_tables");
+    for n in [8_344u64, 327_680] {
+        let (src, dst) = (slots(n, 3), slots(n, 4));
+        let copies: Vec<CopyRange> = src
+            .iter()
+            .zip(&dst)
+            .map(|(&s, &d)| CopyRange {
+                src: 0x7e00_0000_0000 + s * BLOCK,
+                dst: 0x7f00_0000_0000 + d * BLOCK,
+                len: BLOCK,
+            })
+            .collect();
+        g.bench_with_input(BenchmarkId::new("random", n), &copies, |b, copies| {
+            b.iter(|| batches(black_box(copies.iter().copied()), &BatchLimits::DEVICE).unwrap())
+        });
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(30).measurement_time(std::time::Duration::from_secs(2));
-    targets = build, metadata, paged, layout, sealing, grant_check, handshakes
+    targets = build, metadata, paged, layout, sealing, grant_check, handshakes, copy_tables
 }
 criterion_main!(benches);

@@ -439,14 +439,30 @@ fn copy(job: &Job, peer: &DevicePeer, staging: &StagingCell) -> Result<()> {
         .ok_or_else(|| peer.failed("the transfer has no local device memory".into()))?;
     // The remote side's addresses here: the peer's address less its region's base, plus
     // where that region lies in the allocation opened on this device.
-    let mut at: HashMap<u32, (u64, u64)> = HashMap::new();
-    let mut copies = Vec::with_capacity(job.plan.op_count());
+    // A KV plan's blocks come in runs of one region: the last slot's answer is kept. Tables
+    // are submitted as they fill, so the device copies one while the next is built.
+    let mut q = staging.engine(device)?.queue(device)?;
+    let limits = BatchLimits::DEVICE;
+    let mut last: Option<(u32, (u64, u64))> = None;
+    let mut copies = Vec::with_capacity(job.plan.op_count().min(limits.max_entries));
+    let mut submit = |copies: &mut Vec<CopyRange>| -> Result<()> {
+        let tables = batches(copies.drain(..), &limits)
+            .map_err(|e| peer.failed(format!("the transfer's copies: {e}")))?;
+        for t in &tables {
+            // SAFETY: local ranges were checked against regions pinned by the job until it
+            // finishes; remote ranges were checked against the peer's regions when the
+            // descriptors were prepared, and lie in allocations opened on `device`, kept open
+            // by `peer` (held by the caller).
+            unsafe { q.copy_batch(t)? };
+        }
+        Ok(())
+    };
     for o in job.plan.iter_ops() {
-        let (here, base) = match at.get(&o.rslot) {
-            Some(v) => *v,
-            None => {
+        let (here, base) = match last {
+            Some((slot, v)) if slot == o.rslot => v,
+            _ => {
                 let v = peer.opened(o.rslot, device, staging)?;
-                at.insert(o.rslot, v);
+                last = Some((o.rslot, v));
                 v
             }
         };
@@ -463,16 +479,10 @@ fn copy(job: &Job, peer: &DevicePeer, staging: &StagingCell) -> Result<()> {
                 len: o.len,
             },
         });
+        if copies.len() == limits.max_entries {
+            submit(&mut copies)?;
+        }
     }
-    let tables = batches(copies, &BatchLimits::DEVICE)
-        .map_err(|e| peer.failed(format!("the transfer's copies: {e}")))?;
-    let mut q = staging.engine(device)?.queue(device)?;
-    for t in &tables {
-        // SAFETY: local ranges were checked against regions pinned by the job until it
-        // finishes; remote ranges were checked against the peer's regions when the
-        // descriptors were prepared, and lie in allocations opened on `device`, kept open by
-        // `peer` (held by the caller); the table has no byte written twice.
-        unsafe { q.copy_batch(t)? };
-    }
+    submit(&mut copies)?;
     q.sync()
 }
