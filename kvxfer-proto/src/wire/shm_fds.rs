@@ -302,7 +302,8 @@ fn device_entry(c: &[u8]) -> Result<DeviceEntry, String> {
     let mut h = [0u8; IPC_HANDLE_LEN];
     h.copy_from_slice(&c[29..]);
     let handle = match c[28] {
-        1 => DeviceHandle::File,
+        // A file travels as its descriptor: the handle's bytes are zero (one encoding each).
+        1 if h == [0; IPC_HANDLE_LEN] => DeviceHandle::File,
         2 => DeviceHandle::Ipc(h),
         k => return Err(format!("device region {region}: handle kind {k}")),
     };
@@ -390,6 +391,20 @@ mod tests {
         assert!(entry(1, u64::MAX, u64::MAX, 2).is_err(), "wraps");
         assert!(entry(0, 0, 10, 1).is_err(), "empty");
         assert!(entry(10, 0, 10, 3).unwrap_err().contains("handle kind 3"));
+        let mut b = FdFrame::Devices(vec![DeviceEntry {
+            region: 1,
+            len: 1,
+            offset: 0,
+            size: 1,
+            handle: DeviceHandle::File,
+        }])
+        .encode();
+        *b.last_mut().unwrap() = 1;
+        let head = FrameHead::decode([b[0], b[1], b[2]]).unwrap();
+        assert!(
+            FdFrame::decode(head, &b[HEADER_LEN..]).is_err(),
+            "a file handle with bytes"
+        );
     }
 
     #[test]
