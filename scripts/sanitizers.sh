@@ -34,7 +34,8 @@ rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly -
 for c in miri rust-src; do
   rustup +nightly component list --installed | grep -q "^$c" || rustup +nightly component add "$c" >&2
 done
-tests=(--lib --test loopback --test staging --test hostile_clients --test connector --test fence)
+tests=(--lib --test loopback --test staging --test hostile_clients --test connector --test fence
+  --test device_lane)
 export UCX_MEM_EVENTS=no
 
 run_asan() {
