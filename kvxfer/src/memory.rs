@@ -50,6 +50,41 @@ unsafe impl Sync for HostBuffer {}
 /// The seals of a host buffer's memory file: its size is fixed, for good.
 pub(crate) const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
 
+/// A fresh shared mapping of the first `len` bytes of the file `fd` (read-only, or read-write
+/// with `writable`), which the caller checked to hold them. `what` names it in the error.
+pub(crate) fn map_shared(
+    fd: &std::os::fd::OwnedFd,
+    len: usize,
+    writable: bool,
+    what: &str,
+) -> Result<*mut u8> {
+    use std::os::fd::AsRawFd;
+    let prot = if writable {
+        libc::PROT_READ | libc::PROT_WRITE
+    } else {
+        libc::PROT_READ
+    };
+    // SAFETY: a new mapping of len bytes of a file at least that long (the caller's check);
+    // no existing memory of this process is affected.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            prot,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(Error::io(
+            format!("mapping {what}"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(p.cast())
+}
+
 /// Checks a memory file a same-host peer handed over before it is mapped: a memfd (F_GET_SEALS
 /// fails on any other file) whose size is sealed (a mapping of it cannot fault past a shrunk
 /// end), owned by this user, of at least `len` bytes. `what` names it in the error.

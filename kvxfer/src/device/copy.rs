@@ -151,13 +151,8 @@ pub trait CopyQueue: Send {
     /// the pieces' lengths added up, that nothing else reads or writes until `sync` returns
     /// (the staging pools' chunks, pinned by the same engine).
     unsafe fn gather_to_host(&mut self, pieces: &[(u64, u64)], dst: *mut u8) -> Result<()> {
-        let mut at = 0usize;
-        for &(src, len) in pieces {
-            // SAFETY: the caller's contract, piece by piece; `at` stays inside `dst`.
-            unsafe { self.to_host(src, dst.add(at), len as usize)? };
-            at += len as usize;
-        }
-        Ok(())
+        // SAFETY: the caller's contract.
+        unsafe { gather_each(self, pieces, dst) }
     }
 
     /// Queues a scatter, the reverse of [`gather_to_host`](Self::gather_to_host): the host
@@ -167,14 +162,45 @@ pub trait CopyQueue: Send {
     /// Every piece is device memory of the queue's device that nothing else uses until `sync`
     /// returns; `src` holds the pieces' lengths added up and is not written until then.
     unsafe fn scatter_to_device(&mut self, src: *const u8, pieces: &[(u64, u64)]) -> Result<()> {
-        let mut at = 0usize;
-        for &(dst, len) in pieces {
-            // SAFETY: as in gather_to_host.
-            unsafe { self.to_device(src.add(at), dst, len as usize)? };
-            at += len as usize;
-        }
-        Ok(())
+        // SAFETY: the caller's contract.
+        unsafe { scatter_each(self, src, pieces) }
     }
+}
+
+/// A gather as one copy a piece (what an engine without batches does).
+///
+/// # Safety
+/// As [`CopyQueue::gather_to_host`].
+pub(crate) unsafe fn gather_each<Q: CopyQueue + ?Sized>(
+    q: &mut Q,
+    pieces: &[(u64, u64)],
+    dst: *mut u8,
+) -> Result<()> {
+    let mut at = 0usize;
+    for &(src, len) in pieces {
+        // SAFETY: the caller's contract, piece by piece; `at` stays inside `dst`.
+        unsafe { q.to_host(src, dst.add(at), len as usize)? };
+        at += len as usize;
+    }
+    Ok(())
+}
+
+/// A scatter as one copy a piece.
+///
+/// # Safety
+/// As [`CopyQueue::scatter_to_device`].
+pub(crate) unsafe fn scatter_each<Q: CopyQueue + ?Sized>(
+    q: &mut Q,
+    src: *const u8,
+    pieces: &[(u64, u64)],
+) -> Result<()> {
+    let mut at = 0usize;
+    for &(dst, len) in pieces {
+        // SAFETY: the caller's contract, piece by piece; `at` stays inside `src`.
+        unsafe { q.to_device(src.add(at), dst, len as usize)? };
+        at += len as usize;
+    }
+    Ok(())
 }
 
 /// "Device" memory that is host memory: device addresses are host pointers the caller keeps

@@ -326,13 +326,8 @@ impl crate::device::copy::CopyQueue for CudaQueue {
                 return r;
             }
         }
-        let mut at = 0usize;
-        for &(src, len) in pieces {
-            // SAFETY: the trait's contract, piece by piece.
-            unsafe { self.to_host(src, dst.add(at), len as usize)? };
-            at += len as usize;
-        }
-        Ok(())
+        // SAFETY: the trait's contract.
+        unsafe { crate::device::copy::gather_each(self, pieces, dst) }
     }
 
     unsafe fn scatter_to_device(&mut self, src: *const u8, pieces: &[(u64, u64)]) -> Result<()> {
@@ -347,13 +342,8 @@ impl crate::device::copy::CopyQueue for CudaQueue {
                 return r;
             }
         }
-        let mut at = 0usize;
-        for &(dst, len) in pieces {
-            // SAFETY: the trait's contract, piece by piece.
-            unsafe { self.to_device(src.add(at), dst, len as usize)? };
-            at += len as usize;
-        }
-        Ok(())
+        // SAFETY: the trait's contract.
+        unsafe { crate::device::copy::scatter_each(self, src, pieces) }
     }
 }
 

@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, RwLock};
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 
 use super::copy::{CopyEngine, CopyQueue, Exported, Opened};
 use kvxfer_proto::copy_batch::CopyBatch;
@@ -162,6 +162,17 @@ impl SimulatedDevice {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// The host pointers of `pieces` (device address, length), every one checked, counted as
+    /// one submission.
+    fn submit_pieces(&self, pieces: &[(u64, u64)]) -> Result<Vec<(*mut u8, usize)>> {
+        let ptrs = pieces
+            .iter()
+            .map(|&(a, n)| self.host_ptr(a, n as usize).map(|p| (p, n as usize)))
+            .collect::<Result<Vec<_>>>()?;
+        self.submitted(pieces.len());
+        Ok(ptrs)
+    }
+
     /// Counts one submission of `pieces` copies.
     fn submitted(&self, pieces: usize) {
         use std::sync::atomic::Ordering::Relaxed;
@@ -195,11 +206,7 @@ impl CopyQueue for SimQueue {
     /// One submission: every piece is checked before any byte moves, as a launch's table is
     /// built before the launch.
     unsafe fn gather_to_host(&mut self, pieces: &[(u64, u64)], dst: *mut u8) -> Result<()> {
-        let ptrs = pieces
-            .iter()
-            .map(|&(a, n)| self.0.host_ptr(a, n as usize).map(|p| (p, n as usize)))
-            .collect::<Result<Vec<_>>>()?;
-        self.0.submitted(pieces.len());
+        let ptrs = self.0.submit_pieces(pieces)?;
         let mut at = 0;
         for (p, n) in ptrs {
             // SAFETY: p..+n checked inside an allocation; dst holds the pieces back to back
@@ -210,11 +217,7 @@ impl CopyQueue for SimQueue {
         Ok(())
     }
     unsafe fn scatter_to_device(&mut self, src: *const u8, pieces: &[(u64, u64)]) -> Result<()> {
-        let ptrs = pieces
-            .iter()
-            .map(|&(a, n)| self.0.host_ptr(a, n as usize).map(|p| (p, n as usize)))
-            .collect::<Result<Vec<_>>>()?;
-        self.0.submitted(pieces.len());
+        let ptrs = self.0.submit_pieces(pieces)?;
         let mut at = 0;
         for (p, n) in ptrs {
             // SAFETY: as in gather_to_host, the other way.
@@ -357,26 +360,12 @@ impl CopyEngine for SimulatedDevice {
             .ok()
             .filter(|&n| n > 0)
             .ok_or_else(|| Error::InvalidArgument(format!("an allocation of {size} bytes")))?;
-        crate::memory::check_sealed_file(fd, size, "a simulated device allocation")?;
-        // SAFETY: a new shared mapping of `len` bytes of a sealed file at least that long
-        // (checked): it cannot shrink under the mapping; no existing memory is affected.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(Error::io(
-                "mapping a peer's simulated allocation",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        let addr = self.insert(p.cast(), len, Backing::Opened);
+        let what = "a peer's simulated device allocation";
+        crate::memory::check_sealed_file(fd, size, what)?;
+        // A sealed file at least `len` bytes long (checked): it cannot shrink under the
+        // mapping.
+        let p = crate::memory::map_shared(fd, len, true, what)?;
+        let addr = self.insert(p, len, Backing::Opened);
         Ok(Box::new(SimOpened {
             dev: self.clone(),
             addr,

@@ -249,31 +249,12 @@ fn map_region(
             "{what} is not the file the peer's metadata names (dev/ino differ)"
         )));
     }
-    // Only a memory file the way kvxfer makes them: a memfd (F_GET_SEALS fails on any other
-    // file) whose size is sealed (so a mapping of it cannot fault), owned by this user.
-    // SAFETY: fd is open; F_GET_SEALS takes no argument.
-    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-    if seals < 0 {
+    // Only a memory file the way kvxfer makes them: a memfd whose size is sealed (so a
+    // mapping of it cannot fault), owned by this user, holding the region.
+    crate::memory::check_sealed_file(&fd, len, &what)?;
+    if handed < len {
         return Err(Error::InvalidArgument(format!(
-            "{what} is not a memory file (memfd): refused"
-        )));
-    }
-    if seals & crate::memory::SEALS != crate::memory::SEALS {
-        return Err(Error::InvalidArgument(format!(
-            "{what} is a memory file whose size is not sealed (seals {seals:#x}): refused"
-        )));
-    }
-    // SAFETY: geteuid has no preconditions.
-    if st.st_uid != unsafe { libc::geteuid() } {
-        return Err(Error::InvalidArgument(format!(
-            "{what} belongs to uid {}, not this process's: refused",
-            st.st_uid
-        )));
-    }
-    if (st.st_size as u64) < len || handed < len {
-        return Err(Error::InvalidArgument(format!(
-            "{what} holds {} bytes (handed over as {handed}), the region {len}",
-            st.st_size
+            "{what} was handed over as {handed} bytes, the region {len}"
         )));
     }
     let reserved = MAPPED_BYTES.fetch_add(len, Ordering::SeqCst);
@@ -287,7 +268,7 @@ fn map_region(
     let len = len as usize;
     // Read-only until a WRITE needs it (`make_writable`), and not populated: pages are
     // mapped as transfers touch them, so a peer's declared size costs nothing at connect.
-    let p = map_read_only(&fd, len, &what).inspect_err(|_| {
+    let p = crate::memory::map_shared(&fd, len, false, &what).inspect_err(|_| {
         MAPPED_BYTES.fetch_sub(len as u64, Ordering::SeqCst);
     })?;
     Ok(Mapping {
@@ -298,30 +279,6 @@ fn map_region(
         region,
         _live: crate::live::Counted::peer_mapping(),
     })
-}
-
-/// A fresh read-only shared mapping of the first `len` bytes of `fd`, a peer's memory file
-/// whose size (fixed by its seals) the caller checked to hold them.
-fn map_read_only(fd: &OwnedFd, len: usize, what: &str) -> Result<*mut u8> {
-    // SAFETY: a new mapping of len bytes of a file at least that long (checked by the
-    // caller); no existing memory of this process is affected.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ,
-            libc::MAP_SHARED,
-            fd.as_raw_fd(),
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(Error::io(
-            format!("mapping {what}"),
-            std::io::Error::last_os_error(),
-        ));
-    }
-    Ok(p.cast())
 }
 
 /// The remote slots of `plan`, each run of one slot once: a KV plan's thousands of blocks

@@ -104,23 +104,8 @@ impl Control {
                 std::io::Error::last_os_error(),
             ));
         }
-        // SAFETY: a fresh shared mapping of our own file of `len` bytes.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(Error::io(
-                "mapping the registration page",
-                std::io::Error::last_os_error(),
-            ));
-        }
+        // Our own file, just sized to `len` bytes.
+        let p = crate::memory::map_shared(&fd, len, true, "the registration page")?;
         // Its size is final, and (where the kernel has F_SEAL_FUTURE_WRITE, 5.1+) nobody
         // maps it writable after this mapping: a peer cannot forge a word.
         // SAFETY: fd is open; F_ADD_SEALS takes an int of seal flags.
@@ -618,24 +603,8 @@ impl ControlMap {
                 st.st_uid, st.st_size
             )));
         }
-        // SAFETY: a new read-only shared mapping of a sealed file of exactly `len` bytes
-        // (checked above); no existing memory of this process is affected.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(Error::io(
-                "mapping a registration page",
-                std::io::Error::last_os_error(),
-            ));
-        }
+        // A sealed file of exactly `len` bytes (checked above).
+        let p = crate::memory::map_shared(&fd, len, false, "a registration page")?;
         Ok(ControlMap { words: p.cast() })
     }
 
