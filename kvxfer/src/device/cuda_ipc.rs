@@ -230,10 +230,27 @@ pub(crate) fn open(
             }
             .result()
             .map_err(|e| err(device, "cuIpcOpenMemHandle (a peer's allocation)", e))?;
-            Ok(Box::new(IpcOpened {
+            let opened = IpcOpened {
                 ctx: ctx.clone(),
                 base,
-            }))
+            };
+            // The size is the peer's word: copies past the allocation's real end would fault
+            // the device (and this process's context with it). The driver's word decides.
+            let (mut b, mut real) = (0u64, 0usize);
+            // SAFETY: valid out pointers; base was just opened.
+            unsafe { sys::cuMemGetAddressRange_v2(&mut b, &mut real, base) }
+                .result()
+                .map_err(|e| err(device, "cuMemGetAddressRange (a peer's allocation)", e))?;
+            if b != base || (real as u64) < size {
+                return Err(Error::Cuda {
+                    device,
+                    why: format!(
+                        "a peer's allocation opened at {base:#x} holds {real} bytes from \
+                         {b:#x}, its hand-over said {size}: refused"
+                    ),
+                });
+            }
+            Ok(Box::new(opened))
         }
         (DeviceHandle::File, Some(fd)) => {
             let size = size as usize;
