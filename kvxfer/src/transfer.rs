@@ -158,6 +158,15 @@ impl Work {
         }
     }
 
+    /// The slots of the remote (`remote` true) or local side, each run of one slot once: a KV
+    /// plan's thousands of blocks lie in a few regions, one after another, so per-region
+    /// checks run per region.
+    pub(crate) fn slot_runs(&self, remote: bool) -> impl Iterator<Item = u32> + '_ {
+        let mut last = None;
+        self.slots(remote)
+            .filter(move |s| last.replace(*s) != Some(*s))
+    }
+
     /// The region slots used on the local (`remote` false) or remote side, with repeats.
     pub(crate) fn slots(&self, remote: bool) -> Box<dyn Iterator<Item = u32> + '_> {
         match self {

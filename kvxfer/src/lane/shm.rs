@@ -191,15 +191,16 @@ impl PeerMaps {
     /// Makes the mappings of `plan`'s remote slots writable: they are mapped read-only, and
     /// only a WRITE into a region makes its mapping writable (once).
     fn writable(&self, plan: &Work) -> bool {
-        runs_of(plan).all(|s| match self.maps.get(s as usize) {
-            Some(Some(m)) => m.make_writable(),
-            _ => false,
-        })
+        plan.slot_runs(true)
+            .all(|s| match self.maps.get(s as usize) {
+                Some(Some(m)) => m.make_writable(),
+                _ => false,
+            })
     }
 
     /// The first region of `plan`'s remote side that its owner has deregistered, if any.
     fn deregistered(&self, plan: &Work) -> Option<u32> {
-        runs_of(plan).find_map(|s| {
+        plan.slot_runs(true).find_map(|s| {
             let m = self.maps.get(s as usize)?.as_ref()?;
             (!self.control.alive(m.region)).then_some(m.region)
         })
@@ -207,7 +208,7 @@ impl PeerMaps {
 
     /// Whether every remote range of `plan` lies in a mapped region.
     pub(crate) fn covers(&self, plan: &Work) -> bool {
-        plan.slots(true)
+        plan.slot_runs(true)
             .all(|s| matches!(self.maps.get(s as usize), Some(Some(_))))
     }
 
@@ -279,14 +280,6 @@ fn map_region(
         region,
         _live: crate::live::Counted::peer_mapping(),
     })
-}
-
-/// The remote slots of `plan`, each run of one slot once: a KV plan's thousands of blocks
-/// lie in a few regions, one after another, so the per-region checks run per region.
-fn runs_of(plan: &Work) -> impl Iterator<Item = u32> + '_ {
-    let mut last = None;
-    plan.slots(true)
-        .filter(move |s| last.replace(*s) != Some(*s))
 }
 
 /// A transfer into or out of region `id` of `peer`, which its owner deregistered `when`.
