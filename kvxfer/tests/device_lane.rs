@@ -382,3 +382,32 @@ fn each_allocation_kind_takes_the_path_that_reaches_it() {
         assert!(got == data, "{:?}: bytes differ", r.device_alloc());
     }
 }
+
+/// The lane's working set (the copy list and its table, 48 bytes a block) is charged to the
+/// memory budget: with no room left after the staging pools, a transfer waits the lane's
+/// stall limit and fails typed rather than allocate past the budget.
+#[test]
+fn the_lanes_copy_tables_are_charged_to_the_budget() {
+    // Staging: 4 chunks of 64 KiB, charged at the first device registration.
+    let staging = 4 * (64 << 10);
+    let (da, db) = (SimulatedDevice::new(), SimulatedDevice::new());
+    let tight = cfg("dl-budget-a", &da)
+        .budget(kvxfer::MemoryBudget::new(staging + 1024))
+        .lane_stall(Duration::from_millis(200));
+    let a = Agent::new(tight).unwrap();
+    let b = Agent::new(cfg("dl-budget-b", &db)).unwrap();
+    let len = (NB * BS) as usize;
+    let (ra, _) = device_region(&a, &da, len);
+    let (rb, _) = device_region(&b, &db, len);
+    let peer = connect(&a, &b);
+    let slots = perm(11);
+    let l = a.prep_local(&descs(&ra, &slots)).unwrap();
+    let r = a.prep_remote(&peer, &descs(&rb, &slots)).unwrap();
+    let e = a
+        .transfer_all(XferOp::Write, &l, &r, None, None)
+        .and_then(|t| t.wait())
+        .unwrap_err();
+    assert!(matches!(e, Error::OutOfMemory(_)), "{e}");
+    assert!(e.to_string().contains("device lane"), "{e}");
+    assert_eq!(a.budget().used(), staging, "the charge is released");
+}

@@ -100,7 +100,11 @@ impl DeviceLane {
             exports,
             worker: Arc::new(Worker::start(
                 &setup.name,
-                setup.ctx.staging.clone(),
+                Held {
+                    staging: setup.ctx.staging.clone(),
+                    budget: setup.ctx.budget.clone(),
+                    wait: setup.ctx.stall,
+                },
                 setup.notifier.clone(),
             )?),
         })))
@@ -280,11 +284,7 @@ impl DevicePeer {
 
     /// The first region of `job`'s remote side its owner has deregistered, if any.
     fn deregistered(&self, job: &Job) -> Option<u32> {
-        let mut last = None;
-        job.plan.slots(true).find_map(|s| {
-            if last.replace(s) == Some(s) {
-                return None;
-            }
+        job.plan.slot_runs(true).find_map(|s| {
             let r = self.regions.get(s as usize)?.as_ref()?;
             (!self.control.alive(r.entry.region)).then_some(r.entry.region)
         })
@@ -313,7 +313,7 @@ impl PeerLane for DevicePeerLane {
         first.is_some()
             && q.local_devices.iter().all(|d| *d == first)
             && q.plan
-                .slots(true)
+                .slot_runs(true)
                 .all(|s| matches!(self.peer.regions.get(s as usize), Some(Some(_))))
     }
 
@@ -321,6 +321,18 @@ impl PeerLane for DevicePeerLane {
         self.worker.submit(job, self.peer.clone());
     }
 }
+
+/// What the lane's thread uses: the copy engines, and the budget its copy lists and tables
+/// are charged to (waiting up to `wait` for room).
+struct Held {
+    staging: Arc<StagingCell>,
+    budget: crate::budget::MemoryBudget,
+    wait: std::time::Duration,
+}
+
+/// Bytes a transfer's working set takes per copy: the copy in the list (24) and its entry in
+/// the table (three words).
+const BYTES_PER_COPY: u64 = 48;
 
 /// A transfer waiting for the lane's thread, and the peer it goes to.
 type Queued = (Job, Arc<DevicePeer>);
@@ -333,13 +345,13 @@ struct Worker {
 }
 
 impl Worker {
-    fn start(name: &str, staging: Arc<StagingCell>, carrier: NoteCarrier) -> Result<Worker> {
+    fn start(name: &str, held: Held, carrier: NoteCarrier) -> Result<Worker> {
         let (tx, rx) = mpsc::channel::<Queued>();
         let thread = std::thread::Builder::new()
             .name(format!("kvxfer-device-{name}"))
             .spawn(move || {
                 while let Ok((job, peer)) = rx.recv() {
-                    run(job, &peer, &staging, &carrier);
+                    run(job, &peer, &held, &carrier);
                 }
             })
             .map_err(|e| Error::io("spawning the device lane's thread", e))?;
@@ -379,8 +391,8 @@ fn local_device(job: &Job) -> Option<u32> {
 }
 
 /// Moves one transfer: its copies as tables, each one submission, then the notification.
-fn run(job: Job, peer: &DevicePeer, staging: &StagingCell, carrier: &NoteCarrier) {
-    let r = copy(&job, peer, staging);
+fn run(job: Job, peer: &DevicePeer, held: &Held, carrier: &NoteCarrier) {
+    let r = copy(&job, peer, held);
     let r = r.and_then(|()| {
         // What happened while the copies ran: the region given up, the process gone.
         if let Some(id) = peer.deregistered(&job) {
@@ -410,7 +422,8 @@ fn run(job: Job, peer: &DevicePeer, staging: &StagingCell, carrier: &NoteCarrier
     }
 }
 
-fn copy(job: &Job, peer: &DevicePeer, staging: &StagingCell) -> Result<()> {
+fn copy(job: &Job, peer: &DevicePeer, held: &Held) -> Result<()> {
+    let staging = &*held.staging;
     if job.state.is_canceled() {
         return Err(Error::Canceled);
     }
@@ -443,6 +456,12 @@ fn copy(job: &Job, peer: &DevicePeer, staging: &StagingCell) -> Result<()> {
     // are submitted as they fill, so the device copies one while the next is built.
     let mut q = staging.engine(device)?.queue(device)?;
     let limits = BatchLimits::DEVICE;
+    let entries = job.plan.op_count().min(limits.max_entries) as u64;
+    let _charged = held.budget.charge(
+        entries * BYTES_PER_COPY,
+        "the device lane's copy list and table",
+        held.wait,
+    )?;
     let mut last: Option<(u32, (u64, u64))> = None;
     let mut copies = Vec::with_capacity(job.plan.op_count().min(limits.max_entries));
     let mut submit = |copies: &mut Vec<CopyRange>| -> Result<()> {
