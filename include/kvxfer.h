@@ -914,18 +914,21 @@ kvx_status kvx_agent_register(const struct kvx_agent *a,
                               struct kvx_region **out);
 
 /**
- * As `kvx_agent_register` (host memory only), but the region is shared with the `n_peers`
- * peers named in `peers` only, as `kvx_agent_alloc_shared` says. An engine's KV cache
- * registered with no peer (`n_peers` 0) and then used by a connector opens only through the
- * connector's grants, on every path: it moves only on the TCP lane, in-host too.
+ * As `kvx_agent_register`, but the region is shared with the `n_peers` peers named in `peers`
+ * only, as `kvx_agent_alloc_shared` says. An engine's KV cache registered with no peer
+ * (`n_peers` 0) and then used by a connector opens only through the connector's grants, on
+ * every path: it moves only on the TCP lane, in-host too (device memory, `cuda_device` >= 0,
+ * staged through pinned chunks at both ends: it is not exported on the device lane).
  *
  * # Safety
- * `a` live; `[ptr, ptr+len)` valid host memory for the lifetime `kvx_agent_register` states;
+ * `a` live; `[ptr, ptr+len)` valid memory of the kind `cuda_device` names for the lifetime
+ * `kvx_agent_register` states;
  * `peers` valid for `n_peers` NUL-terminated strings (NULL when `n_peers` is 0); `out` valid.
  */
 kvx_status kvx_agent_register_shared(const struct kvx_agent *a,
                                      void *ptr,
                                      size_t len,
+                                     int32_t cuda_device,
                                      const char *const *peers,
                                      size_t n_peers,
                                      struct kvx_region **out);

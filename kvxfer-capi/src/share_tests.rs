@@ -105,6 +105,7 @@ fn shared_regions_are_checked_and_need_a_secret_to_name_peers() {
             sealed,
             mem.as_mut_ptr().cast(),
             mem.len(),
+            -1,
             null(),
             0,
             &mut raw,

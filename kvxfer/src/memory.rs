@@ -361,6 +361,10 @@ pub(crate) struct RegionInner {
     /// Registered with UCX (it has a memory handle and a remote key). False for device memory
     /// on the staged path, which only kvxfer's TCP lane moves, through staging chunks.
     pub(crate) ucx_mapped: bool,
+    /// Shared with named peers only ([`Share::Only`](crate::agent::Share)): no UCX key, no
+    /// shm handle, no device export and no address in the metadata; only the TCP lane, whose
+    /// target checks the share set and the grants, moves it.
+    pub(crate) restricted: bool,
     /// Owned backing memory; None for memory registered through a raw pointer.
     pub(crate) _backing: Option<Memory>,
     /// How a same-host peer maps it (memfd-backed host buffers).
@@ -764,6 +768,7 @@ mod loom_model {
             kind: MemKind::Host,
             alloc: None,
             ucx_mapped: true,
+            restricted: false,
             _backing: None,
             shm: None,
             inflight: AtomicU32::new(0),

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use kvxfer::staging::{SimulatedDevice, StagingShape};
 use kvxfer::{
-    Agent, AgentConfig, Desc, DeviceAlloc, Error, HostBuffer, Lane, MemKind, Region, Transport,
-    XferOp,
+    Agent, AgentConfig, Desc, DeviceAlloc, Error, HostBuffer, Lane, MemKind, Region, Share,
+    Transport, XferOp,
 };
 use rand::{RngCore, SeedableRng};
 
@@ -410,4 +410,167 @@ fn the_lanes_copy_tables_are_charged_to_the_budget() {
     assert!(matches!(e, Error::OutOfMemory(_)), "{e}");
     assert!(e.to_string().contains("device lane"), "{e}");
     assert_eq!(a.budget().used(), staging, "the charge is released");
+}
+
+/// Three agents with a secret, each with its own simulated device, all connected to the first.
+fn trio() -> (Vec<std::sync::Arc<Agent>>, Vec<SimulatedDevice>) {
+    let devs: Vec<SimulatedDevice> = (0..3).map(|_| SimulatedDevice::new()).collect();
+    let agents = ["dl-own", "dl-named", "dl-other"]
+        .iter()
+        .zip(&devs)
+        .map(|(p, d)| {
+            std::sync::Arc::new(Agent::new(cfg(p, d).secret(b"open sesame".to_vec())).unwrap())
+        })
+        .collect();
+    (agents, devs)
+}
+
+/// `a`'s `op` of `peer`'s region `rid` at `slots` with its device region `mine` at the same
+/// slots: the lane it took.
+fn move_blocks(
+    a: &Agent,
+    peer: &str,
+    mine: &Region,
+    rid: kvxfer::RegionId,
+    op: XferOp,
+) -> kvxfer::Result<Lane> {
+    let slots: Vec<u64> = (0..NB).collect();
+    let l = a.prep_local(&descs(mine, &slots)).unwrap();
+    let r = a
+        .prep_remote(
+            peer,
+            &slots
+                .iter()
+                .map(|&s| Desc::new(rid, s * BS, BS))
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+    a.transfer_all(op, &l, &r, None, Some(Duration::from_secs(10)))
+        .and_then(|t| t.wait())
+        .map(|s| s.lane)
+}
+
+#[test]
+fn device_memory_shared_with_one_peer_opens_to_it_alone() {
+    let (ag, dev) = trio();
+    let len = (NB * BS) as usize;
+    let addr = dev[0].alloc(len).unwrap();
+    // SAFETY: the simulated allocation lives as long as `dev`, which outlives the agents.
+    let only = unsafe {
+        ag[0].register_raw_shared(
+            addr as *mut u8,
+            len,
+            MemKind::Cuda(0),
+            Share::Only(vec![ag[1].name().to_string()]),
+        )
+    }
+    .unwrap();
+    let (open, open_at) = device_region(&ag[0], &dev[0], len);
+    let data = random(21, len);
+    dev[0].write(addr, &data).unwrap();
+    dev[0].write(open_at, &data).unwrap();
+    let peers: Vec<String> = ag[1..].iter().map(|x| connect(x, &ag[0])).collect();
+    let mine: Vec<(Region, u64)> = (1..3)
+        .map(|i| device_region(&ag[i], &dev[i], len))
+        .collect();
+
+    // The named peer reads it, over the TCP lane (staged at both ends): the only path whose
+    // target sees the request.
+    let got = move_blocks(&ag[1], &peers[0], &mine[0].0, only.id(), XferOp::Read);
+    assert_eq!(got.unwrap(), Lane::Tcp);
+    let mut b = vec![0u8; len];
+    dev[1].read(mine[0].1, &mut b).unwrap();
+    assert!(b == data, "the named peer's read differs");
+
+    // Another peer with the secret, on the same host with a device lane open to the owner:
+    // refused both ways, nothing moved.
+    let got = move_blocks(&ag[2], &peers[1], &mine[1].0, only.id(), XferOp::Read);
+    assert!(
+        matches!(&got, Err(Error::LaneFailed { why, .. })
+            if why.contains(&format!("is not among the peers region {} is shared with", only.id().0))),
+        "{got:?}"
+    );
+    let mut c = vec![0u8; len];
+    dev[2].read(mine[1].1, &mut c).unwrap();
+    assert!(c.iter().all(|&x| x == 0), "bytes reached the other peer");
+    dev[2].write(mine[1].1, &vec![0xee; len]).unwrap();
+    let got = move_blocks(&ag[2], &peers[1], &mine[1].0, only.id(), XferOp::Write);
+    assert!(matches!(got, Err(Error::LaneFailed { .. })), "{got:?}");
+    dev[0].read(addr, &mut c).unwrap();
+    assert!(c == data, "the other peer's write landed");
+
+    // What a region registered for all peers allows the same peer: its device lane.
+    let got = move_blocks(&ag[2], &peers[1], &mine[1].0, open.id(), XferOp::Read);
+    assert_eq!(got.unwrap(), Lane::Device);
+    dev[2].read(mine[1].1, &mut c).unwrap();
+    assert!(c == data);
+}
+
+#[test]
+fn a_device_cache_shared_with_no_peer_opens_only_through_grants() {
+    use kvxfer::connector::{ConnectorConfig, Consumer, Producer};
+    use kvxfer::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking};
+    let (ag, dev) = trio();
+    let g = KvGeometry {
+        name: "sec".into(),
+        layers: 2,
+        kv_heads: 2,
+        head_dim: 32,
+        dtype: KvDtype::Bf16,
+    };
+    let layout = |r: kvxfer::RegionId| {
+        KvLayout::contiguous(g.clone(), 16, 16, KvPacking::Separate, KvOrder::Nhd, r)
+    };
+    let len = layout(kvxfer::RegionId(0)).region_bytes() as usize;
+    let cache = |i: usize, fill: u8| {
+        let at = dev[i].alloc(len).unwrap();
+        dev[i].write(at, &vec![fill; len]).unwrap();
+        // SAFETY: the simulated allocation lives as long as `dev`, which outlives the agents.
+        let r = unsafe {
+            ag[i].register_raw_shared(at as *mut u8, len, MemKind::Cuda(0), Share::Only(vec![]))
+        }
+        .unwrap();
+        (r.id(), at, layout(r.id()))
+    };
+    let (pid, _, pl) = cache(0, 0x5a);
+    let (_, cat, cl) = cache(1, 0);
+    let side = ag[0].listen("127.0.0.1:0").unwrap();
+    let producer = Producer::new(
+        ag[0].clone(),
+        pl.clone(),
+        ConnectorConfig::default(),
+        Some(side),
+    )
+    .unwrap();
+    let consumer = Consumer::new(ag[1].clone(), cl.clone(), ConnectorConfig::default()).unwrap();
+    let h = producer.publish("req", &[3, 4], 32, 2).unwrap();
+    consumer.start_load(&h, &[1, 2]).unwrap();
+    consumer.wait("req", Duration::from_secs(20)).unwrap();
+    for d in cl.descs(&[1, 2], 0..2, 0..2).unwrap() {
+        let mut b = vec![0u8; d.len as usize];
+        dev[1].read(cat + d.offset, &mut b).unwrap();
+        assert!(b.iter().all(|&x| x == 0x5a), "the load's bytes landed");
+    }
+    // A third agent with the secret reads block 5 of the producer's cache, which nobody
+    // granted it.
+    let to_p = ag[2].connect(side).unwrap();
+    let d = pl.descs(&[5], 0..1, 0..1).unwrap()[0];
+    let (mine, at) = device_region(&ag[2], &dev[2], d.len as usize);
+    let l = ag[2].prep_local(&[Desc::new(mine.id(), 0, d.len)]).unwrap();
+    let r = ag[2]
+        .prep_remote(&to_p, &[Desc::new(pid, d.offset, d.len)])
+        .unwrap();
+    let got = ag[2]
+        .transfer_all(XferOp::Read, &l, &r, None, Some(Duration::from_secs(10)))
+        .and_then(|t| t.wait())
+        .map(|s| s.lane);
+    assert!(
+        matches!(&got, Err(Error::LaneFailed { why, .. }) if why.contains("holds no grant")),
+        "{got:?}"
+    );
+    let mut b = vec![0u8; d.len as usize];
+    dev[2].read(at, &mut b).unwrap();
+    assert!(b.iter().all(|&x| x == 0), "bytes reached the rogue");
+    drop(consumer);
+    drop(producer);
 }

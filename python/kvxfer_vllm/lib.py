@@ -171,7 +171,7 @@ SIGNATURES = {
     "kvx_agent_listen": (_st, [c_void_p, c_char_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
     "kvx_agent_connect": (_st, [c_void_p, c_char_p, POINTER(c_char), c_size_t, POINTER(c_size_t)]),
     "kvx_agent_register": (_st, [c_void_p, c_void_p, c_size_t, c_int32, POINTER(c_void_p)]),
-    "kvx_agent_register_shared": (_st, [c_void_p, c_void_p, c_size_t, POINTER(POINTER(c_char)), c_size_t, POINTER(c_void_p)]),
+    "kvx_agent_register_shared": (_st, [c_void_p, c_void_p, c_size_t, c_int32, POINTER(POINTER(c_char)), c_size_t, POINTER(c_void_p)]),
     "kvx_agent_deregister": (_st, [c_void_p, c_void_p]),
     "kvx_region_id": (c_uint32, [c_void_p]),
     "kvx_region_free": (None, [c_void_p]),
@@ -342,13 +342,14 @@ class Agent:
         return self.lib.text(self.lib.L.kvx_agent_connect, self.h, addr.encode(), cap=512)
 
     def register(self, ptr, nbytes, cuda_device=-1, lane_only=False):
-        """Registers ``nbytes`` at ``ptr``. ``lane_only`` (host memory): shared with no peer, so
-        only a connector's grants open it, on kvxfer's TCP lane (no UCX key, no shm handle)."""
+        """Registers ``nbytes`` at ``ptr``. ``lane_only``: shared with no peer, so only a
+        connector's grants open it, on kvxfer's TCP lane (no UCX key, no shm handle, no device
+        export; device memory staged through pinned chunks)."""
         r = c_void_p()
         if lane_only:
-            if cuda_device >= 0:
-                raise KvxferError(2, "KVX_INVALID_ARGUMENT", "lane_only caches are host memory only (yet)")
-            self.lib.check(self.lib.L.kvx_agent_register_shared(self.h, c_void_p(ptr), nbytes, None, 0, ctypes.byref(r)))
+            self.lib.check(
+                self.lib.L.kvx_agent_register_shared(self.h, c_void_p(ptr), nbytes, cuda_device, None, 0, ctypes.byref(r))
+            )
         else:
             self.lib.check(self.lib.L.kvx_agent_register(self.h, c_void_p(ptr), nbytes, cuda_device, ctypes.byref(r)))
         self.regions.append(r)

@@ -27,32 +27,30 @@ pub unsafe extern "C" fn kvx_agent_register(
         if out.is_null() {
             return Err(null("out"));
         }
-        let kind = if cuda_device < 0 {
-            MemKind::Host
-        } else {
-            MemKind::Cuda(cuda_device as u32)
-        };
         // SAFETY: the caller guarantees validity and lifetime (this function's contract).
-        let r = unsafe { a.inner.register_raw(ptr.cast(), len, kind) }?;
+        let r = unsafe { a.inner.register_raw(ptr.cast(), len, mem_kind(cuda_device)) }?;
         // SAFETY: out non-NULL, valid.
         unsafe { *out = new_handle(kvx_region { inner: r }) };
         Ok(())
     })
 }
 
-/// As `kvx_agent_register` (host memory only), but the region is shared with the `n_peers`
-/// peers named in `peers` only, as `kvx_agent_alloc_shared` says. An engine's KV cache
-/// registered with no peer (`n_peers` 0) and then used by a connector opens only through the
-/// connector's grants, on every path: it moves only on the TCP lane, in-host too.
+/// As `kvx_agent_register`, but the region is shared with the `n_peers` peers named in `peers`
+/// only, as `kvx_agent_alloc_shared` says. An engine's KV cache registered with no peer
+/// (`n_peers` 0) and then used by a connector opens only through the connector's grants, on
+/// every path: it moves only on the TCP lane, in-host too (device memory, `cuda_device` >= 0,
+/// staged through pinned chunks at both ends: it is not exported on the device lane).
 ///
 /// # Safety
-/// `a` live; `[ptr, ptr+len)` valid host memory for the lifetime `kvx_agent_register` states;
+/// `a` live; `[ptr, ptr+len)` valid memory of the kind `cuda_device` names for the lifetime
+/// `kvx_agent_register` states;
 /// `peers` valid for `n_peers` NUL-terminated strings (NULL when `n_peers` is 0); `out` valid.
 #[no_mangle]
 pub unsafe extern "C" fn kvx_agent_register_shared(
     a: *const kvx_agent,
     ptr: *mut c_void,
     len: usize,
+    cuda_device: i32,
     peers: *const *const c_char,
     n_peers: usize,
     out: *mut *mut kvx_region,
@@ -67,12 +65,20 @@ pub unsafe extern "C" fn kvx_agent_register_shared(
         // SAFETY: the caller guarantees validity and lifetime (this function's contract).
         let r = unsafe {
             a.inner
-                .register_raw_shared(ptr.cast(), len, MemKind::Host, Share::Only(names))
+                .register_raw_shared(ptr.cast(), len, mem_kind(cuda_device), Share::Only(names))
         }?;
         // SAFETY: out non-NULL, valid.
         unsafe { *out = new_handle(kvx_region { inner: r }) };
         Ok(())
     })
+}
+
+/// Host memory for a negative `cuda_device`, else that CUDA device's.
+fn mem_kind(cuda_device: i32) -> MemKind {
+    match u32::try_from(cuda_device) {
+        Ok(d) => MemKind::Cuda(d),
+        Err(_) => MemKind::Host,
+    }
 }
 
 /// The names of a `peers`, `n_peers` argument, each checked.

@@ -40,11 +40,13 @@ impl Agent {
 
     /// Registers owned memory, as [`Agent::register`], shared as `with` says.
     ///
-    /// With [`Share::Only`], peers learn the region (its id and size) but get no UCX key and no
-    /// shared-memory handle for it: transfers of it take the TCP lane (in-host too), and a
+    /// With [`Share::Only`], peers learn the region (its id and size) but get no UCX key, no
+    /// shared-memory handle and no device export for it: transfers of it take the TCP lane
+    /// (in-host too; device memory staged through pinned chunks at both ends), and a
     /// peer outside the set is refused there (`LaneFailed`, "is not among the peers region N
     /// is shared with"), nothing moved. Errors: `InvalidArgument` for named peers without a
-    /// secret or with lanes off.
+    /// secret or with lanes off; for device memory, what the staged path needs (the TCP lane,
+    /// its staging chunks within the budget).
     pub fn register_shared(&self, mem: impl Into<Memory>, with: Share) -> Result<Region> {
         let only = self.share_set(with)?;
         let mut mem = mem.into();
@@ -85,7 +87,8 @@ impl Agent {
             .unwrap_or_else(|e| e.into_inner())
             .forget(region);
     }
-    /// `only`: shared with these peers only ([`Share::Only`]): no UCX key, no shm handle.
+    /// `only`: shared with these peers only ([`Share::Only`]): no UCX key, no shm handle, no
+    /// device export.
     pub(super) fn register_inner(
         &self,
         ptr: *mut u8,
@@ -97,18 +100,15 @@ impl Agent {
         if len == 0 {
             return Err(Error::InvalidArgument("registering 0 bytes".into()));
         }
-        if only.is_some() && kind != MemKind::Host {
-            // It would take the staged path; that is not built for shared regions yet.
-            return Err(Error::InvalidArgument(
-                "device memory cannot be shared with named peers only (yet): register it \
-                 for all peers, or share host memory"
-                    .into(),
-            ));
-        }
         let alloc = match kind {
             MemKind::Host => None,
             MemKind::Cuda(d) => self.shared.staging.engine(d)?.allocation(d, ptr as u64)?,
         };
+        if let (Some(_), MemKind::Cuda(d)) = (&only, kind) {
+            // Moved only by the TCP lane's target, which stages it through pinned chunks
+            // after checking the share set and the grants: those chunks, now.
+            self.staged_ready(d)?;
+        }
         let ucx_mapped = only.is_none()
             && match kind {
                 MemKind::Host => true,
@@ -122,6 +122,7 @@ impl Agent {
                     }
                 }
             };
+        let restricted = only.is_some();
         let id = RegionId(self.shared.next_region.fetch_add(1, Ordering::Relaxed));
         let shm = backing
             .as_ref()
@@ -143,6 +144,7 @@ impl Agent {
             kind,
             alloc,
             ucx_mapped,
+            restricted,
             _backing: backing,
             inflight: crate::memory::AtomicU32::new(0),
             registered: crate::memory::AtomicBool::new(false),

@@ -55,6 +55,10 @@ impl Exports {
         let MemKind::Cuda(device) = r.kind else {
             return None;
         };
+        if r.restricted {
+            // Shared with named peers only: a mapping would open all of it to any peer.
+            return None;
+        }
         let mut g = self.by_region.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(x) = g.get(&r.id.0) {
             return Some(x.clone());

@@ -576,10 +576,10 @@ impl Engine {
                     RegionMeta {
                         id: r.region.id,
                         kind: r.region.kind,
-                        // Host memory without a key is shared with named peers only,
-                        // reached by region and offset on the TCP lane: its address stays
-                        // here (nothing a peer could aim UCX's keyless emulated RMA at).
-                        base: if r.region.kind == MemKind::Host && !r.region.ucx_mapped {
+                        // Memory shared with named peers only is reached by region and
+                        // offset on the TCP lane: its address stays here (nothing a peer
+                        // could aim UCX's keyless emulated RMA or a device mapping at).
+                        base: if r.region.restricted {
                             0
                         } else {
                             r.region.addr
