@@ -574,3 +574,160 @@ fn a_device_cache_shared_with_no_peer_opens_only_through_grants() {
     drop(consumer);
     drop(producer);
 }
+
+#[path = "support/fds.rs"]
+mod fds;
+
+/// A hostile hand-over: a socket of this process (the pid the owner's metadata names) that
+/// relays the owner's real answer to one asker with each device entry passed through `edit`,
+/// and, with `swap`, each entry's descriptor replaced by that file.
+fn relay(
+    real: kvxfer_proto::wire::lane_entries::ShmLaneInfo,
+    edit: fn(&mut kvxfer_proto::wire::shm_fds::DeviceEntry),
+    swap: Option<std::fs::File>,
+) -> (
+    kvxfer_proto::wire::lane_entries::ShmLaneInfo,
+    std::thread::JoinHandle<()>,
+) {
+    use kvxfer_proto::wire::shm_fds::{FdAsk, FdFrame};
+    use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+    let mut info = real;
+    info.socket = *b"kvx-test-devrel\0";
+    info.token = [9; 32];
+    let at = |i: &kvxfer_proto::wire::lane_entries::ShmLaneInfo| {
+        SocketAddr::from_abstract_name(i.socket_name().as_bytes()).unwrap()
+    };
+    let l = UnixListener::bind_addr(&at(&info)).unwrap();
+    let t = std::thread::spawn(move || {
+        let (asker, _) = l.accept().unwrap();
+        let mut ask = [0u8; kvxfer_proto::wire::shm_fds::ASK_LEN];
+        (&asker).read_exact(&mut ask).unwrap();
+        let mut owner = UnixStream::connect_addr(&at(&real)).unwrap();
+        owner
+            .write_all(&FdAsk { token: real.token }.encode())
+            .unwrap();
+        loop {
+            let (mut frame, fds) = fds::recv_frame(&mut owner);
+            let last = matches!(frame, FdFrame::End | FdFrame::Refused(_));
+            let raw: Vec<i32> = match (&mut frame, &swap) {
+                (FdFrame::Devices(entries), _) => {
+                    entries.iter_mut().for_each(edit);
+                    match &swap {
+                        Some(f) => fds.iter().map(|_| f.as_raw_fd()).collect(),
+                        None => fds.iter().map(|f| f.as_raw_fd()).collect(),
+                    }
+                }
+                _ => fds.iter().map(|f| f.as_raw_fd()).collect(),
+            };
+            fds::send_fds(&asker, &frame.encode(), &raw);
+            if last {
+                break;
+            }
+        }
+        let _ = (&asker).read(&mut [0u8; 1]);
+    });
+    (info, t)
+}
+
+/// A WRITE of `0x22` from a fresh device region of `p.a` into all of `rb` of `p.b`, whose
+/// device lane entry is `lane`: the lane it took, or its error.
+fn write_through(
+    p: &Pair,
+    rb: &Region,
+    lane: kvxfer_proto::wire::lane_entries::ShmLaneInfo,
+) -> kvxfer::Result<Lane> {
+    use kvxfer_proto::wire::lane_entries::{LaneEntry, LANE_DEVICE};
+    use kvxfer_proto::wire::metadata::Metadata;
+    let len = (NB * BS) as usize;
+    let mut meta = Metadata::decode(&p.b.metadata().unwrap(), p.b.compat()).unwrap();
+    meta.lanes.retain(|e| e.lane != LANE_DEVICE);
+    meta.lanes.push(LaneEntry::device(&lane));
+    let peer = p.a.load_remote_metadata(&meta.encode()).unwrap();
+    let (ra, xa) = device_region(&p.a, &p.da, len);
+    p.da.write(xa, &vec![0x22; len]).unwrap();
+    let slots: Vec<u64> = (0..NB).collect();
+    let l = p.a.prep_local(&descs(&ra, &slots)).unwrap();
+    let r = p.a.prep_remote(&peer, &descs(rb, &slots)).unwrap();
+    p.a.transfer_all(XferOp::Write, &l, &r, None, Some(Duration::from_secs(10)))
+        .and_then(|t| t.wait())
+        .map(|s| s.lane)
+}
+
+/// The checks on what a same-host peer's device lane hands over, against a socket of the
+/// right process that lies: an export shorter than the region is not used (the WRITE goes
+/// by another lane), an allocation claimed larger than its memory file, or a file that is
+/// not a sealed memory file of this user, is not opened (the WRITE fails typed), and
+/// nothing lands outside the region either way. The honest relay goes on the device lane.
+#[test]
+fn a_lying_device_hand_over_opens_nothing() {
+    use kvxfer_proto::wire::lane_entries::device_of;
+    use kvxfer_proto::wire::metadata::Metadata;
+    let len = (NB * BS) as usize;
+    let dir = std::env::temp_dir().join(format!("kvx-dev-handover-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let on_disk = dir.join("precious");
+    type Case = (
+        &'static str,
+        fn(&mut kvxfer_proto::wire::shm_fds::DeviceEntry),
+        bool,
+    );
+    let cases: [Case; 4] = [
+        ("honest", |_| {}, false),
+        ("an export shorter than the region", |e| e.len -= 1, false),
+        ("an allocation larger than its file", |e| e.size *= 2, false),
+        ("a file on disk", |_| {}, true),
+    ];
+    for (what, edit, swap) in cases {
+        let p = pair(|c| c);
+        let (rb, xb) = device_region(&p.b, &p.db, len);
+        let real = device_of(
+            &Metadata::decode(&p.b.metadata().unwrap(), p.b.compat())
+                .unwrap()
+                .lanes,
+        )
+        .unwrap();
+        std::fs::write(&on_disk, vec![0x11u8; 2 * len]).unwrap();
+        let file = swap.then(|| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&on_disk)
+                .unwrap()
+        });
+        let (info, server) = relay(real, edit, file);
+        let got = write_through(&p, &rb, info);
+        server.join().unwrap();
+        eprintln!("{what}: WRITE {got:?}");
+        let mut b = vec![0u8; len];
+        p.db.read(xb, &mut b).unwrap();
+        match what {
+            "honest" => {
+                assert_eq!(got.unwrap(), Lane::Device);
+                assert!(b.iter().all(|&x| x == 0x22));
+            }
+            "an export shorter than the region" => {
+                // Not opened on the device lane; the TCP lane, whose target checks the
+                // request, carries it.
+                assert_eq!(got.unwrap(), Lane::Tcp, "{what}");
+                assert!(b.iter().all(|&x| x == 0x22));
+            }
+            _ => {
+                assert!(
+                    matches!(&got, Err(Error::LaneFailed { lane: "device", why, .. })
+                        if why.contains("does not open here")),
+                    "{what}: {got:?}"
+                );
+                assert!(b.iter().all(|&x| x == 0), "{what}: bytes landed");
+            }
+        }
+        let disk = std::fs::read(&on_disk).unwrap();
+        assert!(
+            disk.iter().all(|&x| x == 0x11),
+            "{what}: the WRITE reached the file"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -6,10 +6,10 @@
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
 
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::fs::MetadataExt;
-use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::os::unix::net::{SocketAddr, UnixListener};
 use std::process::Command;
 use std::time::Duration;
 
@@ -24,6 +24,9 @@ const LEN: usize = 1 << 20;
 /// One test at a time: they count the process's mappings.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+#[path = "support/fds.rs"]
+mod fds;
+use fds::send_fds;
 #[path = "support/same_host.rs"]
 mod same_host;
 use same_host::agent;
@@ -79,34 +82,6 @@ fn a_peer_naming_another_pid_gets_nothing_mapped() {
     );
     assert_eq!(mapped, 0, "a socket of another pid handed its files over");
     assert_ne!(lane.ok(), Some(kvxfer::Lane::Shm));
-}
-
-/// Sends `bytes` with `fds` attached, as the hand-over does.
-fn send_fds(s: &UnixStream, bytes: &[u8], fds: &[RawFd]) {
-    let payload = std::mem::size_of_val(fds);
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(payload as u32) } as usize;
-    let mut control = vec![0u8; space];
-    let mut iov = libc::iovec {
-        iov_base: bytes.as_ptr() as *mut libc::c_void,
-        iov_len: bytes.len(),
-    };
-    // SAFETY: an all-zero msghdr is valid; its pointers are set below.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    // SAFETY: control holds CMSG_SPACE(payload) bytes; msg's buffers live for the call.
-    let n = unsafe {
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(payload as u32) as _;
-        std::ptr::copy_nonoverlapping(fds.as_ptr().cast::<u8>(), libc::CMSG_DATA(c), payload);
-        libc::sendmsg(s.as_raw_fd(), &msg, 0)
-    };
-    assert_eq!(n as usize, bytes.len());
 }
 
 /// A socket of this process that hands over `file` as region 0, to one asker; with `drip`,

@@ -264,12 +264,16 @@ impl DevicePeer {
             Some(o) => o.clone(),
             None => {
                 let engine = staging.engine(device)?;
-                let o: Arc<dyn Opened> = Arc::from(engine.open(
-                    device,
-                    &r.entry.handle,
-                    r.file.as_ref(),
-                    r.entry.size,
-                )?);
+                let o: Arc<dyn Opened> = Arc::from(
+                    engine
+                        .open(device, &r.entry.handle, r.file.as_ref(), r.entry.size)
+                        .map_err(|e| {
+                            self.failed(format!(
+                                "its device region {} does not open here: {e}",
+                                r.entry.region
+                            ))
+                        })?,
+                );
                 g.insert(device, o.clone());
                 o
             }
