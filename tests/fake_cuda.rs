@@ -147,3 +147,74 @@ fn auto_path_without_a_cuda_aware_ucx_is_staged_and_forced_direct_fails() {
         assert!(err.contains("no CUDA transports"), "{err}");
     }
 }
+
+/// `copy_tables_are_charged_to_the_budget`'s body, run in a child with the fake driver loaded
+/// (cudarc loads the driver once per process, from the library path it started with).
+#[test]
+#[ignore = "a child of copy_tables_are_charged_to_the_budget, with the fake driver loaded"]
+fn copy_table_child() {
+    use cudarc::driver::result::{malloc_sync, memcpy_dtoh_sync, memcpy_htod_sync};
+    use kvxfer::staging::{CopyBatch, CopyEngine};
+    const PIECE: u64 = 512;
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    ctx.bind_to_thread().unwrap();
+    // SAFETY: a context is current; the allocations live until the process exits.
+    let (src, dst) = unsafe { (malloc_sync(1 << 20).unwrap(), malloc_sync(1 << 20).unwrap()) };
+    let data: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+    // SAFETY: `src` holds 1 MiB.
+    unsafe { memcpy_htod_sync(src, &data) }.unwrap();
+    // `n` pieces, reversed at the destination.
+    let batch = |n: u64| CopyBatch {
+        src: (0..n).map(|i| src + PIECE * i).collect(),
+        dst: (0..n).map(|i| dst + PIECE * (n - 1 - i)).collect(),
+        len: vec![PIECE; n as usize],
+        bytes: PIECE * n,
+    };
+    // Room for a table of 1,024 entries (24 bytes each, host and device: 48 KiB), not for
+    // one of 2,048.
+    let budget = kvxfer::MemoryBudget::new(80 << 10);
+    let engine = kvxfer::cuda::CudaCopyEngine::new();
+    engine.charge_to(&budget);
+    let mut q = engine.queue(0).unwrap();
+    // SAFETY: every entry lies inside the two allocations, untouched until the sync.
+    unsafe { q.copy_batch(&batch(1000)) }.unwrap();
+    q.sync().unwrap();
+    let mut got = vec![0u8; 1 << 20];
+    // SAFETY: `dst` holds 1 MiB.
+    unsafe { memcpy_dtoh_sync(&mut got, dst) }.unwrap();
+    let p = PIECE as usize;
+    assert!(
+        got[999 * p..1000 * p] == data[..p],
+        "the batch moved the bytes"
+    );
+    assert_eq!(budget.used(), 2 * 1024 * 24, "the table, host and device");
+    // Idle with its stream, the table stays allocated and charged.
+    drop(q);
+    assert_eq!(budget.used(), 2 * 1024 * 24, "the pooled table");
+    // The pooled stream's table must grow to 2,048 entries: refused, typed, nothing held.
+    let mut q = engine.queue(0).unwrap();
+    // SAFETY: as above.
+    let r = unsafe { q.copy_batch(&batch(1500)) };
+    assert!(
+        matches!(&r, Err(kvxfer::Error::OutOfMemory(w)) if w.contains("CUDA copy table")),
+        "{r:?}"
+    );
+    assert_eq!(budget.used(), 0);
+    println!("copy tables charged: ok");
+}
+
+#[test]
+fn copy_tables_are_charged_to_the_budget() {
+    fake_driver();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "copy_table_child", "--nocapture"])
+        .env("LD_LIBRARY_PATH", fake_driver())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("copy tables charged: ok"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -92,6 +92,13 @@ pub trait CopyEngine: Send + Sync + std::fmt::Debug {
             ),
         })
     }
+    /// The budget this engine charges what it allocates for itself (CUDA: each stream's copy
+    /// table, host and device); an agent gives its own when it takes the engine. The first
+    /// budget given holds for an engine shared by several agents.
+    fn charge_to(&self, budget: &crate::budget::MemoryBudget) {
+        let _ = budget;
+    }
+
     /// Prepares host memory for fast copies (CUDA: page-locks it). Called once per pool.
     ///
     /// # Safety

@@ -83,9 +83,12 @@ pub struct CudaCopyEngine {
         std::sync::Mutex<std::collections::HashMap<u32, std::result::Result<Arc<Kernel>, String>>>,
     /// Submissions on every queue (copies, table uploads, launches).
     submitted: Arc<std::sync::atomic::AtomicU64>,
+    /// What the copy tables are charged to (unlimited until an agent gives its own).
+    budget: std::sync::OnceLock<MemoryBudget>,
 }
 
 use super::cuda_batch::{Kernel, PriorityStream, Table};
+use crate::budget::MemoryBudget;
 use cudarc::driver::{sys, CudaContext};
 use kvxfer_proto::copy_batch::{batches, BatchLimits, CopyRange};
 use std::sync::Arc;
@@ -141,6 +144,7 @@ struct CudaQueue {
     driver_batch: bool,
     pool: StreamPool,
     submitted: Arc<std::sync::atomic::AtomicU64>,
+    budget: MemoryBudget,
 }
 
 impl CudaQueue {
@@ -176,7 +180,14 @@ impl CudaQueue {
             let stream = self.stream.as_ref().expect("taken only in drop");
             // SAFETY: the caller's contract.
             if let Err(e) = unsafe {
-                super::cuda_batch::launch(&kernel, stream, &mut self.table, self.device, b)
+                super::cuda_batch::launch(
+                    &kernel,
+                    stream,
+                    &mut self.table,
+                    self.device,
+                    b,
+                    &self.budget,
+                )
             } {
                 return Some(Err(e));
             }
@@ -392,6 +403,10 @@ impl crate::device::copy::CopyEngine for CudaCopyEngine {
         false
     }
 
+    fn charge_to(&self, budget: &MemoryBudget) {
+        let _ = self.budget.set(budget.clone());
+    }
+
     fn queue(&self, device: u32) -> Result<Box<dyn crate::device::copy::CopyQueue>> {
         let ctx = self.ctx(device)?;
         let idle = self
@@ -414,6 +429,11 @@ impl crate::device::copy::CopyEngine for CudaCopyEngine {
             driver_batch: driver_batch(),
             pool: self.streams.clone(),
             submitted: self.submitted.clone(),
+            budget: self
+                .budget
+                .get()
+                .cloned()
+                .unwrap_or_else(MemoryBudget::unlimited),
         }))
     }
 

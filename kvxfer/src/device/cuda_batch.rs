@@ -3,6 +3,7 @@
 //! highest priority per queue, and a table each queue uploads a batch into before the one
 //! launch that runs it. One owner with `Drop` per native handle.
 
+use crate::budget::{Charge, MemoryBudget};
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -153,6 +154,8 @@ pub(crate) struct Table {
     cap: usize,
     /// An upload from `host` may still be running (until the stream is synced).
     pub(crate) busy: bool,
+    /// Both buffers, charged to the engine's budget while they live.
+    _charge: Charge,
 }
 
 // SAFETY: the buffers belong to this struct alone, used by one queue at a time.
@@ -165,8 +168,14 @@ impl std::fmt::Debug for Table {
 }
 
 impl Table {
-    fn new(ctx: &Arc<CudaContext>, device: u32, cap: usize) -> Result<Table> {
+    fn new(
+        ctx: &Arc<CudaContext>,
+        device: u32,
+        cap: usize,
+        budget: &MemoryBudget,
+    ) -> Result<Table> {
         let bytes = cap * 3 * 8;
+        let charge = budget.try_charge(2 * bytes as u64, "a CUDA copy table (host and device)")?;
         let mut host: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid out pointer; bytes > 0.
         unsafe { sys::cuMemAllocHost_v2(&mut host, bytes) }
@@ -185,6 +194,7 @@ impl Table {
             dev,
             cap,
             busy: false,
+            _charge: charge,
         })
     }
 }
@@ -203,7 +213,8 @@ impl Drop for Table {
 }
 
 /// Queues `batch` on `stream` as one table upload and one launch of `kernel`, growing
-/// `table` as needed (waiting for the stream first when it must rewrite a table in use).
+/// `table` as needed (waiting for the stream first when it must rewrite a table in use) and
+/// charging it to `budget` (refused `OutOfMemory` past it).
 ///
 /// # Safety
 /// Every entry's source and destination are memory the device can address (its own, a peer's
@@ -215,6 +226,7 @@ pub(crate) unsafe fn launch(
     table: &mut Option<Table>,
     device: u32,
     batch: &CopyBatch,
+    budget: &MemoryBudget,
 ) -> Result<()> {
     let n = batch.entries();
     if n == 0 {
@@ -229,6 +241,7 @@ pub(crate) unsafe fn launch(
             &kernel.ctx,
             device,
             n.next_power_of_two().max(1024),
+            budget,
         )?);
     }
     let t = table.as_mut().expect("set just above");

@@ -287,6 +287,9 @@ impl StagingCell {
         shape: StagingShape,
         budget: MemoryBudget,
     ) -> Self {
+        if let Some(e) = &engine {
+            e.charge_to(&budget);
+        }
         StagingCell {
             engine: Mutex::new(engine),
             shape,
@@ -302,6 +305,7 @@ impl StagingCell {
             return Ok(e.clone());
         }
         let e = crate::device::default_engine(device)?;
+        e.charge_to(&self.budget);
         *g = Some(e.clone());
         Ok(e)
     }
