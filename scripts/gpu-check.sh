@@ -116,6 +116,11 @@ run "$mem staged write, driver batch" --memory "$mem" --gpu-path staged --transp
 unset KVXFER_DEVICE_COPY
 run "$mem device lane read" --memory "$mem" --gpu-path auto --transport auto --op read \
   --verify-each
+# A grant-only cache (shared with the initiator only, with a secret): no device export, so
+# it is staged at both ends over the TCP lane, whose target checks the share set. What that
+# check costs in-host against the device lane rows above.
+run "$mem shared-only write (checked)" --memory "$mem" --gpu-path auto --transport auto \
+  --op write --verify-each --secret gpu-check --shared-only
 for round in 1 2; do
   run "$mem staged write r$round" --memory "$mem" --gpu-path staged --transport tcp \
     --op write --verify-each --no-device-lane

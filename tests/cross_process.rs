@@ -293,6 +293,38 @@ fn device_lane_two_processes() {
     }
 }
 
+/// A buffer shared with the initiator only (`--shared-only`, with a secret), host and
+/// device memory in two processes of one host: no shm handle, no device export, so both
+/// ops go over the TCP lane, whose target checks the share set (device memory staged at both
+/// ends); every iteration verified.
+#[test]
+fn shared_only_buffers_take_the_checked_lane_two_processes() {
+    for memory in ["host", "sim"] {
+        for op in ["write", "read"] {
+            let j = bench(&[
+                "--memory",
+                memory,
+                "--transport",
+                "shm",
+                "--secret",
+                "open sesame",
+                "--shared-only",
+                "--op",
+                op,
+                "--blocks",
+                "512",
+                "--block-size",
+                "16384",
+                "--verify-each",
+            ]);
+            assert_eq!(j["verified"], true, "{j}");
+            assert_eq!(j["verified_iterations"].as_u64(), Some(3), "{j}");
+            assert_eq!(j["shared_only"], true, "{j}");
+            assert_eq!(j["lane"], "tcp", "{memory} {op}: {j}");
+        }
+    }
+}
+
 /// Device memory in two processes (simulated: the staged path on a machine without a GPU):
 /// both ends stage through their own bounded chunk pools over the TCP lane, even with the
 /// shared-memory transport (the device lane off), and every byte verifies after a copy back

@@ -193,6 +193,12 @@ pub(crate) struct Args {
     /// With --secret: the TCP lane's data is sealed too (`AgentConfig::lane_encryption`).
     #[arg(long, requires = "secret")]
     pub(crate) lane_encryption: bool,
+    /// With --secret: the peer registers its buffer shared with this initiator only
+    /// (`Share::Only`): no UCX key, shared-memory handle or device export, so it moves only
+    /// on the TCP lane, whose target checks the share set (device memory staged at both
+    /// ends). What a grant-only KV cache costs.
+    #[arg(long, requires = "secret")]
+    pub(crate) shared_only: bool,
     /// Where both sides' KV buffers live.
     #[arg(long, value_enum, default_value = "host")]
     pub(crate) memory: MemArg,

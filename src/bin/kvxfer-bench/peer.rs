@@ -7,7 +7,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 
 use kvxfer::cgroup_memory_limit;
-use kvxfer::Agent;
+use kvxfer::{Agent, Share};
 
 use crate::cli::{Args, Placement};
 use crate::control::rss_peak;
@@ -134,7 +134,12 @@ pub(crate) fn session(
         }
         let w: Vec<&str> = line.split_whitespace().collect();
         let reply = match w.as_slice() {
-            ["SETUP", blocks, block_size, placement_s, seed] => {
+            ["SETUP", blocks, block_size, placement_s, seed, share] => {
+                // "-": for every peer; else the one initiator the buffer is shared with.
+                let share = match *share {
+                    "-" => Share::AllPeers,
+                    name => Share::Only(vec![name.to_string()]),
+                };
                 let blocks: u64 = blocks.parse()?;
                 *bs = block_size.parse()?;
                 let p = match *placement_s {
@@ -152,7 +157,7 @@ pub(crate) fn session(
                         continue;
                     }
                 }
-                *region = Some(Buf::new(agent, dev, args, (blocks * *bs) as usize)?);
+                *region = Some(Buf::new(agent, dev, args, (blocks * *bs) as usize, share)?);
                 if let Some(r) = at.reg {
                     r.refresh(agent)?;
                 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvxfer::layout::KvGeometry;
 use kvxfer::paged::Paged;
-use kvxfer::{Agent, Desc, XferOp};
+use kvxfer::{Agent, Desc, Share, XferOp};
 
 use crate::cli::{Args, DataArg, Op, Placement};
 use crate::codec_report::{CodecRun, CpuClock};
@@ -16,7 +16,9 @@ use crate::peer::TCP_REF_CHUNK;
 use crate::reference::{memcpy_ref, tcp_ref};
 use crate::registry::Registry;
 use crate::report::{median, print_header, print_row, Progress, Row};
-use crate::workload::{agent_config, clear, device, fill, placement, verify, Buf, Case, KV_DATA};
+use crate::workload::{
+    agent_config, agent_name, clear, device, fill, placement, verify, Buf, Case, KV_DATA,
+};
 use crate::BoxErr;
 
 pub(crate) fn cases(args: &Args) -> Result<Vec<Case>, BoxErr> {
@@ -111,8 +113,13 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         _ => Placement::Contiguous,
     };
     // The peer's side channel address, or "etcd": its metadata is there.
+    let share = if args.shared_only {
+        agent_name(args, "init")
+    } else {
+        "-".to_string()
+    };
     let side = ctl.cmd(&format!(
-        "SETUP {n} {bs} {} {}",
+        "SETUP {n} {bs} {} {} {share}",
         slot_placement.name(),
         args.seed
     ))?;
@@ -123,7 +130,7 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
     }
     let agent = Agent::new(cfg)?;
     let bytes_all = n * bs;
-    let buf = Buf::new(&agent, &dev, args, bytes_all as usize)?;
+    let buf = Buf::new(&agent, &dev, args, bytes_all as usize, Share::AllPeers)?;
     let region = buf.region.clone();
     let peer = match &reg {
         Some(r) => {
@@ -365,6 +372,7 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         "concurrency": conc,
         "ops": ops,
         "placement": case.placement.name(),
+        "shared_only": args.shared_only,
         "iterations": args.iters,
         "median_ms": med,
         "min_ms": min,

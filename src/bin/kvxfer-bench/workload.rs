@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use kvxfer::staging::{CopyEngine, SimulatedDevice, StagingShape};
-use kvxfer::{Agent, AgentConfig, HostBuffer, MemKind, MemoryBudget, Region, Transport};
+use kvxfer::{Agent, AgentConfig, HostBuffer, MemKind, MemoryBudget, Region, Share, Transport};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
@@ -73,6 +73,7 @@ impl Buf {
         dev: &Option<Device>,
         args: &Args,
         len: usize,
+        share: Share,
     ) -> Result<Buf, BoxErr> {
         let Some(d) = dev else {
             let b = match args.memory {
@@ -80,7 +81,7 @@ impl Buf {
                 _ => HostBuffer::new(len)?,
             };
             return Ok(Buf {
-                region: agent.register(b)?,
+                region: agent.register_shared(b, share)?,
                 dev: None,
                 alloc: None,
             });
@@ -91,11 +92,16 @@ impl Buf {
                 // SAFETY: the simulated allocation lives as long as the device, which `Buf`
                 // holds past the registration (deregistered before the device goes).
                 let r = unsafe {
-                    agent.register_raw(addr as *mut u8, len, MemKind::Cuda(args.device))
+                    agent.register_raw_shared(
+                        addr as *mut u8,
+                        len,
+                        MemKind::Cuda(args.device),
+                        share,
+                    )
                 }?;
                 (r, None)
             }
-            None => cuda_region(agent, args.device, len, args.cuda_alloc)?,
+            None => cuda_region(agent, args.device, len, args.cuda_alloc, share)?,
         };
         Ok(Buf {
             region,
@@ -296,11 +302,12 @@ pub(crate) fn cuda_region(
     device: u32,
     len: usize,
     alloc: CudaAlloc,
+    share: Share,
 ) -> Result<(Region, Option<PlainDeviceAlloc>), BoxErr> {
     let ctx = process_context(device)?;
     if alloc == CudaAlloc::Pool {
         let buf = ctx.default_stream().alloc_zeros::<u8>(len)?;
-        return Ok((agent.register(buf)?, None));
+        return Ok((agent.register_shared(buf, share)?, None));
     }
     ctx.bind_to_thread()?;
     let guard = if alloc == CudaAlloc::Vmm {
@@ -321,7 +328,8 @@ pub(crate) fn cuda_region(
     unsafe { cudarc::driver::result::memset_d8_sync(ptr, 0, len) }?;
     // SAFETY: the guard frees the allocation only after Buf::release has deregistered the
     // region (register_raw's contract); on any other path it is never freed.
-    let region = unsafe { agent.register_raw(ptr as *mut u8, len, MemKind::Cuda(device)) }?;
+    let region =
+        unsafe { agent.register_raw_shared(ptr as *mut u8, len, MemKind::Cuda(device), share) }?;
     Ok((region, Some(guard)))
 }
 
@@ -331,8 +339,19 @@ pub(crate) fn cuda_region(
     _: u32,
     _: usize,
     _: CudaAlloc,
+    _: Share,
 ) -> Result<(Region, Option<PlainDeviceAlloc>), BoxErr> {
     Err("--memory cuda needs kvxfer-bench built with --features cuda".into())
+}
+
+/// This process's agent name in `role` (`init` or `peer`).
+pub(crate) fn agent_name(args: &Args, role: &str) -> String {
+    match (&args.name, args.serve) {
+        (Some(n), _) => n.clone(),
+        // The peer of --etcd: the name the initiator's --peer looks for.
+        (None, true) => args.peer.clone(),
+        (None, false) => format!("bench-{role}-{}", std::process::id()),
+    }
 }
 
 pub(crate) fn agent_config(
@@ -342,13 +361,7 @@ pub(crate) fn agent_config(
     local_peer: bool,
 ) -> Result<AgentConfig, BoxErr> {
     let staging = StagingShape::new(args.staging_chunks, (args.staging_chunk_kib << 10) as usize)?;
-    let name = match (&args.name, args.serve) {
-        (Some(n), _) => n.clone(),
-        // The peer of --etcd: the name the initiator's --peer looks for.
-        (None, true) => args.peer.clone(),
-        (None, false) => format!("bench-{role}-{}", std::process::id()),
-    };
-    let mut c = AgentConfig::new(name)
+    let mut c = AgentConfig::new(agent_name(args, role))
         .transport(Transport::parse(transport))
         .busy_poll(args.busy_poll)
         .stripes(args.stripes)
