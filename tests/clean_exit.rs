@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 /// What a process that stopped in order says is left of kvxfer in it.
 const NOTHING_LEFT: &str =
-    "left: 0 agents, 0 regions registered, 0 UCX registrations, 0 peer mappings";
+    "left: 0 agents, 0 regions registered, 0 UCX registrations, 0 peer mappings, 0 lane windows";
 
 /// One test at a time: each times an exit against a one-second bound on two cores.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());

@@ -19,7 +19,8 @@ type Pending = Arc<Mutex<HashMap<u64, Sender<String>>>>;
 const QUERY: u64 = u64::MAX;
 
 /// What a worker that stopped in order says is left.
-const NOTHING_LEFT: &str = "0 agents, 0 regions registered, 0 UCX registrations, 0 peer mappings";
+const NOTHING_LEFT: &str =
+    "0 agents, 0 regions registered, 0 UCX registrations, 0 peer mappings, 0 lane windows";
 
 /// One incarnation of a worker as the driver sees it.
 struct Worker {
@@ -187,6 +188,12 @@ impl Cluster {
             "--dev",
             dev,
         ]);
+        if let Some(s) = &a.secret {
+            c.args(["--secret", s]);
+        }
+        if a.lane_only {
+            c.arg("--lane-only");
+        }
         c
     }
 

@@ -58,6 +58,12 @@ struct Args {
     netns: bool,
     /// Driver: a hostile peer floods the prefill worker meanwhile (`hostile.rs`).
     hostile: bool,
+    /// Both workers share this secret: sealed lanes, sealed handoffs, and in-host (transport
+    /// `shm`) the TCP lane's windows.
+    secret: Option<String>,
+    /// The workers' caches open only through grants (`Share::Only(vec![])`): every handoff on
+    /// the TCP lane, in-host through its window with a secret.
+    lane_only: bool,
     /// Worker: the address its side channel binds.
     bind: String,
     /// Worker: the network device its transports use.
@@ -73,6 +79,8 @@ fn parse() -> Args {
         seed: 1,
         netns: false,
         hostile: false,
+        secret: None,
+        lane_only: false,
         bind: "127.0.0.1".into(),
         dev: "lo".into(),
     };
@@ -93,11 +101,13 @@ fn parse() -> Args {
             "--seed" => a.seed = v().parse().unwrap(),
             "--netns" => a.netns = true,
             "--hostile" => a.hostile = true,
+            "--secret" => a.secret = Some(v()),
+            "--lane-only" => a.lane_only = true,
             "--bind" => a.bind = v(),
             "--dev" => a.dev = v(),
             _ => panic!(
                 "usage: chaos [--seconds N] [--mode pull|push] [--transport tcp|shm] [--seed S] \
-                 [--netns] [--hostile]"
+                 [--netns] [--hostile] [--secret S] [--lane-only]"
             ),
         }
     }

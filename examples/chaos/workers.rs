@@ -12,14 +12,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvxfer::connector::{Consumer, Handoff, LoadFailure, Producer};
-use kvxfer::{Agent, AgentConfig, MemoryBudget, Transport};
+use kvxfer::{Agent, AgentConfig, MemoryBudget, Share, Transport};
 
 /// Each worker's memory budget: a hostile peer may hold half of it (its share), and what
 /// the driver allows a worker's RSS to grow by is measured beyond what the budget holds.
 const BUDGET: u64 = 64 << 20;
 
 use crate::hex::{hex, unhex};
-use crate::kv_cache::{cache_of, fill_or_check, slot_blocks_of};
+use crate::kv_cache::{cache_shared, fill_or_check, slot_blocks_of};
 use crate::{cfg, Args, LEASE, PER_SLOT, SLOTS, TOKENS};
 
 /// Lines to the driver, whole, from any thread.
@@ -34,16 +34,24 @@ impl Out {
     }
 }
 
+/// How the workers' caches are shared: for all peers, or only through grants.
+fn share(a: &Args) -> Share {
+    if a.lane_only {
+        Share::Only(Vec::new())
+    } else {
+        Share::AllPeers
+    }
+}
+
 fn agent(name: &str, a: &Args) -> Arc<Agent> {
-    Arc::new(
-        Agent::new(
-            AgentConfig::new(name)
-                .transport(Transport::parse(&a.transport))
-                .net_devices(&a.dev)
-                .budget(MemoryBudget::new(BUDGET)),
-        )
-        .unwrap(),
-    )
+    let mut c = AgentConfig::new(name)
+        .transport(Transport::parse(&a.transport))
+        .net_devices(&a.dev)
+        .budget(MemoryBudget::new(BUDGET));
+    if let Some(s) = &a.secret {
+        c = c.secret(s.as_bytes().to_vec());
+    }
+    Arc::new(Agent::new(c).unwrap())
 }
 
 /// The prefill worker: publishes each request it is asked for into its slot's blocks, once
@@ -70,7 +78,7 @@ fn left() {
 
 fn serve_prefill(a: &Args) {
     let ag = agent("chaos-prefill", a);
-    let (region, layout) = cache_of(&ag, SLOTS, PER_SLOT);
+    let (region, layout) = cache_shared(&ag, SLOTS, PER_SLOT, share(a));
     let side = ag.listen((a.bind.as_str(), 0)).unwrap();
     let producer =
         Arc::new(Producer::new(ag.clone(), layout.clone(), cfg(a.mode), Some(side)).unwrap());
@@ -114,7 +122,7 @@ fn serve_prefill(a: &Args) {
 /// prefix it writes itself), then checks every byte, or checks the failure names the blocks.
 fn serve_decode(a: &Args) {
     let ag = agent("chaos-decode", a);
-    let (region, layout) = cache_of(&ag, SLOTS, PER_SLOT);
+    let (region, layout) = cache_shared(&ag, SLOTS, PER_SLOT, share(a));
     let consumer = Arc::new(Consumer::new(ag.clone(), layout.clone(), cfg(a.mode)).unwrap());
     let out = Out(Arc::new(Mutex::new(std::io::stdout())));
     out.say("READY");

@@ -29,6 +29,17 @@ pub fn cache(agent: &Agent, slots: usize) -> (Region, KvLayout) {
 
 /// A worker's cache: `slots` request slots of `per_slot` blocks, one region.
 pub fn cache_of(agent: &Agent, slots: usize, per_slot: u64) -> (Region, KvLayout) {
+    cache_shared(agent, slots, per_slot, kvxfer::Share::AllPeers)
+}
+
+/// As [`cache_of`], registered shared as `with` says (`Share::Only(vec![])`: a cache that only
+/// a connector's grants open, on the TCP lane).
+pub fn cache_shared(
+    agent: &Agent,
+    slots: usize,
+    per_slot: u64,
+    with: kvxfer::Share,
+) -> (Region, KvLayout) {
     let g = geometry();
     let nb = per_slot * slots as u64;
     let probe = KvLayout::contiguous(
@@ -40,7 +51,10 @@ pub fn cache_of(agent: &Agent, slots: usize, per_slot: u64) -> (Region, KvLayout
         kvxfer::RegionId(0),
     );
     let region = agent
-        .register(HostBuffer::new(probe.region_bytes() as usize).unwrap())
+        .register_shared(
+            HostBuffer::new(probe.region_bytes() as usize).unwrap(),
+            with,
+        )
         .unwrap();
     let layout = KvLayout::contiguous(
         g,

@@ -10,8 +10,7 @@
 use crate::error::{Error, Result};
 use crate::session::{sealed_len, Psk, Session, StaticKey, KEYED_FIRST_LEN, PUBLIC_KEY_LEN, SEED};
 use crate::wire::lane::{
-    hello_rest_len, HELLO_FIXED_LEN, MODE_CLEAR_DATA, MODE_SEALED_DATA, RECORD_LEN_BYTES,
-    RECORD_PLAIN, SEALED_MAGIC,
+    hello_rest_len, DataMode, HELLO_FIXED_LEN, RECORD_LEN_BYTES, RECORD_PLAIN, SEALED_MAGIC,
 };
 use crate::wire::metadata::MAX_NAME;
 
@@ -81,12 +80,12 @@ pub enum Opened {
     /// Read [`LaneOpening::want`] more bytes.
     More,
     /// The initiator proved the keys and sent its hello (to feed to the lane core) and its
-    /// data mode (true: the blocks' bytes travel sealed).
+    /// data mode.
     Hello {
         /// The lane hello's bytes.
         hello: Vec<u8>,
-        /// Whether the initiator seals the data too.
-        sealed_data: bool,
+        /// How the initiator moves the data.
+        mode: DataMode,
         /// The static public key the initiator proved it holds: the hello's name is its
         /// only if that peer's metadata carried this key.
         key: [u8; PUBLIC_KEY_LEN],
@@ -193,10 +192,8 @@ impl LaneOpening {
                     Ok(p) => p,
                     Err(e) => return Opened::Refused(e.to_string()),
                 };
-                let sealed_data = match plain.first() {
-                    Some(&MODE_CLEAR_DATA) => false,
-                    Some(&MODE_SEALED_DATA) => true,
-                    other => return Opened::Refused(format!("an unknown data mode {other:?}")),
+                let Some(mode) = plain.first().copied().and_then(DataMode::of) else {
+                    return Opened::Refused(format!("an unknown data mode {:?}", plain.first()));
                 };
                 let Some(key) = self.remote else {
                     return Opened::Refused("a record before the handshake (a bug)".into());
@@ -204,7 +201,7 @@ impl LaneOpening {
                 self.state = State::Done;
                 Opened::Hello {
                     hello: plain[1..].to_vec(),
-                    sealed_data,
+                    mode,
                     key,
                 }
             }
@@ -238,7 +235,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::session::Initiator;
-    use crate::wire::lane::Hello;
+    use crate::wire::lane::{Hello, MODE_SEALED_DATA};
 
     /// The target's static key.
     fn target() -> StaticKey {
@@ -290,12 +287,8 @@ mod tests {
         assert_eq!(o.on_bytes(&rec[..4]), Opened::More);
         assert_eq!(o.want(), rec.len() - 4);
         match o.on_bytes(&rec[4..]) {
-            Opened::Hello {
-                hello,
-                sealed_data,
-                key,
-            } => {
-                assert!(sealed_data);
+            Opened::Hello { hello, mode, key } => {
+                assert_eq!(mode, DataMode::Sealed);
                 assert_eq!(key, me().public(), "the initiator's proven key comes out");
                 assert_eq!(&hello[..4], b"KVXT");
             }
@@ -374,7 +367,7 @@ mod tests {
         assert!(matches!(
             run(&|_| {}, 0),
             Opened::Hello {
-                sealed_data: false,
+                mode: DataMode::Clear,
                 ..
             }
         ));

@@ -9,6 +9,7 @@ static AGENTS: AtomicUsize = AtomicUsize::new(0);
 static REGIONS: AtomicUsize = AtomicUsize::new(0);
 static UCX_REGISTRATIONS: AtomicUsize = AtomicUsize::new(0);
 static PEER_MAPPINGS: AtomicUsize = AtomicUsize::new(0);
+static LANE_WINDOWS: AtomicUsize = AtomicUsize::new(0);
 
 /// Counts of what kvxfer holds in this process.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -21,6 +22,9 @@ pub struct Live {
     pub ucx_registrations: usize,
     /// Peers' regions mapped into this process by the shared-memory lane.
     pub peer_mappings: usize,
+    /// TCP lane connections to or from a same-host peer whose data goes through a shared
+    /// window (`AgentConfig::lane_window`), counted at each end.
+    pub lane_windows: usize,
 }
 
 impl Live {
@@ -34,8 +38,13 @@ impl fmt::Display for Live {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} agents, {} regions registered, {} UCX registrations, {} peer mappings",
-            self.agents, self.regions, self.ucx_registrations, self.peer_mappings
+            "{} agents, {} regions registered, {} UCX registrations, {} peer mappings, {} lane \
+             windows",
+            self.agents,
+            self.regions,
+            self.ucx_registrations,
+            self.peer_mappings,
+            self.lane_windows
         )
     }
 }
@@ -47,6 +56,7 @@ pub fn live() -> Live {
         regions: REGIONS.load(Ordering::Acquire),
         ucx_registrations: UCX_REGISTRATIONS.load(Ordering::Acquire),
         peer_mappings: PEER_MAPPINGS.load(Ordering::Acquire),
+        lane_windows: LANE_WINDOWS.load(Ordering::Acquire),
     }
 }
 
@@ -63,6 +73,9 @@ impl Counted {
     }
     pub(crate) fn peer_mapping() -> Counted {
         Counted::of(&PEER_MAPPINGS)
+    }
+    pub(crate) fn lane_window() -> Counted {
+        Counted::of(&LANE_WINDOWS)
     }
     fn of(c: &'static AtomicUsize) -> Counted {
         c.fetch_add(1, Ordering::AcqRel);

@@ -69,6 +69,42 @@ pub const RECORD_PLAIN: usize = 1 << 20;
 pub const MODE_CLEAR_DATA: u8 = 0;
 /// Data mode of a sealed lane: the blocks' bytes travel sealed too.
 pub const MODE_SEALED_DATA: u8 = 1;
+/// Data mode of a sealed lane between two processes of one host: the blocks' bytes go
+/// through a shared window the target offers after its welcome ([`super::lane_window`]), or
+/// as they are on the socket where it offers none or the initiator declines it.
+pub const MODE_WINDOW_DATA: u8 = 2;
+
+/// How a sealed lane connection moves the blocks' bytes (its opening's first byte).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataMode {
+    /// On the socket, as they are ([`MODE_CLEAR_DATA`]).
+    Clear,
+    /// On the socket, sealed ([`MODE_SEALED_DATA`]).
+    Sealed,
+    /// Through a shared window where one is taken ([`MODE_WINDOW_DATA`]).
+    Window,
+}
+
+impl DataMode {
+    /// The mode's byte.
+    pub fn byte(self) -> u8 {
+        match self {
+            DataMode::Clear => MODE_CLEAR_DATA,
+            DataMode::Sealed => MODE_SEALED_DATA,
+            DataMode::Window => MODE_WINDOW_DATA,
+        }
+    }
+
+    /// The mode of a byte, if known.
+    pub fn of(b: u8) -> Option<DataMode> {
+        match b {
+            MODE_CLEAR_DATA => Some(DataMode::Clear),
+            MODE_SEALED_DATA => Some(DataMode::Sealed),
+            MODE_WINDOW_DATA => Some(DataMode::Window),
+            _ => None,
+        }
+    }
+}
 /// Request kind: the data follows the segment table.
 pub const K_WRITE: u8 = 1;
 /// Request kind: the target sends the data after its reply.

@@ -5,6 +5,7 @@
 pub mod connector;
 pub mod lane;
 pub mod lane_entries;
+pub mod lane_window;
 pub mod metadata;
 pub mod notify;
 pub mod shm_fds;

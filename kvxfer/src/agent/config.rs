@@ -392,6 +392,19 @@ impl AgentConfig {
         self
     }
 
+    /// With a [`AgentConfig::secret`], the data in the clear and a transport that allows
+    /// shared memory in-host (`Shm`, `Auto`): the TCP lane's connections between two
+    /// processes of one host move the data through a window of shared memory
+    /// (4 MiB a connection, charged to both budgets) instead of the socket, while the
+    /// target still checks each request and every control byte stays sealed; what a region
+    /// shared with named peers only, or a connector cache that only grants open, moves over
+    /// in-host. On by default; off: the socket. A target offers a window only to the
+    /// initiator whose session proved its key, by a one-time ticket.
+    pub fn lane_window(mut self, on: bool) -> Self {
+        self.lanes.tcp.window = on;
+        self
+    }
+
     /// Peers loaded at once (default 1,024). Past it, or when loading one more would leave
     /// fewer file descriptors free than the reserve (an eighth of `RLIMIT_NOFILE`, at least
     /// 64), the peer unused for longest is evicted if it has been idle for

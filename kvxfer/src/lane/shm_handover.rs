@@ -44,6 +44,50 @@ pub(crate) enum Serves {
     /// The exported allocations of device regions (the device lane), from its exporter
     /// (which exports each region once and keeps it).
     Devices(Exporter),
+    /// The TCP lane's windows: each to the one asker presenting its ticket, once, instead
+    /// of the token (no registration page).
+    Windows(Arc<Tickets>),
+}
+
+/// Windows offered to same-host initiators and not taken yet, by one-time ticket.
+#[derive(Default)]
+pub(crate) struct Tickets {
+    open: Mutex<Vec<([u8; 32], OwnedFd, Instant)>>,
+}
+
+/// How long an offered window waits to be taken.
+const TICKET_LIFE: Duration = Duration::from_secs(5);
+/// Windows waiting to be taken at most (one per connection being opened).
+const MAX_TICKETS: usize = 256;
+
+impl Tickets {
+    /// Offers `fd` under a fresh ticket (expired ones dropped first); None when too many wait.
+    pub(crate) fn offer(&self, fd: OwnedFd) -> Result<Option<[u8; 32]>> {
+        let ticket = crate::random::bytes::<32>()?;
+        let mut g = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        g.retain(|(_, _, at)| at.elapsed() < TICKET_LIFE);
+        if g.len() >= MAX_TICKETS {
+            return Ok(None);
+        }
+        g.push((ticket, fd, Instant::now()));
+        Ok(Some(ticket))
+    }
+
+    /// The window offered under `ticket`, taken (compared in constant time with each).
+    fn take(&self, ticket: &[u8; 32]) -> Option<OwnedFd> {
+        let mut g = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let at = g.iter().position(|(t, _, at)| {
+            let diff = t.iter().zip(ticket).fold(0u8, |d, (a, b)| d | (a ^ b));
+            diff == 0 && at.elapsed() < TICKET_LIFE
+        })?;
+        Some(g.swap_remove(at).1)
+    }
+
+    /// Withdraws the offer under `ticket` (the initiator declined, or went): whether it was
+    /// still on offer (not taken).
+    pub(crate) fn withdraw(&self, ticket: &[u8; 32]) -> bool {
+        self.take(ticket).is_some()
+    }
 }
 
 /// Exports a device region for the device lane's socket (None: it is not exportable).
@@ -313,6 +357,23 @@ fn give(
     recv_with_fds(&s, &mut ask, &mut sent, deadline)
         .map_err(|e| Error::io(format!("reading pid {pid}'s ask"), e))?;
     let ask = FdAsk::decode(&ask).map_err(|why| Error::protocol(format!("pid {pid}"), why))?;
+    if let Serves::Windows(tickets) = serves {
+        let Some(fd) = tickets.take(&ask.token) else {
+            let _ = s.write_all(&FdFrame::Refused("no such window".into()).encode());
+            return Err(Error::InvalidArgument(format!(
+                "pid {pid} presented no ticket of a window on offer"
+            )));
+        };
+        let entry = FdEntry {
+            region: 0,
+            len: kvxfer_proto::wire::lane_window::WINDOW_BYTES as u64,
+        };
+        send_with_fds(&s, &FdFrame::Batch(vec![entry]).encode(), &[fd.as_raw_fd()])
+            .map_err(|e| Error::io(format!("handing pid {pid} its window"), e))?;
+        s.write_all(&FdFrame::End.encode())
+            .map_err(|e| Error::io(format!("ending pid {pid}'s hand-over"), e))?;
+        return Ok(());
+    }
     let diff = ask
         .token
         .iter()
@@ -330,6 +391,7 @@ fn give(
         .filter(|r| match serves {
             Serves::HostFiles => r.kind == MemKind::Host && r.shm.is_some(),
             Serves::Devices(_) => r.kind != MemKind::Host,
+            Serves::Windows(_) => false,
         })
         .cloned()
         .collect();
@@ -569,6 +631,27 @@ pub(crate) fn take(info: &ShmLaneInfo, pid: u32, max: usize) -> Result<Handed> {
                 return Err(Error::InvalidArgument(format!("{name} refused: {why}")))
             }
         }
+    }
+}
+
+/// The window offered under `ticket` by the socket named `socket`, taken only if the socket's
+/// owner is process `pid` of this user.
+pub(crate) fn take_window(socket: [u8; 16], ticket: [u8; 32], pid: u32) -> Result<OwnedFd> {
+    let info = ShmLaneInfo {
+        socket,
+        token: ticket,
+    };
+    let mut h = take(&info, pid, 0)?;
+    match (h.files.pop(), h.files.is_empty() && h.devices.is_empty()) {
+        (Some((e, fd)), true)
+            if e.region == 0 && e.len == kvxfer_proto::wire::lane_window::WINDOW_BYTES as u64 =>
+        {
+            Ok(fd)
+        }
+        _ => Err(Error::protocol(
+            info.socket_name(),
+            "handed over something else than one window",
+        )),
     }
 }
 

@@ -199,6 +199,10 @@ pub(crate) struct Args {
     /// ends). What a grant-only KV cache costs.
     #[arg(long, requires = "secret")]
     pub(crate) shared_only: bool,
+    /// With --secret, between two processes of one host: the TCP lane's data through the
+    /// socket instead of a shared window (`AgentConfig::lane_window(false)`), to compare.
+    #[arg(long)]
+    pub(crate) no_lane_window: bool,
     /// Where both sides' KV buffers live.
     #[arg(long, value_enum, default_value = "host")]
     pub(crate) memory: MemArg,

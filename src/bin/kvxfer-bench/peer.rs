@@ -134,11 +134,12 @@ pub(crate) fn session(
         }
         let w: Vec<&str> = line.split_whitespace().collect();
         let reply = match w.as_slice() {
-            ["SETUP", blocks, block_size, placement_s, seed, share] => {
-                // "-": for every peer; else the one initiator the buffer is shared with.
-                let share = match *share {
-                    "-" => Share::AllPeers,
-                    name => Share::Only(vec![name.to_string()]),
+            ["SETUP", blocks, block_size, placement_s, seed, share @ ..] if share.len() <= 1 => {
+                // None or "-": for every peer; else the one initiator the buffer is shared
+                // with.
+                let share = match share.first() {
+                    None | Some(&"-") => Share::AllPeers,
+                    Some(name) => Share::Only(vec![name.to_string()]),
                 };
                 let blocks: u64 = blocks.parse()?;
                 *bs = block_size.parse()?;

@@ -373,6 +373,7 @@ pub(crate) fn run(args: &Args, case: &Case) -> Result<Row, BoxErr> {
         "ops": ops,
         "placement": case.placement.name(),
         "shared_only": args.shared_only,
+        "lane_windows": kvxfer::live::live().lane_windows,
         "iterations": args.iters,
         "median_ms": med,
         "min_ms": min,

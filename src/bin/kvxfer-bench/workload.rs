@@ -367,6 +367,7 @@ pub(crate) fn agent_config(
         .stripes(args.stripes)
         .lanes(!args.ucx_only)
         .device_lane(!args.no_device_lane)
+        .lane_window(!args.no_lane_window)
         .gpu_path(args.gpu_path)
         .peer_failure(if args.no_peer_failure {
             Some(false)

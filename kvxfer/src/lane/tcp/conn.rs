@@ -11,6 +11,7 @@ use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::stream::{self, Ctl, Stop};
+use super::window::Window;
 use crate::budget::{Charge, MemoryBudget};
 use kvxfer_proto::error::Error;
 use kvxfer_proto::lane_seal::{record_len, record_size, seal_record_to, MAX_RECORD};
@@ -32,6 +33,8 @@ pub(super) struct Conn {
     sock: TcpStream,
     seal: Option<RefCell<Sealer>>,
     sealed_data: bool,
+    /// Between two processes of one host: the window the data goes through instead.
+    window: Option<Window>,
 }
 
 /// A session's record state: what was opened and not read yet, and the buffers reused for
@@ -59,6 +62,7 @@ impl Conn {
             sock,
             seal: None,
             sealed_data: false,
+            window: None,
         }
     }
 
@@ -83,7 +87,15 @@ impl Conn {
                 held: None,
             })),
             sealed_data,
+            window: None,
         }
+    }
+
+    /// From now on the data goes through `w` (a sealed connection with clear data only: the
+    /// window is its two ends' alone).
+    pub(super) fn set_window(&mut self, w: Window) {
+        debug_assert!(self.seal.is_some() && !self.sealed_data);
+        self.window = Some(w);
     }
 
     /// The socket (for its options and its address).
@@ -147,6 +159,10 @@ impl Conn {
         ctl: &mut Ctl<'_>,
     ) -> Result<(), Stop> {
         let Some(mut s) = self.data_sealer()? else {
+            if let Some(w) = &self.window {
+                // SAFETY: this function's contract.
+                return unsafe { w.pieces(&self.sock, send, pieces, fence, ctl) };
+            }
             // SAFETY: this function's contract.
             return unsafe { stream::stream_pieces(&self.sock, send, pieces, fence, ctl) };
         };
@@ -167,7 +183,10 @@ impl Conn {
     /// Sends a buffer of data (a frame, a staging chunk).
     pub(super) fn send_data(&self, b: &[u8], ctl: &mut Ctl<'_>) -> Result<(), Stop> {
         match self.data_sealer()? {
-            None => stream::send_buf(&self.sock, b, ctl),
+            None => match &self.window {
+                Some(w) => w.send(&self.sock, b, ctl),
+                None => stream::send_buf(&self.sock, b, ctl),
+            },
             Some(mut s) => s.send(&self.sock, b, None, ctl),
         }
     }
@@ -175,7 +194,10 @@ impl Conn {
     /// Receives a buffer of data.
     pub(super) fn recv_data(&self, b: &mut [u8], ctl: &mut Ctl<'_>) -> Result<(), Stop> {
         match self.data_sealer()? {
-            None => stream::recv_buf(&self.sock, b, ctl),
+            None => match &self.window {
+                Some(w) => w.recv(&self.sock, b, ctl),
+                None => stream::recv_buf(&self.sock, b, ctl),
+            },
             Some(mut s) => s.recv(&self.sock, b, false, None, ctl),
         }
     }

@@ -13,13 +13,16 @@ use std::time::{Duration, Instant};
 
 use super::conn::Conn;
 use super::stream::{recv_buf, send_buf, set_timeouts, Ctl, Stop};
+use super::window::Window;
 use crate::budget::MemoryBudget;
+use crate::lane::shm_handover::take_window;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::lane::{LaneInitiator, Refusal};
 use kvxfer_proto::session::{Initiator, Psk, StaticKey, HANDSHAKE_LEN, SEED};
 use kvxfer_proto::types::LaneInfo;
-use kvxfer_proto::wire::lane::{
-    parse_welcome, Hello, MODE_CLEAR_DATA, MODE_SEALED_DATA, SEALED_MAGIC, WELCOME_FIXED_LEN,
+use kvxfer_proto::wire::lane::{parse_welcome, DataMode, Hello, SEALED_MAGIC, WELCOME_FIXED_LEN};
+use kvxfer_proto::wire::lane_window::{
+    WindowOffer, ACK_DECLINED, ACK_MAPPED, OFFER_LEN, WINDOW_BYTES,
 };
 
 /// How long a connection and its hello may take.
@@ -33,6 +36,12 @@ pub(crate) struct Sealing {
     pub(crate) psk: Psk,
     /// Whether the blocks' bytes are sealed too.
     pub(crate) sealed_data: bool,
+    /// The target's process when it runs on this host: with clear data, the connections ask
+    /// for a window to move the data through ([`kvxfer_proto::wire::lane_window`]).
+    pub(crate) window: Option<u32>,
+    /// Bytes of windows this agent's connections hold, all peers together: at most a quarter
+    /// of its budget.
+    pub(crate) windows: Arc<AtomicU64>,
     /// This agent's static key, whose public half its metadata carries.
     pub(crate) key: StaticKey,
 }
@@ -97,15 +106,15 @@ impl Dialer {
                 Ok(())
             }
         };
-        let c = match &self.seal {
+        let mut c = match &self.seal {
             None => Conn::open(sock),
             Some(seal) => {
-                let mode = if seal.sealed_data {
-                    MODE_SEALED_DATA
-                } else {
-                    MODE_CLEAR_DATA
+                let mode = match (seal.sealed_data, seal.window) {
+                    (true, _) => DataMode::Sealed,
+                    (false, Some(_)) => DataMode::Window,
+                    (false, None) => DataMode::Clear,
                 };
-                h.insert(0, mode);
+                h.insert(0, mode.byte());
                 let c = self.open_sealed(sock, seal, &mut ctl);
                 c.map_err(|s| self.stop_err(s, "the sealed opening"))?
             }
@@ -119,7 +128,14 @@ impl Dialer {
             Ok(LaneInitiator::welcome(status, epoch, &msg))
         });
         match r {
-            Ok(Ok(())) => Ok(c),
+            Ok(Ok(())) => {
+                let window = self.seal.as_ref().filter(|s| !s.sealed_data);
+                if let Some(pid) = window.and_then(|s| s.window) {
+                    self.take_offer(&mut c, pid, &mut ctl)
+                        .map_err(|s| self.stop_err(s, "the window offer"))?;
+                }
+                Ok(c)
+            }
             Ok(Err(Refusal::Fenced { epoch, .. })) => {
                 self.view.fetch_max(epoch, Ordering::AcqRel);
                 Err(Error::Fenced {
@@ -130,6 +146,41 @@ impl Dialer {
             Ok(Err(Refusal::Refused(msg))) => Err(self.err(format!("refused: {msg}"))),
             Err(s) => Err(self.stop_err(s, "the hello")),
         }
+    }
+
+    /// The target's window offer after its welcome: the window taken from its socket (owned by
+    /// process `pid`), checked and mapped, charged to this agent's budget, and the answer; or
+    /// declined (the data then stays on the socket).
+    fn take_offer(&self, c: &mut Conn, pid: u32, ctl: &mut Ctl<'_>) -> Result<(), Stop> {
+        let mut b = [0u8; OFFER_LEN];
+        c.recv(&mut b, ctl)?;
+        let offer =
+            WindowOffer::decode(&b).map_err(|why| Stop::Abort(Error::protocol(&self.peer, why)))?;
+        let WindowOffer::Window { socket, ticket } = offer else {
+            return Ok(());
+        };
+        let windows = self
+            .seal
+            .as_ref()
+            .map(|s| s.windows.clone())
+            .unwrap_or_default();
+        let taken = WindowHeld::charge(&self.budget, windows)
+            .and_then(|held| Window::map(take_window(socket, ticket, pid)?, held));
+        match taken {
+            Ok(w) => {
+                c.send(&[ACK_MAPPED], ctl)?;
+                c.set_window(w);
+            }
+            Err(e) => {
+                log::info!(
+                    "kvxfer: TCP lane to {}: its window declined ({e}); the data goes on the \
+                     socket",
+                    self.peer
+                );
+                c.send(&[ACK_DECLINED], ctl)?;
+            }
+        }
+        Ok(())
     }
 
     /// The Noise handshake on a new connection (this agent's static key against the one the
@@ -185,6 +236,47 @@ impl Dialer {
             lane: "tcp",
             why: why.into(),
         }
+    }
+}
+
+/// A window's charge at the initiator: the budget's, and its bytes among the agent's windows.
+struct WindowHeld {
+    windows: Arc<AtomicU64>,
+    _charge: crate::budget::Charge,
+}
+
+impl WindowHeld {
+    /// Charged if the agent's windows stay within a quarter of its budget (its requests keep
+    /// the rest) and the budget has room now.
+    fn charge(budget: &MemoryBudget, windows: Arc<AtomicU64>) -> Result<WindowHeld> {
+        let w = WINDOW_BYTES as u64;
+        let before = windows.fetch_add(w, Ordering::AcqRel);
+        let limit = budget.limit();
+        let charged = if limit != u64::MAX && before + w > limit / 4 {
+            Err(Error::OutOfMemory(format!(
+                "a TCP lane window: this agent's hold {before} bytes, of at most a quarter of \
+                 its {limit}-byte budget"
+            )))
+        } else {
+            budget.try_charge(w, "a TCP lane window")
+        };
+        match charged {
+            Ok(c) => Ok(WindowHeld {
+                windows,
+                _charge: c,
+            }),
+            Err(e) => {
+                windows.fetch_sub(w, Ordering::AcqRel);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for WindowHeld {
+    fn drop(&mut self) {
+        self.windows
+            .fetch_sub(WINDOW_BYTES as u64, Ordering::AcqRel);
     }
 }
 

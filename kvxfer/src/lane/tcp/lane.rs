@@ -17,7 +17,7 @@ use crate::staging::pool::StagingCell;
 use crate::transfer::Job;
 use kvxfer_proto::error::Result;
 use kvxfer_proto::session::{Psk, StaticKey};
-use kvxfer_proto::types::{Lane, LaneInfo, Transport};
+use kvxfer_proto::types::{HostInfo, Lane, LaneInfo, Transport};
 use kvxfer_proto::wire::lane_entries::LaneEntry;
 use kvxfer_proto::wire::metadata::Metadata;
 
@@ -43,6 +43,11 @@ pub(crate) struct TcpLane {
     key: StaticKey,
     /// Each loaded peer's key: the target takes a hello's name only with it.
     ids: Arc<Identities>,
+    /// This host and process, and whether a same-host peer's connections take a window.
+    host: Option<HostInfo>,
+    window: bool,
+    /// Bytes of windows this agent's links hold.
+    windows: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl TcpLane {
@@ -56,6 +61,7 @@ impl TcpLane {
             &setup.name,
             &key,
             ids.clone(),
+            window_on(setup),
         )?;
         Ok(TcpLane {
             name: setup.name.clone(),
@@ -72,7 +78,26 @@ impl TcpLane {
             seal_data: setup.ctx.seal_data,
             key,
             ids,
+            host: setup.host,
+            window: window_on(setup),
+            windows: Arc::default(),
         })
+    }
+}
+
+/// Whether this agent's connections with same-host peers take windows: on in its
+/// configuration, and its transports allow shared memory in-host (with `tcp` alone, in-host
+/// traffic stays on TCP, as asked).
+fn window_on(setup: &LaneSetup) -> bool {
+    setup.config.tcp.window && matches!(setup.transport, Transport::Shm | Transport::Auto)
+}
+
+impl TcpLane {
+    /// The peer's process, where its connections may take a window: it runs on this host
+    /// (same boot, same pid namespace) and windows are on.
+    fn window_to(&self, meta: &Metadata) -> Option<u32> {
+        let (me, them) = (self.host.as_ref()?, meta.host.as_ref()?);
+        (self.window && me.boot_id == them.boot_id && me.pid_ns == them.pid_ns).then_some(them.pid)
     }
 }
 
@@ -106,6 +131,8 @@ impl LaneKind for TcpLane {
             seal: self.secret.as_deref().map(|s| Sealing {
                 psk: Psk::lane(s, &info.secret),
                 sealed_data: self.seal_data,
+                window: self.window_to(meta),
+                windows: self.windows.clone(),
                 key: self.key.clone(),
             }),
         });

@@ -73,6 +73,8 @@ struct LinkInner {
     comp: Compressor,
     rate: Mutex<LinkRate>,
     q: Mutex<(VecDeque<LinkJob>, bool)>,
+    /// The link thread runs a job (set under `q`'s lock as it takes one).
+    busy: AtomicBool,
     cv: Condvar,
     /// The epoch of the job the link thread runs now (its connections' hellos name it).
     running: AtomicU64,
@@ -117,6 +119,7 @@ impl Link {
                 comp: s.comp,
                 rate: Mutex::default(),
                 q: Mutex::new((VecDeque::new(), false)),
+                busy: AtomicBool::new(false),
                 cv: Condvar::new(),
                 running: AtomicU64::new(0),
             }),
@@ -157,10 +160,20 @@ impl Link {
 
 impl Drop for Link {
     fn drop(&mut self) {
-        self.inner.q.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
+        let idle = {
+            let mut g = self.inner.q.lock().unwrap_or_else(|e| e.into_inner());
+            g.1 = true;
+            g.0.is_empty() && !self.inner.busy.load(Ordering::SeqCst)
+        };
         self.inner.cv.notify_all();
-        // The thread finishes the queued jobs (each bounded by its deadline or the peer's
-        // liveness) and exits; it is not joined here to keep drops on callers' threads short.
+        // A thread with jobs finishes them (each bounded by its deadline or the peer's
+        // liveness) and exits; it is not joined then, to keep drops on callers' threads
+        // short. An idle one exits at once: joined, so that its connections (and their
+        // windows) are gone when the agent is.
+        let t = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = t.filter(|t| idle && t.thread().id() != std::thread::current().id()) {
+            let _ = t.join();
+        }
     }
 }
 
@@ -173,6 +186,7 @@ fn link_loop(inner: Arc<LinkInner>) {
             let mut g = inner.q.lock().unwrap_or_else(|e| e.into_inner());
             loop {
                 if let Some(j) = g.0.pop_front() {
+                    inner.busy.store(true, Ordering::SeqCst);
                     break j;
                 }
                 if g.1 {
@@ -190,6 +204,7 @@ fn link_loop(inner: Arc<LinkInner>) {
                 agent: inner.peer.clone(),
                 epoch: learned,
             }));
+            inner.busy.store(false, Ordering::SeqCst);
             continue;
         }
         // Connections opened before a fence this job's epoch knows of were closed by it.
@@ -258,6 +273,7 @@ fn link_loop(inner: Arc<LinkInner>) {
             }
         }
         job.finish(r);
+        inner.busy.store(false, Ordering::SeqCst);
     }
 }
 

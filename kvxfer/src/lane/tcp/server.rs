@@ -10,23 +10,26 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::admission::{Hello, HELLO_DEADLINE};
 use super::conn::{skip_paged, sum_segments, Conn};
 use super::framed::{drain_frames, FramesFailed, RECV_BYTES, SEND_BYTES};
-use super::identities::{Identities, Key};
+use super::identities::Identities;
 use super::mixed::{stage_pair, stream_mixed, stream_windows, Framing};
 use super::shares::{PeerCharge, Shares};
 use super::stream::{set_timeouts, Stop};
-use crate::gate::{Admission, Gate, Limits, Verdict};
+use super::window::{Window, WindowDesk};
+use crate::gate::{Admission, Gate, Limits};
 use crate::lane::api::LaneCtx;
 use crate::memory::Pins;
 use crate::staging::pool::{ChunkPair, DeviceStaging};
 use kvxfer_proto::error::{Error, Result, Side};
 use kvxfer_proto::lane::{LaneTarget, TargetEvent};
-use kvxfer_proto::lane_seal::{seal_record, LaneOpening, Opened};
+use kvxfer_proto::lane_seal::LaneOpening;
 use kvxfer_proto::paged::{resolve_paged, Paged, ResolvedPaged};
 use kvxfer_proto::session::{Psk, StaticKey, SEED};
 use kvxfer_proto::types::{LaneInfo, MemKind, RegionId, RegionSpan};
-use kvxfer_proto::wire::lane::{Segment, Table, K_WRITE, SECRET_LEN};
+use kvxfer_proto::wire::lane::{DataMode, Segment, Table, K_WRITE, SECRET_LEN};
+use kvxfer_proto::wire::lane_window::{decode_ack, WindowOffer, WINDOW_BYTES};
 
 /// How long a request waits for its table's budget before it is refused.
 const BUDGET_WAIT: Duration = Duration::from_secs(30);
@@ -59,143 +62,22 @@ struct Served {
     fence: Arc<AtomicBool>,
 }
 
-/// An initiator's hello, from its accept to its proof of the lane secret (a real peer sends
-/// it at once; a silent or trickling client is dropped after this).
-const HELLO_DEADLINE: Duration = Duration::from_secs(5);
 /// Connections that have not proven the lane secret yet; the oldest is dropped for a new one.
 const PENDING: usize = 256;
-
-/// A connection at the gate until its hello proved the lane secret: the target's core, fed
-/// the hello, then handed to a serving thread as it is. With a shared secret the hello comes
-/// out of a sealed opening ([`LaneOpening`]), and the session goes to the serving thread too.
-struct Hello {
-    t: LaneTarget,
-    /// The core's clock.
-    t0: Instant,
-    /// With a shared secret: the Noise opening the hello must come through.
-    opening: Option<LaneOpening>,
-    /// The initiator seals the data too (its opening's mode).
-    sealed_data: bool,
-    /// With a secret: the static key the initiator proved.
-    proved: Option<Key>,
-    /// Whose key each name is.
-    ids: Arc<Identities>,
-    /// This target takes only initiators that seal the data ([`crate::AgentConfig::lane_encryption`]).
-    require_sealed_data: bool,
-}
-
-impl Hello {
-    /// Feeds the opened hello to the core, as the core asks for its parts.
-    fn feed(&mut self, mut hello: &[u8]) -> Verdict {
-        while let Some(n) = self.t.want().filter(|_| self.t.peer().is_none()) {
-            if n > hello.len() {
-                break;
-            }
-            self.t.on_bytes(&hello[..n], self.t0.elapsed());
-            hello = &hello[n..];
-            if self.t.is_closed() {
-                return Verdict::Refuse("a bad hello or a wrong lane secret".into());
-            }
-        }
-        let Some(peer) = self.t.peer().filter(|_| hello.is_empty()) else {
-            self.t.refuse("a sealed hello of the wrong length");
-            return Verdict::Refuse("a sealed hello of the wrong length".into());
-        };
-        // The name is the one whose metadata carried the key the handshake proved.
-        if let Some(key) = &self.proved {
-            if let Err(why) = self.ids.check(peer, key) {
-                self.t.refuse(&why);
-                return Verdict::Refuse(why);
-            }
-        }
-        if self.require_sealed_data && !self.sealed_data {
-            let why = "this target takes only sealed data (lane_encryption): set it on the \
-                       initiator too";
-            self.t.refuse(why);
-            return Verdict::Refuse(why.into());
-        }
-        Verdict::Admit
-    }
-}
-
-impl Admission for Hello {
-    fn want(&self) -> usize {
-        if let Some(o) = self.opening.as_ref().filter(|o| o.want() > 0) {
-            return o.want();
-        }
-        if self.opening.as_ref().is_some_and(LaneOpening::is_closed) {
-            return 0;
-        }
-        if self.t.peer().is_some() || self.t.is_closed() || self.opening.is_some() {
-            return 0;
-        }
-        self.t.want().unwrap_or(0)
-    }
-
-    fn on_bytes(&mut self, b: &[u8], _now: Duration) -> Verdict {
-        if let Some(o) = self.opening.as_mut() {
-            return match o.on_bytes(b) {
-                Opened::More => Verdict::More,
-                Opened::Refused(why) => Verdict::Refuse(why),
-                Opened::Hello {
-                    hello,
-                    sealed_data,
-                    key,
-                } => {
-                    self.sealed_data = sealed_data;
-                    self.proved = Some(key);
-                    self.feed(&hello)
-                }
-            };
-        }
-        self.t.on_bytes(b, self.t0.elapsed());
-        if self.t.peer().is_some() {
-            // The welcome stays queued for the serving thread.
-            return Verdict::Admit;
-        }
-        if self.t.is_closed() {
-            return Verdict::Refuse("a bad hello or a wrong lane secret".into());
-        }
-        Verdict::More
-    }
-
-    fn take_output(&mut self) -> Vec<u8> {
-        let mut out = self
-            .opening
-            .as_mut()
-            .map(LaneOpening::take_output)
-            .unwrap_or_default();
-        // Before it is admitted the core only speaks to refuse: its welcome with the reason
-        // (sealed, once there is a session).
-        if self.t.is_closed() {
-            let plain = self.opening.is_none();
-            while let Some(ev) = self.t.poll_event() {
-                if let TargetEvent::Transmit(b) = ev {
-                    match self.opening.as_mut().and_then(LaneOpening::session) {
-                        Some(s) => seal_record(s, &b, &mut out),
-                        None if plain => out.extend_from_slice(&b),
-                        None => {}
-                    }
-                }
-            }
-        }
-        out
-    }
-
-    fn expired(&self, _now: Duration) -> bool {
-        self.t.peer().is_none() && self.t0.elapsed() > HELLO_DEADLINE
-    }
-}
 
 impl Server {
     /// Starts the target on `ip`, answering sealed openings as `key` and taking a hello's
     /// name only from the initiator whose key `ids` gives that name.
+    ///
+    /// `window`: with a secret, offer same-host initiators in window mode a window to move the
+    /// data through ([`kvxfer_proto::wire::lane_window`]).
     pub(crate) fn start(
         ip: std::net::IpAddr,
         ctx: Arc<LaneCtx>,
         name: &str,
         key: &StaticKey,
         ids: Arc<Identities>,
+        window: bool,
     ) -> Result<Server> {
         let l = TcpListener::bind(SocketAddr::new(ip, 0))
             .map_err(|e| Error::io(format!("binding the TCP lane on {ip}"), e))?;
@@ -216,6 +98,10 @@ impl Server {
         let psk = ctx.secret.as_deref().map(|s| Psk::lane(s, &secret));
         let require_sealed_data = ctx.seal_data;
         let shares = Shares::new(ctx.budget.clone());
+        let desk = match (window, &ctx.secret) {
+            (true, Some(_)) => Some(Arc::new(WindowDesk::start(name, ctx.regions.clone())?)),
+            _ => None,
+        };
         let open = move |who: SocketAddr, _now: Duration| {
             let t0 = Instant::now();
             let opening = match &psk {
@@ -230,7 +116,7 @@ impl Server {
                 t: LaneTarget::new(secret, stall, t0.elapsed()),
                 t0,
                 opening,
-                sealed_data: false,
+                mode: DataMode::Clear,
                 require_sealed_data,
                 proved: None,
                 ids: ids.clone(),
@@ -265,11 +151,12 @@ impl Server {
             let fence = Arc::new(AtomicBool::new(false));
             let f2 = fence.clone();
             let shares = shares.clone();
+            let desk = desk.clone();
             let t = std::thread::Builder::new()
                 .name(format!("kvxfer-lane-{nm}-conn"))
                 .spawn(move || {
                     let _slot = slot;
-                    serve(c, sh, h, st2, &f2, &shares)
+                    serve(c, sh, h, st2, &f2, &shares, desk.as_deref())
                 });
             if let Ok(thread) = t {
                 g.served.retain(|s| !s.thread.is_finished());
@@ -522,18 +409,29 @@ fn serve(
     stop: Arc<AtomicBool>,
     fence: &AtomicBool,
     shares: &Arc<Shares>,
+    desk: Option<&WindowDesk>,
 ) {
     let peer = c.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-    let c = match hello.opening.take().map(LaneOpening::into_session) {
+    let mut c = match hello.opening.take().map(LaneOpening::into_session) {
         None => Conn::open(c),
-        Some(Some(session)) => Conn::sealed(c, session, hello.sealed_data, ctx.budget.clone()),
+        Some(Some(session)) => Conn::sealed(
+            c,
+            session,
+            hello.mode == DataMode::Sealed,
+            ctx.budget.clone(),
+        ),
         Some(None) => {
             log::info!("kvxfer: TCP lane peer {peer}: admitted without its session (a bug)");
             let _ = c.shutdown(std::net::Shutdown::Both);
             return;
         }
     };
-    if let Err(e) = serve_inner(&c, &ctx, hello, &stop, fence, shares) {
+    let offered = if hello.mode == DataMode::Window {
+        offer_window(&mut c, &mut hello, desk, shares, &stop)
+    } else {
+        Ok(())
+    };
+    if let Err(e) = offered.and_then(|()| serve_inner(&c, &ctx, hello, &stop, fence, shares)) {
         match e {
             Stop::Eof => log::debug!("kvxfer: TCP lane peer {peer} closed"),
             Stop::Io(e) => log::info!("kvxfer: TCP lane peer {peer}: {e}"),
@@ -621,6 +519,81 @@ fn serve_inner(
             }
             Flow::Released => _charge = None,
         }
+    }
+}
+
+/// After the welcome of a connection in window mode: a window for its data, charged to the
+/// peer's share and offered by a one-time ticket on `desk`'s socket, or none (no desk, no
+/// room); the connection moves its data through the window once the initiator says it
+/// took it. An initiator that says so without having taken it is dropped.
+fn offer_window(
+    c: &mut Conn,
+    hello: &mut Hello,
+    desk: Option<&WindowDesk>,
+    shares: &Arc<Shares>,
+    stop: &AtomicBool,
+) -> Result<(), Stop> {
+    let t0 = Instant::now();
+    let mut ctl = |_moved: bool| -> Result<(), Stop> {
+        if stop.load(Ordering::Acquire) {
+            return Err(Stop::Abort(Error::Shutdown));
+        }
+        if t0.elapsed() > HELLO_DEADLINE {
+            return Err(Stop::Abort(Error::InvalidArgument(
+                "no answer to the window offer in time".into(),
+            )));
+        }
+        Ok(())
+    };
+    // The welcome the core queued goes first.
+    while let Some(ev) = hello.t.poll_event() {
+        match ev {
+            TargetEvent::Transmit(b) => c.send(&b, &mut ctl)?,
+            TargetEvent::Accepted { name } => {
+                log::debug!("kvxfer: TCP lane peer {name:?} accepted (window mode)")
+            }
+            _ => {
+                return Err(Stop::Abort(Error::InvalidArgument(
+                    "a request before the window offer (a bug)".into(),
+                )))
+            }
+        }
+    }
+    let peer = hello.t.peer().unwrap_or_default().to_string();
+    let made = desk.and_then(|d| {
+        let held = shares
+            .charge_window(&peer, WINDOW_BYTES as u64)
+            .map_err(|e| log::info!("kvxfer: no lane window for {peer:?}: {e}"))
+            .ok()?;
+        let (w, fd) = Window::create(held)
+            .map_err(|e| log::info!("kvxfer: no lane window for {peer:?}: {e}"))
+            .ok()?;
+        let ticket = d.tickets().offer(fd).ok().flatten()?;
+        Some((w, ticket, d))
+    });
+    let Some((w, ticket, d)) = made else {
+        return c.send(&WindowOffer::None.encode(), &mut ctl);
+    };
+    let offer = WindowOffer::Window {
+        socket: d.socket(),
+        ticket,
+    };
+    c.send(&offer.encode(), &mut ctl)?;
+    let mut ack = [0u8; 1];
+    let answered = c.recv(&mut ack, &mut ctl);
+    let untaken = d.tickets().withdraw(&ticket);
+    answered?;
+    match decode_ack(ack[0]) {
+        Ok(true) if untaken => Err(Stop::Abort(Error::protocol(
+            &peer,
+            "says it took its lane window, which is still on offer",
+        ))),
+        Ok(true) => {
+            c.set_window(w);
+            Ok(())
+        }
+        Ok(false) => Ok(()),
+        Err(why) => Err(Stop::Abort(Error::protocol(&peer, why))),
     }
 }
 

@@ -18,6 +18,9 @@ pub(crate) struct TcpLaneConfig {
     pub(crate) stall: Duration,
     pub(crate) striping: Striping,
     pub(crate) compressing: Compressing,
+    /// With a secret and clear data, a same-host peer's connections move the data through a
+    /// shared window instead of the socket.
+    pub(crate) window: bool,
 }
 
 impl Default for TcpLaneConfig {
@@ -34,6 +37,7 @@ impl Default for TcpLaneConfig {
                 Transform::Bf16,
                 (cpus / 4).clamp(1, 4),
             ),
+            window: true,
         }
     }
 }

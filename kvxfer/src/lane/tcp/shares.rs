@@ -25,6 +25,8 @@ pub(crate) struct Shares {
 struct Share {
     conns: usize,
     charged: u64,
+    /// Of `charged`, the bytes of its connections' windows.
+    windows: u64,
 }
 
 impl Shares {
@@ -94,17 +96,56 @@ impl Shares {
             shares: self.clone(),
             peer: peer.to_string(),
             bytes,
+            window: 0,
             _charge: None,
         };
         held._charge = Some(self.budget.charge(bytes, what, wait)?);
         Ok(held)
     }
 
-    fn release(&self, peer: &str, conns: usize, bytes: u64) {
+    /// Charges a window of `bytes` for a connection of `peer`, only if it leaves the
+    /// requests their room: a peer's windows take at most a quarter of its share, and all
+    /// peers' at most a quarter of the budget (none waits: a window refused is the socket).
+    pub(crate) fn charge_window(self: &Arc<Self>, peer: &str, bytes: u64) -> Result<PeerCharge> {
+        {
+            let mut g = self.lock();
+            let all: u64 = g.values().map(|s| s.windows).sum();
+            let s = g.entry(peer.to_string()).or_default();
+            let limit = self.budget.limit();
+            if limit != u64::MAX && (s.windows + bytes > self.cap() / 4 || all + bytes > limit / 4)
+            {
+                return Err(Error::OutOfMemory(format!(
+                    "a window for peer {peer:?} ({bytes} bytes): its windows hold {} here, all \
+                     peers' {all}, of at most a quarter of its share ({}) and of the budget \
+                     ({limit})",
+                    s.windows,
+                    self.cap()
+                )));
+            }
+            s.windows += bytes;
+        }
+        let held = self.charge(peer, bytes, "a TCP lane window", Duration::ZERO);
+        let mut g = self.lock();
+        match held {
+            Ok(mut h) => {
+                h.window = bytes;
+                Ok(h)
+            }
+            Err(e) => {
+                if let Some(s) = g.get_mut(peer) {
+                    s.windows = s.windows.saturating_sub(bytes);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn release(&self, peer: &str, conns: usize, bytes: u64, window: u64) {
         let mut g = self.lock();
         if let Some(s) = g.get_mut(peer) {
             s.conns = s.conns.saturating_sub(conns);
             s.charged = s.charged.saturating_sub(bytes);
+            s.windows = s.windows.saturating_sub(window);
             if s.conns == 0 && s.charged == 0 {
                 g.remove(peer);
             }
@@ -121,7 +162,7 @@ pub(crate) struct ConnSlot {
 
 impl Drop for ConnSlot {
     fn drop(&mut self) {
-        self.shares.release(&self.peer, 1, 0);
+        self.shares.release(&self.peer, 1, 0, 0);
     }
 }
 
@@ -131,13 +172,19 @@ pub(crate) struct PeerCharge {
     shares: Arc<Shares>,
     peer: String,
     bytes: u64,
+    /// Of `bytes`, a window's.
+    window: u64,
     _charge: Option<Charge>,
 }
 
 impl Drop for PeerCharge {
     fn drop(&mut self) {
-        self.shares
-            .release(&self.peer, 0, std::mem::take(&mut self.bytes));
+        self.shares.release(
+            &self.peer,
+            0,
+            std::mem::take(&mut self.bytes),
+            std::mem::take(&mut self.window),
+        );
     }
 }
 
@@ -169,6 +216,37 @@ mod tests {
         assert!(s.charge("b", 10, "t", Duration::ZERO).is_ok());
         assert!(s.charge("c", 20, "t", Duration::ZERO).is_err());
         assert!(s.lock().get("c").is_none());
+    }
+
+    #[test]
+    fn windows_take_at_most_a_quarter_of_a_share_and_of_the_budget() {
+        let s = Shares::new(MemoryBudget::new(1600));
+        // A peer's share is 800: windows of 100 up to 200.
+        let a1 = s.charge_window("a", 100).unwrap();
+        let a2 = s.charge_window("a", 100).unwrap();
+        assert!(
+            s.charge_window("a", 100).is_err(),
+            "past a quarter of a's share"
+        );
+        // Its requests still find the rest of the share.
+        let r = s.charge("a", 600, "t", Duration::ZERO).unwrap();
+        drop(r);
+        let b1 = s.charge_window("b", 100).unwrap();
+        let b2 = s.charge_window("b", 100).unwrap();
+        assert!(
+            s.charge_window("c", 100).is_err(),
+            "past a quarter of the budget"
+        );
+        drop((a1, b1));
+        let c = s.charge_window("c", 100).unwrap();
+        drop((a2, b2, c));
+        assert!(s.lock().is_empty());
+        // Unlimited: no cap.
+        let u = Shares::new(MemoryBudget::unlimited());
+        let w: Vec<_> = (0..64)
+            .map(|_| u.charge_window("a", 4 << 20).unwrap())
+            .collect();
+        assert_eq!(w.len(), 64);
     }
 
     #[test]

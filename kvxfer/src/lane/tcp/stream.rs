@@ -26,6 +26,7 @@ const BATCH_BYTES: u64 = 1 << 20;
 pub(super) type Ctl<'a> = dyn FnMut(bool) -> Result<(), Stop> + 'a;
 
 /// Why an I/O loop stopped early.
+#[derive(Debug)]
 pub(super) enum Stop {
     Io(std::io::Error),
     Eof,
