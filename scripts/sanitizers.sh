@@ -3,7 +3,8 @@
 # install nightly --component miri rust-src` where it is missing):
 #
 #   AddressSanitizer  the TCP lane's socket pump (tcp transfers), the shm lane's copies (shm
-#                     transfers), staging (the simulated-device staged path), the gates, and
+#                     transfers), the TCP lane's in-host windows, staging (the
+#                     simulated-device staged path), the device lane, the gates, and
 #                     the C ABI's handles (the capi unit tests): kvxfer's own tests, built with
 #                     -Zsanitizer=address.
 #   ThreadSanitizer   the same tests under -Zsanitizer=thread (the lanes' threads, the staging
@@ -35,7 +36,7 @@ for c in miri rust-src; do
   rustup +nightly component list --installed | grep -q "^$c" || rustup +nightly component add "$c" >&2
 done
 tests=(--lib --test loopback --test staging --test hostile_clients --test connector --test fence
-  --test device_lane)
+  --test device_lane --test lane_window)
 export UCX_MEM_EVENTS=no
 
 run_asan() {

@@ -43,10 +43,11 @@ of every TCP-lane connection, and sealing each handoff the scheduler writes: the
 loads none whose ``kvxfer_seal`` does not verify; SECURITY.md says what it protects and what
 not yet),
 ``lane_encryption`` (with ``secret``: the KV bytes on the TCP lane are encrypted too),
-``lane_only_cache`` (host or GPU caches: published with no UCX key, no shared-memory handle
-and no device export, so a peer reads only the blocks granted to it on every path; every
-handoff then takes kvxfer's TCP lane, in-host too (through a shared window with a
-``secret``), staged for GPU caches), ``ucx_tcp`` (let UCX use its own, unauthenticated TCP transport too; off by default; trusted
+``lane_only_cache`` (on by default with a ``secret``: host or GPU caches published with no
+UCX key, no shared-memory handle and no device export, so a peer reads only the blocks
+granted to it on every path; every handoff then takes kvxfer's TCP lane, in-host too
+(through a shared window), staged for GPU caches; ``false`` gives same-host workers that
+trust each other the shm and device lanes back), ``ucx_tcp`` (let UCX use its own, unauthenticated TCP transport too; off by default; trusted
 networks only, and refused with a ``secret``, as ``lanes`` off with UCX's ``tcp`` is), ``strict`` (refuse a silent transport fallback), ``discovery`` (``etcd://host:2379``: workers publish
 themselves in etcd and load each other before any handoff; ``namespace``,
 ``discovery_ttl_ms``; with etcd's own authentication on, ``etcd_user`` and ``etcd_password``,
@@ -689,7 +690,10 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         side = self.agent.listen(f"{_advertised_host(ex)}:{int(ex.get('port', 0))}")
         device = first.device
         cuda = device.index if device.type == "cuda" else -1
-        lane_only = bool(ex.get("lane_only_cache", False))
+        # With a secret the caches open only through grants unless the deployment says its
+        # same-host workers trust each other (lane_only_cache false).
+        lane_only = bool(ex.get("lane_only_cache", bool(ex.get("secret"))))
+        self.lane_only_cache = lane_only
         # vLLM's hybrid allocator lays layers of different groups over one tensor: each
         # piece of memory is registered once.
         regions: dict[int, tuple[int, int]] = {}

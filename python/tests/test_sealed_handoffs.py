@@ -126,3 +126,36 @@ def test_lane_only_caches_load_through_grants_on_the_tcp_lane():
             assert torch.equal(t[lb].view(torch.int16), caches[name][rb].view(torch.int16)), (name, lb, rb)
     dec.shutdown()
     pre.shutdown()
+
+
+
+def test_a_secret_makes_the_caches_grant_only_by_default():
+    """With a ``secret`` and no ``lane_only_cache`` key the caches are registered to open only
+    through grants (``kvx_agent_register_shared`` with no peer: no UCX key, no shm handle,
+    no device export); ``lane_only_cache: false`` keeps them open to every authenticated
+    peer; without a secret they stay open (names would be claims). A handoff loads in each
+    case, bytes checked."""
+    pid = os.getpid()
+    for secret, lane_only, expect in ((True, None, True), (True, False, False), (False, None, False)):
+        extra = {"transport": "auto", "net_devices": "lo"}
+        if secret:
+            extra["secret"] = "open sesame"
+        if lane_only is not None:
+            extra["lane_only_cache"] = lane_only
+        tag = f"def-{secret}-{lane_only}-{pid}"
+        pre, caches, s = h.prefill_engine(extra, f"pre-{tag}", 11)
+        assert pre.lane_only_cache is expect, (secret, lane_only)
+        real, remote = h.prefill(s, [pre], f"r-{tag}", 40)
+        dec, dcaches, vd, dkv = h.decode_worker(extra, f"dec-{tag}")
+        assert dec.lane_only_cache is expect
+        sd = h.scheduler(vd, dkv)
+        sd.add_request(h.request(f"d-{tag}", 40, dict(real), max_tokens=4))
+        out = sd.schedule()
+        local = out.kv_connector_metadata.loads[f"d-{tag}"][1][0]
+        h.start_loads(dec, out)
+        assert h.received(dec, {f"d-{tag}"}) == {f"d-{tag}"}
+        for name, t in dcaches.items():
+            for lb, rb in zip(local, remote):
+                assert torch.equal(t[lb].view(torch.int16), caches[name][rb].view(torch.int16)), (name, lb, rb)
+        dec.shutdown()
+        pre.shutdown()

@@ -69,6 +69,13 @@ pub(crate) fn prometheus(st: &AgentState) -> String {
         "counter",
         st.peers_refused.load(Ordering::Relaxed),
     );
+    gauge(
+        "kvxfer_lane_windows",
+        "TCP lane connections to or from a same-host peer whose data goes through a shared \
+         window, in this process (both ends count).",
+        "gauge",
+        crate::live::live().lane_windows as u64,
+    );
     if let Some(st) = staging_stats(st) {
         gauge(
             "kvxfer_staging_bytes",
