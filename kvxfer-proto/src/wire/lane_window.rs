@@ -202,6 +202,7 @@ mod tests {
         /// A writer and a reader that keep to the checks move every byte once, in order,
         /// through a ring of [`RING_BYTES`], however the puts and takes are cut.
         #[test]
+        #[cfg_attr(miri, ignore = "millions of single-byte writes take hours under Miri")]
         fn a_checked_ring_moves_every_byte_in_order(
             puts in proptest::collection::vec(1u64..300_000, 1..40),
             takes in proptest::collection::vec(1u64..300_000, 1..40),

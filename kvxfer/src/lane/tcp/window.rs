@@ -31,6 +31,8 @@ const STEP: usize = 256 << 10;
 /// Bytes moved between two looks at the socket (a connection closed under a stream stops
 /// within this much).
 const CHECK_BYTES: usize = 1 << 20;
+/// Waits in a row that found nothing moved before each further one sleeps a millisecond.
+const IDLE_WAKES: u32 = 64;
 
 /// One side's view of a connection's window.
 pub(super) struct Window {
@@ -50,6 +52,8 @@ pub(super) struct Window {
     seen_produced: Cell<u64>,
     /// Bytes moved since the socket was last looked at.
     unchecked: Cell<usize>,
+    /// Waits in a row that found nothing moved.
+    idle_wakes: Cell<u32>,
     /// The window's charge to the budget, held while it lives.
     _held: Box<dyn Send>,
     _counted: crate::live::Counted,
@@ -137,6 +141,7 @@ impl Window {
             seen_consumed: Cell::new(0),
             seen_produced: Cell::new(0),
             unchecked: Cell::new(0),
+            idle_wakes: Cell::new(0),
             _held: held,
             _counted: crate::live::Counted::lane_window(),
         }
@@ -258,6 +263,7 @@ impl Window {
     /// or a shutdown closed moves no more through its window, as it would move no more
     /// through its socket.
     fn still_open(&self, sock: &TcpStream, n: usize) -> Result<(), Stop> {
+        self.idle_wakes.set(0);
         let since = self.unchecked.get() + n;
         if since < CHECK_BYTES {
             self.unchecked.set(since);
@@ -296,13 +302,19 @@ impl Window {
         if word.load(Ordering::SeqCst) == seen {
             futex_wait(word, seen);
         }
-        if word.load(Ordering::SeqCst) == seen {
-            if closed(sock) {
-                return Err(Stop::Eof);
-            }
-            ctl(false)?;
+        // Woken or not, nothing has moved yet: the caller's clocks run, and a closed socket
+        // ends the wait. A peer that bumps the counter without putting bytes in wakes this
+        // side for nothing: past a few such wakes in a row, each costs a millisecond's sleep,
+        // so it cannot make this thread spin until its stall limit ends the connection.
+        let idle = self.idle_wakes.get() + 1;
+        self.idle_wakes.set(idle);
+        if idle > IDLE_WAKES {
+            std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        Ok(())
+        if closed(sock) {
+            return Err(Stop::Eof);
+        }
+        ctl(false)
     }
 
     /// Moves `pieces` through the rings, as [`super::stream::stream_pieces`] does through the
@@ -516,6 +528,41 @@ mod tests {
         let r = target.recv(&sb, &mut b, &mut go);
         assert!(matches!(r, Err(Stop::Eof)));
         assert!(t0.elapsed() < Duration::from_secs(2));
+    }
+
+    /// A peer that bumps the counter a reader sleeps on, and never puts a byte in, gets at
+    /// most a wake-up a millisecond out of it (past the first few), and the reader's clocks
+    /// keep running: its caller ends the wait.
+    #[test]
+    fn wakes_for_nothing_neither_spin_the_reader_nor_stop_its_clock() {
+        let (target, fd) = Window::create(charge()).unwrap();
+        let initiator = Window::map(fd, charge()).unwrap();
+        let (_sa, sb) = pair();
+        let stop = &AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                let w = initiator.u32_at(RING_TO_TARGET, PRODUCED_SEQ);
+                while !stop.load(Ordering::Relaxed) {
+                    w.fetch_add(1, Ordering::SeqCst);
+                    futex_wake(w);
+                }
+            });
+            let t0 = std::time::Instant::now();
+            let mut calls = 0u32;
+            let mut ctl = |_moved: bool| -> std::result::Result<(), Stop> {
+                calls += 1;
+                if t0.elapsed() > Duration::from_millis(300) {
+                    return Err(Stop::Abort(Error::Canceled));
+                }
+                Ok(())
+            };
+            let mut b = [0u8; 8];
+            let r = target.recv(&sb, &mut b, &mut ctl);
+            stop.store(true, Ordering::Relaxed);
+            assert!(matches!(r, Err(Stop::Abort(Error::Canceled))));
+            // About 300 sleeps of a millisecond and the first free wakes.
+            assert!(calls < 1000, "{calls} wakes in 300 ms: the reader spun");
+        });
     }
 
     /// The desk hands a window only to the asker presenting its ticket, once, from a socket
