@@ -194,6 +194,9 @@ impl Cluster {
         if a.lane_only {
             c.arg("--lane-only");
         }
+        if a.no_lane_window {
+            c.arg("--no-lane-window");
+        }
         c
     }
 

@@ -64,6 +64,8 @@ struct Args {
     /// The workers' caches open only through grants (`Share::Only(vec![])`): every handoff on
     /// the TCP lane, in-host through its window with a secret.
     lane_only: bool,
+    /// With a secret in one host: the TCP lane's data on the socket, not through windows.
+    no_lane_window: bool,
     /// Worker: the address its side channel binds.
     bind: String,
     /// Worker: the network device its transports use.
@@ -81,6 +83,7 @@ fn parse() -> Args {
         hostile: false,
         secret: None,
         lane_only: false,
+        no_lane_window: false,
         bind: "127.0.0.1".into(),
         dev: "lo".into(),
     };
@@ -103,11 +106,12 @@ fn parse() -> Args {
             "--hostile" => a.hostile = true,
             "--secret" => a.secret = Some(v()),
             "--lane-only" => a.lane_only = true,
+            "--no-lane-window" => a.no_lane_window = true,
             "--bind" => a.bind = v(),
             "--dev" => a.dev = v(),
             _ => panic!(
                 "usage: chaos [--seconds N] [--mode pull|push] [--transport tcp|shm] [--seed S] \
-                 [--netns] [--hostile] [--secret S] [--lane-only]"
+                 [--netns] [--hostile] [--secret S] [--lane-only] [--no-lane-window]"
             ),
         }
     }
@@ -139,6 +143,9 @@ fn rss(pid: &str) -> u64 {
 }
 
 fn main() {
+    // The workers' kvxfer logs on stderr with RUST_LOG (off by default).
+    let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("off"))
+        .try_init();
     let a = parse();
     match a.role.as_str() {
         "prefill" => workers::prefill(&a),

@@ -47,7 +47,8 @@ fn agent(name: &str, a: &Args) -> Arc<Agent> {
     let mut c = AgentConfig::new(name)
         .transport(Transport::parse(&a.transport))
         .net_devices(&a.dev)
-        .budget(MemoryBudget::new(BUDGET));
+        .budget(MemoryBudget::new(BUDGET))
+        .lane_window(!a.no_lane_window);
     if let Some(s) = &a.secret {
         c = c.secret(s.as_bytes().to_vec());
     }

@@ -355,10 +355,15 @@ impl Run<'_> {
             match self.s.peek(&mut [0u8; 1]) {
                 Ok(0) => return Ok(()),
                 Ok(_) => self.take_update()?,
+                // Interrupted: a socket with a receive time-out fails its wait with EINTR when
+                // the process is stopped and continued (signal(7)), handler or not; the stream
+                // is fine.
                 Err(e)
                     if matches!(
                         e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        std::io::ErrorKind::WouldBlock
+                            | std::io::ErrorKind::TimedOut
+                            | std::io::ErrorKind::Interrupted
                     ) => {}
                 Err(e) => return Err(self.io("reading from", e)),
             }

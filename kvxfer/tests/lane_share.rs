@@ -89,13 +89,21 @@ fn a_peer_that_stalls_on_large_tables_leaves_half_the_budget() {
     assert!(held <= BUDGET / 2, "the stalled peer holds {held} bytes");
     res.unwrap();
     assert!(took < Duration::from_secs(5), "{took:?}");
-    // The second request was refused, typed, with the share named: its reply comes once its
-    // table has streamed by (the stream stays in step).
-    let mut c = hostile.pop().unwrap();
+    // One of the two requests (whichever the target admitted second: their connections race)
+    // was refused, typed, with the share named: its reply comes once its table has streamed
+    // by (the stream stays in step).
     let table = vec![0u8; 916_666 * SEG_LEN];
-    let (status, msg) = lane_client::write(&mut c, 2, &table);
-    assert_ne!(status, 0);
-    assert!(msg.contains("half the budget"), "{msg}");
+    let replies: Vec<(u8, String)> = hostile
+        .iter_mut()
+        .zip(1..)
+        .map(|(c, id)| lane_client::write(c, id, &table))
+        .collect();
+    assert!(
+        replies
+            .iter()
+            .any(|(status, msg)| *status != 0 && msg.contains("half the budget")),
+        "{replies:?}"
+    );
 }
 
 #[test]

@@ -45,8 +45,8 @@ not yet),
 ``lane_encryption`` (with ``secret``: the KV bytes on the TCP lane are encrypted too),
 ``lane_only_cache`` (on by default with a ``secret``: host or GPU caches published with no
 UCX key, no shared-memory handle and no device export, so a peer reads only the blocks
-granted to it on every path; every handoff then takes kvxfer's TCP lane, in-host too
-(through a shared window), staged for GPU caches; ``false`` gives same-host workers that
+granted to it on every path; every handoff then takes kvxfer's TCP lane, in-host too,
+staged for GPU caches; ``false`` gives same-host workers that
 trust each other the shm and device lanes back), ``ucx_tcp`` (let UCX use its own, unauthenticated TCP transport too; off by default; trusted
 networks only, and refused with a ``secret``, as ``lanes`` off with UCX's ``tcp`` is), ``strict`` (refuse a silent transport fallback), ``discovery`` (``etcd://host:2379``: workers publish
 themselves in etcd and load each other before any handoff; ``namespace``,

@@ -398,7 +398,8 @@ impl AgentConfig {
     /// (4 MiB a connection, charged to both budgets) instead of the socket, while the
     /// target still checks each request and every control byte stays sealed; what a region
     /// shared with named peers only, or a connector cache that only grants open, moves over
-    /// in-host. On by default; off: the socket. A target offers a window only to the
+    /// in-host. Off by default (opt-in while a push-mode chaos finding is open: see
+    /// SECURITY.md); off, the data goes on the socket. A target offers a window only to the
     /// initiator whose session proved its key, by a one-time ticket.
     pub fn lane_window(mut self, on: bool) -> Self {
         self.lanes.tcp.window = on;

@@ -200,7 +200,8 @@ pub(crate) struct Args {
     #[arg(long, requires = "secret")]
     pub(crate) shared_only: bool,
     /// With --secret, between two processes of one host: the TCP lane's data through the
-    /// socket instead of a shared window (`AgentConfig::lane_window(false)`), to compare.
+    /// socket instead of a shared window. The bench turns windows on otherwise
+    /// (`AgentConfig::lane_window(true)`; the library's default is off).
     #[arg(long)]
     pub(crate) no_lane_window: bool,
     /// Where both sides' KV buffers live.

@@ -37,7 +37,7 @@ impl Default for TcpLaneConfig {
                 Transform::Bf16,
                 (cpus / 4).clamp(1, 4),
             ),
-            window: true,
+            window: false,
         }
     }
 }
