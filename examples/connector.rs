@@ -35,6 +35,7 @@ fn caches(mem: &mut [HostBuffer], g: &KvGeometry, blocks: u64) -> KvCaches {
         packing: KvPacking::Fused,
         order: KvOrder::Nhd,
         layers,
+        state: None,
     }
 }
 

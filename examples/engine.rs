@@ -117,6 +117,7 @@ impl PagedCache {
             packing: KvPacking::Fused,
             order: KvOrder::Nhd,
             layers,
+            state: None,
         }
     }
 

@@ -60,6 +60,14 @@
 #define KVX_PACKING_LATENT 2
 
 /**
+ * `kvx_layout.packing`: per-request recurrent state (Mamba, GDN), one page per layer and
+ * block: `kv_heads` split units per rank of `head_dim` elements of `dtype_bytes` each (a page
+ * that does not split between TP sizes: `kv_heads` 1, `head_dim` its bytes, `dtype_bytes`
+ * 1); `block_tokens` 1 and `hnd` 0.
+ */
+#define KVX_PACKING_STATE 3
+
+/**
  * A block-list entry for a slot a cache group does not hold (a sliding window's blocks before
  * it, vLLM's null block): a pair with it moves nothing.
  */
@@ -399,8 +407,9 @@ typedef struct kvx_layout {
   uint64_t num_blocks;
   /**
    * How a layer's tensors hold K and V: `KVX_PACKING_SEPARATE` (0), `KVX_PACKING_FUSED`
-   * (1, vLLM 0.33's attention caches) or `KVX_PACKING_LATENT` (2, MLA: one headless
-   * tensor, `kv_heads` 1); any other value is `KVX_INVALID_ARGUMENT`.
+   * (1, vLLM 0.33's attention caches), `KVX_PACKING_LATENT` (2, MLA: one headless
+   * tensor, `kv_heads` 1) or `KVX_PACKING_STATE` (3, recurrent state pages); any other value
+   * is `KVX_INVALID_ARGUMENT`.
    */
   uint32_t packing;
   /**

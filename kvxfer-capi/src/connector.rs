@@ -8,7 +8,9 @@ use kvxfer_core::connector::{
     AgentConnector, CacheTensor, ConnectorConfig, Consumer, Handoff, InProcessConnector, KvCaches,
     KvConnector, KvConsumer, KvProducer, LayerTensors, Mode, Producer,
 };
-use kvxfer_core::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking, LayerBase};
+use kvxfer_core::layout::{
+    KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking, LayerBase, StatePart, StateShape,
+};
 use kvxfer_core::{MemKind, MemoryBudget, RegionId};
 
 use crate::error::{fail, guard, set_error, Fail};
@@ -18,7 +20,7 @@ use crate::ffi::{
 use crate::{
     kvx_agent, kvx_cache_tensor, kvx_connector, kvx_connector_config, kvx_consumer, kvx_layer_base,
     kvx_layout, kvx_producer, kvx_request_stats, kvx_status, KVX_PACKING_FUSED, KVX_PACKING_LATENT,
-    KVX_PACKING_SEPARATE,
+    KVX_PACKING_SEPARATE, KVX_PACKING_STATE,
 };
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -70,12 +72,29 @@ fn layout_of(l: &kvx_layout, bases: &[kvx_layer_base]) -> Result<KvLayout, Fail>
         KVX_PACKING_SEPARATE => KvPacking::Separate,
         KVX_PACKING_FUSED => KvPacking::Fused,
         KVX_PACKING_LATENT => KvPacking::Latent,
+        KVX_PACKING_STATE => KvPacking::State,
         v => {
             return Err(bad(&format!(
-                "packing is {v}: 0 (separate), 1 (fused) or 2 (latent)"
+                "packing is {v}: 0 (separate), 1 (fused), 2 (latent) or 3 (state)"
             )))
         }
     };
+    let state = (packing == KvPacking::State)
+        .then(|| {
+            if l.block_tokens != 1 || l.hnd != 0 {
+                return Err(bad("a state layout has block_tokens 1 and hnd 0"));
+            }
+            // One part of one segment: `kv_heads` units of `head_dim` elements.
+            Ok(StateShape {
+                parts: vec![StatePart {
+                    rows: 1,
+                    per_unit: vec![u64::from(l.head_dim)],
+                    channel_bytes: u64::from(l.dtype_bytes),
+                }],
+                padding: 0,
+            })
+        })
+        .transpose()?;
     let separate = packing == KvPacking::Separate;
     let hnd = flag(l.hnd, "hnd")?;
     let layers = bases
@@ -106,6 +125,7 @@ fn layout_of(l: &kvx_layout, bases: &[kvx_layer_base]) -> Result<KvLayout, Fail>
         packing,
         order: if hnd { KvOrder::Hnd } else { KvOrder::Nhd },
         layers,
+        state,
     };
     layout.check_packing().map_err(|e| match e {
         kvxfer_core::Error::InvalidArgument(w) => bad(&w),
@@ -578,6 +598,7 @@ pub(crate) unsafe fn caches_of(
                 v: (!t.v.is_null()).then(|| tensor(t.v, t.v_len)),
             })
             .collect(),
+        state: shape.state,
     })
 }
 

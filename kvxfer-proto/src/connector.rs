@@ -624,7 +624,11 @@ pub fn load_paged(
 ) -> Result<Option<(Vec<crate::paged::Paged>, Vec<crate::paged::Paged>)>> {
     let slice = heads.local != (0..local.geometry.kv_heads)
         || heads.remote != (0..remote.geometry.kv_heads);
-    if slice && (local.order == KvOrder::Nhd || remote.order == KvOrder::Nhd) {
+    if slice
+        && (local.order == KvOrder::Nhd
+            || remote.order == KvOrder::Nhd
+            || local.packing == crate::layout::KvPacking::State)
+    {
         return Ok(None);
     }
     let l = local.paged(local_blocks, layers.clone(), heads.local.clone())?;
@@ -671,6 +675,19 @@ pub fn check_load(
         request: h.request.clone(),
         why: format!("the producer's layout: {e}"),
     })?;
+    if let Some(s) = want.state.as_ref().filter(|s| s.padding > 0) {
+        // A padded page's size on another TP size is not known from its units.
+        if h.kv_heads != local.geometry.kv_heads {
+            return Err(Error::Handoff {
+                request: h.request.clone(),
+                why: format!(
+                    "the producer's state pages hold {} split units, this consumer's {}: \
+                     padded pages ({} bytes of padding) move only between equal TP sizes",
+                    h.kv_heads, local.geometry.kv_heads, s.padding
+                ),
+            });
+        }
+    }
     let all = HeadMap::all(h.kv_heads);
     let m = heads.unwrap_or(&all);
     let lh = local.geometry.kv_heads;

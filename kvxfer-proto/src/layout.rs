@@ -2,6 +2,7 @@
 //! Face `config.json`, and how a prompt maps to paged blocks. Pure: no I/O, no unsafe.
 
 use crate::error::{Error, Result};
+pub use crate::state::{StatePart, StateShape};
 
 /// Element type of the KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -192,6 +193,10 @@ pub enum KvPacking {
     /// Every tensor-parallel rank holds all of it, so [`crate::tp::plan`] has each decode rank
     /// read it whole from one prefill rank.
     Latent,
+    /// Per-request recurrent state (Mamba, GDN): one page per layer and block, shaped by
+    /// [`KvLayout::state`] ([`crate::state`]); `kv_heads` counts the page's split units per
+    /// rank. Every block holds no tokens and moves whole or by units.
+    State,
 }
 
 impl KvPacking {
@@ -199,7 +204,7 @@ impl KvPacking {
     pub fn tensors(self) -> usize {
         match self {
             KvPacking::Separate => 2,
-            KvPacking::Fused | KvPacking::Latent => 1,
+            KvPacking::Fused | KvPacking::Latent | KvPacking::State => 1,
         }
     }
 
@@ -208,7 +213,7 @@ impl KvPacking {
     fn per_head(self) -> u64 {
         match self {
             KvPacking::Fused => 2,
-            KvPacking::Separate | KvPacking::Latent => 1,
+            KvPacking::Separate | KvPacking::Latent | KvPacking::State => 1,
         }
     }
 }
@@ -238,6 +243,8 @@ pub struct KvLayout {
     pub order: KvOrder,
     /// Per layer: where its tensors are.
     pub layers: Vec<LayerBase>,
+    /// The page of a [`KvPacking::State`] cache (`None` for every other packing).
+    pub state: Option<crate::state::StateShape>,
 }
 
 impl KvLayout {
@@ -259,12 +266,13 @@ impl KvLayout {
             packing,
             order,
             layers: Vec::new(),
+            state: None,
         };
         let t = l.tensor_bytes();
         let n = l.geometry.layers;
         l.layers = (0..n)
             .map(|i| match packing {
-                KvPacking::Fused | KvPacking::Latent => LayerBase {
+                KvPacking::Fused | KvPacking::Latent | KvPacking::State => LayerBase {
                     k: (region, i * t),
                     v: None,
                 },
@@ -277,8 +285,44 @@ impl KvLayout {
         l
     }
 
+    /// A state cache of `layers` layers whose pages of `units` split units each lie back to
+    /// back in one region, `num_blocks` pages per layer from offset 0 (what
+    /// [`KvLayout::region_bytes`] says the region must hold).
+    pub fn state_pages(
+        name: &str,
+        layers: u64,
+        units: u64,
+        shape: StateShape,
+        num_blocks: u64,
+        region: crate::types::RegionId,
+    ) -> Result<KvLayout> {
+        shape.check(units)?;
+        let geometry = KvGeometry {
+            name: name.into(),
+            layers,
+            kv_heads: units,
+            head_dim: 1,
+            dtype: KvDtype::Fp8,
+        };
+        let mut l = KvLayout::contiguous(geometry, 1, 0, KvPacking::State, KvOrder::Nhd, region);
+        l.state = Some(shape);
+        l.num_blocks = num_blocks;
+        let t = l.tensor_bytes();
+        for (i, base) in l.layers.iter_mut().enumerate() {
+            base.k = (region, i as u64 * t);
+        }
+        Ok(l)
+    }
+
     /// Bytes of one block of one tensor (K, V, the fused K+V, or the latent).
     pub fn block_bytes(&self) -> u64 {
+        if let Some(s) = self
+            .state
+            .as_ref()
+            .filter(|_| self.packing == KvPacking::State)
+        {
+            return s.page_bytes(self.geometry.kv_heads);
+        }
         let per = self.block_tokens * self.geometry.kv_heads * self.geometry.head_dim;
         per * self.geometry.dtype.bytes() * self.packing.per_head()
     }
@@ -307,6 +351,21 @@ impl KvLayout {
                 self.geometry.kv_heads
             )));
         }
+        match (self.packing, &self.state) {
+            (KvPacking::State, Some(s)) => s.check(self.geometry.kv_heads)?,
+            (KvPacking::State, None) => {
+                return Err(Error::InvalidArgument(
+                    "a state cache needs its page's shape".into(),
+                ))
+            }
+            (_, Some(_)) => {
+                return Err(Error::InvalidArgument(format!(
+                    "a state page's shape given for a {:?} cache",
+                    self.packing
+                )))
+            }
+            _ => {}
+        }
         Ok(())
     }
 
@@ -315,6 +374,24 @@ impl KvLayout {
     pub fn compat_hash(&self) -> u64 {
         let g = &self.geometry;
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut feed = |x: u64| {
+            for b in x.to_le_bytes() {
+                h ^= u64::from(b);
+                h = h.wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        };
+        if let (KvPacking::State, Some(s)) = (self.packing, &self.state) {
+            // A state block holds no tokens and no heads: the page's shape is what agrees.
+            [
+                u64::from(crate::wire::metadata::WIRE_VERSION),
+                g.layers,
+                self.packing as u64,
+            ]
+            .into_iter()
+            .for_each(&mut feed);
+            s.hash_into(&mut feed);
+            return h;
+        }
         for x in [
             u64::from(crate::wire::metadata::WIRE_VERSION),
             g.layers,
@@ -325,10 +402,7 @@ impl KvLayout {
             self.packing as u64,
             self.order as u64,
         ] {
-            for b in x.to_le_bytes() {
-                h ^= u64::from(b);
-                h = h.wrapping_mul(0x0000_0100_0000_01b3);
-            }
+            feed(x);
         }
         h
     }
@@ -385,6 +459,10 @@ impl KvLayout {
         }
         let bb = self.block_bytes();
         let start = off + u64::from(block) * bb;
+        if let Some(s) = &self.state {
+            s.block_descs(g.kv_heads, region, start, heads, per_token, out);
+            return Ok(());
+        }
         // Bytes of one head's elements for one token (K and V for a fused layout).
         let head_tok = bb / (self.block_tokens * g.kv_heads);
         let split = per_token && self.order == KvOrder::Nhd;
@@ -452,6 +530,11 @@ impl KvLayout {
         let whole = heads.start == 0 && heads.end == g.kv_heads;
         let (skip, len) = match (whole, self.order) {
             (true, _) => (0, bb),
+            (false, _) if self.packing == KvPacking::State => {
+                return Err(Error::InvalidArgument(
+                    "units of a state page are pieces of each part: use descs_split".into(),
+                ))
+            }
             (false, KvOrder::Hnd) => (
                 heads.start * self.block_tokens * head_tok,
                 (heads.end - heads.start) * self.block_tokens * head_tok,
@@ -493,7 +576,7 @@ impl KvLayout {
         let mut out = Vec::with_capacity(blocks.len() * layers.len() * 2);
         let kvs: &[Kv] = match self.packing {
             KvPacking::Separate => &[Kv::K, Kv::V],
-            KvPacking::Fused | KvPacking::Latent => &[Kv::K],
+            KvPacking::Fused | KvPacking::Latent | KvPacking::State => &[Kv::K],
         };
         for layer in layers {
             for &kv in kvs {
@@ -591,6 +674,7 @@ mod tests {
                 };
                 base + idx * e
             }
+            KvPacking::State => unreachable!("state pages are checked in crate::state"),
         }
     }
 
@@ -746,5 +830,37 @@ mod tests {
         assert!(l.paged(&blocks, 0..1, 2..6).is_err()); // NHD head slice: per token
         assert!(l.paged(&[200], 0..1, 0..8).is_err());
         assert!(l.paged(&blocks, 27..29, 0..8).is_err());
+    }
+    #[test]
+    fn a_state_cache_moves_pages_whole_or_by_units() {
+        let rid = crate::types::RegionId(2);
+        let l = KvLayout::state_pages("m", 3, 4, crate::state::tests::mamba2(), 10, rid).unwrap();
+        let page = crate::state::tests::mamba2().page_bytes(4);
+        assert_eq!((l.block_bytes(), l.region_bytes()), (page, 30 * page));
+        l.check_packing().unwrap();
+        let whole = l.descs(&[7], 1..2, 0..4).unwrap();
+        assert_eq!(
+            (whole.len(), whole[0].offset, whole[0].len),
+            (1, 10 * page + 7 * page, page)
+        );
+        // Units 1..3: four pieces a page, inside page 7 of layer 1.
+        let part = l.descs(&[7], 1..2, 1..3).unwrap();
+        assert_eq!(part.len(), 4);
+        assert!(part
+            .iter()
+            .all(|d| d.offset >= 17 * page && d.offset + d.len <= 18 * page));
+        assert!(l.paged(&[7], 1..2, 1..3).is_err());
+        // The units (a TP size) are not in the hash; the shape is.
+        let mut other = l.clone();
+        other.geometry.kv_heads = 2;
+        assert_eq!(l.compat_hash(), other.compat_hash());
+        other.state.as_mut().unwrap().parts[0].per_unit[1] = 3;
+        assert_ne!(l.compat_hash(), other.compat_hash());
+        let mut lost = l.clone();
+        lost.state = None;
+        assert!(lost.check_packing().is_err());
+        let mut stray = l.clone();
+        stray.packing = KvPacking::Fused;
+        assert!(stray.check_packing().is_err());
     }
 }

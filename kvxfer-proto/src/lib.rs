@@ -30,6 +30,7 @@ pub mod paged;
 pub mod peer_table;
 pub mod planning;
 pub mod session;
+pub mod state;
 pub mod tp;
 pub mod types;
 pub mod updates;

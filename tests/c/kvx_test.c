@@ -223,6 +223,21 @@ static void in_process(void) {
   bad[1].k_len = CBLOCK;
   kvx_producer *nop = NULL;
   EXPECT(kvx_connector_producer(ip, &lay, bad, -1, NULL, &nop), KVX_INVALID_ARGUMENT);
+  /* Packing is checked: a value past KVX_PACKING_STATE, and a state layout of token blocks,
+   * hash to 0 (refused); a state page's hash does not depend on its split units. */
+  kvx_layer_base lb[2] = {{.k_region = 0, .v_region = UINT32_MAX},
+                          {.k_region = 0, .k_offset = 8 * CBLOCK, .v_region = UINT32_MAX}};
+  kvx_layout odd = lay;
+  odd.packing = 4;
+  if (kvx_layout_compat_hash(&odd, lb) != 0) die("packing 4 hashed", KVX_OK);
+  kvx_layout st4 = {.layers = 2, .kv_heads = 4, .head_dim = 96, .dtype_bytes = 2,
+                    .block_tokens = 1, .num_blocks = 8, .packing = KVX_PACKING_STATE, .hnd = 0};
+  kvx_layout st2 = st4;
+  st2.kv_heads = 2;
+  uint64_t h4 = kvx_layout_compat_hash(&st4, lb), h2 = kvx_layout_compat_hash(&st2, lb);
+  if (h4 == 0 || h4 != h2) die("state layout hash", KVX_OK);
+  st2.block_tokens = 16;
+  if (kvx_layout_compat_hash(&st2, lb) != 0) die("a state layout of 16-token blocks hashed", KVX_OK);
   uint32_t blocks[3] = {1, 3, 5}, local[2] = {6, 0};
   unsigned char h[4096];
   size_t hlen = 0;

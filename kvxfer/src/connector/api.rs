@@ -104,6 +104,9 @@ pub struct KvCaches {
     pub order: KvOrder,
     /// Per layer, its tensors.
     pub layers: Vec<LayerTensors>,
+    /// The page of a [`KvPacking::State`] cache (recurrent state: `geometry.kv_heads` counts
+    /// its split units per rank); `None` for attention and MLA caches.
+    pub state: Option<kvxfer_proto::state::StateShape>,
 }
 
 impl KvCaches {
@@ -123,6 +126,7 @@ impl KvCaches {
                     v: l.v.as_ref().map(&mut base),
                 })
                 .collect(),
+            state: self.state.clone(),
         }
     }
 

@@ -8,6 +8,7 @@ use kvxfer_proto::connector::check_load;
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::groups::{held, pair_blocks, CacheGroups};
 use kvxfer_proto::layout::{KvLayout, KvPacking};
+use kvxfer_proto::state::units_of;
 use kvxfer_proto::tp::HeadMap;
 use kvxfer_proto::wire::connector::{Handoff, Mode};
 
@@ -150,10 +151,14 @@ pub(crate) fn plan_groups(
             }),
             readers: spec.readers,
         };
-        let spec = if layout.packing == KvPacking::Latent {
-            &latent
-        } else {
-            spec
+        let state = match layout.packing {
+            KvPacking::State => Some(state_spec(groups, cfg, spec, h, g, &hg, layout)?),
+            _ => None,
+        };
+        let spec = match layout.packing {
+            KvPacking::Latent => &latent,
+            KvPacking::State => state.as_ref().unwrap_or(spec),
+            _ => spec,
         };
         let (remote, heads) = load_plan(layout, cfg, spec, &hg, &local).map_err(|e| named(g, e))?;
         // The producer's held blocks before the ones paired (the consumer's cached prefix).
@@ -171,4 +176,53 @@ pub(crate) fn plan_groups(
         });
     }
     Ok(out)
+}
+
+/// The load of state group `g` (`hg` of `h`, `layout` here): the same fraction of each
+/// rank's split units as the heads `spec` (else `cfg`) gives in the reference group, group 0
+/// (its heads, or its units when it is state itself). Refused, naming the group and both
+/// sides' units, where the fraction is not whole units: a page that does not split that way.
+fn state_spec(
+    groups: &CacheGroups,
+    cfg: &ConnectorConfig,
+    spec: &LoadSpec,
+    h: &Handoff,
+    g: usize,
+    hg: &Handoff,
+    layout: &KvLayout,
+) -> Result<LoadSpec> {
+    let (ref_remote, ref_local) = (h.kv_heads, groups.layouts()[0].geometry.kv_heads);
+    let map = spec.heads.clone().or_else(|| {
+        cfg.heads.clone().map(|remote| HeadMap {
+            remote,
+            local: 0..ref_local,
+        })
+    });
+    let units = match map {
+        None if hg.kv_heads == layout.geometry.kv_heads => None,
+        Some(m) if m.width() == 0 => Some(m),
+        map => {
+            let m = map.unwrap_or(HeadMap::all(ref_remote));
+            let got = units_of(
+                &m,
+                ref_remote,
+                ref_local,
+                hg.kv_heads,
+                layout.geometry.kv_heads,
+            );
+            Some(got.ok_or_else(|| Error::Handoff {
+                request: h.request.clone(),
+                why: format!(
+                    "group {g}: state pages of {} split units on the producer and {} here do \
+                     not split as heads {:?} of {ref_remote} into {:?} of {ref_local} (another \
+                     TP size needs a page described by its units)",
+                    hg.kv_heads, layout.geometry.kv_heads, m.remote, m.local
+                ),
+            })?)
+        }
+    };
+    Ok(LoadSpec {
+        heads: units,
+        readers: spec.readers,
+    })
 }

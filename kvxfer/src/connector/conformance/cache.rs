@@ -5,7 +5,9 @@ use crate::connector::api::{CacheTensor, KvCaches, LayerTensors};
 use crate::memory::HostBuffer;
 use kvxfer_proto::descriptor::Desc;
 use kvxfer_proto::error::Result;
-use kvxfer_proto::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking};
+use kvxfer_proto::layout::{
+    KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking, StatePart, StateShape,
+};
 use kvxfer_proto::types::{MemKind, RegionId};
 
 /// Layers of the suite's caches.
@@ -79,6 +81,45 @@ impl TestCache {
             order,
             RegionId(0),
         );
+        TestCache::from_probe(probe, seed)
+    }
+
+    /// A recurrent-state cache of `units` split units a rank (a Mamba2-like page: conv x, B
+    /// and C of 3-element channels, then the SSM heads), its page padded by `padding` bytes
+    /// (a hybrid model's) or not; zeroed or filled from `seed`.
+    pub fn state(units: u64, padding: u64, seed: Option<u64>) -> Result<TestCache> {
+        let shape = StateShape {
+            parts: vec![
+                StatePart {
+                    rows: 1,
+                    per_unit: vec![4, 1, 1],
+                    channel_bytes: 6,
+                },
+                StatePart {
+                    rows: 1,
+                    per_unit: vec![1],
+                    channel_bytes: 64,
+                },
+            ],
+            padding,
+        };
+        TestCache::state_shaped(units, shape, seed)
+    }
+
+    /// A state cache of pages shaped `shape`, `units` units a rank.
+    pub fn state_shaped(units: u64, shape: StateShape, seed: Option<u64>) -> Result<TestCache> {
+        let probe =
+            KvLayout::state_pages("conformance", LAYERS, units, shape, BLOCKS, RegionId(0))?;
+        TestCache::from_probe(probe, seed)
+    }
+
+    fn from_probe(probe: KvLayout, seed: Option<u64>) -> Result<TestCache> {
+        let (geometry, block_tokens, packing, order) = (
+            probe.geometry.clone(),
+            probe.block_tokens,
+            probe.packing,
+            probe.order,
+        );
         let len = probe.tensor_bytes() as usize;
         let per_layer = packing.tensors() as u64;
         let mut bufs = Vec::new();
@@ -112,6 +153,7 @@ impl TestCache {
                     v: kv.get(1).copied(),
                 })
                 .collect(),
+            state: probe.state.clone(),
         };
         let mut i = 0u32;
         let view = caches.layout(|_| {
@@ -156,13 +198,16 @@ impl TestCache {
         heads: std::ops::Range<u64>,
         layers: std::ops::Range<usize>,
     ) -> std::result::Result<(), String> {
+        // Pieces on both sides when either is a slice, so that the two lists pair.
+        let split = mine != (0..self.caches.geometry.kv_heads)
+            || heads != (0..src.caches.geometry.kv_heads);
         let mine = self
             .view
-            .descs(blocks, layers.clone(), mine)
+            .descs_split(blocks, layers.clone(), mine, split)
             .map_err(|e| e.to_string())?;
         let theirs = src
             .view
-            .descs(src_blocks, layers, heads)
+            .descs_split(src_blocks, layers, heads, split)
             .map_err(|e| e.to_string())?;
         if mine.len() != theirs.len() {
             return Err(format!(

@@ -16,12 +16,12 @@ use kvxfer_proto::wire::connector::Mode;
 const N: u32 = NO_BLOCK;
 
 /// A producer and a consumer over two groups each; fields drop in order.
-struct Two {
-    producer: Box<dyn KvProducer>,
-    consumer: Box<dyn KvConsumer>,
+pub(super) struct Two {
+    pub(super) producer: Box<dyn KvProducer>,
+    pub(super) consumer: Box<dyn KvConsumer>,
     _connectors: Connectors,
-    src: [TestCache; 2],
-    dst: [TestCache; 2],
+    pub(super) src: [TestCache; 2],
+    pub(super) dst: [TestCache; 2],
 }
 
 /// Group 0: full attention (HEADS heads of 8); group 1: `heads` heads of `dim` (a sliding
@@ -30,6 +30,16 @@ fn two(h: &dyn Harness, mode: Mode, heads: u64, dim: u64) -> std::result::Result
     let shaped = |hd, d, seed| ok(TestCache::shaped(KvPacking::Separate, hd, d, seed), "cache");
     let src = [shaped(HEADS, 8, Some(51))?, shaped(heads, dim, Some(52))?];
     let dst = [shaped(HEADS, 8, None)?, shaped(heads, dim, None)?];
+    two_of(h, mode, src, dst)
+}
+
+/// A producer over `src`'s two groups and a consumer over `dst`'s.
+pub(super) fn two_of(
+    h: &dyn Harness,
+    mode: Mode,
+    src: [TestCache; 2],
+    dst: [TestCache; 2],
+) -> std::result::Result<Two, String> {
     let conns = ok(h.connectors(1, 1), "connectors")?;
     let c = ConnectorConfig { mode, ..cfg() };
     let groups =

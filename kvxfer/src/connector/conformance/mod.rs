@@ -42,9 +42,12 @@ pub use groups::{
 };
 use harness::{cfg, failed_naming, freed_as, ok, setup, Setup, ALL, LAYERS_ALL, T};
 pub use harness::{Connectors, Harness, Verdict};
+pub use state::{
+    state_beside_attention, state_beside_attention_pushed, state_that_cannot_split_is_refused,
+};
 pub use tp::{
-    tp_gqa_replicas, tp_mla_one_to_two, tp_mla_two_to_one, tp_one_to_two, tp_two_to_one,
-    tp_two_to_two,
+    tp_gqa_replicas, tp_mla_one_to_two, tp_mla_two_to_one, tp_one_to_two, tp_state_one_to_two,
+    tp_state_two_to_one, tp_two_to_one, tp_two_to_two,
 };
 
 use super::config::ConnectorConfig;
@@ -77,6 +80,17 @@ pub const CASES: &[(&str, Case)] = &[
     ("tp_gqa_replicas", tp_gqa_replicas),
     ("tp_mla_two_to_one", tp_mla_two_to_one),
     ("tp_mla_one_to_two", tp_mla_one_to_two),
+    ("tp_state_one_to_two", tp_state_one_to_two),
+    ("tp_state_two_to_one", tp_state_two_to_one),
+    ("state_beside_attention", state_beside_attention),
+    (
+        "state_beside_attention_pushed",
+        state_beside_attention_pushed,
+    ),
+    (
+        "state_that_cannot_split_is_refused",
+        state_that_cannot_split_is_refused,
+    ),
     ("groups_window_beside_full", groups_window_beside_full),
     ("groups_of_two_shapes_pushed", groups_of_two_shapes_pushed),
     ("groups_layer_wise", groups_layer_wise),
@@ -105,6 +119,8 @@ macro_rules! connector_conformance {
             lease_expiry, hold_ceiling, two_readers_half_the_heads, failed_load_names_its_blocks,
             concurrent_requests, dropped_consumer, dropped_producer, tp_two_to_two,
             tp_two_to_one, tp_one_to_two, tp_gqa_replicas, tp_mla_two_to_one, tp_mla_one_to_two,
+            tp_state_one_to_two, tp_state_two_to_one, state_beside_attention,
+            state_beside_attention_pushed, state_that_cannot_split_is_refused,
             groups_window_beside_full, groups_of_two_shapes_pushed, groups_layer_wise,
             groups_refused_and_failed, block_sizes_small_to_large, block_sizes_large_to_small,
             block_sizes_that_cannot_map_are_refused, squatted_declarations, peer_share);
@@ -133,6 +149,7 @@ macro_rules! ensure {
 mod abuse;
 mod block_size;
 mod groups;
+mod state;
 mod tp;
 
 fn one(h: &dyn Harness, mode: Mode) -> std::result::Result<Setup, String> {

@@ -44,6 +44,18 @@ pub fn tp_mla_one_to_two(h: &dyn Harness) -> Verdict {
     tp_case_of(h, 1, 2, 1, |_, seed| TestCache::latent(seed))
 }
 
+/// Recurrent state (a Mamba2-like page of 4 split units at TP 1), prefill TP 1 to decode
+/// TP 2: each decode rank reads its two units of every part and segment (conv x, B and C,
+/// then the SSM heads) into its page.
+pub fn tp_state_one_to_two(h: &dyn Harness) -> Verdict {
+    tp_case_of(h, 1, 2, 4, |units, seed| TestCache::state(units, 0, seed))
+}
+
+/// The same, prefill TP 2 to decode TP 1: the decode rank gathers both ranks' units.
+pub fn tp_state_two_to_one(h: &dyn Harness) -> Verdict {
+    tp_case_of(h, 2, 1, 4, |units, seed| TestCache::state(units, 0, seed))
+}
+
 /// Ranks built over fresh caches; fields drop in order (connector objects before caches).
 struct Ranks {
     producers: Vec<Box<dyn KvProducer>>,
