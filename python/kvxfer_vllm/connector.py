@@ -230,7 +230,7 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
 # restarted; templates of a libkvxfer without it lack it.
 RANK_KEYS = ("producer", "side_channel", "compat", "kv_heads", "num_blocks", "layers", "epoch", "groups")
 # What two sides' caches must agree on in each KV cache group after the first.
-GROUP_SHAPE_KEYS = ("kv_heads", "head_size", "hnd", "mla")
+GROUP_SHAPE_KEYS = ("kv_heads", "head_size", "hnd", "mla", "state")
 # vLLM's null block (a sliding window's blocks before it): kvxfer's "no block here".
 NULL_BLOCK = 0
 
@@ -243,6 +243,20 @@ def _group_blocks(blocks: Any, block_size: int, tokens: int | None = None) -> li
 # The longest kvxfer_handoff text taken from a client (a TP-8 handoff of a 128k-token prompt
 # is under 200 KiB).
 MAX_HANDOFF_TEXT = 4 << 20
+
+
+def _last_held(blocks: list[int]) -> list[int]:
+    """A recurrent-state group's blocks as a load pairs them: its last held block alone
+    (the state after the prompt), none when it holds none."""
+    held = [b for b in blocks if b != kx.KVX_NO_BLOCK]
+    return held[-1:]
+
+
+def _state_groups(cfg: Any) -> set[int]:
+    """The KV cache groups of `cfg` that hold recurrent state (vLLM's MambaSpec: Mamba,
+    Mamba2, GDN, short conv)."""
+    groups = getattr(cfg, "kv_cache_groups", None) or []
+    return {g for g, spec in enumerate(groups) if "Mamba" in type(spec.kv_cache_spec).__name__}
 
 
 def _params(request: "Request") -> dict[str, Any] | None:
@@ -429,13 +443,40 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._load_errors: set[int] = set()
         self._failed_now: set[str] = set()  # failed before or while starting: report received
         self._stats = KvxferConnectorStats()
+        # KV cache groups of recurrent state (Mamba, GDN): their page moves whole, and the
+        # decode side recomputes the prompt's last token (a state cannot take it twice).
+        self._state_groups = _state_groups(kv_cache_config)
         _ALIVE.add(self)
 
     # ------------------------------------------------------------------ scheduler side
 
+    def _backoff(self) -> int:
+        """Prompt tokens the decode side recomputes rather than loads: 1 with recurrent
+        state (the prefill stops one token short, so its state is h(N-1) and the decode
+        side's first step takes token N once), else 0 (attention KV of the last token is
+        loaded and recomputed alike)."""
+        return 1 if self._state_groups else 0
+
+    def on_new_request(self, request: "Request") -> None:
+        """Prefill side, with recurrent state: the request stops one prompt token short
+        (vLLM's NixlConnector does the same), once, and samples one token."""
+        p = _params(request)
+        back = self._backoff()
+        if not back or not p or not p.get("do_remote_decode") or p.get("_kvxfer_truncated"):
+            return
+        ids = request.prompt_token_ids
+        if ids is None or request.num_prompt_tokens <= back:
+            return
+        del ids[-back:]
+        del request._all_token_ids[-back:]
+        request.num_prompt_tokens -= back
+        request.max_tokens = 1
+        p["_kvxfer_truncated"] = True
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if _remote_prefill(_params(request)):
-            count = len(request.prompt_token_ids or []) - num_computed_tokens
+            n = len(request.prompt_token_ids or [])
+            count = (n - self._backoff() if n > self._backoff() else n) - num_computed_tokens
             if count > 0:
                 return count, True
         return 0, False
@@ -452,6 +493,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             # Every KV cache group's blocks (a sliding window's null blocks move nothing).
             groups = blocks.get_unhashed_block_ids_all_groups()
             local = [_group_blocks(g, self.block_size) for g in groups] if groups else [[]]
+            local = [_last_held(b) if i in self._state_groups else b for i, b in enumerate(local)]
             self._pending_loads[request.request_id] = (handoff, local, True, seal)
         else:
             # Everything is cached locally: nothing moves, but the producer may free.
@@ -490,6 +532,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         sizes = [t["block_size"]] + [g["block_size"] for g in t.get("groups", [])]
         # Only the prompt's blocks hold KV (a sampled token may have opened one more).
         per_group = [_group_blocks(b, bs, tokens) for b, bs in zip(block_ids, sizes)]
+        # A state group's request state is its last block (vLLM's "none" and "align" modes).
+        per_group = [_last_held(b) if i in self._state_groups else b for i, b in enumerate(per_group)]
         blocks = per_group[0]
         grant = os.urandom(16)
         handoff = {
@@ -604,15 +648,6 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         gave no config or one group)."""
         cfg = getattr(self, "_kv_cache_config", None)
         specs = cfg.kv_cache_groups if cfg is not None else []
-        for g, spec in enumerate(specs):
-            kind = type(spec.kv_cache_spec).__name__
-            if "Mamba" in kind:
-                # Per-request recurrent state (Mamba, GDN, short conv) is not attention KV:
-                # refused by name rather than moved as if it were.
-                raise ValueError(
-                    f"kvxfer: KV cache group {g} ({kind}: {spec.layer_names[:2]}...) holds recurrent "
-                    "state; kvxfer moves attention and MLA caches only (hybrid state is open work)"
-                )
         groups = [list(g.layer_names) for g in specs]
         if len(groups) <= 1:
             return [list(kv_caches)]
@@ -624,12 +659,16 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     @staticmethod
     def _cache_shape(first: torch.Tensor) -> dict[str, Any]:
         """The shape of one group's per-layer views: attention ``[blocks, heads, block_size,
-        2*head_size]`` (K and V in the last dimension, NHD or HND strides) or MLA ``[blocks,
-        block_size, latent]`` (no head dimension, no V; the same latent on every TP rank)."""
+        2*head_size]`` (K and V in the last dimension, NHD or HND strides), MLA ``[blocks,
+        block_size, latent]`` (no head dimension, no V; the same latent on every TP rank), or
+        recurrent state: a list of state tensors ``[blocks, ...]`` (conv, SSM) over one page a
+        block, back to back from the page's start (vLLM's MambaSpec views)."""
+        if isinstance(first, (list, tuple)):
+            return KvxferConnector._state_shape(list(first))
         if not isinstance(first, torch.Tensor):
             raise ValueError(
-                f"kvxfer: a layer's cache is a {type(first).__name__} (recurrent state tensors?), "
-                "not one tensor; kvxfer moves attention and MLA caches only"
+                f"kvxfer: a layer's cache is a {type(first).__name__}, not a tensor or a list of "
+                "state tensors"
             )
         if first.dim() == 3:
             nb, bs, c = first.shape
@@ -655,18 +694,42 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         es = first.element_size()
         return shape | dict(nb=nb, bs=bs, es=es, block_bytes=first.stride()[0] * es)
 
+    @staticmethod
+    def _state_shape(tensors: list[Any]) -> dict[str, Any]:
+        """A recurrent-state layer's tensors as one page a block: registered from the first
+        tensor's start, moved whole (one split unit a rank: between TP sizes such a page is
+        refused, not split)."""
+        if not tensors or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in tensors):
+            raise ValueError("kvxfer: a recurrent-state layer's cache is not a list of [blocks, ...] tensors")
+        first = tensors[0]
+        nb, page = first.shape[0], first.stride()[0] * first.element_size()
+        for t in tensors:
+            off = t.data_ptr() - first.data_ptr()
+            if t.shape[0] != nb or t.stride()[0] * t.element_size() != page:
+                raise ValueError(f"kvxfer: state tensors of another block count or page: {tuple(t.shape)}")
+            if not 0 <= off or off + t[0].numel() * t.element_size() > page or not t[0].is_contiguous():
+                raise ValueError("kvxfer: a state tensor lies outside its page, or is not contiguous in it")
+        return dict(heads=1, packing=kx.KVX_PACKING_STATE, hnd=False, head_size=page, nb=nb, bs=1, es=1, block_bytes=page, state=True)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         names = list(kv_caches)
         if not names:
             raise ValueError("kvxfer: no KV caches to register")
         group_names = self._group_names(kv_caches)
         shapes = [self._cache_shape(kv_caches[g[0]]) for g in group_names]
+        for g, sh in enumerate(shapes):
+            if bool(sh.get("state")) != (g in self._state_groups):
+                # What vLLM's spec says a group holds and what its caches are must agree: state
+                # pages are never moved as attention blocks, nor the reverse.
+                kind = "recurrent state (MambaSpec)" if g in self._state_groups else "attention"
+                raise ValueError(f"kvxfer: KV cache group {g} holds {kind}, but its caches are {'state tensors' if sh.get('state') else 'attention views'}")
         if any(sh["packing"] == kx.KVX_PACKING_LATENT for sh in shapes):
             # One latent per token whatever the config's num_key_value_heads says, held whole
             # by every rank: the TP plan then reads it once per decode rank, from one prefill
             # rank (spread over them), and only acknowledges the other prefill ranks.
             self.kv_heads_total = 1
         first = kv_caches[group_names[0][0]]
+        first = first[0] if isinstance(first, (list, tuple)) else first
         ex = self.extra
         name = f"kvxfer-{self.engine_id}-{self._where}"
         budget = int(ex.get("budget_mib", 0)) << 20
@@ -699,11 +762,18 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         regions: dict[int, tuple[int, int]] = {}
         groups = []
         for g, (gnames, sh) in enumerate(zip(group_names, shapes)):
-            gfirst = kv_caches[gnames[0]]
+            def lead(x: Any) -> torch.Tensor:
+                # A state layer's page starts at its first tensor's block 0.
+                return x[0] if isinstance(x, (list, tuple)) else x
+
+            gfirst = lead(kv_caches[gnames[0]])
             bases, tensors = [], []
             for n in gnames:
-                t = kv_caches[n]
-                if t.shape != gfirst.shape or t.stride() != gfirst.stride() or t.element_size() != sh["es"]:
+                t = lead(kv_caches[n])
+                if sh.get("state"):
+                    self._state_shape(list(kv_caches[n]))
+                es = t.element_size() if not sh.get("state") else sh["es"]  # a page: bytes
+                if t.shape != gfirst.shape or t.stride() != gfirst.stride() or es != sh["es"]:
                     raise ValueError(f"kvxfer: layer {n} has another shape or layout than its group's first")
                 length = sh["nb"] * sh["block_bytes"]
                 rid, have = regions.get(t.data_ptr(), (None, 0))
@@ -764,6 +834,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             "dtype_bytes": sh0["es"],
             "block_size": sh0["bs"],
             "mla": sh0["packing"] == kx.KVX_PACKING_LATENT,
+            "state": bool(sh0.get("state")),
         }
         if len(groups) > 1:
             # The other KV cache groups (hybrid allocator): each its layout and shape.
@@ -777,6 +848,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                     "block_size": sh["bs"],
                     "hnd": sh["hnd"],
                     "mla": sh["packing"] == kx.KVX_PACKING_LATENT,
+                    "state": bool(sh.get("state")),
                 }
                 for g, sh in zip(groups[1:], shapes[1:])
             ]

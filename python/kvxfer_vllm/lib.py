@@ -54,7 +54,7 @@ STATUS_NAMES = {v: k for k, v in list(globals().items()) if k.startswith("KVX_")
 # Limits of kvx_tp_plan (the header's KVX_MAX_TP, KVX_MAX_KV_HEADS).
 KVX_MAX_TP = 4096
 # kvx_layout.packing (the header's KVX_PACKING_*).
-KVX_PACKING_SEPARATE, KVX_PACKING_FUSED, KVX_PACKING_LATENT = 0, 1, 2
+KVX_PACKING_SEPARATE, KVX_PACKING_FUSED, KVX_PACKING_LATENT, KVX_PACKING_STATE = 0, 1, 2, 3
 # A slot a cache group does not hold (the header's KVX_NO_BLOCK), and the most groups.
 KVX_NO_BLOCK = 0xFFFFFFFF
 KVX_MAX_GROUPS = 64

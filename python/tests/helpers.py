@@ -175,6 +175,63 @@ def hma_caches(num_blocks=64, layout="LBNHC"):
     return raw, views, cfg
 
 
+CONV_DIM, CONV_ROWS = 96, 3  # a Mamba2 conv state in vLLM's DS layout: (dim, state_len)
+SSM = (2, 16, 32)  # SSM state: (heads, head_dim, d_state), float32
+
+
+def hybrid_layer_names():
+    """A Mamba2 hybrid of 4 layers (Jamba / Qwen3-Next style): attention on the even ones,
+    recurrent state on the odd ones."""
+    return ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"], ["model.layers.1.mixer", "model.layers.3.mixer"]
+
+
+def hybrid_caches(num_blocks=64):
+    """What vLLM's hybrid allocator makes for that model: a full-attention group and a
+    MambaSpec group (conv bf16 and SSM f32 state, padded to the attention page) overlaid on
+    one allocation; the attention views by vLLM's create_kv_cache_views, the state views as
+    vLLM's model runner makes them (each state tensor strided by the page, back to back from
+    the page's start); and the KVCacheConfig."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        MambaSpec,
+        create_kv_cache_views,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    attn = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.bfloat16)
+    page = attn.page_size_bytes
+    mamba = MambaSpec(
+        block_size=BLOCK,
+        shapes=((CONV_DIM, CONV_ROWS), SSM),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=page,
+    )
+    assert mamba.page_size_bytes == page and mamba.state_content_size_bytes < page
+    full, state = hybrid_layer_names()
+    size = page * num_blocks * len(full)
+    tensors = [KVCacheTensor(size=size, layers=names, layer_stride=page * num_blocks, block_stride=page) for names in (full, state)]
+    cfg = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=[KVCacheGroupSpec(full, attn), KVCacheGroupSpec(state, mamba)],
+    )
+    raw = torch.zeros(size, dtype=torch.int8)
+    views = dict(zip(full, create_kv_cache_views(raw, attn, num_blocks, KVCacheLayout["LBNHC"], tensors[0])))
+    for j, name in enumerate(state):
+        base, parts = j * page * num_blocks, []
+        for shape, dtype in zip(mamba.shapes, mamba.dtypes):
+            es = torch.tensor([], dtype=dtype).element_size()
+            flat = raw[base:].view(dtype)
+            inner = torch.empty((num_blocks, *shape)).stride()[1:]
+            parts.append(torch.as_strided(flat, (num_blocks, *shape), (page // es, *inner)))
+            base += int(torch.tensor(shape).prod()) * es
+        views[name] = parts
+    return raw, views, cfg
+
+
 MLA_LATENT = 96  # kv_lora_rank 64 + qk_rope_head_dim 32, as DeepSeek's 512 + 64 scaled down
 
 

@@ -87,9 +87,10 @@ def test_a_decode_side_of_one_group_refuses_a_handoff_of_two():
     pre.shutdown()
 
 
-def test_a_recurrent_state_group_is_refused_by_name():
-    """A hybrid model's Mamba/GDN group: refused at registration naming the group and its kind,
-    never moved as if it were attention KV."""
+def test_a_state_group_of_attention_views_is_refused_by_name():
+    """A Mamba/GDN group whose caches are attention views (not vLLM's list of state tensors):
+    refused at registration naming the group and its kind, never moved as if it were attention
+    KV."""
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
     from kvxfer_vllm import KvxferConnector
@@ -106,8 +107,8 @@ def test_a_recurrent_state_group_is_refused_by_name():
     w = KvxferConnector(h.vllm_config(role="kv_consumer"), KVConnectorRole.WORKER, mixed)
     try:
         w.register_kv_caches(views)
-        raise AssertionError("a recurrent state group was registered")
+        raise AssertionError("a recurrent state group of attention views was registered")
     except ValueError as e:
-        assert "KV cache group 1 (MambaSpec" in str(e) and "recurrent state" in str(e), str(e)
+        assert "KV cache group 1 holds recurrent state (MambaSpec)" in str(e) and "attention views" in str(e), str(e)
     finally:
         w.shutdown()

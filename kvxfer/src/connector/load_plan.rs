@@ -179,8 +179,8 @@ pub(crate) fn plan_groups(
 }
 
 /// The load of state group `g` (`hg` of `h`, `layout` here): the same fraction of each
-/// rank's split units as the heads `spec` (else `cfg`) gives in the reference group, group 0
-/// (its heads, or its units when it is state itself). Refused, naming the group and both
+/// rank's split units as the heads `spec` (else `cfg`) gives in the reference group, the first
+/// of heads (attention; the state group itself in a model of state alone). Refused, naming the group and both
 /// sides' units, where the fraction is not whole units: a page that does not split that way.
 fn state_spec(
     groups: &CacheGroups,
@@ -191,7 +191,14 @@ fn state_spec(
     hg: &Handoff,
     layout: &KvLayout,
 ) -> Result<LoadSpec> {
-    let (ref_remote, ref_local) = (h.kv_heads, groups.layouts()[0].geometry.kv_heads);
+    // The reference: the first group of heads (attention); a model of state alone, its units.
+    let r = groups
+        .layouts()
+        .iter()
+        .position(|l| !matches!(l.packing, KvPacking::State | KvPacking::Latent))
+        .unwrap_or(g);
+    let ref_remote = h.group(r).map_or(hg.kv_heads, |x| x.kv_heads);
+    let ref_local = groups.layouts()[r].geometry.kv_heads;
     let map = spec.heads.clone().or_else(|| {
         cfg.heads.clone().map(|remote| HeadMap {
             remote,

@@ -19,15 +19,16 @@ const UNITS: u64 = 4;
 
 /// Attention beside a padded state page (a hybrid model's), pulled.
 pub fn state_beside_attention(h: &dyn Harness) -> Verdict {
-    state_case(h, Mode::Pull)
+    state_case(h, Mode::Pull, false)
 }
 
-/// The same, pushed by the producer.
+/// The same with the state group first (vLLM orders groups by their layers), pushed by the
+/// producer: the state's units follow the attention group's heads wherever it sits.
 pub fn state_beside_attention_pushed(h: &dyn Harness) -> Verdict {
-    state_case(h, Mode::Push)
+    state_case(h, Mode::Push, true)
 }
 
-fn state_case(h: &dyn Harness, mode: Mode) -> Verdict {
+fn state_case(h: &dyn Harness, mode: Mode, state_first: bool) -> Verdict {
     let attn = |seed| {
         ok(
             TestCache::shaped(KvPacking::Separate, HEADS, 8, seed),
@@ -35,40 +36,58 @@ fn state_case(h: &dyn Harness, mode: Mode) -> Verdict {
         )
     };
     let state = |seed| ok(TestCache::state(UNITS, 40, seed), "state cache");
+    let (a, st) = if state_first { (1, 0) } else { (0, 1) };
+    let order = |x: TestCache, y: TestCache| if state_first { [y, x] } else { [x, y] };
     let s = two_of(
         h,
         mode,
-        [attn(Some(61))?, state(Some(62))?],
-        [attn(None)?, state(None)?],
+        order(attn(Some(61))?, state(Some(62))?),
+        order(attn(None)?, state(None)?),
     )?;
     // The state group holds one page, for the whole prompt (vLLM's last block); the consumer
     // holds the attention prefix, never a state prefix.
     let (full, pages) = ([2, 4, 6, 8], [N, N, N, 3]);
+    let (full_local, page_local): (&[u32], &[u32]) = (&[9, 1, 30], &[7]);
+    fn lists<'a>(state_first: bool, x: &'a [u32], y: &'a [u32]) -> [&'a [u32]; 2] {
+        if state_first {
+            [y, x]
+        } else {
+            [x, y]
+        }
+    }
     let hd = ok(
-        s.producer
-            .publish_groups("st", &[&full, &pages], 16, 2 * LAYERS as usize, None),
+        s.producer.publish_groups(
+            "st",
+            &lists(state_first, &full, &pages),
+            16,
+            2 * LAYERS as usize,
+            None,
+        ),
         "publish_groups",
     )?;
     ok(
-        s.consumer
-            .start_load_groups(&hd, &[&[9, 1, 30], &[7]], &Default::default()),
+        s.consumer.start_load_groups(
+            &hd,
+            &lists(state_first, full_local, page_local),
+            &Default::default(),
+        ),
         "start_load_groups",
     )?;
     ok(s.consumer.wait("st", T), "wait")?;
-    s.dst[0]
-        .holds(&[9, 1, 30], &s.src[0], &full[1..], ALL, LAYERS_ALL)
+    s.dst[a]
+        .holds(full_local, &s.src[a], &full[1..], ALL, LAYERS_ALL)
         .map_err(|e| format!("attention: {e}"))?;
-    s.dst[1]
-        .holds(&[7], &s.src[1], &[3], 0..UNITS, LAYERS_ALL)
+    s.dst[st]
+        .holds(page_local, &s.src[st], &[3], 0..UNITS, LAYERS_ALL)
         .map_err(|e| format!("state: {e}"))?;
     let others: Vec<u32> = (0..32).filter(|&b| b != 7).collect();
     ensure!(
-        s.dst[1].zeroed(&others, LAYERS_ALL),
+        s.dst[st].zeroed(&others, LAYERS_ALL),
         "state pages other than the request's were written"
     );
     let (b0, page) = (
-        s.src[0].request_block_bytes(),
-        s.src[1].request_block_bytes(),
+        s.src[a].request_block_bytes(),
+        s.src[st].request_block_bytes(),
     );
     let st = s
         .consumer
@@ -146,4 +165,50 @@ fn refused(s: &super::groups::Two, spec: &LoadSpec, words: &[&str]) -> Verdict {
     );
     s.producer.abort("split");
     Ok(())
+}
+
+/// A decode rank of half the prefill's heads (TP 1 to TP 2, rank 1) over a model whose state
+/// group comes first (2 split units at TP 1, one at TP 2): it reads heads 2..4 of the
+/// attention group and, in the same fraction, unit 1 of every part and segment of the state
+/// page, into its unit 0.
+pub fn state_follows_the_heads(h: &dyn Harness) -> Verdict {
+    let attn = |heads, seed| {
+        ok(
+            TestCache::shaped(KvPacking::Separate, heads, 8, seed),
+            "cache",
+        )
+    };
+    let s = two_of(
+        h,
+        Mode::Pull,
+        [
+            ok(TestCache::state(2, 0, Some(81)), "state")?,
+            attn(HEADS, Some(82))?,
+        ],
+        [ok(TestCache::state(1, 0, None), "state")?, attn(2, None)?],
+    )?;
+    let hd = ok(
+        s.producer
+            .publish_groups("half", &[&[N, 3], &[1, 2]], 8, 2 * LAYERS as usize, None),
+        "publish_groups",
+    )?;
+    let spec = LoadSpec {
+        heads: Some(HeadMap {
+            remote: 2..4,
+            local: 0..2,
+        }),
+        readers: Some(1),
+    };
+    ok(
+        s.consumer.start_load_groups(&hd, &[&[9], &[5, 6]], &spec),
+        "start_load_groups",
+    )?;
+    ok(s.consumer.wait("half", T), "wait")?;
+    s.dst[1]
+        .holds_in(&[5, 6], 0..2, &s.src[1], &[1, 2], 2..4, LAYERS_ALL)
+        .map_err(|e| format!("attention: {e}"))?;
+    s.dst[0]
+        .holds_in(&[9], 0..1, &s.src[0], &[3], 1..2, LAYERS_ALL)
+        .map_err(|e| format!("state: {e}"))?;
+    freed_as(&*s.producer, "half", FreeReason::Acked, T)
 }

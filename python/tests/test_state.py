@@ -1,0 +1,114 @@
+"""A hybrid model's recurrent state (Mamba2 conv and SSM state, vLLM's MambaSpec group) beside
+its attention, through the real vLLM 0.33 objects: the state group registers as one page a
+block, the prefill side stops one prompt token short (its state is h(N-1), as vLLM's
+NixlConnector does), the decode side loads N-1 tokens of attention and the request's state
+page, and recomputes token N once. Bytes compared per layer: both state tensors and the
+attention blocks; nothing else written. vLLM's CPU backend runs no Mamba2 model here, so this
+is the plugin's path with the shapes vLLM gives it."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import helpers as h  # noqa: E402
+
+import torch  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+import kvxfer_vllm.lib as kx  # noqa: E402
+
+TOKENS = 100
+EXTRA = {"transport": "tcp", "net_devices": "lo"}
+
+
+def _bytes(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def _engines(tag):
+    caches = lambda: h.hybrid_caches()  # noqa: E731
+    import helpers
+
+    saved = helpers.vllm_config
+
+    def no_prefix(*a, **k):
+        # vLLM refuses prefix caching over Mamba state outside its "align" mode.
+        return saved(*a, **dict(k, prefix_caching=False))
+
+    helpers.vllm_config = no_prefix
+    try:
+        pre, pcaches, s = h.prefill_engine(EXTRA, f"{tag}-pre-{os.getpid()}", 21, caches_of=caches)
+        dec, dcaches, vd, dkv = h.decode_worker(EXTRA, f"{tag}-dec-{os.getpid()}", caches_of=caches)
+        sd = h.scheduler(vd, dkv)
+    finally:
+        helpers.vllm_config = saved
+    return pre, pcaches, s, dec, dcaches, sd
+
+
+def test_state_pages_move_beside_attention_and_the_last_token_is_recomputed():
+    pre, pcaches, s, dec, dcaches, sd = _engines("hyb")
+    assert pre._shape["groups"][0]["state"] is True and pre._shape["state"] is False
+    params, _ = h.prefill(s, [pre], "hyb-1", TOKENS)
+    hd = json.loads(params["kvxfer_handoff"])
+    # The prefill stopped one token short: 99 tokens, 7 attention blocks, one state page.
+    assert hd["tokens"] == TOKENS - 1, hd["tokens"]
+    attn_remote, state_remote = hd["blocks"], hd["group_blocks"][0]
+    assert len(attn_remote) == 7 and len(state_remote) == 1, hd
+
+    r = h.request("hyb-dec", TOKENS, dict(params), max_tokens=4)
+    sd.add_request(r)
+    out = sd.schedule()
+    assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    attn_local, state_local = out.kv_connector_metadata.loads["hyb-dec"][1]
+    assert len(attn_local) == 7 and len(state_local) == 1, (attn_local, state_local)
+    # The decode side computes token N itself: it loads N-1.
+    assert sd.connector.get_num_new_matched_tokens(h.request("probe", TOKENS, dict(params)), 0) == (TOKENS - 1, True)
+    h.start_loads(dec, out)
+    assert "hyb-dec" in h.received(dec, {"hyb-dec"})
+    assert dec.get_block_ids_with_load_errors() == set()
+    full, state = h.hybrid_layer_names()
+    for name in state:
+        (lb,), (rb,) = state_local, state_remote
+        for got, want in zip(dcaches[name], pcaches[name]):
+            # Bytes, not values (random bytes hold NaNs).
+            assert torch.equal(_bytes(got[lb]), _bytes(want[rb])), (name, lb, rb)
+        others = [b for b in range(64) if b != lb and b not in attn_local]
+        for got in dcaches[name]:
+            assert all(torch.count_nonzero(_bytes(got[b])) == 0 for b in others), name
+    for name in full:
+        for lb, rb in zip(attn_local, attn_remote):
+            assert torch.equal(dcaches[name][lb].view(torch.int16), pcaches[name][rb].view(torch.int16)), (name, lb, rb)
+    page = 16 * h.KV_HEADS * 2 * h.HEAD * 2
+    want = (len(attn_local) + 1) * len(full) * page
+    st = dec.get_kv_connector_stats().data
+    assert st["bytes_moved"] == want, (st, want)
+    assert h.sent(pre, "hyb-1")
+    dec.shutdown()
+    pre.shutdown()
+
+
+def test_a_state_page_is_not_split_between_tp_sizes():
+    """The plugin registers a state page whole (one split unit a rank): a load that reads half
+    the heads (a decode rank of another TP size) is refused naming the state group, before
+    anything moves; the same load of every head goes through."""
+    pre, pcaches, s, dec, dcaches, sd = _engines("hybtp")
+    params, _ = h.prefill(s, [pre], "hybtp-1", TOKENS)
+    (part, _), = dec._plan_load(json.loads(params["kvxfer_handoff"]), True)
+    text = json.dumps(part).encode()
+    half = kx.TpRead(producer_rank=0, readers=1, remote_heads_start=0, remote_heads_end=1, local_heads_start=0, local_heads_end=1)
+    try:
+        dec.consumer.start_load_groups(text, [[5, 6], [9]], half)
+        raise AssertionError("a state page split between TP sizes was loaded")
+    except kx.KvxferError as e:
+        assert "group 1" in str(e) and "do not split" in str(e), str(e)
+    full, state = h.hybrid_layer_names()
+    assert all(torch.count_nonzero(_bytes(t[9])) == 0 for n in state for t in dcaches[n])
+    assert all(torch.count_nonzero(dcaches[n][[5, 6]].view(torch.int16)) == 0 for n in full)
+    whole = kx.TpRead(producer_rank=0, readers=1, remote_heads_start=0, remote_heads_end=h.KV_HEADS, local_heads_start=0, local_heads_end=h.KV_HEADS)
+    dec.consumer.start_load_groups(text, [[5, 6], [9]], whole)
+    dec.consumer.wait(part["request"], 20000)
+    (rb,) = part["groups"][0]["blocks"]
+    assert all(torch.equal(_bytes(a[9]), _bytes(b[rb])) for n in state for a, b in zip(dcaches[n], pcaches[n]))
+    dec.shutdown()
+    pre.shutdown()
