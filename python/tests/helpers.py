@@ -84,7 +84,7 @@ def layer_names():
     return [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def kv_cache_config(num_blocks=64, layout="LBNHC", kv_heads=KV_HEADS, block=BLOCK):
+def kv_cache_config(num_blocks=64, layout="LBNHC", kv_heads=KV_HEADS, block=BLOCK, dtype=None, head=HEAD):
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -92,7 +92,7 @@ def kv_cache_config(num_blocks=64, layout="LBNHC", kv_heads=KV_HEADS, block=BLOC
         KVCacheTensor,
     )
 
-    spec = FullAttentionSpec(block_size=block, num_kv_heads=kv_heads, head_size=HEAD, dtype=torch.bfloat16)
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=kv_heads, head_size=head, dtype=dtype or torch.bfloat16)
     page = spec.page_size_bytes
     names = layer_names()
     tensor = KVCacheTensor(
@@ -113,13 +113,13 @@ def kv_cache_config(num_blocks=64, layout="LBNHC", kv_heads=KV_HEADS, block=BLOC
     return cfg, spec, tensor
 
 
-def kv_caches(num_blocks=64, layout="LBNHC", kv_heads=KV_HEADS, block=BLOCK):
-    """Per-layer views [B, H, N, 2*head] (bf16) over one flat buffer, by vLLM's own code;
-    `kv_heads`: a tensor-parallel rank's share; `block`: tokens a block."""
+def kv_caches(num_blocks=64, layout="LBNHC", kv_heads=KV_HEADS, block=BLOCK, dtype=None, head=HEAD):
+    """Per-layer views [B, H, N, 2*head] (bf16, or `dtype`) over one flat buffer, by vLLM's own
+    code; `kv_heads`: a tensor-parallel rank's share; `block`: tokens a block."""
     from vllm.v1.kv_cache_interface import create_kv_cache_views
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    cfg, spec, tensor = kv_cache_config(num_blocks, layout, kv_heads, block)
+    cfg, spec, tensor = kv_cache_config(num_blocks, layout, kv_heads, block, dtype, head)
     raw = torch.zeros(tensor.size, dtype=torch.int8)
     views = create_kv_cache_views(raw, spec, num_blocks, KVCacheLayout[layout], tensor)
     return raw, dict(zip(layer_names(), views)), cfg
