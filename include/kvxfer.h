@@ -84,6 +84,11 @@
 #define KVX_MAX_KV_HEADS 65536
 
 /**
+ * The most parts and the most segments a part of a state page (`kvx_state_part`) describes.
+ */
+#define KVX_MAX_STATE_PARTS 8
+
+/**
  * How device memory moves between an agent and a peer (`kvx_agent_peer_gpu_path`).
  */
 enum kvx_gpu_path
@@ -378,6 +383,30 @@ typedef struct kvx_xfer_stats {
 } kvx_xfer_stats;
 
 /**
+ * One state tensor of a recurrent-state page (`KVX_PACKING_STATE`): `rows` rows, each the
+ * rank's channels of every segment in turn (vLLM's DS conv state: one row, segments x, B and
+ * C; the SSM state: one row of one segment of heads).
+ */
+typedef struct kvx_state_part {
+  /**
+   * Rows (1 unless the channels are the inner dimension).
+   */
+  uint32_t rows;
+  /**
+   * Entries of `per_unit`: 1 to `KVX_MAX_STATE_PARTS`.
+   */
+  uint32_t segments;
+  /**
+   * Per segment: channels per split unit (the same on every TP size).
+   */
+  const uint64_t *per_unit;
+  /**
+   * Bytes of one channel in one row.
+   */
+  uint64_t channel_bytes;
+} kvx_state_part;
+
+/**
  * A paged KV cache's shape (for the connector).
  */
 typedef struct kvx_layout {
@@ -416,6 +445,21 @@ typedef struct kvx_layout {
    * 1: HND order inside a block, 0: NHD (any other value is `KVX_INVALID_ARGUMENT`).
    */
   uint32_t hnd;
+  /**
+   * `KVX_PACKING_STATE` only (else NULL): the page's state tensors in page order, read for
+   * `state_parts_len` entries (1 to `KVX_MAX_STATE_PARTS`); `kv_heads` then counts the
+   * page's split units per rank and `head_dim` and `dtype_bytes` are not used. NULL: a page
+   * of `kv_heads` units of `head_dim` elements of `dtype_bytes`.
+   */
+  const struct kvx_state_part *state_parts;
+  /**
+   * Entries of `state_parts`.
+   */
+  uint32_t state_parts_len;
+  /**
+   * Bytes after the parts in each page (vLLM pads a hybrid model's state page).
+   */
+  uint64_t state_padding;
 } kvx_layout;
 
 /**

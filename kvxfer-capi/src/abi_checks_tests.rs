@@ -103,7 +103,7 @@ fn listen_and_connect_with_a_null_buffer_bind_and_dial_nothing() {
 #[test]
 fn a_connector_flag_or_mode_outside_its_values_is_refused() {
     use crate::connector::kvx_producer_new;
-    use crate::{kvx_connector_config, kvx_layer_base, kvx_layout, kvx_producer};
+    use crate::{kvx_connector_config, kvx_layer_base, kvx_layout, kvx_producer, kvx_state_part};
     let a = agent(c"capi-flags");
     let good = kvx_layout {
         layers: 1,
@@ -114,7 +114,21 @@ fn a_connector_flag_or_mode_outside_its_values_is_refused() {
         num_blocks: 4,
         packing: 1,
         hnd: 0,
+        state_parts: null(),
+        state_parts_len: 0,
+        state_padding: 0,
     };
+    // More parts, and a part of more segments, than the limits (refused before either array
+    // is read).
+    let segs = [2u64; 9];
+    let one = kvx_state_part {
+        rows: 1,
+        segments: 1,
+        per_unit: segs.as_ptr(),
+        channel_bytes: 4,
+    };
+    let parts = [one; 9];
+    let wide = [kvx_state_part { segments: 9, ..one }];
     let bases = [kvx_layer_base {
         k_region: 0,
         k_offset: 0,
@@ -122,7 +136,35 @@ fn a_connector_flag_or_mode_outside_its_values_is_refused() {
         v_offset: 0,
     }];
     let cases = [
-        ("packing is 3", kvx_layout { packing: 3, ..good }, 0),
+        ("packing is 4", kvx_layout { packing: 4, ..good }, 0),
+        (
+            "a state layout has block_tokens 1",
+            kvx_layout { packing: 3, ..good },
+            0,
+        ),
+        (
+            "9 state parts: 1 to 8",
+            kvx_layout {
+                packing: 3,
+                block_tokens: 1,
+                hnd: 0,
+                state_parts: parts.as_ptr(),
+                state_parts_len: 9,
+                ..good
+            },
+            0,
+        ),
+        (
+            "9 segments: 1 to 8",
+            kvx_layout {
+                packing: 3,
+                block_tokens: 1,
+                state_parts: wide.as_ptr(),
+                state_parts_len: 1,
+                ..good
+            },
+            0,
+        ),
         (
             "kv_heads must be 1, not 2",
             kvx_layout {

@@ -19,8 +19,8 @@ use crate::ffi::{
 };
 use crate::{
     kvx_agent, kvx_cache_tensor, kvx_connector, kvx_connector_config, kvx_consumer, kvx_layer_base,
-    kvx_layout, kvx_producer, kvx_request_stats, kvx_status, KVX_PACKING_FUSED, KVX_PACKING_LATENT,
-    KVX_PACKING_SEPARATE, KVX_PACKING_STATE,
+    kvx_layout, kvx_producer, kvx_request_stats, kvx_status, KVX_MAX_STATE_PARTS,
+    KVX_PACKING_FUSED, KVX_PACKING_LATENT, KVX_PACKING_SEPARATE, KVX_PACKING_STATE,
 };
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -84,17 +84,25 @@ fn layout_of(l: &kvx_layout, bases: &[kvx_layer_base]) -> Result<KvLayout, Fail>
             if l.block_tokens != 1 || l.hnd != 0 {
                 return Err(bad("a state layout has block_tokens 1 and hnd 0"));
             }
-            // One part of one segment: `kv_heads` units of `head_dim` elements.
-            Ok(StateShape {
-                parts: vec![StatePart {
-                    rows: 1,
-                    per_unit: vec![u64::from(l.head_dim)],
-                    channel_bytes: u64::from(l.dtype_bytes),
-                }],
-                padding: 0,
-            })
+            if l.state_parts.is_null() {
+                // One part of one segment: `kv_heads` units of `head_dim` elements.
+                return Ok(StateShape {
+                    parts: vec![StatePart {
+                        rows: 1,
+                        per_unit: vec![u64::from(l.head_dim)],
+                        channel_bytes: u64::from(l.dtype_bytes),
+                    }],
+                    padding: l.state_padding,
+                });
+            }
+            state_parts(l).map_err(|w| bad(&w))
         })
         .transpose()?;
+    if packing != KvPacking::State && !l.state_parts.is_null() {
+        return Err(bad(
+            "state parts given for a layout that is not KVX_PACKING_STATE",
+        ));
+    }
     let separate = packing == KvPacking::Separate;
     let hnd = flag(l.hnd, "hnd")?;
     let layers = bases
@@ -132,6 +140,38 @@ fn layout_of(l: &kvx_layout, bases: &[kvx_layer_base]) -> Result<KvLayout, Fail>
         e => bad(&e.to_string()),
     })?;
     Ok(layout)
+}
+
+/// The state page `l.state_parts` describes; why not, where a count is out of its bounds.
+fn state_parts(l: &kvx_layout) -> Result<StateShape, String> {
+    let max = KVX_MAX_STATE_PARTS;
+    if l.state_parts_len == 0 || l.state_parts_len > max {
+        return Err(format!("{} state parts: 1 to {max}", l.state_parts_len));
+    }
+    // SAFETY: per the layout's contract, `state_parts` is valid for `state_parts_len`
+    // entries, checked to be at most KVX_MAX_STATE_PARTS.
+    let parts = unsafe { std::slice::from_raw_parts(l.state_parts, l.state_parts_len as usize) };
+    let mut out = Vec::with_capacity(parts.len());
+    for (i, p) in parts.iter().enumerate() {
+        if p.segments == 0 || p.segments > max || p.per_unit.is_null() {
+            return Err(format!(
+                "state part {i}: {} segments: 1 to {max}, and per_unit not NULL",
+                p.segments
+            ));
+        }
+        // SAFETY: per the part's contract, `per_unit` is valid for `segments` entries,
+        // checked to be at most KVX_MAX_STATE_PARTS.
+        let per_unit = unsafe { std::slice::from_raw_parts(p.per_unit, p.segments as usize) };
+        out.push(StatePart {
+            rows: u64::from(p.rows),
+            per_unit: per_unit.to_vec(),
+            channel_bytes: p.channel_bytes,
+        });
+    }
+    Ok(StateShape {
+        parts: out,
+        padding: l.state_padding,
+    })
 }
 
 pub(crate) fn config_of(c: Option<&kvx_connector_config>) -> Result<ConnectorConfig, Fail> {

@@ -202,6 +202,25 @@ pub struct kvx_layer_base {
     pub v_offset: u64,
 }
 
+/// The most parts and the most segments a part of a state page (`kvx_state_part`) describes.
+pub const KVX_MAX_STATE_PARTS: u32 = 8;
+
+/// One state tensor of a recurrent-state page (`KVX_PACKING_STATE`): `rows` rows, each the
+/// rank's channels of every segment in turn (vLLM's DS conv state: one row, segments x, B and
+/// C; the SSM state: one row of one segment of heads).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvx_state_part {
+    /// Rows (1 unless the channels are the inner dimension).
+    pub rows: u32,
+    /// Entries of `per_unit`: 1 to `KVX_MAX_STATE_PARTS`.
+    pub segments: u32,
+    /// Per segment: channels per split unit (the same on every TP size).
+    pub per_unit: *const u64,
+    /// Bytes of one channel in one row.
+    pub channel_bytes: u64,
+}
+
 /// A paged KV cache's shape (for the connector).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -225,6 +244,16 @@ pub struct kvx_layout {
     pub packing: u32,
     /// 1: HND order inside a block, 0: NHD (any other value is `KVX_INVALID_ARGUMENT`).
     pub hnd: u32,
+    /// `KVX_PACKING_STATE` only (else NULL): the page's state tensors in page order, read for
+    /// `state_parts_len` entries (1 to `KVX_MAX_STATE_PARTS`); `kv_heads` then counts the
+    /// page's split units per rank and `head_dim` and `dtype_bytes` are not used. NULL: a page
+    /// of `kv_heads` units of `head_dim` elements of `dtype_bytes`.
+    pub state_parts: *const kvx_state_part,
+    /// Entries of `state_parts`.
+    pub state_parts_len: u32,
+    /// Bytes after the parts in each page, per split unit (vLLM pads a hybrid model's state
+    /// page to its attention page, which shrinks with the TP size as the state does).
+    pub state_padding: u64,
 }
 
 /// Connector settings. Zero fields take the defaults.

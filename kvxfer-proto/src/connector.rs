@@ -675,19 +675,6 @@ pub fn check_load(
         request: h.request.clone(),
         why: format!("the producer's layout: {e}"),
     })?;
-    if let Some(s) = want.state.as_ref().filter(|s| s.padding > 0) {
-        // A padded page's size on another TP size is not known from its units.
-        if h.kv_heads != local.geometry.kv_heads {
-            return Err(Error::Handoff {
-                request: h.request.clone(),
-                why: format!(
-                    "the producer's state pages hold {} split units, this consumer's {}: \
-                     padded pages ({} bytes of padding) move only between equal TP sizes",
-                    h.kv_heads, local.geometry.kv_heads, s.padding
-                ),
-            });
-        }
-    }
     let all = HeadMap::all(h.kv_heads);
     let m = heads.unwrap_or(&all);
     let lh = local.geometry.kv_heads;

@@ -34,13 +34,15 @@ pub struct StatePart {
     pub channel_bytes: u64,
 }
 
-/// A state page: its parts back to back from offset 0, then `padding` bytes that are never
-/// data (vLLM pads a hybrid model's state page to its attention page).
+/// A state page: its parts back to back from offset 0, then `padding` bytes per split unit
+/// that are never data (vLLM pads a hybrid model's state page to its attention page, which
+/// shrinks with the TP size as the state does: so the padding is counted per unit, and a
+/// page's size on any TP size follows from its units).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct StateShape {
     /// The state tensors, in page order.
     pub parts: Vec<StatePart>,
-    /// Bytes after the parts.
+    /// Bytes after the parts, per split unit.
     pub padding: u64,
 }
 
@@ -92,7 +94,8 @@ impl StateShape {
     }
 
     fn try_page_bytes(&self, units: u64) -> Option<u64> {
-        self.parts.iter().try_fold(self.padding, |acc, p| {
+        let pad = self.padding.checked_mul(units)?;
+        self.parts.iter().try_fold(pad, |acc, p| {
             acc.checked_add(Self::try_row_bytes(p, units)?.checked_mul(p.rows)?)
         })
     }
@@ -217,7 +220,7 @@ pub(crate) mod tests {
     fn a_page_is_its_parts_then_its_padding() {
         let s = mamba2();
         s.check(4).unwrap();
-        assert_eq!(s.page_bytes(4), 4 * 12 * 6 + 4 * 256 + 40);
+        assert_eq!(s.page_bytes(4), 4 * 12 * 6 + 4 * 256 + 4 * 40);
         let mut p = Vec::new();
         s.pieces(4, 1..3, &mut p);
         // x: units 1..3 of 4 (48 bytes a unit), B and C (12 a unit), then the SSM heads.
@@ -295,7 +298,7 @@ pub(crate) mod tests {
                     }
                 }
             }
-            owner.extend(std::iter::repeat_n(None, 5));
+            owner.extend(std::iter::repeat_n(None, 5 * units as usize));
             prop_assert_eq!(owner.len() as u64, s.page_bytes(units));
             let mut pieces = Vec::new();
             s.pieces(units, lo..hi, &mut pieces);

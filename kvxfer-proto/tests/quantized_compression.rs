@@ -55,10 +55,10 @@ fn bf16(v: f32) -> [u8; 2] {
 
 /// The ratio the lane's codec achieves on `data`.
 fn ratio(data: &[u8]) -> f64 {
-    let mut enc = Encoder::new(Transform::Bf16).unwrap();
+    let mut enc = Encoder::new(Transform::Bf16).expect("encoder");
     let mut out = Vec::new();
     for c in data.chunks(CHUNK) {
-        enc.encode(c, &mut out).unwrap();
+        enc.encode(c, &mut out).expect("encode");
     }
     data.len() as f64 / out.len() as f64
 }

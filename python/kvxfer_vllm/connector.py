@@ -259,6 +259,51 @@ def _state_groups(cfg: Any) -> set[int]:
     return {g for g, spec in enumerate(groups) if "Mamba" in type(spec.kv_cache_spec).__name__}
 
 
+def _state_split(spec: Any, page: int, tp: int) -> dict[str, Any]:
+    """A MambaSpec page as kvxfer splits it across TP (``kx.layout_struct``'s ``state``): the
+    conv state's sub-projections (Mamba2 x, B, C; GDN Q, K, V; Mamba1 x) and the SSM state's
+    heads, in split units (the gcd of this rank's channel counts, so each part's channels per
+    unit are the same on every TP size). vLLM's NixlConnector derives the same split
+    (``derive_mamba_conv_split``). A kind or shape this does not know: ``{}`` (the page moves
+    whole, between equal TP sizes only)."""
+    import math
+
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum as K
+
+        (conv, ssm), (cdt, sdt) = spec.shapes[:2], spec.dtypes[:2]
+        kind = spec.mamba_type
+        if getattr(spec, "tp_replicated", False) or len(spec.shapes) != 2 or len(conv) != 2 or len(ssm) < 2:
+            return {}
+        ds = is_conv_state_dim_first()
+        dim, rows = (conv[0], conv[1]) if ds else (conv[1], conv[0])
+        ces, ses = (torch.tensor([], dtype=d).element_size() for d in (cdt, sdt))
+        if kind == K.MAMBA1:
+            dims = (dim,)
+        elif kind == K.MAMBA2:
+            x = ssm[0] * ssm[1]
+            dims = (x, (dim - x) // 2, (dim - x) // 2)
+        elif kind == K.GDN_ATTN:
+            v = ssm[0] * ssm[1]
+            dims = ((dim - v) // 2, (dim - v) // 2, v)
+        else:
+            return {}
+        if sum(dims) != dim or min(dims) <= 0:
+            return {}
+        units = math.gcd(*dims, ssm[0])
+        conv_part = (1, [d // units for d in dims], rows * ces) if ds else (rows, [d // units for d in dims], ces)
+        ssm_part = (1, [ssm[0] // units], math.prod(ssm[1:]) * ses)
+        used = dim * rows * ces + math.prod(ssm) * ses
+        # The padding to the attention page shrinks with the TP size as the state does: per
+        # unit, or the page does not split.
+        if used > page or (page - used) % units:
+            return {}
+        return dict(heads=units, parts=([conv_part, ssm_part], (page - used) // units))
+    except Exception:  # noqa: BLE001 - a vLLM without these helpers: the page moves whole
+        return {}
+
+
 def _params(request: "Request") -> dict[str, Any] | None:
     """A request's kv_transfer_params when it is a JSON object; a client's value of any other
     type is no params (never an exception in vLLM's scheduler)."""
@@ -717,7 +762,11 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("kvxfer: no KV caches to register")
         group_names = self._group_names(kv_caches)
         shapes = [self._cache_shape(kv_caches[g[0]]) for g in group_names]
+        cfg = getattr(self, "_kv_cache_config", None)
         for g, sh in enumerate(shapes):
+            if sh.get("state") and cfg is not None and g < len(cfg.kv_cache_groups):
+                # The page's parts, where the model's kind says how TP splits them.
+                sh.update(_state_split(cfg.kv_cache_groups[g].kv_cache_spec, sh["head_size"], self.tp_size))
             if bool(sh.get("state")) != (g in self._state_groups):
                 # What vLLM's spec says a group holds and what its caches are must agree: state
                 # pages are never moved as attention blocks, nor the reverse.
@@ -785,7 +834,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                 bases.append((rid, 0, None, 0))
                 tensors.append((t.data_ptr(), length))
             layout, lbases = kx.layout_struct(
-                len(gnames), sh["heads"], sh["head_size"], sh["es"], sh["bs"], sh["nb"], sh["packing"], sh["hnd"], bases
+                len(gnames), sh["heads"], sh["head_size"], sh["es"], sh["bs"], sh["nb"], sh["packing"], sh["hnd"], bases, sh.get("parts")
             )
             compat = self.agent.lib.L.kvx_layout_compat_hash(layout, lbases)
             groups.append((layout, lbases, tensors, bases, compat))
@@ -959,8 +1008,13 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             tg, mg = theirs.get("groups") or [], mine.get("groups") or []
             if len(tg) != len(mg):
                 raise ValueError(f"the two sides have {1 + len(tg)} and {1 + len(mg)} KV cache groups: prefill {_shape(theirs)}; decode {_shape(mine)}")
+            same_tp = (theirs.get("tp") or 1) == self.tp_size
             for i, (a, b) in enumerate(zip(tg, mg), start=1):
-                diff = [k for k in GROUP_SHAPE_KEYS if isinstance(a, dict) and k in a and a[k] != b.get(k)]
+                # Heads (or state units) per rank, and a state page's size, differ with the TP
+                # size: then the library checks each group's against the plan.
+                varies = ("kv_heads", "head_size") if isinstance(a, dict) and a.get("state") else ("kv_heads",)
+                keys = [k for k in GROUP_SHAPE_KEYS if same_tp or k not in varies]
+                diff = [k for k in keys if isinstance(a, dict) and k in a and a[k] != b.get(k)]
                 if not isinstance(a, dict) or diff:
                     raise ValueError(f"the two sides' KV cache group {i} differs in {diff or 'its shape'}: prefill {a!r}; decode {b!r}")
             if len(theirs.get("layers", [])) != len(mine.get("layers", [])):

@@ -68,6 +68,17 @@ class KvxferError(RuntimeError):
         self.status_name = name
 
 
+class StatePart(Structure):
+    """kvx_state_part: one state tensor of a recurrent-state page."""
+    _c_name_ = "kvx_state_part"
+    _fields_ = [
+        ("rows", c_uint32),
+        ("segments", c_uint32),
+        ("per_unit", POINTER(c_uint64)),
+        ("channel_bytes", c_uint64),
+    ]
+
+
 class Layout(Structure):
     _c_name_ = "kvx_layout"
     _fields_ = [
@@ -79,6 +90,9 @@ class Layout(Structure):
         ("num_blocks", c_uint64),
         ("packing", c_uint32),
         ("hnd", c_uint32),
+        ("state_parts", POINTER(StatePart)),
+        ("state_parts_len", c_uint32),
+        ("state_padding", c_uint64),
     ]
 
 
@@ -457,9 +471,24 @@ def tp_plan(prefill_tp, prefill_kv_heads, decode_tp, decode_kv_heads, decode_ran
         return [TpRead.from_buffer_copy(out[i]) for i in range(n.value)]
 
 
-def layout_struct(layers, kv_heads, head_dim, dtype_bytes, block_tokens, num_blocks, packing, hnd, bases):
-    """A kvx_layout and its layer bases; ``packing`` is one of the KVX_PACKING_* constants."""
+def layout_struct(layers, kv_heads, head_dim, dtype_bytes, block_tokens, num_blocks, packing, hnd, bases, state=None):
+    """A kvx_layout and its layer bases; ``packing`` is one of the KVX_PACKING_* constants.
+    ``state``: a recurrent-state page's ``(parts, padding per unit)``, each part ``(rows,
+    per_unit, channel_bytes)`` (``kv_heads`` then counts its split units)."""
     lay = Layout(layers, kv_heads, head_dim, dtype_bytes, block_tokens, num_blocks, packing, 1 if hnd else 0)
+    if state is not None:
+        parts, padding = state
+        arr = (StatePart * len(parts))()
+        keep = []
+        for i, (rows, per_unit, channel_bytes) in enumerate(parts):
+            segs = (c_uint64 * len(per_unit))(*per_unit)
+            keep.append(segs)
+            arr[i] = StatePart(rows, len(per_unit), ctypes.cast(segs, POINTER(c_uint64)), channel_bytes)
+        lay.state_parts = ctypes.cast(arr, POINTER(StatePart))
+        lay.state_parts_len = len(parts)
+        lay.state_padding = padding
+        # The arrays live as long as the layout.
+        lay._keep = (arr, keep)
     arr = (LayerBase * layers)()
     for i, (kr, ko, vr, vo) in enumerate(bases):
         arr[i] = LayerBase(kr, ko, 0xFFFFFFFF if vr is None else vr, vo)

@@ -175,7 +175,7 @@ def hma_caches(num_blocks=64, layout="LBNHC"):
     return raw, views, cfg
 
 
-CONV_DIM, CONV_ROWS = 96, 3  # a Mamba2 conv state in vLLM's DS layout: (dim, state_len)
+CONV_DIM, CONV_ROWS = 96, 3  # a Mamba2 conv state: x 32 (2 heads of 16), B 32, C 32
 SSM = (2, 16, 32)  # SSM state: (heads, head_dim, d_state), float32
 
 
@@ -185,12 +185,15 @@ def hybrid_layer_names():
     return ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"], ["model.layers.1.mixer", "model.layers.3.mixer"]
 
 
-def hybrid_caches(num_blocks=64):
+def hybrid_caches(num_blocks=64, tp=1):
     """What vLLM's hybrid allocator makes for that model: a full-attention group and a
     MambaSpec group (conv bf16 and SSM f32 state, padded to the attention page) overlaid on
     one allocation; the attention views by vLLM's create_kv_cache_views, the state views as
     vLLM's model runner makes them (each state tensor strided by the page, back to back from
-    the page's start); and the KVCacheConfig."""
+    the page's start); and the KVCacheConfig. `tp`: a rank's share of a TP `tp` deployment
+    (heads, conv channels and SSM heads divided; the conv state in vLLM's configured layout,
+    SD (state_len, dim) by default)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -201,11 +204,12 @@ def hybrid_caches(num_blocks=64):
     )
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    attn = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.bfloat16)
+    attn = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS // tp, head_size=HEAD, dtype=torch.bfloat16)
     page = attn.page_size_bytes
+    conv = (CONV_DIM // tp, CONV_ROWS) if is_conv_state_dim_first() else (CONV_ROWS, CONV_DIM // tp)
     mamba = MambaSpec(
         block_size=BLOCK,
-        shapes=((CONV_DIM, CONV_ROWS), SSM),
+        shapes=(conv, (SSM[0] // tp, *SSM[1:])),
         dtypes=(torch.bfloat16, torch.float32),
         page_size_padded=page,
     )

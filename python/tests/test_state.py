@@ -88,27 +88,43 @@ def test_state_pages_move_beside_attention_and_the_last_token_is_recomputed():
     pre.shutdown()
 
 
-def test_a_state_page_is_not_split_between_tp_sizes():
-    """The plugin registers a state page whole (one split unit a rank): a load that reads half
-    the heads (a decode rank of another TP size) is refused naming the state group, before
-    anything moves; the same load of every head goes through."""
-    pre, pcaches, s, dec, dcaches, sd = _engines("hybtp")
-    params, _ = h.prefill(s, [pre], "hybtp-1", TOKENS)
-    (part, _), = dec._plan_load(json.loads(params["kvxfer_handoff"]), True)
-    text = json.dumps(part).encode()
-    half = kx.TpRead(producer_rank=0, readers=1, remote_heads_start=0, remote_heads_end=1, local_heads_start=0, local_heads_end=1)
-    try:
-        dec.consumer.start_load_groups(text, [[5, 6], [9]], half)
-        raise AssertionError("a state page split between TP sizes was loaded")
-    except kx.KvxferError as e:
-        assert "group 1" in str(e) and "do not split" in str(e), str(e)
-    full, state = h.hybrid_layer_names()
-    assert all(torch.count_nonzero(_bytes(t[9])) == 0 for n in state for t in dcaches[n])
-    assert all(torch.count_nonzero(dcaches[n][[5, 6]].view(torch.int16)) == 0 for n in full)
-    whole = kx.TpRead(producer_rank=0, readers=1, remote_heads_start=0, remote_heads_end=h.KV_HEADS, local_heads_start=0, local_heads_end=h.KV_HEADS)
-    dec.consumer.start_load_groups(text, [[5, 6], [9]], whole)
+def test_a_state_page_splits_by_channel_across_tp():
+    """Prefill TP 1 to decode TP 2, rank 1: the plugin describes the page as vLLM's Mamba2
+    state splits (conv x, B, C and the SSM heads, in units of the channels' gcd), and the rank
+    reads attention head 1 and, in the same fraction, the second half of x, of B, of C and of
+    the SSM heads, each into its own page; nothing else of the page."""
+    pre, pcaches, s, _, _, _ = _engines("hybsplit")
+    params, _ = h.prefill(s, [pre], "hybsplit-1", TOKENS)
+    hd = json.loads(params["kvxfer_handoff"])
+    vc = h.vllm_config(role="kv_consumer", extra=dict(EXTRA), engine_id=f"hybsplit-dec-{os.getpid()}", tp=2, prefix_caching=False)
+    _, dcaches, dkv = h.hybrid_caches(tp=2)
+    dec = h.worker(vc, dkv, 1)
+    dec.register_kv_caches(dcaches)
+    assert dec._shape["groups"][0]["kv_heads"] == 1 and pre._shape["groups"][0]["kv_heads"] == 2
+    (part, read), = dec._plan_load(hd, True)
+    assert (read.remote_heads_start, read.remote_heads_end, read.local_heads_start) == (1, 2, 0)
+    attn_remote, (state_remote,) = hd["blocks"], hd["group_blocks"][0]
+    attn_local, state_local = [3, 4, 5, 6, 7, 8, 9], 11
+    dec.consumer.start_load_groups(json.dumps(part).encode(), [attn_local, [state_local]], read)
     dec.consumer.wait(part["request"], 20000)
-    (rb,) = part["groups"][0]["blocks"]
-    assert all(torch.equal(_bytes(a[9]), _bytes(b[rb])) for n in state for a, b in zip(dcaches[n], pcaches[n]))
+    full, state = h.hybrid_layer_names()
+    for name in full:
+        for lb, rb in zip(attn_local, attn_remote):
+            assert torch.equal(_bytes(dcaches[name][lb][0]), _bytes(pcaches[name][rb][1])), (name, lb)
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    x = h.CONV_DIM // 3  # x, B and C are equal here
+    for name in state:
+        (dconv, dssm), (pconv, pssm) = dcaches[name], pcaches[name]
+        dc, pc = dconv[state_local], pconv[state_remote]
+        if is_conv_state_dim_first():
+            dc, pc = dc.t(), pc.t()
+        # Rows of (state_len, dim): this rank's half of each sub-projection.
+        for seg in range(3):
+            mine, theirs = dc[:, seg * x // 2 : (seg + 1) * x // 2], pc[:, seg * x + x // 2 : (seg + 1) * x]
+            assert torch.equal(_bytes(mine), _bytes(theirs)), (name, seg)
+        assert torch.equal(_bytes(dssm[state_local][0]), _bytes(pssm[state_remote][1])), name
+        others = [b for b in range(64) if b not in (state_local, *attn_local)]
+        assert all(torch.count_nonzero(_bytes(t[b])) == 0 for t in dcaches[name] for b in others), name
     dec.shutdown()
     pre.shutdown()

@@ -85,7 +85,7 @@ impl TestCache {
     }
 
     /// A recurrent-state cache of `units` split units a rank (a Mamba2-like page: conv x, B
-    /// and C of 3-element channels, then the SSM heads), its page padded by `padding` bytes
+    /// and C of 3-element channels, then the SSM heads), its page padded by `padding` bytes a unit
     /// (a hybrid model's) or not; zeroed or filled from `seed`.
     pub fn state(units: u64, padding: u64, seed: Option<u64>) -> Result<TestCache> {
         let shape = StateShape {
@@ -266,9 +266,21 @@ impl TestCache {
             .unwrap_or(false)
     }
 
-    /// Bytes of one block in every layer (K and V, or the latent).
+    /// Bytes of one block in every layer (K and V, or the latent, or a state page).
     pub fn request_block_bytes(&self) -> u64 {
         self.view.block_bytes() * LAYERS * self.view.tensors_per_layer() as u64
+    }
+
+    /// Bytes one head (a state page's unit) of one block moves in every layer when a load
+    /// takes a slice: a state page's padding is not data and moves only with a whole page.
+    pub fn slice_bytes_per_head(&self) -> u64 {
+        let heads = self.caches.geometry.kv_heads;
+        let pad = self
+            .view
+            .state
+            .as_ref()
+            .map_or(0, |s| s.padding * heads * LAYERS);
+        (self.request_block_bytes() - pad) / heads
     }
 }
 

@@ -1,7 +1,8 @@
 //! Recurrent-state groups (Mamba, Mamba2, GDN: [`kvxfer_proto::state`]): a request's state
 //! page moves whole beside its attention blocks, pulled or pushed; between TP sizes each
-//! decode rank reads its split units of every part and segment; what cannot split (a padded
-//! page, or one of a single unit a rank) is refused before anything moves, naming the group.
+//! decode rank reads its split units of every part and segment; what cannot split (a page of
+//! a single unit a rank) or does not match (another page) is refused before anything moves,
+//! naming the group.
 
 use super::cache::{TestCache, HEADS, LAYERS};
 use super::groups::two_of;
@@ -104,7 +105,7 @@ fn state_case(h: &dyn Harness, mode: Mode, state_first: bool) -> Verdict {
 }
 
 /// Between TP sizes a page that cannot split is refused, naming the group, before a byte
-/// moves: a padded page read by a rank of other units, and a hybrid model's page of one unit
+/// moves: a page of another padding (another shape), and a hybrid model's page of one unit
 /// a rank read by a decode rank that takes half the heads.
 pub fn state_that_cannot_split_is_refused(h: &dyn Harness) -> Verdict {
     let attn = |heads, seed| {
@@ -113,7 +114,8 @@ pub fn state_that_cannot_split_is_refused(h: &dyn Harness) -> Verdict {
             "cache",
         )
     };
-    // Prefill TP 1 (4 heads, 4 units), decode TP 2 rank 0 (2 heads, 2 units), padded pages.
+    // Prefill TP 1 (4 heads, 4 units), decode TP 2 rank 0 (2 heads, 2 units), pages padded
+    // by 40 and 30 bytes a unit.
     let padded = two_of(
         h,
         Mode::Pull,
@@ -121,7 +123,7 @@ pub fn state_that_cannot_split_is_refused(h: &dyn Harness) -> Verdict {
             attn(HEADS, Some(71))?,
             ok(TestCache::state(UNITS, 40, Some(72)), "state")?,
         ],
-        [attn(2, None)?, ok(TestCache::state(2, 40, None), "state")?],
+        [attn(2, None)?, ok(TestCache::state(2, 30, None), "state")?],
     )?;
     let half = LoadSpec {
         heads: Some(HeadMap {
@@ -130,7 +132,7 @@ pub fn state_that_cannot_split_is_refused(h: &dyn Harness) -> Verdict {
         }),
         readers: Some(2),
     };
-    refused(&padded, &half, &["group 1", "padded pages"])?;
+    refused(&padded, &half, &["group 1", "differs from this consumer's"])?;
     // One opaque unit a rank: half the heads is not a whole unit.
     let opaque = |seed| {
         ok(

@@ -44,16 +44,16 @@ pub fn tp_mla_one_to_two(h: &dyn Harness) -> Verdict {
     tp_case_of(h, 1, 2, 1, |_, seed| TestCache::latent(seed))
 }
 
-/// Recurrent state (a Mamba2-like page of 4 split units at TP 1), prefill TP 1 to decode
-/// TP 2: each decode rank reads its two units of every part and segment (conv x, B and C,
-/// then the SSM heads) into its page.
+/// Recurrent state (a Mamba2-like page of 4 split units at TP 1, padded as a hybrid model's
+/// is), prefill TP 1 to decode TP 2: each decode rank reads its two units of every part and
+/// segment (conv x, B and C, then the SSM heads) into its page.
 pub fn tp_state_one_to_two(h: &dyn Harness) -> Verdict {
-    tp_case_of(h, 1, 2, 4, |units, seed| TestCache::state(units, 0, seed))
+    tp_case_of(h, 1, 2, 4, |units, seed| TestCache::state(units, 10, seed))
 }
 
 /// The same, prefill TP 2 to decode TP 1: the decode rank gathers both ranks' units.
 pub fn tp_state_two_to_one(h: &dyn Harness) -> Verdict {
-    tp_case_of(h, 2, 1, 4, |units, seed| TestCache::state(units, 0, seed))
+    tp_case_of(h, 2, 1, 4, |units, seed| TestCache::state(units, 10, seed))
 }
 
 /// Ranks built over fresh caches; fields drop in order (connector objects before caches).
@@ -158,6 +158,7 @@ fn tp_case_of(h: &dyn Harness, ptp: u64, dtp: u64, kv_heads: u64, cache: RankCac
     // Figures: each load moved and skipped its share of the heads.
     for (c, cons) in r.consumers.iter().enumerate() {
         let per_head = r.dst[c].request_block_bytes() / dec.heads_per_rank();
+        let sliced = r.dst[c].slice_bytes_per_head();
         let mut done = Vec::new();
         while let Some(st) = cons.next_finished() {
             done.push(st);
@@ -169,7 +170,11 @@ fn tp_case_of(h: &dyn Harness, ptp: u64, dtp: u64, kv_heads: u64, cache: RankCac
                 .find(|s| s.request == req)
                 .ok_or(format!("decode rank {c}: {req} not reported finished"))?;
             let w = read.heads.as_ref().map_or(0, |m| m.width());
-            let (moved, skipped) = (3 * per_head * w, per_head * w);
+            let whole = read.heads.as_ref().is_some_and(|m| {
+                m.local == (0..dec.heads_per_rank()) && m.remote == (0..pre.heads_per_rank())
+            });
+            let moved = 3 * w * if whole { per_head } else { sliced };
+            let skipped = per_head * w;
             ensure!(
                 st.bytes_moved == moved && st.bytes_skipped == skipped,
                 "decode rank {c}, {req}: moved {} skipped {}, want {moved} and {skipped}",
