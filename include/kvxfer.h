@@ -457,7 +457,8 @@ typedef struct kvx_layout {
    */
   uint32_t state_parts_len;
   /**
-   * Bytes after the parts in each page (vLLM pads a hybrid model's state page).
+   * Bytes after the parts in each page, per split unit (vLLM pads a hybrid model's state
+   * page to its attention page, which shrinks with the TP size as the state does).
    */
   uint64_t state_padding;
 } kvx_layout;
