@@ -66,12 +66,33 @@ impl TestCache {
         block_tokens: u64,
         seed: Option<u64>,
     ) -> Result<TestCache> {
+        TestCache::typed(
+            packing,
+            order,
+            heads,
+            head_dim,
+            KvDtype::Bf16,
+            block_tokens,
+            seed,
+        )
+    }
+
+    /// A cache of `dtype` elements (FP8 KV, or float32 scales), HND or NHD.
+    pub fn typed(
+        packing: KvPacking,
+        order: KvOrder,
+        heads: u64,
+        head_dim: u64,
+        dtype: KvDtype,
+        block_tokens: u64,
+        seed: Option<u64>,
+    ) -> Result<TestCache> {
         let geometry = KvGeometry {
             name: "conformance".into(),
             layers: LAYERS,
             kv_heads: heads,
             head_dim,
-            dtype: KvDtype::Bf16,
+            dtype,
         };
         let probe = KvLayout::contiguous(
             geometry.clone(),

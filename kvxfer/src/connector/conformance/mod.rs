@@ -43,8 +43,8 @@ pub use groups::{
 use harness::{cfg, failed_naming, freed_as, ok, setup, Setup, ALL, LAYERS_ALL, T};
 pub use harness::{Connectors, Harness, Verdict};
 pub use state::{
-    state_beside_attention, state_beside_attention_pushed, state_follows_the_heads,
-    state_that_cannot_split_is_refused,
+    scales_travel_with_their_kv, state_beside_attention, state_beside_attention_pushed,
+    state_follows_the_heads, state_that_cannot_split_is_refused,
 };
 pub use tp::{
     tp_gqa_replicas, tp_mla_one_to_two, tp_mla_two_to_one, tp_one_to_two, tp_state_one_to_two,
@@ -92,6 +92,8 @@ pub const CASES: &[(&str, Case)] = &[
         "state_that_cannot_split_is_refused",
         state_that_cannot_split_is_refused,
     ),
+    ("state_follows_the_heads", state_follows_the_heads),
+    ("scales_travel_with_their_kv", scales_travel_with_their_kv),
     ("groups_window_beside_full", groups_window_beside_full),
     ("groups_of_two_shapes_pushed", groups_of_two_shapes_pushed),
     ("groups_layer_wise", groups_layer_wise),
@@ -122,7 +124,7 @@ macro_rules! connector_conformance {
             tp_two_to_one, tp_one_to_two, tp_gqa_replicas, tp_mla_two_to_one, tp_mla_one_to_two,
             tp_state_one_to_two, tp_state_two_to_one, state_beside_attention,
             state_beside_attention_pushed, state_that_cannot_split_is_refused,
-            state_follows_the_heads,
+            state_follows_the_heads, scales_travel_with_their_kv,
             groups_window_beside_full, groups_of_two_shapes_pushed, groups_layer_wise,
             groups_refused_and_failed, block_sizes_small_to_large, block_sizes_large_to_small,
             block_sizes_that_cannot_map_are_refused, squatted_declarations, peer_share);

@@ -2,7 +2,8 @@
 //! page moves whole beside its attention blocks, pulled or pushed; between TP sizes each
 //! decode rank reads its split units of every part and segment; what cannot split (a page of
 //! a single unit a rank) or does not match (another page) is refused before anything moves,
-//! naming the group.
+//! naming the group. Quantized KV whose scales are a buffer of their own moves them as a group
+//! beside it, with the same block ids.
 
 use super::cache::{TestCache, HEADS, LAYERS};
 use super::groups::two_of;
@@ -213,4 +214,68 @@ pub fn state_follows_the_heads(h: &dyn Harness) -> Verdict {
         .holds_in(&[9], 0..1, &s.src[0], &[3], 1..2, LAYERS_ALL)
         .map_err(|e| format!("state: {e}"))?;
     freed_as(&*s.producer, "half", FreeReason::Acked, T)
+}
+
+/// Quantized KV with its scales in a buffer of their own (FP8 values, one float32 scale per
+/// token and head for K and for V), the scales a group beside the KV with the same block ids:
+/// a decode rank of half the heads reads both groups' heads 2..4, so each block's scales land
+/// with its values, and the blocks' other heads and scales stay untouched.
+pub fn scales_travel_with_their_kv(h: &dyn Harness) -> Verdict {
+    use kvxfer_proto::layout::{KvDtype, KvOrder};
+    let of = |heads, dim, dtype, seed| {
+        ok(
+            TestCache::typed(
+                KvPacking::Separate,
+                KvOrder::Hnd,
+                heads,
+                dim,
+                dtype,
+                4,
+                seed,
+            ),
+            "cache",
+        )
+    };
+    let s = two_of(
+        h,
+        Mode::Pull,
+        [
+            of(HEADS, 16, KvDtype::Fp8, Some(91))?,
+            of(HEADS, 1, KvDtype::F32, Some(92))?,
+        ],
+        [
+            of(2, 16, KvDtype::Fp8, None)?,
+            of(2, 1, KvDtype::F32, None)?,
+        ],
+    )?;
+    let blocks = [4, 5, 6];
+    let hd = ok(
+        s.producer
+            .publish_groups("q8", &[&blocks, &blocks], 12, 2 * LAYERS as usize, None),
+        "publish_groups",
+    )?;
+    let spec = LoadSpec {
+        heads: Some(HeadMap {
+            remote: 2..4,
+            local: 0..2,
+        }),
+        readers: Some(1),
+    };
+    let local = [20, 21, 22];
+    ok(
+        s.consumer.start_load_groups(&hd, &[&local, &local], &spec),
+        "start_load_groups",
+    )?;
+    ok(s.consumer.wait("q8", T), "wait")?;
+    for (g, what) in [(0, "values"), (1, "scales")] {
+        s.dst[g]
+            .holds_in(&local, 0..2, &s.src[g], &blocks, 2..4, LAYERS_ALL)
+            .map_err(|e| format!("{what}: {e}"))?;
+        let others: Vec<u32> = (0..32).filter(|b| !local.contains(b)).collect();
+        ensure!(
+            s.dst[g].zeroed(&others, LAYERS_ALL),
+            "{what}: blocks outside the load were written"
+        );
+    }
+    freed_as(&*s.producer, "q8", FreeReason::Acked, T)
 }
