@@ -19,6 +19,14 @@ const N: u32 = NO_BLOCK;
 /// Split units of a state page at TP 1.
 const UNITS: u64 = 4;
 
+/// An attention cache of `heads` heads of 8, zeroed or filled from `seed`.
+fn attn(heads: u64, seed: Option<u64>) -> std::result::Result<TestCache, String> {
+    ok(
+        TestCache::shaped(KvPacking::Separate, heads, 8, seed),
+        "cache",
+    )
+}
+
 /// Attention beside a padded state page (a hybrid model's), pulled.
 pub fn state_beside_attention(h: &dyn Harness) -> Verdict {
     state_case(h, Mode::Pull, false)
@@ -31,20 +39,14 @@ pub fn state_beside_attention_pushed(h: &dyn Harness) -> Verdict {
 }
 
 fn state_case(h: &dyn Harness, mode: Mode, state_first: bool) -> Verdict {
-    let attn = |seed| {
-        ok(
-            TestCache::shaped(KvPacking::Separate, HEADS, 8, seed),
-            "cache",
-        )
-    };
     let state = |seed| ok(TestCache::state(UNITS, 40, seed), "state cache");
     let (a, st) = if state_first { (1, 0) } else { (0, 1) };
     let order = |x: TestCache, y: TestCache| if state_first { [y, x] } else { [x, y] };
     let s = two_of(
         h,
         mode,
-        order(attn(Some(61))?, state(Some(62))?),
-        order(attn(None)?, state(None)?),
+        order(attn(HEADS, Some(61))?, state(Some(62))?),
+        order(attn(HEADS, None)?, state(None)?),
     )?;
     // The state group holds one page, for the whole prompt (vLLM's last block); the consumer
     // holds the attention prefix, never a state prefix.
@@ -109,12 +111,6 @@ fn state_case(h: &dyn Harness, mode: Mode, state_first: bool) -> Verdict {
 /// moves: a page of another padding (another shape), and a hybrid model's page of one unit
 /// a rank read by a decode rank that takes half the heads.
 pub fn state_that_cannot_split_is_refused(h: &dyn Harness) -> Verdict {
-    let attn = |heads, seed| {
-        ok(
-            TestCache::shaped(KvPacking::Separate, heads, 8, seed),
-            "cache",
-        )
-    };
     // Prefill TP 1 (4 heads, 4 units), decode TP 2 rank 0 (2 heads, 2 units), pages padded
     // by 40 and 30 bytes a unit.
     let padded = two_of(
@@ -126,13 +122,7 @@ pub fn state_that_cannot_split_is_refused(h: &dyn Harness) -> Verdict {
         ],
         [attn(2, None)?, ok(TestCache::state(2, 30, None), "state")?],
     )?;
-    let half = LoadSpec {
-        heads: Some(HeadMap {
-            remote: 0..2,
-            local: 0..2,
-        }),
-        readers: Some(2),
-    };
+    let half = reading(0..2, 0..2, 2);
     refused(&padded, &half, &["group 1", "differs from this consumer's"])?;
     // One opaque unit a rank: half the heads is not a whole unit.
     let opaque = |seed| {
@@ -148,6 +138,14 @@ pub fn state_that_cannot_split_is_refused(h: &dyn Harness) -> Verdict {
         [attn(2, None)?, opaque(None)?],
     )?;
     refused(&single, &half, &["group 1", "do not split"])
+}
+
+/// A load of the producer's heads `remote` into `local`, declaring `readers` readers.
+fn reading(remote: std::ops::Range<u64>, local: std::ops::Range<u64>, readers: u32) -> LoadSpec {
+    LoadSpec {
+        heads: Some(HeadMap { remote, local }),
+        readers: Some(readers),
+    }
 }
 
 fn refused(s: &super::groups::Two, spec: &LoadSpec, words: &[&str]) -> Verdict {
@@ -175,12 +173,6 @@ fn refused(s: &super::groups::Two, spec: &LoadSpec, words: &[&str]) -> Verdict {
 /// attention group and, in the same fraction, unit 1 of every part and segment of the state
 /// page, into its unit 0.
 pub fn state_follows_the_heads(h: &dyn Harness) -> Verdict {
-    let attn = |heads, seed| {
-        ok(
-            TestCache::shaped(KvPacking::Separate, heads, 8, seed),
-            "cache",
-        )
-    };
     let s = two_of(
         h,
         Mode::Pull,
@@ -195,13 +187,7 @@ pub fn state_follows_the_heads(h: &dyn Harness) -> Verdict {
             .publish_groups("half", &[&[N, 3], &[1, 2]], 8, 2 * LAYERS as usize, None),
         "publish_groups",
     )?;
-    let spec = LoadSpec {
-        heads: Some(HeadMap {
-            remote: 2..4,
-            local: 0..2,
-        }),
-        readers: Some(1),
-    };
+    let spec = reading(2..4, 0..2, 1);
     ok(
         s.consumer.start_load_groups(&hd, &[&[9], &[5, 6]], &spec),
         "start_load_groups",
@@ -254,13 +240,7 @@ pub fn scales_travel_with_their_kv(h: &dyn Harness) -> Verdict {
             .publish_groups("q8", &[&blocks, &blocks], 12, 2 * LAYERS as usize, None),
         "publish_groups",
     )?;
-    let spec = LoadSpec {
-        heads: Some(HeadMap {
-            remote: 2..4,
-            local: 0..2,
-        }),
-        readers: Some(1),
-    };
+    let spec = reading(2..4, 0..2, 1);
     let local = [20, 21, 22];
     ok(
         s.consumer.start_load_groups(&hd, &[&local, &local], &spec),
