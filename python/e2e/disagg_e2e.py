@@ -30,12 +30,101 @@ BLOCK = 32  # the CPU attention backend takes multiples of 32
 # |log p(single engine) - log p(disaggregated)| allowed per token: bf16 has 8 bits of mantissa,
 # and the two engines run the last prompt token in batches of another shape.
 TOLERANCE = 0.05
+NO_BLOCK = 0xFFFFFFFF  # a slot a KV cache group does not hold (libkvxfer's KVX_NO_BLOCK)
 
 
-def make_model(d, seed=0):
-    """A tiny Qwen3 (4 layers, 2 KV heads of 64, bf16) with seeded weights, written as a
-    Hugging Face checkpoint in `d` (config.json + model.safetensors)."""
+def make_model(d, seed=0, arch="qwen3"):
+    """A tiny model with seeded weights, written as a Hugging Face checkpoint in `d`
+    (config.json + model.safetensors): Qwen3 (4 layers, 2 KV heads of 64, bf16), or with
+    `arch` "gemma3" a Gemma 3 text model of the same size whose layers alternate a 64-token
+    sliding window and full attention (vLLM's hybrid allocator: two KV cache groups),
+    "deepseek_v2" an MLA model, "bamba" a Mamba2 hybrid (recurrent state beside attention)."""
     import torch
+
+    if arch == "deepseek_v2":
+        # MLA: a 64 + 32 latent a token, no head dimension; dense MLPs (no experts).
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        cfg = DeepseekV2Config(
+            hidden_size=256,
+            intermediate_size=512,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            num_hidden_layers=4,
+            vocab_size=1000,
+            max_position_embeddings=2048,
+            kv_lora_rank=64,
+            q_lora_rank=None,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=32,
+            v_head_dim=32,
+            first_k_dense_replace=4,
+            n_routed_experts=None,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+            initializer_range=0.25,
+        )
+        torch.manual_seed(seed)
+        _save(DeepseekV2ForCausalLM(cfg).to(torch.bfloat16), d)
+        return
+    if arch == "bamba":
+        # Hybrid: Mamba2 layers (conv and SSM state) with attention on layers 1 and 3.
+        from transformers import BambaConfig, BambaForCausalLM
+
+        cfg = BambaConfig(
+            hidden_size=256,
+            intermediate_size=512,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=4,
+            vocab_size=1000,
+            max_position_embeddings=2048,
+            attn_layer_indices=[1, 3],
+            mamba_n_heads=8,
+            mamba_d_head=64,
+            mamba_n_groups=1,
+            mamba_d_state=32,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            initializer_range=0.25,
+        )
+        torch.manual_seed(seed)
+        _save(BambaForCausalLM(cfg).to(torch.bfloat16), d)
+        return
+    if arch == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        cfg = Gemma3TextConfig(
+            hidden_size=256,
+            intermediate_size=512,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            num_hidden_layers=4,
+            vocab_size=1000,
+            max_position_embeddings=2048,
+            sliding_window=64,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            query_pre_attn_scalar=64,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            # Gemma's tied, scaled embeddings saturate the logits at larger weights (one token
+            # at log p 0 whatever the context): small weights and a soft cap keep the next
+            # token dependent on the context.
+            initializer_range=0.02,
+            final_logit_softcapping=3.0,
+        )
+        torch.manual_seed(seed)
+        m = Gemma3ForCausalLM(cfg).to(torch.bfloat16)
+        _save(m, d)
+        return
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(
@@ -58,6 +147,10 @@ def make_model(d, seed=0):
     )
     torch.manual_seed(seed)
     m = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    _save(m, d)
+
+
+def _save(m, d):
     m.save_pretrained(d, safe_serialization=True)
     with open(os.path.join(d, "config.json")) as f:
         c = json.load(f)
@@ -185,9 +278,13 @@ def tamper(params, skip_blocks):
     first version of this control swapped and saw a difference of exactly 0.0.)"""
     p = dict(params)
     h = json.loads(p["kvxfer_handoff"])
-    b = h["blocks"]
-    i = min(skip_blocks + 1, len(b) - 2)
-    b[i] = b[i + 1]
+    # The first KV cache group that holds both blocks (a sliding window's group holds none
+    # before its window: shifting its empty slots would change nothing).
+    for b in [h["blocks"], *h.get("group_blocks", [])]:
+        i = min(skip_blocks + 1, len(b) - 2)
+        if NO_BLOCK not in (b[i], b[i + 1]):
+            b[i] = b[i + 1]
+            break
     p["kvxfer_handoff"] = json.dumps(h)
     return p, i
 
@@ -215,13 +312,14 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--prefill-tp", type=int, default=1)
     ap.add_argument("--decode-tp", type=int, default=1)
+    ap.add_argument("--arch", default="qwen3", choices=["qwen3", "gemma3", "deepseek_v2", "bamba"])
     ap.add_argument("--rundir", default=os.path.join("/tmp", f"kvxfer-e2e-{os.getpid()}"))
     a = ap.parse_args()
     if a.role != "driver":
         return role_main(a)
     os.makedirs(a.rundir, exist_ok=True)
     if not os.path.exists(os.path.join(a.model, "model.safetensors")):
-        make_model(a.model)
+        make_model(a.model, arch=a.arch)
     alone = spawn(a, "alone")
     ref = result(alone, "single engine")
     alone.wait()
