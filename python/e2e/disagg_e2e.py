@@ -42,7 +42,7 @@ def make_model(d, seed=0, arch="qwen3"):
     import torch
 
     if arch == "deepseek_v2":
-        # MLA: a 64 + 32 latent a token, no head dimension; dense MLPs (no experts).
+        # MLA: a 512 + 64 latent a token, no head dimension; dense MLPs (experts unused).
         from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
         cfg = DeepseekV2Config(
@@ -53,17 +53,21 @@ def make_model(d, seed=0, arch="qwen3"):
             num_hidden_layers=4,
             vocab_size=1000,
             max_position_embeddings=2048,
-            kv_lora_rank=64,
+            # vLLM's CPU MLA takes DeepSeek's latent of 512 + 64 only.
+            kv_lora_rank=512,
             q_lora_rank=None,
-            qk_nope_head_dim=32,
-            qk_rope_head_dim=32,
-            v_head_dim=32,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=64,
+            v_head_dim=64,
             first_k_dense_replace=4,
-            n_routed_experts=None,
+            n_routed_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=64,
             tie_word_embeddings=True,
             bos_token_id=1,
             eos_token_id=2,
-            initializer_range=0.25,
+            # 0.25 saturates the logits (one token whatever the context); 0.1 does not.
+            initializer_range=0.1,
         )
         torch.manual_seed(seed)
         _save(DeepseekV2ForCausalLM(cfg).to(torch.bfloat16), d)

@@ -702,7 +702,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         return groups
 
     @staticmethod
-    def _cache_shape(first: torch.Tensor) -> dict[str, Any]:
+    def _cache_shape(first: torch.Tensor, mla: bool = False) -> dict[str, Any]:
         """The shape of one group's per-layer views: attention ``[blocks, heads, block_size,
         2*head_size]`` (K and V in the last dimension, NHD or HND strides), MLA ``[blocks,
         block_size, latent]`` (no head dimension, no V; the same latent on every TP rank), or
@@ -715,7 +715,13 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                 f"kvxfer: a layer's cache is a {type(first).__name__}, not a tensor or a list of "
                 "state tensors"
             )
-        if first.dim() == 3:
+        if first.dim() == 4 and mla and first.shape[1] == 1:
+            # vLLM's own MLA views are 4D [blocks, 1, block_size, latent] (create_kv_cache_views):
+            # the KV cache spec, not the rank of the tensor, says the last dimension is a latent.
+            nb, _, bs, c = first.shape
+            shape = dict(heads=1, packing=kx.KVX_PACKING_LATENT, hnd=False, head_size=c)
+            compact = first.stride()[0] == bs * c and first.stride()[2:] == (c, 1)
+        elif first.dim() == 3:
             nb, bs, c = first.shape
             shape = dict(heads=1, packing=kx.KVX_PACKING_LATENT, hnd=False, head_size=c)
             compact = first.stride() == (bs * c, c, 1)
@@ -761,8 +767,9 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         if not names:
             raise ValueError("kvxfer: no KV caches to register")
         group_names = self._group_names(kv_caches)
-        shapes = [self._cache_shape(kv_caches[g[0]]) for g in group_names]
         cfg = getattr(self, "_kv_cache_config", None)
+        specs = [cfg.kv_cache_groups[g].kv_cache_spec if cfg is not None and g < len(cfg.kv_cache_groups) else None for g in range(len(group_names))]
+        shapes = [self._cache_shape(kv_caches[g[0]], mla="MLA" in type(spec).__name__) for g, spec in zip(group_names, specs)]
         for g, sh in enumerate(shapes):
             if sh.get("state") and cfg is not None and g < len(cfg.kv_cache_groups):
                 # The page's parts, where the model's kind says how TP splits them.

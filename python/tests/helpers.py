@@ -252,6 +252,28 @@ def mla_caches(num_blocks=64):
     return raw, dict(zip(layer_names(), per.unbind(0)))
 
 
+def mla_vllm_caches(num_blocks=64):
+    """An MLA model's caches as vLLM 0.33 makes them: an MLAAttentionSpec group, one 4D view
+    [B, 1, N, latent] a layer by vLLM's create_kv_cache_views, and the KVCacheConfig."""
+    from vllm.v1.kv_cache_interface import (
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        MLAAttentionSpec,
+        create_kv_cache_views,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=MLA_LATENT, dtype=torch.bfloat16)
+    page = spec.page_size_bytes
+    names = layer_names()
+    tensor = KVCacheTensor(size=page * num_blocks * LAYERS, layers=names, layer_stride=page * num_blocks, block_stride=page)
+    cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    raw = torch.zeros(tensor.size, dtype=torch.int8)
+    views = create_kv_cache_views(raw, spec, num_blocks, KVCacheLayout["LBNHC"], tensor)
+    return raw, dict(zip(names, views)), cfg
+
+
 def scheduler(vllm_cfg, kv_cfg):
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager

@@ -305,3 +305,29 @@ def test_an_mla_cache_does_not_load_into_an_attention_cache():
     assert "MLA latent" in str(e.value) and "NHD" in str(e.value), str(e.value)
     w.shutdown()
     p.shutdown()
+
+
+def test_mla_caches_as_vllm_makes_them_move_as_latents():
+    """vLLM's own MLA views are 4D [blocks, 1, block_size, latent]: registered as latents
+    (the spec says MLA), not as one attention head of half the latent, so a decode side reads
+    the whole latent with the TP plan of one head (a real engine's load failed on this
+    "reading heads 0..4 of the producer's 1"); bytes compared."""
+    extra = {"transport": "tcp", "net_devices": "lo"}
+    pre, pcaches, s = h.prefill_engine(extra, f"mla4d-pre-{os.getpid()}", 41, caches_of=h.mla_vllm_caches)
+    assert pre._shape["mla"] is True and pre._shape["kv_heads_total"] == 1, pre._shape
+    params, remote = h.prefill(s, [pre], "mla4d-1", TOKENS)
+    dec, dcaches, vd, dkv = h.decode_worker(extra, f"mla4d-dec-{os.getpid()}", caches_of=h.mla_vllm_caches)
+    assert dec.kv_heads_total == 1
+    sd = h.scheduler(vd, dkv)
+    r = h.request("mla4d-dec", TOKENS, dict(params), max_tokens=2)
+    sd.add_request(r)
+    out = sd.schedule()
+    (local,) = out.kv_connector_metadata.loads["mla4d-dec"][1]
+    h.start_loads(dec, out)
+    assert "mla4d-dec" in h.received(dec, {"mla4d-dec"})
+    assert dec.get_block_ids_with_load_errors() == set()
+    for name in h.layer_names():
+        for lb, rb in zip(local, remote[-len(local):]):
+            assert torch.equal(dcaches[name][lb].view(torch.int16), pcaches[name][rb].view(torch.int16)), (name, lb)
+    dec.shutdown()
+    pre.shutdown()
