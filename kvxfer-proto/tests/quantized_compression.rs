@@ -64,6 +64,7 @@ fn ratio(data: &[u8]) -> f64 {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "codes 8 MiB: hours under Miri")]
 fn quantized_kv_goes_raw_and_bf16_kv_compresses_on_a_gigabit_link() {
     // 4 MiB of values; KV scaled per head to a few units, as attention's K and V are.
     let v = gaussian(4 << 20, 7);

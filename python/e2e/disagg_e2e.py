@@ -38,7 +38,8 @@ def make_model(d, seed=0, arch="qwen3"):
     (config.json + model.safetensors): Qwen3 (4 layers, 2 KV heads of 64, bf16), or with
     `arch` "gemma3" a Gemma 3 text model of the same size whose layers alternate a 64-token
     sliding window and full attention (vLLM's hybrid allocator: two KV cache groups),
-    "deepseek_v2" an MLA model, "bamba" a Mamba2 hybrid (recurrent state beside attention)."""
+    "deepseek_v2" an MLA model, "qwen3_next" a gated-delta-net hybrid (recurrent state beside
+    attention)."""
     import torch
 
     if arch == "deepseek_v2":
@@ -72,33 +73,39 @@ def make_model(d, seed=0, arch="qwen3"):
         torch.manual_seed(seed)
         _save(DeepseekV2ForCausalLM(cfg).to(torch.bfloat16), d)
         return
-    if arch == "bamba":
-        # Hybrid: Mamba2 layers (conv and SSM state) with attention on layers 1 and 3.
-        from transformers import BambaConfig, BambaForCausalLM
+    if arch == "qwen3_next":
+        # Hybrid: gated-delta-net layers (conv and recurrent state) with full attention on
+        # layers 1 and 3; two small experts (vLLM takes a Qwen3-Next only with its MoE).
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-        cfg = BambaConfig(
+        cfg = Qwen3NextConfig(
             hidden_size=256,
             intermediate_size=512,
             num_attention_heads=4,
             num_key_value_heads=2,
+            head_dim=64,
             num_hidden_layers=4,
             vocab_size=1000,
             max_position_embeddings=2048,
-            attn_layer_indices=[1, 3],
-            mamba_n_heads=8,
-            mamba_d_head=64,
-            mamba_n_groups=1,
-            mamba_d_state=32,
-            mamba_d_conv=4,
-            mamba_expand=2,
+            layer_types=["linear_attention", "full_attention"] * 2,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            mlp_only_layers=[],
             tie_word_embeddings=True,
             bos_token_id=1,
             eos_token_id=2,
             pad_token_id=0,
-            initializer_range=0.25,
+            initializer_range=0.1,
         )
         torch.manual_seed(seed)
-        _save(BambaForCausalLM(cfg).to(torch.bfloat16), d)
+        _save(Qwen3NextForCausalLM(cfg).to(torch.bfloat16), d)
         return
     if arch == "gemma3":
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
@@ -316,7 +323,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--prefill-tp", type=int, default=1)
     ap.add_argument("--decode-tp", type=int, default=1)
-    ap.add_argument("--arch", default="qwen3", choices=["qwen3", "gemma3", "deepseek_v2", "bamba"])
+    ap.add_argument("--arch", default="qwen3", choices=["qwen3", "gemma3", "deepseek_v2", "qwen3_next"])
     ap.add_argument("--rundir", default=os.path.join("/tmp", f"kvxfer-e2e-{os.getpid()}"))
     a = ap.parse_args()
     if a.role != "driver":
