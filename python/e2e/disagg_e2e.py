@@ -33,132 +33,66 @@ TOLERANCE = 0.05
 NO_BLOCK = 0xFFFFFFFF  # a slot a KV cache group does not hold (libkvxfer's KVX_NO_BLOCK)
 
 
-def make_model(d, seed=0, arch="qwen3"):
-    """A tiny model with seeded weights, written as a Hugging Face checkpoint in `d`
-    (config.json + model.safetensors): Qwen3 (4 layers, 2 KV heads of 64, bf16), or with
-    `arch` "gemma3" a Gemma 3 text model of the same size whose layers alternate a 64-token
-    sliding window and full attention (vLLM's hybrid allocator: two KV cache groups),
-    "deepseek_v2" an MLA model, "qwen3_next" a gated-delta-net hybrid (recurrent state beside
-    attention)."""
-    import torch
+# Every tiny model's shared settings: 4 layers, hidden 256, 1000 tokens, tied embeddings.
+COMMON = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_hidden_layers=4,
+    vocab_size=1000,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
-    if arch == "deepseek_v2":
-        # MLA: a 512 + 64 latent a token, no head dimension; dense MLPs (experts unused).
-        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
-        cfg = DeepseekV2Config(
-            hidden_size=256,
-            intermediate_size=512,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            num_hidden_layers=4,
-            vocab_size=1000,
-            max_position_embeddings=2048,
-            # vLLM's CPU MLA takes DeepSeek's latent of 512 + 64 only.
-            kv_lora_rank=512,
-            q_lora_rank=None,
-            qk_nope_head_dim=64,
-            qk_rope_head_dim=64,
-            v_head_dim=64,
-            first_k_dense_replace=4,
-            n_routed_experts=2,
-            num_experts_per_tok=1,
-            moe_intermediate_size=64,
-            tie_word_embeddings=True,
-            bos_token_id=1,
-            eos_token_id=2,
-            # 0.25 saturates the logits (one token whatever the context); 0.1 does not.
-            initializer_range=0.1,
-        )
-        torch.manual_seed(seed)
-        _save(DeepseekV2ForCausalLM(cfg).to(torch.bfloat16), d)
-        return
-    if arch == "qwen3_next":
-        # Hybrid: gated-delta-net layers (conv and recurrent state) with full attention on
-        # layers 1 and 3; two small experts (vLLM takes a Qwen3-Next only with its MoE).
-        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-        cfg = Qwen3NextConfig(
-            hidden_size=256,
-            intermediate_size=512,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            num_hidden_layers=4,
-            vocab_size=1000,
-            max_position_embeddings=2048,
-            layer_types=["linear_attention", "full_attention"] * 2,
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            num_experts=2,
-            num_experts_per_tok=1,
-            moe_intermediate_size=64,
-            shared_expert_intermediate_size=64,
-            mlp_only_layers=[],
-            tie_word_embeddings=True,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-            initializer_range=0.1,
-        )
-        torch.manual_seed(seed)
-        _save(Qwen3NextForCausalLM(cfg).to(torch.bfloat16), d)
-        return
-    if arch == "gemma3":
-        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-        cfg = Gemma3TextConfig(
-            hidden_size=256,
-            intermediate_size=512,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            num_hidden_layers=4,
-            vocab_size=1000,
-            max_position_embeddings=2048,
-            sliding_window=64,
-            layer_types=["sliding_attention", "full_attention"] * 2,
-            query_pre_attn_scalar=64,
-            tie_word_embeddings=True,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-            # Gemma's tied, scaled embeddings saturate the logits at larger weights (one token
-            # at log p 0 whatever the context): small weights and a soft cap keep the next
-            # token dependent on the context.
-            initializer_range=0.02,
-            final_logit_softcapping=3.0,
-        )
-        torch.manual_seed(seed)
-        m = Gemma3ForCausalLM(cfg).to(torch.bfloat16)
-        _save(m, d)
-        return
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_hidden_layers=4,
-        vocab_size=1000,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        # Larger than the usual 0.02: attention that is not uniform, so the next token
-        # depends on which tokens came before (and wrong KV changes it).
+# Per architecture: (transformers config, model class, its own settings). Larger weights
+# than the usual 0.02 where the model allows: attention that is not uniform, so the next token
+# depends on the context (and wrong KV changes it).
+ARCHS = {
+    # Qwen3: 2 KV heads of 64.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=10000.0,
         initializer_range=0.25,
-    )
+    )),
+    # Gemma 3: layers alternate a 64-token sliding window and full attention (vLLM's hybrid
+    # allocator: two KV cache groups). Its tied, scaled embeddings saturate the logits at
+    # larger weights (one token at log p 0 whatever the context): small weights and a soft cap.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_key_value_heads=2, head_dim=64, sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"] * 2, query_pre_attn_scalar=64,
+        pad_token_id=0, initializer_range=0.02, final_logit_softcapping=3.0,
+    )),
+    # MLA: a 512 + 64 latent a token (the only size vLLM's CPU MLA takes), no head dimension;
+    # dense MLPs (the experts unused). 0.25 saturates the logits; 0.1 does not.
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=64,
+        qk_rope_head_dim=64, v_head_dim=64, first_k_dense_replace=4, n_routed_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=64, initializer_range=0.1,
+    )),
+    # Hybrid: gated-delta-net layers (conv and recurrent state, heads of 128: vLLM's CPU
+    # kernel's size) with full attention on layers 1 and 3; two small experts (vLLM takes a
+    # Qwen3-Next only with its MoE).
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        num_key_value_heads=2, head_dim=64, layer_types=["linear_attention", "full_attention"] * 2,
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64, mlp_only_layers=[],
+        pad_token_id=0, initializer_range=0.1,
+    )),
+}
+
+
+def make_model(d, seed=0, arch="qwen3"):
+    """A tiny model of `arch` (ARCHS) with seeded weights, written as a Hugging Face
+    checkpoint in `d` (config.json + model.safetensors), bf16."""
+    import torch
+    import transformers
+
+    config, model, own = ARCHS[arch]
+    cfg = getattr(transformers, config)(**COMMON, **own)
     torch.manual_seed(seed)
-    m = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
-    _save(m, d)
+    _save(getattr(transformers, model)(cfg).to(torch.bfloat16), d)
 
 
 def _save(m, d):
@@ -323,7 +257,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--prefill-tp", type=int, default=1)
     ap.add_argument("--decode-tp", type=int, default=1)
-    ap.add_argument("--arch", default="qwen3", choices=["qwen3", "gemma3", "deepseek_v2", "qwen3_next"])
+    ap.add_argument("--arch", default="qwen3", choices=sorted(ARCHS))
     ap.add_argument("--rundir", default=os.path.join("/tmp", f"kvxfer-e2e-{os.getpid()}"))
     a = ap.parse_args()
     if a.role != "driver":
