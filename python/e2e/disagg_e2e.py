@@ -15,7 +15,7 @@ or log-probabilities must differ from the single engine's. The run
 fails if A differs, if B does not, or if no KV moved.
 
     python disagg_e2e.py --model DIR [--prompt-tokens N] [--cached-tokens N] [--max-tokens M]
-                         [--prefill-tp P] [--decode-tp D]
+                         [--prefill-tp P] [--decode-tp D] [--arch A] [--kv-cache-dtype fp8]
 """
 
 import argparse
@@ -117,6 +117,8 @@ def llm(a, role=None):
         block_size=BLOCK,
         enable_prefix_caching=True,
     )
+    if a.kv_cache_dtype != "auto":
+        kw["kv_cache_dtype"] = a.kv_cache_dtype
     # The single engine runs at the decode engine's TP: the two then compute the decoded
     # tokens the same way, and differ only in where the prompt's KV came from.
     tp = {"kv_producer": a.prefill_tp}.get(role or "", a.decode_tp)
@@ -205,6 +207,7 @@ def spawn(a, role):
     cmd = [sys.executable, HERE, "--role", role, "--model", a.model, "--rundir", a.rundir]
     cmd += ["--prompt-tokens", str(a.prompt_tokens), "--max-tokens", str(a.max_tokens)]
     cmd += ["--cached-tokens", str(a.cached_tokens), "--prefill-tp", str(a.prefill_tp), "--decode-tp", str(a.decode_tp)]
+    cmd += ["--kv-cache-dtype", a.kv_cache_dtype]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -258,6 +261,7 @@ def main():
     ap.add_argument("--prefill-tp", type=int, default=1)
     ap.add_argument("--decode-tp", type=int, default=1)
     ap.add_argument("--arch", default="qwen3", choices=sorted(ARCHS))
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--rundir", default=os.path.join("/tmp", f"kvxfer-e2e-{os.getpid()}"))
     a = ap.parse_args()
     if a.role != "driver":
@@ -313,6 +317,8 @@ def main():
                 "cached_tokens": a.cached_tokens,
                 "prefill_tp": a.prefill_tp,
                 "decode_tp": a.decode_tp,
+                "arch": a.arch,
+                "kv_cache_dtype": a.kv_cache_dtype,
             }
         )
     )
