@@ -110,6 +110,12 @@ impl StateShape {
     /// bytes), in part, row and segment order: the same count and sizes for an equally wide
     /// range of another rank's page, so two lists pair index by index.
     pub fn pieces(&self, units: u64, range: Range<u64>, out: &mut Vec<(u64, u64)>) {
+        self.each_piece(units, range, |o, n| out.push((o, n)));
+    }
+
+    /// [`StateShape::pieces`], each handed to `f` (no list in between: this runs per block
+    /// and layer of a load).
+    fn each_piece(&self, units: u64, range: Range<u64>, mut f: impl FnMut(u64, u64)) {
         let mut base = 0;
         for p in &self.parts {
             let row = Self::try_row_bytes(p, units).unwrap_or(0);
@@ -117,7 +123,7 @@ impl StateShape {
                 let mut seg = base + r * row;
                 for &c in &p.per_unit {
                     let unit = c * p.channel_bytes;
-                    out.push((seg + range.start * unit, (range.end - range.start) * unit));
+                    f(seg + range.start * unit, (range.end - range.start) * unit);
                     seg += units * unit;
                 }
             }
@@ -145,13 +151,9 @@ impl StateShape {
             ));
             return;
         }
-        let mut pieces = Vec::new();
-        self.pieces(held, units, &mut pieces);
-        out.extend(
-            pieces
-                .into_iter()
-                .map(|(o, n)| crate::descriptor::Desc::new(region, start + o, n)),
-        );
+        self.each_piece(held, units, |o, n| {
+            out.push(crate::descriptor::Desc::new(region, start + o, n))
+        });
     }
 
     /// Feeds what two ends must agree on (not the units: a TP size's) to `feed`.

@@ -45,12 +45,7 @@ pub(crate) fn load_plan(
     local_blocks: &[u32],
 ) -> Result<(KvLayout, HeadMap)> {
     let lh = local.geometry.kv_heads;
-    let map = spec.heads.clone().or_else(|| {
-        cfg.heads.clone().map(|remote| HeadMap {
-            remote,
-            local: 0..lh,
-        })
-    });
+    let map = asked_heads(cfg, spec, lh);
     let remote = check_load(local, map.as_ref(), h, local_blocks)?;
     let map = map.unwrap_or(HeadMap::all(h.kv_heads));
     if h.mode == Mode::Push && map != HeadMap::all(lh) {
@@ -61,6 +56,17 @@ pub(crate) fn load_plan(
         )));
     }
     Ok((remote, map))
+}
+
+/// The heads a load asks for: `spec`'s, else the config's into every one of the `local` heads;
+/// `None`: every head into every head.
+fn asked_heads(cfg: &ConnectorConfig, spec: &LoadSpec, local: u64) -> Option<HeadMap> {
+    spec.heads.clone().or_else(|| {
+        cfg.heads.clone().map(|remote| HeadMap {
+            remote,
+            local: 0..local,
+        })
+    })
 }
 
 /// [`load_plan`] for every cache group of `groups`: `local_blocks[g]` into group `g`, paired
@@ -197,14 +203,12 @@ fn state_spec(
         .iter()
         .position(|l| !matches!(l.packing, KvPacking::State | KvPacking::Latent))
         .unwrap_or(g);
-    let ref_remote = h.group(r).map_or(hg.kv_heads, |x| x.kv_heads);
+    let ref_remote = match r {
+        0 => h.kv_heads,
+        r => h.groups.get(r - 1).map_or(hg.kv_heads, |x| x.kv_heads),
+    };
     let ref_local = groups.layouts()[r].geometry.kv_heads;
-    let map = spec.heads.clone().or_else(|| {
-        cfg.heads.clone().map(|remote| HeadMap {
-            remote,
-            local: 0..ref_local,
-        })
-    });
+    let map = asked_heads(cfg, spec, ref_local);
     let units = match map {
         None if hg.kv_heads == layout.geometry.kv_heads => None,
         Some(m) if m.width() == 0 => Some(m),

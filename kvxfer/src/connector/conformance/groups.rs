@@ -5,7 +5,9 @@
 //! name the group.
 
 use super::cache::{TestCache, HEADS, LAYERS};
-use super::harness::{cfg, freed_as, ok, Connectors, Harness, Verdict, ALL, LAYERS_ALL, T};
+use super::harness::{
+    cfg, figures, freed_as, ok, Connectors, Harness, Verdict, ALL, LAYERS_ALL, T,
+};
 use crate::connector::api::{KvCaches, KvConsumer, KvProducer};
 use crate::connector::config::ConnectorConfig;
 use kvxfer_proto::groups::NO_BLOCK;
@@ -120,13 +122,7 @@ fn groups_case(h: &dyn Harness, mode: Mode, heads: u64, dim: u64) -> Verdict {
         .consumer
         .next_finished()
         .ok_or("the load is not reported")?;
-    let (moved, skipped) = (3 * b0 + 2 * b1, b0);
-    ensure!(
-        st.bytes_moved == moved && st.bytes_skipped == skipped,
-        "moved {} skipped {}, want {moved} and {skipped}",
-        st.bytes_moved,
-        st.bytes_skipped
-    );
+    figures(&st, 3 * b0 + 2 * b1, b0, "the load")?;
     freed_as(&*s.producer, "g", FreeReason::Acked, T)
 }
 

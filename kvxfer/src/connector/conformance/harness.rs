@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use crate::connector::api::{KvConnector, KvConsumer, KvProducer};
 use crate::connector::config::ConnectorConfig;
+use crate::telemetry::RequestStats;
 use kvxfer_proto::error::Result;
 use kvxfer_proto::lifecycle::FreeReason;
 
@@ -48,6 +49,17 @@ pub(super) fn cfg() -> ConnectorConfig {
 
 pub(super) fn ok<T>(r: Result<T>, what: &str) -> std::result::Result<T, String> {
     r.map_err(|e| format!("{what}: {e}"))
+}
+
+/// `st` moved `moved` bytes and skipped `skipped` (`what` names the load).
+pub(super) fn figures(st: &RequestStats, moved: u64, skipped: u64, what: &str) -> Verdict {
+    if st.bytes_moved != moved || st.bytes_skipped != skipped {
+        return Err(format!(
+            "{what}: moved {} skipped {}, want {moved} and {skipped}",
+            st.bytes_moved, st.bytes_skipped
+        ));
+    }
+    Ok(())
 }
 
 /// The freed report of `req`, with the reason `want`.

@@ -7,7 +7,7 @@
 
 use super::cache::{TestCache, HEADS, LAYERS};
 use super::groups::two_of;
-use super::harness::{freed_as, ok, Harness, Verdict, ALL, LAYERS_ALL, T};
+use super::harness::{figures, freed_as, ok, Harness, Verdict, ALL, LAYERS_ALL, T};
 use crate::connector::api::LoadSpec;
 use kvxfer_proto::groups::NO_BLOCK;
 use kvxfer_proto::layout::{KvPacking, StateShape};
@@ -97,13 +97,7 @@ fn state_case(h: &dyn Harness, mode: Mode, state_first: bool) -> Verdict {
         .consumer
         .next_finished()
         .ok_or("the load is not reported")?;
-    let (moved, skipped) = (3 * b0 + page, b0);
-    ensure!(
-        st.bytes_moved == moved && st.bytes_skipped == skipped,
-        "moved {} skipped {}, want {moved} and {skipped}",
-        st.bytes_moved,
-        st.bytes_skipped
-    );
+    figures(&st, 3 * b0 + page, b0, "the load")?;
     freed_as(&*s.producer, "st", FreeReason::Acked, T)
 }
 

@@ -5,7 +5,7 @@
 //! the prefill side).
 
 use super::cache::{TestCache, LAYERS};
-use super::harness::{cfg, freed_as, ok, Connectors, Harness, Verdict, T};
+use super::harness::{cfg, figures, freed_as, ok, Connectors, Harness, Verdict, T};
 use crate::connector::api::{KvConsumer, KvProducer, LoadSpec};
 use kvxfer_proto::lifecycle::FreeReason;
 use kvxfer_proto::tp::{plan, TpSide};
@@ -175,12 +175,7 @@ fn tp_case_of(h: &dyn Harness, ptp: u64, dtp: u64, kv_heads: u64, cache: RankCac
             });
             let moved = 3 * w * if whole { per_head } else { sliced };
             let skipped = per_head * w;
-            ensure!(
-                st.bytes_moved == moved && st.bytes_skipped == skipped,
-                "decode rank {c}, {req}: moved {} skipped {}, want {moved} and {skipped}",
-                st.bytes_moved,
-                st.bytes_skipped
-            );
+            figures(st, moved, skipped, &format!("decode rank {c}, {req}"))?;
         }
     }
     for (p, prod) in r.producers.iter().enumerate() {
