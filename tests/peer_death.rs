@@ -27,6 +27,11 @@ impl Peer {
     /// A peer; without `lanes` every byte goes through UCX on both ends (with lanes, UCX's
     /// TCP is off).
     fn start(name: &str, memory: &str, lanes: bool) -> Peer {
+        Peer::start_on(name, memory, lanes, "tcp")
+    }
+
+    /// A peer on transport `transport` (`tcp`, `shm`).
+    fn start_on(name: &str, memory: &str, lanes: bool, transport: &str) -> Peer {
         let ucx_only: &[&str] = if lanes { &[] } else { &["--ucx-only"] };
         let (child, ready) = common::spawn_peer(
             Command::new(env!("CARGO_BIN_EXE_kvxfer-bench")).args(
@@ -34,7 +39,7 @@ impl Peer {
                     "--listen",
                     "127.0.0.1:0",
                     "--transport",
-                    "tcp",
+                    transport,
                     "--name",
                     name,
                     "--memory",
@@ -89,6 +94,7 @@ fn scenario(lanes: bool, op: XferOp, device: bool) {
     let mut cfg = AgentConfig::new(format!("survivor-{tag}"))
         .transport(Transport::Tcp)
         .lanes(lanes)
+        .ucx_tcp(!lanes)
         .net_devices("lo");
     if device {
         cfg = cfg.copy_engine(dev.engine());
@@ -217,4 +223,162 @@ fn sigkill_mid_write_of_staged_device_memory() {
 #[test]
 fn sigkill_mid_read_of_staged_device_memory() {
     scenario(true, XferOp::Read, true);
+}
+
+/// How the initiator of [`initiator_sigkill`] reaches its target.
+#[derive(Clone, Copy, Debug)]
+enum Path {
+    /// kvxfer's TCP lane (the default).
+    TcpLane,
+    /// UCX over shared memory, lanes off.
+    UcxShm,
+}
+
+impl Path {
+    fn parse(s: &str) -> Path {
+        match s {
+            "TcpLane" => Path::TcpLane,
+            _ => Path::UcxShm,
+        }
+    }
+
+    fn config(self, name: String) -> AgentConfig {
+        let c = AgentConfig::new(name).net_devices("lo");
+        match self {
+            Path::TcpLane => c.transport(Transport::Tcp),
+            Path::UcxShm => c.transport(Transport::Shm).lanes(false),
+        }
+    }
+}
+
+/// The initiator's half of [`initiator_sigkill`]: a process of its own, so that the test can
+/// kill it mid-transfer. Runs only when the test sets `KVX_PD_SIDE`.
+#[test]
+#[ignore = "started by initiator_sigkill"]
+fn initiator_child() {
+    use std::io::Write;
+    let Ok(side) = std::env::var("KVX_PD_SIDE") else {
+        return;
+    };
+    let rid = RegionId(std::env::var("KVX_PD_REGION").unwrap().parse().unwrap());
+    let op = match std::env::var("KVX_PD_OP").unwrap().as_str() {
+        "Read" => XferOp::Read,
+        _ => XferOp::Write,
+    };
+    let path = Path::parse(&std::env::var("KVX_PD_PATH").unwrap());
+    let agent = Agent::new(path.config(format!("doomed-{}", std::process::id()))).unwrap();
+    let region = agent
+        .register(HostBuffer::new(LEN as usize).unwrap())
+        .unwrap();
+    let peer = agent.connect(side.parse::<SocketAddr>().unwrap()).unwrap();
+    let n = LEN / BLOCK;
+    let ld: Vec<Desc> = (0..n)
+        .map(|i| Desc::new(region.id(), i * BLOCK, BLOCK))
+        .collect();
+    let rd: Vec<Desc> = (0..n).map(|i| Desc::new(rid, i * BLOCK, BLOCK)).collect();
+    let l = agent.prep_local(&ld).unwrap();
+    let r = agent.prep_remote(&peer, &rd).unwrap();
+    let x = agent.transfer_all(op, &l, &r, None, None).unwrap();
+    println!("KVX STARTED");
+    std::io::stdout().flush().unwrap();
+    let _ = x.wait();
+    // Killed before this, or soon after.
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+/// An initiator SIGKILLed while its 512 MiB transfer is under way, three times at different
+/// points: the target (a kvxfer-bench process) lives on and serves the next initiator.
+/// (UCX's own TCP transport fails this for READ on UCX 1.13 and 1.22, and for WRITE on 1.13:
+/// the target aborts in `ucp_request.inl`, "unexpected error: Endpoint timeout". It is off
+/// unless opted in, and `AgentConfig::check` refuses lanes off with tcp without the opt-in.)
+fn initiator_sigkill(op: XferOp, path: Path) {
+    use std::io::BufRead;
+    let tag = format!("{op}-{path:?}-{}", std::process::id()).to_lowercase();
+    let (lanes, transport) = match path {
+        Path::TcpLane => (true, "tcp"),
+        Path::UcxShm => (false, "shm"),
+    };
+    let mut target = Peer::start_on(&format!("target-{tag}"), "host", lanes, transport);
+    for round in 0..3 {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["initiator_child", "--exact", "--ignored", "--nocapture"])
+            .env("KVX_PD_SIDE", target.side.to_string())
+            .env("KVX_PD_REGION", target.region.0.to_string())
+            .env("KVX_PD_OP", format!("{op:?}"))
+            .env("KVX_PD_PATH", format!("{path:?}"))
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut l = String::new();
+        while !l.contains("KVX STARTED") {
+            l.clear();
+            assert!(
+                out.read_line(&mut l).unwrap() > 0,
+                "the initiator ended early"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20 + 60 * round));
+        // SAFETY: kill(2) has no memory preconditions; the pid is our own child's.
+        assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGKILL) }, 0);
+        let _ = child.wait();
+        std::thread::sleep(Duration::from_millis(500));
+        let gone = target.child.try_wait().unwrap();
+        assert!(
+            gone.is_none(),
+            "{tag} round {round}: the target ended ({gone:?}) after its initiator was killed"
+        );
+    }
+    // It still serves, both ways.
+    let agent = Agent::new(path.config(format!("after-{tag}"))).unwrap();
+    let region = agent
+        .register(HostBuffer::new(BLOCK as usize * 4).unwrap())
+        .unwrap();
+    let peer = agent.connect(target.side).unwrap();
+    let d: Vec<Desc> = (0..4)
+        .map(|i| Desc::new(region.id(), i * BLOCK, BLOCK))
+        .collect();
+    let rd: Vec<Desc> = (0..4)
+        .map(|i| Desc::new(target.region, i * BLOCK, BLOCK))
+        .collect();
+    let l = agent.prep_local(&d).unwrap();
+    let r = agent.prep_remote(&peer, &rd).unwrap();
+    for op in [XferOp::Write, XferOp::Read] {
+        let s = agent
+            .transfer_all(op, &l, &r, None, Some(Duration::from_secs(10)))
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!(s.bytes, 4 * BLOCK, "{tag}: {op}");
+    }
+    let _ = target.cmd("QUIT");
+}
+
+#[test]
+fn initiator_sigkilled_mid_write_over_the_tcp_lane() {
+    initiator_sigkill(XferOp::Write, Path::TcpLane);
+}
+
+#[test]
+fn initiator_sigkilled_mid_read_over_the_tcp_lane() {
+    initiator_sigkill(XferOp::Read, Path::TcpLane);
+}
+
+#[test]
+fn initiator_sigkilled_mid_write_over_ucx_shm() {
+    // Open on Debian's UCX 1.13 (3 runs of 3): the target spins a core after its writer
+    // died, and the next peer's agent aborts when its worker goes (ucp_request.c:684,
+    // "got REP message" purging a wireup message pending on the shm endpoint). The 1.22
+    // wheel passes; CI runs both.
+    let v = Agent::ucx_build_version();
+    if v.starts_with("1.13.") {
+        eprintln!("skipped: UCX {v} over shm after a writer's death (open, see above)");
+        return;
+    }
+    initiator_sigkill(XferOp::Write, Path::UcxShm);
+}
+
+#[test]
+fn initiator_sigkilled_mid_read_over_ucx_shm() {
+    initiator_sigkill(XferOp::Read, Path::UcxShm);
 }

@@ -359,7 +359,12 @@ fn registration_errors_are_typed() {
         "{e}"
     );
     // Staged with kvxfer's lanes off.
-    let a = Agent::new(cfg("dev-nolanes", Transport::Tcp, &dev).lanes(false)).unwrap();
+    let a = Agent::new(
+        cfg("dev-nolanes", Transport::Tcp, &dev)
+            .lanes(false)
+            .ucx_tcp(true),
+    )
+    .unwrap();
     // SAFETY: as above.
     let e = unsafe { a.register_raw(addr, 1 << 20, MemKind::Cuda(0)) }.unwrap_err();
     assert!(

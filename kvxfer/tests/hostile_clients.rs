@@ -238,6 +238,7 @@ fn ucx_own_tcp_socket_survives_idle_garbage_and_slow_clients() {
             AgentConfig::new(n)
                 .transport(Transport::Tcp)
                 .lanes(false)
+                .ucx_tcp(true)
                 .net_devices("lo"),
         )
         .unwrap()

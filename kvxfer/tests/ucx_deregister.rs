@@ -31,7 +31,8 @@ fn agent(name: &str, mode: &str) -> Agent {
         AgentConfig::new(name)
             .transport(t)
             .net_devices("lo")
-            .lanes(mode == "lane"),
+            .lanes(mode == "lane")
+            .ucx_tcp(mode == "tcp"),
     )
     .unwrap()
 }

@@ -50,7 +50,8 @@ fn agent(name: &str, t: Transport, secret: bool, ucx_tcp: bool) -> Agent {
 }
 
 /// With a secret, no configuration brings UCX's TCP listener back: the opt-in and lanes off
-/// with tcp are refused at `Agent::new`, before anything listens. (Called from the one test
+/// with tcp are refused at `Agent::new`, before anything listens; lanes off with UCX left to
+/// choose get UCX without TCP. (Called from the one test
 /// of this binary: another test running beside it would open listeners.)
 fn a_secret_refuses_every_way_to_ucx_over_tcp() {
     let before = listening();
@@ -58,7 +59,8 @@ fn a_secret_refuses_every_way_to_ucx_over_tcp() {
         (Transport::Tcp, true, true),
         (Transport::Auto, true, true),
         (Transport::Tcp, false, false),
-        (Transport::Auto, false, false),
+        (Transport::Tcp, false, true),
+        (Transport::Auto, false, true),
     ] {
         let c = AgentConfig::new(format!("ports-s-{}", std::process::id()))
             .transport(t.clone())
@@ -75,6 +77,20 @@ fn a_secret_refuses_every_way_to_ucx_over_tcp() {
         }
     }
     assert!(listening().difference(&before).next().is_none());
+    // Lanes off and UCX left to choose: it goes without TCP, so nothing listens.
+    let quiet = Agent::new(
+        AgentConfig::new(format!("ports-q-{}", std::process::id()))
+            .transport(Transport::Auto)
+            .net_devices("lo")
+            .lanes(false)
+            .secret(b"open sesame".to_vec()),
+    )
+    .unwrap();
+    assert!(
+        listening().difference(&before).next().is_none(),
+        "lanes off with a secret: UCX listens on TCP"
+    );
+    drop(quiet);
 }
 
 #[test]
@@ -123,7 +139,8 @@ fn nothing_listens_for_ucx_over_tcp_unless_opted_in() {
             AgentConfig::new(format!("ports-f-{tag}-{}", std::process::id()))
                 .transport(Transport::Tcp)
                 .net_devices("lo")
-                .lanes(false),
+                .lanes(false)
+                .ucx_tcp(true),
         )
         .unwrap();
         assert!(

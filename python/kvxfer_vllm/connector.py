@@ -47,8 +47,9 @@ not yet),
 UCX key, no shared-memory handle and no device export, so a peer reads only the blocks
 granted to it on every path; every handoff then takes kvxfer's TCP lane, in-host too,
 staged for GPU caches; ``false`` gives same-host workers that
-trust each other the shm and device lanes back), ``ucx_tcp`` (let UCX use its own, unauthenticated TCP transport too; off by default; trusted
-networks only, and refused with a ``secret``, as ``lanes`` off with UCX's ``tcp`` is), ``strict`` (refuse a silent transport fallback), ``discovery`` (``etcd://host:2379``: workers publish
+trust each other the shm and device lanes back), ``ucx_tcp`` (let UCX use its own, unauthenticated TCP transport too; off by default, lanes
+on or off; trusted peers and networks only: a peer that fails while it serves that peer's
+READ aborts the worker inside UCX; refused with a ``secret``), ``strict`` (refuse a silent transport fallback), ``discovery`` (``etcd://host:2379``: workers publish
 themselves in etcd and load each other before any handoff; ``namespace``,
 ``discovery_ttl_ms``; with etcd's own authentication on, ``etcd_user`` and ``etcd_password``,
 or ``etcd://user:password@host:2379``; over TLS, ``etcd_ca`` (the CA's PEM file) or

@@ -300,7 +300,7 @@ class Agent:
     """One kvxfer agent, configured through the C ABI's config builder (nothing is passed
     through environment variables). ``secret`` (bytes), ``lane_encryption`` (with a secret,
     the TCP lane's data sealed too), ``ucx_tcp`` (let UCX use its own TCP transport too: trusted
-    networks only; refused with a secret), ``strict``, ``lanes``, ``device_lane`` (same-host
+    peers and networks only, a failing peer can abort this process; refused with a secret), ``strict``, ``lanes``, ``device_lane`` (same-host
     GPU memory through CUDA IPC, on by default), ``gpu_path``
     ("auto", "direct", "staged"), ``staging`` ((chunks, chunk_bytes)), ``compression``
     ("auto", "on", "off") and ``handshake_timeout_ms`` (each step of ``connect``'s handshake;

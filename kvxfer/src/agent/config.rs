@@ -117,6 +117,21 @@ impl AgentConfig {
         }
         self.transport.check().map_err(Error::InvalidArgument)?;
         self.security.check()?;
+        // UCX's TCP transport is off unless opted in, lanes or not: with the lanes off and
+        // tcp named, nothing would carry what was asked for.
+        if !self.lanes.on && !self.ucx.tcp && names_tcp(&self.transport) {
+            return Err(Error::InvalidArgument(format!(
+                "agent {:?}: lanes off with tcp among the transports ({}) leaves TCP to UCX's \
+                 own transport, which is off unless ucx_tcp opts in: it authenticates nobody, \
+                 and a peer whose connection fails while this agent serves its READ over it \
+                 aborts this process (UCX 1.13 and 1.22: \"unexpected error: Endpoint \
+                 timeout\"). Keep the lanes on (kvxfer's TCP lane carries TCP), name \
+                 transports without tcp, or opt in with ucx_tcp (trusted peers and network \
+                 only; never with a secret)",
+                self.name,
+                self.transport.ucx_tls()
+            )));
+        }
         // A secret promises that nobody without it reads or writes this agent's memory. UCX
         // over TCP cannot keep that: it accepts anyone who reaches its port and its emulated
         // RMA serves any address a message names (SECURITY.md). So it never listens here.
@@ -135,12 +150,12 @@ impl AgentConfig {
 
     /// Whether UCX's TCP transport is left out ([`AgentConfig::ucx_tcp`]).
     pub(crate) fn ucx_tcp_off(&self) -> bool {
-        self.ucx.tcp_off(self.lanes.on)
+        self.ucx.tcp_off()
     }
 
     /// Whether the transports UCX gets include ones named `prefix*` (`tcp`, `cuda`).
     pub(crate) fn may_use(&self, prefix: &str) -> bool {
-        self.ucx.may_use(&self.transport, self.lanes.on, prefix)
+        self.ucx.may_use(&self.transport, prefix)
     }
 
     /// Transports UCX may use.
@@ -197,15 +212,18 @@ impl AgentConfig {
         self
     }
 
-    /// With lanes on: let UCX use its own TCP transport. UCX over TCP authenticates nobody,
-    /// and its emulated RMA reads or writes whatever address a message names, so a process
-    /// that reaches its port can read or overwrite registered memory or crash the agent. It
-    /// is therefore left out of [`AgentConfig::transport`] unless this opts in (trusted
+    /// Let UCX use its own TCP transport. UCX over TCP authenticates nobody, and its
+    /// emulated RMA reads or writes whatever address a message names, so a process that
+    /// reaches its port can read or overwrite registered memory or crash the agent; and a
+    /// peer whose connection fails while this agent serves its READ (on UCX 1.13 its WRITE
+    /// too) aborts this process inside UCX (UCX 1.13 and 1.22: "unexpected error: Endpoint
+    /// timeout"; `tests/peer_death.rs`). It is therefore left out of
+    /// [`AgentConfig::transport`], lanes on or off, unless this opts in (trusted peers and
     /// network only; logged at start): kvxfer's TCP lane carries host memory, staged device
     /// memory and notifications instead, and a peer UCX cannot reach is loaded lane-only.
-    /// With lanes off UCX is all there is, and keeps TCP. With a secret, neither the opt-in
-    /// nor lanes off with tcp among the transports is accepted: `Agent::new` fails with
-    /// `InvalidArgument`, so nothing listens for UCX over TCP (SECURITY.md).
+    /// Lanes off with tcp named among the transports and no opt-in is refused by
+    /// `Agent::new` (`InvalidArgument`); so is the opt-in with a secret, so nothing listens
+    /// for UCX over TCP there (SECURITY.md).
     pub fn ucx_tcp(mut self, on: bool) -> Self {
         self.ucx.tcp = on;
         self
@@ -448,6 +466,16 @@ impl AgentConfig {
     }
 }
 
+/// Whether `t` names UCX's TCP transport itself (`Transport::Auto` and `all` leave the
+/// choice to UCX, which then goes without it).
+fn names_tcp(t: &Transport) -> bool {
+    match t {
+        Transport::Tcp => true,
+        Transport::Custom(l) => !l.starts_with('^') && l.split(',').any(|x| x.trim() == "tcp"),
+        Transport::Auto | Transport::Shm => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -528,7 +556,7 @@ mod tests {
                 .transport(Transport::Auto)
                 .ucx_tcp(true),
         );
-        for t in [Transport::Tcp, Transport::Auto, Transport::parse("rc,tcp")] {
+        for t in [Transport::Tcp, Transport::parse("rc,tcp")] {
             refused(AgentConfig::new("a").transport(t).lanes(false));
         }
         // What keeps TCP away from UCX: the lanes (the default), or no tcp asked for.
@@ -539,11 +567,47 @@ mod tests {
             Transport::Shm,
             Transport::parse("^tcp"),
             Transport::parse("rc,sm"),
+            // Lanes off leave UCX's TCP out too unless opted in.
+            Transport::Auto,
         ] {
             assert!(secret(AgentConfig::new("a").transport(t).lanes(false)).is_ok());
         }
         // Without a secret, the opt-in stands (trusted network only, logged at start).
         assert!(AgentConfig::new("a").ucx_tcp(true).check().is_ok());
         assert!(AgentConfig::new("a").lanes(false).check().is_ok());
+        assert!(AgentConfig::new("a")
+            .transport(Transport::Tcp)
+            .lanes(false)
+            .ucx_tcp(true)
+            .check()
+            .is_ok());
+    }
+
+    #[test]
+    fn lanes_off_never_hand_tcp_to_ucx_unasked() {
+        for t in [
+            Transport::Tcp,
+            Transport::parse("tcp"),
+            Transport::parse("rc,tcp"),
+        ] {
+            let e = AgentConfig::new("a")
+                .transport(t.clone())
+                .lanes(false)
+                .check()
+                .unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{t:?}: {e:?}");
+            assert!(e.to_string().contains("aborts this process"), "{t:?}: {e}");
+        }
+        for t in [
+            Transport::Auto,
+            Transport::Shm,
+            Transport::parse("all"),
+            Transport::parse("^tcp"),
+            Transport::parse("rc,sm"),
+        ] {
+            let c = AgentConfig::new("a").transport(t.clone()).lanes(false);
+            assert!(c.check().is_ok(), "{t:?}");
+            assert!(c.ucx_tcp_off() && !c.may_use("tcp"), "{t:?}");
+        }
     }
 }

@@ -67,9 +67,10 @@ impl Agent {
         let lane_notes = cfg.lanes.on && (cfg.security.secret.is_some() || cfg.ucx_tcp_off());
         if cfg.may_use("tcp") {
             log::warn!(
-                "kvxfer: agent {:?}: UCX's own TCP transport is on (ucx_tcp, or lanes off): \
-                 it authenticates nobody and reads or writes any address a message names; \
-                 trusted network only (SECURITY.md)",
+                "kvxfer: agent {:?}: UCX's own TCP transport is on (ucx_tcp): it \
+                 authenticates nobody, reads or writes any address a message names, and \
+                 aborts this process when a peer's connection fails while it serves that \
+                 peer's READ; trusted peers and network only (SECURITY.md)",
                 cfg.name
             );
         }
@@ -83,10 +84,10 @@ impl Agent {
         }
         let channels = Channels::new(&cfg.budget);
         let (engine, cmds) = Engine::new(
-            &cfg.ucx.settings(&cfg.transport, cfg.lanes.on),
+            &cfg.ucx.settings(&cfg.transport),
             &cname,
             cfg.ucx.busy_poll,
-            cfg.ucx.peer_failure(&cfg.transport, cfg.lanes.on),
+            cfg.ucx.peer_failure(&cfg.transport),
             !lane_notes,
             channels.clone(),
         )

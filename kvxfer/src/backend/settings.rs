@@ -5,8 +5,8 @@
 
 use kvxfer_proto::types::Transport;
 
-/// UCX's settings. Which transports were asked for and whether kvxfer's lanes run belong to
-/// the agent as a whole; the methods take them.
+/// UCX's settings. Which transports were asked for belongs to the agent as a whole; the
+/// methods take it.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct UcxConfig {
     /// `UCX_NET_DEVICES`; `None` leaves UCX's default.
@@ -19,26 +19,30 @@ pub(crate) struct UcxConfig {
     pub(crate) extra: Vec<(String, String)>,
     /// Peer-failure detection forced on or off; `None`: [`UcxConfig::peer_failure`] decides.
     pub(crate) peer_failure: Option<bool>,
-    /// UCX's own TCP transport opted in beside the lanes (trusted network only).
+    /// UCX's own TCP transport opted in (trusted peers and network only).
     pub(crate) tcp: bool,
 }
 
 impl UcxConfig {
-    /// Whether UCX's TCP transport is left out: the lanes carry what it would.
-    pub(crate) fn tcp_off(&self, lanes: bool) -> bool {
-        lanes && !self.tcp
+    /// Whether UCX's TCP transport is left out, lanes on or off: unless opted in. Besides
+    /// authenticating nobody, its emulated RMA aborts the process that serves a READ (and,
+    /// on UCX 1.13, a WRITE) when the peer's connection fails under it (UCX 1.13 and 1.22:
+    /// `ucp_request.inl` "Fatal: unexpected error: Endpoint timeout";
+    /// `tests/peer_death.rs`). The lanes carry what it would.
+    pub(crate) fn tcp_off(&self) -> bool {
+        !self.tcp
     }
 
     /// Peer-failure detection: as forced, else on except for shared memory (which no UCX
     /// transport that detects a dead peer serves) and where TCP, the one that does, is out.
-    pub(crate) fn peer_failure(&self, asked: &Transport, lanes: bool) -> bool {
+    pub(crate) fn peer_failure(&self, asked: &Transport) -> bool {
         self.peer_failure
-            .unwrap_or(*asked != Transport::Shm && !self.tcp_off(lanes))
+            .unwrap_or(*asked != Transport::Shm && !self.tcp_off())
     }
 
     /// The transports UCX may use: `asked` without TCP where [`UcxConfig::tcp_off`].
-    pub(crate) fn transport(&self, asked: &Transport, lanes: bool) -> Transport {
-        if !self.tcp_off(lanes) {
+    pub(crate) fn transport(&self, asked: &Transport) -> Transport {
+        if !self.tcp_off() {
             return asked.clone();
         }
         match asked {
@@ -68,8 +72,8 @@ impl UcxConfig {
 
     /// Whether the transports UCX gets ([`UcxConfig::transport`]) include ones named
     /// `prefix*` (`tcp`, `cuda`).
-    pub(crate) fn may_use(&self, asked: &Transport, lanes: bool, prefix: &str) -> bool {
-        match &self.transport(asked, lanes) {
+    pub(crate) fn may_use(&self, asked: &Transport, prefix: &str) -> bool {
+        match &self.transport(asked) {
             Transport::Auto => true,
             Transport::Tcp => prefix == "tcp",
             Transport::Shm => false,
@@ -85,19 +89,18 @@ impl UcxConfig {
 
     /// The settings UCX gets, the user's own `UCX_*` variables in this process's environment
     /// winning over kvxfer's defaults.
-    pub(crate) fn settings(&self, asked: &Transport, lanes: bool) -> Vec<(String, String)> {
-        self.settings_under(asked, lanes, |k| std::env::var_os(k).is_some())
+    pub(crate) fn settings(&self, asked: &Transport) -> Vec<(String, String)> {
+        self.settings_under(asked, |k| std::env::var_os(k).is_some())
     }
 
     /// The settings, given which `UCX_*` variables the environment sets.
     fn settings_under(
         &self,
         asked: &Transport,
-        lanes: bool,
         in_env: impl Fn(&str) -> bool,
     ) -> Vec<(String, String)> {
-        let may_use = |p: &str| self.may_use(asked, lanes, p);
-        let mut v = vec![("TLS".to_string(), self.transport(asked, lanes).ucx_tls())];
+        let may_use = |p: &str| self.may_use(asked, p);
+        let mut v = vec![("TLS".to_string(), self.transport(asked).ucx_tls())];
         // kvxfer registers its regions explicitly; UCX's registration cache only serves
         // implicit registrations, and its default limits are infinite (memory grows with
         // every buffer UCX ever saw). Bounded here; `AgentConfig::ucx` overrides.
@@ -151,7 +154,7 @@ impl UcxConfig {
 mod tests {
     use super::*;
 
-    /// kvxfer's value of the setting `key` for transports `t` (lanes on), given which `UCX_*`
+    /// kvxfer's value of the setting `key` for transports `t`, given which `UCX_*`
     /// variables are set.
     fn setting(
         c: &UcxConfig,
@@ -159,7 +162,7 @@ mod tests {
         key: &str,
         in_env: impl Fn(&str) -> bool,
     ) -> Option<String> {
-        c.settings_under(&t, true, in_env)
+        c.settings_under(&t, in_env)
             .into_iter()
             .find(|(k, _)| k == key)
             .map(|(_, v)| v)
@@ -173,10 +176,10 @@ mod tests {
     }
 
     #[test]
-    fn ucx_loses_its_tcp_transport_unless_opted_in_or_lanes_are_off() {
-        let tls = |t: &Transport, ucx_tcp: bool, lanes: bool| {
+    fn ucx_loses_its_tcp_transport_unless_opted_in() {
+        let tls = |t: &Transport, ucx_tcp: bool| {
             opted(ucx_tcp)
-                .settings_under(t, lanes, |_| false)
+                .settings_under(t, |_| false)
                 .into_iter()
                 .find(|(k, _)| k == "TLS")
                 .map(|(_, v)| v)
@@ -193,12 +196,11 @@ mod tests {
             (custom("^tcp,cma"), "^tcp,cma"),
             (custom("all"), "^tcp"),
         ] {
-            // The lanes carry what TCP would (a secret changes nothing here).
-            assert_eq!(tls(&t, false, true), want, "{t:?}");
-            // The opt-in, or lanes off (nothing else carries): as asked.
-            assert_eq!(tls(&t, true, true), t.ucx_tls(), "{t:?}");
-            assert_eq!(tls(&t, false, false), t.ucx_tls(), "{t:?}");
-            assert_eq!(tls(&t, true, false), t.ucx_tls(), "{t:?}");
+            // Without the opt-in, lanes on or off (a secret changes nothing here): the lanes
+            // carry what TCP would, or nothing does.
+            assert_eq!(tls(&t, false), want, "{t:?}");
+            // The opt-in: as asked.
+            assert_eq!(tls(&t, true), t.ucx_tls(), "{t:?}");
         }
     }
 
@@ -220,7 +222,7 @@ mod tests {
             extra: vec![("RNDV_THRESH".into(), "64k".into())],
             ..c
         };
-        let v = c.settings_under(&Transport::Tcp, true, none);
+        let v = c.settings_under(&Transport::Tcp, none);
         assert_eq!(
             v.last().map(|(k, v)| (k.as_str(), v.as_str())),
             Some(("RNDV_THRESH", "64k"))

@@ -129,7 +129,9 @@ pub(crate) struct Args {
     /// default, 4).
     #[arg(long, default_value_t = 4)]
     pub(crate) stripes: usize,
-    /// Move every byte through UCX (kvxfer's shared-memory and TCP stream lanes off).
+    /// Move every byte through UCX (kvxfer's shared-memory and TCP stream lanes off), its own
+    /// TCP transport opted in (`AgentConfig::ucx_tcp`: trusted peers only; a peer that dies
+    /// while this process serves its READ over it aborts this process inside UCX).
     #[arg(long)]
     pub(crate) ucx_only: bool,
     /// Describe each request in the paged form (`Agent::transfer_paged`: one entry of block

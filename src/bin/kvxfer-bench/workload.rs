@@ -366,6 +366,7 @@ pub(crate) fn agent_config(
         .busy_poll(args.busy_poll)
         .stripes(args.stripes)
         .lanes(!args.ucx_only)
+        .ucx_tcp(args.ucx_only)
         .device_lane(!args.no_device_lane)
         .lane_window(!args.no_lane_window)
         .gpu_path(args.gpu_path)
