@@ -400,8 +400,7 @@ fn link_cut_mid_transfer_ucx() {
     // fails ("unexpected error: Endpoint timeout" from ucp_put_handler, in every run measured);
     // its TCP transport is off unless opted in (`AgentConfig::ucx_tcp`), as kvxfer-bench
     // --ucx-only does. CI runs this against the 1.22 wheel too, which survives the cut.
-    let v = kvxfer::Agent::ucx_build_version();
-    if v.starts_with("1.13.") {
+    if let Some(v) = common::ucx_1_13() {
         eprintln!("skipped: UCX {v} aborts the serving side of a cut UCX-over-TCP link");
         return;
     }

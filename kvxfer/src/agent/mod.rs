@@ -618,7 +618,7 @@ fn lane_bind(cfg: &AgentConfig) -> Result<Option<std::net::IpAddr>> {
     if let Some(a) = iface_addr(Some(devs)) {
         return Ok(Some(a));
     }
-    if cfg.ucx_tcp_off() && !devs.split(',').any(|d| d.contains(':')) {
+    if cfg.lanes.on && cfg.ucx_tcp_off() && !devs.split(',').any(|d| d.contains(':')) {
         return Err(Error::InvalidArgument(format!(
             "net_devices {devs:?}: no interface of that name has an IPv4 address for the TCP \
              lane; this host has: {}",
