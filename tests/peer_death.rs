@@ -266,6 +266,9 @@ fn initiator_child() {
         _ => XferOp::Write,
     };
     let path = Path::parse(&std::env::var("KVX_PD_PATH").unwrap());
+    if std::env::var_os("KVX_PD_AFTER").is_some() {
+        return serve_after(side.parse().unwrap(), rid, path);
+    }
     let agent = Agent::new(path.config(format!("doomed-{}", std::process::id()))).unwrap();
     let region = agent
         .register(HostBuffer::new(LEN as usize).unwrap())
@@ -286,8 +289,45 @@ fn initiator_child() {
     std::thread::sleep(Duration::from_secs(60));
 }
 
+/// The next peer of [`initiator_sigkill`]: WRITE and READ four blocks to the target, then
+/// say so (its process may then end as it will; the test judges that).
+fn serve_after(side: SocketAddr, rid: RegionId, path: Path) {
+    use std::io::Write;
+    let agent = Agent::new(path.config(format!("after-{}", std::process::id()))).unwrap();
+    let region = agent
+        .register(HostBuffer::new(BLOCK as usize * 4).unwrap())
+        .unwrap();
+    let peer = agent.connect(side).unwrap();
+    let d: Vec<Desc> = (0..4)
+        .map(|i| Desc::new(region.id(), i * BLOCK, BLOCK))
+        .collect();
+    let rd: Vec<Desc> = (0..4).map(|i| Desc::new(rid, i * BLOCK, BLOCK)).collect();
+    let l = agent.prep_local(&d).unwrap();
+    let r = agent.prep_remote(&peer, &rd).unwrap();
+    for op in [XferOp::Write, XferOp::Read] {
+        let s = agent
+            .transfer_all(op, &l, &r, None, Some(Duration::from_secs(10)))
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!(s.bytes, 4 * BLOCK, "{op}");
+    }
+    println!("KVX AFTER served");
+    std::io::stdout().flush().unwrap();
+}
+
+/// User and system CPU time of process `pid`, in clock ticks (proc(5): fields 14 and 15).
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // The command name (field 2) may hold spaces; the fields after it are counted from its ')'.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
 /// An initiator SIGKILLed while its 512 MiB transfer is under way, three times at different
-/// points: the target (a kvxfer-bench process) lives on and serves the next initiator.
+/// points: the target (a kvxfer-bench process) lives on, serves the next initiator both ways
+/// and, idle again, does not spin.
 /// (UCX's own TCP transport fails this for READ on UCX 1.13 and 1.22, and for WRITE on 1.13:
 /// the target aborts in `ucp_request.inl`, "unexpected error: Endpoint timeout". It is off
 /// unless opted in, and `AgentConfig::check` refuses lanes off with tcp without the opt-in.)
@@ -329,28 +369,37 @@ fn initiator_sigkill(op: XferOp, path: Path) {
             "{tag} round {round}: the target ended ({gone:?}) after its initiator was killed"
         );
     }
-    // It still serves, both ways.
-    let agent = Agent::new(path.config(format!("after-{tag}"))).unwrap();
-    let region = agent
-        .register(HostBuffer::new(BLOCK as usize * 4).unwrap())
+    // It still serves, both ways, a peer in a process of its own (see below).
+    let mut after = Command::new(std::env::current_exe().unwrap())
+        .args(["initiator_child", "--exact", "--ignored", "--nocapture"])
+        .env("KVX_PD_SIDE", target.side.to_string())
+        .env("KVX_PD_REGION", target.region.0.to_string())
+        .env("KVX_PD_OP", format!("{op:?}"))
+        .env("KVX_PD_PATH", format!("{path:?}"))
+        .env("KVX_PD_AFTER", "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
-    let peer = agent.connect(target.side).unwrap();
-    let d: Vec<Desc> = (0..4)
-        .map(|i| Desc::new(region.id(), i * BLOCK, BLOCK))
-        .collect();
-    let rd: Vec<Desc> = (0..4)
-        .map(|i| Desc::new(target.region, i * BLOCK, BLOCK))
-        .collect();
-    let l = agent.prep_local(&d).unwrap();
-    let r = agent.prep_remote(&peer, &rd).unwrap();
-    for op in [XferOp::Write, XferOp::Read] {
-        let s = agent
-            .transfer_all(op, &l, &r, None, Some(Duration::from_secs(10)))
-            .unwrap()
-            .wait()
-            .unwrap();
-        assert_eq!(s.bytes, 4 * BLOCK, "{tag}: {op}");
-    }
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut after.stdout.take().unwrap(), &mut out).unwrap();
+    let ended = after.wait().unwrap();
+    assert!(
+        out.contains("KVX AFTER served"),
+        "{tag}: the next peer was not served ({ended:?}): {out}"
+    );
+    assert!(ended.success(), "{tag}: the served peer ended {ended:?}");
+    // Alive, and not spinning: after all this the target is idle. (Where UCX stays "busy"
+    // for good, the wedged target below, the progress loop spun a core until it slept
+    // between such rounds with no transfer of its own: 500 of 500 ticks in 5 s, then 33.)
+    let gone = target.child.try_wait().unwrap();
+    assert!(gone.is_none(), "{tag}: the target ended ({gone:?})");
+    let ticks = cpu_ticks(target.child.id());
+    std::thread::sleep(Duration::from_secs(2));
+    let used = cpu_ticks(target.child.id()) - ticks;
+    assert!(
+        used < 100,
+        "{tag}: the idle target used {used} CPU ticks in 2 s (200: a core)"
+    );
     let _ = target.cmd("QUIT");
 }
 
@@ -366,12 +415,14 @@ fn initiator_sigkilled_mid_read_over_the_tcp_lane() {
 
 #[test]
 fn initiator_sigkilled_mid_write_over_ucx_shm() {
-    // Open on Debian's UCX 1.13 (3 runs of 3): the target spins a core after its writer
-    // died, and the next peer's agent aborts when its worker goes (ucp_request.c:684,
-    // "got REP message" purging a wireup message pending on the shm endpoint). The 1.22
-    // wheel passes; CI runs both.
+    // Open on Debian's UCX 1.13: after a writer is killed, the target serves no new peer over
+    // shared memory (its first WRITE missed a 10 s deadline, 2 runs of 2; run in this
+    // process, it was served and then aborted when its worker went, ucp_request.c:684, 3 of
+    // 3). Likely the target's receive FIFO: a sender reserves a slot (uct_mm_ep's CAS on the
+    // head) and marks it written later; killed in between, the slot is never marked and
+    // the reader waits on it for good. The 1.22 wheel passes this; CI runs both.
     if let Some(v) = common::ucx_1_13() {
-        eprintln!("skipped: UCX {v} over shm after a writer's death (open, see above)");
+        eprintln!("skipped: UCX {v}: a writer's death wedges the shm target (open, see above)");
         return;
     }
     initiator_sigkill(XferOp::Write, Path::UcxShm);

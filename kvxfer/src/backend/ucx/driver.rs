@@ -36,7 +36,8 @@ const MAX_SLEEP: Duration = Duration::from_millis(250);
 /// How long shutdown waits for endpoints to close gracefully.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// Rounds in a row in which UCX says it is busy and nothing progresses, after a transfer was
-/// given up, before the loop sleeps [`STUCK_SLEEP`] between rounds instead of spinning.
+/// given up or with none under way, before the loop sleeps [`STUCK_SLEEP`] between rounds
+/// instead of spinning.
 const SPIN_ROUNDS: u32 = 64;
 /// The sleep between such rounds: what a command or a served peer may wait then.
 const STUCK_SLEEP: Duration = Duration::from_micros(200);
@@ -421,10 +422,14 @@ impl Engine {
                 // progress until it ends, so "busy, nothing progressed" alone is no reason
                 // to sleep: sleeping there cost 10x on 273 MB READs. Only once a transfer
                 // was given up (`stuck`: its operation towards a dead shared-memory peer
-                // keeps UCX "busy" for good, and its fd readable) does the loop, after a
-                // few such rounds, sleep between rounds rather than spin a core, until UCX
-                // can sleep again.
-                Ok(false) if !self.stuck || unproductive < SPIN_ROUNDS => {
+                // keeps UCX "busy" for good, and its fd readable), or while no transfer of
+                // this agent's is under way (a target whose shared-memory writer was killed
+                // mid-WRITE: UCX 1.13 stays "busy" for good, and the loop spun a core for
+                // minutes), does the loop, after a few such rounds, sleep between rounds
+                // rather than spin, until UCX can sleep again.
+                Ok(false)
+                    if !(self.stuck || self.active.is_empty()) || unproductive < SPIN_ROUNDS =>
+                {
                     unproductive += 1;
                     continue;
                 }
