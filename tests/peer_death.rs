@@ -316,6 +316,22 @@ fn serve_after(side: SocketAddr, rid: RegionId, path: Path) {
     std::io::stdout().flush().unwrap();
 }
 
+/// [`initiator_child`] in a process of its own towards `target`: the initiator to kill, or
+/// (`after`) the next peer, which [`serve_after`]s.
+fn peer_process(target: &Peer, op: XferOp, path: Path, after: bool) -> Child {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["initiator_child", "--exact", "--ignored", "--nocapture"])
+        .env("KVX_PD_SIDE", target.side.to_string())
+        .env("KVX_PD_REGION", target.region.0.to_string())
+        .env("KVX_PD_OP", format!("{op:?}"))
+        .env("KVX_PD_PATH", format!("{path:?}"))
+        .stdout(std::process::Stdio::piped());
+    if after {
+        c.env("KVX_PD_AFTER", "1");
+    }
+    c.spawn().unwrap()
+}
+
 /// User and system CPU time of process `pid`, in clock ticks (proc(5): fields 14 and 15).
 fn cpu_ticks(pid: u32) -> u64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
@@ -340,15 +356,7 @@ fn initiator_sigkill(op: XferOp, path: Path) {
     };
     let mut target = Peer::start_on(&format!("target-{tag}"), "host", lanes, transport);
     for round in 0..3 {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["initiator_child", "--exact", "--ignored", "--nocapture"])
-            .env("KVX_PD_SIDE", target.side.to_string())
-            .env("KVX_PD_REGION", target.region.0.to_string())
-            .env("KVX_PD_OP", format!("{op:?}"))
-            .env("KVX_PD_PATH", format!("{path:?}"))
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = peer_process(&target, op, path, false);
         let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
         let mut l = String::new();
         while !l.contains("KVX STARTED") {
@@ -370,16 +378,7 @@ fn initiator_sigkill(op: XferOp, path: Path) {
         );
     }
     // It still serves, both ways, a peer in a process of its own (see below).
-    let mut after = Command::new(std::env::current_exe().unwrap())
-        .args(["initiator_child", "--exact", "--ignored", "--nocapture"])
-        .env("KVX_PD_SIDE", target.side.to_string())
-        .env("KVX_PD_REGION", target.region.0.to_string())
-        .env("KVX_PD_OP", format!("{op:?}"))
-        .env("KVX_PD_PATH", format!("{path:?}"))
-        .env("KVX_PD_AFTER", "1")
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut after = peer_process(&target, op, path, true);
     let mut out = String::new();
     std::io::Read::read_to_string(&mut after.stdout.take().unwrap(), &mut out).unwrap();
     let ended = after.wait().unwrap();
