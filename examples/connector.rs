@@ -36,6 +36,7 @@ fn caches(mem: &mut [HostBuffer], g: &KvGeometry, blocks: u64) -> KvCaches {
         order: KvOrder::Nhd,
         layers,
         state: None,
+        pad_per_head: 0,
     }
 }
 

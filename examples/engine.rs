@@ -118,6 +118,7 @@ impl PagedCache {
             order: KvOrder::Nhd,
             layers,
             state: None,
+            pad_per_head: 0,
         }
     }
 

@@ -461,6 +461,12 @@ typedef struct kvx_layout {
    * page to its attention page, which shrinks with the TP size as the state does).
    */
   uint64_t state_padding;
+  /**
+   * Not `KVX_PACKING_STATE`: bytes after each block of each tensor, per KV head (vLLM pads
+   * a hybrid model's attention page to its state page where that is the larger; the
+   * padding per head does not change with the TP size). 0: compact blocks.
+   */
+  uint64_t pad_per_head;
 } kvx_layout;
 
 /**

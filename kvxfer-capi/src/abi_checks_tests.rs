@@ -117,6 +117,7 @@ fn a_connector_flag_or_mode_outside_its_values_is_refused() {
         state_parts: null(),
         state_parts_len: 0,
         state_padding: 0,
+        pad_per_head: 0,
     };
     // More parts, and a part of more segments, than the limits (refused before either array
     // is read).

@@ -134,6 +134,7 @@ fn layout_of(l: &kvx_layout, bases: &[kvx_layer_base]) -> Result<KvLayout, Fail>
         order: if hnd { KvOrder::Hnd } else { KvOrder::Nhd },
         layers,
         state,
+        pad_per_head: l.pad_per_head,
     };
     layout.check_packing().map_err(|e| match e {
         kvxfer_core::Error::InvalidArgument(w) => bad(&w),
@@ -639,6 +640,7 @@ pub(crate) unsafe fn caches_of(
             })
             .collect(),
         state: shape.state,
+        pad_per_head: shape.pad_per_head,
     })
 }
 

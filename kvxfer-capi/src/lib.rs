@@ -254,6 +254,10 @@ pub struct kvx_layout {
     /// Bytes after the parts in each page, per split unit (vLLM pads a hybrid model's state
     /// page to its attention page, which shrinks with the TP size as the state does).
     pub state_padding: u64,
+    /// Not `KVX_PACKING_STATE`: bytes after each block of each tensor, per KV head (vLLM pads
+    /// a hybrid model's attention page to its state page where that is the larger; the
+    /// padding per head does not change with the TP size). 0: compact blocks.
+    pub pad_per_head: u64,
 }
 
 /// Connector settings. Zero fields take the defaults.

@@ -22,6 +22,7 @@ struct Opened {
     write: bool,
     /// Each layer tensor's region and first byte, sorted.
     tensors: Vec<(u32, u64)>,
+    /// A block and its padding: a grant opens both.
     block_bytes: u64,
     num_blocks: u64,
     blocks: HashMap<u32, u32>,
@@ -157,7 +158,7 @@ impl GrantTable {
             .map(|(r, off)| (r.0, off))
             .collect();
         tensors.sort_unstable();
-        let (block_bytes, num_blocks) = (layout.block_bytes(), layout.num_blocks);
+        let (block_bytes, num_blocks) = (layout.block_stride(), layout.num_blocks);
         let p = self.by_peer.entry(peer.to_string()).or_default();
         p.take_back(&grant);
         let i = match p.opened.iter().position(|o| {

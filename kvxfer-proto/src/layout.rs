@@ -245,6 +245,12 @@ pub struct KvLayout {
     pub layers: Vec<LayerBase>,
     /// The page of a [`KvPacking::State`] cache (`None` for every other packing).
     pub state: Option<crate::state::StateShape>,
+    /// Bytes after each block of each tensor, per KV head of this cache: vLLM pads a hybrid
+    /// model's attention (or MLA) page up to its state page (`page_size_padded`). Both pages
+    /// shrink alike with the TP size, so the padding per head, not a rank's padding, is what
+    /// peers of any TP size share. 0 for compact blocks (and for a state cache, whose page
+    /// has its own padding).
+    pub pad_per_head: u64,
 }
 
 impl KvLayout {
@@ -267,6 +273,7 @@ impl KvLayout {
             order,
             layers: Vec::new(),
             state: None,
+            pad_per_head: 0,
         };
         let t = l.tensor_bytes();
         let n = l.geometry.layers;
@@ -327,9 +334,15 @@ impl KvLayout {
         per * self.geometry.dtype.bytes() * self.packing.per_head()
     }
 
+    /// Bytes from one block of a tensor to the next: the block and its padding
+    /// ([`KvLayout::pad_per_head`]).
+    pub fn block_stride(&self) -> u64 {
+        self.block_bytes() + self.pad_per_head * self.geometry.kv_heads
+    }
+
     /// Bytes of one layer's tensor (K, V, or fused).
     pub fn tensor_bytes(&self) -> u64 {
-        self.block_bytes() * self.num_blocks
+        self.block_stride() * self.num_blocks
     }
 
     /// Bytes a region needs for [`KvLayout::contiguous`].
@@ -365,6 +378,11 @@ impl KvLayout {
                 )))
             }
             _ => {}
+        }
+        if self.pad_per_head != 0 && self.packing == KvPacking::State {
+            return Err(Error::InvalidArgument(
+                "a state cache pads its page in its shape, not per head".into(),
+            ));
         }
         Ok(())
     }
@@ -403,6 +421,10 @@ impl KvLayout {
             self.order as u64,
         ] {
             feed(x);
+        }
+        // Only where there is padding: compact layouts keep the hash they had.
+        if self.pad_per_head != 0 {
+            feed(self.pad_per_head);
         }
         h
     }
@@ -458,7 +480,7 @@ impl KvLayout {
             )));
         }
         let bb = self.block_bytes();
-        let start = off + u64::from(block) * bb;
+        let start = off + u64::from(block) * self.block_stride();
         if let Some(s) = &self.state {
             s.block_descs(g.kv_heads, region, start, heads, per_token, out);
             return Ok(());
@@ -556,7 +578,7 @@ impl KvLayout {
                     region,
                     offset: off + skip,
                     block_len: len,
-                    stride: bb,
+                    stride: self.block_stride(),
                     blocks: blocks.clone(),
                 });
             }
@@ -862,5 +884,41 @@ mod tests {
         let mut stray = l.clone();
         stray.packing = KvPacking::Fused;
         assert!(stray.check_packing().is_err());
+    }
+
+    #[test]
+    fn padded_blocks_step_over_their_padding_and_say_so_in_the_hash() {
+        let compact = qwen_layout(KvPacking::Fused, KvOrder::Hnd);
+        let mut l = compact.clone();
+        l.pad_per_head = 512;
+        let bb = compact.block_bytes();
+        assert_eq!(l.block_bytes(), bb, "padding is not data");
+        assert_eq!(l.block_stride(), bb + 8 * 512);
+        assert_eq!(l.tensor_bytes(), 200 * (bb + 8 * 512));
+        // Block 3, whole and heads 2..4: from the padded stride, never into the padding.
+        let d = l.descs(&[3], 0..1, 0..8).unwrap();
+        assert_eq!((d[0].offset, d[0].len), (3 * l.block_stride(), bb));
+        let d = l.descs(&[3], 0..1, 2..4).unwrap();
+        assert_eq!(d[0].offset, 3 * l.block_stride() + 2 * bb / 8);
+        let p = l.paged(&[3, 4], 0..1, 0..8).unwrap();
+        assert_eq!((p[0].stride, p[0].block_len), (l.block_stride(), bb));
+        // Peers must pad alike; a compact layout keeps the hash it had before padding existed.
+        assert_ne!(l.compat_hash(), compact.compat_hash());
+        let mut other = l.clone();
+        other.pad_per_head = 256;
+        assert_ne!(other.compat_hash(), l.compat_hash());
+        l.check_packing().unwrap();
+        // A state page pads in its own shape.
+        let shape = StateShape {
+            parts: vec![StatePart {
+                rows: 1,
+                per_unit: vec![4],
+                channel_bytes: 2,
+            }],
+            padding: 0,
+        };
+        let mut st = KvLayout::state_pages("s", 2, 4, shape, 8, crate::types::RegionId(0)).unwrap();
+        st.pad_per_head = 8;
+        assert!(st.check_packing().is_err());
     }
 }

@@ -107,6 +107,9 @@ pub struct KvCaches {
     /// The page of a [`KvPacking::State`] cache (recurrent state: `geometry.kv_heads` counts
     /// its split units per rank); `None` for attention and MLA caches.
     pub state: Option<kvxfer_proto::state::StateShape>,
+    /// Bytes after each block of each tensor, per KV head ([`KvLayout::pad_per_head`]:
+    /// vLLM's padded attention pages in a hybrid model); 0 for compact blocks.
+    pub pad_per_head: u64,
 }
 
 impl KvCaches {
@@ -127,6 +130,7 @@ impl KvCaches {
                 })
                 .collect(),
             state: self.state.clone(),
+            pad_per_head: self.pad_per_head,
         }
     }
 

@@ -23,7 +23,8 @@
 //!         v: None,
 //!     });
 //!     KvCaches { geometry: g.clone(), block_tokens: 16, num_blocks: blocks,
-//!         packing: KvPacking::Fused, order: KvOrder::Nhd, layers: layers.collect(), state: None }
+//!         packing: KvPacking::Fused, order: KvOrder::Nhd, layers: layers.collect(), state: None,
+//!         pad_per_head: 0 }
 //! }
 //! /// Prefill worker, forward pass done: publish the blocks, send the handoff with the request.
 //! fn prefill_done(p: &dyn KvProducer, req: &str, blocks: &[u32], tokens: u64) -> kvxfer::Result<Vec<u8>> {

@@ -105,6 +105,29 @@ impl TestCache {
         TestCache::from_probe(probe, seed)
     }
 
+    /// An attention cache of `heads` heads (fused K+V, HND) whose every block is followed by
+    /// `pad_per_head` bytes a head of padding, as vLLM pads a hybrid model's attention pages
+    /// up to its state pages; zeroed (padding included) or filled from `seed`.
+    pub fn padded(heads: u64, pad_per_head: u64, seed: Option<u64>) -> Result<TestCache> {
+        let geometry = KvGeometry {
+            name: "conformance".into(),
+            layers: LAYERS,
+            kv_heads: heads,
+            head_dim: 8,
+            dtype: KvDtype::Bf16,
+        };
+        let mut probe = KvLayout::contiguous(
+            geometry,
+            BLOCK_TOKENS,
+            BLOCKS,
+            KvPacking::Fused,
+            KvOrder::Hnd,
+            RegionId(0),
+        );
+        probe.pad_per_head = pad_per_head;
+        TestCache::from_probe(probe, seed)
+    }
+
     /// A recurrent-state cache of `units` split units a rank (a Mamba2-like page: conv x, B
     /// and C of 3-element channels, then the SSM heads), its page padded by `padding` bytes a unit
     /// (a hybrid model's) or not; zeroed or filled from `seed`.
@@ -175,6 +198,7 @@ impl TestCache {
                 })
                 .collect(),
             state: probe.state.clone(),
+            pad_per_head: probe.pad_per_head,
         };
         let mut i = 0u32;
         let view = caches.layout(|_| {
@@ -274,6 +298,22 @@ impl TestCache {
                     "tensor {} at {} (+{}) differs from the producer's tensor {} at {} (+{})",
                     a.region.0, a.offset, a.len, b.region.0, b.offset, b.len
                 ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether every block's padding ([`KvLayout::pad_per_head`]) is still zero: a load moves
+    /// a block's data, never the padding after it (a cache without padding passes).
+    pub fn padding_untouched(&self) -> std::result::Result<(), String> {
+        let (data, stride) = (self.view.block_bytes(), self.view.block_stride());
+        for (i, b) in self.bufs.iter().enumerate() {
+            for (block, page) in b.as_slice().chunks(stride as usize).enumerate() {
+                if page[data as usize..].iter().any(|&x| x != 0) {
+                    return Err(format!(
+                        "tensor {i}: the padding after block {block} was written"
+                    ));
+                }
             }
         }
         Ok(())

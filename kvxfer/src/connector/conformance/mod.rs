@@ -47,8 +47,8 @@ pub use state::{
     state_follows_the_heads, state_that_cannot_split_is_refused,
 };
 pub use tp::{
-    tp_gqa_replicas, tp_mla_one_to_two, tp_mla_two_to_one, tp_one_to_two, tp_state_one_to_two,
-    tp_state_two_to_one, tp_two_to_one, tp_two_to_two,
+    tp_gqa_replicas, tp_mla_one_to_two, tp_mla_two_to_one, tp_one_to_two, tp_padded_one_to_two,
+    tp_padded_two_to_one, tp_state_one_to_two, tp_state_two_to_one, tp_two_to_one, tp_two_to_two,
 };
 
 use super::config::ConnectorConfig;
@@ -83,6 +83,8 @@ pub const CASES: &[(&str, Case)] = &[
     ("tp_mla_one_to_two", tp_mla_one_to_two),
     ("tp_state_one_to_two", tp_state_one_to_two),
     ("tp_state_two_to_one", tp_state_two_to_one),
+    ("tp_padded_one_to_two", tp_padded_one_to_two),
+    ("tp_padded_two_to_one", tp_padded_two_to_one),
     ("state_beside_attention", state_beside_attention),
     (
         "state_beside_attention_pushed",
@@ -122,7 +124,8 @@ macro_rules! connector_conformance {
             lease_expiry, hold_ceiling, two_readers_half_the_heads, failed_load_names_its_blocks,
             concurrent_requests, dropped_consumer, dropped_producer, tp_two_to_two,
             tp_two_to_one, tp_one_to_two, tp_gqa_replicas, tp_mla_two_to_one, tp_mla_one_to_two,
-            tp_state_one_to_two, tp_state_two_to_one, state_beside_attention,
+            tp_state_one_to_two, tp_state_two_to_one, tp_padded_one_to_two,
+            tp_padded_two_to_one, state_beside_attention,
             state_beside_attention_pushed, state_that_cannot_split_is_refused,
             state_follows_the_heads, scales_travel_with_their_kv,
             groups_window_beside_full, groups_of_two_shapes_pushed, groups_layer_wise,

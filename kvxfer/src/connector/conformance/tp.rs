@@ -56,6 +56,17 @@ pub fn tp_state_two_to_one(h: &dyn Harness) -> Verdict {
     tp_case_of(h, 2, 1, 4, |units, seed| TestCache::state(units, 10, seed))
 }
 
+/// Attention pages padded per head (a hybrid model's, vLLM's `page_size_padded`), prefill TP
+/// 1 to decode TP 2: each side steps over its own padding, and none of it moves.
+pub fn tp_padded_one_to_two(h: &dyn Harness) -> Verdict {
+    tp_case_of(h, 1, 2, 4, |heads, seed| TestCache::padded(heads, 40, seed))
+}
+
+/// The same, prefill TP 2 to decode TP 1.
+pub fn tp_padded_two_to_one(h: &dyn Harness) -> Verdict {
+    tp_case_of(h, 2, 1, 4, |heads, seed| TestCache::padded(heads, 40, seed))
+}
+
 /// Ranks built over fresh caches; fields drop in order (connector objects before caches).
 struct Ranks {
     producers: Vec<Box<dyn KvProducer>>,
@@ -154,6 +165,9 @@ fn tp_case_of(h: &dyn Harness, ptp: u64, dtp: u64, kv_heads: u64, cache: RankCac
                     )
                 })?;
         }
+        r.dst[c]
+            .padding_untouched()
+            .map_err(|e| format!("decode rank {c}: {e}"))?;
     }
     // Figures: each load moved and skipped its share of the heads.
     for (c, cons) in r.consumers.iter().enumerate() {
