@@ -231,6 +231,12 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
 # restarted; templates of a libkvxfer without it lack it.
 RANK_KEYS = ("producer", "side_channel", "compat", "kv_heads", "num_blocks", "layers", "epoch", "groups")
 # What two sides' caches must agree on in each KV cache group after the first.
+def _strides_are(t: torch.Tensor, start: int, want: tuple[int, ...]) -> bool:
+    """Whether dimensions ``start..`` of ``t`` have strides ``want``, where a dimension of
+    size 1 may have any (it is never stepped)."""
+    return all(n == 1 or s == w for n, s, w in zip(t.shape[start:], t.stride()[start:], want))
+
+
 GROUP_SHAPE_KEYS = ("kv_heads", "head_size", "hnd", "mla", "state")
 # vLLM's null block (a sliding window's blocks before it): kvxfer's "no block here".
 NULL_BLOCK = 0
@@ -703,7 +709,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         return groups
 
     @staticmethod
-    def _cache_shape(first: torch.Tensor, mla: bool = False) -> dict[str, Any]:
+    def _cache_shape(first: torch.Tensor, mla: bool = False, state: bool = False) -> dict[str, Any]:
         """The shape of one group's per-layer views: attention ``[blocks, heads, block_size,
         2*head_size]`` (K and V in the last dimension, NHD or HND strides), MLA ``[blocks,
         block_size, latent]`` (no head dimension, no V; the same latent on every TP rank), or
@@ -711,6 +717,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         block, back to back from the page's start (vLLM's MambaSpec views)."""
         if isinstance(first, (list, tuple)):
             return KvxferConnector._state_shape(list(first))
+        if state and isinstance(first, torch.Tensor) and KvxferConnector._is_raw_page(first):
+            return KvxferConnector._raw_state_shape(first)
         if not isinstance(first, torch.Tensor):
             raise ValueError(
                 f"kvxfer: a layer's cache is a {type(first).__name__}, not a tensor or a list of "
@@ -721,30 +729,53 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             # the KV cache spec, not the rank of the tensor, says the last dimension is a latent.
             nb, _, bs, c = first.shape
             shape = dict(heads=1, packing=kx.KVX_PACKING_LATENT, hnd=False, head_size=c)
-            compact = first.stride()[0] == bs * c and first.stride()[2:] == (c, 1)
+            inner = _strides_are(first, 2, (c, 1))
         elif first.dim() == 3:
             nb, bs, c = first.shape
             shape = dict(heads=1, packing=kx.KVX_PACKING_LATENT, hnd=False, head_size=c)
-            compact = first.stride() == (bs * c, c, 1)
+            inner = _strides_are(first, 1, (c, 1))
         elif first.dim() == 4:
             nb, heads, bs, c = first.shape
             if c % 2:
                 raise ValueError(f"kvxfer: last dimension {c} is not 2*head_size")
             hnd = first.stride()[1] > first.stride()[2]
             shape = dict(heads=heads, packing=kx.KVX_PACKING_FUSED, hnd=hnd, head_size=c // 2)
-            compact = first.stride()[0] == heads * bs * c
+            inner = _strides_are(first, 1, (bs * c, c, 1) if hnd else (c, heads * c, 1))
         else:
             raise ValueError(
                 "kvxfer: expected [blocks, heads, block_size, 2*head_size] attention views or "
                 f"[blocks, block_size, latent] MLA views, got {tuple(first.shape)}"
             )
-        if not compact:
+        # A block's elements lie together; the block may be followed by padding (vLLM pads a
+        # hybrid model's attention page up to its state page: page_size_padded), which the
+        # library knows per head, the way it stays when the TP size changes.
+        es = first.element_size()
+        pad = (first.stride()[0] - shape["heads"] * bs * c) * es
+        if not inner or pad < 0 or pad % shape["heads"]:
             raise ValueError(
                 "kvxfer: KV cache blocks are not contiguous per layer; use a layer-compact "
-                "layout (VLLM_KV_CACHE_LAYOUT=LBNHC or LBHNC)"
+                f"layout (VLLM_KV_CACHE_LAYOUT=LBNHC or LBHNC); strides {first.stride()} for "
+                f"{tuple(first.shape)}"
             )
-        es = first.element_size()
-        return shape | dict(nb=nb, bs=bs, es=es, block_bytes=first.stride()[0] * es)
+        return shape | dict(nb=nb, bs=bs, es=es, block_bytes=first.stride()[0] * es, pad_per_head=pad // shape["heads"])
+
+    @staticmethod
+    def _is_raw_page(t: torch.Tensor) -> bool:
+        """Bytes ``[blocks, 1, ..., 1, n]``: a state page as raw memory, never an attention
+        view (whose heads and tokens are not all 1, and whose dtype is the KV's)."""
+        return t.dtype in (torch.int8, torch.uint8) and t.dim() >= 2 and all(x == 1 for x in t.shape[1:-1])
+
+    @staticmethod
+    def _raw_state_shape(t: torch.Tensor) -> dict[str, Any]:
+        """A recurrent-state layer's cache as vLLM's CPU runner hands it to a connector: one
+        byte tensor ``[blocks, 1, 1, state bytes]`` a page apart (the page padded to the
+        attention page), the state tensors back to back from each page's start."""
+        nb = t.shape[0] if t.dim() >= 1 else 0
+        page = t.stride()[0] * t.element_size() if t.dim() >= 1 else 0
+        inner = _strides_are(t, 1, tuple(int(x) for x in torch.empty(t.shape[1:]).stride()))
+        if t.dim() < 2 or not inner or t[0].numel() * t.element_size() > page:
+            raise ValueError(f"kvxfer: a recurrent-state layer's cache {tuple(t.shape)} (strides {t.stride()}) is not one page a block")
+        return dict(heads=1, packing=kx.KVX_PACKING_STATE, hnd=False, head_size=page, nb=nb, bs=1, es=1, block_bytes=page, state=True)
 
     @staticmethod
     def _state_shape(tensors: list[Any]) -> dict[str, Any]:
@@ -768,9 +799,14 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         if not names:
             raise ValueError("kvxfer: no KV caches to register")
         group_names = self._group_names(kv_caches)
+        # What was registered, by group (read by tests that compare the bytes of blocks).
+        self._kv_caches, self._group_layers = kv_caches, group_names
         cfg = getattr(self, "_kv_cache_config", None)
         specs = [cfg.kv_cache_groups[g].kv_cache_spec if cfg is not None and g < len(cfg.kv_cache_groups) else None for g in range(len(group_names))]
-        shapes = [self._cache_shape(kv_caches[g[0]], mla="MLA" in type(spec).__name__) for g, spec in zip(group_names, specs)]
+        shapes = [
+            self._cache_shape(kv_caches[g[0]], mla="MLA" in type(spec).__name__, state=i in self._state_groups)
+            for i, (g, spec) in enumerate(zip(group_names, specs))
+        ]
         for g, sh in enumerate(shapes):
             if sh.get("state") and cfg is not None and g < len(cfg.kv_cache_groups):
                 # The page's parts, where the model's kind says how TP splits them.
@@ -779,7 +815,12 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                 # What vLLM's spec says a group holds and what its caches are must agree: state
                 # pages are never moved as attention blocks, nor the reverse.
                 kind = "recurrent state (MambaSpec)" if g in self._state_groups else "attention"
-                raise ValueError(f"kvxfer: KV cache group {g} holds {kind}, but its caches are {'state tensors' if sh.get('state') else 'attention views'}")
+                c0 = kv_caches[group_names[g][0]]
+                got = [tuple(t.shape) for t in c0] if isinstance(c0, (list, tuple)) else (tuple(c0.shape), c0.stride(), c0.dtype)
+                raise ValueError(
+                    f"kvxfer: KV cache group {g} holds {kind}, but its caches are "
+                    f"{'state tensors' if sh.get('state') else 'attention views'} ({group_names[g][0]}: {got})"
+                )
         if any(sh["packing"] == kx.KVX_PACKING_LATENT for sh in shapes):
             # One latent per token whatever the config's num_key_value_heads says, held whole
             # by every rank: the TP plan then reads it once per decode rank, from one prefill
@@ -828,7 +869,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             for n in gnames:
                 t = lead(kv_caches[n])
                 if sh.get("state"):
-                    self._state_shape(list(kv_caches[n]))
+                    self._cache_shape(kv_caches[n], state=True)
                 es = t.element_size() if not sh.get("state") else sh["es"]  # a page: bytes
                 if t.shape != gfirst.shape or t.stride() != gfirst.stride() or es != sh["es"]:
                     raise ValueError(f"kvxfer: layer {n} has another shape or layout than its group's first")
@@ -842,7 +883,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                 bases.append((rid, 0, None, 0))
                 tensors.append((t.data_ptr(), length))
             layout, lbases = kx.layout_struct(
-                len(gnames), sh["heads"], sh["head_size"], sh["es"], sh["bs"], sh["nb"], sh["packing"], sh["hnd"], bases, sh.get("parts")
+                len(gnames), sh["heads"], sh["head_size"], sh["es"], sh["bs"], sh["nb"], sh["packing"], sh["hnd"], bases, sh.get("parts"),
+                sh.get("pad_per_head", 0),
             )
             compat = self.agent.lib.L.kvx_layout_compat_hash(layout, lbases)
             groups.append((layout, lbases, tensors, bases, compat))

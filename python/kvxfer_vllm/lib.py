@@ -93,6 +93,7 @@ class Layout(Structure):
         ("state_parts", POINTER(StatePart)),
         ("state_parts_len", c_uint32),
         ("state_padding", c_uint64),
+        ("pad_per_head", c_uint64),
     ]
 
 
@@ -471,11 +472,13 @@ def tp_plan(prefill_tp, prefill_kv_heads, decode_tp, decode_kv_heads, decode_ran
         return [TpRead.from_buffer_copy(out[i]) for i in range(n.value)]
 
 
-def layout_struct(layers, kv_heads, head_dim, dtype_bytes, block_tokens, num_blocks, packing, hnd, bases, state=None):
+def layout_struct(layers, kv_heads, head_dim, dtype_bytes, block_tokens, num_blocks, packing, hnd, bases, state=None, pad_per_head=0):
     """A kvx_layout and its layer bases; ``packing`` is one of the KVX_PACKING_* constants.
     ``state``: a recurrent-state page's ``(parts, padding per unit)``, each part ``(rows,
-    per_unit, channel_bytes)`` (``kv_heads`` then counts its split units)."""
+    per_unit, channel_bytes)`` (``kv_heads`` then counts its split units). ``pad_per_head``:
+    bytes after each block, per head (vLLM's padded attention pages in a hybrid model)."""
     lay = Layout(layers, kv_heads, head_dim, dtype_bytes, block_tokens, num_blocks, packing, 1 if hnd else 0)
+    lay.pad_per_head = pad_per_head
     if state is not None:
         parts, padding = state
         arr = (StatePart * len(parts))()

@@ -185,14 +185,17 @@ def hybrid_layer_names():
     return ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"], ["model.layers.1.mixer", "model.layers.3.mixer"]
 
 
-def hybrid_caches(num_blocks=64, tp=1):
+def hybrid_caches(num_blocks=64, tp=1, attn_padded=False, raw_state=False):
     """What vLLM's hybrid allocator makes for that model: a full-attention group and a
     MambaSpec group (conv bf16 and SSM f32 state, padded to the attention page) overlaid on
     one allocation; the attention views by vLLM's create_kv_cache_views, the state views as
     vLLM's model runner makes them (each state tensor strided by the page, back to back from
     the page's start); and the KVCacheConfig. `tp`: a rank's share of a TP `tp` deployment
     (heads, conv channels and SSM heads divided; the conv state in vLLM's configured layout,
-    SD (state_len, dim) by default)."""
+    SD (state_len, dim) by default). `attn_padded`: four times the SSM state size, so that the
+    state page is the larger and vLLM pads the attention page up to it instead. `raw_state`: each
+    state layer's cache as vLLM 0.32's CPU runner hands it to a connector, one byte tensor
+    [blocks, 1, 1, state bytes] a page apart, instead of its list of state tensors."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -207,13 +210,17 @@ def hybrid_caches(num_blocks=64, tp=1):
     attn = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS // tp, head_size=HEAD, dtype=torch.bfloat16)
     page = attn.page_size_bytes
     conv = (CONV_DIM // tp, CONV_ROWS) if is_conv_state_dim_first() else (CONV_ROWS, CONV_DIM // tp)
-    mamba = MambaSpec(
-        block_size=BLOCK,
-        shapes=(conv, (SSM[0] // tp, *SSM[1:])),
-        dtypes=(torch.bfloat16, torch.float32),
-        page_size_padded=page,
-    )
-    assert mamba.page_size_bytes == page and mamba.state_content_size_bytes < page
+    ssm = (SSM[0] // tp, SSM[1], SSM[2] * (4 if attn_padded else 1))
+    mamba = MambaSpec(block_size=BLOCK, shapes=(conv, ssm), dtypes=(torch.bfloat16, torch.float32))
+    if attn_padded:
+        assert mamba.page_size_bytes > page
+        page = mamba.page_size_bytes
+        attn = FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=KV_HEADS // tp, head_size=HEAD, dtype=torch.bfloat16, page_size_padded=page
+        )
+    else:
+        mamba = MambaSpec(block_size=BLOCK, shapes=(conv, ssm), dtypes=(torch.bfloat16, torch.float32), page_size_padded=page)
+    assert mamba.page_size_bytes == page == attn.page_size_bytes
     full, state = hybrid_layer_names()
     size = page * num_blocks * len(full)
     tensors = [KVCacheTensor(size=size, layers=names, layer_stride=page * num_blocks, block_stride=page) for names in (full, state)]
@@ -226,6 +233,10 @@ def hybrid_caches(num_blocks=64, tp=1):
     views = dict(zip(full, create_kv_cache_views(raw, attn, num_blocks, KVCacheLayout["LBNHC"], tensors[0])))
     for j, name in enumerate(state):
         base, parts = j * page * num_blocks, []
+        if raw_state:
+            n = mamba.state_content_size_bytes
+            views[name] = torch.as_strided(raw, (num_blocks, 1, 1, n), (page, n, n, 1), base)
+            continue
         for shape, dtype in zip(mamba.shapes, mamba.dtypes):
             es = torch.tensor([], dtype=dtype).element_size()
             flat = raw[base:].view(dtype)

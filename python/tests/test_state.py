@@ -13,6 +13,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 import helpers as h  # noqa: E402
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
@@ -26,8 +27,8 @@ def _bytes(t):
     return t.contiguous().view(torch.uint8)
 
 
-def _engines(tag):
-    caches = lambda: h.hybrid_caches()  # noqa: E731
+def _engines(tag, attn_padded=False, raw_state=False):
+    caches = lambda: h.hybrid_caches(attn_padded=attn_padded, raw_state=raw_state)  # noqa: E731
     import helpers
 
     saved = helpers.vllm_config
@@ -46,8 +47,25 @@ def _engines(tag):
     return pre, pcaches, s, dec, dcaches, sd
 
 
-def test_state_pages_move_beside_attention_and_the_last_token_is_recomputed():
-    pre, pcaches, s, dec, dcaches, sd = _engines("hyb")
+def _padding_of(view):
+    """The bytes after each block's data in an attention view whose blocks are padded (vLLM's
+    page_size_padded): [blocks, padding elements]."""
+    data = view[0].numel()
+    pad = view.stride(0) - data
+    return torch.as_strided(view, (view.shape[0], pad), (view.stride(0), 1), view.storage_offset() + data)
+
+
+def _parts(cache):
+    """A state layer's tensors (one, for a raw page)."""
+    return cache if isinstance(cache, (list, tuple)) else [cache]
+
+
+# attn_padded: the state page is the larger, and vLLM pads each attention page up to it (vLLM's
+# page_size_padded): blocks move without their padding. raw_state: state caches as vLLM 0.32's
+# CPU runner gives them (one byte tensor a layer).
+@pytest.mark.parametrize("attn_padded,raw_state", [(False, False), (True, False), (False, True)])
+def test_state_pages_move_beside_attention_and_the_last_token_is_recomputed(attn_padded, raw_state):
+    pre, pcaches, s, dec, dcaches, sd = _engines(f"hyb{int(attn_padded)}{int(raw_state)}", attn_padded, raw_state)
     assert pre._shape["groups"][0]["state"] is True and pre._shape["state"] is False
     params, _ = h.prefill(s, [pre], "hyb-1", TOKENS)
     hd = json.loads(params["kvxfer_handoff"])
@@ -70,17 +88,26 @@ def test_state_pages_move_beside_attention_and_the_last_token_is_recomputed():
     full, state = h.hybrid_layer_names()
     for name in state:
         (lb,), (rb,) = state_local, state_remote
-        for got, want in zip(dcaches[name], pcaches[name]):
+        for got, want in zip(_parts(dcaches[name]), _parts(pcaches[name])):
             # Bytes, not values (random bytes hold NaNs).
             assert torch.equal(_bytes(got[lb]), _bytes(want[rb])), (name, lb, rb)
         others = [b for b in range(64) if b != lb and b not in attn_local]
-        for got in dcaches[name]:
+        for got in _parts(dcaches[name]):
             assert all(torch.count_nonzero(_bytes(got[b])) == 0 for b in others), name
     for name in full:
         for lb, rb in zip(attn_local, attn_remote):
             assert torch.equal(dcaches[name][lb].view(torch.int16), pcaches[name][rb].view(torch.int16)), (name, lb, rb)
+        if attn_padded:
+            # The prefill's padding holds its fill: a load that moved it would show.
+            assert torch.count_nonzero(_bytes(_padding_of(pcaches[name]))) > 0, name
+            # Groups share the memory (vLLM's hybrid allocator): the state page loaded into
+            # block lb lies over that block's attention page and padding.
+            (lb,) = state_local
+            pads = _padding_of(dcaches[name])
+            assert all(torch.count_nonzero(_bytes(pads[b])) == 0 for b in range(64) if b != lb), name
     page = 16 * h.KV_HEADS * 2 * h.HEAD * 2
-    want = (len(attn_local) + 1) * len(full) * page
+    state_page = h.CONV_DIM * h.CONV_ROWS * 2 + 4 * h.SSM[0] * h.SSM[1] * h.SSM[2] * 4 if attn_padded else page
+    want = len(attn_local) * len(full) * page + len(state) * state_page
     st = dec.get_kv_connector_stats().data
     assert st["bytes_moved"] == want, (st, want)
     assert h.sent(pre, "hyb-1")
@@ -88,16 +115,17 @@ def test_state_pages_move_beside_attention_and_the_last_token_is_recomputed():
     pre.shutdown()
 
 
-def test_a_state_page_splits_by_channel_across_tp():
+@pytest.mark.parametrize("attn_padded", [False, True])
+def test_a_state_page_splits_by_channel_across_tp(attn_padded):
     """Prefill TP 1 to decode TP 2, rank 1: the plugin describes the page as vLLM's Mamba2
     state splits (conv x, B, C and the SSM heads, in units of the channels' gcd), and the rank
     reads attention head 1 and, in the same fraction, the second half of x, of B, of C and of
     the SSM heads, each into its own page; nothing else of the page."""
-    pre, pcaches, s, _, _, _ = _engines("hybsplit")
+    pre, pcaches, s, _, _, _ = _engines(f"hybsplit{int(attn_padded)}", attn_padded)
     params, _ = h.prefill(s, [pre], "hybsplit-1", TOKENS)
     hd = json.loads(params["kvxfer_handoff"])
     vc = h.vllm_config(role="kv_consumer", extra=dict(EXTRA), engine_id=f"hybsplit-dec-{os.getpid()}", tp=2, prefix_caching=False)
-    _, dcaches, dkv = h.hybrid_caches(tp=2)
+    _, dcaches, dkv = h.hybrid_caches(tp=2, attn_padded=attn_padded)
     dec = h.worker(vc, dkv, 1)
     dec.register_kv_caches(dcaches)
     assert dec._shape["groups"][0]["kv_heads"] == 1 and pre._shape["groups"][0]["kv_heads"] == 2
@@ -123,7 +151,8 @@ def test_a_state_page_splits_by_channel_across_tp():
         for seg in range(3):
             mine, theirs = dc[:, seg * x // 2 : (seg + 1) * x // 2], pc[:, seg * x + x // 2 : (seg + 1) * x]
             assert torch.equal(_bytes(mine), _bytes(theirs)), (name, seg)
-        assert torch.equal(_bytes(dssm[state_local][0]), _bytes(pssm[state_remote][1])), name
+        half = pssm.shape[1] // 2
+        assert torch.equal(_bytes(dssm[state_local][:half]), _bytes(pssm[state_remote][half:])), name
         others = [b for b in range(64) if b not in (state_local, *attn_local)]
         assert all(torch.count_nonzero(_bytes(t[b])) == 0 for t in dcaches[name] for b in others), name
     dec.shutdown()
