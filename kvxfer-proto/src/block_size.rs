@@ -84,6 +84,13 @@ pub fn resize(
              so one size does not map onto the other (use NHD, VLLM_KV_CACHE_LAYOUT=LBNHC)"
         ));
     }
+    if local.pad_per_head != 0 {
+        return Err(format!(
+            "{both}: a padded block ({} bytes a head after it) is not smaller blocks back to \
+             back, so one size does not map onto the other",
+            local.pad_per_head
+        ));
+    }
     let (rc, rp) = (c / small, p / small);
     let total = tokens.div_ceil(small);
     let piece = |b: u32, r: u64, i: u64| -> Result<u32, String> {
@@ -246,6 +253,10 @@ mod tests {
             "{e}"
         );
         assert!(e.contains("HND"), "{e}");
+        let mut padded = layout(32, 8, KvOrder::Nhd);
+        padded.pad_per_head = 64;
+        let e = resize(&padded, 16, 64, &[1, 2], &[1, 2, 3, 4], 8).unwrap_err();
+        assert!(e.contains("a padded block (64 bytes a head"), "{e}");
         let nhd = layout(32, 8, KvOrder::Nhd);
         let e = resize(&nhd, 48, 64, &[1], &[1, 2], 8).unwrap_err();
         assert!(e.contains("one size must divide the other"), "{e}");
