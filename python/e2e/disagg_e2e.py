@@ -64,17 +64,19 @@ ARCHS = {
         pad_token_id=0, initializer_range=0.02, final_logit_softcapping=3.0,
     )),
     # MLA: a 512 + 64 latent a token (the only size vLLM's CPU MLA takes), no head dimension;
-    # dense MLPs (the experts unused). 0.25 saturates the logits; 0.1 does not.
+    # dense MLPs (the experts unused). Untied: vLLM's DeepseekV2 loads no lm_head from a tied
+    # checkpoint and leaves it zero (every token at log p -6.908, whatever the context).
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
-        num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=64,
-        qk_rope_head_dim=64, v_head_dim=64, first_k_dense_replace=4, n_routed_experts=2,
-        num_experts_per_tok=1, moe_intermediate_size=64, initializer_range=0.1,
+        tie_word_embeddings=False, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, first_k_dense_replace=4,
+        n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=64, initializer_range=0.1,
     )),
     # Hybrid: gated-delta-net layers (conv and recurrent state, heads of 128: vLLM's CPU
     # kernel's size) with full attention on layers 1 and 3; two small experts (vLLM takes a
-    # Qwen3-Next only with its MoE).
+    # Qwen3-Next only with its MoE). Untied, as DeepSeek-V2 (vLLM's Qwen3Next ties no lm_head).
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
-        num_key_value_heads=2, head_dim=64, layer_types=["linear_attention", "full_attention"] * 2,
+        tie_word_embeddings=False, num_key_value_heads=2, head_dim=64,
+        layer_types=["linear_attention", "full_attention"] * 2,
         linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
         linear_num_key_heads=2, linear_num_value_heads=4, num_experts=2, num_experts_per_tok=1,
         moe_intermediate_size=64, shared_expert_intermediate_size=64, mlp_only_layers=[],
@@ -90,7 +92,7 @@ def make_model(d, seed=0, arch="qwen3"):
     import transformers
 
     config, model, own = ARCHS[arch]
-    cfg = getattr(transformers, config)(**COMMON, **own)
+    cfg = getattr(transformers, config)(**{**COMMON, **own})
     torch.manual_seed(seed)
     _save(getattr(transformers, model)(cfg).to(torch.bfloat16), d)
 
@@ -104,6 +106,50 @@ def _save(m, d):
         json.dump(c, f)
 
 
+def block_digests(worker, want):
+    """Runs in each vLLM worker (LLM.collective_rpc): per KV cache group the connector
+    registered, its block size, whether it holds recurrent state, and a digest of each block
+    (all its layers' bytes, layer by layer): of the block ids in ``want[g]``, or of every block
+    that holds anything when ``want`` is None. Compares the bytes of the blocks the decode
+    engine loaded with the prefill engine's, whatever the model's arithmetic does with them."""
+    import hashlib
+
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    c = get_kv_transfer_group()
+    out = []
+    for g, names in enumerate(c._group_layers):
+        first = c._kv_caches[names[0]]
+        state = isinstance(first, (list, tuple)) or g in c._state_groups
+        if state:
+            out.append({"state": True, "blocks": {}})
+            continue
+        nb = first.shape[0]
+        flat = [c._kv_caches[n].reshape(nb, -1).view(torch.uint8) for n in names]
+        if want is None:
+            used = torch.zeros(nb, dtype=torch.bool)
+            for f in flat:
+                used |= f.ne(0).any(dim=1)
+            ids = used.nonzero().flatten().tolist()
+        else:
+            ids = [b for b in want[g] if b != NO_BLOCK]
+        blocks = {}
+        for b in ids:
+            h = hashlib.blake2b(digest_size=8)
+            for f in flat:
+                h.update(f[b].numpy().tobytes())
+            blocks[str(b)] = h.hexdigest()
+        out.append({"state": False, "block_size": first.shape[-2], "blocks": blocks})
+    return out
+
+
+def rank0_pairs(a):
+    """Whether the prefill's rank 0 holds the bytes the decode's rank 0 loads: ranks of equal
+    TP sizes pair up, and an MLA latent is whole on every rank."""
+    return a.prefill_tp == a.decode_tp or a.arch == "deepseek_v2"
+
+
 def llm(a, role=None):
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -115,7 +161,7 @@ def llm(a, role=None):
         max_model_len=1024,
         seed=0,
         block_size=BLOCK,
-        enable_prefix_caching=True,
+        enable_prefix_caching=not a.no_prefix_caching,
     )
     if a.kv_cache_dtype != "auto":
         kw["kv_cache_dtype"] = a.kv_cache_dtype
@@ -174,15 +220,32 @@ def picked(out):
 def role_main(a):
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # block_digests is sent to the workers as a function (LLM.collective_rpc).
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     n = a.prompt_tokens
     if a.role == "alone":
         e = llm(a)
-        outs = e.generate([prompt(tokens_of("A", n)), prompt(tokens_of("B", n))], sp(a.max_tokens))
+        ab = [prompt(tokens_of("A", n)), prompt(tokens_of("B", n))]
+        if a.reference == "shaped":
+            # The decode engine's shapes: both prompts prefilled in one batch (as the prefill
+            # engine does), then each alone, its full blocks cached, computing only its last
+            # block's tokens and decoding one sequence at a time.
+            e.generate(ab, sp(1))
+            outs = [e.generate([x], sp(a.max_tokens))[0] for x in ab]
+        else:
+            outs = e.generate(ab, sp(a.max_tokens))
         print("RESULT " + json.dumps({k: picked(o) for k, o in zip("AB", outs)}), flush=True)
     elif a.role == "prefill":
         e = llm(a, "kv_producer")
         outs = e.generate([prompt(tokens_of(k, n)) for k in "AB"], sp(1, {"do_remote_decode": True}))
-        print("RESULT " + json.dumps({k: o.kv_transfer_params for k, o in zip("AB", outs)}), flush=True)
+        res = {k: o.kv_transfer_params for k, o in zip("AB", outs)}
+        if rank0_pairs(a):
+            # The published blocks' bytes, on rank 0.
+            for k, o in zip("AB", outs):
+                h = json.loads(o.kv_transfer_params["kvxfer_handoff"])
+                want = [h["blocks"], *h.get("group_blocks", [])]
+                res[k + "_digests"] = e.collective_rpc(block_digests, args=(want,))[0]
+        print("RESULT " + json.dumps(res), flush=True)
         # Keep the engine (and the blocks it holds for the decode side) until told to stop;
         # idle steps let the workers publish and later report the blocks sent.
         sys.stdin.readline()
@@ -200,6 +263,9 @@ def role_main(a):
             out = e.generate([prompt(tokens_of(k, n))], sp(a.max_tokens, params[k]))[0]
             toks, lps = picked(out)
             res[k] = {"tokens": toks, "logprobs": lps, "seconds": time.time() - t}
+            if rank0_pairs(a):
+                # Now: the next request may reuse the blocks (without a prefix cache, at once).
+                res[k]["digests"] = e.collective_rpc(block_digests, args=(None,))[0]
         print("RESULT " + json.dumps(res), flush=True)
 
 
@@ -207,7 +273,9 @@ def spawn(a, role):
     cmd = [sys.executable, HERE, "--role", role, "--model", a.model, "--rundir", a.rundir]
     cmd += ["--prompt-tokens", str(a.prompt_tokens), "--max-tokens", str(a.max_tokens)]
     cmd += ["--cached-tokens", str(a.cached_tokens), "--prefill-tp", str(a.prefill_tp), "--decode-tp", str(a.decode_tp)]
-    cmd += ["--kv-cache-dtype", a.kv_cache_dtype]
+    cmd += ["--kv-cache-dtype", a.kv_cache_dtype, "--reference", a.reference, "--arch", a.arch]
+    cmd += ["--bytes-only"] if a.bytes_only else []
+    cmd += ["--no-prefix-caching"] if a.no_prefix_caching else []
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -227,14 +295,41 @@ def tamper(params, skip_blocks):
     p = dict(params)
     h = json.loads(p["kvxfer_handoff"])
     # The first KV cache group that holds both blocks (a sliding window's group holds none
-    # before its window: shifting its empty slots would change nothing).
+    # before its window, and a state group one page: shifting those would change nothing).
     for b in [h["blocks"], *h.get("group_blocks", [])]:
+        if len(b) < 2:
+            continue
         i = min(skip_blocks + 1, len(b) - 2)
         if NO_BLOCK not in (b[i], b[i + 1]):
             b[i] = b[i + 1]
             break
+    else:
+        raise SystemExit("no KV cache group of the handoff holds two blocks to shift")
     p["kvxfer_handoff"] = json.dumps(h)
     return p, i
+
+
+def loaded_bytes(pre, dec, params, cached_tokens):
+    """How many of the full blocks the decode engine loaded (past its own cached prefix) hold,
+    in some block of its cache, exactly the prefill's bytes in every layer; and how many do
+    not. Attention groups only: a state page moves whole and is then advanced by the decode
+    engine's own step."""
+    h = json.loads(params["kvxfer_handoff"])
+    found, missing = 0, 0
+    for g, blocks in enumerate([h["blocks"], *h.get("group_blocks", [])]):
+        if pre[g]["state"]:
+            continue
+        bs = pre[g]["block_size"]
+        have = set(dec[g]["blocks"].values())
+        for pos, b in enumerate(blocks):
+            # Whole blocks of the tokens the decode side loads (it may write the rest).
+            if b == NO_BLOCK or pos * bs < cached_tokens or (pos + 1) * bs > h["tokens"] - 1:
+                continue
+            if pre[g]["blocks"][str(b)] in have:
+                found += 1
+            else:
+                missing += 1
+    return found, missing
 
 
 def metrics(rundir):
@@ -262,6 +357,17 @@ def main():
     ap.add_argument("--decode-tp", type=int, default=1)
     ap.add_argument("--arch", default="qwen3", choices=sorted(ARCHS))
     ap.add_argument("--kv-cache-dtype", default="auto")
+    # plain: the single engine runs both prompts as one batch from scratch; shaped: with the
+    # decode engine's batch shapes and prefix hits (vLLM's CPU MLA gives another result for
+    # another split of the same context: see the README).
+    ap.add_argument("--reference", default="plain", choices=("plain", "shaped"))
+    # Judge the handoff by the bytes of the loaded blocks only (still reporting the tokens):
+    # for an engine whose arithmetic differs with how the context was split (vLLM 0.32's CPU
+    # MLA with prefix caching: see the README).
+    ap.add_argument("--bytes-only", action="store_true")
+    # Every engine without vLLM's prefix cache (then no prefix is cached on the decode side:
+    # use --cached-tokens 0).
+    ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--rundir", default=os.path.join("/tmp", f"kvxfer-e2e-{os.getpid()}"))
     a = ap.parse_args()
     if a.role != "driver":
@@ -294,8 +400,18 @@ def main():
 
     a_equal = got["A"]["tokens"] == ref["A"][0] and diff("A") <= TOLERANCE
     b_differs = got["B"]["tokens"] != ref["B"][0] or diff("B") > TOLERANCE
+    # Bytes: A's loaded blocks all found on the decode side; of B's (one block shifted),
+    # one missing. Rank 0 against rank 0 where they hold the same bytes (rank0_pairs).
+    bytes_check = None
+    if "digests" in got["A"]:
+        a_bytes = loaded_bytes(params["A_digests"], got["A"]["digests"], params["A"], a.cached_tokens)
+        b_bytes = loaded_bytes(params["B_digests"], got["B"]["digests"], params["B"], 0)
+        bytes_check = {"A_found_missing": a_bytes, "B_found_missing": b_bytes}
+    bytes_ok = bytes_check is not None and a_bytes[0] > 0 and a_bytes[1] == 0 and b_bytes[1] > 0
+    tokens_ok = a_equal and b_differs
     skipped = m.get('kvxfer_bytes_skipped_total{role="consumer"}', 0)
-    ok = a_equal and b_differs and moved > 0 and (skipped > 0 or a.cached_tokens < BLOCK)
+    judged = bytes_ok if a.bytes_only else tokens_ok and (bytes_ok or bytes_check is None)
+    ok = judged and moved > 0 and (skipped > 0 or a.cached_tokens < BLOCK)
     print(
         json.dumps(
             {
@@ -319,6 +435,11 @@ def main():
                 "decode_tp": a.decode_tp,
                 "arch": a.arch,
                 "kv_cache_dtype": a.kv_cache_dtype,
+                "reference": a.reference,
+                "loaded_block_bytes": bytes_check,
+                "loaded_block_bytes_ok": bytes_ok,
+                "prefix_caching": not a.no_prefix_caching,
+                "judged_by": "bytes" if a.bytes_only else "tokens and bytes",
             }
         )
     )
