@@ -709,7 +709,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         return groups
 
     @staticmethod
-    def _cache_shape(first: torch.Tensor, mla: bool = False, state: bool = False) -> dict[str, Any]:
+    def _cache_shape(first: torch.Tensor, mla: bool = False, state: bool = False, page: int | None = None) -> dict[str, Any]:
         """The shape of one group's per-layer views: attention ``[blocks, heads, block_size,
         2*head_size]`` (K and V in the last dimension, NHD or HND strides), MLA ``[blocks,
         block_size, latent]`` (no head dimension, no V; the same latent on every TP rank), or
@@ -748,10 +748,13 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             )
         # A block's elements lie together; the block may be followed by padding (vLLM pads a
         # hybrid model's attention page up to its state page: page_size_padded), which the
-        # library knows per head, the way it stays when the TP size changes.
+        # library knows per head, the way it stays when the TP size changes. Only the spec's
+        # own padded page: a stride of several layers' pages (a block-outermost layout) is not
+        # padding, and a layer's region would run past its tensor.
         es = first.element_size()
         pad = (first.stride()[0] - shape["heads"] * bs * c) * es
-        if not inner or pad < 0 or pad % shape["heads"]:
+        padded_page = pad > 0 and page is not None and first.stride()[0] * es == page
+        if not inner or pad < 0 or pad % shape["heads"] or (pad and not padded_page):
             raise ValueError(
                 "kvxfer: KV cache blocks are not contiguous per layer; use a layer-compact "
                 f"layout (VLLM_KV_CACHE_LAYOUT=LBNHC or LBHNC); strides {first.stride()} for "
@@ -804,7 +807,12 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         cfg = getattr(self, "_kv_cache_config", None)
         specs = [cfg.kv_cache_groups[g].kv_cache_spec if cfg is not None and g < len(cfg.kv_cache_groups) else None for g in range(len(group_names))]
         shapes = [
-            self._cache_shape(kv_caches[g[0]], mla="MLA" in type(spec).__name__, state=i in self._state_groups)
+            self._cache_shape(
+                kv_caches[g[0]],
+                mla="MLA" in type(spec).__name__,
+                state=i in self._state_groups,
+                page=getattr(spec, "page_size_bytes", None),
+            )
             for i, (g, spec) in enumerate(zip(group_names, specs))
         ]
         for g, sh in enumerate(shapes):
