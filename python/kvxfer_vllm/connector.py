@@ -231,13 +231,15 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
 # restarted; templates of a libkvxfer without it lack it.
 RANK_KEYS = ("producer", "side_channel", "compat", "kv_heads", "num_blocks", "layers", "epoch", "groups")
 # What two sides' caches must agree on in each KV cache group after the first.
+GROUP_SHAPE_KEYS = ("kv_heads", "head_size", "hnd", "mla", "state")
+
+
 def _strides_are(t: torch.Tensor, start: int, want: tuple[int, ...]) -> bool:
     """Whether dimensions ``start..`` of ``t`` have strides ``want``, where a dimension of
     size 1 may have any (it is never stepped)."""
     return all(n == 1 or s == w for n, s, w in zip(t.shape[start:], t.stride()[start:], want))
 
 
-GROUP_SHAPE_KEYS = ("kv_heads", "head_size", "hnd", "mla", "state")
 # vLLM's null block (a sliding window's blocks before it): kvxfer's "no block here".
 NULL_BLOCK = 0
 
@@ -773,10 +775,9 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         """A recurrent-state layer's cache as vLLM's CPU runner hands it to a connector: one
         byte tensor ``[blocks, 1, 1, state bytes]`` a page apart (the page padded to the
         attention page), the state tensors back to back from each page's start."""
-        nb = t.shape[0] if t.dim() >= 1 else 0
-        page = t.stride()[0] * t.element_size() if t.dim() >= 1 else 0
-        inner = _strides_are(t, 1, tuple(int(x) for x in torch.empty(t.shape[1:]).stride()))
-        if t.dim() < 2 or not inner or t[0].numel() * t.element_size() > page:
+        nb, page = t.shape[0], t.stride()[0] * t.element_size()
+        # Its other dimensions are 1 (_is_raw_page): the bytes of a page are the last one's.
+        if not _strides_are(t, t.dim() - 1, (1,)) or t.shape[-1] * t.element_size() > page:
             raise ValueError(f"kvxfer: a recurrent-state layer's cache {tuple(t.shape)} (strides {t.stride()}) is not one page a block")
         return dict(heads=1, packing=kx.KVX_PACKING_STATE, hnd=False, head_size=page, nb=nb, bs=1, es=1, block_bytes=page, state=True)
 
