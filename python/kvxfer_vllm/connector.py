@@ -1061,13 +1061,18 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         if theirs:
             # Block sizes may differ: libkvxfer maps one onto the other where the layout lets
             # it (NHD), and refuses naming both where not.
+            same_tp = (theirs.get("tp") or 1) == self.tp_size
+            # Group 0 may be a state group (vLLM puts a Qwen3-Next's GDN layers first): its page
+            # shrinks with the TP size, and the library checks it against the plan.
+            page_varies = bool(mine.get("state")) and not same_tp
             for k in ("head_size", "dtype_bytes", "hnd", "mla"):
+                if k == "head_size" and page_varies:
+                    continue
                 if k in theirs and theirs[k] != mine.get(k):
                     raise ValueError(f"the two sides' caches differ in {k}: prefill {_shape(theirs)}; decode {_shape(mine)}")
             tg, mg = theirs.get("groups") or [], mine.get("groups") or []
             if len(tg) != len(mg):
                 raise ValueError(f"the two sides have {1 + len(tg)} and {1 + len(mg)} KV cache groups: prefill {_shape(theirs)}; decode {_shape(mine)}")
-            same_tp = (theirs.get("tp") or 1) == self.tp_size
             for i, (a, b) in enumerate(zip(tg, mg), start=1):
                 # Heads (or state units) per rank, and a state page's size, differ with the TP
                 # size: then the library checks each group's against the plan.

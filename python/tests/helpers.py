@@ -185,7 +185,7 @@ def hybrid_layer_names():
     return ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"], ["model.layers.1.mixer", "model.layers.3.mixer"]
 
 
-def hybrid_caches(num_blocks=64, tp=1, attn_padded=False, raw_state=False):
+def hybrid_caches(num_blocks=64, tp=1, attn_padded=False, raw_state=False, state_first=False):
     """What vLLM's hybrid allocator makes for that model: a full-attention group and a
     MambaSpec group (conv bf16 and SSM f32 state, padded to the attention page) overlaid on
     one allocation; the attention views by vLLM's create_kv_cache_views, the state views as
@@ -195,7 +195,8 @@ def hybrid_caches(num_blocks=64, tp=1, attn_padded=False, raw_state=False):
     SD (state_len, dim) by default). `attn_padded`: four times the SSM state size, so that the
     state page is the larger and vLLM pads the attention page up to it instead. `raw_state`: each
     state layer's cache as vLLM 0.32's CPU runner hands it to a connector, one byte tensor
-    [blocks, 1, 1, state bytes] a page apart, instead of its list of state tensors."""
+    [blocks, 1, 1, state bytes] a page apart, instead of its list of state tensors. `state_first`:
+    the state group is group 0 (vLLM's order for a Qwen3-Next, whose first layer is GDN)."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -227,7 +228,7 @@ def hybrid_caches(num_blocks=64, tp=1, attn_padded=False, raw_state=False):
     cfg = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=tensors,
-        kv_cache_groups=[KVCacheGroupSpec(full, attn), KVCacheGroupSpec(state, mamba)],
+        kv_cache_groups=[KVCacheGroupSpec(full, attn), KVCacheGroupSpec(state, mamba)][:: -1 if state_first else 1],
     )
     raw = torch.zeros(size, dtype=torch.int8)
     views = dict(zip(full, create_kv_cache_views(raw, attn, num_blocks, KVCacheLayout["LBNHC"], tensors[0])))

@@ -27,8 +27,8 @@ def _bytes(t):
     return t.contiguous().view(torch.uint8)
 
 
-def _engines(tag, attn_padded=False, raw_state=False):
-    caches = lambda: h.hybrid_caches(attn_padded=attn_padded, raw_state=raw_state)  # noqa: E731
+def _engines(tag, attn_padded=False, raw_state=False, state_first=False):
+    caches = lambda: h.hybrid_caches(attn_padded=attn_padded, raw_state=raw_state, state_first=state_first)  # noqa: E731
     import helpers
 
     saved = helpers.vllm_config
@@ -115,25 +115,31 @@ def test_state_pages_move_beside_attention_and_the_last_token_is_recomputed(attn
     pre.shutdown()
 
 
-@pytest.mark.parametrize("attn_padded", [False, True])
-def test_a_state_page_splits_by_channel_across_tp(attn_padded):
+# state_first: the state group is group 0, as vLLM orders a Qwen3-Next's (its page, group 0's
+# shape, then differs with the TP size).
+@pytest.mark.parametrize("attn_padded,state_first", [(False, False), (True, False), (False, True)])
+def test_a_state_page_splits_by_channel_across_tp(attn_padded, state_first):
     """Prefill TP 1 to decode TP 2, rank 1: the plugin describes the page as vLLM's Mamba2
     state splits (conv x, B, C and the SSM heads, in units of the channels' gcd), and the rank
     reads attention head 1 and, in the same fraction, the second half of x, of B, of C and of
     the SSM heads, each into its own page; nothing else of the page."""
-    pre, pcaches, s, _, _, _ = _engines(f"hybsplit{int(attn_padded)}", attn_padded)
+    pre, pcaches, s, _, _, _ = _engines(f"hybsplit{int(attn_padded)}{int(state_first)}", attn_padded, state_first=state_first)
     params, _ = h.prefill(s, [pre], "hybsplit-1", TOKENS)
     hd = json.loads(params["kvxfer_handoff"])
     vc = h.vllm_config(role="kv_consumer", extra=dict(EXTRA), engine_id=f"hybsplit-dec-{os.getpid()}", tp=2, prefix_caching=False)
-    _, dcaches, dkv = h.hybrid_caches(tp=2, attn_padded=attn_padded)
+    _, dcaches, dkv = h.hybrid_caches(tp=2, attn_padded=attn_padded, state_first=state_first)
     dec = h.worker(vc, dkv, 1)
     dec.register_kv_caches(dcaches)
     assert dec._shape["groups"][0]["kv_heads"] == 1 and pre._shape["groups"][0]["kv_heads"] == 2
     (part, read), = dec._plan_load(hd, True)
     assert (read.remote_heads_start, read.remote_heads_end, read.local_heads_start) == (1, 2, 0)
-    attn_remote, (state_remote,) = hd["blocks"], hd["group_blocks"][0]
+    if state_first:
+        (state_remote,), attn_remote = hd["blocks"], hd["group_blocks"][0]
+    else:
+        attn_remote, (state_remote,) = hd["blocks"], hd["group_blocks"][0]
     attn_local, state_local = [3, 4, 5, 6, 7, 8, 9], 11
-    dec.consumer.start_load_groups(json.dumps(part).encode(), [attn_local, [state_local]], read)
+    local = [[state_local], attn_local] if state_first else [attn_local, [state_local]]
+    dec.consumer.start_load_groups(json.dumps(part).encode(), local, read)
     dec.consumer.wait(part["request"], 20000)
     full, state = h.hybrid_layer_names()
     for name in full:
