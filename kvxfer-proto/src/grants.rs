@@ -22,8 +22,10 @@ struct Opened {
     write: bool,
     /// Each layer tensor's region and first byte, sorted.
     tensors: Vec<(u32, u64)>,
-    /// A block and its padding: a grant opens both.
+    /// From one block to the next (a block and its padding).
     block_bytes: u64,
+    /// A block's data: a grant never opens the padding after it.
+    block_len: u64,
     num_blocks: u64,
     blocks: HashMap<u32, u32>,
 }
@@ -50,6 +52,11 @@ impl Opened {
         };
         if end > bb.saturating_mul(self.num_blocks) {
             return false;
+        }
+        if self.block_len < bb {
+            // Padded blocks: no run spans two, and nothing past a block's data is opened.
+            return rel % bb + (end - rel) <= self.block_len
+                && u32::try_from(rel / bb).is_ok_and(|b| self.blocks.contains_key(&b));
         }
         (rel / bb..=(end - 1) / bb)
             .all(|b| u32::try_from(b).is_ok_and(|b| self.blocks.contains_key(&b)))
@@ -158,12 +165,17 @@ impl GrantTable {
             .map(|(r, off)| (r.0, off))
             .collect();
         tensors.sort_unstable();
-        let (block_bytes, num_blocks) = (layout.block_stride(), layout.num_blocks);
+        let (block_bytes, block_len, num_blocks) = (
+            layout.block_stride(),
+            layout.block_bytes(),
+            layout.num_blocks,
+        );
         let p = self.by_peer.entry(peer.to_string()).or_default();
         p.take_back(&grant);
         let i = match p.opened.iter().position(|o| {
             o.write == write
                 && o.block_bytes == block_bytes
+                && o.block_len == block_len
                 && o.num_blocks == num_blocks
                 && o.tensors == tensors
         }) {
@@ -173,6 +185,7 @@ impl GrantTable {
                     write,
                     tensors,
                     block_bytes,
+                    block_len,
                     num_blocks,
                     blocks: HashMap::new(),
                 });
@@ -392,5 +405,26 @@ mod tests {
         assert!(t.access("c", false).check_share(3).is_err());
         t.forget(3);
         assert!(t.check("c", false, 3, 0, 1).is_ok());
+    }
+
+    #[test]
+    fn a_grant_of_padded_blocks_opens_their_data_only() {
+        let mut l = layout();
+        l.pad_per_head = 16;
+        let (bb, stride) = (l.block_bytes(), l.block_stride());
+        let mut t = GrantTable::new();
+        t.restrict([7]);
+        t.grant(Grant([5; 16]), "d", true, &l, &[3, 4]);
+        for d in l.descs(&[3, 4], 0..2, 0..2).unwrap() {
+            assert_eq!(t.check("d", true, 7, d.offset, d.len), Ok(()));
+        }
+        let base = l.layers[0].k.1;
+        // The padding after a granted block, a run into it, and two blocks as one run.
+        assert!(t.check("d", true, 7, base + 3 * stride + bb, 1).is_err());
+        assert!(t.check("d", true, 7, base + 3 * stride, bb + 1).is_err());
+        assert!(t
+            .check("d", true, 7, base + 3 * stride, 2 * stride)
+            .is_err());
+        assert!(t.check("d", true, 7, base + 5 * stride, bb).is_err());
     }
 }

@@ -384,6 +384,30 @@ impl KvLayout {
                 "a state cache pads its page in its shape, not per head".into(),
             ));
         }
+        // Every size below is computed unchecked from here on: a caller's counts (a padding
+        // is any u64) must not wrap one into a small figure that passes a length check.
+        let g = &self.geometry;
+        let block = [
+            g.kv_heads,
+            g.head_dim,
+            g.dtype.bytes(),
+            self.packing.per_head(),
+        ]
+        .into_iter()
+        .try_fold(self.block_tokens, u64::checked_mul);
+        let tensor = block
+            .zip(g.kv_heads.checked_mul(self.pad_per_head))
+            .and_then(|(b, p)| b.checked_add(p))
+            .and_then(|s| s.checked_mul(self.num_blocks))
+            .and_then(|t| t.checked_mul(g.layers.max(1)))
+            .and_then(|t| t.checked_mul(self.packing.tensors() as u64));
+        if tensor.is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "a cache of {} blocks of {} tokens x {} heads x {} (padding {} a head) \
+                 overflows 64 bits",
+                self.num_blocks, self.block_tokens, g.kv_heads, g.head_dim, self.pad_per_head
+            )));
+        }
         Ok(())
     }
 
@@ -920,5 +944,10 @@ mod tests {
         let mut st = KvLayout::state_pages("s", 2, 4, shape, 8, crate::types::RegionId(0)).unwrap();
         st.pad_per_head = 8;
         assert!(st.check_packing().is_err());
+        // A padding that would wrap the sizes round to small ones.
+        let mut huge = compact.clone();
+        huge.pad_per_head = u64::MAX / 8 + 1;
+        let e = huge.check_packing().unwrap_err().to_string();
+        assert!(e.contains("overflows 64 bits"), "{e}");
     }
 }
