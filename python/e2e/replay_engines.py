@@ -10,12 +10,14 @@ What each request gives:
   the decode engine's one token is the first token the user sees);
 - ``decode_ms``: the decode engine's answer time, which holds the handoff (the KV load) and the
   compute of the last prompt token;
-- ``local_ms``: the same prompt sent again to the decode engine alone right after (its blocks
-  are then in its prefix cache: no handoff, the same last-token compute), in batches of the same
-  concurrency; ``handoff_ms`` = ``decode_ms`` - ``local_ms`` of the same request;
+- ``local_ms``: the same prompt sent again to the decode engine alone right after, one at a time
+  (its blocks are then in its prefix cache: no handoff, the same last-token compute);
+  ``handoff_ms`` = ``decode_ms`` - ``local_ms`` of the same request: the load and, at
+  concurrency above 1, the wait behind the other requests' loads;
 - ``same_token``: whether the decode engine's token equals the prefill engine's (both greedy,
   from the same KV; a seeded model of near-uniform logits can tie, so it is counted, not
-  asserted) and ``local_cached``: the prompt tokens the local run found cached (a handoff that
+  asserted), and ``same_token_alone``: equal to the prefill engine's token for the prompt sent
+  to it again alone (a first answer from a batch of several can differ by bf16 arithmetic) and ``local_cached``: the prompt tokens the local run found cached (a handoff that
   left blocks out shows here).
 The engines' peak RSS (each server's whole process tree, sampled every 0.25 s) is kept per
 connector and concurrency.
@@ -207,7 +209,7 @@ def disaggregated(pair, model, ids):
         raise RuntimeError(f"{prefill.name} returned no kv_transfer_params")
     _, decode_ms, d_tok, _ = completion(decode.url, model, ids, params)
     return {"prefill_ms": prefill_ms, "decode_ms": decode_ms, "ttft_ms": prefill_ms + decode_ms,
-            "same_token": p_tok == d_tok}
+            "same_token": p_tok == d_tok, "decode_token": d_tok}
 
 
 def batch(fn, args_list):
@@ -288,10 +290,17 @@ def main():
                     for r in range(a.rounds):
                         ids = [prompt(rng) for _ in range(conc)]
                         res = batch(lambda x: disaggregated(pair, a.model, x), [(x,) for x in ids])
-                        local = batch(lambda x: completion(pair[1].url, a.model, x), [(x,) for x in ids])
-                        for x, l in zip(res, local):
+                        # One at a time: the decode engine's own time for the prompt, with
+                        # no handoff and no queue (a queue behind concurrent loads is the
+                        # handoff's cost).
+                        local = [completion(pair[1].url, a.model, x) for x in ids]
+                        # The prefill engine's token again, alone (its batch of 1): where the
+                        # first answer came from a batch of several, bf16 sums differ.
+                        again = [completion(pair[0].url, a.model, x) for x in ids]
+                        for x, l, g in zip(res, local, again):
                             x.update(connector=c, link=a.link, conc=conc, session=session, round=r,
-                                     local_ms=l[1], local_cached=l[3], handoff_ms=x["decode_ms"] - l[1])
+                                     local_ms=l[1], local_cached=l[3], handoff_ms=x["decode_ms"] - l[1],
+                                     same_token_alone=x.pop("decode_token") == g[2])
                             rows.append(x)
                             jl.write(json.dumps(x) + "\n")
                         jl.flush()
@@ -316,7 +325,7 @@ def write_table(a, conns, rows, peak, idle):
         "(ABAB); idle: cores each engine keeps busy with nothing asked (median over sessions).",
         "",
         "| connector | conc | n | TTFT p50 | TTFT p99 | prefill p50 | decode p50 | handoff p50 "
-        "| handoff p99 | local p50 | same token | cached (local) | prefill RSS peak | decode RSS peak "
+        "| handoff p99 | local p50 | same token (alone) | cached (local) | prefill RSS peak | decode RSS peak "
         "| idle cores prefill / decode |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -333,7 +342,7 @@ def write_table(a, conns, rows, peak, idle):
                 f"| {pct(g['ttft_ms'], 99):.0f} | {statistics.median(g['prefill_ms']):.0f} "
                 f"| {statistics.median(g['decode_ms']):.0f} | {statistics.median(g['handoff_ms']):.0f} "
                 f"| {pct(g['handoff_ms'], 99):.0f} | {statistics.median(g['local_ms']):.0f} "
-                f"| {sum(g['same_token'])}/{len(rs)} | {min(g['local_cached'])}-{max(g['local_cached'])} "
+                f"| {sum(g['same_token'])}/{len(rs)} ({sum(g['same_token_alone'])}) | {min(g['local_cached'])}-{max(g['local_cached'])} "
                 f"| {pk['prefill']:.0f} MiB | {pk['decode']:.0f} MiB "
                 f"| {statistics.median(idle[(c, c + '-prefill')]):.2f} / "
                 f"{statistics.median(idle[(c, c + '-decode')]):.2f} |")
