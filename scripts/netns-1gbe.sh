@@ -28,6 +28,8 @@ bench="$CARGO_TARGET_DIR/release/kvxfer-bench"
 rate="${KVX_RATE:-1gbit}"
 p="${KVX_PREFIX:-kvx}"
 nsa="${p}a"; nsb="${p}b"; la="${p}0"; lb="${p}1"
+# shellcheck source=scripts/netns-pair.sh
+source scripts/netns-pair.sh
 peer_pid=""
 cleanup() {
   # `ip netns exec` forks: stop the bench itself (pid from its READY line), then `ip`.
@@ -36,37 +38,12 @@ cleanup() {
     [ -n "$bpid" ] && kill "$bpid" 2>/dev/null || true
   fi
   if [ -n "$peer_pid" ]; then kill "$peer_pid" 2>/dev/null || true; wait "$peer_pid" 2>/dev/null || true; fi
-  ip netns del "$nsa" 2>/dev/null || true
-  ip netns del "$nsb" 2>/dev/null || true
-  ip link del "$la" 2>/dev/null || true
+  kvx_netns_down "$p"
   rm -f "${peer_out:-}"
 }
 trap cleanup EXIT INT TERM
 cleanup
-ip netns add "$nsa"
-ip netns add "$nsb"
-ip link add "$la" netns "$nsa" type veth peer name "$lb" netns "$nsb"
-ip -n "$nsa" addr add 198.18.0.1/24 dev "$la"
-ip -n "$nsb" addr add 198.18.0.2/24 dev "$lb"
-for ns in "$nsa" "$nsb"; do ip -n "$ns" link set lo up; done
-ip -n "$nsa" link set "$la" up
-ip -n "$nsb" link set "$lb" up
-# veth carrier comes up asynchronously; UCX skips an interface that is not running yet.
-for _ in $(seq 100); do
-  if [ "$(ip netns exec "$nsa" cat /sys/class/net/"$la"/operstate)" = up ] &&
-     [ "$(ip netns exec "$nsb" cat /sys/class/net/"$lb"/operstate)" = up ]; then break; fi
-  sleep 0.05
-done
-if command -v ucx_info >/dev/null; then
-  for _ in $(seq 100); do
-    ip netns exec "$nsb" env UCX_TLS=tcp UCX_NET_DEVICES="$lb" ucx_info -d 2>/dev/null |
-      grep -q "Device: $lb" && break
-    sleep 0.05
-  done
-fi
-# The token bucket: 1 Gbit/s, a burst of 256 KiB, at most 50 ms queued.
-ip netns exec "$nsa" tc qdisc add dev "$la" root tbf rate "$rate" burst 256kb latency 50ms
-ip netns exec "$nsb" tc qdisc add dev "$lb" root tbf rate "$rate" burst 256kb latency 50ms
+kvx_netns_up "$p" "$rate"
 peer_out=$(mktemp)
 read -r -a peer_args <<<"${KVX_PEER_ARGS:-}"
 ip netns exec "$nsb" "$bench" --listen 198.18.0.2:0 --transport tcp --net-devices "$lb" \

