@@ -94,10 +94,10 @@ def make_model(d, seed=0, arch="qwen3"):
     config, model, own = ARCHS[arch]
     cfg = getattr(transformers, config)(**{**COMMON, **own})
     torch.manual_seed(seed)
-    _save(getattr(transformers, model)(cfg).to(torch.bfloat16), d)
+    save_checkpoint(getattr(transformers, model)(cfg).to(torch.bfloat16), d)
 
 
-def _save(m, d):
+def save_checkpoint(m, d):
     m.save_pretrained(d, safe_serialization=True)
     with open(os.path.join(d, "config.json")) as f:
         c = json.load(f)

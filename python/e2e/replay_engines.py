@@ -3,7 +3,8 @@ per connector (KvxferConnector, and vLLM's NixlConnector over NIXL's UCX backend
 memory), Qwen3-0.6B-shaped KV (28 layers x 8 KV heads x 128 x bf16 = 114,688 B a token),
 2,371-token prompts (272 MB of KV each), every request through the disaggregating flow of
 proxy.py (prefill with ``max_tokens`` 1, then decode with the params prefill returned),
-connectors alternated round by round (ABAB), at each concurrency.
+at each concurrency; one connector's engines at a time, connectors alternated by engine start
+(ABAB).
 
 What each request gives:
 - ``ttft_ms``: the client's time to first token (prefill answer + decode answer, max_tokens 1:
@@ -17,13 +18,14 @@ What each request gives:
 - ``same_token``: whether the decode engine's token equals the prefill engine's (both greedy,
   from the same KV; a seeded model of near-uniform logits can tie, so it is counted, not
   asserted), and ``same_token_alone``: equal to the prefill engine's token for the prompt sent
-  to it again alone (a first answer from a batch of several can differ by bf16 arithmetic) and ``local_cached``: the prompt tokens the local run found cached (a handoff that
-  left blocks out shows here).
+  to it again alone (a first answer from a batch of several can differ by bf16 arithmetic);
+- ``local_cached``: the prompt tokens the local run found cached (a handoff that left blocks
+  out shows here).
 The engines' peak RSS (each server's whole process tree, sampled every 0.25 s) is kept per
 connector and concurrency.
 
 The model's KV is Qwen3-0.6B's; its hidden size, MLP and vocabulary are shrunk (256, 512,
-1000) so that this CPU computes a prompt in about a second: they change the compute, never a
+1000) so that this CPU computes a prompt in under two seconds: they change the compute, never a
 byte of KV. Run through scripts/vllm-replay.sh, which builds the library, sets up the venv and,
 for ``--link 1gbe``, the namespaces; this driver runs inside the decode side's namespace there.
 """
@@ -42,6 +44,7 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from disagg_e2e import save_checkpoint  # noqa: E402 - shared with the end-to-end check
 from proxy import post  # noqa: E402 - the proxy's client, shared
 
 PROMPT_TOKENS = 2371
@@ -63,12 +66,7 @@ def make_model(d):
         rope_theta=1e6, initializer_range=0.02, bos_token_id=1, eos_token_id=2,
     )
     torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
-    with open(os.path.join(d, "config.json")) as f:
-        c = json.load(f)
-    c["torch_dtype"] = "bfloat16"
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(c, f)
+    save_checkpoint(transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16), d)
 
 
 def transfer_config(conn, role, a):
