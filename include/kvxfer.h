@@ -876,14 +876,15 @@ kvx_status kvx_agent_config_set_peer_idle(struct kvx_agent_config *c, uint64_t m
 
 /**
  * Sets how long `kvx_agent_deregister` waits, in milliseconds (default 10,000), for each
- * peer that UCX reaches and that is kept on the side channel to confirm that nothing of its
- * touches the region any more; past it the region stays registered (`KVX_BUSY`). Also how
+ * peer that UCX reaches (kept on the side channel, or announced to the UCX engine) to
+ * confirm that nothing of its touches the region any more; past it the region stays registered (`KVX_BUSY`). Also how
  * long this agent, told of a peer's deregistration, waits for its own transfers first.
  *
  * # Safety
  * `c` is a live config not used by another thread during the call.
  */
-kvx_status kvx_agent_config_set_deregister_wait(struct kvx_agent_config *c, uint64_t ms);
+kvx_status kvx_agent_config_set_deregister_wait(struct kvx_agent_config *c,
+                                                uint64_t ms);
 
 /**
  * Adds a UCX setting (a name without the `UCX_` prefix, e.g. "RNDV_THRESH"), applied last.

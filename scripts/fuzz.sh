@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fuzzes every decoder (the targets in fuzz/fuzz_targets: metadata, side channel and its
 # listener's handshake, notifications, the TCP lane, handoffs, connector control messages,
-# the shm and device lanes' hand-over frames)
+# the shm and device lanes' hand-over frames, the UCX fence)
 # for a fixed time each, with libFuzzer through cargo-fuzz (nightly), growing the corpus kept
 # in the repo (fuzz/corpus/<target>, minimised after the run). A crash fails the script and
 # leaves its input in fuzz/artifacts/<target>.

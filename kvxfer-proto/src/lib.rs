@@ -33,5 +33,6 @@ pub mod session;
 pub mod state;
 pub mod tp;
 pub mod types;
+pub mod ucx_fence;
 pub mod updates;
 pub mod wire;

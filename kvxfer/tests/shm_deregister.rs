@@ -32,7 +32,8 @@ fn go(a: &Agent, peer: &str, id: u32, len: usize, op: XferOp) -> Result<Lane, Er
 }
 
 /// Refused typed: by the shm lane (the owner's registration page says the region is gone), or,
-/// for a peer kept on the owner's side channel, before any lane (the owner told it).
+/// for a peer the owner told (kept on its side channel, or announced to its UCX engine), before
+/// any lane.
 fn refused(r: &Result<Lane, Error>) -> bool {
     matches!(r, Err(Error::LaneFailed { lane: "shm", ref why, .. }) if why.contains("deregistered"))
         || matches!(r, Err(Error::Deregistered { .. }))
@@ -164,6 +165,9 @@ fn a_deregistration_during_a_peers_transfer_fails_it_typed_or_lets_it_finish() {
                 Err(Error::LaneFailed { ref why, .. }) if why.contains("deregistered before") => {
                     before += 1
                 }
+                // The owner told this peer over the UCX fence (it announced itself when it
+                // loaded the metadata), and it refused the region itself.
+                Err(Error::Deregistered { region }) if region == r.id().0 => before += 1,
                 Err(Error::LaneFailed { ref why, .. }) if why.contains("deregistered during") => {
                     during += 1
                 }

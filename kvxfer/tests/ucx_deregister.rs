@@ -9,6 +9,11 @@
 //! The same over kvxfer's TCP lane (lanes on), whose target pins a region while a request
 //! uses it: there `deregister` is `Busy` until the transfer ends, and a later one is refused
 //! by the target.
+//!
+//! The `by_hand` cases give the peer the owner's metadata by hand (`load_remote_metadata`,
+//! as the etcd path does) instead of over the side channel: the owner then reaches it only
+//! through the UCX fence (the peer announced itself over UCX before its first RMA). Before
+//! that fence such a peer was never told.
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
 
 use std::io::{BufRead, BufReader, Write};
@@ -148,15 +153,37 @@ impl Tally {
     }
 }
 
-fn one_process(t: &str) {
+/// A peer that loads the owner's metadata `meta` by hand, with a buffer of [`BIG`] bytes of
+/// its own (as [`reader`]).
+fn reader_by_hand(
+    name: &str,
+    mode: &str,
+    meta: &[u8],
+) -> (Agent, String, kvxfer::Region, kvxfer::PreparedLocal) {
+    let a = agent(name, mode);
+    let peer = a.load_remote_metadata(meta).unwrap();
+    let buf = a.register(HostBuffer::new(BIG).unwrap()).unwrap();
+    let l = a.prep_local(&[Desc::new(buf.id(), 0, BIG as u64)]).unwrap();
+    (a, peer, buf, l)
+}
+
+fn one_process(t: &str, by_hand: bool) {
+    let _ = env_logger::builder().is_test(true).try_init();
     let owner = agent(&format!("own-{t}"), t);
-    let side = owner.listen("127.0.0.1:0").unwrap();
-    let (a, peer, _buf, l) = reader(&format!("peer-{t}"), t, side);
+    let (a, peer, _buf, l) = if by_hand {
+        reader_by_hand(&format!("peer-{t}"), t, &owner.metadata().unwrap())
+    } else {
+        let side = owner.listen("127.0.0.1:0").unwrap();
+        reader(&format!("peer-{t}"), t, side)
+    };
     let mut tally = Tally::default();
     for run in 0..RUNS {
         for op in [XferOp::Write, XferOp::Read] {
             let r = owner.register(HostBuffer::new(BIG).unwrap()).unwrap();
             let id = r.id().0;
+            if by_hand {
+                a.load_remote_metadata(&owner.metadata().unwrap()).unwrap();
+            }
             known(&a, &peer, id);
             let (moved, waited) = std::thread::scope(|s| {
                 let h = s.spawn(|| go(&a, &l, &peer, id, op));
@@ -172,22 +199,33 @@ fn one_process(t: &str) {
             refused_after(&a, &l, &peer, id, op);
         }
     }
-    tally.report(&format!("one process, {t}"));
+    let how = if by_hand { ", loaded by hand" } else { "" };
+    tally.report(&format!("one process, {t}{how}"));
 }
 
 #[test]
 fn deregistration_during_a_peers_ucx_transfer_in_one_process_shm() {
-    one_process("shm");
+    one_process("shm", false);
 }
 
 #[test]
 fn deregistration_during_a_peers_ucx_transfer_in_one_process_tcp() {
-    one_process("tcp");
+    one_process("tcp", false);
 }
 
 #[test]
 fn deregistration_during_a_peers_tcp_lane_transfer_in_one_process() {
-    one_process("lane");
+    one_process("lane", false);
+}
+
+#[test]
+fn deregistration_during_a_ucx_transfer_of_a_peer_loaded_by_hand_in_one_process_shm() {
+    one_process("shm", true);
+}
+
+#[test]
+fn deregistration_during_a_ucx_transfer_of_a_peer_loaded_by_hand_in_one_process_tcp() {
+    one_process("tcp", true);
 }
 
 /// The owner in its own process (ignored in a normal run): `reg` registers a region and
@@ -199,13 +237,22 @@ fn owner_child() {
         return;
     };
     let b = agent(&format!("owner-elsewhere-{t}"), &t);
-    println!("SIDE {}", b.listen("127.0.0.1:0").unwrap());
+    // By hand: no side channel; the metadata is printed after each registration.
+    let by_hand = std::env::var("KVX_UCX_BY_HAND").is_ok();
+    if by_hand {
+        println!("META {}", hex(&b.metadata().unwrap()));
+    } else {
+        println!("SIDE {}", b.listen("127.0.0.1:0").unwrap());
+    }
     let mut held = Vec::new();
     for line in std::io::stdin().lines() {
         let line = line.unwrap();
         match line.split_whitespace().collect::<Vec<_>>().as_slice() {
             ["reg"] => {
                 let r = b.register(HostBuffer::new(BIG).unwrap()).unwrap();
+                if by_hand {
+                    println!("META {}", hex(&b.metadata().unwrap()));
+                }
                 println!("REG {}", r.id().0);
                 held.push(r);
             }
@@ -224,10 +271,25 @@ fn owner_child() {
     }
 }
 
-fn two_processes(t: &str) {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "owner_child", "--ignored", "--nocapture"])
-        .env("KVX_UCX_OWNER", t)
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+fn two_processes(t: &str, by_hand: bool) {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", "owner_child", "--ignored", "--nocapture"])
+        .env("KVX_UCX_OWNER", t);
+    if by_hand {
+        cmd.env("KVX_UCX_BY_HAND", "1");
+    }
+    let mut child = cmd
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -246,12 +308,19 @@ fn two_processes(t: &str) {
             }
         }
     };
-    let side: std::net::SocketAddr = said("SIDE ").parse().unwrap();
-    let (a, peer, _buf, l) = reader(&format!("peer-here-{t}"), t, side);
+    let (a, peer, _buf, l) = if by_hand {
+        reader_by_hand(&format!("peer-here-{t}"), t, &unhex(&said("META ")))
+    } else {
+        let side: std::net::SocketAddr = said("SIDE ").parse().unwrap();
+        reader(&format!("peer-here-{t}"), t, side)
+    };
     let mut tally = Tally::default();
     for run in 0..RUNS {
         for op in [XferOp::Write, XferOp::Read] {
             writeln!(to, "reg").unwrap();
+            if by_hand {
+                a.load_remote_metadata(&unhex(&said("META "))).unwrap();
+            }
             let id: u32 = said("REG ").parse().unwrap();
             known(&a, &peer, id);
             let (moved, gone) = std::thread::scope(|s| {
@@ -273,22 +342,33 @@ fn two_processes(t: &str) {
     drop(to);
     let status = child.wait().unwrap();
     assert!(status.success(), "the owner process: {status:?}");
-    tally.report(&format!("two processes, {t}"));
+    let how = if by_hand { ", loaded by hand" } else { "" };
+    tally.report(&format!("two processes, {t}{how}"));
 }
 
 #[test]
 fn deregistration_during_a_peers_ucx_transfer_in_two_processes_shm() {
-    two_processes("shm");
+    two_processes("shm", false);
 }
 
 #[test]
 fn deregistration_during_a_peers_ucx_transfer_in_two_processes_tcp() {
-    two_processes("tcp");
+    two_processes("tcp", false);
 }
 
 #[test]
 fn deregistration_during_a_peers_tcp_lane_transfer_in_two_processes() {
-    two_processes("lane");
+    two_processes("lane", false);
+}
+
+#[test]
+fn deregistration_during_a_ucx_transfer_of_a_peer_loaded_by_hand_in_two_processes_shm() {
+    two_processes("shm", true);
+}
+
+#[test]
+fn deregistration_during_a_ucx_transfer_of_a_peer_loaded_by_hand_in_two_processes_tcp() {
+    two_processes("tcp", true);
 }
 
 /// A deregistration that this agent's own transfer makes `Busy` tells no peer: the peer goes
@@ -437,4 +517,113 @@ fn a_deregistration_racing_local_transfers_is_busy_before_telling_peers() {
     }
     eprintln!("busy answers {busy}, local transfers refused {refused_local}");
     assert!(busy > 0, "no deregistration met a local transfer");
+}
+
+/// A peer in its own process (ignored in a normal run): loads the owner's metadata from
+/// `KVX_UCX_META` by hand, reads region `KVX_UCX_REGION` once over UCX (so it announced
+/// itself), says `READY`, and waits for its stdin to close.
+#[test]
+#[ignore = "a peer's own process, started by the tests here"]
+fn peer_child() {
+    let (Ok(t), Ok(meta), Ok(id)) = (
+        std::env::var("KVX_UCX_PEER"),
+        std::env::var("KVX_UCX_META"),
+        std::env::var("KVX_UCX_REGION"),
+    ) else {
+        return;
+    };
+    let (a, peer, _buf, l) = reader_by_hand(&format!("peer-child-{t}"), &t, &unhex(&meta));
+    go(&a, &l, &peer, id.parse().unwrap(), XferOp::Read).unwrap();
+    println!("READY");
+    let _ = std::io::stdin().lines().count();
+}
+
+/// A peer that loaded the owner's metadata by hand and then stops (SIGSTOP) cannot answer
+/// the UCX fence: the owner's deregistration is `Busy` once its wait has run out, typed, and
+/// the region stays registered; the next one is `Busy` at once (not waited for again). Once
+/// the peer is killed, the owner finds it gone (its process on this host, or its endpoint)
+/// and deregisters.
+fn stopped_then_killed_peer(t: &str) {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let wait = Duration::from_millis(500);
+    let owner = Agent::new(
+        AgentConfig::new(format!("own-stopped-{t}"))
+            .transport(if t == "shm" {
+                Transport::Shm
+            } else {
+                Transport::Tcp
+            })
+            .net_devices("lo")
+            .lanes(false)
+            .ucx_tcp(t == "tcp")
+            .deregister_wait(wait),
+    )
+    .unwrap();
+    let r = owner.register(HostBuffer::new(BIG).unwrap()).unwrap();
+    let r2 = owner.register(HostBuffer::new(BIG).unwrap()).unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "peer_child", "--ignored", "--nocapture"])
+        .env("KVX_UCX_PEER", t)
+        .env("KVX_UCX_META", hex(&owner.metadata().unwrap()))
+        .env("KVX_UCX_REGION", r.id().0.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut from = BufReader::new(child.stdout.take().unwrap());
+    loop {
+        let mut l = String::new();
+        assert!(
+            from.read_line(&mut l).unwrap() > 0,
+            "the peer ended before READY"
+        );
+        if l.contains("READY") {
+            break;
+        }
+    }
+    let pid = child.id() as i32;
+    // SAFETY: kill with a pid of a child this test started and has not reaped.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let t0 = Instant::now();
+    let e = owner.deregister(&r).unwrap_err();
+    let first = t0.elapsed();
+    assert!(matches!(e, Error::Busy { .. }), "{t}: {e}");
+    assert!(
+        first >= wait && first < wait * 4,
+        "{t}: Busy after {first:?}"
+    );
+    let t1 = Instant::now();
+    let e = owner.deregister(&r2).unwrap_err();
+    let second = t1.elapsed();
+    assert!(matches!(e, Error::Busy { .. }), "{t}: {e}");
+    assert!(
+        second < wait / 2,
+        "{t}: a silent peer waited for again ({second:?})"
+    );
+    eprintln!("{t}: a stopped peer: Busy after {first:?}, then at once ({second:?})");
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let _ = child.wait();
+    let t2 = Instant::now();
+    loop {
+        match owner.deregister(&r) {
+            Ok(()) => break,
+            Err(Error::Busy { .. }) if t2.elapsed() < Duration::from_secs(30) => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!("{t}: deregister after the peer died: {e}"),
+        }
+    }
+    eprintln!("{t}: the dead peer let go after {:?}", t2.elapsed());
+    owner.deregister(&r2).unwrap();
+}
+
+#[test]
+fn a_stopped_peer_loaded_by_hand_keeps_the_region_busy_until_it_dies_shm() {
+    stopped_then_killed_peer("shm");
+}
+
+#[test]
+fn a_stopped_peer_loaded_by_hand_keeps_the_region_busy_until_it_dies_tcp() {
+    stopped_then_killed_peer("tcp");
 }

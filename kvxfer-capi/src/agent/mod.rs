@@ -490,8 +490,8 @@ pub unsafe extern "C" fn kvx_agent_config_set_peer_idle(
 }
 
 /// Sets how long `kvx_agent_deregister` waits, in milliseconds (default 10,000), for each
-/// peer that UCX reaches and that is kept on the side channel to confirm that nothing of its
-/// touches the region any more; past it the region stays registered (`KVX_BUSY`). Also how
+/// peer that UCX reaches (kept on the side channel, or announced to the UCX engine) to
+/// confirm that nothing of its touches the region any more; past it the region stays registered (`KVX_BUSY`). Also how
 /// long this agent, told of a peer's deregistration, waits for its own transfers first.
 ///
 /// # Safety

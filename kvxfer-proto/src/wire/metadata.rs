@@ -1,6 +1,7 @@
 //! Agent metadata: what a peer needs to reach this agent's memory, and its wire encoding.
 //!
-//! Layout (little endian), version 4:
+//! Layout (little endian), version 5 (as version 4: the version says that its agent speaks
+//! the UCX fence, `super::ucx_fence`, which a version-4 agent would never answer):
 //!
 //! ```text
 //! magic "KVXM" | version u16 | flags u16 | compat u64 | total_len u32
@@ -32,7 +33,7 @@ pub use crate::types::{HostInfo, LaneInfo, ShmHandle};
 use crate::types::{MemKind, RegionId, RegionSpan};
 
 /// Wire version this build speaks.
-pub const WIRE_VERSION: u16 = 4;
+pub const WIRE_VERSION: u16 = 5;
 /// Compatibility hash used when no KV layout is given: the wire version alone.
 pub const DEFAULT_COMPAT: u64 = 0x6b76_7866_0000_0000 | WIRE_VERSION as u64;
 const MAGIC: [u8; 4] = *b"KVXM";

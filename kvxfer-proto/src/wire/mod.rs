@@ -1,6 +1,6 @@
 //! Every wire format kvxfer speaks, each with a paired encoder and decoder, named sizes and
-//! round-trip tests: agent metadata, notifications, the TCP lane, the side channel. The
-//! connector's decision logic over its messages is in [`crate::connector`].
+//! round-trip tests: agent metadata, notifications, the TCP lane, the side channel, the UCX
+//! fence. The connector's decision logic over its messages is in [`crate::connector`].
 
 pub mod connector;
 pub mod lane;
@@ -10,6 +10,7 @@ pub mod metadata;
 pub mod notify;
 pub mod shm_fds;
 pub mod side_channel;
+pub mod ucx_fence;
 
 /// Lowercase hex of `b`.
 pub fn hex(b: &[u8]) -> String {

@@ -438,8 +438,8 @@ impl AgentConfig {
     }
 
     /// How long [`Agent::deregister`](super::Agent::deregister) waits for each peer that UCX
-    /// reaches and that is kept on the side channel to confirm that nothing of its touches
-    /// the region any more (its UCX transfers to this agent in flight have ended), and how
+    /// reaches (kept on the side channel, or announced to the UCX engine) to confirm that
+    /// nothing of its touches the region any more (its UCX transfers to this agent in flight have ended), and how
     /// long this agent, told of a peer's deregistration, waits for its own before it answers.
     /// Past it the region stays registered (`Busy`). Default 10 s.
     pub fn deregister_wait(mut self, d: Duration) -> Self {

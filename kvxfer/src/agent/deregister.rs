@@ -1,6 +1,9 @@
-//! Deregistration, fenced against the peers kept on the side channel: UCX's emulated RMA
-//! checks no key on this side, so only a peer can stop its own puts and gets into memory this
-//! agent lets go ([`crate::subscriptions::Subscriptions::fence_region`]).
+//! Deregistration, fenced against every peer UCX reaches: UCX's emulated RMA checks no key on
+//! this side, so only a peer can stop its own puts and gets into memory this agent lets go.
+//! Peers kept on the side channel are told there
+//! ([`crate::subscriptions::Subscriptions::fence_region`]); every peer that announced itself
+//! to the UCX engine (each does before its first RMA) is told over UCX
+//! (`crate::backend::ucx::fence`).
 #![forbid(unsafe_code)]
 
 #[cfg(doc)]
@@ -12,13 +15,15 @@ use kvxfer_proto::error::{Error, Result};
 
 impl Agent {
     /// Deregisters a region. Fails with [`Error::Busy`] while a transfer of this agent uses
-    /// it, or while a peer that UCX reaches and that is kept on its side channel has not
-    /// confirmed (within [`AgentConfig::deregister_wait`], 10 s) that nothing of its touches
-    /// the region any more: each such peer is told first, refuses the
-    /// region from then on ([`Error::Deregistered`]) and answers once its UCX transfers to this
-    /// agent that were in flight have ended. Peers that loaded this agent's metadata otherwise
-    /// (by hand, through etcd) are not told: deregister memory they may use only once they are
-    /// done with it.
+    /// it, or while a peer that UCX reaches has not confirmed (within
+    /// [`AgentConfig::deregister_wait`], 10 s) that nothing of its touches the region any
+    /// more: each such peer is told first, refuses the region from then on
+    /// ([`Error::Deregistered`]) and answers once its UCX transfers to this agent that were in
+    /// flight have ended. That holds however the peer loaded this agent's metadata (side
+    /// channel, by hand, etcd): a kvxfer peer announces itself to this agent's UCX engine
+    /// before its first RMA here. A peer that does not answer (stopped, or past its own wait)
+    /// keeps the region registered, and the next deregistrations do not wait for it but are
+    /// `Busy` until it answers or is gone.
     pub fn deregister(&self, region: &Region) -> Result<()> {
         let id = region.inner.id.0;
         if !self.shared.regions.read().contains_key(&id) {
@@ -43,7 +48,38 @@ impl Agent {
                 .get(peer)
                 .is_none_or(|v| v.ucx)
         };
-        let unconfirmed = self.shared.subs.fence_region(id, wait, ucx_reaches);
+        // And every peer that announced itself to this agent's UCX engine before its first
+        // RMA here, however it loaded the metadata (by hand, through etcd): the UCX fence,
+        // asked first so that both waits run at once. A region UCX does not reach
+        // (lane-only, staged device memory) needs none.
+        let ucx_fence = if region.inner.ucx_mapped && !region.inner.restricted {
+            let (reply, answer) = std::sync::mpsc::sync_channel(1);
+            let asked = self.shared.cmds.send(Cmd::Fence {
+                region: id,
+                wait,
+                reply,
+            });
+            if let Err(e) = asked {
+                region.inner.unretire();
+                return Err(e);
+            }
+            Some(answer)
+        } else {
+            None
+        };
+        let mut unconfirmed = self.shared.subs.fence_region(id, wait, ucx_reaches);
+        if let Some(answer) = ucx_fence {
+            match answer.recv().map_err(|_| Error::Shutdown).and_then(|r| r) {
+                Ok(peers) => unconfirmed.extend(peers),
+                Err(e) => {
+                    region.inner.unretire();
+                    return Err(e);
+                }
+            }
+        }
+        // A peer told both ways is one peer.
+        unconfirmed.sort_unstable();
+        unconfirmed.dedup();
         if !unconfirmed.is_empty() {
             region.inner.unretire();
             log::warn!(

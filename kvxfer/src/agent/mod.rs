@@ -83,6 +83,10 @@ impl Agent {
             });
         }
         let channels = Channels::new(&cfg.budget);
+        // Peers' deregistrations reaching this agent over UCX (the UCX fence), answered by a
+        // thread of their own: the answer waits for this agent's transfers to the peer.
+        let (gone_tx, gone_rx) =
+            std::sync::mpsc::sync_channel(crate::backend::ucx::fence_state::MAX_GONE_QUEUED);
         let (engine, cmds) = Engine::new(
             &cfg.ucx.settings(&cfg.transport),
             &cname,
@@ -90,6 +94,7 @@ impl Agent {
             cfg.ucx.peer_failure(&cfg.transport),
             !lane_notes,
             channels.clone(),
+            gone_tx,
         )
         .map_err(|e| setup_failed(e, &cfg))?;
         // Where a notification goes once a lane or UCX moved the data: UCX's active messages,
@@ -201,6 +206,7 @@ impl Agent {
             clock: Instant::now(),
         });
         let _ = me.set(Arc::downgrade(&shared));
+        spawn_gone_answers(&shared, gone_rx)?;
         let thread = std::thread::Builder::new()
             .name(format!("kvxfer-progress-{}", cfg.name))
             .spawn(move || engine.run())
@@ -583,6 +589,33 @@ impl Drop for Agent {
             }
         }
     }
+}
+
+/// Answers the peers' deregistrations that reach this agent over UCX (the UCX fence): each
+/// is refused from then on, and answered once this agent's UCX transfers to the peer that
+/// were in flight have ended. Ends with the engine (its sender).
+fn spawn_gone_answers(
+    st: &Arc<AgentState>,
+    rx: std::sync::mpsc::Receiver<crate::backend::ucx::fence_state::GoneNotice>,
+) -> Result<()> {
+    let (me, cmds) = (Arc::downgrade(st), st.cmds.clone());
+    std::thread::Builder::new()
+        .name(format!("kvxfer-fence-{}", st.name))
+        .spawn(move || {
+            for n in rx {
+                let Some(st) = me.upgrade() else { break };
+                let done = peers::region_gone_at(&st, &n.name, n.region, st.deregister_wait);
+                drop(st);
+                if done {
+                    let _ = cmds.send(Cmd::FenceAnswer {
+                        peer: n.peer,
+                        region: n.region,
+                    });
+                }
+            }
+        })
+        .map(|_| ())
+        .map_err(|e| Error::io("spawning the fence thread", e))
 }
 
 /// A random, non-zero incarnation number for a new agent.

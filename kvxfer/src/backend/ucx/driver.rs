@@ -17,6 +17,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::fence_state::{Announced, Fence, GoneNotice, AM_FENCE, USER_BIT};
 use super::handle::{Context, Endpoint, MemHandle, Request, Rkey, Worker, WorkerWaker};
 use super::raw;
 use crate::memory::RegionInner;
@@ -77,6 +78,18 @@ pub(crate) enum Cmd {
         reply: Reply<PeerInfo>,
     },
     Post(Box<Job>),
+    /// Region `region` is being deregistered: tell every peer that announced itself for UCX
+    /// and answer, within `wait`, with those that did not confirm (the UCX fence).
+    Fence {
+        region: u32,
+        wait: Duration,
+        reply: Reply<Vec<String>>,
+    },
+    /// Nothing of this agent's touches peer `peer`'s region `region` any more: tell it.
+    FenceAnswer {
+        peer: u64,
+        region: u32,
+    },
     Cancel {
         id: u64,
     },
@@ -153,6 +166,8 @@ pub(super) enum Event {
     EpError { peer: u64, status: UcsStatus },
     /// A notification arrived.
     Notify(Vec<u8>),
+    /// A UCX fence message arrived.
+    Fence(Vec<u8>),
 }
 
 thread_local! {
@@ -219,6 +234,28 @@ unsafe extern "C" fn on_am(
     raw::STATUS_OK
 }
 
+/// The fence's active messages: copied out (eager only, bounded) for the engine's loop.
+unsafe extern "C" fn on_fence_am(
+    _arg: *mut c_void,
+    _header: *const c_void,
+    _header_len: usize,
+    data: *mut c_void,
+    len: usize,
+    param: *const raw::ucp_am_recv_param_t,
+) -> raw::ucs_status_t {
+    let _ = std::panic::catch_unwind(|| {
+        if raw::am_data_in_place(param)
+            && !data.is_null()
+            && len <= kvxfer_proto::wire::ucx_fence::MAX_ENCODED
+        {
+            // SAFETY: UCX passes `len` readable bytes at `data` for the callback's duration.
+            let v = unsafe { std::slice::from_raw_parts(data as *const u8, len) }.to_vec();
+            push_event(Event::Fence(v));
+        }
+    });
+    raw::STATUS_OK
+}
+
 pub(super) struct LocalReg {
     /// None for regions UCX does not map (staged device memory).
     pub(super) memh: Option<MemHandle>,
@@ -241,6 +278,11 @@ pub(super) struct Peer {
     /// Without peer-failure detection (shared memory), a same-host peer's process, watched
     /// through a pidfd: its death fails its transfers at once, deadline or none.
     pub(super) process: Option<crate::host::PeerProcess>,
+    /// This agent's announcement to it (the UCX fence): nothing is posted before its WELCOME.
+    pub(super) announced: Announced,
+    /// Region slots its WELCOME did not list as live (deregistered before this agent
+    /// announced itself): a transfer touching one is refused, never posted.
+    pub(super) gone_slots: Vec<u32>,
 }
 
 pub(super) struct Active {
@@ -292,6 +334,10 @@ pub(crate) struct Engine {
     /// ([`super::transfer::ABANDON_AFTER`]); cleared once UCX can sleep again.
     pub(super) stuck: bool,
     pub(super) worker_addr: Vec<u8>,
+    /// The UCX fence, as initiator and as owner.
+    pub(super) fence: Fence,
+    /// The agent's name (what its announcements say).
+    pub(super) name: String,
 }
 
 // SAFETY: the Engine is created on the caller's thread and then moved, once, to the progress
@@ -309,6 +355,7 @@ impl Engine {
         peer_failure: bool,
         am_notes: bool,
         channels: Channels,
+        gone: mpsc::SyncSender<GoneNotice>,
     ) -> Result<(Engine, Commands)> {
         let (tx, rx) = mpsc::channel();
         let queued = Arc::new(AtomicUsize::new(0));
@@ -332,6 +379,9 @@ impl Engine {
         let efd = unsafe { raw::worker_efd(w) }.map_err(fail("ucp_worker_get_efd"))?;
         // SAFETY: worker live; arg is null (unused); on_am accepts any input.
         unsafe { raw::worker_set_am_handler(w, AM_NOTIFY, on_am, std::ptr::null_mut()) }
+            .map_err(fail("ucp_worker_set_am_recv_handler"))?;
+        // SAFETY: as above; on_fence_am accepts any input.
+        unsafe { raw::worker_set_am_handler(w, AM_FENCE, on_fence_am, std::ptr::null_mut()) }
             .map_err(fail("ucp_worker_set_am_recv_handler"))?;
         // SAFETY: worker live, on this thread.
         let worker_addr = unsafe { raw::worker_address(w) }.map_err(fail("ucp_worker_query"))?;
@@ -358,6 +408,8 @@ impl Engine {
                 closing: Vec::new(),
                 stuck: false,
                 worker_addr,
+                fence: Fence::new(gone),
+                name: name.to_string_lossy().into_owned(),
             },
             Commands { tx, waker, queued },
         ))
@@ -400,8 +452,11 @@ impl Engine {
             }
             busy |= self.handle_events();
             self.reap_closing();
-            // 4. Deadlines.
-            let next_deadline = self.check_deadlines();
+            // 4. Deadlines, and deregistrations waiting for peers' answers.
+            let next_deadline = match (self.check_deadlines(), self.poll_fences()) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
             if busy {
                 unproductive = 0;
             }
@@ -492,6 +547,12 @@ impl Engine {
                 let _ = reply.send(self.peer_info(name));
             }
             Cmd::Post(job) => self.start(job),
+            Cmd::Fence {
+                region,
+                wait,
+                reply,
+            } => self.fence_start(region, wait, reply),
+            Cmd::FenceAnswer { peer, region } => self.fence_answer(peer, region),
             Cmd::Cancel { id } => {
                 if let Some(a) = self.active.get_mut(&id) {
                     a.canceled = true;
@@ -547,6 +608,7 @@ impl Engine {
             .regions
             .remove(&id)
             .ok_or(Error::Deregistered { region: id })?;
+        self.fence_forget(id);
         // No transfer uses it: inflight was 0, and new posts check `registered` on this thread.
         match reg.memh {
             Some(memh) => memh.unmap().map_err(|status| Error::Ucx {
@@ -607,6 +669,10 @@ impl Engine {
         for e in events {
             match e {
                 Event::Done { job, status } => self.step(job, status),
+                Event::EpError { peer, status } if peer & USER_BIT != 0 => {
+                    log::info!("kvxfer: a UCX peer that announced itself failed: {status}");
+                    self.user_failed(peer & !USER_BIT);
+                }
                 Event::EpError { peer, status } => {
                     if let Some(p) = self.peers.get_mut(&peer) {
                         log::warn!("kvxfer: peer {:?} failed: {status}", p.name);
@@ -616,6 +682,7 @@ impl Engine {
                     // is closed; they are reported through their flush callbacks.
                     self.close_peer(peer, true);
                 }
+                Event::Fence(bytes) => self.fence_message(&bytes),
                 Event::Notify(_) if !self.am_notes => {
                     // Its sender is whatever the payload says: with a secret, only the sealed
                     // lane's notifications are believed.
@@ -643,6 +710,7 @@ impl Engine {
         for a in self.active.values_mut() {
             a.canceled = true;
         }
+        self.close_fence();
         let tokens: Vec<u64> = self.peers.keys().copied().collect();
         let end = Instant::now() + CLOSE_GRACE;
         while !self.active.is_empty() && Instant::now() < end {

@@ -54,6 +54,8 @@ impl Engine {
                 jobs: 0,
                 retired: false,
                 process,
+                announced: Default::default(),
+                gone_slots: Vec::new(),
             },
         );
         self.names.insert(name, token);
@@ -153,6 +155,12 @@ impl Engine {
         p.ep = Some(ep);
         p.rkeys = rkeys;
         p.failed = None;
+        // Announced at once (the UCX fence), so that its WELCOME is likely in by the first
+        // transfer, and an owner that meanwhile deregisters waits for this entry, not for
+        // one this replaced. A failed send is tried again by the first transfer.
+        if let Err(e) = self.announce(token) {
+            log::debug!("kvxfer: announcing this agent to a peer: {e}");
+        }
         Ok(())
     }
 
@@ -180,6 +188,8 @@ impl Engine {
     /// may use its rkey until then. (UCX's rkey keeps no pointer to the endpoint, so destroying
     /// it after the endpoint is the safe side of the two rules here.)
     pub(super) fn close_peer(&mut self, token: u64, force: bool) {
+        // A new endpoint announces itself again.
+        self.forget_announcement(token, !force);
         let Some(p) = self.peers.get_mut(&token) else {
             return;
         };

@@ -39,7 +39,7 @@ impl Engine {
                 return fail(job, e);
             }
         }
-        if let Err(e) = self.ensure_ep(token) {
+        if let Err(e) = self.ensure_ep(token).and_then(|()| self.announce(token)) {
             return fail(job, e);
         }
         if let Some(p) = self.peers.get_mut(&token) {
@@ -69,10 +69,18 @@ impl Engine {
             return false;
         }
         let mut did = false;
+        // Nothing is posted to a peer before it welcomed this agent's announcement (the UCX
+        // fence); a transfer stopped posts nothing more and goes to its flush.
         let ids: Vec<u64> = self
             .active
             .iter()
             .filter(|(_, a)| a.phase == Phase::Posting)
+            .filter(|(_, a)| {
+                a.canceled
+                    || a.error.is_some()
+                    || self.welcomed(a.job.token)
+                    || self.peers.get(&a.job.token).is_none_or(|p| p.ep.is_none())
+            })
             .map(|(&id, _)| id)
             .collect();
         for id in ids {
@@ -98,6 +106,13 @@ impl Engine {
                 continue;
             };
             let write = a.job.op == XferOp::Write;
+            // Queued before the peer's WELCOME, for a region it let go before that.
+            if a.next == 0 && !p.gone_slots.is_empty() && a.error.is_none() {
+                if let Some(k) = a.job.plan.slots(true).find(|k| p.gone_slots.contains(k)) {
+                    let region = p.meta.regions.get(k as usize).map_or(0, |r| r.id.0);
+                    a.error = Some(Error::Deregistered { region });
+                }
+            }
             let stop = a.canceled || a.error.is_some();
             if !stop {
                 let end = (a.next + POST_BATCH).min(a.job.plan.ops().len());

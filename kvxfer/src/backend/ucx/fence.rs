@@ -1,0 +1,401 @@
+//! The UCX fence on the engine thread (messages: `kvxfer_proto::wire::ucx_fence`; the
+//! owner's bookkeeping: `kvxfer_proto::ucx_fence::FenceTable`). UCX's emulated RMA checks no
+//! key on the target, so a deregistration must reach every peer whose puts and gets may touch
+//! the memory, however that peer loaded this agent's metadata (side channel, by hand, etcd).
+//!
+//! As an initiator, the engine announces itself to a peer (HELLO over the peer's endpoint)
+//! before its first RMA there, and posts nothing to it until the peer's WELCOME; a GONE from
+//! the peer goes to the agent (which refuses the region and waits for its UCX transfers to the
+//! peer to end, `region_gone_at`) and its answer comes back as [`Cmd::FenceAnswer`] to be
+//! sent as GONE_ACK. As an owner, it makes an endpoint back to each initiator that announced
+//! itself, and on [`Cmd::Fence`] tells them all and answers once each confirmed, failed, or
+//! the wait ran out.
+//!
+//! [`Cmd::Fence`]: super::driver::Cmd::Fence
+//! [`Cmd::FenceAnswer`]: super::driver::Cmd::FenceAnswer
+
+use std::ffi::c_void;
+use std::ptr::NonNull;
+use std::time::{Duration, Instant};
+
+use super::driver::{on_ep_error, Engine};
+use super::fence_state::{
+    Announced, FenceReply, GoneNotice, User, AM_FENCE, MAX_GONE_QUEUED, MAX_USERS, USER_BIT,
+};
+use super::handle::Endpoint;
+use super::raw::{self, Posted};
+use crate::host::PeerProcess;
+use kvxfer_proto::error::{Error, Result, UcsStatus};
+use kvxfer_proto::ucx_fence::{Hello, UserId};
+use kvxfer_proto::wire::ucx_fence::{is_live, live_ranges, FenceMsg};
+
+/// How often a deregistration waiting for same-host initiators looks at their processes.
+const PROCESS_POLL: Duration = Duration::from_millis(20);
+
+/// Completion of a fence message's send: frees the message and the request.
+unsafe extern "C" fn on_fence_sent(
+    req: *mut c_void,
+    _status: raw::ucs_status_t,
+    user: *mut c_void,
+) {
+    if !user.is_null() {
+        // SAFETY: `user` is the Box leaked by `send` for this request, taken back once, here.
+        drop(unsafe { Box::from_raw(user as *mut Vec<u8>) });
+    }
+    if let Some(req) = NonNull::new(req) {
+        // SAFETY: UCX passes the live request this callback completes; freed once, here.
+        unsafe { raw::request_free(req) };
+    }
+}
+
+/// Sends `msg` over `ep`; the bytes live until UCX is done with them.
+fn send(ep: &Endpoint, msg: &FenceMsg) -> std::result::Result<(), UcsStatus> {
+    let data = Box::new(msg.encode());
+    let slice: *const [u8] = data.as_slice();
+    let user = Box::into_raw(data);
+    // SAFETY: ep is live on this (the engine's) thread; the bytes are the Box's heap buffer,
+    // which stays put until on_fence_sent frees it (or below, when the send is done or failed).
+    match unsafe {
+        raw::am_send(
+            ep.as_ptr(),
+            AM_FENCE,
+            &*slice,
+            on_fence_sent,
+            user as *mut c_void,
+        )
+    } {
+        Ok(Posted::Pending(_)) => Ok(()),
+        r => {
+            // SAFETY: no callback will run for a send that completed at once or failed: the
+            // Box is taken back once, here.
+            drop(unsafe { Box::from_raw(user) });
+            r.map(|_| ())
+        }
+    }
+}
+
+impl Engine {
+    /// As an initiator: announces this agent to peer `token` (its endpoint made) unless done.
+    pub(super) fn announce(&mut self, token: u64) -> Result<()> {
+        let host = crate::host::host_info();
+        let worker = self.worker_addr.clone();
+        let name = self.name.clone();
+        let Some(p) = self.peers.get_mut(&token) else {
+            return Ok(());
+        };
+        let Some(ep) = p.ep.as_ref() else {
+            return Ok(());
+        };
+        if p.announced != Announced::No {
+            return Ok(());
+        }
+        let mine = u64::from_le_bytes(crate::random::bytes()?);
+        send(
+            ep,
+            &FenceMsg::Hello {
+                token: mine,
+                name,
+                host,
+                worker,
+            },
+        )
+        .map_err(|status| Error::PeerFailed {
+            agent: p.name.clone(),
+            status,
+        })?;
+        p.announced = Announced::Sent(mine);
+        self.fence.tokens.insert(mine, token);
+        Ok(())
+    }
+
+    /// A fence message arrived.
+    pub(super) fn fence_message(&mut self, bytes: &[u8]) {
+        match FenceMsg::decode(bytes) {
+            Some(FenceMsg::Hello {
+                token,
+                name,
+                host,
+                worker,
+            }) => self.take_in(token, name, host, worker),
+            Some(FenceMsg::Welcome { token, ack, live }) => self.welcome(token, ack, &live),
+            Some(FenceMsg::Gone { token, region }) => {
+                let peer = self.fence.tokens.get(&token).copied();
+                let Some((peer, p)) = peer.and_then(|t| self.peers.get(&t).map(|p| (t, p))) else {
+                    log::debug!("kvxfer: a GONE with a token this agent never drew, dropped");
+                    return;
+                };
+                let notice = GoneNotice {
+                    peer,
+                    name: p.name.clone(),
+                    region,
+                };
+                if self.fence.gone.try_send(notice).is_err() {
+                    log::warn!(
+                        "kvxfer: {:?} deregisters region {region}: {MAX_GONE_QUEUED} such \
+                         notices queued already, not answered",
+                        p.name
+                    );
+                }
+            }
+            Some(FenceMsg::GoneAck { ack, region }) => {
+                if !self.fence.table.gone_ack(ack, region) {
+                    log::debug!("kvxfer: a GONE_ACK with a token this agent never drew, dropped");
+                }
+            }
+            Some(FenceMsg::Bye { ack }) => {
+                if let Some(user) = self.fence.table.bye(ack) {
+                    self.drop_user(user);
+                }
+            }
+            None => log::warn!(
+                "kvxfer: a malformed UCX fence message ({} bytes) dropped",
+                bytes.len()
+            ),
+        }
+    }
+
+    /// As an initiator: peer `token`'s WELCOME. Its regions that are not live went before
+    /// this agent announced itself, and no GONE will come for them: the transfers queued
+    /// for them are refused (`gone_slots`), and the agent is told, as of a GONE, so that it
+    /// refuses later ones itself.
+    fn welcome(&mut self, token: u64, ack: u64, live: &[(u32, u32)]) {
+        let Some(peer) = self.fence.tokens.get(&token).copied() else {
+            return;
+        };
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        if p.announced != Announced::Sent(token) {
+            return;
+        }
+        p.announced = Announced::Welcomed { token, ack };
+        p.gone_slots = (0u32..)
+            .zip(&p.meta.regions)
+            .filter(|(_, r)| !is_live(live, r.id.0))
+            .map(|(k, _)| k)
+            .collect();
+        for &k in &p.gone_slots {
+            let region = p.meta.regions[k as usize].id.0;
+            let notice = GoneNotice {
+                peer,
+                name: p.name.clone(),
+                region,
+            };
+            if self.fence.gone.try_send(notice).is_err() {
+                log::warn!("kvxfer: {:?} let region {region} go: not queued", p.name);
+            }
+        }
+    }
+
+    /// As an owner: an initiator's HELLO. An endpoint back to it, and WELCOME.
+    fn take_in(
+        &mut self,
+        token: u64,
+        name: String,
+        host: Option<kvxfer_proto::types::HostInfo>,
+        worker: Vec<u8>,
+    ) {
+        if self.self_only {
+            return;
+        }
+        let Ok(ack) = crate::random::bytes().map(u64::from_le_bytes) else {
+            return;
+        };
+        let (user, replaced, before, reply) =
+            match self
+                .fence
+                .table
+                .hello(token, name, worker.clone(), ack, self.live())
+            {
+                Hello::Welcome {
+                    user,
+                    replaced,
+                    before,
+                    reply,
+                } => (user, replaced, before, reply),
+                Hello::Full => {
+                    log::warn!(
+                        "kvxfer: {MAX_USERS} UCX peers announced already: one more not taken in \
+                     (its transfers wait for an answer until their deadline)"
+                    );
+                    return;
+                }
+            };
+        if let Some(old) = replaced {
+            self.drop_user(old);
+        }
+        let ep = match self.worker.connect(
+            &worker,
+            on_ep_error,
+            (USER_BIT | user) as *mut c_void,
+            self.peer_failure,
+        ) {
+            Ok(ep) => ep,
+            Err(status) => {
+                log::warn!(
+                    "kvxfer: an endpoint back to a UCX peer that announced itself: {status}"
+                );
+                self.fence.table.remove(user);
+                return;
+            }
+        };
+        // Deregistrations under way first: active messages on one endpoint arrive in order.
+        if let Err(status) = before.iter().chain([&reply]).try_for_each(|m| send(&ep, m)) {
+            log::warn!("kvxfer: WELCOME to a UCX peer: {status}");
+            self.fence.table.remove(user);
+            self.close_user(ep);
+            return;
+        }
+        let process = (!self.peer_failure && crate::host::same_host_elsewhere(host))
+            .then(|| host.map(|h| PeerProcess::open(h.pid)))
+            .flatten();
+        self.fence.users.insert(user, User { ep, process });
+    }
+
+    /// This agent's regions that initiators may reach: registered, not being deregistered.
+    fn live(&self) -> Vec<(u32, u32)> {
+        let mut ids: Vec<u32> = self
+            .regions
+            .keys()
+            .copied()
+            .filter(|id| !self.fence.going.contains(id))
+            .collect();
+        ids.sort_unstable();
+        live_ranges(ids)
+    }
+
+    /// Region `id` was unmapped: no longer going, gone.
+    pub(super) fn fence_forget(&mut self, id: u32) {
+        self.fence.going.remove(&id);
+    }
+
+    /// As an initiator: the agent answered a GONE of peer `peer` for `region` (nothing of it
+    /// touches the region any more).
+    pub(super) fn fence_answer(&mut self, peer: u64, region: u32) {
+        let Some(p) = self.peers.get(&peer) else {
+            return;
+        };
+        let (Announced::Welcomed { ack, .. }, Some(ep)) = (p.announced, p.ep.as_ref()) else {
+            return;
+        };
+        if let Err(status) = send(ep, &FenceMsg::GoneAck { ack, region }) {
+            log::warn!("kvxfer: GONE_ACK to {:?}: {status}", p.name);
+        }
+    }
+
+    /// Whether peer `token` may be posted to: it welcomed this agent's announcement.
+    pub(super) fn welcomed(&self, token: u64) -> bool {
+        self.peers
+            .get(&token)
+            .is_some_and(|p| matches!(p.announced, Announced::Welcomed { .. }))
+    }
+
+    /// Peer `token`'s endpoint is being closed: its announcement means nothing any more. A
+    /// graceful close (nothing in flight) says BYE first, so that the peer stops waiting for
+    /// this agent's answers; a failed endpoint cannot.
+    pub(super) fn forget_announcement(&mut self, token: u64, graceful: bool) {
+        let Some(p) = self.peers.get_mut(&token) else {
+            return;
+        };
+        if let Announced::Sent(t) | Announced::Welcomed { token: t, .. } = p.announced {
+            self.fence.tokens.remove(&t);
+        }
+        if let (Announced::Welcomed { ack, .. }, Some(ep), true) = (p.announced, &p.ep, graceful) {
+            if let Err(status) = send(ep, &FenceMsg::Bye { ack }) {
+                log::debug!("kvxfer: BYE to {:?}: {status}", p.name);
+            }
+        }
+        p.announced = Announced::No;
+    }
+
+    /// As an owner: region `region` is being deregistered. Tells every initiator; `reply`
+    /// gets the ones that did not confirm within `wait` once it is over.
+    pub(super) fn fence_start(&mut self, region: u32, wait: Duration, reply: FenceReply) {
+        self.reap_dead_users();
+        self.fence.going.insert(region);
+        let now = self.fence.clock.elapsed();
+        let (id, sends) = self.fence.table.start(region, now, wait);
+        for (user, msg) in sends {
+            let sent = self.fence.users.get(&user).map(|u| send(&u.ep, &msg));
+            if !matches!(sent, Some(Ok(()))) {
+                // Its endpoint is broken: it is gone, and touches nothing.
+                self.drop_user(user);
+            }
+        }
+        self.fence.waits.insert(id, (region, reply));
+        self.poll_fences();
+    }
+
+    /// Answers the deregistrations that are over; returns when to look again.
+    pub(super) fn poll_fences(&mut self) -> Option<Instant> {
+        if self.fence.waits.is_empty() {
+            return None;
+        }
+        self.reap_dead_users();
+        for (id, unconfirmed) in self.fence.table.poll(self.fence.clock.elapsed()) {
+            if let Some((region, reply)) = self.fence.waits.remove(&id) {
+                if !unconfirmed.is_empty() {
+                    // It stays registered (`Busy`): live again for initiators to come.
+                    // (Those told refuse it for good, as over the side channel.)
+                    self.fence.going.remove(&region);
+                }
+                // Named as they said (the deregistration counts the peers that did not
+                // answer by name, once each whichever way they were told).
+                let names = unconfirmed
+                    .iter()
+                    .map(|u| self.fence.table.name(*u).unwrap_or("?").to_string())
+                    .collect();
+                let _ = reply.send(Ok(names));
+            }
+        }
+        let next = self.fence.table.next_deadline()?;
+        let at = self.fence.clock + next;
+        Some(at.min(Instant::now() + PROCESS_POLL))
+    }
+
+    /// An initiator's endpoint failed.
+    pub(super) fn user_failed(&mut self, user: UserId) {
+        self.drop_user(user);
+    }
+
+    /// Initiators on this host whose process exited are gone (shared memory does not say so).
+    fn reap_dead_users(&mut self) {
+        let dead: Vec<UserId> = self
+            .fence
+            .users
+            .iter()
+            .filter(|(_, u)| u.process.as_ref().is_some_and(PeerProcess::exited))
+            .map(|(&id, _)| id)
+            .collect();
+        for user in dead {
+            self.drop_user(user);
+        }
+    }
+
+    fn drop_user(&mut self, user: UserId) {
+        self.fence.table.remove(user);
+        if let Some(u) = self.fence.users.remove(&user) {
+            self.close_user(u.ep);
+        }
+    }
+
+    fn close_user(&mut self, ep: Endpoint) {
+        // Forced: nothing of this agent's but fence messages goes over it.
+        match ep.close(true) {
+            Ok(Some(req)) => self.closing.push((req, Vec::new())),
+            Ok(None) => {}
+            Err(status) => log::debug!("kvxfer: closing an endpoint to a UCX peer: {status}"),
+        }
+    }
+
+    /// At shutdown: every initiator's endpoint closed, every deregistration answered.
+    pub(super) fn close_fence(&mut self) {
+        let users: Vec<UserId> = self.fence.users.keys().copied().collect();
+        for u in users {
+            self.drop_user(u);
+        }
+        for (_, (_, reply)) in self.fence.waits.drain() {
+            let _ = reply.send(Err(Error::Shutdown));
+        }
+    }
+}
