@@ -3,8 +3,10 @@
 //! waiting for their answers. The UCX engine is its I/O shell (it sends what this returns,
 //! feeds it what arrives, and passes the clock in).
 //!
-//! Bounded: at most `cap` initiators (one per worker address: a new HELLO from one replaces
-//! its entry). An initiator that let a deregistration's wait run out is *silent*: later
+//! Bounded: at most `cap` initiators. Each HELLO is an entry of its own (an initiator agent
+//! announces itself once per endpoint it makes, and may hold two to one owner while it
+//! replaces one with its transfers still in flight); an entry goes with its BYE (its
+//! endpoint closed with nothing in flight) or its failure. An initiator that let a deregistration's wait run out is *silent*: later
 //! deregistrations tell it but do not wait for it, and count it as unconfirmed (the owner
 //! keeps the region, `Busy`), until it answers anything or fails. Mirrors the side channel's
 //! fence for the peers kept there.
@@ -27,7 +29,6 @@ struct User {
     ack: u64,
     /// Its name as it says (a label).
     name: String,
-    worker: Vec<u8>,
     silent: bool,
 }
 
@@ -48,8 +49,6 @@ pub enum Hello {
     Welcome {
         /// Its entry.
         user: UserId,
-        /// The entry it replaced (the same worker announcing again), gone: close its endpoint.
-        replaced: Option<UserId>,
         /// A GONE for each deregistration under way, which waits for it too: what it queued
         /// while it waited for its WELCOME may touch those regions.
         before: Vec<FenceMsg>,
@@ -65,7 +64,6 @@ pub enum Hello {
 pub struct FenceTable {
     cap: usize,
     users: HashMap<UserId, User>,
-    by_worker: HashMap<Vec<u8>, UserId>,
     by_ack: HashMap<u64, UserId>,
     next_user: UserId,
     pending: Vec<Pending>,
@@ -78,7 +76,6 @@ impl FenceTable {
         FenceTable {
             cap,
             users: HashMap::new(),
-            by_worker: HashMap::new(),
             by_ack: HashMap::new(),
             next_user: 1,
             pending: Vec::new(),
@@ -107,26 +104,15 @@ impl FenceTable {
     }
 
     /// An initiator's HELLO: `token` and `name` its own, `ack` drawn by the caller (at
-    /// random) for it.
+    /// random) for it. The caller makes an endpoint back to its worker address.
     /// `live`: the regions it may reach, as its WELCOME lists them (those being deregistered
     /// left out by the caller; the ones under way here are told as GONEs too).
-    pub fn hello(
-        &mut self,
-        token: u64,
-        name: String,
-        worker: Vec<u8>,
-        ack: u64,
-        live: Vec<(u32, u32)>,
-    ) -> Hello {
-        let replaced = self.by_worker.get(&worker).copied();
-        if let Some(old) = replaced {
-            self.remove(old);
-        } else if self.users.len() >= self.cap || self.by_ack.contains_key(&ack) {
+    pub fn hello(&mut self, token: u64, name: String, ack: u64, live: Vec<(u32, u32)>) -> Hello {
+        if self.users.len() >= self.cap || self.by_ack.contains_key(&ack) {
             return Hello::Full;
         }
         let user = self.next_user;
         self.next_user += 1;
-        self.by_worker.insert(worker.clone(), user);
         self.by_ack.insert(ack, user);
         self.users.insert(
             user,
@@ -134,7 +120,6 @@ impl FenceTable {
                 token,
                 ack,
                 name,
-                worker,
                 silent: false,
             },
         );
@@ -151,7 +136,6 @@ impl FenceTable {
             .collect();
         Hello::Welcome {
             user,
-            replaced,
             before,
             reply: FenceMsg::Welcome { token, ack, live },
         }
@@ -182,7 +166,6 @@ impl FenceTable {
     /// anything any more.
     pub fn remove(&mut self, user: UserId) {
         if let Some(u) = self.users.remove(&user) {
-            self.by_worker.remove(&u.worker);
             self.by_ack.remove(&u.ack);
         }
         for p in &mut self.pending {
@@ -269,13 +252,7 @@ mod tests {
     const S: Duration = Duration::from_secs(1);
 
     fn welcome(t: &mut FenceTable, token: u64, worker: u8, ack: u64) -> UserId {
-        match t.hello(
-            token,
-            format!("p{worker}"),
-            vec![worker; 8],
-            ack,
-            vec![(0, 4)],
-        ) {
+        match t.hello(token, format!("p{worker}"), ack, vec![(0, 4)]) {
             Hello::Welcome {
                 user,
                 reply,
@@ -375,7 +352,7 @@ mod tests {
         let mut t = FenceTable::new(8);
         let (id, sends) = t.start(7, Duration::ZERO, S);
         assert!(sends.is_empty());
-        match t.hello(100, "a".into(), vec![1; 8], 10, vec![]) {
+        match t.hello(100, "a".into(), 10, vec![]) {
             Hello::Welcome { before, .. } => {
                 assert_eq!(
                     before,
@@ -404,26 +381,18 @@ mod tests {
     }
 
     #[test]
-    fn the_table_is_bounded_and_one_worker_holds_one_entry() {
+    fn the_table_is_bounded() {
         let mut t = FenceTable::new(2);
         let a = welcome(&mut t, 100, 1, 10);
         welcome(&mut t, 200, 2, 20);
-        assert_eq!(
-            t.hello(300, "c".into(), vec![3; 8], 30, vec![]),
-            Hello::Full
-        );
-        // The same worker again (it reloaded the owner): its entry is replaced, its old ack
-        // token refused.
-        match t.hello(101, "a".into(), vec![1; 8], 11, vec![]) {
-            Hello::Welcome { replaced, .. } => assert_eq!(replaced, Some(a)),
-            Hello::Full => panic!("a known worker was refused"),
-        }
+        assert_eq!(t.hello(300, "c".into(), 30, vec![]), Hello::Full);
+        // One that goes makes room.
+        assert_eq!(t.bye(10), Some(a));
+        welcome(&mut t, 300, 3, 30);
         assert_eq!(t.len(), 2);
-        assert!(!t.gone_ack(10, 1));
-        assert!(t.gone_ack(11, 1));
         // An ack token drawn twice is refused rather than shared.
         let mut t = FenceTable::new(4);
         welcome(&mut t, 1, 1, 10);
-        assert_eq!(t.hello(2, "b".into(), vec![2; 8], 10, vec![]), Hello::Full);
+        assert_eq!(t.hello(2, "b".into(), 10, vec![]), Hello::Full);
     }
 }

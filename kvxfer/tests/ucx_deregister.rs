@@ -627,3 +627,57 @@ fn a_stopped_peer_loaded_by_hand_keeps_the_region_busy_until_it_dies_shm() {
 fn a_stopped_peer_loaded_by_hand_keeps_the_region_busy_until_it_dies_tcp() {
     stopped_then_killed_peer("tcp");
 }
+
+/// A peer that reloads the owner's metadata while its transfer is under way (here an older
+/// copy, as a stale discovery record would give it: the reload makes a new view of the same
+/// incarnation) still answers the owner's deregistration only once that transfer has ended:
+/// the fence is kept across the views of one incarnation. Before, the new view knew nothing
+/// in flight and answered at once, and the owner let the memory go under the transfer.
+fn a_reload_during_a_transfer(t: &str) {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let owner = agent(&format!("own-reload-{t}"), t);
+    let (a, peer, _buf, l) =
+        reader_by_hand(&format!("peer-reload-{t}"), t, &owner.metadata().unwrap());
+    let mut tally = Tally::default();
+    for run in 0..RUNS {
+        for op in [XferOp::Write, XferOp::Read] {
+            let r = owner.register(HostBuffer::new(BIG).unwrap()).unwrap();
+            let id = r.id().0;
+            let older = owner.metadata().unwrap();
+            let x = owner.register(HostBuffer::new(4096).unwrap()).unwrap();
+            a.load_remote_metadata(&owner.metadata().unwrap()).unwrap();
+            // Under way (posted against the view loaded just now) before the reload.
+            let rd = a
+                .prep_remote(&peer, &[Desc::new(RegionId(id), 0, BIG as u64)])
+                .unwrap();
+            let xfer = a
+                .transfer_all(op, &l, &rd, None, Some(Duration::from_secs(20)))
+                .unwrap();
+            let (moved, waited) = std::thread::scope(|s| {
+                let h = s.spawn(|| xfer.wait().map(|_| ()));
+                std::thread::sleep(Duration::from_micros(u64::from(run % 8) * 300));
+                // Not an extension of what it holds: a new view of the same incarnation.
+                a.load_remote_metadata(&older).unwrap();
+                let t0 = Instant::now();
+                let busy = deregister(&owner, &r, t);
+                let waited = t0.elapsed();
+                // The memory goes now: a peer still writing would crash this process.
+                drop(r);
+                (h.join().unwrap(), (waited, busy))
+            });
+            tally.take(t, id, moved, waited.0, waited.1);
+            owner.deregister(&x).unwrap();
+        }
+    }
+    tally.report(&format!("reloaded during the transfer, {t}"));
+}
+
+#[test]
+fn a_reload_during_a_ucx_transfer_keeps_it_fenced_shm() {
+    a_reload_during_a_transfer("shm");
+}
+
+#[test]
+fn a_reload_during_a_ucx_transfer_keeps_it_fenced_tcp() {
+    a_reload_during_a_transfer("tcp");
+}

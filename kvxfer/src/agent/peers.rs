@@ -79,10 +79,12 @@ pub(crate) fn load_decoded(st: &AgentState, meta: Metadata) -> Result<String> {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&name);
         let mut peers = st.peers.write().unwrap_or_else(|e| e.into_inner());
-        // The same incarnation grown in place keeps what its deregistrations fence.
+        // The same incarnation keeps what its deregistrations fence: the regions it gave up,
+        // and the UCX transfers posted against its earlier views (a reload that did not only
+        // grow it makes a new view while they may still be in flight).
         let fence = peers
             .get(&name)
-            .filter(|v| v.token == token)
+            .filter(|v| v.token == token || (epoch != 0 && v.epoch == epoch))
             .map(|v| v.fence.clone())
             .unwrap_or_default();
         peers.insert(
@@ -380,15 +382,8 @@ pub(crate) fn region_gone_at(st: &AgentState, name: &str, id: u32, wait: Duratio
     let Some(view) = view else { return true };
     let in_flight = {
         let mut f = view.fence.lock().unwrap_or_else(|e| e.into_inner());
-        if f.gone.len() < view.spans.len() {
-            f.gone.resize(view.spans.len(), false);
-        }
-        for (k, s) in view.spans.iter().enumerate() {
-            if s.id.0 == id {
-                f.gone[k] = true;
-                f.any_gone = true;
-            }
-        }
+        f.gone.insert(id);
+        f.any_gone = true;
         f.ucx.retain(|s| !s.is_done());
         f.pruned = f.ucx.len();
         f.ucx.clone()

@@ -198,17 +198,18 @@ pub(crate) struct PeerView {
     /// evicted for a newcomer when the table is full.
     pub(crate) used_ms: AtomicU64,
     /// Its regions it told this agent it deregisters, and this agent's UCX transfers to it;
-    /// shared by the views of one incarnation (one that grew in place keeps it).
+    /// shared by the views of one incarnation (a reload of the same epoch keeps it, so that
+    /// a deregistration also waits for transfers posted against an earlier view).
     pub(crate) fence: Arc<Mutex<RegionFence>>,
 }
 
-/// What a peer's deregistration fences on this side ([`PeerView::fence`]): the region slots
-/// it gave up (a transfer touching one is refused), and the UCX transfers in flight to it
+/// What a peer's deregistration fences on this side ([`PeerView::fence`]): the regions it
+/// gave up (a transfer touching one is refused), and the UCX transfers in flight to it
 /// (what must end before this agent answers that it no longer touches the region).
 #[derive(Default)]
 pub(crate) struct RegionFence {
-    /// Per region slot of the view: deregistered by its owner.
-    pub(crate) gone: Vec<bool>,
+    /// Region ids deregistered by their owner (never reused within an incarnation).
+    pub(crate) gone: std::collections::HashSet<u32>,
     /// Whether any slot is: the per-transfer check is skipped while none is.
     pub(crate) any_gone: bool,
     /// UCX transfers to the peer, pruned of finished ones as new ones come.
@@ -221,16 +222,16 @@ pub(crate) struct RegionFence {
 impl std::fmt::Debug for RegionFence {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RegionFence")
-            .field("gone", &self.gone.iter().filter(|g| **g).count())
+            .field("gone", &self.gone.len())
             .field("ucx", &self.ucx.len())
             .finish()
     }
 }
 
 impl RegionFence {
-    /// Whether region slot `k` was deregistered by its owner.
-    pub(crate) fn is_gone(&self, k: u32) -> bool {
-        self.gone.get(k as usize).copied().unwrap_or(false)
+    /// Whether region `id` was deregistered by its owner.
+    pub(crate) fn is_gone(&self, id: u32) -> bool {
+        self.gone.contains(&id)
     }
 
     /// Records a UCX transfer to the peer (pruning finished ones now and then).

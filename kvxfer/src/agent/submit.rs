@@ -135,8 +135,10 @@ impl Agent {
             .as_ref()
             .map(|f| f.lock().unwrap_or_else(|e| e.into_inner()));
         if let Some(f) = fenced.as_deref().filter(|f| f.any_gone) {
-            if let Some(k) = job.plan.slots(true).find(|&k| f.is_gone(k)) {
-                let region = view.as_ref().map_or(0, |v| v.spans[k as usize].id.0);
+            let spans = view.as_ref().map_or(&[][..], |v| &v.spans[..]);
+            let gone = |k: u32| spans.get(k as usize).is_some_and(|s| f.is_gone(s.id.0));
+            if let Some(k) = job.plan.slots(true).find(|&k| gone(k)) {
+                let region = spans[k as usize].id.0;
                 log::info!("kvxfer: {peer:?} deregistered its region {region}: refused");
                 return Err(Error::Deregistered { region });
             }

@@ -671,7 +671,7 @@ impl Engine {
                 Event::Done { job, status } => self.step(job, status),
                 Event::EpError { peer, status } if peer & USER_BIT != 0 => {
                     log::info!("kvxfer: a UCX peer that announced itself failed: {status}");
-                    self.user_failed(peer & !USER_BIT);
+                    self.back_failed(peer & !USER_BIT);
                 }
                 Event::EpError { peer, status } => {
                     if let Some(p) = self.peers.get_mut(&peer) {

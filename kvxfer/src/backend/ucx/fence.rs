@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use super::driver::{on_ep_error, Engine};
 use super::fence_state::{
-    Announced, FenceReply, GoneNotice, User, AM_FENCE, MAX_GONE_QUEUED, MAX_USERS, USER_BIT,
+    Announced, Back, FenceReply, GoneNotice, User, AM_FENCE, MAX_GONE_QUEUED, MAX_USERS, USER_BIT,
 };
 use super::handle::Endpoint;
 use super::raw::{self, Posted};
@@ -103,6 +103,10 @@ impl Engine {
             agent: p.name.clone(),
             status,
         })?;
+        log::debug!(
+            "kvxfer: announced to {:?} (entry {token}, token {mine:x})",
+            p.name
+        );
         p.announced = Announced::Sent(mine);
         self.fence.tokens.insert(mine, token);
         Ok(())
@@ -121,8 +125,7 @@ impl Engine {
             Some(FenceMsg::Gone { token, region }) => {
                 let peer = self.fence.tokens.get(&token).copied();
                 let Some((peer, p)) = peer.and_then(|t| self.peers.get(&t).map(|p| (t, p))) else {
-                    log::debug!("kvxfer: a GONE with a token this agent never drew, dropped");
-                    return;
+                    return self.gone_for_closed(token, region);
                 };
                 let notice = GoneNotice {
                     peer,
@@ -144,7 +147,7 @@ impl Engine {
             }
             Some(FenceMsg::Bye { ack }) => {
                 if let Some(user) = self.fence.table.bye(ack) {
-                    self.drop_user(user);
+                    self.drop_user(user, false);
                 }
             }
             None => log::warn!(
@@ -160,14 +163,26 @@ impl Engine {
     /// refuses later ones itself.
     fn welcome(&mut self, token: u64, ack: u64, live: &[(u32, u32)]) {
         let Some(peer) = self.fence.tokens.get(&token).copied() else {
+            // An entry closed before its WELCOME came: the owner forgets it now.
+            if let Some((known @ None, worker)) = self.fence.closed.get_mut(&token) {
+                *known = Some(ack);
+                let worker = worker.clone();
+                self.to_owner(&worker, &FenceMsg::Bye { ack });
+            }
             return;
         };
         let Some(p) = self.peers.get_mut(&peer) else {
+            log::debug!("kvxfer: a WELCOME for entry {peer}, gone");
             return;
         };
         if p.announced != Announced::Sent(token) {
+            log::debug!(
+                "kvxfer: a WELCOME for entry {peer} in state {:?}",
+                p.announced
+            );
             return;
         }
+        log::debug!("kvxfer: welcomed by {:?} (entry {peer})", p.name);
         p.announced = Announced::Welcomed { token, ack };
         p.gone_slots = (0u32..)
             .zip(&p.meta.regions)
@@ -201,33 +216,67 @@ impl Engine {
         let Ok(ack) = crate::random::bytes().map(u64::from_le_bytes) else {
             return;
         };
-        let (user, replaced, before, reply) =
-            match self
-                .fence
-                .table
-                .hello(token, name, worker.clone(), ack, self.live())
-            {
-                Hello::Welcome {
-                    user,
-                    replaced,
-                    before,
-                    reply,
-                } => (user, replaced, before, reply),
-                Hello::Full => {
-                    log::warn!(
-                        "kvxfer: {MAX_USERS} UCX peers announced already: one more not taken in \
+        let (user, before, reply) = match self.fence.table.hello(token, name, ack, self.live()) {
+            Hello::Welcome {
+                user,
+                before,
+                reply,
+            } => (user, before, reply),
+            Hello::Full => {
+                log::warn!(
+                    "kvxfer: {MAX_USERS} UCX peers announced already: one more not taken in \
                      (its transfers wait for an answer until their deadline)"
-                    );
-                    return;
-                }
-            };
-        if let Some(old) = replaced {
-            self.drop_user(old);
+                );
+                return;
+            }
+        };
+        let Some(back) = self.back_to(&worker) else {
+            self.fence.table.remove(user);
+            return;
+        };
+        // Deregistrations under way first: active messages on one endpoint arrive in order.
+        let ep = &self.fence.backs[&back].ep;
+        if let Err(status) = before.iter().chain([&reply]).try_for_each(|m| send(ep, m)) {
+            log::warn!("kvxfer: WELCOME to a UCX peer: {status}");
+            self.fence.table.remove(user);
+            self.back_failed(back);
+            return;
         }
+        let process = (!self.peer_failure && crate::host::same_host_elsewhere(host))
+            .then(|| host.map(|h| PeerProcess::open(h.pid)))
+            .flatten();
+        log::debug!(
+            "kvxfer {}: UCX peer {user} taken in (back {back})",
+            self.name
+        );
+        if let Some(b) = self.fence.backs.get_mut(&back) {
+            b.users += 1;
+        }
+        self.fence.users.insert(user, User { back, process });
+    }
+
+    /// The endpoint back to `worker`: the one its earlier entries use, or a new one.
+    fn back_to(&mut self, worker: &[u8]) -> Option<u64> {
+        if let Some(&b) = self.fence.back_of.get(worker) {
+            return Some(b);
+        }
+        if self.fence.backs.len() >= MAX_USERS {
+            let idle: Vec<u64> = self
+                .fence
+                .backs
+                .iter()
+                .filter(|(_, b)| b.users == 0)
+                .map(|(&id, _)| id)
+                .collect();
+            for b in idle {
+                self.close_back(b, false);
+            }
+        }
+        let id = self.fence.next_back;
         let ep = match self.worker.connect(
-            &worker,
+            worker,
             on_ep_error,
-            (USER_BIT | user) as *mut c_void,
+            (USER_BIT | id) as *mut c_void,
             self.peer_failure,
         ) {
             Ok(ep) => ep,
@@ -235,21 +284,36 @@ impl Engine {
                 log::warn!(
                     "kvxfer: an endpoint back to a UCX peer that announced itself: {status}"
                 );
-                self.fence.table.remove(user);
-                return;
+                return None;
             }
         };
-        // Deregistrations under way first: active messages on one endpoint arrive in order.
-        if let Err(status) = before.iter().chain([&reply]).try_for_each(|m| send(&ep, m)) {
-            log::warn!("kvxfer: WELCOME to a UCX peer: {status}");
-            self.fence.table.remove(user);
-            self.close_user(ep);
-            return;
+        self.fence.next_back += 1;
+        self.fence.back_of.insert(worker.to_vec(), id);
+        self.fence.backs.insert(
+            id,
+            Back {
+                ep,
+                worker: worker.to_vec(),
+                users: 0,
+            },
+        );
+        Some(id)
+    }
+
+    /// An endpoint back to initiators failed: every entry using it is gone.
+    pub(super) fn back_failed(&mut self, back: u64) {
+        let users: Vec<UserId> = self
+            .fence
+            .users
+            .iter()
+            .filter(|(_, u)| u.back == back)
+            .map(|(&id, _)| id)
+            .collect();
+        // Closed first (forced): the entries below then find it gone.
+        self.close_back(back, true);
+        for user in users {
+            self.drop_user(user, true);
         }
-        let process = (!self.peer_failure && crate::host::same_host_elsewhere(host))
-            .then(|| host.map(|h| PeerProcess::open(h.pid)))
-            .flatten();
-        self.fence.users.insert(user, User { ep, process });
     }
 
     /// This agent's regions that initiators may reach: registered, not being deregistered.
@@ -276,6 +340,7 @@ impl Engine {
             return;
         };
         let (Announced::Welcomed { ack, .. }, Some(ep)) = (p.announced, p.ep.as_ref()) else {
+            log::debug!("kvxfer: no GONE_ACK from entry {peer} ({:?})", p.announced);
             return;
         };
         if let Err(status) = send(ep, &FenceMsg::GoneAck { ack, region }) {
@@ -300,12 +365,62 @@ impl Engine {
         if let Announced::Sent(t) | Announced::Welcomed { token: t, .. } = p.announced {
             self.fence.tokens.remove(&t);
         }
-        if let (Announced::Welcomed { ack, .. }, Some(ep), true) = (p.announced, &p.ep, graceful) {
-            if let Err(status) = send(ep, &FenceMsg::Bye { ack }) {
-                log::debug!("kvxfer: BYE to {:?}: {status}", p.name);
+        // Remembered (closed with nothing in flight), so that a GONE for it is answered, and
+        // one not welcomed yet says BYE once its WELCOME comes.
+        let known = match p.announced {
+            Announced::Welcomed { token: t, ack } => Some((t, Some(ack))),
+            Announced::Sent(t) => Some((t, None)),
+            Announced::No => None,
+        };
+        if let (Some((t, ack)), true) = (known, graceful) {
+            if let (Some(ack), Some(ep)) = (ack, &p.ep) {
+                if let Err(status) = send(ep, &FenceMsg::Bye { ack }) {
+                    log::debug!("kvxfer: BYE to {:?}: {status}", p.name);
+                }
+            }
+            let worker = p.meta.worker_addr.clone();
+            self.fence.closed.insert(t, (ack, worker));
+            self.fence.closed_order.push_back(t);
+            while self.fence.closed_order.len() > MAX_USERS {
+                if let Some(old) = self.fence.closed_order.pop_front() {
+                    self.fence.closed.remove(&old);
+                }
             }
         }
-        p.announced = Announced::No;
+        if let Some(p) = self.peers.get_mut(&token) {
+            p.announced = Announced::No;
+        }
+    }
+
+    /// A GONE for an entry of this agent closed with nothing in flight: nothing of it touches
+    /// the region, answered at once over any endpoint to the same owner. Any other token
+    /// (never drawn here, or forgotten long ago) is dropped.
+    fn gone_for_closed(&mut self, token: u64, region: u32) {
+        let Some((ack, worker)) = self.fence.closed.get(&token) else {
+            log::debug!("kvxfer: a GONE with a token this agent never drew, dropped");
+            return;
+        };
+        // Not welcomed yet: its BYE, once the WELCOME comes, answers for it.
+        if let Some(ack) = *ack {
+            let worker = worker.clone();
+            self.to_owner(&worker, &FenceMsg::GoneAck { ack, region });
+        }
+    }
+
+    /// Sends `msg` over any endpoint of this agent's to the owner at `worker`.
+    fn to_owner(&self, worker: &[u8], msg: &FenceMsg) {
+        let ep = self
+            .peers
+            .values()
+            .filter(|p| p.meta.worker_addr == worker)
+            .find_map(|p| p.ep.as_ref());
+        match ep.map(|ep| send(ep, msg)) {
+            Some(Ok(())) => {}
+            Some(Err(status)) => log::debug!("kvxfer: {msg:?} for a closed entry: {status}"),
+            None => {
+                log::debug!("kvxfer: {msg:?} for a closed entry: no endpoint left to its owner")
+            }
+        }
     }
 
     /// As an owner: region `region` is being deregistered. Tells every initiator; `reply`
@@ -316,10 +431,15 @@ impl Engine {
         let now = self.fence.clock.elapsed();
         let (id, sends) = self.fence.table.start(region, now, wait);
         for (user, msg) in sends {
-            let sent = self.fence.users.get(&user).map(|u| send(&u.ep, &msg));
+            let sent = self
+                .fence
+                .users
+                .get(&user)
+                .and_then(|u| self.fence.backs.get(&u.back))
+                .map(|b| send(&b.ep, &msg));
             if !matches!(sent, Some(Ok(()))) {
                 // Its endpoint is broken: it is gone, and touches nothing.
-                self.drop_user(user);
+                self.drop_user(user, true);
             }
         }
         self.fence.waits.insert(id, (region, reply));
@@ -353,11 +473,6 @@ impl Engine {
         Some(at.min(Instant::now() + PROCESS_POLL))
     }
 
-    /// An initiator's endpoint failed.
-    pub(super) fn user_failed(&mut self, user: UserId) {
-        self.drop_user(user);
-    }
-
     /// Initiators on this host whose process exited are gone (shared memory does not say so).
     fn reap_dead_users(&mut self) {
         let dead: Vec<UserId> = self
@@ -368,20 +483,36 @@ impl Engine {
             .map(|(&id, _)| id)
             .collect();
         for user in dead {
-            self.drop_user(user);
+            self.drop_user(user, true);
         }
     }
 
-    fn drop_user(&mut self, user: UserId) {
+    /// Forgets an entry; its endpoint back goes with the last entry using it (`force` where
+    /// the entry failed).
+    fn drop_user(&mut self, user: UserId, force: bool) {
         self.fence.table.remove(user);
-        if let Some(u) = self.fence.users.remove(&user) {
-            self.close_user(u.ep);
+        let Some(u) = self.fence.users.remove(&user) else {
+            return;
+        };
+        if let Some(b) = self.fence.backs.get_mut(&u.back) {
+            b.users = b.users.saturating_sub(1);
+        }
+        // A failed entry's endpoint back goes now; an idle one stays for the initiator's
+        // next entry (closing it and making another to the same worker lost the first
+        // message on the new one, on UCX 1.13's TCP), until there are too many.
+        if force {
+            self.close_back(u.back, true);
         }
     }
 
-    fn close_user(&mut self, ep: Endpoint) {
-        // Forced: nothing of this agent's but fence messages goes over it.
-        match ep.close(true) {
+    /// Closes an endpoint back (`force` where it failed, or at shutdown).
+    fn close_back(&mut self, back: u64, force: bool) {
+        let Some(b) = self.fence.backs.remove(&back) else {
+            return;
+        };
+        self.fence.back_of.remove(&b.worker);
+        // Graceful when nothing failed: what was sent on it (a GONE) still goes.
+        match b.ep.close(force) {
             Ok(Some(req)) => self.closing.push((req, Vec::new())),
             Ok(None) => {}
             Err(status) => log::debug!("kvxfer: closing an endpoint to a UCX peer: {status}"),
@@ -392,7 +523,11 @@ impl Engine {
     pub(super) fn close_fence(&mut self) {
         let users: Vec<UserId> = self.fence.users.keys().copied().collect();
         for u in users {
-            self.drop_user(u);
+            self.drop_user(u, true);
+        }
+        let backs: Vec<u64> = self.fence.backs.keys().copied().collect();
+        for b in backs {
+            self.close_back(b, true);
         }
         for (_, (_, reply)) in self.fence.waits.drain() {
             let _ = reply.send(Err(Error::Shutdown));

@@ -15,7 +15,8 @@ use kvxfer_proto::ucx_fence::{FenceId, FenceTable, UserId};
 pub(super) const AM_FENCE: u32 = 0x4b59;
 /// Initiators an owner keeps (each holds an endpoint, and on the same host a pidfd).
 pub(crate) const MAX_USERS: usize = 1024;
-/// Marks an endpoint error argument as an initiator's (its [`UserId`] below it), not a peer's.
+/// Marks an endpoint error argument as an endpoint back to initiators (its id below it), not
+/// a peer's.
 pub(super) const USER_BIT: u64 = 1 << 63;
 /// GONEs waiting for the agent to answer them; past it a GONE is dropped (its owner then
 /// keeps the region, `Busy`).
@@ -47,19 +48,41 @@ pub(super) enum Announced {
 
 /// An initiator this owner took in.
 pub(super) struct User {
-    pub(super) ep: Endpoint,
+    /// The endpoint back to its worker ([`Fence::backs`]).
+    pub(super) back: u64,
     /// Its process, where it runs on this host and UCX cannot tell its death (shared memory).
     pub(super) process: Option<PeerProcess>,
+}
+
+/// An endpoint back to an initiator agent's worker, shared by every entry it announced (one
+/// per endpoint it made to this owner): a second endpoint to one worker could lose the first
+/// one's messages on UCX 1.13's TCP (a WELCOME never arrived, 3 runs of 3).
+pub(super) struct Back {
+    pub(super) ep: Endpoint,
+    pub(super) worker: Vec<u8>,
+    /// Entries using it; one without any stays open (for the initiator's next entry) until
+    /// the owner holds [`MAX_USERS`] such endpoints.
+    pub(super) users: usize,
 }
 
 /// The engine's fence state, both roles.
 pub(super) struct Fence {
     pub(super) table: FenceTable,
     pub(super) users: HashMap<UserId, User>,
+    /// Endpoints back to initiators, by id, and their ids by worker address.
+    pub(super) backs: HashMap<u64, Back>,
+    pub(super) back_of: HashMap<Vec<u8>, u64>,
+    pub(super) next_back: u64,
     /// Deregistrations under way: the region and who waits for the answer.
     pub(super) waits: HashMap<FenceId, (u32, FenceReply)>,
     /// This agent's tokens for its peers, to the peers' engine entries.
     pub(super) tokens: HashMap<u64, u64>,
+    /// Tokens of entries closed with nothing in flight (their BYE may be lost with their
+    /// endpoint): the owner's ack token (`None` while its WELCOME has not come: it is then
+    /// answered with a BYE) and worker address, so that a GONE for one is answered at once
+    /// over another endpoint to that owner. The oldest go past [`MAX_USERS`].
+    pub(super) closed: HashMap<u64, (Option<u64>, Vec<u8>)>,
+    pub(super) closed_order: std::collections::VecDeque<u64>,
     /// This agent's regions being deregistered (told to its initiators, or confirmed and
     /// about to go): left out of the live regions a WELCOME lists.
     pub(super) going: HashSet<u32>,
@@ -72,8 +95,13 @@ impl Fence {
         Fence {
             table: FenceTable::new(MAX_USERS),
             users: HashMap::new(),
+            backs: HashMap::new(),
+            back_of: HashMap::new(),
+            next_back: 1,
             waits: HashMap::new(),
             tokens: HashMap::new(),
+            closed: HashMap::new(),
+            closed_order: std::collections::VecDeque::new(),
             going: HashSet::new(),
             gone,
             clock: Instant::now(),
