@@ -113,6 +113,30 @@ fn known(a: &Agent, peer: &str, id: u32) {
     }
 }
 
+/// `moving` on a thread of its own while, a moment later (varied by `run`), `meanwhile` runs
+/// and `owner` deregisters `r` and lets its memory go: what `moving` returned, how long the
+/// deregistration took and how many times it was `Busy` first.
+fn across(
+    owner: &Agent,
+    r: kvxfer::Region,
+    mode: &str,
+    run: u32,
+    moving: impl FnOnce() -> kvxfer::Result<()> + Send,
+    meanwhile: impl FnOnce(),
+) -> (kvxfer::Result<()>, Duration, u32) {
+    std::thread::scope(|s| {
+        let h = s.spawn(moving);
+        std::thread::sleep(Duration::from_micros(u64::from(run % 8) * 300));
+        meanwhile();
+        let t0 = Instant::now();
+        let busy = deregister(owner, &r, mode);
+        let waited = t0.elapsed();
+        // The memory goes now: a peer still writing would crash this process.
+        drop(r);
+        (h.join().unwrap(), waited, busy)
+    })
+}
+
 /// What a run saw: the transfer across the deregistration ended `Ok`, or was refused typed
 /// before it began; the deregistration's time.
 #[derive(Default)]
@@ -185,17 +209,9 @@ fn one_process(t: &str, by_hand: bool) {
                 a.load_remote_metadata(&owner.metadata().unwrap()).unwrap();
             }
             known(&a, &peer, id);
-            let (moved, waited) = std::thread::scope(|s| {
-                let h = s.spawn(|| go(&a, &l, &peer, id, op));
-                std::thread::sleep(Duration::from_micros(u64::from(run % 8) * 300));
-                let t0 = Instant::now();
-                let busy = deregister(&owner, &r, t);
-                let waited = t0.elapsed();
-                // The memory goes now: a peer still writing would crash this process.
-                drop(r);
-                (h.join().unwrap(), (waited, busy))
-            });
-            tally.take(t, id, moved, waited.0, waited.1);
+            let (moved, waited, busy) =
+                across(&owner, r, t, run, || go(&a, &l, &peer, id, op), || {});
+            tally.take(t, id, moved, waited, busy);
             refused_after(&a, &l, &peer, id, op);
         }
     }
@@ -653,19 +669,13 @@ fn a_reload_during_a_transfer(t: &str) {
             let xfer = a
                 .transfer_all(op, &l, &rd, None, Some(Duration::from_secs(20)))
                 .unwrap();
-            let (moved, waited) = std::thread::scope(|s| {
-                let h = s.spawn(|| xfer.wait().map(|_| ()));
-                std::thread::sleep(Duration::from_micros(u64::from(run % 8) * 300));
-                // Not an extension of what it holds: a new view of the same incarnation.
+            // Not an extension of what it holds: a new view of the same incarnation.
+            let reload = || {
                 a.load_remote_metadata(&older).unwrap();
-                let t0 = Instant::now();
-                let busy = deregister(&owner, &r, t);
-                let waited = t0.elapsed();
-                // The memory goes now: a peer still writing would crash this process.
-                drop(r);
-                (h.join().unwrap(), (waited, busy))
-            });
-            tally.take(t, id, moved, waited.0, waited.1);
+            };
+            let (moved, waited, busy) =
+                across(&owner, r, t, run, || xfer.wait().map(|_| ()), reload);
+            tally.take(t, id, moved, waited, busy);
             owner.deregister(&x).unwrap();
         }
     }

@@ -211,8 +211,26 @@ pub(super) unsafe extern "C" fn on_ep_error(
     });
 }
 
+/// An active message's bytes, copied out for the engine's loop: only eager ones (anything
+/// else, a rendezvous from a foreign sender, is dropped rather than trusted), at most `max`.
+fn am_bytes(
+    data: *mut c_void,
+    len: usize,
+    param: *const raw::ucp_am_recv_param_t,
+    max: usize,
+) -> Option<Vec<u8>> {
+    if !raw::am_data_in_place(param) || data.is_null() || len > max {
+        return None;
+    }
+    // SAFETY: UCX passes `len` readable bytes at `data` for the callback's duration, which
+    // this call is inside.
+    Some(unsafe { std::slice::from_raw_parts(data as *const u8, len) }.to_vec())
+}
+
+/// Active messages of both ids: notifications (`arg` null) and the UCX fence's (`arg`
+/// [`FENCE_ARG`]), each sent eager.
 unsafe extern "C" fn on_am(
-    _arg: *mut c_void,
+    arg: *mut c_void,
     _header: *const c_void,
     _header_len: usize,
     data: *mut c_void,
@@ -220,41 +238,21 @@ unsafe extern "C" fn on_am(
     param: *const raw::ucp_am_recv_param_t,
 ) -> raw::ucs_status_t {
     let _ = std::panic::catch_unwind(|| {
-        // Notifications are sent eager; anything else (a rendezvous from a foreign sender, an
-        // oversized message) is dropped rather than trusted.
-        if raw::am_data_in_place(param)
-            && !data.is_null()
-            && len <= kvxfer_proto::wire::notify::MAX_ENCODED
+        if arg as usize == FENCE_ARG {
+            let max = kvxfer_proto::wire::ucx_fence::MAX_ENCODED;
+            if let Some(v) = am_bytes(data, len, param, max) {
+                push_event(Event::Fence(v));
+            }
+        } else if let Some(v) = am_bytes(data, len, param, kvxfer_proto::wire::notify::MAX_ENCODED)
         {
-            // SAFETY: UCX passes `len` readable bytes at `data` for the callback's duration.
-            let v = unsafe { std::slice::from_raw_parts(data as *const u8, len) }.to_vec();
             push_event(Event::Notify(v));
         }
     });
     raw::STATUS_OK
 }
 
-/// The fence's active messages: copied out (eager only, bounded) for the engine's loop.
-unsafe extern "C" fn on_fence_am(
-    _arg: *mut c_void,
-    _header: *const c_void,
-    _header_len: usize,
-    data: *mut c_void,
-    len: usize,
-    param: *const raw::ucp_am_recv_param_t,
-) -> raw::ucs_status_t {
-    let _ = std::panic::catch_unwind(|| {
-        if raw::am_data_in_place(param)
-            && !data.is_null()
-            && len <= kvxfer_proto::wire::ucx_fence::MAX_ENCODED
-        {
-            // SAFETY: UCX passes `len` readable bytes at `data` for the callback's duration.
-            let v = unsafe { std::slice::from_raw_parts(data as *const u8, len) }.to_vec();
-            push_event(Event::Fence(v));
-        }
-    });
-    raw::STATUS_OK
-}
+/// [`on_am`]'s argument for the UCX fence's id (a plain number, never dereferenced).
+const FENCE_ARG: usize = 1;
 
 pub(super) struct LocalReg {
     /// None for regions UCX does not map (staged device memory).
@@ -377,11 +375,12 @@ impl Engine {
         let w = worker.as_ptr();
         // SAFETY: worker live, on this thread, created with wakeup events.
         let efd = unsafe { raw::worker_efd(w) }.map_err(fail("ucp_worker_get_efd"))?;
-        // SAFETY: worker live; arg is null (unused); on_am accepts any input.
+        // SAFETY: worker live; arg is a plain number (never dereferenced); on_am accepts any
+        // input.
         unsafe { raw::worker_set_am_handler(w, AM_NOTIFY, on_am, std::ptr::null_mut()) }
             .map_err(fail("ucp_worker_set_am_recv_handler"))?;
-        // SAFETY: as above; on_fence_am accepts any input.
-        unsafe { raw::worker_set_am_handler(w, AM_FENCE, on_fence_am, std::ptr::null_mut()) }
+        // SAFETY: as above.
+        unsafe { raw::worker_set_am_handler(w, AM_FENCE, on_am, FENCE_ARG as *mut c_void) }
             .map_err(fail("ucp_worker_set_am_recv_handler"))?;
         // SAFETY: worker live, on this thread.
         let worker_addr = unsafe { raw::worker_address(w) }.map_err(fail("ucp_worker_query"))?;
