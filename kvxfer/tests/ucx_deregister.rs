@@ -600,6 +600,7 @@ fn stopped_then_killed_peer(t: &str) {
     let pid = child.id() as i32;
     // SAFETY: kill with a pid of a child this test started and has not reaped.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    stopped(pid);
     let t0 = Instant::now();
     let e = owner.deregister(&r).unwrap_err();
     let first = t0.elapsed();
@@ -632,6 +633,31 @@ fn stopped_then_killed_peer(t: &str) {
     }
     eprintln!("{t}: the dead peer let go after {:?}", t2.elapsed());
     owner.deregister(&r2).unwrap();
+}
+
+/// Waits until every thread of process `pid` is stopped (a SIGSTOP takes each thread as it
+/// next runs: until then one of them could still answer).
+fn stopped(pid: i32) {
+    let t0 = Instant::now();
+    loop {
+        let all = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("stat")).ok())
+            .all(|st| {
+                // The state follows the command name's closing parenthesis.
+                st.rsplit_once(')').is_some_and(|(_, rest)| {
+                    matches!(rest.trim_start().chars().next(), Some('T' | 't'))
+                })
+            });
+        if all {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "process {pid} did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 #[test]

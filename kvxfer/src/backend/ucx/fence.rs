@@ -438,6 +438,10 @@ impl Engine {
                 .and_then(|u| self.fence.backs.get(&u.back))
                 .map(|b| send(&b.ep, &msg));
             if !matches!(sent, Some(Ok(()))) {
+                log::info!(
+                    "kvxfer {}: GONE to UCX peer {user}: {sent:?}: dropped",
+                    self.name
+                );
                 // Its endpoint is broken: it is gone, and touches nothing.
                 self.drop_user(user, true);
             }
@@ -483,6 +487,7 @@ impl Engine {
             .map(|(&id, _)| id)
             .collect();
         for user in dead {
+            log::info!("kvxfer {}: UCX peer {user}'s process exited", self.name);
             self.drop_user(user, true);
         }
     }
