@@ -105,9 +105,9 @@ impl FenceTable {
 
     /// An initiator's HELLO: `token` and `name` its own, `ack` drawn by the caller (at
     /// random) for it. The caller makes an endpoint back to its worker address.
-    /// `live`: the regions it may reach, as its WELCOME lists them (those being deregistered
-    /// left out by the caller; the ones under way here are told as GONEs too).
-    pub fn hello(&mut self, token: u64, name: String, ack: u64, live: Vec<(u32, u32)>) -> Hello {
+    /// `gone`: the owner's regions deregistered or being deregistered, as its WELCOME lists
+    /// them (the ones under way here are told as GONEs too).
+    pub fn hello(&mut self, token: u64, name: String, ack: u64, gone: Vec<(u32, u32)>) -> Hello {
         if self.users.len() >= self.cap || self.by_ack.contains_key(&ack) {
             return Hello::Full;
         }
@@ -137,7 +137,7 @@ impl FenceTable {
         Hello::Welcome {
             user,
             before,
-            reply: FenceMsg::Welcome { token, ack, live },
+            reply: FenceMsg::Welcome { token, ack, gone },
         }
     }
 
@@ -264,7 +264,7 @@ mod tests {
                     FenceMsg::Welcome {
                         token,
                         ack,
-                        live: vec![(0, 4)]
+                        gone: vec![(0, 4)]
                     }
                 );
                 assert!(before.is_empty());

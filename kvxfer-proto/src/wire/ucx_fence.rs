@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! initiator -> owner: HELLO(token, name, host, worker)     before its first RMA to the owner
-//! owner -> initiator: WELCOME(token, ack, live regions)      the initiator posts from now on
+//! owner -> initiator: WELCOME(token, ack, gone regions)      the initiator posts from now on
 //! owner -> initiator: GONE(token, region)                    on deregistration
 //! initiator -> owner: GONE_ACK(ack, region)                  nothing of it touches the region
 //! initiator -> owner: BYE(ack)                               it closed its endpoint, idle
@@ -13,8 +13,9 @@
 //!
 //! An initiator that announces itself while a deregistration is under way is told of it
 //! (GONE) before its WELCOME, so that nothing it queued meanwhile lands unfenced; the WELCOME
-//! lists the regions still live (ranges of ids), so that what it queued for a region that
-//! went before it announced itself is refused, never posted.
+//! lists the regions deregistered or being deregistered (ranges of ids: an owner never reuses
+//! one), so that what it queued for a region that went before it announced itself is
+//! refused, never posted. (Gone, not live: a region registered after the WELCOME is live.)
 //!
 //! `token` is drawn at random by the initiator for one owner and `ack` by the owner for one
 //! initiator: a GONE or GONE_ACK is believed only with the token its receiver drew, never by a
@@ -31,7 +32,7 @@ const GONE: u8 = 3;
 const GONE_ACK: u8 = 4;
 const BYE: u8 = 5;
 const HOST_LEN: usize = 16 + 8 + 4;
-/// Most ranges of live regions a WELCOME lists.
+/// Most ranges of gone regions a WELCOME lists.
 pub const MAX_RANGES: usize = MAX_REGIONS;
 /// Longest encoded message (a WELCOME with the most ranges; a HELLO is shorter).
 pub const MAX_ENCODED: usize = 3 + 16 + 4 + 8 * MAX_RANGES;
@@ -60,9 +61,9 @@ pub enum FenceMsg {
         token: u64,
         /// Drawn by the owner for this initiator.
         ack: u64,
-        /// The owner's regions that are live (not being deregistered), as sorted,
-        /// non-overlapping `(first id, count)` ranges ([`live_ranges`]).
-        live: Vec<(u32, u32)>,
+        /// The owner's regions deregistered or being deregistered, as sorted, apart
+        /// `(first id, count)` ranges ([`id_ranges`]).
+        gone: Vec<(u32, u32)>,
     },
     /// The owner deregisters `region`: refuse it from now on and answer once nothing touches it.
     Gone {
@@ -124,12 +125,12 @@ impl FenceMsg {
                 );
                 b.extend_from_slice(worker);
             }
-            FenceMsg::Welcome { token, ack, live } => {
+            FenceMsg::Welcome { token, ack, gone } => {
                 b.push(WELCOME);
                 b.extend_from_slice(&token.to_le_bytes());
                 b.extend_from_slice(&ack.to_le_bytes());
-                b.extend_from_slice(&u32::try_from(live.len()).unwrap_or(u32::MAX).to_le_bytes());
-                for (first, n) in live {
+                b.extend_from_slice(&u32::try_from(gone.len()).unwrap_or(u32::MAX).to_le_bytes());
+                for (first, n) in gone {
                     b.extend_from_slice(&first.to_le_bytes());
                     b.extend_from_slice(&n.to_le_bytes());
                 }
@@ -189,7 +190,7 @@ impl FenceMsg {
                 if n > MAX_RANGES || r.len() != 8 * n {
                     return None;
                 }
-                let mut live = Vec::with_capacity(n);
+                let mut gone = Vec::with_capacity(n);
                 let mut next = 0u64;
                 for _ in 0..n {
                     let (first, count) = (u32_of(&mut r)?, u32_of(&mut r)?);
@@ -201,9 +202,9 @@ impl FenceMsg {
                     if next > u64::from(u32::MAX) + 2 {
                         return None;
                     }
-                    live.push((first, count));
+                    gone.push((first, count));
                 }
-                FenceMsg::Welcome { token, ack, live }
+                FenceMsg::Welcome { token, ack, gone }
             }
             GONE => FenceMsg::Gone {
                 token: u64_of(&mut r)?,
@@ -223,7 +224,7 @@ impl FenceMsg {
 }
 
 /// `ids` (sorted, no duplicates) as `(first, count)` ranges of consecutive ids.
-pub fn live_ranges(ids: impl IntoIterator<Item = u32>) -> Vec<(u32, u32)> {
+pub fn id_ranges(ids: impl IntoIterator<Item = u32>) -> Vec<(u32, u32)> {
     let mut out: Vec<(u32, u32)> = Vec::new();
     for id in ids {
         match out.last_mut() {
@@ -234,8 +235,29 @@ pub fn live_ranges(ids: impl IntoIterator<Item = u32>) -> Vec<(u32, u32)> {
     out
 }
 
-/// Whether `id` lies in one of `ranges` (as [`live_ranges`] makes them).
-pub fn is_live(ranges: &[(u32, u32)], id: u32) -> bool {
+/// Adds `id` to `ranges` (sorted, apart, as [`id_ranges`] makes them), merging neighbours:
+/// the ranges stay as few as the gaps between them.
+pub fn add_to_ranges(ranges: &mut Vec<(u32, u32)>, id: u32) {
+    let i = ranges.partition_point(|(first, _)| *first <= id);
+    let end = |r: &(u32, u32)| u64::from(r.0) + u64::from(r.1);
+    if i > 0 && u64::from(id) < end(&ranges[i - 1]) {
+        return;
+    }
+    let joins_left = i > 0 && end(&ranges[i - 1]) == u64::from(id);
+    let joins_right = i < ranges.len() && u64::from(id) + 1 == u64::from(ranges[i].0);
+    match (joins_left, joins_right) {
+        (true, true) => {
+            let right = ranges.remove(i);
+            ranges[i - 1].1 += 1 + right.1;
+        }
+        (true, false) => ranges[i - 1].1 += 1,
+        (false, true) => ranges[i] = (id, ranges[i].1 + 1),
+        (false, false) => ranges.insert(i, (id, 1)),
+    }
+}
+
+/// Whether `id` lies in one of `ranges` (as [`id_ranges`] makes them).
+pub fn in_ranges(ranges: &[(u32, u32)], id: u32) -> bool {
     let i = ranges.partition_point(|(first, _)| *first <= id);
     i > 0 && u64::from(id) < u64::from(ranges[i - 1].0) + u64::from(ranges[i - 1].1)
 }
@@ -282,12 +304,12 @@ mod tests {
             FenceMsg::Welcome {
                 token: 5,
                 ack: 6,
-                live: vec![],
+                gone: vec![],
             },
             FenceMsg::Welcome {
                 token: 5,
                 ack: 6,
-                live: vec![(0, 3), (7, 1), (u32::MAX, 1)],
+                gone: vec![(0, 3), (7, 1), (u32::MAX, 1)],
             },
             FenceMsg::Gone {
                 token: u64::MAX,
@@ -309,21 +331,33 @@ mod tests {
     }
 
     #[test]
-    fn live_ranges_say_which_ids_are_live() {
-        let r = live_ranges([0, 1, 2, 5, 7, 8, u32::MAX]);
+    fn id_ranges_say_which_ids_they_hold() {
+        let r = id_ranges([0, 1, 2, 5, 7, 8, u32::MAX]);
         assert_eq!(r, vec![(0, 3), (5, 1), (7, 2), (u32::MAX, 1)]);
         for id in [0, 1, 2, 5, 7, 8, u32::MAX] {
-            assert!(is_live(&r, id), "{id}");
+            assert!(in_ranges(&r, id), "{id}");
         }
         for id in [3, 4, 6, 9, u32::MAX - 1] {
-            assert!(!is_live(&r, id), "{id}");
+            assert!(!in_ranges(&r, id), "{id}");
         }
-        assert!(!is_live(&[], 0));
+        assert!(!in_ranges(&[], 0));
+    }
+
+    #[test]
+    fn adding_to_ranges_merges_neighbours() {
+        let mut r = Vec::new();
+        for id in [5, 3, 4, 9, 0, 7, 8, 4, u32::MAX] {
+            add_to_ranges(&mut r, id);
+        }
+        assert_eq!(r, vec![(0, 1), (3, 3), (7, 3), (u32::MAX, 1)]);
+        assert_eq!(r, id_ranges([0, 3, 4, 5, 7, 8, 9, u32::MAX]));
+        add_to_ranges(&mut r, 6);
+        assert_eq!(r, vec![(0, 1), (3, 7), (u32::MAX, 1)]);
     }
 
     #[test]
     fn a_welcome_whose_ranges_are_unsorted_overlap_or_are_empty_is_refused() {
-        for live in [
+        for gone in [
             vec![(5, 1), (0, 1)],
             vec![(0, 3), (2, 1)],
             vec![(0, 3), (3, 1)],
@@ -333,10 +367,10 @@ mod tests {
             let b = FenceMsg::Welcome {
                 token: 1,
                 ack: 2,
-                live: live.clone(),
+                gone: gone.clone(),
             }
             .encode();
-            assert_eq!(FenceMsg::decode(&b), None, "{live:?}");
+            assert_eq!(FenceMsg::decode(&b), None, "{gone:?}");
         }
     }
 

@@ -278,8 +278,8 @@ pub(super) struct Peer {
     pub(super) process: Option<crate::host::PeerProcess>,
     /// This agent's announcement to it (the UCX fence): nothing is posted before its WELCOME.
     pub(super) announced: Announced,
-    /// Region slots its WELCOME did not list as live (deregistered before this agent
-    /// announced itself): a transfer touching one is refused, never posted.
+    /// Region slots its WELCOME listed as gone (deregistered before this agent
+    /// announced itself), sorted: a transfer touching one is refused, never posted.
     pub(super) gone_slots: Vec<u32>,
 }
 
@@ -607,7 +607,7 @@ impl Engine {
             .regions
             .remove(&id)
             .ok_or(Error::Deregistered { region: id })?;
-        self.fence_forget(id);
+        self.fence_forget(id, reg.memh.is_some());
         // No transfer uses it: inflight was 0, and new posts check `registered` on this thread.
         match reg.memh {
             Some(memh) => memh.unmap().map_err(|status| Error::Ucx {

@@ -27,7 +27,7 @@ use super::raw::{self, Posted};
 use crate::host::PeerProcess;
 use kvxfer_proto::error::{Error, Result, UcsStatus};
 use kvxfer_proto::ucx_fence::{Hello, UserId};
-use kvxfer_proto::wire::ucx_fence::{is_live, live_ranges, FenceMsg};
+use kvxfer_proto::wire::ucx_fence::{add_to_ranges, in_ranges, FenceMsg};
 
 /// How often a deregistration waiting for same-host initiators looks at their processes.
 const PROCESS_POLL: Duration = Duration::from_millis(20);
@@ -76,10 +76,8 @@ fn send(ep: &Endpoint, msg: &FenceMsg) -> std::result::Result<(), UcsStatus> {
 
 impl Engine {
     /// As an initiator: announces this agent to peer `token` (its endpoint made) unless done.
+    /// Called for every transfer: costs one lookup once announced.
     pub(super) fn announce(&mut self, token: u64) -> Result<()> {
-        let host = crate::host::host_info();
-        let worker = self.worker_addr.clone();
-        let name = self.name.clone();
         let Some(p) = self.peers.get_mut(&token) else {
             return Ok(());
         };
@@ -94,9 +92,9 @@ impl Engine {
             ep,
             &FenceMsg::Hello {
                 token: mine,
-                name,
-                host,
-                worker,
+                name: self.name.clone(),
+                host: self.fence.host,
+                worker: self.worker_addr.clone(),
             },
         )
         .map_err(|status| Error::PeerFailed {
@@ -121,7 +119,7 @@ impl Engine {
                 host,
                 worker,
             }) => self.take_in(token, name, host, worker),
-            Some(FenceMsg::Welcome { token, ack, live }) => self.welcome(token, ack, &live),
+            Some(FenceMsg::Welcome { token, ack, gone }) => self.welcome(token, ack, &gone),
             Some(FenceMsg::Gone { token, region }) => {
                 let peer = self.fence.tokens.get(&token).copied();
                 let Some((peer, p)) = peer.and_then(|t| self.peers.get(&t).map(|p| (t, p))) else {
@@ -157,11 +155,11 @@ impl Engine {
         }
     }
 
-    /// As an initiator: peer `token`'s WELCOME. Its regions that are not live went before
+    /// As an initiator: peer `token`'s WELCOME. Its regions it lists as gone went before
     /// this agent announced itself, and no GONE will come for them: the transfers queued
     /// for them are refused (`gone_slots`), and the agent is told, as of a GONE, so that it
     /// refuses later ones itself.
-    fn welcome(&mut self, token: u64, ack: u64, live: &[(u32, u32)]) {
+    fn welcome(&mut self, token: u64, ack: u64, gone: &[(u32, u32)]) {
         let Some(peer) = self.fence.tokens.get(&token).copied() else {
             // An entry closed before its WELCOME came: the owner forgets it now.
             if let Some((known @ None, worker)) = self.fence.closed.get_mut(&token) {
@@ -186,7 +184,7 @@ impl Engine {
         p.announced = Announced::Welcomed { token, ack };
         p.gone_slots = (0u32..)
             .zip(&p.meta.regions)
-            .filter(|(_, r)| !is_live(live, r.id.0))
+            .filter(|(_, r)| in_ranges(gone, r.id.0))
             .map(|(k, _)| k)
             .collect();
         for &k in &p.gone_slots {
@@ -216,20 +214,21 @@ impl Engine {
         let Ok(ack) = crate::random::bytes().map(u64::from_le_bytes) else {
             return;
         };
-        let (user, before, reply) = match self.fence.table.hello(token, name, ack, self.live()) {
-            Hello::Welcome {
-                user,
-                before,
-                reply,
-            } => (user, before, reply),
-            Hello::Full => {
-                log::warn!(
-                    "kvxfer: {MAX_USERS} UCX peers announced already: one more not taken in \
+        let (user, before, reply) =
+            match self.fence.table.hello(token, name, ack, self.gone_ranges()) {
+                Hello::Welcome {
+                    user,
+                    before,
+                    reply,
+                } => (user, before, reply),
+                Hello::Full => {
+                    log::warn!(
+                        "kvxfer: {MAX_USERS} UCX peers announced already: one more not taken in \
                      (its transfers wait for an answer until their deadline)"
-                );
-                return;
-            }
-        };
+                    );
+                    return;
+                }
+            };
         let Some(back) = self.back_to(&worker) else {
             self.fence.table.remove(user);
             return;
@@ -316,21 +315,23 @@ impl Engine {
         }
     }
 
-    /// This agent's regions that initiators may reach: registered, not being deregistered.
-    fn live(&self) -> Vec<(u32, u32)> {
-        let mut ids: Vec<u32> = self
-            .regions
-            .keys()
-            .copied()
-            .filter(|id| !self.fence.going.contains(id))
-            .collect();
-        ids.sort_unstable();
-        live_ranges(ids)
+    /// This agent's regions that initiators must not reach: deregistered, or being so.
+    fn gone_ranges(&self) -> Vec<(u32, u32)> {
+        let mut r = self.fence.deregistered.clone();
+        for &id in &self.fence.going {
+            add_to_ranges(&mut r, id);
+        }
+        r
     }
 
-    /// Region `id` was unmapped: no longer going, gone.
-    pub(super) fn fence_forget(&mut self, id: u32) {
+    /// Region `id` was deregistered: no longer going; gone for good where UCX reached it
+    /// (`mapped`). One UCX never mapped (staged device memory, lane-only) is the lanes'
+    /// to refuse, and left out of what a WELCOME says.
+    pub(super) fn fence_forget(&mut self, id: u32, mapped: bool) {
         self.fence.going.remove(&id);
+        if mapped {
+            add_to_ranges(&mut self.fence.deregistered, id);
+        }
     }
 
     /// As an initiator: the agent answered a GONE of peer `peer` for `region` (nothing of it
@@ -455,7 +456,11 @@ impl Engine {
         if self.fence.waits.is_empty() {
             return None;
         }
-        self.reap_dead_users();
+        let now = Instant::now();
+        if self.fence.reaped_at.is_none_or(|t| now >= t + PROCESS_POLL) {
+            self.fence.reaped_at = Some(now);
+            self.reap_dead_users();
+        }
         for (id, unconfirmed) in self.fence.table.poll(self.fence.clock.elapsed()) {
             if let Some((region, reply)) = self.fence.waits.remove(&id) {
                 if !unconfirmed.is_empty() {

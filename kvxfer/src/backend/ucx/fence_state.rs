@@ -84,10 +84,17 @@ pub(super) struct Fence {
     pub(super) closed: HashMap<u64, (Option<u64>, Vec<u8>)>,
     pub(super) closed_order: std::collections::VecDeque<u64>,
     /// This agent's regions being deregistered (told to its initiators, or confirmed and
-    /// about to go): left out of the live regions a WELCOME lists.
+    /// about to go), and those deregistered (as ranges of ids, never reused: as few as the
+    /// live regions between them): what a WELCOME lists as gone.
     pub(super) going: HashSet<u32>,
+    pub(super) deregistered: Vec<(u32, u32)>,
     pub(super) gone: mpsc::SyncSender<GoneNotice>,
     pub(super) clock: Instant,
+    /// When the initiators' processes were last looked at (at most once a `PROCESS_POLL`
+    /// while a deregistration waits: the loop runs every few microseconds under load).
+    pub(super) reaped_at: Option<Instant>,
+    /// This process's host and pid, read once: every HELLO carries it.
+    pub(super) host: Option<kvxfer_proto::types::HostInfo>,
 }
 
 impl Fence {
@@ -103,8 +110,11 @@ impl Fence {
             closed: HashMap::new(),
             closed_order: std::collections::VecDeque::new(),
             going: HashSet::new(),
+            deregistered: Vec::new(),
             gone,
             clock: Instant::now(),
+            reaped_at: None,
+            host: crate::host::host_info(),
         }
     }
 }

@@ -108,7 +108,9 @@ impl Engine {
             let write = a.job.op == XferOp::Write;
             // Queued before the peer's WELCOME, for a region it let go before that.
             if a.next == 0 && !p.gone_slots.is_empty() && a.error.is_none() {
-                if let Some(k) = a.job.plan.slots(true).find(|k| p.gone_slots.contains(k)) {
+                // Sorted (made in slot order): a binary search per operation.
+                let gone = |k: &u32| p.gone_slots.binary_search(k).is_ok();
+                if let Some(k) = a.job.plan.slots(true).find(gone) {
                     let region = p.meta.regions.get(k as usize).map_or(0, |r| r.id.0);
                     a.error = Some(Error::Deregistered { region });
                 }
