@@ -492,3 +492,306 @@ fn peer_churn_rss() {
         metric(&a, "kvxfer_peers_evicted_total")
     );
 }
+
+/// A flood of UCX fence HELLOs (issue 34, item 2), from a peer that speaks raw UCX over shared
+/// memory to the victim's worker: each HELLO is a new entry the victim takes in, and each
+/// names a process on this host, whose pidfd the victim holds to notice its death. Under
+/// `ulimit -n 256`: 300 HELLOs naming the flood's own process cost one pidfd, not 300; then
+/// 300 naming 300 other processes: the victim keeps its descriptor reserve and refuses the
+/// rest (counted), its good peer keeps reading, and a new good peer still connects and reads.
+#[test]
+fn a_ucx_fence_hello_flood_under_a_low_descriptor_limit_leaves_a_reserve() {
+    let _one = serial();
+    let _limit = NoFile::lower(256);
+    // Over UCX's shared memory, as in-host peers with memory UCX maps (`register_raw`).
+    let a = Agent::new(AgentConfig::new("victim").transport(Transport::Shm)).unwrap();
+    let r = a.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    r.write(0, &vec![0x5a; LEN]).unwrap();
+    let side = a.listen("127.0.0.1:0").unwrap();
+    let good = Arc::new(Good::connect("good", side).unwrap());
+    good.read();
+    let q = median((0..20).map(|_| good.read()).collect());
+    let quiet = open_fds();
+    let stop = Arc::new(AtomicBool::new(false));
+    let during = reads_during(good.clone(), stop.clone());
+    // The victim takes HELLOs in on its progress thread: wait until it has answered `n`.
+    let settle = |n: u64| {
+        let t = Instant::now();
+        loop {
+            let taken = metric(&a, "kvxfer_ucx_fence_peers");
+            let refused = metric(&a, "kvxfer_ucx_fence_refused_total");
+            if taken + refused >= n || t.elapsed() > Duration::from_secs(20) {
+                return (taken, refused);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let one = UcxFlood::run(&a, 300, false);
+    let (taken, refused) = settle(300);
+    let after_one = open_fds();
+    eprintln!(
+        "{} HELLOs naming one process: {taken} taken in, {refused} refused; descriptors \
+         {quiet} -> {after_one}",
+        one.sent
+    );
+    assert_eq!((one.sent, taken, refused), (300, 300, 0));
+    assert!(after_one <= quiet + 2, "{quiet} -> {after_one} descriptors");
+    let many = UcxFlood::run(&a, 300, true);
+    let (taken, refused) = settle(600);
+    stop.store(true, Ordering::Release);
+    let during = during.join().unwrap();
+    let fds = open_fds();
+    eprintln!(
+        "then {} HELLOs naming {} other processes: {taken} taken in, {refused} refused; this \
+         process holds {fds} descriptors; the good peer read {} times meanwhile",
+        many.sent,
+        many.sent,
+        during.len()
+    );
+    assert!(!during.is_empty());
+    assert_eq!(many.sent, 300);
+    assert_eq!(taken + refused, 600, "every HELLO answered or refused");
+    assert!(refused > 0, "nothing refused under a limit of 256");
+    // The reserve, kept twice over by the fence (the second for the peer table's loads): an
+    // eighth of 256 is under the 64 minimum.
+    assert!(fds <= 256 - 2 * 64, "{fds} descriptors open");
+    let d = median(during);
+    let f = median((0..20).map(|_| good.read()).collect());
+    eprintln!("the good peer's 1 MiB READ: quiet {q:?}, during {d:?}, after {f:?}");
+    assert!(
+        d < q + Duration::from_millis(20) && f < q + Duration::from_millis(20),
+        "the flood slowed the good peer: quiet {q:?}, during {d:?}, after {f:?}"
+    );
+    let late = good_elsewhere(side);
+    assert!(late.is_ok(), "a newcomer after the flood: {late:?}");
+    drop((one, many));
+}
+
+/// The UCX flood (this binary again, `ucx_flood_child`): `n` fence HELLOs sent, naming the
+/// flood's process, or (`others`) each another process it started.
+struct UcxFlood {
+    child: Child,
+    sent: usize,
+}
+
+impl UcxFlood {
+    fn run(victim: &Agent, n: usize, others: bool) -> UcxFlood {
+        let meta = victim.metadata().unwrap();
+        let m = kvxfer_proto::wire::metadata::Metadata::decode(&meta, victim.compat()).unwrap();
+        let host = m.host.unwrap();
+        let spec = format!(
+            "{} {} {} {n} {others}",
+            m.worker_addr
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>(),
+            host.boot_id
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>(),
+            host.pid_ns
+        );
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "ucx_flood_child", "--ignored", "--nocapture"])
+            .env("KVX_UCX_FLOOD", spec)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        let mut flood = UcxFlood { child, sent: 0 };
+        for line in out.lines() {
+            if let Some(n) = line.unwrap().strip_prefix("SENT ") {
+                flood.sent = n.parse().unwrap();
+                return flood;
+            }
+        }
+        panic!("the UCX flood child said nothing");
+    }
+}
+
+impl Drop for UcxFlood {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// An active-message handler that drops what came.
+unsafe extern "C" fn drop_am(
+    _arg: *mut std::ffi::c_void,
+    _header: *const std::ffi::c_void,
+    _header_len: usize,
+    _data: *mut std::ffi::c_void,
+    _len: usize,
+    _param: *const kvxfer_sys::ucp_am_recv_param_t,
+) -> kvxfer_sys::ucs_status_t {
+    kvxfer_sys::ucs_status_t::UCS_OK
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap())
+        .collect()
+}
+
+/// The UCX flood's process (run by [`UcxFlood::run`]; ignored otherwise): one UCX worker
+/// over shared memory, an endpoint to the victim's worker, and `n` HELLOs on it, each a
+/// new token and name, each saying it runs on the victim's host as this process.
+#[test]
+#[ignore = "the UCX flood's own process, started by the tests here"]
+// bindgen's constant types differ between UCX versions (as in `raw.rs`).
+#[allow(clippy::unnecessary_cast)]
+fn ucx_flood_child() {
+    use kvxfer_proto::types::HostInfo;
+    use kvxfer_proto::wire::ucx_fence::FenceMsg;
+    use kvxfer_sys as sys;
+    use std::ptr;
+    let Ok(spec) = std::env::var("KVX_UCX_FLOOD") else {
+        return;
+    };
+    let mut w = spec.split(' ');
+    let victim = unhex(w.next().unwrap());
+    let boot_id: [u8; 16] = unhex(w.next().unwrap()).try_into().unwrap();
+    let pid_ns: u64 = w.next().unwrap().parse().unwrap();
+    let n: usize = w.next().unwrap().parse().unwrap();
+    let others: bool = w.next().unwrap().parse().unwrap();
+    lift_nofile();
+    // The processes the HELLOs name (killed when this one exits: their stdin closes).
+    let mut named: Vec<Child> = Vec::new();
+    let pids: Vec<u32> = (0..n)
+        .map(|_| {
+            if !others {
+                return std::process::id();
+            }
+            let c = Command::new("cat")
+                .stdin(Stdio::piped())
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap();
+            let pid = c.id();
+            named.push(c);
+            pid
+        })
+        .collect();
+    // SAFETY: plain UCX calls in order, each on live handles made here, on this thread only;
+    // every out pointer is a live local; the strings outlive the calls that read them.
+    let sent = unsafe {
+        let mut cfg: *mut sys::ucp_config_t = ptr::null_mut();
+        assert_eq!(
+            sys::ucp_config_read(ptr::null(), ptr::null(), &mut cfg),
+            sys::ucs_status_t::UCS_OK
+        );
+        let (k, v) = (c"TLS", c"sm");
+        assert_eq!(
+            sys::ucp_config_modify(cfg, k.as_ptr(), v.as_ptr()),
+            sys::ucs_status_t::UCS_OK
+        );
+        let params = sys::ucp_params_t {
+            field_mask: sys::UCP_PARAM_FIELD_FEATURES as u64,
+            features: (sys::UCP_FEATURE_AM | sys::UCP_FEATURE_RMA) as u64,
+            ..Default::default()
+        };
+        let mut ctx: sys::ucp_context_h = ptr::null_mut();
+        assert_eq!(
+            sys::ucp_init(&params, cfg, &mut ctx),
+            sys::ucs_status_t::UCS_OK
+        );
+        sys::ucp_config_release(cfg);
+        let wp = sys::ucp_worker_params_t {
+            field_mask: sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64,
+            thread_mode: sys::UCS_THREAD_MODE_SINGLE,
+            ..Default::default()
+        };
+        let mut worker: sys::ucp_worker_h = ptr::null_mut();
+        assert_eq!(
+            sys::ucp_worker_create(ctx, &wp, &mut worker),
+            sys::ucs_status_t::UCS_OK
+        );
+        // The victim's WELCOMEs are dropped (UCX 1.13 crashes on an id with no handler).
+        let hp = sys::ucp_am_handler_param_t {
+            field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID | sys::UCP_AM_HANDLER_PARAM_FIELD_CB)
+                as u64,
+            id: 0x4b59,
+            cb: Some(drop_am),
+            ..Default::default()
+        };
+        assert_eq!(
+            sys::ucp_worker_set_am_recv_handler(worker, &hp),
+            sys::ucs_status_t::UCS_OK
+        );
+        let mut attr = sys::ucp_worker_attr_t {
+            field_mask: sys::UCP_WORKER_ATTR_FIELD_ADDRESS as u64,
+            ..Default::default()
+        };
+        assert_eq!(
+            sys::ucp_worker_query(worker, &mut attr),
+            sys::ucs_status_t::UCS_OK
+        );
+        let mine =
+            std::slice::from_raw_parts(attr.address as *const u8, attr.address_length).to_vec();
+        sys::ucp_worker_release_address(worker, attr.address);
+        let ep_params = sys::ucp_ep_params_t {
+            field_mask: sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS as u64,
+            address: victim.as_ptr() as *const sys::ucp_address_t,
+            ..Default::default()
+        };
+        let mut ep: sys::ucp_ep_h = ptr::null_mut();
+        assert_eq!(
+            sys::ucp_ep_create(worker, &ep_params, &mut ep),
+            sys::ucs_status_t::UCS_OK
+        );
+        let mut sent = 0;
+        for (i, &pid) in pids.iter().enumerate() {
+            let msg = FenceMsg::Hello {
+                token: 0x5eed_0000 + i as u64,
+                name: format!("ucx-flood-{i}"),
+                host: Some(HostInfo {
+                    boot_id,
+                    pid_ns,
+                    pid,
+                }),
+                worker: mine.clone(),
+            }
+            .encode();
+            let p = sys::ucp_request_param_t {
+                op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS as u32,
+                flags: sys::UCP_AM_SEND_FLAG_EAGER as u32,
+                ..Default::default()
+            };
+            let req = sys::ucp_am_send_nbx(
+                ep,
+                0x4b59,
+                ptr::null(),
+                0,
+                msg.as_ptr() as *const std::ffi::c_void,
+                msg.len(),
+                &p,
+            );
+            if sys::ucs_ptr_is_err(req) {
+                eprintln!("HELLO {i}: {:?}", sys::ucs_ptr_status(req));
+                continue;
+            }
+            if sys::ucs_ptr_is_ptr(req) {
+                while sys::ucp_request_check_status(req) == sys::ucs_status_t::UCS_INPROGRESS {
+                    sys::ucp_worker_progress(worker);
+                }
+                sys::ucp_request_free(req);
+            }
+            sent += 1;
+        }
+        // The victim's WELCOMEs come on endpoints back to this worker: progress a while.
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(500) {
+            sys::ucp_worker_progress(worker);
+        }
+        sent
+    };
+    println!("SENT {sent}");
+    std::io::stdout().flush().unwrap();
+    let _ = std::io::stdin().read(&mut [0u8; 1]);
+    for mut c in named {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}

@@ -8,7 +8,8 @@ use crate::staging::pool::StagingStats;
 
 /// The agent's memory in Prometheus text format: its budget (limit, used, peak, waits),
 /// the device staging chunks (bytes, in use, peaks, waits) once allocated, dropped
-/// notifications, and the peer table (loaded, evicted, refused). Labelled with the agent's name.
+/// notifications, the peer table (loaded, evicted, refused) and the UCX fence (initiators
+/// taken in, refused). Labelled with the agent's name.
 pub(crate) fn prometheus(st: &AgentState) -> String {
     use std::fmt::Write;
     let n = st.name.replace(['\\', '"', '\n'], "_");
@@ -68,6 +69,21 @@ pub(crate) fn prometheus(st: &AgentState) -> String {
         "Peers refused: the table was full and none was idle.",
         "counter",
         st.peers_refused.load(Ordering::Relaxed),
+    );
+    let fence = st.cmds.fence_counts();
+    gauge(
+        "kvxfer_ucx_fence_peers",
+        "UCX initiators that announced themselves and are told of deregistrations (the UCX \
+         fence).",
+        "gauge",
+        fence.peers.load(Ordering::Relaxed),
+    );
+    gauge(
+        "kvxfer_ucx_fence_refused_total",
+        "UCX initiators' announcements not taken in: the fence's table full, or the process \
+         short of file descriptors.",
+        "counter",
+        fence.refused.load(Ordering::Relaxed),
     );
     gauge(
         "kvxfer_lane_windows",

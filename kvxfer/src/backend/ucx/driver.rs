@@ -17,7 +17,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::fence_state::{Announced, Fence, GoneNotice, AM_FENCE, USER_BIT};
+use super::fence_state::{Announced, Fence, FenceCounts, GoneNotice, AM_FENCE, USER_BIT};
 use super::handle::{Context, Endpoint, MemHandle, Request, Rkey, Worker, WorkerWaker};
 use super::raw;
 use crate::memory::RegionInner;
@@ -123,9 +123,15 @@ pub(crate) struct Commands {
     tx: mpsc::Sender<Cmd>,
     waker: Arc<WorkerWaker>,
     queued: Arc<AtomicUsize>,
+    fence: Arc<FenceCounts>,
 }
 
 impl Commands {
+    /// The UCX fence's counts, for the agent's metrics.
+    pub(crate) fn fence_counts(&self) -> &FenceCounts {
+        &self.fence
+    }
+
     /// Queues a command and wakes the engine.
     pub(crate) fn send(&self, c: Cmd) -> Result<()> {
         self.queued.fetch_add(1, Ordering::AcqRel);
@@ -357,6 +363,7 @@ impl Engine {
     ) -> Result<(Engine, Commands)> {
         let (tx, rx) = mpsc::channel();
         let queued = Arc::new(AtomicUsize::new(0));
+        let counts = Arc::new(FenceCounts::default());
         let ctx = Context::new(settings, name).map_err(|(op, status)| {
             log::error!("UCX context with settings {settings:?}: {op}: {status}");
             Error::Ucx {
@@ -407,10 +414,15 @@ impl Engine {
                 closing: Vec::new(),
                 stuck: false,
                 worker_addr,
-                fence: Fence::new(gone),
+                fence: Fence::new(gone, counts.clone()),
                 name: name.to_string_lossy().into_owned(),
             },
-            Commands { tx, waker, queued },
+            Commands {
+                tx,
+                waker,
+                queued,
+                fence: counts,
+            },
         ))
     }
 

@@ -16,6 +16,8 @@
 
 use std::ffi::c_void;
 use std::ptr::NonNull;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::driver::{on_ep_error, Engine};
@@ -26,11 +28,14 @@ use super::handle::Endpoint;
 use super::raw::{self, Posted};
 use crate::host::PeerProcess;
 use kvxfer_proto::error::{Error, Result, UcsStatus};
+use kvxfer_proto::peer_table::fd_reserve;
 use kvxfer_proto::ucx_fence::{Hello, UserId};
 use kvxfer_proto::wire::ucx_fence::{add_to_ranges, in_ranges, FenceMsg};
 
 /// How often a deregistration waiting for same-host initiators looks at their processes.
 const PROCESS_POLL: Duration = Duration::from_millis(20);
+/// How long a count of the process's descriptors is trusted (plus what the fence opened).
+const FD_RECOUNT: Duration = Duration::from_millis(100);
 
 /// Completion of a fence message's send: frees the message and the request.
 unsafe extern "C" fn on_fence_sent(
@@ -222,6 +227,7 @@ impl Engine {
                     reply,
                 } => (user, before, reply),
                 Hello::Full => {
+                    self.fence.counts.refused.fetch_add(1, Ordering::Relaxed);
                     log::warn!(
                         "kvxfer: {MAX_USERS} UCX peers announced already: one more not taken in \
                      (its transfers wait for an answer until their deadline)"
@@ -229,6 +235,33 @@ impl Engine {
                     return;
                 }
             };
+        // Same host, elsewhere: its process is watched (shared memory does not tell a death).
+        let pid = (!self.peer_failure && crate::host::same_host_elsewhere(host))
+            .then(|| host.map(|h| h.pid))
+            .flatten();
+        let process = pid.and_then(|pid| {
+            self.fence
+                .processes
+                .get(&pid)
+                .filter(|p| !p.exited())
+                .cloned()
+        });
+        // What this entry would open: an endpoint back to a worker not seen yet (a socket over
+        // TCP), a pidfd for a process not watched yet. Refused where that would eat into the
+        // reserve the side channel, the lanes and a good peer's connect need, or into the
+        // peer table's room.
+        let opens = u64::from(!self.fence.back_of.contains_key(&worker))
+            + u64::from(pid.is_some() && process.is_none());
+        if opens > 0 && self.short_of_fds(opens) {
+            self.fence.table.remove(user);
+            self.fence.counts.refused.fetch_add(1, Ordering::Relaxed);
+            log::warn!(
+                "kvxfer {}: a UCX peer not taken in: this process is short of file \
+                 descriptors (a reserve is kept; its transfers wait until their deadline)",
+                self.name
+            );
+            return;
+        }
         let Some(back) = self.back_to(&worker) else {
             self.fence.table.remove(user);
             return;
@@ -241,9 +274,14 @@ impl Engine {
             self.back_failed(back);
             return;
         }
-        let process = (!self.peer_failure && crate::host::same_host_elsewhere(host))
-            .then(|| host.map(|h| PeerProcess::open(h.pid)))
-            .flatten();
+        let process = match (pid, process) {
+            (Some(pid), None) => {
+                let p = Rc::new(PeerProcess::open(pid));
+                self.fence.processes.insert(pid, p.clone());
+                Some(p)
+            }
+            (_, p) => p,
+        };
         log::debug!(
             "kvxfer {}: UCX peer {user} taken in (back {back})",
             self.name
@@ -252,6 +290,37 @@ impl Engine {
             b.users += 1;
         }
         self.fence.users.insert(user, User { back, process });
+        self.fence
+            .counts
+            .peers
+            .store(self.fence.users.len() as u64, Ordering::Relaxed);
+    }
+
+    /// Whether opening `n` descriptors more would eat into the reserve (kept twice over).
+    /// Counted at most once per `FD_RECOUNT` (a walk of `/proc/self/fd`), and the count kept
+    /// up to date in between with what the fence opened itself: a flood of HELLOs costs no
+    /// walk each.
+    fn short_of_fds(&mut self, n: u64) -> bool {
+        let now = Instant::now();
+        let fds = match self.fence.fds {
+            Some((at, fds)) if now < at + FD_RECOUNT => fds,
+            _ => {
+                let fds = crate::fd_limit::fds();
+                self.fence.fds = Some((now, fds));
+                fds
+            }
+        };
+        let Some(mut fds) = fds else {
+            return false;
+        };
+        fds.open += n;
+        // Twice the reserve: the reserve itself, and as much again for the peer table, whose
+        // loads (8 descriptors each) must still find room past the reserve.
+        if fds.open + 2 * fd_reserve(fds.limit) > fds.limit {
+            return true;
+        }
+        self.fence.fds = self.fence.fds.map(|(at, _)| (at, Some(fds)));
+        false
     }
 
     /// The endpoint back to `worker`: the one its earlier entries use, or a new one.
@@ -488,7 +557,7 @@ impl Engine {
             .fence
             .users
             .iter()
-            .filter(|(_, u)| u.process.as_ref().is_some_and(PeerProcess::exited))
+            .filter(|(_, u)| u.process.as_ref().is_some_and(|p| p.exited()))
             .map(|(&id, _)| id)
             .collect();
         for user in dead {
@@ -504,6 +573,17 @@ impl Engine {
         let Some(u) = self.fence.users.remove(&user) else {
             return;
         };
+        self.fence
+            .counts
+            .peers
+            .store(self.fence.users.len() as u64, Ordering::Relaxed);
+        // The process's pidfd goes with its last entry (the map holds one reference).
+        if let Some(p) = u.process {
+            let watched = self.fence.processes.get(&p.pid());
+            if Rc::strong_count(&p) == 2 && watched.is_some_and(|w| Rc::ptr_eq(w, &p)) {
+                self.fence.processes.remove(&p.pid());
+            }
+        }
         if let Some(b) = self.fence.backs.get_mut(&u.back) {
             b.users = b.users.saturating_sub(1);
         }

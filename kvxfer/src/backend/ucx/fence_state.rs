@@ -3,7 +3,9 @@
 //! announcement; as owner, the initiators taken in and the deregistrations under way.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::mpsc;
+use std::rc::Rc;
+use std::sync::atomic::AtomicU64;
+use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
 use super::handle::Endpoint;
@@ -50,8 +52,18 @@ pub(super) enum Announced {
 pub(super) struct User {
     /// The endpoint back to its worker ([`Fence::backs`]).
     pub(super) back: u64,
-    /// Its process, where it runs on this host and UCX cannot tell its death (shared memory).
-    pub(super) process: Option<PeerProcess>,
+    /// Its process, where it runs on this host and UCX cannot tell its death (shared memory):
+    /// one pidfd per process, shared by its entries ([`Fence::processes`]).
+    pub(super) process: Option<Rc<PeerProcess>>,
+}
+
+/// What the fence reports in the agent's metrics (the engine writes, the agent reads).
+#[derive(Debug, Default)]
+pub(crate) struct FenceCounts {
+    /// Initiators taken in now.
+    pub(crate) peers: AtomicU64,
+    /// HELLOs not taken in: the table full, or the process short of descriptors.
+    pub(crate) refused: AtomicU64,
 }
 
 /// An endpoint back to an initiator agent's worker, shared by every entry it announced (one
@@ -69,6 +81,14 @@ pub(super) struct Back {
 pub(super) struct Fence {
     pub(super) table: FenceTable,
     pub(super) users: HashMap<UserId, User>,
+    /// The initiators' processes on this host, by pid: a HELLO names one as it likes, and a
+    /// flood naming one process must not cost a descriptor each.
+    pub(super) processes: HashMap<u32, Rc<PeerProcess>>,
+    /// The process's descriptors as last counted, and when: a HELLO that would open one
+    /// (an endpoint back, a pidfd) leaves the peer table's reserve free
+    /// (`kvxfer_proto::peer_table::fd_reserve`).
+    pub(super) fds: Option<(Instant, Option<kvxfer_proto::peer_table::Fds>)>,
+    pub(super) counts: Arc<FenceCounts>,
     /// Endpoints back to initiators, by id, and their ids by worker address.
     pub(super) backs: HashMap<u64, Back>,
     pub(super) back_of: HashMap<Vec<u8>, u64>,
@@ -98,10 +118,13 @@ pub(super) struct Fence {
 }
 
 impl Fence {
-    pub(super) fn new(gone: mpsc::SyncSender<GoneNotice>) -> Fence {
+    pub(super) fn new(gone: mpsc::SyncSender<GoneNotice>, counts: Arc<FenceCounts>) -> Fence {
         Fence {
             table: FenceTable::new(MAX_USERS),
             users: HashMap::new(),
+            processes: HashMap::new(),
+            fds: None,
+            counts,
             backs: HashMap::new(),
             back_of: HashMap::new(),
             next_back: 1,
