@@ -717,3 +717,58 @@ fn a_reload_during_a_ucx_transfer_keeps_it_fenced_shm() {
 fn a_reload_during_a_ucx_transfer_keeps_it_fenced_tcp() {
     a_reload_during_a_transfer("tcp");
 }
+
+/// A peer that forgets its owner (`remove_peer`) right after loading it by hand, often before
+/// the owner's WELCOME has come, and holds no other endpoint to it: the owner must not count
+/// it as a user it waits for. Its BYE goes over an endpoint made for it once the WELCOME
+/// comes, so each of the owner's deregistrations returns at once, not `Busy` after its wait.
+fn forgotten_before_the_welcome(t: &str) {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let wait = Duration::from_millis(500);
+    let owner = Agent::new(
+        AgentConfig::new(format!("own-bye-{t}"))
+            .transport(if t == "shm" {
+                Transport::Shm
+            } else {
+                Transport::Tcp
+            })
+            .net_devices("lo")
+            .lanes(false)
+            .ucx_tcp(t == "tcp")
+            .deregister_wait(wait),
+    )
+    .unwrap();
+    let a = agent(&format!("peer-bye-{t}"), t);
+    let mut took = Vec::new();
+    for round in 0..RUNS {
+        let r = owner.register(HostBuffer::new(1 << 16).unwrap()).unwrap();
+        let peer = a.load_remote_metadata(&owner.metadata().unwrap()).unwrap();
+        a.remove_peer(&peer).unwrap();
+        // The WELCOME and the BYE on their way.
+        std::thread::sleep(Duration::from_millis(50));
+        let t0 = Instant::now();
+        let got = owner.deregister(&r);
+        let d = t0.elapsed();
+        assert!(
+            got.is_ok() && d < wait,
+            "{t}, round {round}: deregister {got:?} after {d:?}"
+        );
+        took.push(d);
+    }
+    took.sort();
+    eprintln!(
+        "{t}: {RUNS} rounds of load, forget, deregister: deregister median {:?}, longest {:?}",
+        took[took.len() / 2],
+        took[took.len() - 1]
+    );
+}
+
+#[test]
+fn a_peer_forgotten_before_the_welcome_keeps_no_deregistration_waiting_shm() {
+    forgotten_before_the_welcome("shm");
+}
+
+#[test]
+fn a_peer_forgotten_before_the_welcome_keeps_no_deregistration_waiting_tcp() {
+    forgotten_before_the_welcome("tcp");
+}

@@ -170,7 +170,7 @@ impl Engine {
             if let Some((known @ None, worker)) = self.fence.closed.get_mut(&token) {
                 *known = Some(ack);
                 let worker = worker.clone();
-                self.to_owner(&worker, &FenceMsg::Bye { ack });
+                self.send_to_owner(&worker, &FenceMsg::Bye { ack });
             }
             return;
         };
@@ -473,23 +473,47 @@ impl Engine {
         // Not welcomed yet: its BYE, once the WELCOME comes, answers for it.
         if let Some(ack) = *ack {
             let worker = worker.clone();
-            self.to_owner(&worker, &FenceMsg::GoneAck { ack, region });
+            self.send_to_owner(&worker, &FenceMsg::GoneAck { ack, region });
         }
     }
 
-    /// Sends `msg` over any endpoint of this agent's to the owner at `worker`.
-    fn to_owner(&self, worker: &[u8], msg: &FenceMsg) {
+    /// Sends `msg` over any endpoint of this agent's to the owner at `worker`, else over one
+    /// made for it and closed at once (gracefully: the message goes first). Without it, an
+    /// entry closed before its WELCOME came, with no other endpoint to the owner, could never
+    /// say BYE, and the owner would wait for it at every deregistration (`Busy`).
+    fn send_to_owner(&mut self, worker: &[u8], msg: &FenceMsg) {
         let ep = self
             .peers
             .values()
             .filter(|p| p.meta.worker_addr == worker)
             .find_map(|p| p.ep.as_ref());
-        match ep.map(|ep| send(ep, msg)) {
-            Some(Ok(())) => {}
-            Some(Err(status)) => log::debug!("kvxfer: {msg:?} for a closed entry: {status}"),
-            None => {
-                log::debug!("kvxfer: {msg:?} for a closed entry: no endpoint left to its owner")
+        if let Some(ep) = ep {
+            if let Err(status) = send(ep, msg) {
+                log::debug!("kvxfer: {msg:?} for a closed entry: {status}");
             }
+            return;
+        }
+        // Error argument 0: no peer's token (they start at 1), so a failure reaches nobody.
+        let ep =
+            match self
+                .worker
+                .connect(worker, on_ep_error, std::ptr::null_mut(), self.peer_failure)
+            {
+                Ok(ep) => ep,
+                Err(status) => {
+                    log::debug!(
+                        "kvxfer: {msg:?} for a closed entry: no endpoint to its owner: {status}"
+                    );
+                    return;
+                }
+            };
+        if let Err(status) = send(&ep, msg) {
+            log::debug!("kvxfer: {msg:?} for a closed entry: {status}");
+        }
+        match ep.close(false) {
+            Ok(Some(req)) => self.closing.push((req, Vec::new())),
+            Ok(None) => {}
+            Err(status) => log::debug!("kvxfer: closing an endpoint to a UCX owner: {status}"),
         }
     }
 
