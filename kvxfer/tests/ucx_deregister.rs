@@ -20,6 +20,10 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "../../examples/common/stopped.rs"]
+mod stopped;
+use stopped::stopped;
+
 use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, RegionId, Transport, XferOp};
 
 const BIG: usize = 16 << 20;
@@ -27,19 +31,20 @@ const RUNS: u32 = 20;
 
 /// An agent for `mode`: "shm" and "tcp" are UCX's (lanes off), "lane" kvxfer's TCP lane.
 fn agent(name: &str, mode: &str) -> Agent {
+    Agent::new(config(name, mode)).unwrap()
+}
+
+fn config(name: &str, mode: &str) -> AgentConfig {
     let t = if mode == "shm" {
         Transport::Shm
     } else {
         Transport::Tcp
     };
-    Agent::new(
-        AgentConfig::new(name)
-            .transport(t)
-            .net_devices("lo")
-            .lanes(mode == "lane")
-            .ucx_tcp(mode == "tcp"),
-    )
-    .unwrap()
+    AgentConfig::new(name)
+        .transport(t)
+        .net_devices("lo")
+        .lanes(mode == "lane")
+        .ucx_tcp(mode == "tcp")
 }
 
 /// `owner` deregisters `r`; returns how many times it was `Busy` first (a TCP-lane request
@@ -562,19 +567,7 @@ fn peer_child() {
 fn stopped_then_killed_peer(t: &str) {
     let _ = env_logger::builder().is_test(true).try_init();
     let wait = Duration::from_millis(500);
-    let owner = Agent::new(
-        AgentConfig::new(format!("own-stopped-{t}"))
-            .transport(if t == "shm" {
-                Transport::Shm
-            } else {
-                Transport::Tcp
-            })
-            .net_devices("lo")
-            .lanes(false)
-            .ucx_tcp(t == "tcp")
-            .deregister_wait(wait),
-    )
-    .unwrap();
+    let owner = Agent::new(config(&format!("own-stopped-{t}"), t).deregister_wait(wait)).unwrap();
     let r = owner.register(HostBuffer::new(BIG).unwrap()).unwrap();
     let r2 = owner.register(HostBuffer::new(BIG).unwrap()).unwrap();
     let mut child = Command::new(std::env::current_exe().unwrap())
@@ -633,31 +626,6 @@ fn stopped_then_killed_peer(t: &str) {
     }
     eprintln!("{t}: the dead peer let go after {:?}", t2.elapsed());
     owner.deregister(&r2).unwrap();
-}
-
-/// Waits until every thread of process `pid` is stopped (a SIGSTOP takes each thread as it
-/// next runs: until then one of them could still answer).
-fn stopped(pid: i32) {
-    let t0 = Instant::now();
-    loop {
-        let all = std::fs::read_dir(format!("/proc/{pid}/task"))
-            .unwrap()
-            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("stat")).ok())
-            .all(|st| {
-                // The state follows the command name's closing parenthesis.
-                st.rsplit_once(')').is_some_and(|(_, rest)| {
-                    matches!(rest.trim_start().chars().next(), Some('T' | 't'))
-                })
-            });
-        if all {
-            return;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "process {pid} did not stop"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
 }
 
 #[test]
@@ -725,19 +693,7 @@ fn a_reload_during_a_ucx_transfer_keeps_it_fenced_tcp() {
 fn forgotten_before_the_welcome(t: &str) {
     let _ = env_logger::builder().is_test(true).try_init();
     let wait = Duration::from_millis(500);
-    let owner = Agent::new(
-        AgentConfig::new(format!("own-bye-{t}"))
-            .transport(if t == "shm" {
-                Transport::Shm
-            } else {
-                Transport::Tcp
-            })
-            .net_devices("lo")
-            .lanes(false)
-            .ucx_tcp(t == "tcp")
-            .deregister_wait(wait),
-    )
-    .unwrap();
+    let owner = Agent::new(config(&format!("own-bye-{t}"), t).deregister_wait(wait)).unwrap();
     let a = agent(&format!("peer-bye-{t}"), t);
     let mut took = Vec::new();
     for round in 0..RUNS {
