@@ -512,6 +512,16 @@ impl LoadProtocol {
         self.lease_until.is_some_and(|u| now >= u) && !self.complete()
     }
 
+    /// Whether no lease has come by `now`, [`UNKNOWN_GRACE`] after the start, with the load
+    /// incomplete: this consumer's messages or the producer's answers do not get through (a
+    /// cut link, a connection that has not come back, a stalled producer), so the load must
+    /// fail rather than wait forever ([`LoadProtocol::lapsed`] takes over once a lease came).
+    pub fn unanswered(&self, now: Duration) -> bool {
+        self.lease_until.is_none()
+            && !self.complete()
+            && now.saturating_sub(self.started) >= UNKNOWN_GRACE
+    }
+
     /// Pull: the read of `layer` has completed.
     pub fn mark_loaded(&mut self, layer: usize) {
         if let Some(s) = self.loaded.get_mut(layer) {
@@ -1038,6 +1048,29 @@ mod tests {
         c = c.of_incarnation(0xaa);
         c.mark_loaded(0);
         assert_eq!(c.restarted(0xbb), None);
+    }
+
+    #[test]
+    fn a_load_never_answered_fails_at_the_grace_and_one_with_a_lease_does_not() {
+        for mode in [Mode::Pull, Mode::Push] {
+            // Nothing gets through: no lease, no refusal.
+            let (p, _) = LoadProtocol::start("r", "p", mode, 2, None, false, ms(1000));
+            assert!(!p.unanswered(ms(1000) + UNKNOWN_GRACE - ms(1)), "{mode:?}");
+            assert!(p.unanswered(ms(1000) + UNKNOWN_GRACE), "{mode:?}");
+            // A lease came: the lease decides (`lapsed`), not the grace.
+            let (mut q, _) = LoadProtocol::start("r", "p", mode, 2, None, false, ms(0));
+            let lease = ToConsumer::Lease {
+                request: "r".into(),
+                ms: 60_000,
+                ready: 0,
+            };
+            assert_eq!(q.handle("p", &lease, ms(5)), LoadEvent::Progress);
+            assert!(!q.unanswered(UNKNOWN_GRACE * 2), "{mode:?}");
+            assert!(!q.lapsed(UNKNOWN_GRACE * 2), "{mode:?}");
+            // Nothing to move: complete, never waiting.
+            let (c, _) = LoadProtocol::start("r", "p", mode, 2, None, true, ms(0));
+            assert!(!c.unanswered(UNKNOWN_GRACE * 2), "{mode:?}");
+        }
     }
 
     #[test]

@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used)] // Tests fail loudly on purpose.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvxfer::connector::{ConnectorConfig, Consumer, Mode, Producer};
 use kvxfer::layout::{KvDtype, KvGeometry, KvLayout, KvOrder, KvPacking};
@@ -534,4 +534,39 @@ fn a_cancelled_load_ends_with_its_blocks_untouched_and_frees_the_producer() {
     consumer.cancel("gone-client").unwrap();
     consumer.cancel("never").unwrap();
     assert_eq!(consumer.in_progress(), 0);
+}
+
+/// A producer that never answers (its connector gone, its agent still up: the consumer's
+/// messages arrive and nothing comes back, as behind a connection that did not come back
+/// after a cut link): the load fails typed at the grace, naming its blocks, and does not
+/// wait for good. Before, a load that never got a lease had no end.
+#[test]
+fn a_load_its_producer_never_answers_fails_at_the_grace() {
+    for mode in [Mode::Pull, Mode::Push] {
+        let t = Transport::Tcp;
+        let (p, paddr) = side("na", &t, 2, 16, KvOrder::Nhd, KvPacking::Separate);
+        let (c, _) = side("nc", &t, 2, 16, KvOrder::Nhd, KvPacking::Separate);
+        let producer = Producer::new(p.agent.clone(), p.layout.clone(), cfg(mode), paddr).unwrap();
+        let h = producer.publish("silent", &[1, 2], 32, 4).unwrap();
+        drop(producer);
+        let consumer = Consumer::new(c.agent.clone(), c.layout.clone(), cfg(mode)).unwrap();
+        let t0 = Instant::now();
+        consumer.start_load(&h, &[3, 4]).unwrap();
+        let e = consumer
+            .wait("silent", kvxfer_proto::connector::UNKNOWN_GRACE * 3)
+            .unwrap_err();
+        let took = t0.elapsed();
+        eprintln!("{mode:?}: failed after {took:?}: {e}");
+        assert!(
+            matches!(&e, Error::Handoff { why, .. } if why.contains("has not answered")),
+            "{mode:?}: {e}"
+        );
+        assert!(took >= kvxfer_proto::connector::UNKNOWN_GRACE, "{took:?}");
+        let f = consumer.take_failed().pop().unwrap();
+        assert_eq!(
+            (f.request.as_str(), f.invalid_blocks),
+            ("silent", vec![3, 4])
+        );
+        assert_eq!(consumer.in_progress(), 0);
+    }
 }

@@ -570,6 +570,17 @@ fn lapsed(request: &str) -> Error {
     }
 }
 
+/// The error of a load whose producer never answered (no lease within the grace).
+fn unanswered(request: &str) -> Error {
+    Error::Handoff {
+        request: request.to_string(),
+        why: format!(
+            "the producer has not answered in {} s (unreachable, stalled or gone)",
+            kvxfer_proto::connector::UNKNOWN_GRACE.as_secs()
+        ),
+    }
+}
+
 fn consumer_loop(sh: &ConsumerShared) {
     loop {
         let busy = {
@@ -645,6 +656,10 @@ fn consumer_progress(sh: &ConsumerShared) {
         }
         if l.inflight.is_empty() && l.proto.lapsed(sh.t0.elapsed()) {
             failures.push((req.clone(), lapsed(req)));
+            continue;
+        }
+        if l.proto.unanswered(sh.t0.elapsed()) {
+            failures.push((req.clone(), unanswered(req)));
             continue;
         }
         // The producer restarted: its blocks are gone, whatever its new incarnation answers.
