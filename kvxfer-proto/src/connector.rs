@@ -522,6 +522,20 @@ impl LoadProtocol {
             && now.saturating_sub(self.started) >= UNKNOWN_GRACE
     }
 
+    /// Why the load must fail at `now` for want of the producer's answers
+    /// ([`LoadProtocol::lapsed`], [`LoadProtocol::unanswered`]); `None` while it may wait.
+    pub fn silent(&self, now: Duration) -> Option<String> {
+        if self.lapsed(now) {
+            return Some("the producer stopped renewing the lease (it is gone or stalled)".into());
+        }
+        self.unanswered(now).then(|| {
+            format!(
+                "the producer has not answered in {} s (unreachable, stalled or gone)",
+                UNKNOWN_GRACE.as_secs()
+            )
+        })
+    }
+
     /// Pull: the read of `layer` has completed.
     pub fn mark_loaded(&mut self, layer: usize) {
         if let Some(s) = self.loaded.get_mut(layer) {
@@ -1070,6 +1084,13 @@ mod tests {
             // Nothing to move: complete, never waiting.
             let (c, _) = LoadProtocol::start("r", "p", mode, 2, None, true, ms(0));
             assert!(!c.unanswered(UNKNOWN_GRACE * 2), "{mode:?}");
+            assert_eq!(c.silent(UNKNOWN_GRACE * 2), None, "{mode:?}");
+            assert!(p
+                .silent(ms(1000) + UNKNOWN_GRACE)
+                .is_some_and(|w| w.contains("has not answered")));
+            assert!(q
+                .silent(ms(5) + Duration::from_millis(60_000))
+                .is_some_and(|w| w.contains("stopped renewing")));
         }
     }
 

@@ -562,25 +562,6 @@ fn report_failure(sh: &ConsumerShared, st: &mut ConsumerState, req: &str, l: Loa
     });
 }
 
-/// The error of a load whose producer stopped renewing its lease.
-fn lapsed(request: &str) -> Error {
-    Error::Handoff {
-        request: request.to_string(),
-        why: "the producer stopped renewing the lease (it is gone or stalled)".into(),
-    }
-}
-
-/// The error of a load whose producer never answered (no lease within the grace).
-fn unanswered(request: &str) -> Error {
-    Error::Handoff {
-        request: request.to_string(),
-        why: format!(
-            "the producer has not answered in {} s (unreachable, stalled or gone)",
-            kvxfer_proto::connector::UNKNOWN_GRACE.as_secs()
-        ),
-    }
-}
-
 fn consumer_loop(sh: &ConsumerShared) {
     loop {
         let busy = {
@@ -654,13 +635,12 @@ fn consumer_progress(sh: &ConsumerShared) {
         if let Some(m) = l.proto.heartbeat_due(sh.t0.elapsed(), sh.cfg.heartbeat) {
             out.push((l.h.producer.clone(), m));
         }
-        if l.inflight.is_empty() && l.proto.lapsed(sh.t0.elapsed()) {
-            failures.push((req.clone(), lapsed(req)));
-            continue;
-        }
-        if l.proto.unanswered(sh.t0.elapsed()) {
-            failures.push((req.clone(), unanswered(req)));
-            continue;
+        // No lease renewed, or none ever came: the load fails rather than wait for good.
+        if let Some(why) = l.proto.silent(sh.t0.elapsed()) {
+            if l.inflight.is_empty() {
+                failures.push((req.clone(), load_failed(req, why)));
+                continue;
+            }
         }
         // The producer restarted: its blocks are gone, whatever its new incarnation answers.
         // (Reads in flight end on their own: the old incarnation's lanes are dropped.)
