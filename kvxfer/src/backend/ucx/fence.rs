@@ -166,11 +166,10 @@ impl Engine {
     /// refuses later ones itself.
     fn welcome(&mut self, token: u64, ack: u64, gone: &[(u32, u32)]) {
         let Some(peer) = self.fence.tokens.get(&token).copied() else {
-            // An entry closed before its WELCOME came: the owner forgets it now.
-            if let Some((known @ None, worker)) = self.fence.closed.get_mut(&token) {
-                *known = Some(ack);
-                let worker = worker.clone();
-                self.send_to_owner(&worker, &FenceMsg::Bye { ack });
+            // An entry closed before its WELCOME came: the owner forgets it now, and so does
+            // this agent (each closed entry costs at most one endpoint made for it).
+            if let Some((None, worker)) = self.fence.closed.remove(&token) {
+                self.send_to_owner(&worker, &[FenceMsg::Bye { ack }]);
             }
             return;
         };
@@ -463,17 +462,21 @@ impl Engine {
     }
 
     /// A GONE for an entry of this agent closed with nothing in flight: nothing of it touches
-    /// the region, answered at once over any endpoint to the same owner. Any other token
-    /// (never drawn here, or forgotten long ago) is dropped.
+    /// the region, answered at once over any endpoint to the same owner, with a BYE after it
+    /// (its first was lost) so that the owner forgets the entry, as this agent then does: a
+    /// closed entry costs at most one endpoint made for it, whatever an owner sends. Any other
+    /// token (never drawn here, or forgotten) is dropped.
     fn gone_for_closed(&mut self, token: u64, region: u32) {
-        let Some((ack, worker)) = self.fence.closed.get(&token) else {
+        let Some((ack, _)) = self.fence.closed.get(&token) else {
             log::debug!("kvxfer: a GONE with a token this agent never drew, dropped");
             return;
         };
         // Not welcomed yet: its BYE, once the WELCOME comes, answers for it.
         if let Some(ack) = *ack {
-            let worker = worker.clone();
-            self.send_to_owner(&worker, &FenceMsg::GoneAck { ack, region });
+            if let Some((_, worker)) = self.fence.closed.remove(&token) {
+                let msgs = [FenceMsg::GoneAck { ack, region }, FenceMsg::Bye { ack }];
+                self.send_to_owner(&worker, &msgs);
+            }
         }
     }
 
@@ -481,35 +484,34 @@ impl Engine {
     /// made for it and closed at once (gracefully: the message goes first). Without it, an
     /// entry closed before its WELCOME came, with no other endpoint to the owner, could never
     /// say BYE, and the owner would wait for it at every deregistration (`Busy`).
-    fn send_to_owner(&mut self, worker: &[u8], msg: &FenceMsg) {
+    fn send_to_owner(&mut self, worker: &[u8], msgs: &[FenceMsg]) {
+        let send_all = |ep: &Endpoint| {
+            for msg in msgs {
+                if let Err(status) = send(ep, msg) {
+                    log::debug!("kvxfer: {msg:?} for a closed entry: {status}");
+                }
+            }
+        };
         let ep = self
             .peers
             .values()
             .filter(|p| p.meta.worker_addr == worker)
             .find_map(|p| p.ep.as_ref());
         if let Some(ep) = ep {
-            if let Err(status) = send(ep, msg) {
-                log::debug!("kvxfer: {msg:?} for a closed entry: {status}");
-            }
-            return;
+            return send_all(ep);
         }
         // Error argument 0: no peer's token (they start at 1), so a failure reaches nobody.
-        let ep =
-            match self
-                .worker
-                .connect(worker, on_ep_error, std::ptr::null_mut(), self.peer_failure)
-            {
-                Ok(ep) => ep,
-                Err(status) => {
-                    log::debug!(
-                        "kvxfer: {msg:?} for a closed entry: no endpoint to its owner: {status}"
-                    );
-                    return;
-                }
-            };
-        if let Err(status) = send(&ep, msg) {
-            log::debug!("kvxfer: {msg:?} for a closed entry: {status}");
-        }
+        let made =
+            self.worker
+                .connect(worker, on_ep_error, std::ptr::null_mut(), self.peer_failure);
+        let ep = match made {
+            Ok(ep) => ep,
+            Err(status) => {
+                log::debug!("kvxfer: {msgs:?} for a closed entry: no endpoint: {status}");
+                return;
+            }
+        };
+        send_all(&ep);
         match ep.close(false) {
             Ok(Some(req)) => self.closing.push((req, Vec::new())),
             Ok(None) => {}
