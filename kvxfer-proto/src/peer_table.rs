@@ -59,7 +59,14 @@ pub struct Fds {
 impl Fds {
     /// Whether a new peer would eat into the reserve.
     pub fn short(&self) -> bool {
-        self.open + FDS_PER_PEER + fd_reserve(self.limit) > self.limit
+        self.short_of(FDS_PER_PEER, 1)
+    }
+
+    /// Whether opening `n` more would leave fewer than `reserves` times the reserve free (a
+    /// consumer of lower rank than the peer table keeps more than one reserve free, so that
+    /// the table's loads still find room past it).
+    pub fn short_of(&self, n: u64, reserves: u64) -> bool {
+        self.open + n + reserves * fd_reserve(self.limit) > self.limit
     }
 }
 
@@ -191,6 +198,19 @@ mod tests {
             admit(&limits(1000), Some(fds), &idle, 20 * S),
             Admission::Evict("a")
         );
+    }
+
+    #[test]
+    fn a_lower_consumer_keeps_the_reserve_twice_over() {
+        let f = Fds {
+            open: 120,
+            limit: 256,
+        };
+        // 120 + 8 + 2 * 64 = 256: the last that fits.
+        assert!(!f.short_of(8, 2));
+        assert!(f.short_of(9, 2));
+        assert!(!f.short_of(9, 1));
+        assert_eq!(f.short(), f.short_of(FDS_PER_PEER, 1));
     }
 
     #[test]

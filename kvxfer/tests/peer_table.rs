@@ -675,7 +675,10 @@ fn ucx_flood_child() {
         })
         .collect();
     // SAFETY: plain UCX calls in order, each on live handles made here, on this thread only;
-    // every out pointer is a live local; the strings outlive the calls that read them.
+    // every out pointer is a live local; the strings and the victim's address outlive the
+    // calls that read them; the worker's address is read (`address_length` bytes, as
+    // ucp_worker_query returned them) before it is released; each send's bytes live until
+    // its request completes (progressed below before the next).
     let sent = unsafe {
         let mut cfg: *mut sys::ucp_config_t = ptr::null_mut();
         assert_eq!(

@@ -28,7 +28,6 @@ use super::handle::Endpoint;
 use super::raw::{self, Posted};
 use crate::host::PeerProcess;
 use kvxfer_proto::error::{Error, Result, UcsStatus};
-use kvxfer_proto::peer_table::fd_reserve;
 use kvxfer_proto::ucx_fence::{Hello, UserId};
 use kvxfer_proto::wire::ucx_fence::{add_to_ranges, in_ranges, FenceMsg};
 
@@ -312,12 +311,12 @@ impl Engine {
         let Some(mut fds) = fds else {
             return false;
         };
-        fds.open += n;
         // Twice the reserve: the reserve itself, and as much again for the peer table, whose
         // loads (8 descriptors each) must still find room past the reserve.
-        if fds.open + 2 * fd_reserve(fds.limit) > fds.limit {
+        if fds.short_of(n, 2) {
             return true;
         }
+        fds.open += n;
         self.fence.fds = self.fence.fds.map(|(at, _)| (at, Some(fds)));
         false
     }
