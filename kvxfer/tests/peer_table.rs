@@ -23,6 +23,8 @@ use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, RegionId, Transport, X
 use kvxfer_proto::wire::side_channel::META;
 
 const LEN: usize = 1 << 20;
+/// Every READ's deadline.
+const READ_DEADLINE: Duration = Duration::from_secs(10);
 
 /// One test at a time: one lowers the process's descriptor limit.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -63,11 +65,27 @@ struct Good {
 
 impl Good {
     fn connect(name: &str, side: SocketAddr) -> Result<Good, Error> {
-        let agent = Agent::new(
+        Good::connect_with(
             AgentConfig::new(name)
                 .transport(Transport::Tcp)
                 .net_devices("lo"),
-        )?;
+            side,
+        )
+    }
+
+    /// Over UCX's shared memory, lanes off: every transfer goes through the victim's UCX
+    /// fence.
+    fn connect_ucx(name: &str, side: SocketAddr) -> Result<Good, Error> {
+        Good::connect_with(
+            AgentConfig::new(name)
+                .transport(Transport::Shm)
+                .lanes(false),
+            side,
+        )
+    }
+
+    fn connect_with(cfg: AgentConfig, side: SocketAddr) -> Result<Good, Error> {
+        let agent = Agent::new(cfg)?;
         let peer = agent.connect(side)?;
         let local = agent.register(HostBuffer::new(LEN).unwrap())?;
         let l = agent.prep_local(&[Desc::new(local.id(), 0, LEN as u64)])?;
@@ -77,24 +95,22 @@ impl Good {
 
     /// READs the victim's region, checks every byte, returns the time it took.
     fn read(&self) -> Duration {
+        self.try_read().unwrap()
+    }
+
+    /// [`Good::read`], its error returned with the time it took.
+    fn try_read(&self) -> Result<Duration, (Duration, Error)> {
         self.local.write(0, &vec![0; LEN]).unwrap();
         let t = Instant::now();
         self.agent
-            .transfer_all(
-                XferOp::Read,
-                &self.l,
-                &self.r,
-                None,
-                Some(Duration::from_secs(10)),
-            )
-            .unwrap()
-            .wait()
-            .unwrap();
+            .transfer_all(XferOp::Read, &self.l, &self.r, None, Some(READ_DEADLINE))
+            .and_then(|x| x.wait())
+            .map_err(|e| (t.elapsed(), e))?;
         let took = t.elapsed();
         let mut got = vec![0u8; LEN];
         self.local.read(0, &mut got).unwrap();
         assert!(got.iter().all(|&x| x == 0x5a), "READ bytes");
-        took
+        Ok(took)
     }
 }
 
@@ -170,9 +186,14 @@ fn lift_nofile() {
 /// connects to `side` and READs the victim's region once, bytes checked. `Ok` with the
 /// READ's time, or the error's words.
 fn good_elsewhere(side: SocketAddr) -> Result<Duration, String> {
+    good_child_says(side, "lanes")
+}
+
+/// Runs [`good_child`] over `path` (`lanes`, or `ucx`: UCX's shared memory, lanes off).
+fn good_child_says(side: SocketAddr, path: &str) -> Result<Duration, String> {
     let out = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "good_child", "--ignored", "--nocapture"])
-        .env("KVX_GOOD", side.to_string())
+        .env("KVX_GOOD", format!("{side} {path}"))
         .stderr(Stdio::inherit())
         .output()
         .unwrap();
@@ -192,12 +213,19 @@ fn good_elsewhere(side: SocketAddr) -> Result<Duration, String> {
 #[test]
 #[ignore = "a good peer's own process, started by the tests here"]
 fn good_child() {
-    let Ok(side) = std::env::var("KVX_GOOD") else {
+    let Ok(spec) = std::env::var("KVX_GOOD") else {
         return;
     };
+    let (side, path) = spec.split_once(' ').unwrap();
+    let side = side.parse().unwrap();
     lift_nofile();
-    match Good::connect("newcomer", side.parse().unwrap()) {
-        Ok(g) => println!("GOOD {}", g.read().as_micros()),
+    let good = match path {
+        "ucx" => Good::connect_ucx("newcomer", side),
+        _ => Good::connect("newcomer", side),
+    };
+    match good.map(|g| g.try_read()) {
+        Ok(Ok(took)) => println!("GOOD {}", took.as_micros()),
+        Ok(Err((took, e))) => println!("REFUSED after {} ms: {e:?}", took.as_millis()),
         Err(e) => println!("REFUSED {e:?}"),
     }
 }
@@ -564,6 +592,33 @@ fn a_ucx_fence_hello_flood_under_a_low_descriptor_limit_leaves_a_reserve() {
     );
     let late = good_elsewhere(side);
     assert!(late.is_ok(), "a newcomer after the flood: {late:?}");
+    // A newcomer over UCX itself needs the fence to take it in (an endpoint back, a pidfd),
+    // which the reserve forbids now: it is told so, and its READ fails typed at once, not at
+    // its deadline.
+    let unsaid = metric(&a, "kvxfer_ucx_fence_refusals_unsaid_total");
+    let refused = metric(&a, "kvxfer_ucx_fence_refused_total");
+    let late = good_child_says(side, "ucx");
+    eprintln!("a newcomer over UCX after the flood: {late:?}");
+    let why = late.expect_err("the fence had no room, yet took a newcomer in");
+    let ms: u64 = why
+        .strip_prefix("after ")
+        .and_then(|w| w.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("the newcomer's connect failed, not its READ: {why}"));
+    assert!(
+        why.contains("PeerLimit") && why.contains("did not take this agent in"),
+        "{why}"
+    );
+    assert!(
+        Duration::from_millis(ms) < READ_DEADLINE / 2,
+        "refused only at the deadline ({ms} ms): {why}"
+    );
+    assert!(metric(&a, "kvxfer_ucx_fence_refused_total") > refused);
+    assert_eq!(
+        metric(&a, "kvxfer_ucx_fence_refusals_unsaid_total"),
+        unsaid,
+        "the newcomer's refusal went unsaid"
+    );
     drop((one, many));
 }
 

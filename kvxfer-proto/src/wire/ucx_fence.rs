@@ -9,6 +9,7 @@
 //! owner -> initiator: GONE(token, region)                    on deregistration
 //! initiator -> owner: GONE_ACK(ack, region)                  nothing of it touches the region
 //! initiator -> owner: BYE(ack)                               it closed its endpoint, idle
+//! owner -> initiator: REFUSED(token, why)                    the HELLO was not taken in
 //! ```
 //!
 //! An initiator that announces itself while a deregistration is under way is told of it
@@ -16,6 +17,9 @@
 //! lists the regions deregistered or being deregistered (ranges of ids: an owner never reuses
 //! one), so that what it queued for a region that went before it announced itself is
 //! refused, never posted. (Gone, not live: a region registered after the WELCOME is live.)
+//! An owner that cannot take an initiator in (its table full, or short of descriptors) says
+//! REFUSED where it can, so that the initiator's transfers fail typed at once, not at their
+//! deadline; the initiator announces itself again with its next transfer.
 //!
 //! `token` is drawn at random by the initiator for one owner and `ack` by the owner for one
 //! initiator: a GONE or GONE_ACK is believed only with the token its receiver drew, never by a
@@ -31,6 +35,7 @@ const WELCOME: u8 = 2;
 const GONE: u8 = 3;
 const GONE_ACK: u8 = 4;
 const BYE: u8 = 5;
+const REFUSED: u8 = 6;
 const HOST_LEN: usize = 16 + 8 + 4;
 /// Most ranges of gone regions a WELCOME lists.
 pub const MAX_RANGES: usize = MAX_REGIONS;
@@ -84,6 +89,52 @@ pub enum FenceMsg {
         /// The owner's token for this initiator.
         ack: u64,
     },
+    /// The owner did not take the initiator in: nothing may be posted to it.
+    Refused {
+        /// The initiator's token, as its HELLO gave it.
+        token: u64,
+        /// Why.
+        why: Refusal,
+    },
+}
+
+/// Why an owner did not take an initiator in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// It keeps as many initiators as it may.
+    Full,
+    /// Taking it in would open a descriptor (an endpoint back, a pidfd) that the owner's
+    /// reserve needs.
+    Descriptors,
+}
+
+impl Refusal {
+    fn code(self) -> u8 {
+        match self {
+            Refusal::Full => 1,
+            Refusal::Descriptors => 2,
+        }
+    }
+
+    fn of(code: u8) -> Option<Refusal> {
+        match code {
+            1 => Some(Refusal::Full),
+            2 => Some(Refusal::Descriptors),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Refusal::Full => "it keeps as many UCX initiators as it may",
+            Refusal::Descriptors => {
+                "it is short of file descriptors (it keeps a reserve for its side channel, \
+                 lanes and peers)"
+            }
+        })
+    }
 }
 
 impl FenceMsg {
@@ -148,6 +199,11 @@ impl FenceMsg {
             FenceMsg::Bye { ack } => {
                 b.push(BYE);
                 b.extend_from_slice(&ack.to_le_bytes());
+            }
+            FenceMsg::Refused { token, why } => {
+                b.push(REFUSED);
+                b.extend_from_slice(&token.to_le_bytes());
+                b.push(why.code());
             }
         }
         b
@@ -216,6 +272,10 @@ impl FenceMsg {
             },
             BYE => FenceMsg::Bye {
                 ack: u64_of(&mut r)?,
+            },
+            REFUSED => FenceMsg::Refused {
+                token: u64_of(&mut r)?,
+                why: Refusal::of(take(&mut r, 1)?[0])?,
             },
             _ => return None,
         };
@@ -320,6 +380,14 @@ mod tests {
                 region: u32::MAX,
             },
             FenceMsg::Bye { ack: 12 },
+            FenceMsg::Refused {
+                token: 13,
+                why: Refusal::Full,
+            },
+            FenceMsg::Refused {
+                token: u64::MAX,
+                why: Refusal::Descriptors,
+            },
         ]
     }
 
@@ -388,6 +456,16 @@ mod tests {
             let mut bad = b.clone();
             bad[0] = b'X';
             assert_eq!(FenceMsg::decode(&bad), None, "{m:?} with another magic");
+        }
+        // A refusal with a reason no version gives.
+        for code in [0u8, 3, 0xff] {
+            let mut b = FenceMsg::Refused {
+                token: 1,
+                why: Refusal::Full,
+            }
+            .encode();
+            *b.last_mut().unwrap() = code;
+            assert_eq!(FenceMsg::decode(&b), None, "reason {code}");
         }
         // An unknown kind, a host flag that is neither 0 nor 1, a worker address of 0 bytes
         // and one past the limit.

@@ -9,7 +9,7 @@ use crate::staging::pool::StagingStats;
 /// The agent's memory in Prometheus text format: its budget (limit, used, peak, waits),
 /// the device staging chunks (bytes, in use, peaks, waits) once allocated, dropped
 /// notifications, the peer table (loaded, evicted, refused) and the UCX fence (initiators
-/// taken in, refused). Labelled with the agent's name.
+/// taken in, refused, refusals unsaid). Labelled with the agent's name.
 pub(crate) fn prometheus(st: &AgentState) -> String {
     use std::fmt::Write;
     let n = st.name.replace(['\\', '"', '\n'], "_");
@@ -84,6 +84,13 @@ pub(crate) fn prometheus(st: &AgentState) -> String {
          short of file descriptors.",
         "counter",
         fence.refused.load(Ordering::Relaxed),
+    );
+    gauge(
+        "kvxfer_ucx_fence_refusals_unsaid_total",
+        "Of those, the ones the initiator was not told of (no endpoint to it could be spared): \
+         its UCX transfers wait until their deadline.",
+        "counter",
+        fence.unanswered.load(Ordering::Relaxed),
     );
     gauge(
         "kvxfer_lane_windows",

@@ -20,16 +20,18 @@ use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use super::driver::Phase;
 use super::driver::{on_ep_error, Engine};
 use super::fence_state::{
-    Announced, Back, FenceReply, GoneNotice, User, AM_FENCE, MAX_GONE_QUEUED, MAX_USERS, USER_BIT,
+    Announced, Back, FenceReply, GoneNotice, User, AM_FENCE, MAX_GONE_QUEUED, MAX_REFUSING,
+    MAX_USERS, USER_BIT,
 };
 use super::handle::Endpoint;
 use super::raw::{self, Posted};
 use crate::host::PeerProcess;
 use kvxfer_proto::error::{Error, Result, UcsStatus};
 use kvxfer_proto::ucx_fence::{Hello, UserId};
-use kvxfer_proto::wire::ucx_fence::{add_to_ranges, in_ranges, FenceMsg};
+use kvxfer_proto::wire::ucx_fence::{add_to_ranges, in_ranges, FenceMsg, Refusal};
 
 /// How often a deregistration waiting for same-host initiators looks at their processes.
 const PROCESS_POLL: Duration = Duration::from_millis(20);
@@ -152,6 +154,7 @@ impl Engine {
                     self.drop_user(user, false);
                 }
             }
+            Some(FenceMsg::Refused { token, why }) => self.refused(token, why),
             None => log::warn!(
                 "kvxfer: a malformed UCX fence message ({} bytes) dropped",
                 bytes.len()
@@ -203,6 +206,45 @@ impl Engine {
         }
     }
 
+    /// As an initiator: peer `token` did not take this agent in. What waits to be posted to it
+    /// fails now, typed; the next transfer announces this agent again.
+    fn refused(&mut self, token: u64, why: Refusal) {
+        let Some(peer) = self.fence.tokens.get(&token).copied() else {
+            // An entry closed before its WELCOME: the owner holds nothing of it either.
+            if matches!(self.fence.closed.get(&token), Some((None, _))) {
+                self.fence.closed.remove(&token);
+            }
+            return;
+        };
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        if p.announced != Announced::Sent(token) {
+            log::debug!(
+                "kvxfer: a REFUSED for entry {peer} in state {:?}",
+                p.announced
+            );
+            return;
+        }
+        self.fence.tokens.remove(&token);
+        p.announced = Announced::No;
+        let name = p.name.clone();
+        let e = move || Error::PeerLimit {
+            agent: name.clone(),
+            why: format!(
+                "its UCX engine did not take this agent in, so no UCX transfer to it may start: \
+                 {why}"
+            ),
+        };
+        log::warn!("kvxfer {}: {}", self.name, e());
+        // Waiting for the WELCOME, nothing of them posted.
+        for a in self.active.values_mut() {
+            if a.job.token == peer && a.phase == Phase::Posting && a.next == 0 {
+                a.error.get_or_insert_with(&e);
+            }
+        }
+    }
+
     /// As an owner: an initiator's HELLO. An endpoint back to it, and WELCOME.
     fn take_in(
         &mut self,
@@ -225,12 +267,10 @@ impl Engine {
                     reply,
                 } => (user, before, reply),
                 Hello::Full => {
-                    self.fence.counts.refused.fetch_add(1, Ordering::Relaxed);
                     log::warn!(
-                        "kvxfer: {MAX_USERS} UCX peers announced already: one more not taken in \
-                     (its transfers wait for an answer until their deadline)"
+                        "kvxfer: {MAX_USERS} UCX peers announced already: one more not taken in"
                     );
-                    return;
+                    return self.refuse(token, &worker, Refusal::Full);
                 }
             };
         // Same host, elsewhere: its process is watched (shared memory does not tell a death).
@@ -250,15 +290,14 @@ impl Engine {
         // peer table's room.
         let opens = u64::from(!self.fence.back_of.contains_key(&worker))
             + u64::from(pid.is_some() && process.is_none());
-        if opens > 0 && self.short_of_fds(opens) {
+        if opens > 0 && self.short_of_fds(opens, 2) {
             self.fence.table.remove(user);
-            self.fence.counts.refused.fetch_add(1, Ordering::Relaxed);
             log::warn!(
                 "kvxfer {}: a UCX peer not taken in: this process is short of file \
-                 descriptors (a reserve is kept; its transfers wait until their deadline)",
+                 descriptors (a reserve is kept)",
                 self.name
             );
-            return;
+            return self.refuse(token, &worker, Refusal::Descriptors);
         }
         let Some(back) = self.back_to(&worker) else {
             self.fence.table.remove(user);
@@ -294,11 +333,54 @@ impl Engine {
             .store(self.fence.users.len() as u64, Ordering::Relaxed);
     }
 
-    /// Whether opening `n` descriptors more would eat into the reserve (kept twice over).
-    /// Counted at most once per `FD_RECOUNT` (a walk of `/proc/self/fd`), and the count kept
-    /// up to date in between with what the fence opened itself: a flood of HELLOs costs no
-    /// walk each.
-    fn short_of_fds(&mut self, n: u64) -> bool {
+    /// As an owner: tells an initiator that its HELLO `token` was not taken in, so that its
+    /// transfers fail now, typed, not at their deadline. Over the endpoint back to its
+    /// worker where one is open; else over one made for the message and closed at once,
+    /// where that leaves the reserve whole and fewer than [`MAX_REFUSING`] such endpoints are
+    /// still closing (a flood of HELLOs from new workers costs at most that many
+    /// descriptors); else unsaid, and counted.
+    fn refuse(&mut self, token: u64, worker: &[u8], why: Refusal) {
+        self.fence.counts.refused.fetch_add(1, Ordering::Relaxed);
+        let msg = FenceMsg::Refused { token, why };
+        if let Some(b) = self.fence.back_of.get(worker).map(|b| &self.fence.backs[b]) {
+            if let Err(status) = send(&b.ep, &msg) {
+                log::debug!("kvxfer: REFUSED to a UCX peer: {status}");
+            }
+            return;
+        }
+        self.fence.refusing.retain(|r| !r.done());
+        if self.fence.refusing.len() >= MAX_REFUSING || self.short_of_fds(1, 1) {
+            self.fence.counts.unanswered.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        // Error argument 0: no peer's token (they start at 1), so a failure reaches nobody.
+        let made =
+            self.worker
+                .connect(worker, on_ep_error, std::ptr::null_mut(), self.peer_failure);
+        let ep = match made {
+            Ok(ep) => ep,
+            Err(status) => {
+                log::debug!("kvxfer: an endpoint to say REFUSED: {status}");
+                self.fence.counts.unanswered.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        };
+        if let Err(status) = send(&ep, &msg) {
+            log::debug!("kvxfer: REFUSED to a UCX peer: {status}");
+        }
+        // Gracefully: the message goes first.
+        match ep.close(false) {
+            Ok(Some(req)) => self.fence.refusing.push(req),
+            Ok(None) => {}
+            Err(status) => log::debug!("kvxfer: closing an endpoint that said REFUSED: {status}"),
+        }
+    }
+
+    /// Whether opening `n` descriptors more would eat into `factor` times the reserve (the
+    /// fence's entries keep it twice over). Counted at most once per `FD_RECOUNT` (a walk of
+    /// `/proc/self/fd`), and the count kept up to date in between with what the fence opened
+    /// itself: a flood of HELLOs costs no walk each.
+    fn short_of_fds(&mut self, n: u64, factor: u64) -> bool {
         let now = Instant::now();
         let fds = match self.fence.fds {
             Some((at, fds)) if now < at + FD_RECOUNT => fds,
@@ -311,9 +393,9 @@ impl Engine {
         let Some(mut fds) = fds else {
             return false;
         };
-        // Twice the reserve: the reserve itself, and as much again for the peer table, whose
-        // loads (8 descriptors each) must still find room past the reserve.
-        if fds.short_of(n, 2) {
+        // Twice the reserve for an entry: the reserve itself, and as much again for the peer
+        // table, whose loads (8 descriptors each) must still find room past the reserve.
+        if fds.short_of(n, factor) {
             return true;
         }
         fds.open += n;

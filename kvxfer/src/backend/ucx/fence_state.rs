@@ -8,7 +8,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
-use super::handle::Endpoint;
+use super::handle::{Endpoint, Request};
 use crate::host::PeerProcess;
 use kvxfer_proto::error::Result;
 use kvxfer_proto::ucx_fence::{FenceId, FenceTable, UserId};
@@ -17,6 +17,10 @@ use kvxfer_proto::ucx_fence::{FenceId, FenceTable, UserId};
 pub(super) const AM_FENCE: u32 = 0x4b59;
 /// Initiators an owner keeps (each holds an endpoint, and on the same host a pidfd).
 pub(crate) const MAX_USERS: usize = 1024;
+/// Endpoints made only to say REFUSED (no endpoint back to the initiator's worker was open)
+/// that may be closing at once; past it a refusal goes unsaid. Each holds a descriptor until
+/// its close completes, and is made only where the reserve stays whole.
+pub(super) const MAX_REFUSING: usize = 4;
 /// Marks an endpoint error argument as an endpoint back to initiators (its id below it), not
 /// a peer's.
 pub(super) const USER_BIT: u64 = 1 << 63;
@@ -64,6 +68,9 @@ pub(crate) struct FenceCounts {
     pub(crate) peers: AtomicU64,
     /// HELLOs not taken in: the table full, or the process short of descriptors.
     pub(crate) refused: AtomicU64,
+    /// Of those, the ones whose initiator could not be told (REFUSED unsent): its transfers
+    /// wait until their deadline.
+    pub(crate) unanswered: AtomicU64,
 }
 
 /// An endpoint back to an initiator agent's worker, shared by every entry it announced (one
@@ -93,6 +100,8 @@ pub(super) struct Fence {
     pub(super) backs: HashMap<u64, Back>,
     pub(super) back_of: HashMap<Vec<u8>, u64>,
     pub(super) next_back: u64,
+    /// Closes of endpoints made to say REFUSED, not complete yet ([`MAX_REFUSING`]).
+    pub(super) refusing: Vec<Request>,
     /// Deregistrations under way: the region and who waits for the answer.
     pub(super) waits: HashMap<FenceId, (u32, FenceReply)>,
     /// This agent's tokens for its peers, to the peers' engine entries.
@@ -128,6 +137,7 @@ impl Fence {
             backs: HashMap::new(),
             back_of: HashMap::new(),
             next_back: 1,
+            refusing: Vec::new(),
             waits: HashMap::new(),
             tokens: HashMap::new(),
             closed: HashMap::new(),
