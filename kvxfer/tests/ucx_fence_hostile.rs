@@ -1,5 +1,6 @@
 //! The UCX fence against a hostile owner (issue 34): an owner that speaks raw UCX to a kvxfer
-//! initiator and sends it what it likes. A closed entry of the initiator's costs it at most
+//! initiator and sends it what it likes. A REFUSED for an entry it welcomed already (or for
+//! a token never drawn) changes nothing; a closed entry of the initiator's costs it at most
 //! one endpoint made for the owner, whatever the owner sends: a flood of GONEs naming it is
 //! answered once (GONE_ACK and BYE), and the rest are dropped.
 //!
@@ -15,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use kvxfer::{Agent, AgentConfig, Desc, HostBuffer, RegionId, Transport, XferOp};
 use kvxfer_proto::wire::metadata::Metadata;
-use kvxfer_proto::wire::ucx_fence::FenceMsg;
+use kvxfer_proto::wire::ucx_fence::{FenceMsg, Refusal};
 
 const LEN: usize = 1 << 16;
 /// The fence's active-message id (`backend/ucx/fence_state.rs`).
@@ -86,11 +87,11 @@ impl Drop for Hostile {
     }
 }
 
-/// An initiator closes its entry with an owner that then sends 200 GONEs for it: the
-/// initiator answers the first (a GONE_ACK and a BYE, over an endpoint made for them) and
+/// An owner that welcomed an initiator says REFUSED after all: ignored. The initiator
+/// closes its entry, and the owner sends 200 GONEs for it: the initiator answers the first (a GONE_ACK and a BYE, over an endpoint made for them) and
 /// drops the rest, and still serves its other peers.
 #[test]
-fn a_hostile_owner_gets_one_answer_for_a_closed_entry_however_many_gones_it_sends() {
+fn a_hostile_owners_late_refusals_and_gone_floods_change_nothing() {
     // A real agent's regions and keys, presented by the hostile owner as its own.
     let real = Agent::new(config("real")).unwrap();
     let r = real.register(HostBuffer::new(LEN).unwrap()).unwrap();
@@ -129,6 +130,24 @@ fn a_hostile_owner_gets_one_answer_for_a_closed_entry_however_many_gones_it_send
     assert!(
         bytes.iter().all(|&b| b == 0x77),
         "READ bytes from the hostile owner"
+    );
+    // A REFUSED for an entry already welcomed (and for tokens never drawn) changes nothing:
+    // the next READ posts at once.
+    hostile.tell("REFUSE");
+    hostile.said("REFUSED");
+    std::thread::sleep(Duration::from_millis(100));
+    local.write(0, &vec![0; LEN]).unwrap();
+    let again = a
+        .transfer_all(XferOp::Read, &l, &rr, None, Some(Duration::from_secs(5)))
+        .and_then(|x| x.wait());
+    assert!(
+        again.is_ok(),
+        "a READ after REFUSEDs for a welcomed entry: {again:?}"
+    );
+    local.read(0, &mut bytes).unwrap();
+    assert!(
+        bytes.iter().all(|&b| b == 0x77),
+        "READ bytes after the REFUSEDs"
     );
     // Closed with nothing in flight: BYE, and the entry remembered for one answer.
     a.remove_peer(&name).unwrap();
@@ -179,9 +198,10 @@ unsafe extern "C" fn record_am(
 }
 
 /// The hostile owner's process (run by [`Hostile::start`]; ignored otherwise): says its
-/// worker's address (`WORKER`), answers the first HELLO with a WELCOME (`HELLO token`), then
-/// on `GONE n` sends n GONEs for that token, waits a second, and says how many GONE_ACKs and
-/// BYEs came (`GOT acks byes`).
+/// worker's address (`WORKER`) and region (`REGION base rkey`), answers the first HELLO
+/// with a WELCOME (`HELLO token`), on `REFUSE` sends REFUSEDs for that token and others
+/// (`REFUSED`), then on `GONE n` sends n GONEs for that token, waits a second, and says how
+/// many GONE_ACKs and BYEs came (`GOT acks byes`).
 #[test]
 #[ignore = "the hostile owner's own process, started by the tests here"]
 // bindgen's constant types differ between UCX versions (as in `raw.rs`).
@@ -347,7 +367,7 @@ fn hostile_owner_child() {
         });
         println!("HELLO {token:x}");
         std::io::stdout().flush().unwrap();
-        // Progress (the initiator's READ, its BYE) until told.
+        // Progress (the initiator's READs, its BYE) until told; REFUSEs meanwhile.
         let mut line = Vec::new();
         let n: usize = loop {
             progress_for(worker, Duration::from_millis(1));
@@ -357,10 +377,23 @@ fn hostile_owner_child() {
                 Ok(k) => line.extend_from_slice(&b[..k]),
                 Err(_) => {}
             }
-            if let Some(end) = line.iter().position(|&c| c == b'\n') {
-                let cmd = String::from_utf8_lossy(&line[..end]).to_string();
-                break cmd.strip_prefix("GONE ").unwrap().parse().unwrap();
+            let Some(end) = line.iter().position(|&c| c == b'\n') else {
+                continue;
+            };
+            let cmd = String::from_utf8_lossy(&line[..end]).to_string();
+            line.drain(..=end);
+            if cmd == "REFUSE" {
+                // For the welcomed entry, for tokens never drawn, and with each reason.
+                for t in [token, token ^ 1, 0, u64::MAX] {
+                    for why in [Refusal::Full, Refusal::Descriptors] {
+                        send(FenceMsg::Refused { token: t, why });
+                    }
+                }
+                println!("REFUSED");
+                std::io::stdout().flush().unwrap();
+                continue;
             }
+            break cmd.strip_prefix("GONE ").unwrap().parse().unwrap();
         };
         let before = GOT.lock().unwrap().len();
         for _ in 0..n {
