@@ -619,7 +619,30 @@ fn a_ucx_fence_hello_flood_under_a_low_descriptor_limit_leaves_a_reserve() {
         unsaid,
         "the newcomer's refusal went unsaid"
     );
+    // The flood's processes end (its `cat`s once it is killed): their entries go at the next
+    // HELLO, with their pidfds and endpoints back, and a newcomer over UCX is taken in.
+    let held = metric(&a, "kvxfer_ucx_fence_peers");
     drop((one, many));
+    let t = Instant::now();
+    let late = loop {
+        let r = good_child_says(side, "ucx");
+        if r.is_ok() || t.elapsed() > Duration::from_secs(15) {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let now = metric(&a, "kvxfer_ucx_fence_peers");
+    eprintln!(
+        "once the flood's processes ended: a newcomer over UCX {late:?} after {:?}; entries \
+         {held} -> {now}; this process holds {} descriptors",
+        t.elapsed(),
+        open_fds()
+    );
+    assert!(
+        late.is_ok(),
+        "a newcomer over UCX once the flood ended: {late:?}"
+    );
+    assert!(now < 10, "{now} entries left of the flood's {held}");
 }
 
 /// The UCX flood (this binary again, `ucx_flood_child`): `n` fence HELLOs sent, naming the

@@ -256,6 +256,9 @@ impl Engine {
         if self.self_only {
             return;
         }
+        // Entries of processes that exited go first: they hold table room and descriptors
+        // (their pidfds, their endpoints back) that this one may need.
+        self.reap_when_due();
         let Ok(ack) = crate::random::bytes().map(u64::from_le_bytes) else {
             return;
         };
@@ -632,11 +635,7 @@ impl Engine {
         if self.fence.waits.is_empty() {
             return None;
         }
-        let now = Instant::now();
-        if self.fence.reaped_at.is_none_or(|t| now >= t + PROCESS_POLL) {
-            self.fence.reaped_at = Some(now);
-            self.reap_dead_users();
-        }
+        self.reap_when_due();
         for (id, unconfirmed) in self.fence.table.poll(self.fence.clock.elapsed()) {
             if let Some((region, reply)) = self.fence.waits.remove(&id) {
                 if !unconfirmed.is_empty() {
@@ -656,6 +655,15 @@ impl Engine {
         let next = self.fence.table.next_deadline()?;
         let at = self.fence.clock + next;
         Some(at.min(Instant::now() + PROCESS_POLL))
+    }
+
+    /// [`Engine::reap_dead_users`], at most once a `PROCESS_POLL`.
+    fn reap_when_due(&mut self) {
+        let now = Instant::now();
+        if self.fence.reaped_at.is_none_or(|t| now >= t + PROCESS_POLL) {
+            self.fence.reaped_at = Some(now);
+            self.reap_dead_users();
+        }
     }
 
     /// Initiators on this host whose process exited are gone (shared memory does not say so).
@@ -694,10 +702,13 @@ impl Engine {
         if let Some(b) = self.fence.backs.get_mut(&u.back) {
             b.users = b.users.saturating_sub(1);
         }
-        // A failed entry's endpoint back goes now; an idle one stays for the initiator's
-        // next entry (closing it and making another to the same worker lost the first
-        // message on the new one, on UCX 1.13's TCP), until there are too many.
-        if force {
+        // A failed entry's endpoint back goes now, unless other entries still use it: a
+        // HELLO names its process and its worker as it likes, and one naming a process that
+        // exited and another's worker must not take that worker's entries with it. An idle
+        // one stays for the initiator's next entry (closing it and making another to the
+        // same worker lost the first message on the new one, on UCX 1.13's TCP), until there
+        // are too many.
+        if force && self.fence.backs.get(&u.back).is_some_and(|b| b.users == 0) {
             self.close_back(u.back, true);
         }
     }
