@@ -177,6 +177,139 @@ fn a_hostile_owners_late_refusals_and_gone_floods_change_nothing() {
     );
 }
 
+/// A HELLO naming a good peer's worker and a process that has exited: the owner takes it in
+/// over the endpoint back it keeps for the good peer, and drops it at the next HELLO (the
+/// process is gone); the good peer's entry keeps that endpoint, so a deregistration still
+/// tells it, waits for its answer, and the good peer refuses the region from then on.
+#[test]
+fn a_hello_naming_a_good_peers_worker_and_an_exited_process_leaves_that_peer_fenced() {
+    let owner = Agent::new(config("owner")).unwrap();
+    let r = owner.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    r.write(0, &vec![0x5a; LEN]).unwrap();
+    let good = Agent::new(config("good")).unwrap();
+    let local = good.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    let oname = good
+        .load_remote_metadata(&owner.metadata().unwrap())
+        .unwrap();
+    let l = good
+        .prep_local(&[Desc::new(local.id(), 0, LEN as u64)])
+        .unwrap();
+    let rr = good
+        .prep_remote(&oname, &[Desc::new(r.id(), 0, LEN as u64)])
+        .unwrap();
+    let read = || {
+        good.transfer_all(XferOp::Read, &l, &rr, None, Some(Duration::from_secs(10)))
+            .and_then(|x| x.wait())
+    };
+    read().unwrap();
+    // A process that has exited, for the HELLO to name.
+    let mut exited = Command::new("true").spawn().unwrap();
+    let pid = exited.id();
+    exited.wait().unwrap();
+    let om = Metadata::decode(&owner.metadata().unwrap(), owner.compat()).unwrap();
+    let gm = Metadata::decode(&good.metadata().unwrap(), good.compat()).unwrap();
+    let host = om.host.unwrap();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "hostile_initiator_child",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env(
+            "KVX_HOSTILE_HELLO",
+            format!(
+                "{} {} {pid} {} {}",
+                hex(&om.worker_addr),
+                hex(&gm.worker_addr),
+                hex(&host.boot_id),
+                host.pid_ns
+            ),
+        )
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("SENT"),
+        "the hostile initiator: {out:?}"
+    );
+    // The owner deregisters: the good peer is told and answers; it then refuses the region.
+    let t = Instant::now();
+    owner.deregister(&r).unwrap();
+    eprintln!("deregistered in {:?}", t.elapsed());
+    let again = read();
+    eprintln!("the good peer's READ of the deregistered region: {again:?}");
+    assert!(
+        matches!(again, Err(kvxfer::Error::Deregistered { .. })),
+        "the good peer was not told of the deregistration: {again:?}"
+    );
+}
+
+/// The hostile initiator's process (run by the test above; ignored otherwise): to the
+/// owner's worker, a HELLO naming the good peer's worker and the exited process, then, once
+/// the owner's pidfd poll is due again, a HELLO of its own, and its BYE once welcomed.
+#[test]
+#[ignore = "the hostile initiator's own process, started by the tests here"]
+fn hostile_initiator_child() {
+    use kvxfer_proto::types::HostInfo;
+    let Ok(spec) = std::env::var("KVX_HOSTILE_HELLO") else {
+        return;
+    };
+    let mut w = spec.split(' ');
+    let owner = unhex(w.next().unwrap());
+    let good = unhex(w.next().unwrap());
+    let pid: u32 = w.next().unwrap().parse().unwrap();
+    let boot_id: [u8; 16] = unhex(w.next().unwrap()).try_into().unwrap();
+    let pid_ns: u64 = w.next().unwrap().parse().unwrap();
+    let ucx = RawUcx::new();
+    let ep = ucx.connect(&owner);
+    ucx.send(
+        ep,
+        FenceMsg::Hello {
+            token: 0x11a5,
+            name: "liar".into(),
+            host: Some(HostInfo {
+                boot_id,
+                pid_ns,
+                pid,
+            }),
+            worker: good,
+        },
+    );
+    ucx.progress_for(Duration::from_millis(100));
+    ucx.send(
+        ep,
+        FenceMsg::Hello {
+            token: 0x11a6,
+            name: "next".into(),
+            host: None,
+            worker: ucx.address(),
+        },
+    );
+    // Its own entry says BYE once welcomed, so that the owner waits for nobody silent.
+    let t = Instant::now();
+    let ack = loop {
+        ucx.progress_for(Duration::from_millis(1));
+        let ack = GOT
+            .lock()
+            .unwrap()
+            .iter()
+            .find_map(|m| match FenceMsg::decode(m) {
+                Some(FenceMsg::Welcome {
+                    token: 0x11a6, ack, ..
+                }) => Some(ack),
+                _ => None,
+            });
+        if let Some(ack) = ack {
+            break ack;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "no WELCOME");
+    };
+    ucx.send(ep, FenceMsg::Bye { ack });
+    ucx.progress_for(Duration::from_millis(100));
+    println!("SENT");
+}
+
 /// Fence messages the hostile owner's worker received, in order.
 static GOT: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
 
@@ -197,155 +330,124 @@ unsafe extern "C" fn record_am(
     kvxfer_sys::ucs_status_t::UCS_OK
 }
 
-/// The hostile owner's process (run by [`Hostile::start`]; ignored otherwise): says its
-/// worker's address (`WORKER`) and region (`REGION base rkey`), answers the first HELLO
-/// with a WELCOME (`HELLO token`), on `REFUSE` sends REFUSEDs for that token and others
-/// (`REFUSED`), then on `GONE n` sends n GONEs for that token, waits a second, and says how
-/// many GONE_ACKs and BYEs came (`GOT acks byes`).
-#[test]
-#[ignore = "the hostile owner's own process, started by the tests here"]
+/// A raw UCX worker over shared memory that records the fence messages it gets, for the
+/// hostile processes below. Lives as long as the process.
+struct RawUcx {
+    ctx: kvxfer_sys::ucp_context_h,
+    worker: kvxfer_sys::ucp_worker_h,
+}
+
 // bindgen's constant types differ between UCX versions (as in `raw.rs`).
 #[allow(clippy::unnecessary_cast)]
-fn hostile_owner_child() {
-    use kvxfer_sys as sys;
-    use std::ptr;
-    if std::env::var("KVX_HOSTILE_OWNER").is_err() {
-        return;
-    }
-    // SAFETY: fcntl on this process's own stdin; no memory is passed.
-    unsafe {
-        let fl = libc::fcntl(0, libc::F_GETFL);
-        libc::fcntl(0, libc::F_SETFL, fl | libc::O_NONBLOCK);
-    }
-    let progress_for = |worker: sys::ucp_worker_h, d: Duration| {
-        let t = Instant::now();
-        while t.elapsed() < d {
-            // SAFETY: the worker is live, made below, used on this thread only.
-            unsafe { sys::ucp_worker_progress(worker) };
+impl RawUcx {
+    fn new() -> RawUcx {
+        use kvxfer_sys as sys;
+        use std::ptr;
+        // SAFETY: plain UCX calls in order, each on live handles made here; every out pointer
+        // is a live local; the config strings outlive the calls that read them.
+        unsafe {
+            let mut cfg: *mut sys::ucp_config_t = ptr::null_mut();
+            assert_eq!(
+                sys::ucp_config_read(ptr::null(), ptr::null(), &mut cfg),
+                sys::ucs_status_t::UCS_OK
+            );
+            let (k, v) = (c"TLS", c"sm");
+            assert_eq!(
+                sys::ucp_config_modify(cfg, k.as_ptr(), v.as_ptr()),
+                sys::ucs_status_t::UCS_OK
+            );
+            let params = sys::ucp_params_t {
+                field_mask: sys::UCP_PARAM_FIELD_FEATURES as u64,
+                features: (sys::UCP_FEATURE_AM | sys::UCP_FEATURE_RMA) as u64,
+                ..Default::default()
+            };
+            let mut ctx: sys::ucp_context_h = ptr::null_mut();
+            assert_eq!(
+                sys::ucp_init(&params, cfg, &mut ctx),
+                sys::ucs_status_t::UCS_OK
+            );
+            sys::ucp_config_release(cfg);
+            let wp = sys::ucp_worker_params_t {
+                field_mask: sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64,
+                thread_mode: sys::UCS_THREAD_MODE_SINGLE,
+                ..Default::default()
+            };
+            let mut worker: sys::ucp_worker_h = ptr::null_mut();
+            assert_eq!(
+                sys::ucp_worker_create(ctx, &wp, &mut worker),
+                sys::ucs_status_t::UCS_OK
+            );
+            // Every fence message is recorded (UCX 1.13 crashes on an id with no handler).
+            let hp = sys::ucp_am_handler_param_t {
+                field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID
+                    | sys::UCP_AM_HANDLER_PARAM_FIELD_CB) as u64,
+                id: AM_FENCE,
+                cb: Some(record_am),
+                ..Default::default()
+            };
+            assert_eq!(
+                sys::ucp_worker_set_am_recv_handler(worker, &hp),
+                sys::ucs_status_t::UCS_OK
+            );
+            RawUcx { ctx, worker }
         }
-    };
-    // SAFETY: plain UCX calls in order, each on live handles made here, on this thread only;
-    // every out pointer is a live local; the strings and addresses outlive the calls that
-    // read them; the worker's address is read (`address_length` bytes) before it is
-    // released; each send's bytes live until its request completes (progressed before the
-    // next send).
-    unsafe {
-        let mut cfg: *mut sys::ucp_config_t = ptr::null_mut();
-        assert_eq!(
-            sys::ucp_config_read(ptr::null(), ptr::null(), &mut cfg),
-            sys::ucs_status_t::UCS_OK
-        );
-        let (k, v) = (c"TLS", c"sm");
-        assert_eq!(
-            sys::ucp_config_modify(cfg, k.as_ptr(), v.as_ptr()),
-            sys::ucs_status_t::UCS_OK
-        );
-        let params = sys::ucp_params_t {
-            field_mask: sys::UCP_PARAM_FIELD_FEATURES as u64,
-            features: (sys::UCP_FEATURE_AM | sys::UCP_FEATURE_RMA) as u64,
-            ..Default::default()
-        };
-        let mut ctx: sys::ucp_context_h = ptr::null_mut();
-        assert_eq!(
-            sys::ucp_init(&params, cfg, &mut ctx),
-            sys::ucs_status_t::UCS_OK
-        );
-        sys::ucp_config_release(cfg);
-        let wp = sys::ucp_worker_params_t {
-            field_mask: sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64,
-            thread_mode: sys::UCS_THREAD_MODE_SINGLE,
-            ..Default::default()
-        };
-        let mut worker: sys::ucp_worker_h = ptr::null_mut();
-        assert_eq!(
-            sys::ucp_worker_create(ctx, &wp, &mut worker),
-            sys::ucs_status_t::UCS_OK
-        );
-        let hp = sys::ucp_am_handler_param_t {
-            field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID | sys::UCP_AM_HANDLER_PARAM_FIELD_CB)
-                as u64,
-            id: AM_FENCE,
-            cb: Some(record_am),
-            ..Default::default()
-        };
-        assert_eq!(
-            sys::ucp_worker_set_am_recv_handler(worker, &hp),
-            sys::ucs_status_t::UCS_OK
-        );
+    }
+
+    /// The worker's address.
+    fn address(&self) -> Vec<u8> {
+        use kvxfer_sys as sys;
         let mut attr = sys::ucp_worker_attr_t {
             field_mask: sys::UCP_WORKER_ATTR_FIELD_ADDRESS as u64,
             ..Default::default()
         };
-        assert_eq!(
-            sys::ucp_worker_query(worker, &mut attr),
-            sys::ucs_status_t::UCS_OK
-        );
-        let mine = std::slice::from_raw_parts(attr.address as *const u8, attr.address_length);
-        println!("WORKER {}", hex(mine));
-        sys::ucp_worker_release_address(worker, attr.address);
-        // Its one region (the initiator READs it, once welcomed), mapped for the process's life.
-        let region: &'static mut [u8] = Vec::leak(vec![0x77u8; LEN]);
-        let mp = sys::ucp_mem_map_params_t {
-            field_mask: (sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH)
-                as u64,
-            address: region.as_mut_ptr() as *mut std::ffi::c_void,
-            length: LEN,
-            ..Default::default()
-        };
-        let mut memh: sys::ucp_mem_h = ptr::null_mut();
-        assert_eq!(
-            sys::ucp_mem_map(ctx, &mp, &mut memh),
-            sys::ucs_status_t::UCS_OK
-        );
-        let mut rkey: *mut std::ffi::c_void = ptr::null_mut();
-        let mut rkey_len = 0usize;
-        assert_eq!(
-            sys::ucp_rkey_pack(ctx, memh, &mut rkey, &mut rkey_len),
-            sys::ucs_status_t::UCS_OK
-        );
-        println!(
-            "REGION {} {}",
-            region.as_ptr() as u64,
-            hex(std::slice::from_raw_parts(rkey as *const u8, rkey_len))
-        );
-        sys::ucp_rkey_buffer_release(rkey);
-        std::io::stdout().flush().unwrap();
-        // The first HELLO.
-        let (token, initiator) = loop {
-            sys::ucp_worker_progress(worker);
-            let hello = GOT
-                .lock()
-                .unwrap()
-                .iter()
-                .find_map(|m| match FenceMsg::decode(m) {
-                    Some(FenceMsg::Hello { token, worker, .. }) => Some((token, worker)),
-                    _ => None,
-                });
-            if let Some(h) = hello {
-                break h;
-            }
-        };
+        // SAFETY: the worker is live; the address is copied (`address_length` bytes, as
+        // ucp_worker_query returned them) before it is released, once.
+        unsafe {
+            assert_eq!(
+                sys::ucp_worker_query(self.worker, &mut attr),
+                sys::ucs_status_t::UCS_OK
+            );
+            let a =
+                std::slice::from_raw_parts(attr.address as *const u8, attr.address_length).to_vec();
+            sys::ucp_worker_release_address(self.worker, attr.address);
+            a
+        }
+    }
+
+    /// An endpoint to the worker at `addr`.
+    fn connect(&self, addr: &[u8]) -> kvxfer_sys::ucp_ep_h {
+        use kvxfer_sys as sys;
         let ep_params = sys::ucp_ep_params_t {
             field_mask: sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS as u64,
-            address: initiator.as_ptr() as *const sys::ucp_address_t,
+            address: addr.as_ptr() as *const sys::ucp_address_t,
             ..Default::default()
         };
-        let mut ep: sys::ucp_ep_h = ptr::null_mut();
+        let mut ep: sys::ucp_ep_h = std::ptr::null_mut();
+        // SAFETY: the worker is live; `addr` outlives the call, which copies what it needs.
         assert_eq!(
-            sys::ucp_ep_create(worker, &ep_params, &mut ep),
+            unsafe { sys::ucp_ep_create(self.worker, &ep_params, &mut ep) },
             sys::ucs_status_t::UCS_OK
         );
-        let send = |msg: FenceMsg| {
-            let b = msg.encode();
-            let p = sys::ucp_request_param_t {
-                op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS as u32,
-                flags: sys::UCP_AM_SEND_FLAG_EAGER as u32,
-                ..Default::default()
-            };
+        ep
+    }
+
+    /// Sends `msg` over `ep` (eager) and progresses until it is out.
+    fn send(&self, ep: kvxfer_sys::ucp_ep_h, msg: FenceMsg) {
+        use kvxfer_sys as sys;
+        let b = msg.encode();
+        let p = sys::ucp_request_param_t {
+            op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS as u32,
+            flags: sys::UCP_AM_SEND_FLAG_EAGER as u32,
+            ..Default::default()
+        };
+        // SAFETY: `ep` is a live endpoint of this worker; `b` lives until the request
+        // completes (progressed here) or the send completed at once; the request is freed
+        // once.
+        unsafe {
             let req = sys::ucp_am_send_nbx(
                 ep,
                 AM_FENCE,
-                ptr::null(),
+                std::ptr::null(),
                 0,
                 b.as_ptr() as *const std::ffi::c_void,
                 b.len(),
@@ -354,70 +456,155 @@ fn hostile_owner_child() {
             assert!(!sys::ucs_ptr_is_err(req), "{:?}", sys::ucs_ptr_status(req));
             if sys::ucs_ptr_is_ptr(req) {
                 while sys::ucp_request_check_status(req) == sys::ucs_status_t::UCS_INPROGRESS {
-                    sys::ucp_worker_progress(worker);
+                    sys::ucp_worker_progress(self.worker);
                 }
                 sys::ucp_request_free(req);
             }
+        }
+    }
+
+    fn progress_for(&self, d: Duration) {
+        let t = Instant::now();
+        while t.elapsed() < d {
+            // SAFETY: the worker is live, used on this thread only.
+            unsafe { kvxfer_sys::ucp_worker_progress(self.worker) };
+        }
+    }
+
+    /// A region of `LEN` bytes of `fill`, mapped for the process's life: its base and
+    /// packed remote key.
+    fn region(&self, fill: u8) -> (u64, Vec<u8>) {
+        use kvxfer_sys as sys;
+        use std::ptr;
+        let region: &'static mut [u8] = Vec::leak(vec![fill; LEN]);
+        let mp = sys::ucp_mem_map_params_t {
+            field_mask: (sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH)
+                as u64,
+            address: region.as_mut_ptr() as *mut std::ffi::c_void,
+            length: LEN,
+            ..Default::default()
         };
-        let ack = 0xac4_0000_u64;
-        send(FenceMsg::Welcome {
+        let mut memh: sys::ucp_mem_h = ptr::null_mut();
+        let mut rkey: *mut std::ffi::c_void = ptr::null_mut();
+        let mut rkey_len = 0usize;
+        // SAFETY: the context is live; the memory is leaked (valid for the process's life);
+        // the packed key is copied (`rkey_len` bytes) before it is released, once.
+        unsafe {
+            assert_eq!(
+                sys::ucp_mem_map(self.ctx, &mp, &mut memh),
+                sys::ucs_status_t::UCS_OK
+            );
+            assert_eq!(
+                sys::ucp_rkey_pack(self.ctx, memh, &mut rkey, &mut rkey_len),
+                sys::ucs_status_t::UCS_OK
+            );
+            let k = std::slice::from_raw_parts(rkey as *const u8, rkey_len).to_vec();
+            sys::ucp_rkey_buffer_release(rkey);
+            (region.as_ptr() as u64, k)
+        }
+    }
+}
+
+/// The hostile owner's process (run by [`Hostile::start`]; ignored otherwise): says its
+/// worker's address (`WORKER`) and region (`REGION base rkey`), answers the first HELLO
+/// with a WELCOME (`HELLO token`), on `REFUSE` sends REFUSEDs for that token and others
+/// (`REFUSED`), then on `GONE n` sends n GONEs for that token, waits a second, and says how
+/// many GONE_ACKs and BYEs came (`GOT acks byes`).
+#[test]
+#[ignore = "the hostile owner's own process, started by the tests here"]
+fn hostile_owner_child() {
+    if std::env::var("KVX_HOSTILE_OWNER").is_err() {
+        return;
+    }
+    // SAFETY: fcntl on this process's own stdin; no memory is passed.
+    unsafe {
+        let fl = libc::fcntl(0, libc::F_GETFL);
+        libc::fcntl(0, libc::F_SETFL, fl | libc::O_NONBLOCK);
+    }
+    let ucx = RawUcx::new();
+    println!("WORKER {}", hex(&ucx.address()));
+    // Its one region (the initiator READs it, once welcomed).
+    let (base, rkey) = ucx.region(0x77);
+    println!("REGION {base} {}", hex(&rkey));
+    std::io::stdout().flush().unwrap();
+    // The first HELLO.
+    let (token, initiator) = loop {
+        ucx.progress_for(Duration::from_millis(1));
+        let hello = GOT
+            .lock()
+            .unwrap()
+            .iter()
+            .find_map(|m| match FenceMsg::decode(m) {
+                Some(FenceMsg::Hello { token, worker, .. }) => Some((token, worker)),
+                _ => None,
+            });
+        if let Some(h) = hello {
+            break h;
+        }
+    };
+    let ep = ucx.connect(&initiator);
+    let ack = 0xac4_0000_u64;
+    ucx.send(
+        ep,
+        FenceMsg::Welcome {
             token,
             ack,
             gone: Vec::new(),
-        });
-        println!("HELLO {token:x}");
-        std::io::stdout().flush().unwrap();
-        // Progress (the initiator's READs, its BYE) until told; REFUSEs meanwhile.
-        let mut line = Vec::new();
-        let n: usize = loop {
-            progress_for(worker, Duration::from_millis(1));
-            let mut b = [0u8; 64];
-            match std::io::stdin().read(&mut b) {
-                Ok(0) => return,
-                Ok(k) => line.extend_from_slice(&b[..k]),
-                Err(_) => {}
-            }
-            let Some(end) = line.iter().position(|&c| c == b'\n') else {
-                continue;
-            };
-            let cmd = String::from_utf8_lossy(&line[..end]).to_string();
-            line.drain(..=end);
-            if cmd == "REFUSE" {
-                // For the welcomed entry, for tokens never drawn, and with each reason.
-                for t in [token, token ^ 1, 0, u64::MAX] {
-                    for why in [Refusal::Full, Refusal::Descriptors] {
-                        send(FenceMsg::Refused { token: t, why });
-                    }
-                }
-                println!("REFUSED");
-                std::io::stdout().flush().unwrap();
-                continue;
-            }
-            break cmd.strip_prefix("GONE ").unwrap().parse().unwrap();
-        };
-        let before = GOT.lock().unwrap().len();
-        for _ in 0..n {
-            send(FenceMsg::Gone { token, region: 0 });
+        },
+    );
+    println!("HELLO {token:x}");
+    std::io::stdout().flush().unwrap();
+    // Progress (the initiator's READs, its BYE) until told; REFUSEs meanwhile.
+    let mut line = Vec::new();
+    let n: usize = loop {
+        ucx.progress_for(Duration::from_millis(1));
+        let mut b = [0u8; 64];
+        match std::io::stdin().read(&mut b) {
+            Ok(0) => return,
+            Ok(k) => line.extend_from_slice(&b[..k]),
+            Err(_) => {}
         }
-        progress_for(worker, Duration::from_secs(1));
-        let got = GOT.lock().unwrap();
-        let after = &got[before..];
-        let acks = after
-            .iter()
-            .filter(|m| matches!(FenceMsg::decode(m), Some(FenceMsg::GoneAck { ack: a, .. }) if a == ack))
-            .count();
-        let byes = after
-            .iter()
-            .filter(|m| matches!(FenceMsg::decode(m), Some(FenceMsg::Bye { ack: a }) if a == ack))
-            .count();
-        println!("GOT {acks} {byes}");
-        std::io::stdout().flush().unwrap();
-        // Kept alive until the test ends (stdin closes or the process is killed).
-        loop {
-            progress_for(worker, Duration::from_millis(10));
-            if matches!(std::io::stdin().read(&mut [0u8; 1]), Ok(0)) {
-                return;
+        let Some(end) = line.iter().position(|&c| c == b'\n') else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&line[..end]).to_string();
+        line.drain(..=end);
+        if cmd == "REFUSE" {
+            // For the welcomed entry, for tokens never drawn, and with each reason.
+            for t in [token, token ^ 1, 0, u64::MAX] {
+                for why in [Refusal::Full, Refusal::Descriptors] {
+                    ucx.send(ep, FenceMsg::Refused { token: t, why });
+                }
             }
+            println!("REFUSED");
+            std::io::stdout().flush().unwrap();
+            continue;
+        }
+        break cmd.strip_prefix("GONE ").unwrap().parse().unwrap();
+    };
+    let before = GOT.lock().unwrap().len();
+    for _ in 0..n {
+        ucx.send(ep, FenceMsg::Gone { token, region: 0 });
+    }
+    ucx.progress_for(Duration::from_secs(1));
+    let after = GOT.lock().unwrap().split_off(before);
+    let acks = after
+        .iter()
+        .filter(
+            |m| matches!(FenceMsg::decode(m), Some(FenceMsg::GoneAck { ack: a, .. }) if a == ack),
+        )
+        .count();
+    let byes = after
+        .iter()
+        .filter(|m| matches!(FenceMsg::decode(m), Some(FenceMsg::Bye { ack: a }) if a == ack))
+        .count();
+    println!("GOT {acks} {byes}");
+    std::io::stdout().flush().unwrap();
+    // Kept alive until the test ends (stdin closes or the process is killed).
+    loop {
+        ucx.progress_for(Duration::from_millis(10));
+        if matches!(std::io::stdin().read(&mut [0u8; 1]), Ok(0)) {
+            return;
         }
     }
 }
