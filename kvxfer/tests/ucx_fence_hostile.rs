@@ -424,10 +424,8 @@ impl RawUcx {
         };
         let mut ep: sys::ucp_ep_h = std::ptr::null_mut();
         // SAFETY: the worker is live; `addr` outlives the call, which copies what it needs.
-        assert_eq!(
-            unsafe { sys::ucp_ep_create(self.worker, &ep_params, &mut ep) },
-            sys::ucs_status_t::UCS_OK
-        );
+        let made = unsafe { sys::ucp_ep_create(self.worker, &ep_params, &mut ep) };
+        assert_eq!(made, sys::ucs_status_t::UCS_OK);
         ep
     }
 
