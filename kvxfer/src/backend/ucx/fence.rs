@@ -20,8 +20,7 @@ use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::driver::Phase;
-use super::driver::{on_ep_error, Engine};
+use super::driver::{on_ep_error, Engine, Phase};
 use super::fence_state::{
     Announced, Back, FenceReply, GoneNotice, User, AM_FENCE, MAX_GONE_QUEUED, MAX_REFUSING,
     MAX_USERS, USER_BIT,
@@ -345,7 +344,8 @@ impl Engine {
     fn refuse(&mut self, token: u64, worker: &[u8], why: Refusal) {
         self.fence.counts.refused.fetch_add(1, Ordering::Relaxed);
         let msg = FenceMsg::Refused { token, why };
-        if let Some(b) = self.fence.back_of.get(worker).map(|b| &self.fence.backs[b]) {
+        let back = self.fence.back_of.get(worker);
+        if let Some(b) = back.and_then(|b| self.fence.backs.get(b)) {
             if let Err(status) = send(&b.ep, &msg) {
                 log::debug!("kvxfer: REFUSED to a UCX peer: {status}");
             }
@@ -737,6 +737,10 @@ impl Engine {
         for b in backs {
             self.close_back(b, true);
         }
+        // Endpoints that said REFUSED: their closes are waited for with the others.
+        let refusing = std::mem::take(&mut self.fence.refusing);
+        self.closing
+            .extend(refusing.into_iter().map(|r| (r, Vec::new())));
         for (_, (_, reply)) in self.fence.waits.drain() {
             let _ = reply.send(Err(Error::Shutdown));
         }
