@@ -11,6 +11,8 @@
 
 #[path = "../../examples/common/hello.rs"]
 mod hello;
+#[path = "support/raw_ucx.rs"]
+mod raw_ucx;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
@@ -21,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, RegionId, Transport, XferOp};
 use kvxfer_proto::wire::side_channel::META;
+use raw_ucx::RawUcx;
 
 const LEN: usize = 1 << 20;
 /// Every READ's deadline.
@@ -695,18 +698,6 @@ impl Drop for UcxFlood {
     }
 }
 
-/// An active-message handler that drops what came.
-unsafe extern "C" fn drop_am(
-    _arg: *mut std::ffi::c_void,
-    _header: *const std::ffi::c_void,
-    _header_len: usize,
-    _data: *mut std::ffi::c_void,
-    _len: usize,
-    _param: *const kvxfer_sys::ucp_am_recv_param_t,
-) -> kvxfer_sys::ucs_status_t {
-    kvxfer_sys::ucs_status_t::UCS_OK
-}
-
 fn unhex(s: &str) -> Vec<u8> {
     (0..s.len() / 2)
         .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap())
@@ -718,13 +709,9 @@ fn unhex(s: &str) -> Vec<u8> {
 /// new token and name, each saying it runs on the victim's host as this process.
 #[test]
 #[ignore = "the UCX flood's own process, started by the tests here"]
-// bindgen's constant types differ between UCX versions (as in `raw.rs`).
-#[allow(clippy::unnecessary_cast)]
 fn ucx_flood_child() {
     use kvxfer_proto::types::HostInfo;
     use kvxfer_proto::wire::ucx_fence::FenceMsg;
-    use kvxfer_sys as sys;
-    use std::ptr;
     let Ok(spec) = std::env::var("KVX_UCX_FLOOD") else {
         return;
     };
@@ -752,79 +739,13 @@ fn ucx_flood_child() {
             pid
         })
         .collect();
-    // SAFETY: plain UCX calls in order, each on live handles made here, on this thread only;
-    // every out pointer is a live local; the strings and the victim's address outlive the
-    // calls that read them; the worker's address is read (`address_length` bytes, as
-    // ucp_worker_query returned them) before it is released; each send's bytes live until
-    // its request completes (progressed below before the next).
-    let sent = unsafe {
-        let mut cfg: *mut sys::ucp_config_t = ptr::null_mut();
-        assert_eq!(
-            sys::ucp_config_read(ptr::null(), ptr::null(), &mut cfg),
-            sys::ucs_status_t::UCS_OK
-        );
-        let (k, v) = (c"TLS", c"sm");
-        assert_eq!(
-            sys::ucp_config_modify(cfg, k.as_ptr(), v.as_ptr()),
-            sys::ucs_status_t::UCS_OK
-        );
-        let params = sys::ucp_params_t {
-            field_mask: sys::UCP_PARAM_FIELD_FEATURES as u64,
-            features: (sys::UCP_FEATURE_AM | sys::UCP_FEATURE_RMA) as u64,
-            ..Default::default()
-        };
-        let mut ctx: sys::ucp_context_h = ptr::null_mut();
-        assert_eq!(
-            sys::ucp_init(&params, cfg, &mut ctx),
-            sys::ucs_status_t::UCS_OK
-        );
-        sys::ucp_config_release(cfg);
-        let wp = sys::ucp_worker_params_t {
-            field_mask: sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64,
-            thread_mode: sys::UCS_THREAD_MODE_SINGLE,
-            ..Default::default()
-        };
-        let mut worker: sys::ucp_worker_h = ptr::null_mut();
-        assert_eq!(
-            sys::ucp_worker_create(ctx, &wp, &mut worker),
-            sys::ucs_status_t::UCS_OK
-        );
-        // The victim's WELCOMEs are dropped (UCX 1.13 crashes on an id with no handler).
-        let hp = sys::ucp_am_handler_param_t {
-            field_mask: (sys::UCP_AM_HANDLER_PARAM_FIELD_ID | sys::UCP_AM_HANDLER_PARAM_FIELD_CB)
-                as u64,
-            id: 0x4b59,
-            cb: Some(drop_am),
-            ..Default::default()
-        };
-        assert_eq!(
-            sys::ucp_worker_set_am_recv_handler(worker, &hp),
-            sys::ucs_status_t::UCS_OK
-        );
-        let mut attr = sys::ucp_worker_attr_t {
-            field_mask: sys::UCP_WORKER_ATTR_FIELD_ADDRESS as u64,
-            ..Default::default()
-        };
-        assert_eq!(
-            sys::ucp_worker_query(worker, &mut attr),
-            sys::ucs_status_t::UCS_OK
-        );
-        let mine =
-            std::slice::from_raw_parts(attr.address as *const u8, attr.address_length).to_vec();
-        sys::ucp_worker_release_address(worker, attr.address);
-        let ep_params = sys::ucp_ep_params_t {
-            field_mask: sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS as u64,
-            address: victim.as_ptr() as *const sys::ucp_address_t,
-            ..Default::default()
-        };
-        let mut ep: sys::ucp_ep_h = ptr::null_mut();
-        assert_eq!(
-            sys::ucp_ep_create(worker, &ep_params, &mut ep),
-            sys::ucs_status_t::UCS_OK
-        );
-        let mut sent = 0;
-        for (i, &pid) in pids.iter().enumerate() {
-            let msg = FenceMsg::Hello {
+    let ucx = RawUcx::new();
+    let mine = ucx.address();
+    let ep = ucx.connect(&victim);
+    for (i, &pid) in pids.iter().enumerate() {
+        ucx.send(
+            ep,
+            FenceMsg::Hello {
                 token: 0x5eed_0000 + i as u64,
                 name: format!("ucx-flood-{i}"),
                 host: Some(HostInfo {
@@ -833,41 +754,12 @@ fn ucx_flood_child() {
                     pid,
                 }),
                 worker: mine.clone(),
-            }
-            .encode();
-            let p = sys::ucp_request_param_t {
-                op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS as u32,
-                flags: sys::UCP_AM_SEND_FLAG_EAGER as u32,
-                ..Default::default()
-            };
-            let req = sys::ucp_am_send_nbx(
-                ep,
-                0x4b59,
-                ptr::null(),
-                0,
-                msg.as_ptr() as *const std::ffi::c_void,
-                msg.len(),
-                &p,
-            );
-            if sys::ucs_ptr_is_err(req) {
-                eprintln!("HELLO {i}: {:?}", sys::ucs_ptr_status(req));
-                continue;
-            }
-            if sys::ucs_ptr_is_ptr(req) {
-                while sys::ucp_request_check_status(req) == sys::ucs_status_t::UCS_INPROGRESS {
-                    sys::ucp_worker_progress(worker);
-                }
-                sys::ucp_request_free(req);
-            }
-            sent += 1;
-        }
-        // The victim's WELCOMEs come on endpoints back to this worker: progress a while.
-        let t = Instant::now();
-        while t.elapsed() < Duration::from_millis(500) {
-            sys::ucp_worker_progress(worker);
-        }
-        sent
-    };
+            },
+        );
+    }
+    let sent = pids.len();
+    // The victim's WELCOMEs come on endpoints back to this worker: progress a while.
+    ucx.progress_for(Duration::from_millis(500));
     println!("SENT {sent}");
     std::io::stdout().flush().unwrap();
     let _ = std::io::stdin().read(&mut [0u8; 1]);

@@ -14,13 +14,14 @@
 //! [`Cmd::Fence`]: super::driver::Cmd::Fence
 //! [`Cmd::FenceAnswer`]: super::driver::Cmd::FenceAnswer
 
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::driver::{on_ep_error, Engine, Phase};
+use super::driver::{on_ep_error, Engine, Peer, Phase};
 use super::fence_state::{
     Announced, Back, FenceReply, GoneNotice, User, AM_FENCE, MAX_GONE_QUEUED, MAX_REFUSING,
     MAX_USERS, USER_BIT,
@@ -174,17 +175,9 @@ impl Engine {
             }
             return;
         };
-        let Some(p) = self.peers.get_mut(&peer) else {
-            log::debug!("kvxfer: a WELCOME for entry {peer}, gone");
+        let Some(p) = Self::waiting_for_answer(&mut self.peers, peer, token, "WELCOME") else {
             return;
         };
-        if p.announced != Announced::Sent(token) {
-            log::debug!(
-                "kvxfer: a WELCOME for entry {peer} in state {:?}",
-                p.announced
-            );
-            return;
-        }
         log::debug!("kvxfer: welcomed by {:?} (entry {peer})", p.name);
         p.announced = Announced::Welcomed { token, ack };
         p.gone_slots = (0u32..)
@@ -205,6 +198,30 @@ impl Engine {
         }
     }
 
+    /// Entry `peer`, where it still waits for the answer to its HELLO `token` (`what` names
+    /// the answer that came, for the log): an answer to an older HELLO, or to one already
+    /// answered, changes nothing.
+    /// (Of the peers alone, so that the fence's state stays free to change meanwhile.)
+    fn waiting_for_answer<'a>(
+        peers: &'a mut HashMap<u64, Peer>,
+        peer: u64,
+        token: u64,
+        what: &str,
+    ) -> Option<&'a mut Peer> {
+        let Some(p) = peers.get_mut(&peer) else {
+            log::debug!("kvxfer: a {what} for entry {peer}, gone");
+            return None;
+        };
+        if p.announced != Announced::Sent(token) {
+            log::debug!(
+                "kvxfer: a {what} for entry {peer} in state {:?}",
+                p.announced
+            );
+            return None;
+        }
+        Some(p)
+    }
+
     /// As an initiator: peer `token` did not take this agent in. What waits to be posted to it
     /// fails now, typed; the next transfer announces this agent again.
     fn refused(&mut self, token: u64, why: Refusal) {
@@ -215,16 +232,9 @@ impl Engine {
             }
             return;
         };
-        let Some(p) = self.peers.get_mut(&peer) else {
+        let Some(p) = Self::waiting_for_answer(&mut self.peers, peer, token, "REFUSED") else {
             return;
         };
-        if p.announced != Announced::Sent(token) {
-            log::debug!(
-                "kvxfer: a REFUSED for entry {peer} in state {:?}",
-                p.announced
-            );
-            return;
-        }
         self.fence.tokens.remove(&token);
         p.announced = Announced::No;
         let name = p.name.clone();
