@@ -26,7 +26,7 @@ use super::fence_state::{
     Announced, Back, FenceReply, GoneNotice, User, AM_FENCE, MAX_GONE_QUEUED, MAX_REFUSING,
     MAX_USERS, USER_BIT,
 };
-use super::handle::Endpoint;
+use super::handle::{Endpoint, Request};
 use super::raw::{self, Posted};
 use crate::host::PeerProcess;
 use kvxfer_proto::error::{Error, Result, UcsStatus};
@@ -366,26 +366,13 @@ impl Engine {
             self.fence.counts.unanswered.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        // Error argument 0: no peer's token (they start at 1), so a failure reaches nobody.
-        let made =
-            self.worker
-                .connect(worker, on_ep_error, std::ptr::null_mut(), self.peer_failure);
-        let ep = match made {
-            Ok(ep) => ep,
-            Err(status) => {
-                log::debug!("kvxfer: an endpoint to say REFUSED: {status}");
-                self.fence.counts.unanswered.fetch_add(1, Ordering::Relaxed);
-                return;
-            }
-        };
-        if let Err(status) = send(&ep, &msg) {
-            log::debug!("kvxfer: REFUSED to a UCX peer: {status}");
-        }
-        // Gracefully: the message goes first.
-        match ep.close(false) {
+        match self.send_once(worker, &[msg]) {
             Ok(Some(req)) => self.fence.refusing.push(req),
             Ok(None) => {}
-            Err(status) => log::debug!("kvxfer: closing an endpoint that said REFUSED: {status}"),
+            Err(status) => {
+                log::debug!("kvxfer: REFUSED to a UCX peer: {status}");
+                self.fence.counts.unanswered.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 
@@ -594,23 +581,30 @@ impl Engine {
         if let Some(ep) = ep {
             return send_all(ep);
         }
-        // Error argument 0: no peer's token (they start at 1), so a failure reaches nobody.
-        let made =
-            self.worker
-                .connect(worker, on_ep_error, std::ptr::null_mut(), self.peer_failure);
-        let ep = match made {
-            Ok(ep) => ep,
-            Err(status) => {
-                log::debug!("kvxfer: {msgs:?} for a closed entry: no endpoint: {status}");
-                return;
-            }
-        };
-        send_all(&ep);
-        match ep.close(false) {
+        match self.send_once(worker, msgs) {
             Ok(Some(req)) => self.closing.push((req, Vec::new())),
             Ok(None) => {}
-            Err(status) => log::debug!("kvxfer: closing an endpoint to a UCX owner: {status}"),
+            Err(status) => log::debug!("kvxfer: {msgs:?} for a closed entry: {status}"),
         }
+    }
+
+    /// Sends `msgs` over an endpoint to `worker` made for them, closed at once (gracefully:
+    /// the messages go first); the close still under way, if any.
+    fn send_once(
+        &mut self,
+        worker: &[u8],
+        msgs: &[FenceMsg],
+    ) -> std::result::Result<Option<Request>, UcsStatus> {
+        // Error argument 0: no peer's token (they start at 1), so a failure reaches nobody.
+        let ep =
+            self.worker
+                .connect(worker, on_ep_error, std::ptr::null_mut(), self.peer_failure)?;
+        for msg in msgs {
+            if let Err(status) = send(&ep, msg) {
+                log::debug!("kvxfer: {msg:?} to a UCX peer: {status}");
+            }
+        }
+        ep.close(false)
     }
 
     /// As an owner: region `region` is being deregistered. Tells every initiator; `reply`
