@@ -162,6 +162,24 @@ impl RawUcx {
         }
     }
 
+    /// Progresses until a fence message received so far makes `f` say something, and
+    /// returns that; panics after `within` (a hostile process must not outlive its test).
+    pub fn wait_for<T>(&self, within: Duration, f: impl Fn(FenceMsg) -> Option<T>) -> T {
+        let t = Instant::now();
+        loop {
+            self.progress_for(Duration::from_millis(1));
+            let got = GOT
+                .lock()
+                .unwrap()
+                .iter()
+                .find_map(|m| FenceMsg::decode(m).and_then(&f));
+            if let Some(x) = got {
+                return x;
+            }
+            assert!(t.elapsed() < within, "nothing awaited came in {within:?}");
+        }
+    }
+
     pub fn progress_for(&self, d: Duration) {
         let t = Instant::now();
         while t.elapsed() < d {

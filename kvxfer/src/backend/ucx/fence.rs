@@ -316,8 +316,14 @@ impl Engine {
             return;
         };
         // Deregistrations under way first: active messages on one endpoint arrive in order.
-        let ep = &self.fence.backs[&back].ep;
-        if let Err(status) = before.iter().chain([&reply]).try_for_each(|m| send(ep, m)) {
+        let sent = match self.fence.backs.get(&back) {
+            Some(b) => before
+                .iter()
+                .chain([&reply])
+                .try_for_each(|m| send(&b.ep, m)),
+            None => Err(raw::status(-25)),
+        };
+        if let Err(status) = sent {
             log::warn!("kvxfer: WELCOME to a UCX peer: {status}");
             self.fence.table.remove(user);
             self.back_failed(back);
@@ -671,12 +677,19 @@ impl Engine {
     }
 
     /// Initiators on this host whose process exited are gone (shared memory does not say so).
+    /// Each process is looked at once, however many entries name it (a HELLO flood naming
+    /// one process makes a thousand), now that HELLOs call this too.
     fn reap_dead_users(&mut self) {
+        let mut exited: HashMap<*const PeerProcess, bool> = HashMap::new();
         let dead: Vec<UserId> = self
             .fence
             .users
             .iter()
-            .filter(|(_, u)| u.process.as_ref().is_some_and(|p| p.exited()))
+            .filter(|(_, u)| {
+                u.process
+                    .as_ref()
+                    .is_some_and(|p| *exited.entry(Rc::as_ptr(p)).or_insert_with(|| p.exited()))
+            })
             .map(|(&id, _)| id)
             .collect();
         for user in dead {
