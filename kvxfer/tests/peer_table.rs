@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, RegionId, Transport, XferOp};
 use kvxfer_proto::wire::side_channel::META;
-use raw_ucx::RawUcx;
+use raw_ucx::{hex, unhex, RawUcx};
 
 const LEN: usize = 1 << 20;
 /// Every READ's deadline.
@@ -662,14 +662,8 @@ impl UcxFlood {
         let host = m.host.unwrap();
         let spec = format!(
             "{} {} {} {n} {others}",
-            m.worker_addr
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect::<String>(),
-            host.boot_id
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect::<String>(),
+            hex(&m.worker_addr),
+            hex(&host.boot_id),
             host.pid_ns
         );
         let mut child = Command::new(std::env::current_exe().unwrap())
@@ -696,12 +690,6 @@ impl Drop for UcxFlood {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap())
-        .collect()
 }
 
 /// The UCX flood's process (run by [`UcxFlood::run`]; ignored otherwise): one UCX worker

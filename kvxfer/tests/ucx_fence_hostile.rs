@@ -19,19 +19,9 @@ mod raw_ucx;
 use kvxfer::{Agent, AgentConfig, Desc, HostBuffer, RegionId, Transport, XferOp};
 use kvxfer_proto::wire::metadata::Metadata;
 use kvxfer_proto::wire::ucx_fence::{FenceMsg, Refusal};
-use raw_ucx::{RawUcx, GOT};
+use raw_ucx::{hex, unhex, RawUcx, GOT};
 
 const LEN: usize = 1 << 16;
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap())
-        .collect()
-}
 
 fn config(name: &str) -> AgentConfig {
     AgentConfig::new(name)

@@ -8,6 +8,18 @@ use std::time::{Duration, Instant};
 
 use kvxfer_proto::wire::ucx_fence::FenceMsg;
 
+/// `b` in hex, as the tests hand addresses and keys to their child processes.
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The bytes of `s`, written by [`hex`].
+pub fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap())
+        .collect()
+}
+
 /// The fence's active-message id (`backend/ucx/fence_state.rs`).
 pub const AM_FENCE: u32 = 0x4b59;
 
