@@ -37,10 +37,11 @@ struct Hostile {
 }
 
 impl Hostile {
-    fn start() -> Hostile {
+    /// `how`: `1`, or `gone-first` (a GONE for its region before the WELCOME).
+    fn start(how: &str) -> Hostile {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "hostile_owner_child", "--ignored", "--nocapture"])
-            .env("KVX_HOSTILE_OWNER", "1")
+            .env("KVX_HOSTILE_OWNER", how)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -88,7 +89,7 @@ fn a_hostile_owners_late_refusals_and_gone_floods_change_nothing() {
     let r = real.register(HostBuffer::new(LEN).unwrap()).unwrap();
     r.write(0, &vec![0x5a; LEN]).unwrap();
     let mut meta = Metadata::decode(&real.metadata().unwrap(), real.compat()).unwrap();
-    let mut hostile = Hostile::start();
+    let mut hostile = Hostile::start("1");
     meta.name = "hostile".into();
     meta.epoch ^= 0x5eed;
     meta.worker_addr = unhex(&hostile.said("WORKER "));
@@ -165,6 +166,54 @@ fn a_hostile_owners_late_refusals_and_gone_floods_change_nothing() {
     assert!(
         bytes.iter().all(|&b| b == 0x33),
         "READ bytes from the good owner"
+    );
+}
+
+/// An owner that was deregistering a region when this initiator's HELLO came sends its
+/// GONE before the WELCOME, on the same endpoint. The initiator refuses the region from then
+/// on and answers the GONE once welcomed (a GONE_ACK needs the WELCOME's `ack`): the
+/// owner's deregistration does not wait for it to its deadline and end `Busy`. Before, the
+/// initiator dropped that answer (seen in CI as a 10 s `Busy` in `ucx_deregister`'s reload
+/// test).
+#[test]
+fn a_gone_before_the_welcome_is_answered_once_welcomed() {
+    let real = Agent::new(config("real")).unwrap();
+    let r = real.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    let mut meta = Metadata::decode(&real.metadata().unwrap(), real.compat()).unwrap();
+    let mut hostile = Hostile::start("gone-first");
+    meta.name = "owner".into();
+    meta.epoch ^= 0x5eed;
+    meta.worker_addr = unhex(&hostile.said("WORKER "));
+    let region = hostile.said("REGION ");
+    let (base, rkey) = region.split_once(' ').unwrap();
+    meta.regions.truncate(1);
+    meta.regions[0].base = base.parse().unwrap();
+    meta.regions[0].rkey = unhex(rkey);
+    meta.regions[0].shm = None;
+    drop(r);
+    let a = Agent::new(config("initiator")).unwrap();
+    let local = a.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    let name = a.load_remote_metadata(&meta.encode()).unwrap();
+    a.peer_info(&name).unwrap();
+    hostile.said("HELLO ");
+    let early = hostile.said("EARLY_ACK ");
+    eprintln!("a GONE before the WELCOME: GONE_ACKs {early}");
+    let acks: usize = early.split(' ').next().unwrap().parse().unwrap();
+    assert_eq!(
+        acks, 1,
+        "GONE_ACKs for a GONE that came before the WELCOME: {early}"
+    );
+    // And the region is refused from then on.
+    let l = a
+        .prep_local(&[Desc::new(local.id(), 0, LEN as u64)])
+        .unwrap();
+    let refused = a
+        .prep_remote(&name, &[Desc::new(RegionId(0), 0, LEN as u64)])
+        .and_then(|rr| a.transfer_all(XferOp::Read, &l, &rr, None, Some(Duration::from_secs(5))))
+        .and_then(|x| x.wait());
+    assert!(
+        matches!(refused, Err(kvxfer::Error::Deregistered { region: 0 })),
+        "a READ of the region its GONE named: {refused:?}"
     );
 }
 
@@ -318,6 +367,11 @@ fn hostile_owner_child() {
     });
     let ep = ucx.connect(&initiator);
     let ack = 0xac4_0000_u64;
+    let gone_first = std::env::var("KVX_HOSTILE_OWNER").is_ok_and(|v| v == "gone-first");
+    if gone_first {
+        // As a real owner does for a deregistration under way when the HELLO came.
+        ucx.send(ep, FenceMsg::Gone { token, region: 0 });
+    }
     ucx.send(
         ep,
         FenceMsg::Welcome {
@@ -328,6 +382,16 @@ fn hostile_owner_child() {
     );
     println!("HELLO {token:x}");
     std::io::stdout().flush().unwrap();
+    if gone_first {
+        let t = Instant::now();
+        let acked = |m: &Vec<u8>| matches!(FenceMsg::decode(m), Some(FenceMsg::GoneAck { ack: a, region: 0 }) if a == ack);
+        while t.elapsed() < Duration::from_secs(5) && !GOT.lock().unwrap().iter().any(acked) {
+            ucx.progress_for(Duration::from_millis(1));
+        }
+        let n = GOT.lock().unwrap().iter().filter(|m| acked(m)).count();
+        println!("EARLY_ACK {n} after {:?}", t.elapsed());
+        std::io::stdout().flush().unwrap();
+    }
     // Progress (the initiator's READs, its BYE) until told; REFUSEs meanwhile.
     let mut line = Vec::new();
     let n: usize = loop {

@@ -180,6 +180,16 @@ impl Engine {
         };
         log::debug!("kvxfer: welcomed by {:?} (entry {peer})", p.name);
         p.announced = Announced::Welcomed { token, ack };
+        // GONEs that came first (deregistrations under way when it took this agent in),
+        // answered already: their GONE_ACKs go now, on the endpoint the WELCOME answered.
+        for region in std::mem::take(&mut p.acks_due) {
+            let sent =
+                p.ep.as_ref()
+                    .map(|ep| send(ep, &FenceMsg::GoneAck { ack, region }));
+            if let Some(Err(status)) = sent {
+                log::warn!("kvxfer: GONE_ACK to {:?}: {status}", p.name);
+            }
+        }
         p.gone_slots = (0u32..)
             .zip(&p.meta.regions)
             .filter(|(_, r)| in_ranges(gone, r.id.0))
@@ -237,6 +247,7 @@ impl Engine {
         };
         self.fence.tokens.remove(&token);
         p.announced = Announced::No;
+        p.acks_due.clear();
         let name = p.name.clone();
         let e = move || Error::PeerLimit {
             agent: name.clone(),
@@ -492,9 +503,16 @@ impl Engine {
     /// As an initiator: the agent answered a GONE of peer `peer` for `region` (nothing of it
     /// touches the region any more).
     pub(super) fn fence_answer(&mut self, peer: u64, region: u32) {
-        let Some(p) = self.peers.get(&peer) else {
+        let Some(p) = self.peers.get_mut(&peer) else {
             return;
         };
+        if let Announced::Sent(_) = p.announced {
+            // Its GONE came before the WELCOME: answered once that comes (with its `ack`).
+            if p.acks_due.len() < MAX_GONE_QUEUED && !p.acks_due.contains(&region) {
+                p.acks_due.push(region);
+            }
+            return;
+        }
         let (Announced::Welcomed { ack, .. }, Some(ep)) = (p.announced, p.ep.as_ref()) else {
             log::debug!("kvxfer: no GONE_ACK from entry {peer} ({:?})", p.announced);
             return;
@@ -545,6 +563,7 @@ impl Engine {
         }
         if let Some(p) = self.peers.get_mut(&token) {
             p.announced = Announced::No;
+            p.acks_due.clear();
         }
     }
 
