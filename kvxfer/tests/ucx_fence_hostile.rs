@@ -66,6 +66,25 @@ impl Hostile {
         }
     }
 
+    /// Metadata for the hostile owner, named `name`: a real agent's (its wire form, its
+    /// compat) with the hostile process's worker address and its one region (its base and
+    /// key), so that a kvxfer initiator loads it as any owner's.
+    fn metadata(&mut self, name: &str) -> Metadata {
+        let real = Agent::new(config("real")).unwrap();
+        let _r = real.register(HostBuffer::new(LEN).unwrap()).unwrap();
+        let mut meta = Metadata::decode(&real.metadata().unwrap(), real.compat()).unwrap();
+        meta.name = name.into();
+        meta.epoch ^= 0x5eed;
+        meta.worker_addr = unhex(&self.said("WORKER "));
+        let region = self.said("REGION ");
+        let (base, rkey) = region.split_once(' ').unwrap();
+        meta.regions.truncate(1);
+        meta.regions[0].base = base.parse().unwrap();
+        meta.regions[0].rkey = unhex(rkey);
+        meta.regions[0].shm = None;
+        meta
+    }
+
     fn tell(&mut self, line: &str) {
         writeln!(self.tell, "{line}").unwrap();
         self.tell.flush().unwrap();
@@ -84,21 +103,8 @@ impl Drop for Hostile {
 /// drops the rest, and still serves its other peers.
 #[test]
 fn a_hostile_owners_late_refusals_and_gone_floods_change_nothing() {
-    // A real agent's regions and keys, presented by the hostile owner as its own.
-    let real = Agent::new(config("real")).unwrap();
-    let r = real.register(HostBuffer::new(LEN).unwrap()).unwrap();
-    r.write(0, &vec![0x5a; LEN]).unwrap();
-    let mut meta = Metadata::decode(&real.metadata().unwrap(), real.compat()).unwrap();
     let mut hostile = Hostile::start("1");
-    meta.name = "hostile".into();
-    meta.epoch ^= 0x5eed;
-    meta.worker_addr = unhex(&hostile.said("WORKER "));
-    let region = hostile.said("REGION ");
-    let (base, rkey) = region.split_once(' ').unwrap();
-    meta.regions.truncate(1);
-    meta.regions[0].base = base.parse().unwrap();
-    meta.regions[0].rkey = unhex(rkey);
-    meta.regions[0].shm = None;
+    let meta = hostile.metadata("hostile");
     let a = Agent::new(config("initiator")).unwrap();
     let local = a.register(HostBuffer::new(LEN).unwrap()).unwrap();
     let name = a.load_remote_metadata(&meta.encode()).unwrap();
@@ -177,20 +183,8 @@ fn a_hostile_owners_late_refusals_and_gone_floods_change_nothing() {
 /// test).
 #[test]
 fn a_gone_before_the_welcome_is_answered_once_welcomed() {
-    let real = Agent::new(config("real")).unwrap();
-    let r = real.register(HostBuffer::new(LEN).unwrap()).unwrap();
-    let mut meta = Metadata::decode(&real.metadata().unwrap(), real.compat()).unwrap();
     let mut hostile = Hostile::start("gone-first");
-    meta.name = "owner".into();
-    meta.epoch ^= 0x5eed;
-    meta.worker_addr = unhex(&hostile.said("WORKER "));
-    let region = hostile.said("REGION ");
-    let (base, rkey) = region.split_once(' ').unwrap();
-    meta.regions.truncate(1);
-    meta.regions[0].base = base.parse().unwrap();
-    meta.regions[0].rkey = unhex(rkey);
-    meta.regions[0].shm = None;
-    drop(r);
+    let meta = hostile.metadata("owner");
     let a = Agent::new(config("initiator")).unwrap();
     let local = a.register(HostBuffer::new(LEN).unwrap()).unwrap();
     let name = a.load_remote_metadata(&meta.encode()).unwrap();
