@@ -287,10 +287,6 @@ pub(super) struct Peer {
     /// Region slots its WELCOME listed as gone (deregistered before this agent
     /// announced itself), sorted: a transfer touching one is refused, never posted.
     pub(super) gone_slots: Vec<u32>,
-    /// Regions whose GONE came before the WELCOME (the owner sends those of deregistrations
-    /// under way first) and that the agent has answered: their GONE_ACKs need the WELCOME's
-    /// `ack`, so they go once it comes. At most [`MAX_GONE_QUEUED`](super::fence_state::MAX_GONE_QUEUED).
-    pub(super) acks_due: Vec<u32>,
 }
 
 pub(super) struct Active {

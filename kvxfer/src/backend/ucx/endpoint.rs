@@ -56,7 +56,6 @@ impl Engine {
                 process,
                 announced: Default::default(),
                 gone_slots: Vec::new(),
-                acks_due: Vec::new(),
             },
         );
         self.names.insert(name, token);

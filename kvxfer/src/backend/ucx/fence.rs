@@ -111,7 +111,10 @@ impl Engine {
             "kvxfer: announced to {:?} (entry {token}, token {mine:x})",
             p.name
         );
-        p.announced = Announced::Sent(mine);
+        p.announced = Announced::Sent {
+            token: mine,
+            acks_due: Vec::new(),
+        };
         self.fence.tokens.insert(mine, token);
         Ok(())
     }
@@ -179,10 +182,14 @@ impl Engine {
             return;
         };
         log::debug!("kvxfer: welcomed by {:?} (entry {peer})", p.name);
-        p.announced = Announced::Welcomed { token, ack };
+        let was = std::mem::replace(&mut p.announced, Announced::Welcomed { token, ack });
+        let acks_due = match was {
+            Announced::Sent { acks_due, .. } => acks_due,
+            _ => Vec::new(),
+        };
         // GONEs that came first (deregistrations under way when it took this agent in),
         // answered already: their GONE_ACKs go now, on the endpoint the WELCOME answered.
-        for region in std::mem::take(&mut p.acks_due) {
+        for region in acks_due {
             let sent =
                 p.ep.as_ref()
                     .map(|ep| send(ep, &FenceMsg::GoneAck { ack, region }));
@@ -222,7 +229,7 @@ impl Engine {
             log::debug!("kvxfer: a {what} for entry {peer}, gone");
             return None;
         };
-        if p.announced != Announced::Sent(token) {
+        if !matches!(p.announced, Announced::Sent { token: t, .. } if t == token) {
             log::debug!(
                 "kvxfer: a {what} for entry {peer} in state {:?}",
                 p.announced
@@ -247,7 +254,6 @@ impl Engine {
         };
         self.fence.tokens.remove(&token);
         p.announced = Announced::No;
-        p.acks_due.clear();
         let name = p.name.clone();
         let e = move || Error::PeerLimit {
             agent: name.clone(),
@@ -506,14 +512,14 @@ impl Engine {
         let Some(p) = self.peers.get_mut(&peer) else {
             return;
         };
-        if let Announced::Sent(_) = p.announced {
+        if let Announced::Sent { acks_due, .. } = &mut p.announced {
             // Its GONE came before the WELCOME: answered once that comes (with its `ack`).
-            if p.acks_due.len() < MAX_GONE_QUEUED && !p.acks_due.contains(&region) {
-                p.acks_due.push(region);
+            if acks_due.len() < MAX_GONE_QUEUED && !acks_due.contains(&region) {
+                acks_due.push(region);
             }
             return;
         }
-        let (Announced::Welcomed { ack, .. }, Some(ep)) = (p.announced, p.ep.as_ref()) else {
+        let (&Announced::Welcomed { ack, .. }, Some(ep)) = (&p.announced, p.ep.as_ref()) else {
             log::debug!("kvxfer: no GONE_ACK from entry {peer} ({:?})", p.announced);
             return;
         };
@@ -536,14 +542,15 @@ impl Engine {
         let Some(p) = self.peers.get_mut(&token) else {
             return;
         };
-        if let Announced::Sent(t) | Announced::Welcomed { token: t, .. } = p.announced {
+        if let Announced::Sent { token: t, .. } | Announced::Welcomed { token: t, .. } = p.announced
+        {
             self.fence.tokens.remove(&t);
         }
         // Remembered (closed with nothing in flight), so that a GONE for it is answered, and
         // one not welcomed yet says BYE once its WELCOME comes.
         let known = match p.announced {
             Announced::Welcomed { token: t, ack } => Some((t, Some(ack))),
-            Announced::Sent(t) => Some((t, None)),
+            Announced::Sent { token: t, .. } => Some((t, None)),
             Announced::No => None,
         };
         if let (Some((t, ack)), true) = (known, graceful) {
@@ -563,7 +570,6 @@ impl Engine {
         }
         if let Some(p) = self.peers.get_mut(&token) {
             p.announced = Announced::No;
-            p.acks_due.clear();
         }
     }
 

@@ -42,12 +42,16 @@ pub(crate) struct GoneNotice {
 }
 
 /// Where a peer stands with this initiator's announcement (reset with each new endpoint).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(super) enum Announced {
     #[default]
     No,
-    /// HELLO sent with this token.
-    Sent(u64),
+    /// HELLO sent with this token. `acks_due`: regions whose GONE came before the WELCOME
+    /// (an owner sends those of deregistrations under way first) and that the agent has
+    /// answered already: their GONE_ACKs need the WELCOME's `ack`, so they go once it comes
+    /// (at most [`MAX_GONE_QUEUED`], one per region). Dropped with the state: an entry refused
+    /// or closed before its WELCOME owes the owner nothing (a closed one says BYE).
+    Sent { token: u64, acks_due: Vec<u32> },
     /// WELCOME received: the peer's token for this agent's answers.
     Welcomed { token: u64, ack: u64 },
 }
