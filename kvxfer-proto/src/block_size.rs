@@ -77,31 +77,10 @@ pub fn resize(
     if small == 0 || !c.is_multiple_of(small) || !p.is_multiple_of(small) {
         return Err(format!("{both}: one size must divide the other"));
     }
-    let token_outer = local.order == KvOrder::Nhd || local.packing == KvPacking::Latent;
-    if !token_outer {
-        return Err(format!(
-            "{both}: in HND order a head's tokens of a block are apart from the next head's, \
-             so one size does not map onto the other (use NHD, VLLM_KV_CACHE_LAYOUT=LBNHC)"
-        ));
-    }
-    if local.pad_per_head != 0 {
-        return Err(format!(
-            "{both}: a padded block ({} bytes a head after it) is not smaller blocks back to \
-             back, so one size does not map onto the other",
-            local.pad_per_head
-        ));
-    }
+    mappable(local, &both)?;
     let (rc, rp) = (c / small, p / small);
     let total = tokens.div_ceil(small);
-    let piece = |b: u32, r: u64, i: u64| -> Result<u32, String> {
-        if b == NO_BLOCK {
-            return Ok(NO_BLOCK);
-        }
-        u32::try_from(u64::from(b) * r + i)
-            .ok()
-            .filter(|&x| x != NO_BLOCK)
-            .ok_or_else(|| format!("{both}: block {b} is out of range"))
-    };
+    let piece = |b: u32, r: u64, i: u64| piece(b, r, i, &both);
     // The consumer's blocks are its last ones of the request: they start where its cached
     // prefix ends, in blocks of the smaller size; the last may hold fewer tokens.
     let mine = tokens.div_ceil(c);
@@ -157,6 +136,84 @@ pub fn resize(
         remote_blocks,
         remote_cached,
     })
+}
+
+/// Why a cache of `layout` cannot be read as blocks of a smaller size (`both` names the two
+/// sizes); `Ok` where a block is smaller blocks back to back.
+fn mappable(layout: &KvLayout, both: &str) -> Result<(), String> {
+    let token_outer = layout.order == KvOrder::Nhd || layout.packing == KvPacking::Latent;
+    if !token_outer {
+        return Err(format!(
+            "{both}: in HND order a head's tokens of a block are apart from the next head's, \
+             so one size does not map onto the other (use NHD, VLLM_KV_CACHE_LAYOUT=LBNHC)"
+        ));
+    }
+    if layout.pad_per_head != 0 {
+        return Err(format!(
+            "{both}: a padded block ({} bytes a head after it) is not smaller blocks back to \
+             back, so one size does not map onto the other",
+            layout.pad_per_head
+        ));
+    }
+    Ok(())
+}
+
+/// Piece `i` of block `b` split in `r`, as a block of the smaller size; a slot nobody holds
+/// stays so.
+fn piece(b: u32, r: u64, i: u64, both: &str) -> Result<u32, String> {
+    if b == NO_BLOCK {
+        return Ok(NO_BLOCK);
+    }
+    u32::try_from(u64::from(b) * r + i)
+        .ok()
+        .filter(|&x| x != NO_BLOCK)
+        .ok_or_else(|| format!("{both}: block {b} is out of range"))
+}
+
+/// A push producer's side of [`resize`]: its own cache `own` and `blocks` of a `tokens`-token
+/// request (in token order, from the first) read as blocks of `small` tokens, the size a push
+/// consumer of another block size asked to be written in. The view and its blocks up to the
+/// request's last token. Why, where `small` is not `own`'s size divided by a power of two (up
+/// to [`MAX_RATIO`]) or the geometry cannot map. A consumer's request is sized by the
+/// producer's own list: at most `MAX_RATIO` pieces a block.
+pub fn split(
+    own: &KvLayout,
+    small: u64,
+    tokens: u64,
+    blocks: &[u32],
+) -> Result<(KvLayout, Vec<u32>), String> {
+    let bt = own.block_tokens;
+    let both = format!("{bt}-token blocks on the producer, {small}-token blocks asked for");
+    let r = match bt.checked_div(small) {
+        Some(r) if r * small == bt && r.is_power_of_two() && r <= MAX_RATIO => r,
+        _ => {
+            return Err(format!(
+                "{both}: the asked size must be this one divided by a power of two up to \
+                 {MAX_RATIO}"
+            ))
+        }
+    };
+    mappable(own, &both)?;
+    let total = tokens.div_ceil(small);
+    if (blocks.len() as u64).saturating_mul(r) < total {
+        return Err(format!(
+            "{both}: {} blocks published for a request of {tokens} tokens",
+            blocks.len()
+        ));
+    }
+    let mut out = Vec::with_capacity(total as usize);
+    for s in 0..total {
+        out.push(piece(blocks[(s / r) as usize], r, s % r, &both)?);
+    }
+    let view = KvLayout {
+        block_tokens: small,
+        num_blocks: own
+            .num_blocks
+            .checked_mul(r)
+            .ok_or_else(|| format!("{both}: the cache is too large"))?,
+        ..own.clone()
+    };
+    Ok((view, out))
 }
 
 #[cfg(test)]
@@ -242,6 +299,49 @@ mod tests {
             let rt = pos(remote_block, 16, &[0, 2, 4, 6]).unwrap() + remote_tok % 16;
             assert_eq!(lt, rt, "{a:?} {b:?}");
         }
+    }
+
+    /// The producer's split of its own blocks pairs, from the end, with the pieces
+    /// [`resize`] reads on the consumer's side of the same request.
+    #[test]
+    fn a_push_producer_splits_its_blocks_as_the_consumer_reads_them() {
+        let n = NO_BLOCK;
+        let theirs = layout(32, 6, KvOrder::Nhd);
+        let here = layout(16, 8, KvOrder::Nhd);
+        let r = resize(&here, 32, 70, &[7, 0, 4], &[1, 5, 3], 6).unwrap();
+        let (view, pieces) = split(&theirs, 16, 70, &[1, 5, 3]).unwrap();
+        assert_eq!(pieces, [2, 3, 10, 11, 6]); // 7 was past token 70
+        assert_eq!(
+            &pieces[pieces.len() - r.remote_blocks.len()..],
+            r.remote_blocks
+        );
+        assert_eq!(
+            (view.block_tokens, view.num_blocks),
+            (16, r.remote_num_blocks)
+        );
+        assert_eq!(view.block_bytes() * 2, theirs.block_bytes());
+        // Its own size: the blocks the request spans, unchanged; holes stay holes.
+        let (_, same) = split(&theirs, 32, 70, &[1, 5, 3, 9]).unwrap();
+        assert_eq!(same, [1, 5, 3]);
+        let (_, holes) = split(&theirs, 8, 64, &[n, 2]).unwrap();
+        assert_eq!(holes, [n, n, n, n, 8, 9, 10, 11]);
+        // Sizes that are not this one divided by a power of two up to 64, a consumer's count
+        // larger than the list, and HND: refused, naming both sizes.
+        for small in [0, 12, 64, 33] {
+            let e = split(&theirs, small, 64, &[1, 2]).unwrap_err();
+            assert!(e.contains("divided by a power of two"), "{small}: {e}");
+        }
+        let big = layout(1 << 10, 6, KvOrder::Nhd);
+        let e = split(&big, 8, 1 << 10, &[1]).unwrap_err();
+        assert!(e.contains("up to 64"), "{e}");
+        let e = split(&theirs, 16, 1 << 40, &[1, 2]).unwrap_err();
+        assert!(e.contains("2 blocks published for a request of"), "{e}");
+        let e = split(&layout(32, 6, KvOrder::Hnd), 16, 64, &[1, 2]).unwrap_err();
+        assert!(
+            e.contains("32-token blocks on the producer, 16-token blocks asked for")
+                && e.contains("HND"),
+            "{e}"
+        );
     }
 
     #[test]

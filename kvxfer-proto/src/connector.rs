@@ -1122,6 +1122,7 @@ mod tests {
             blocks: vec![4, 5],
             num_blocks: 8,
             layers: Vec::new(),
+            block_tokens: None,
             more: Vec::new(),
         };
         let mut p = Pair::new(Mode::Push);

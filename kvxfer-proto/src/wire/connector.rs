@@ -360,17 +360,26 @@ pub struct PushWant {
     pub num_blocks: u64,
     /// The consumer's per-layer tensors.
     pub layers: Vec<LayerBase>,
+    /// The block size, in tokens, `blocks` and `num_blocks` count in (`"bt"`), where it is
+    /// not the producer's: a consumer of another block size names its blocks in the smaller
+    /// of the two sizes ([`crate::block_size`]). Absent, the producer's.
+    pub block_tokens: Option<u64>,
     /// The same for each cache group after the first ([`crate::groups`]; each with no
     /// `more` of its own).
     pub more: Vec<PushWant>,
 }
 
 fn want_json(w: &PushWant) -> Value {
-    json!({
+    let mut v = json!({
         "blocks": w.blocks,
         "nb": w.num_blocks,
         "layers": w.layers.iter().map(base_json).collect::<Vec<_>>(),
-    })
+    });
+    // Only where the sizes differ: a producer of the first release reads the rest as before.
+    if let Some(bt) = w.block_tokens {
+        v["bt"] = bt.into();
+    }
+    v
 }
 
 fn want_from(v: &Value) -> std::result::Result<PushWant, String> {
@@ -378,6 +387,10 @@ fn want_from(v: &Value) -> std::result::Result<PushWant, String> {
         blocks: u32_list(&v["blocks"]).ok_or("want: blocks")?,
         num_blocks: v["nb"].as_u64().ok_or("want: nb")?,
         layers: bases_from(&v["layers"]).ok_or("want: layers")?,
+        block_tokens: match &v["bt"] {
+            Value::Null => None,
+            bt => Some(bt.as_u64().ok_or("want: bt")?),
+        },
         more: Vec::new(),
     })
 }
@@ -855,10 +868,12 @@ mod tests {
             blocks: vec![1],
             num_blocks: 8,
             layers: Vec::new(),
+            block_tokens: None,
             more: vec![PushWant {
                 blocks: vec![2, 3],
                 num_blocks: 4,
                 layers: Vec::new(),
+                block_tokens: Some(8),
                 more: Vec::new(),
             }],
         };
@@ -869,6 +884,16 @@ mod tests {
             grant: None,
         };
         assert_eq!(ToProducer::decode(&m.encode()).unwrap(), m);
+        // A block size that is not a number is refused, not read as absent.
+        let mut j: Value = serde_json::from_slice(&m.encode()[4..]).unwrap();
+        j["bt"] = "16".into();
+        let mut bytes = m.encode()[..4].to_vec();
+        bytes.extend_from_slice(j.to_string().as_bytes());
+        assert_eq!(
+            ToProducer::decode(&bytes),
+            Err("want: bt".to_string()),
+            "{j}"
+        );
     }
 
     #[test]
@@ -929,6 +954,7 @@ mod tests {
         fn to_producer_roundtrip(request in ".{1,16}", kind in 0..3u8,
                                  blocks in proptest::collection::vec(any::<u32>(), 0..8),
                                  num_blocks in any::<u64>(), layers in bases(),
+                                 block_tokens in proptest::option::of(any::<u64>()),
                                  readers in proptest::option::of(1u32..),
                                  grant in proptest::option::of(any::<[u8; 16]>())) {
             let grant = grant.map(Grant);
@@ -936,7 +962,8 @@ mod tests {
                 0 => ToProducer::Heartbeat { request, readers, grant },
                 1 => ToProducer::Ack { request, readers, grant },
                 _ => ToProducer::Want {
-                    request, want: PushWant { blocks, num_blocks, layers, more: Vec::new() }, readers, grant,
+                    request, want: PushWant { blocks, num_blocks, layers, block_tokens, more: Vec::new() },
+                    readers, grant,
                 },
             };
             prop_assert_eq!(ToProducer::decode(&m.encode()), Ok(m));

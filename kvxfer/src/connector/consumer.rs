@@ -195,15 +195,18 @@ impl Consumer {
         let descs = sh.groups.descs(&moved);
         let charge = state_charge(&sh.cfg.budget, descs, "load state", sh.cfg.budget_wait)?;
         let nothing = moved.iter().all(|b| b.is_empty());
+        // Where the block sizes differ, in the smaller one: the producer splits its own
+        // blocks the same way (`block_size::split`).
         let wants: Vec<PushWant> = sh
             .groups
             .layouts()
             .iter()
-            .zip(local_blocks)
-            .map(|(l, b)| PushWant {
-                blocks: b.to_vec(),
-                num_blocks: l.num_blocks,
+            .zip(&parts)
+            .map(|(l, p)| PushWant {
+                blocks: p.want.clone(),
+                num_blocks: p.view.as_ref().unwrap_or(l).num_blocks,
                 layers: l.layers.clone(),
+                block_tokens: p.view.as_ref().map(|v| v.block_tokens),
                 more: Vec::new(),
             })
             .collect();
@@ -242,10 +245,13 @@ impl Consumer {
                 None => Grant(random::bytes()?),
             };
             for (i, (l, p)) in sh.groups.layouts().iter().zip(&parts).enumerate() {
-                if let Err(e) = sh
-                    .carrier
-                    .grant(g.for_group(i), &h.producer, true, l, &p.local)
-                {
+                if let Err(e) = sh.carrier.grant(
+                    g.for_group(i),
+                    &h.producer,
+                    true,
+                    p.view.as_ref().unwrap_or(l),
+                    &p.local,
+                ) {
                     revoke_groups(sh, &g);
                     return Err(e);
                 }
@@ -605,6 +611,8 @@ fn consumer_msg(sh: &ConsumerShared, n: Notification) {
         LoadEvent::Landed(layer) => {
             // Push: this layer's data landed before this message.
             if let Some((g, layout, _)) = sh.groups.locate(layer) {
+                // In the view's blocks where the block sizes differ: they are what moved.
+                let layout = l.parts[g].view.as_ref().unwrap_or(layout);
                 let per_layer = l.parts[g].local.len() * layout.tensors_per_layer();
                 l.figures.descs += per_layer as u64;
                 l.figures.bytes += per_layer as u64 * layout.block_bytes();

@@ -32,6 +32,9 @@ pub(crate) struct GroupLoad {
     /// The consumer's cache in the producer's smaller blocks, where the two block sizes
     /// differ ([`kvxfer_proto::block_size`]); `local` and `theirs` count in those.
     pub(crate) view: Option<KvLayout>,
+    /// The consumer's blocks as a push producer pairs them from the end of its own: as
+    /// given, or in the view's size.
+    pub(crate) want: Vec<u32>,
 }
 
 /// What both consumers check before a load of `h` into `local_blocks` of `local`: the heads
@@ -114,16 +117,6 @@ pub(crate) fn plan_groups(
         let (mut mine, mut view, mut cached) = (mine.to_vec(), None, None);
         let bt = producer_block_tokens(layout, hg.kv_heads, hg.compat);
         if let Some(bt) = bt.filter(|&bt| bt != layout.block_tokens) {
-            if h.mode == Mode::Push {
-                return Err(named(
-                    g,
-                    Error::InvalidArgument(format!(
-                        "load {:?}: {bt}-token blocks on the producer, {}-token blocks here: \
-                         other block sizes need pull mode",
-                        h.request, layout.block_tokens
-                    )),
-                ));
-            }
             let r =
                 resize(layout, bt, h.tokens, &mine, &hg.blocks, hg.num_blocks).map_err(|why| {
                     named(
@@ -143,6 +136,7 @@ pub(crate) fn plan_groups(
             (view, cached) = (Some(r.local), Some(r.remote_cached));
         }
         let layout = view.as_ref().unwrap_or(layout);
+        let want = mine.clone();
         let mine = &mine[..];
         let (local, theirs) = pair_blocks(mine, &hg.blocks).map_err(|why| {
             named(
@@ -179,6 +173,7 @@ pub(crate) fn plan_groups(
             theirs,
             cached_bytes: cached * per_block,
             view,
+            want,
         });
     }
     Ok(out)

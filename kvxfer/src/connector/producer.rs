@@ -20,6 +20,7 @@ use crate::agent::Agent;
 use crate::budget::Charge;
 use crate::random;
 use crate::telemetry::{PeerHeld, RequestStats, Telemetry};
+use kvxfer_proto::block_size::split;
 use kvxfer_proto::connector::{LayerError, ProducerAction, ProducerCore};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::groups::{held, pair_blocks, CacheGroups};
@@ -38,6 +39,9 @@ struct PushTarget {
     local: Vec<KvLayout>,
     /// Per group, the producer's blocks and the consumer's they go to, paired.
     pairs: Vec<(Vec<u32>, Vec<u32>)>,
+    /// Per group, this producer's cache in the consumer's smaller blocks, where the two
+    /// block sizes differ ([`kvxfer_proto::block_size::split`]); `pairs` count in those.
+    views: Vec<Option<KvLayout>>,
     /// Bytes of the producer's blocks the consumer holds already (its cached prefix).
     skipped: u64,
     posted: usize,
@@ -52,6 +56,8 @@ struct PushTarget {
 struct HeldRequest {
     /// Per cache group.
     blocks: Vec<Vec<u32>>,
+    /// The request's tokens, as published: how far its blocks reach.
+    tokens: u64,
     pushes: Vec<PushTarget>,
     published: Instant,
     /// The handoff's grant: what its readers are opened under.
@@ -270,6 +276,7 @@ impl Producer {
             request.to_string(),
             HeldRequest {
                 blocks: blocks.iter().map(|b| b.to_vec()).collect(),
+                tokens,
                 pushes: Vec::new(),
                 published: Instant::now(),
                 grant,
@@ -525,7 +532,7 @@ fn producer_msg(sh: &ProducerShared, n: Notification) {
                 lease,
             } => {
                 let target = match st.requests.get(&request) {
-                    Some(r) => push_target(sh, reader.clone(), want, &r.blocks),
+                    Some(r) => push_target(sh, reader.clone(), want, &r.blocks, r.tokens),
                     None => Err(Error::InvalidArgument("push request: not held".into())),
                 };
                 match target {
@@ -577,24 +584,28 @@ fn grant_groups(
 }
 
 /// Builds a push target from a consumer's "want" (one per cache group), against the blocks
-/// `published` of each group.
+/// `published` of each group for a request of `tokens`. A consumer of another block size
+/// names its blocks in the smaller one; this side's are split to match.
 fn push_target(
     sh: &ProducerShared,
     reader: String,
     want: PushWant,
     published: &[Vec<u32>],
+    tokens: u64,
 ) -> Result<PushTarget> {
     let bad = |w: &str| Error::InvalidArgument(format!("push request: {w}"));
     let PushWant {
         blocks,
         num_blocks,
         layers,
+        block_tokens,
         more,
     } = want;
     let first = PushWant {
         blocks,
         num_blocks,
         layers,
+        block_tokens,
         more: Vec::new(),
     };
     let wants: Vec<PushWant> = std::iter::once(first).chain(more).collect();
@@ -605,21 +616,38 @@ fn push_target(
             sh.groups.len()
         )));
     }
-    let (mut local, mut pairs, mut skipped) = (Vec::new(), Vec::new(), 0u64);
+    let (mut local, mut pairs, mut views, mut skipped) = (Vec::new(), Vec::new(), Vec::new(), 0u64);
     for (g, (w, mine)) in wants.into_iter().zip(published).enumerate() {
         let ours = &sh.groups.layouts()[g];
         if w.layers.len() != ours.layers.len() {
             return Err(bad("another layer count"));
         }
-        let (theirs, from) = pair_blocks(&w.blocks, mine).map_err(|why| bad(&why))?;
+        let group = |why: String| match sh.groups.len() {
+            1 => bad(&why),
+            _ => bad(&format!("group {g}: {why}")),
+        };
+        let (view, mine) = match w.block_tokens {
+            Some(bt) => {
+                let (v, m) = split(ours, bt, tokens, mine).map_err(group)?;
+                (Some(v), m)
+            }
+            None => (None, mine.clone()),
+        };
+        let (theirs, from) = pair_blocks(&w.blocks, &mine).map_err(group)?;
         let cached = held(&mine[..mine.len() - w.blocks.len()]).count() as u64;
-        skipped += cached * sh.groups.block_bytes_all_layers(g);
+        let mut per_block = sh.groups.block_bytes_all_layers(g);
+        if let Some(v) = &view {
+            per_block = per_block / ours.block_tokens * v.block_tokens;
+        }
+        skipped += cached * per_block;
         local.push(KvLayout {
             num_blocks: w.num_blocks,
             layers: w.layers,
+            block_tokens: view.as_ref().unwrap_or(ours).block_tokens,
             ..ours.clone()
         });
         pairs.push((from, theirs));
+        views.push(view);
     }
     let descs = sh
         .groups
@@ -630,6 +658,7 @@ fn push_target(
         reader,
         local,
         pairs,
+        views,
         skipped,
         posted: 0,
         inflight: Vec::new(),
@@ -677,7 +706,7 @@ fn producer_pushes(sh: &ProducerShared) {
                 // Whole blocks: the consumer's blocks as its push request named them.
                 let heads = HeadMap::all(layout.geometry.kv_heads);
                 let m = LayerMove {
-                    local: layout,
+                    local: p.views[g].as_ref().unwrap_or(layout),
                     local_blocks: &p.pairs[g].0,
                     remote: &p.local[g],
                     remote_blocks: &p.pairs[g].1,

@@ -1,7 +1,7 @@
 //! Heterogeneous block sizes (`kvxfer_proto::block_size`): a producer of 4-token blocks and a
 //! consumer of 8 (and the reverse), NHD, with a prefix the consumer holds already; every token
-//! of the request checked where it landed. HND, where one size does not map onto the other,
-//! and push are refused naming both sizes.
+//! of the request checked where it landed, pulled by the consumer and pushed by the producer.
+//! HND, where one size does not map onto the other, is refused naming both sizes.
 
 use super::cache::TestCache;
 use super::harness::{cfg, freed_as, ok, Connectors, Harness, Verdict, T};
@@ -46,18 +46,37 @@ fn sides(h: &dyn Harness, order: KvOrder, p: u64, c: u64, mode: Mode) -> Result<
 /// and 3 consumer blocks, the first of which the consumer holds; the second takes two producer
 /// blocks, the last (half full) one, token for token.
 pub fn block_sizes_small_to_large(h: &dyn Harness) -> Verdict {
-    block_size_case(h, 4, 8, &[3, 9, 4, 7, 5], &[6, 2])
+    block_size_case(h, 4, 8, &[3, 9, 4, 7, 5], &[6, 2], Mode::Pull)
 }
 
 /// Prefill blocks of 8 tokens into decode blocks of 4: 3 producer blocks, 5 consumer blocks,
 /// the first two held already; the others take halves of the producer's.
 pub fn block_sizes_large_to_small(h: &dyn Harness) -> Verdict {
-    block_size_case(h, 8, 4, &[3, 9, 4], &[2, 11, 0])
+    block_size_case(h, 8, 4, &[3, 9, 4], &[2, 11, 0], Mode::Pull)
 }
 
-fn block_size_case(h: &dyn Harness, p: u64, c: u64, remote: &[u32], local: &[u32]) -> Verdict {
+/// [`block_sizes_small_to_large`] written by the producer (push): the consumer names its
+/// blocks in the producer's smaller size, and only those are opened to it.
+pub fn block_sizes_small_to_large_pushed(h: &dyn Harness) -> Verdict {
+    block_size_case(h, 4, 8, &[3, 9, 4, 7, 5], &[6, 2], Mode::Push)
+}
+
+/// [`block_sizes_large_to_small`] written by the producer (push): it splits its own blocks
+/// in the consumer's smaller size.
+pub fn block_sizes_large_to_small_pushed(h: &dyn Harness) -> Verdict {
+    block_size_case(h, 8, 4, &[3, 9, 4], &[2, 11, 0], Mode::Push)
+}
+
+fn block_size_case(
+    h: &dyn Harness,
+    p: u64,
+    c: u64,
+    remote: &[u32],
+    local: &[u32],
+    mode: Mode,
+) -> Verdict {
     const TOKENS: u64 = 18;
-    let s = sides(h, KvOrder::Nhd, p, c, Mode::Pull)?;
+    let s = sides(h, KvOrder::Nhd, p, c, mode)?;
     let layers = s.src.view().layers.len();
     let hd = ok(s.producer.publish("bs", remote, TOKENS, layers), "publish")?;
     ok(s.consumer.start_load(&hd, local), "start_load")?;
@@ -109,27 +128,25 @@ fn block_size_case(h: &dyn Harness, p: u64, c: u64, remote: &[u32], local: &[u32
     freed_as(&*s.producer, "bs", FreeReason::Acked, T)
 }
 
-/// Where one size does not map onto the other (HND, a ratio that is not a power of two) or
-/// the producer would write (push), the load is refused naming both sizes; nothing moves.
+/// Where one size does not map onto the other (HND), the load is refused naming both sizes,
+/// pulled or pushed; nothing moves.
 pub fn block_sizes_that_cannot_map_are_refused(h: &dyn Harness) -> Verdict {
-    let s = sides(h, KvOrder::Hnd, 4, 8, Mode::Pull)?;
-    let hd = ok(s.producer.publish("hnd", &[1, 2, 3, 4], 16, 0), "publish")?;
-    let e = s.consumer.start_load(&hd, &[5, 6]);
-    ensure!(
-        e.as_ref().is_err_and(|e| {
-            let t = e.to_string();
-            t.contains("4-token blocks on the producer, 8-token blocks here") && t.contains("HND")
-        }),
-        "HND of two block sizes: {e:?}"
-    );
-    ensure!(s.dst.zeroed(&[5, 6], 0..4), "a refused load wrote blocks");
-    let s = sides(h, KvOrder::Nhd, 4, 8, Mode::Push)?;
-    let hd = ok(s.producer.publish("push", &[1, 2, 3, 4], 16, 0), "publish")?;
-    let e = s.consumer.start_load(&hd, &[5, 6]);
-    ensure!(
-        e.as_ref()
-            .is_err_and(|e| e.to_string().contains("other block sizes need pull mode")),
-        "push of two block sizes: {e:?}"
-    );
+    for mode in [Mode::Pull, Mode::Push] {
+        let s = sides(h, KvOrder::Hnd, 4, 8, mode)?;
+        let hd = ok(s.producer.publish("hnd", &[1, 2, 3, 4], 16, 0), "publish")?;
+        let e = s.consumer.start_load(&hd, &[5, 6]);
+        ensure!(
+            e.as_ref().is_err_and(|e| {
+                let t = e.to_string();
+                t.contains("4-token blocks on the producer, 8-token blocks here")
+                    && t.contains("HND")
+            }),
+            "HND of two block sizes, {mode:?}: {e:?}"
+        );
+        ensure!(
+            s.dst.zeroed(&[5, 6], 0..4),
+            "a refused {mode:?} load wrote blocks"
+        );
+    }
     Ok(())
 }

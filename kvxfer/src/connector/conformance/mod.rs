@@ -33,7 +33,8 @@ use std::time::{Duration, Instant};
 
 pub use abuse::{peer_share, squatted_declarations};
 pub use block_size::{
-    block_sizes_large_to_small, block_sizes_small_to_large, block_sizes_that_cannot_map_are_refused,
+    block_sizes_large_to_small, block_sizes_large_to_small_pushed, block_sizes_small_to_large,
+    block_sizes_small_to_large_pushed, block_sizes_that_cannot_map_are_refused,
 };
 pub use cache::{TestCache, BLOCKS, BLOCK_TOKENS, HEADS, LAYERS};
 pub use groups::{
@@ -103,6 +104,14 @@ pub const CASES: &[(&str, Case)] = &[
     ("block_sizes_small_to_large", block_sizes_small_to_large),
     ("block_sizes_large_to_small", block_sizes_large_to_small),
     (
+        "block_sizes_small_to_large_pushed",
+        block_sizes_small_to_large_pushed,
+    ),
+    (
+        "block_sizes_large_to_small_pushed",
+        block_sizes_large_to_small_pushed,
+    ),
+    (
         "block_sizes_that_cannot_map_are_refused",
         block_sizes_that_cannot_map_are_refused,
     ),
@@ -130,6 +139,7 @@ macro_rules! connector_conformance {
             state_follows_the_heads, scales_travel_with_their_kv,
             groups_window_beside_full, groups_of_two_shapes_pushed, groups_layer_wise,
             groups_refused_and_failed, block_sizes_small_to_large, block_sizes_large_to_small,
+            block_sizes_small_to_large_pushed, block_sizes_large_to_small_pushed,
             block_sizes_that_cannot_map_are_refused, squatted_declarations, peer_share);
     };
     (@cases $harness:expr; $($case:ident),*) => {
