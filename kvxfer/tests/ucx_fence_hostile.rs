@@ -279,6 +279,109 @@ fn a_hello_naming_a_good_peers_worker_and_an_exited_process_leaves_that_peer_fen
     );
 }
 
+fn metric(a: &Agent, name: &str) -> u64 {
+    let text = a.prometheus();
+    text.lines()
+        .find(|l| l.starts_with(&format!("{name}{{")))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{name} not in\n{text}"))
+}
+
+/// The largest fence message a peer may send (a WELCOME naming the most gone regions).
+const FLOOD_MSG: usize = kvxfer_proto::wire::ucx_fence::MAX_ENCODED;
+
+/// A raw UCX peer floods an owner's worker with the largest fence messages it takes
+/// (garbage of 524 KB, 300 of them): the owner's engine copies them out of UCX a batch at
+/// a time (1 MiB, plus what one progress call delivers) and handles each batch before it
+/// takes more, so what a peer makes it hold stays bounded however fast it sends. A good
+/// peer's READs go on during the flood and after it.
+#[test]
+fn a_flood_of_the_largest_fence_messages_is_held_a_batch_at_a_time() {
+    let owner = Agent::new(config("owner")).unwrap();
+    let r = owner.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    r.write(0, &vec![0x5a; LEN]).unwrap();
+    let good = Agent::new(config("good")).unwrap();
+    let local = good.register(HostBuffer::new(LEN).unwrap()).unwrap();
+    let oname = good
+        .load_remote_metadata(&owner.metadata().unwrap())
+        .unwrap();
+    let l = good
+        .prep_local(&[Desc::new(local.id(), 0, LEN as u64)])
+        .unwrap();
+    let rr = good
+        .prep_remote(&oname, &[Desc::new(r.id(), 0, LEN as u64)])
+        .unwrap();
+    let read = || {
+        let t = Instant::now();
+        good.transfer_all(XferOp::Read, &l, &rr, None, Some(Duration::from_secs(10)))
+            .and_then(|x| x.wait())
+            .map(|_| t.elapsed())
+    };
+    let quiet: Vec<Duration> = (0..20).map(|_| read().unwrap()).collect();
+    let om = Metadata::decode(&owner.metadata().unwrap(), owner.compat()).unwrap();
+    let mut flood = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "hostile_flood_child", "--ignored", "--nocapture"])
+        .env(
+            "KVX_HOSTILE_FLOOD",
+            format!("{} 300", hex(&om.worker_addr)),
+        )
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut during = Vec::new();
+    while flood.try_wait().unwrap().is_none() {
+        during.push(read().unwrap());
+    }
+    let mut out = String::new();
+    flood.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+    assert!(out.contains("SENT 300"), "the flood: {out}");
+    let after = read().unwrap();
+    let mut s = vec![0u8; LEN];
+    local.read(0, &mut s).unwrap();
+    s.dedup();
+    assert_eq!(s, [0x5a], "the good peer's READ brought other bytes");
+    let median = |v: &mut Vec<Duration>| {
+        v.sort();
+        v.get(v.len() / 2).copied()
+    };
+    let peak = metric(&owner, "kvxfer_ucx_am_batch_peak_bytes");
+    eprintln!(
+        "good READs of 64 KiB: quiet median {:?}, during the flood {:?} ({} of them), after \
+         {after:?}; the most held at once: {peak} bytes",
+        median(&mut quiet.clone()),
+        median(&mut during),
+        during.len()
+    );
+    // The flood arrived (its messages were copied, then dropped as malformed)...
+    assert!(peak >= FLOOD_MSG as u64, "no flood message came: {peak}");
+    // ...and at most a batch of them, and what one progress call brings, was held at once.
+    assert!(
+        peak <= (1 << 20) + 2 * FLOOD_MSG as u64,
+        "{peak} bytes of active messages held at once"
+    );
+}
+
+/// The flooding peer's process (run by the test above; ignored otherwise): `n` fence
+/// messages of the largest size, garbage past their magic, to the worker named.
+#[test]
+#[ignore = "the hostile flooder's own process, started by the tests here"]
+fn hostile_flood_child() {
+    let Ok(spec) = std::env::var("KVX_HOSTILE_FLOOD") else {
+        return;
+    };
+    let (worker, n) = spec.split_once(' ').unwrap();
+    let n: usize = n.parse().unwrap();
+    let ucx = RawUcx::new();
+    let ep = ucx.connect(&unhex(worker));
+    let mut msg = vec![0u8; FLOOD_MSG];
+    msg[..3].copy_from_slice(b"KF\xee");
+    for _ in 0..n {
+        ucx.send_bytes(ep, raw_ucx::AM_FENCE, &msg);
+    }
+    ucx.progress_for(Duration::from_millis(100));
+    println!("SENT {n}");
+}
+
 /// The hostile initiator's process (run by the test above; ignored otherwise): to the
 /// owner's worker, a HELLO naming the good peer's worker and the exited process, then, once
 /// the owner's pidfd poll is due again, a HELLO of its own, and its BYE once welcomed.

@@ -70,7 +70,7 @@ pub(crate) fn prometheus(st: &AgentState) -> String {
         "counter",
         st.peers_refused.load(Ordering::Relaxed),
     );
-    let fence = st.cmds.fence_counts();
+    let fence = st.cmds.engine_counts();
     gauge(
         "kvxfer_ucx_fence_peers",
         "UCX initiators that announced themselves and are told of deregistrations (the UCX \
@@ -91,6 +91,13 @@ pub(crate) fn prometheus(st: &AgentState) -> String {
          its UCX transfers wait until their deadline.",
         "counter",
         fence.unanswered.load(Ordering::Relaxed),
+    );
+    gauge(
+        "kvxfer_ucx_am_batch_peak_bytes",
+        "The most active-message bytes (notifications, UCX fence messages) the UCX engine held \
+         copied at once before handling them: at most 1 MiB plus one progress call's worth.",
+        "gauge",
+        fence.am_batch_peak.load(Ordering::Relaxed),
     );
     gauge(
         "kvxfer_lane_windows",

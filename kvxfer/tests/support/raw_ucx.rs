@@ -144,8 +144,12 @@ impl RawUcx {
 
     /// Sends `msg` over `ep` (eager) and progresses until it is out.
     pub fn send(&self, ep: kvxfer_sys::ucp_ep_h, msg: FenceMsg) {
+        self.send_bytes(ep, AM_FENCE, &msg.encode());
+    }
+
+    /// Sends `b` as active message `id` over `ep` (eager) and progresses until it is out.
+    pub fn send_bytes(&self, ep: kvxfer_sys::ucp_ep_h, id: u32, b: &[u8]) {
         use kvxfer_sys as sys;
-        let b = msg.encode();
         let p = sys::ucp_request_param_t {
             op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS as u32,
             flags: sys::UCP_AM_SEND_FLAG_EAGER as u32,
@@ -157,7 +161,7 @@ impl RawUcx {
         unsafe {
             let req = sys::ucp_am_send_nbx(
                 ep,
-                AM_FENCE,
+                id,
                 std::ptr::null(),
                 0,
                 b.as_ptr() as *const std::ffi::c_void,

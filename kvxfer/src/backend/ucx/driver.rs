@@ -7,7 +7,7 @@
 //! thread-local list) → check deadlines → `ucp_worker_arm` and sleep on the worker's event fd
 //! (or spin, with busy-poll).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr};
 use std::ptr::NonNull;
@@ -17,7 +17,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::fence_state::{Announced, Fence, FenceCounts, GoneNotice, AM_FENCE, USER_BIT};
+use super::fence_state::{Announced, Fence, EngineCounts, GoneNotice, AM_FENCE, USER_BIT};
 use super::handle::{Context, Endpoint, MemHandle, Request, Rkey, Worker, WorkerWaker};
 use super::raw;
 use crate::memory::RegionInner;
@@ -123,12 +123,12 @@ pub(crate) struct Commands {
     tx: mpsc::Sender<Cmd>,
     waker: Arc<WorkerWaker>,
     queued: Arc<AtomicUsize>,
-    fence: Arc<FenceCounts>,
+    fence: Arc<EngineCounts>,
 }
 
 impl Commands {
     /// The UCX fence's counts, for the agent's metrics.
-    pub(crate) fn fence_counts(&self) -> &FenceCounts {
+    pub(crate) fn engine_counts(&self) -> &EngineCounts {
         &self.fence
     }
 
@@ -179,7 +179,15 @@ pub(super) enum Event {
 thread_local! {
     /// Filled by UCX callbacks, which run inside `ucp_worker_progress` on the engine thread.
     static EVENTS: RefCell<Vec<Event>> = const { RefCell::new(Vec::new()) };
+    /// Active-message bytes in [`EVENTS`].
+    static EVENT_BYTES: Cell<usize> = const { Cell::new(0) };
 }
+
+/// Once this many active-message bytes wait in [`EVENTS`], the engine handles them before
+/// it progresses UCX again: what peers send then waits in UCX's own bounded queues (and
+/// their sends in theirs), so a flood of the largest messages (a fence WELCOME is up to
+/// 524 KB) holds this much here, plus what one progress call delivers, never more.
+pub(super) const AM_BATCH_BYTES: usize = 1 << 20;
 
 pub(super) fn push_event(e: Event) {
     EVENTS.with(|v| v.borrow_mut().push(e));
@@ -244,14 +252,17 @@ unsafe extern "C" fn on_am(
     param: *const raw::ucp_am_recv_param_t,
 ) -> raw::ucs_status_t {
     let _ = std::panic::catch_unwind(|| {
-        if arg as usize == FENCE_ARG {
-            let max = kvxfer_proto::wire::ucx_fence::MAX_ENCODED;
-            if let Some(v) = am_bytes(data, len, param, max) {
-                push_event(Event::Fence(v));
-            }
-        } else if let Some(v) = am_bytes(data, len, param, kvxfer_proto::wire::notify::MAX_ENCODED)
-        {
-            push_event(Event::Notify(v));
+        let fence = arg as usize == FENCE_ARG;
+        let max = match fence {
+            true => kvxfer_proto::wire::ucx_fence::MAX_ENCODED,
+            false => kvxfer_proto::wire::notify::MAX_ENCODED,
+        };
+        if let Some(v) = am_bytes(data, len, param, max) {
+            EVENT_BYTES.with(|b| b.set(b.get() + v.len()));
+            push_event(match fence {
+                true => Event::Fence(v),
+                false => Event::Notify(v),
+            });
         }
     });
     raw::STATUS_OK
@@ -363,7 +374,7 @@ impl Engine {
     ) -> Result<(Engine, Commands)> {
         let (tx, rx) = mpsc::channel();
         let queued = Arc::new(AtomicUsize::new(0));
-        let counts = Arc::new(FenceCounts::default());
+        let counts = Arc::new(EngineCounts::default());
         let ctx = Context::new(settings, name).map_err(|(op, status)| {
             log::error!("UCX context with settings {settings:?}: {op}: {status}");
             Error::Ucx {
@@ -453,8 +464,13 @@ impl Engine {
             }
             // 2. Post the next batch of each transfer.
             busy |= self.post_batches();
-            // 3. Progress until idle, then handle what callbacks reported.
+            // 3. Progress until idle (or until a batch of active messages waits), then
+            // handle what callbacks reported.
             for _ in 0..64 {
+                if EVENT_BYTES.with(Cell::get) >= AM_BATCH_BYTES {
+                    busy = true;
+                    break;
+                }
                 // SAFETY: worker live, this is the engine thread.
                 if unsafe { raw::worker_progress(self.worker.as_ptr()) } == 0 {
                     break;
@@ -674,6 +690,11 @@ impl Engine {
 
     pub(super) fn handle_events(&mut self) -> bool {
         let events = EVENTS.with(|v| std::mem::take(&mut *v.borrow_mut()));
+        let bytes = EVENT_BYTES.with(|b| b.replace(0));
+        self.fence
+            .counts
+            .am_batch_peak
+            .fetch_max(bytes as u64, Ordering::Relaxed);
         if events.is_empty() {
             return false;
         }

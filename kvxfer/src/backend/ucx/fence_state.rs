@@ -65,9 +65,14 @@ pub(super) struct User {
     pub(super) process: Option<Rc<PeerProcess>>,
 }
 
-/// What the fence reports in the agent's metrics (the engine writes, the agent reads).
+/// What the UCX engine (its fence above all) reports in the agent's metrics (the engine
+/// writes, the agent reads).
 #[derive(Debug, Default)]
-pub(crate) struct FenceCounts {
+pub(crate) struct EngineCounts {
+    /// The most active-message bytes (notifications and fence messages) copied out of UCX
+    /// in one round of the engine's loop, before any was handled: bounded by
+    /// [`AM_BATCH_BYTES`](super::driver::AM_BATCH_BYTES) plus one progress call's worth.
+    pub(crate) am_batch_peak: AtomicU64,
     /// Initiators taken in now.
     pub(crate) peers: AtomicU64,
     /// HELLOs not taken in: the table full, or the process short of descriptors.
@@ -99,7 +104,7 @@ pub(super) struct Fence {
     /// (an endpoint back, a pidfd) leaves the peer table's reserve free
     /// (`kvxfer_proto::peer_table::fd_reserve`).
     pub(super) fds: Option<(Instant, Option<kvxfer_proto::peer_table::Fds>)>,
-    pub(super) counts: Arc<FenceCounts>,
+    pub(super) counts: Arc<EngineCounts>,
     /// Endpoints back to initiators, by id, and their ids by worker address.
     pub(super) backs: HashMap<u64, Back>,
     pub(super) back_of: HashMap<Vec<u8>, u64>,
@@ -131,7 +136,7 @@ pub(super) struct Fence {
 }
 
 impl Fence {
-    pub(super) fn new(gone: mpsc::SyncSender<GoneNotice>, counts: Arc<FenceCounts>) -> Fence {
+    pub(super) fn new(gone: mpsc::SyncSender<GoneNotice>, counts: Arc<EngineCounts>) -> Fence {
         Fence {
             table: FenceTable::new(MAX_USERS),
             users: HashMap::new(),
