@@ -443,6 +443,10 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     # Tokens it loads come from another engine's KV (vLLM's cache-hit metrics by tier).
     _cache_hit_source = CacheHitSource.P2P
 
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return True
+
     def __init__(
         self,
         vllm_config: "VllmConfig",

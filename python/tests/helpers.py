@@ -46,7 +46,7 @@ def model_dir():
     return d
 
 
-def vllm_config(role="kv_both", extra=None, engine_id=None, prefix_caching=True, tp=1, load_failure_policy=None, block=BLOCK):
+def vllm_config(role="kv_both", extra=None, engine_id=None, prefix_caching=True, tp=1, load_failure_policy=None, block=BLOCK, mamba_align=False):
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -77,6 +77,11 @@ def vllm_config(role="kv_both", extra=None, engine_id=None, prefix_caching=True,
     # Tensor parallelism as the workers of a TP deployment see it (the processes of the ranks
     # are the test's own: no torch.distributed here).
     vc.parallel_config.tensor_parallel_size = tp
+    if mamba_align:
+        # What vLLM sets for a hybrid model with prefix caching on (MambaModelConfig): the
+        # state checkpointed at block boundaries, prefills chunked there.
+        vc.cache_config.mamba_cache_mode = "align"
+        vc.cache_config.mamba_block_size = block
     return vc
 
 
@@ -185,7 +190,7 @@ def hybrid_layer_names():
     return ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"], ["model.layers.1.mixer", "model.layers.3.mixer"]
 
 
-def hybrid_caches(num_blocks=64, tp=1, attn_padded=False, raw_state=False, state_first=False):
+def hybrid_caches(num_blocks=64, tp=1, attn_padded=False, raw_state=False, state_first=False, align=False):
     """What vLLM's hybrid allocator makes for that model: a full-attention group and a
     MambaSpec group (conv bf16 and SSM f32 state, padded to the attention page) overlaid on
     one allocation; the attention views by vLLM's create_kv_cache_views, the state views as
@@ -196,7 +201,8 @@ def hybrid_caches(num_blocks=64, tp=1, attn_padded=False, raw_state=False, state
     state page is the larger and vLLM pads the attention page up to it instead. `raw_state`: each
     state layer's cache as vLLM 0.32's CPU runner hands it to a connector, one byte tensor
     [blocks, 1, 1, state bytes] a page apart, instead of its list of state tensors. `state_first`:
-    the state group is group 0 (vLLM's order for a Qwen3-Next, whose first layer is GDN)."""
+    the state group is group 0 (vLLM's order for a Qwen3-Next, whose first layer is GDN).
+    `align`: the state group in vLLM's "align" mode (prefix caching over the state)."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -212,7 +218,8 @@ def hybrid_caches(num_blocks=64, tp=1, attn_padded=False, raw_state=False, state
     page = attn.page_size_bytes
     conv = (CONV_DIM // tp, CONV_ROWS) if is_conv_state_dim_first() else (CONV_ROWS, CONV_DIM // tp)
     ssm = (SSM[0] // tp, SSM[1], SSM[2] * (4 if attn_padded else 1))
-    mamba = MambaSpec(block_size=BLOCK, shapes=(conv, ssm), dtypes=(torch.bfloat16, torch.float32))
+    mode = dict(mamba_cache_mode="align") if align else {}
+    mamba = MambaSpec(block_size=BLOCK, shapes=(conv, ssm), dtypes=(torch.bfloat16, torch.float32), **mode)
     if attn_padded:
         assert mamba.page_size_bytes > page
         page = mamba.page_size_bytes
@@ -220,7 +227,7 @@ def hybrid_caches(num_blocks=64, tp=1, attn_padded=False, raw_state=False, state
             block_size=BLOCK, num_kv_heads=KV_HEADS // tp, head_size=HEAD, dtype=torch.bfloat16, page_size_padded=page
         )
     else:
-        mamba = MambaSpec(block_size=BLOCK, shapes=(conv, ssm), dtypes=(torch.bfloat16, torch.float32), page_size_padded=page)
+        mamba = MambaSpec(block_size=BLOCK, shapes=(conv, ssm), dtypes=(torch.bfloat16, torch.float32), page_size_padded=page, **mode)
     assert mamba.page_size_bytes == page == attn.page_size_bytes
     full, state = hybrid_layer_names()
     size = page * num_blocks * len(full)
@@ -350,14 +357,24 @@ def worker(vc, kv, rank):
         cm._rank = saved
 
 
-def prefill(sched, workers, req_id, n_tokens):
-    """A prefill engine's step for request `req_id`: scheduled, its one token sampled, finished
-    with a handoff; then the next step's metadata broadcast to every worker (rank), which
-    publishes the blocks. Returns the handoff params and the prompt's blocks."""
-    sched.add_request(request(req_id, n_tokens, {"do_remote_decode": True}, max_tokens=1))
-    so = sched.schedule()
-    eco = sched.update_from_output(so, model_output(so, sampled=5))
-    params = [o for v in eco.values() for o in v.outputs][0].kv_transfer_params
+def prefill(sched, workers, req_id, n_tokens, hash_block=None):
+    """A prefill engine's steps for request `req_id`: scheduled (in chunks where vLLM splits
+    the prompt), its one token sampled once the prompt is computed, finished with a handoff;
+    then the next step's metadata broadcast to every worker (rank), which publishes the
+    blocks. Returns the handoff params and the prompt's blocks. `hash_block`: as `request`."""
+    sched.add_request(request(req_id, n_tokens, {"do_remote_decode": True}, max_tokens=1, hash_block=hash_block))
+    for _ in range(64):
+        so = sched.schedule()
+        r = sched.requests[req_id]
+        # A chunk short of the prompt samples nothing (vLLM discards its token).
+        done = r.num_computed_tokens >= r.num_prompt_tokens
+        eco = sched.update_from_output(so, model_output(so, sampled=5 if done else None))
+        outs = [o for v in eco.values() for o in v.outputs]
+        if outs:
+            params = outs[0].kv_transfer_params
+            break
+    else:
+        raise AssertionError(f"{req_id}: no output in 64 steps")
     bs = sched.vllm_config.cache_config.block_size
     blocks = list(sched.kv_cache_manager.get_block_ids(req_id)[0])[: -(-n_tokens // bs)]
     so2 = sched.schedule()

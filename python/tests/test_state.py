@@ -163,3 +163,77 @@ def test_a_state_page_splits_by_channel_across_tp(attn_padded, state_first):
         assert all(torch.count_nonzero(_bytes(t[b])) == 0 for t in dcaches[name] for b in others), name
     dec.shutdown()
     pre.shutdown()
+
+
+def test_a_prefix_hit_of_attention_alone_loads_the_rest_and_the_lagging_state():
+    """vLLM's setting for a hybrid model with prefix caching ("align": the state checkpointed
+    at block boundaries, a prefill chunked there). The decode engine served a first request:
+    its attention blocks are in its prefix cache, but no state checkpoint is (it loaded the
+    state and computed token N alone). A second request sharing that prefix is a divergent hit:
+    96 tokens of attention, none of state. kvxfer declares supports_divergent_local_hybrid_hits,
+    so vLLM keeps the attention hit, and the load moves only the attention blocks after it and
+    the request's state page (h(N-1)), which restores the lagging state. Bytes checked, the
+    cached blocks not written, and the bytes moved counted."""
+    import helpers
+    from vllm.v1.outputs import KVConnectorOutput
+
+    caches = lambda: h.hybrid_caches(align=True)  # noqa: E731
+    saved = helpers.vllm_config
+    helpers.vllm_config = lambda *a, **k: saved(*a, **dict(k, mamba_align=True))
+    try:
+        pre, pcaches, s = h.prefill_engine(EXTRA, f"hyal-pre-{os.getpid()}", 23, caches_of=caches)
+        dec, dcaches, vd, dkv = h.decode_worker(EXTRA, f"hyal-dec-{os.getpid()}", caches_of=caches)
+        sd = h.scheduler(vd, dkv)
+    finally:
+        helpers.vllm_config = saved
+    assert sd.connector.supports_divergent_local_hybrid_hits
+    full, state = h.hybrid_layer_names()
+
+    def load(req, n):
+        params, _ = h.prefill(s, [pre], req, n, hash_block=h.BLOCK)
+        hd = json.loads(params["kvxfer_handoff"])
+        r = h.request(req + "-d", n, dict(params), max_tokens=2, hash_block=h.BLOCK)
+        sd.add_request(r)
+        out = sd.schedule()
+        assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        attn_local, state_local = out.kv_connector_metadata.loads[req + "-d"][1]
+        dec.get_kv_connector_stats()  # what came before (each call takes what is new)
+        h.start_loads(dec, out)
+        assert req + "-d" in h.received(dec, {req + "-d"})
+        assert dec.get_block_ids_with_load_errors() == set()
+        moved = dec.get_kv_connector_stats().data["bytes_moved"]
+        # The state page the prefill ended with, into the decode side's.
+        (lb,), rb = state_local, hd["group_blocks"][0][-1]
+        for name in state:
+            for got, want in zip(dcaches[name], pcaches[name]):
+                assert torch.equal(_bytes(got[lb]), _bytes(want[rb])), (req, name)
+        # The attention blocks loaded: the prefill's last ones, paired from the end.
+        attn_remote = hd["blocks"][len(hd["blocks"]) - len(attn_local):]
+        for name in full:
+            for a, b in zip(attn_local, attn_remote):
+                assert torch.equal(_bytes(dcaches[name][a]), _bytes(pcaches[name][b])), (req, name, a)
+        # The decode engine computes token N and finishes: its full blocks enter its cache.
+        sd.update_from_output(out, h.model_output(out, kv=KVConnectorOutput(finished_recving={req + "-d"})))
+        for _ in range(2):
+            o = sd.schedule()
+            sd.update_from_output(o, h.model_output(o, sampled=7))
+        assert r.is_finished(), r.status
+        return attn_local, moved
+
+    page = 16 * h.KV_HEADS * 2 * h.HEAD * 2
+    first, moved1 = load("hyal-1", 100)
+    assert len(first) == 7 and moved1 == 7 * len(full) * page + len(state) * page, (first, moved1)
+    snapshot = {(n, b): _bytes(dcaches[n][b]).clone() for n in full for b in first[:6]}
+    # 150 tokens sharing the first 100: the decode side holds 6 full blocks of attention (96
+    # tokens) and no state at 96; the prefill stops at 149. 53 tokens: 4 blocks, and the state.
+    second, moved2 = load("hyal-2", 150)
+    assert len(second) == 4, second
+    assert moved2 == 4 * len(full) * page + len(state) * page, moved2
+    # The 6 cached blocks (the first request's first 6) were not written.
+    for name in full:
+        for b in first[:6]:
+            assert b not in second
+            assert torch.equal(_bytes(dcaches[name][b]), snapshot[name, b]), (name, b)
+    assert h.sent(pre, "hyal-2")
+    dec.shutdown()
+    pre.shutdown()
