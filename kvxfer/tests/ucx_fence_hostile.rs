@@ -321,10 +321,7 @@ fn a_flood_of_the_largest_fence_messages_is_held_a_batch_at_a_time() {
     let om = Metadata::decode(&owner.metadata().unwrap(), owner.compat()).unwrap();
     let mut flood = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "hostile_flood_child", "--ignored", "--nocapture"])
-        .env(
-            "KVX_HOSTILE_FLOOD",
-            format!("{} 300", hex(&om.worker_addr)),
-        )
+        .env("KVX_HOSTILE_FLOOD", format!("{} 300", hex(&om.worker_addr)))
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -333,7 +330,12 @@ fn a_flood_of_the_largest_fence_messages_is_held_a_batch_at_a_time() {
         during.push(read().unwrap());
     }
     let mut out = String::new();
-    flood.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+    flood
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
     assert!(out.contains("SENT 300"), "the flood: {out}");
     let after = read().unwrap();
     let mut s = vec![0u8; LEN];

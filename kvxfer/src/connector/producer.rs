@@ -1,6 +1,6 @@
-//! The prefill side's shell, one for every carrier: publishing, the control-message thread,
-//! push transfers. The protocol's decisions are [`ProducerCore`]'s; every byte leaves through
-//! the [`Carrier`].
+//! The prefill side's shell, one for every carrier: publishing and the control-message thread
+//! (a push producer's writes are `push.rs`'s). The protocol's decisions are
+//! [`ProducerCore`]'s; every byte leaves through the [`Carrier`].
 #![forbid(unsafe_code)]
 
 use std::collections::{HashMap, VecDeque};
@@ -11,62 +11,38 @@ use std::time::{Duration, Instant};
 
 use super::agent_carrier::AgentCarrier;
 use super::api::KvProducer;
-use super::carrier::{Carrier, InFlight, LayerMove, Role};
+use super::carrier::{Carrier, Role};
 use super::config::ConnectorConfig;
-use super::shell::{
-    join_thread, lock, spawn_thread, state_charge, take_control, wait_until, Figures,
-};
+use super::push::{producer_pushes, push_target, PushTarget};
+use super::shell::{join_thread, lock, spawn_thread, take_control, wait_until};
 use crate::agent::Agent;
-use crate::budget::Charge;
 use crate::random;
-use crate::telemetry::{PeerHeld, RequestStats, Telemetry};
-use kvxfer_proto::block_size::split;
+use crate::telemetry::{PeerHeld, Telemetry};
 use kvxfer_proto::connector::{LayerError, ProducerAction, ProducerCore};
 use kvxfer_proto::error::{Error, Result};
-use kvxfer_proto::groups::{held, pair_blocks, CacheGroups};
+use kvxfer_proto::groups::{held, CacheGroups};
 use kvxfer_proto::layout::KvLayout;
 use kvxfer_proto::lifecycle::{FreeReason, Freed, PeerShare};
-use kvxfer_proto::tp::HeadMap;
 use kvxfer_proto::wire::connector::{
-    Grant, Handoff, HandoffGroup, Mode, PushWant, Refusal, ToConsumer, ToProducer,
+    Grant, Handoff, HandoffGroup, Mode, Refusal, ToConsumer, ToProducer,
 };
 use kvxfer_proto::wire::notify::Notification;
 
-/// One push consumer's progress through a request.
-struct PushTarget {
-    reader: String,
-    /// The consumer's cache as its push request described it, per group.
-    local: Vec<KvLayout>,
-    /// Per group, the producer's blocks and the consumer's they go to, paired.
-    pairs: Vec<(Vec<u32>, Vec<u32>)>,
-    /// Per group, this producer's cache in the consumer's smaller blocks, where the two
-    /// block sizes differ ([`kvxfer_proto::block_size::split`]); `pairs` count in those.
-    views: Vec<Option<KvLayout>>,
-    /// Bytes of the producer's blocks the consumer holds already (its cached prefix).
-    skipped: u64,
-    posted: usize,
-    inflight: Vec<(usize, Box<dyn InFlight>)>,
-    landed: usize,
-    figures: Figures,
-    failed: bool,
-    _charge: Charge,
-}
-
 /// The shell's side of a held request (the protocol's side is in the core).
-struct HeldRequest {
+pub(super) struct HeldRequest {
     /// Per cache group.
-    blocks: Vec<Vec<u32>>,
+    pub(super) blocks: Vec<Vec<u32>>,
     /// The request's tokens, as published: how far its blocks reach.
-    tokens: u64,
-    pushes: Vec<PushTarget>,
-    published: Instant,
+    pub(super) tokens: u64,
+    pub(super) pushes: Vec<PushTarget>,
+    pub(super) published: Instant,
     /// The handoff's grant: what its readers are opened under.
     grant: Grant,
 }
 
-struct ProducerState {
-    core: ProducerCore,
-    requests: HashMap<String, HeldRequest>,
+pub(super) struct ProducerState {
+    pub(super) core: ProducerCore,
+    pub(super) requests: HashMap<String, HeldRequest>,
     freed: VecDeque<Freed>,
     stop: bool,
 }
@@ -75,7 +51,13 @@ impl ProducerState {
     /// A request's blocks are free: the shell forgets it, the engine may take the blocks. A
     /// pull request every reader acknowledged counts as served, one that expired as failed
     /// (a push request was counted when its writes landed).
-    fn record_freed(&mut self, f: Freed, tel: &Telemetry, mode: Mode, carrier: &dyn Carrier) {
+    pub(super) fn record_freed(
+        &mut self,
+        f: Freed,
+        tel: &Telemetry,
+        mode: Mode,
+        carrier: &dyn Carrier,
+    ) {
         if let Some(r) = self.requests.remove(&f.request) {
             // Closed before the engine may reuse the blocks.
             revoke_groups(carrier, &r.grant, r.blocks.len());
@@ -97,14 +79,14 @@ fn revoke_groups(carrier: &dyn Carrier, grant: &Grant, groups: usize) {
 }
 
 /// What the engine's calls and the producer's thread share.
-struct ProducerShared {
-    carrier: Box<dyn Carrier>,
-    groups: CacheGroups,
-    cfg: ConnectorConfig,
-    st: Mutex<ProducerState>,
-    cv: Condvar,
-    t0: Instant,
-    tel: Telemetry,
+pub(super) struct ProducerShared {
+    pub(super) carrier: Box<dyn Carrier>,
+    pub(super) groups: CacheGroups,
+    pub(super) cfg: ConnectorConfig,
+    pub(super) st: Mutex<ProducerState>,
+    pub(super) cv: Condvar,
+    pub(super) t0: Instant,
+    pub(super) tel: Telemetry,
 }
 
 /// The prefill side. See the module docs of [`crate::connector`].
@@ -581,210 +563,6 @@ fn grant_groups(
         sh.carrier.grant(grant.for_group(g), reader, false, l, &b)?;
     }
     Ok(())
-}
-
-/// Builds a push target from a consumer's "want" (one per cache group), against the blocks
-/// `published` of each group for a request of `tokens`. A consumer of another block size
-/// names its blocks in the smaller one; this side's are split to match.
-fn push_target(
-    sh: &ProducerShared,
-    reader: String,
-    want: PushWant,
-    published: &[Vec<u32>],
-    tokens: u64,
-) -> Result<PushTarget> {
-    let bad = |w: &str| Error::InvalidArgument(format!("push request: {w}"));
-    let PushWant {
-        blocks,
-        num_blocks,
-        layers,
-        block_tokens,
-        more,
-    } = want;
-    let first = PushWant {
-        blocks,
-        num_blocks,
-        layers,
-        block_tokens,
-        more: Vec::new(),
-    };
-    let wants: Vec<PushWant> = std::iter::once(first).chain(more).collect();
-    if wants.len() != sh.groups.len() {
-        return Err(bad(&format!(
-            "blocks of {} cache groups for a cache of {}",
-            wants.len(),
-            sh.groups.len()
-        )));
-    }
-    let (mut local, mut pairs, mut views, mut skipped) = (Vec::new(), Vec::new(), Vec::new(), 0u64);
-    for (g, (w, mine)) in wants.into_iter().zip(published).enumerate() {
-        let ours = &sh.groups.layouts()[g];
-        if w.layers.len() != ours.layers.len() {
-            return Err(bad("another layer count"));
-        }
-        let group = |why: String| match sh.groups.len() {
-            1 => bad(&why),
-            _ => bad(&format!("group {g}: {why}")),
-        };
-        let (view, mine) = match w.block_tokens {
-            Some(bt) => {
-                let (v, m) = split(ours, bt, tokens, mine).map_err(group)?;
-                (Some(v), m)
-            }
-            None => (None, mine.clone()),
-        };
-        let (theirs, from) = pair_blocks(&w.blocks, &mine).map_err(group)?;
-        let cached = held(&mine[..mine.len() - w.blocks.len()]).count() as u64;
-        let mut per_block = sh.groups.block_bytes_all_layers(g);
-        if let Some(v) = &view {
-            per_block = per_block / ours.block_tokens * v.block_tokens;
-        }
-        skipped += cached * per_block;
-        local.push(KvLayout {
-            num_blocks: w.num_blocks,
-            layers: w.layers,
-            block_tokens: view.as_ref().unwrap_or(ours).block_tokens,
-            ..ours.clone()
-        });
-        pairs.push((from, theirs));
-        views.push(view);
-    }
-    let descs = sh
-        .groups
-        .descs(&pairs.iter().map(|p| &p.0[..]).collect::<Vec<_>>());
-    // The producer's thread must not block: no room now is a refusal.
-    let charge = state_charge(&sh.cfg.budget, descs, "push state", Duration::ZERO)?;
-    Ok(PushTarget {
-        reader,
-        local,
-        pairs,
-        views,
-        skipped,
-        posted: 0,
-        inflight: Vec::new(),
-        landed: 0,
-        figures: Figures::default(),
-        failed: false,
-        _charge: charge,
-    })
-}
-
-/// Posts the ready layers of every push target and collects finished ones.
-fn producer_pushes(sh: &ProducerShared) {
-    let mut st = lock(&sh.st);
-    let mut acks: Vec<(String, String)> = Vec::new();
-    // A push that failed is the consumer's to hear at once (else it waits out its lease).
-    let mut notes: Vec<(String, Vec<u8>)> = Vec::new();
-    let refusal = |req: &str, e: &Error| ToConsumer::Refused {
-        request: req.to_string(),
-        kind: None,
-        why: format!("the push failed: {e}"),
-    };
-    let groups = &sh.groups;
-    let nl = groups.total_layers();
-    let ProducerState { core, requests, .. } = &mut *st;
-    for (req, r) in requests.iter_mut() {
-        let ready = core.ready_layers(req);
-        for p in r.pushes.iter_mut() {
-            while !p.failed && p.posted < ready {
-                let l = p.posted;
-                let note = ToConsumer::Layer {
-                    request: req.clone(),
-                    layer: l,
-                }
-                .encode();
-                let Some((g, layout, layer)) = groups.locate(l) else {
-                    break;
-                };
-                if p.pairs[g].0.is_empty() {
-                    // Nothing of this group moves: the layer is the consumer's at once.
-                    sh.carrier.send(&p.reader, &note);
-                    p.posted += 1;
-                    p.landed += 1;
-                    continue;
-                }
-                // Whole blocks: the consumer's blocks as its push request named them.
-                let heads = HeadMap::all(layout.geometry.kv_heads);
-                let m = LayerMove {
-                    local: p.views[g].as_ref().unwrap_or(layout),
-                    local_blocks: &p.pairs[g].0,
-                    remote: &p.local[g],
-                    remote_blocks: &p.pairs[g].1,
-                    heads: &heads,
-                    layer,
-                };
-                match sh.carrier.write(&p.reader, &m, &note, sh.cfg.lease) {
-                    Ok(t) => {
-                        p.figures.posted();
-                        p.inflight.push((l, t));
-                    }
-                    Err(e) => {
-                        log::warn!("kvxfer producer: push of {req:?} layer {l}: {e}");
-                        notes.push((p.reader.clone(), refusal(req, &e).encode()));
-                        p.failed = true;
-                    }
-                }
-                p.posted += 1;
-            }
-            let mut i = 0;
-            while i < p.inflight.len() {
-                if !p.inflight[i].1.is_done() {
-                    i += 1;
-                    continue;
-                }
-                let (_, t) = p.inflight.swap_remove(i);
-                let r = t.wait();
-                p.figures.finished(r.as_ref().ok(), p.inflight.is_empty());
-                match r {
-                    Ok(_) => p.landed += 1,
-                    Err(e) => {
-                        log::warn!("kvxfer producer: push of {req:?}: {e}");
-                        if !p.failed {
-                            notes.push((p.reader.clone(), refusal(req, &e).encode()));
-                        }
-                        p.failed = true;
-                    }
-                }
-            }
-            if p.landed == nl && !p.failed {
-                acks.push((req.clone(), p.reader.clone()));
-                let f = &p.figures;
-                sh.tel.record(&RequestStats {
-                    request: req.clone(),
-                    bytes_moved: f.bytes,
-                    bytes_skipped: p.skipped,
-                    descriptors: f.descs,
-                    post_time: f.post,
-                    transfer_time: f.busy,
-                    handoff_time: r.published.elapsed(),
-                });
-                p.failed = true; // done: forgotten below
-            }
-        }
-        // A target is forgotten once done or failed with nothing of it in flight.
-        r.pushes.retain(|p| !(p.failed && p.inflight.is_empty()));
-    }
-    drop(st);
-    // The consumer hears of its failures before anything is freed.
-    for (reader, m) in notes {
-        sh.carrier.send(&reader, &m);
-    }
-    // The producer saw its writes land: that reader is done with the blocks. (The lock is
-    // taken again only then: this runs every millisecond while pushes are in progress.)
-    if acks.is_empty() {
-        return;
-    }
-    let now = sh.t0.elapsed();
-    let mut st = lock(&sh.st);
-    for (req, reader) in acks {
-        for a in st.core.push_landed(&reader, &req, now) {
-            if let ProducerAction::Freed(f) = a {
-                st.record_freed(f, &sh.tel, sh.cfg.mode, &*sh.carrier);
-            }
-        }
-    }
-    drop(st);
-    sh.cv.notify_all();
 }
 
 impl KvProducer for Producer {

@@ -17,7 +17,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::fence_state::{Announced, Fence, EngineCounts, GoneNotice, AM_FENCE, USER_BIT};
+use super::fence_state::{Announced, EngineCounts, Fence, GoneNotice, AM_FENCE, USER_BIT};
 use super::handle::{Context, Endpoint, MemHandle, Request, Rkey, Worker, WorkerWaker};
 use super::raw;
 use crate::memory::RegionInner;
