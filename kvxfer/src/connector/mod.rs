@@ -83,6 +83,7 @@ mod in_process;
 mod load_plan;
 mod over_agent;
 mod producer;
+mod producer_state;
 mod push;
 mod shell;
 

@@ -13,7 +13,10 @@ use super::agent_carrier::AgentCarrier;
 use super::api::KvProducer;
 use super::carrier::{Carrier, Role};
 use super::config::ConnectorConfig;
-use super::push::{producer_pushes, push_target, PushTarget};
+use super::producer_state::{
+    revoke_groups, HeldRequest, ProducerShared, ProducerState, PushTarget,
+};
+use super::push::{producer_pushes, push_target};
 use super::shell::{join_thread, lock, spawn_thread, take_control, wait_until};
 use crate::agent::Agent;
 use crate::random;
@@ -22,72 +25,11 @@ use kvxfer_proto::connector::{LayerError, ProducerAction, ProducerCore};
 use kvxfer_proto::error::{Error, Result};
 use kvxfer_proto::groups::{held, CacheGroups};
 use kvxfer_proto::layout::KvLayout;
-use kvxfer_proto::lifecycle::{FreeReason, Freed, PeerShare};
+use kvxfer_proto::lifecycle::{Freed, PeerShare};
 use kvxfer_proto::wire::connector::{
-    Grant, Handoff, HandoffGroup, Mode, Refusal, ToConsumer, ToProducer,
+    Grant, Handoff, HandoffGroup, Refusal, ToConsumer, ToProducer,
 };
 use kvxfer_proto::wire::notify::Notification;
-
-/// The shell's side of a held request (the protocol's side is in the core).
-pub(super) struct HeldRequest {
-    /// Per cache group.
-    pub(super) blocks: Vec<Vec<u32>>,
-    /// The request's tokens, as published: how far its blocks reach.
-    pub(super) tokens: u64,
-    pub(super) pushes: Vec<PushTarget>,
-    pub(super) published: Instant,
-    /// The handoff's grant: what its readers are opened under.
-    grant: Grant,
-}
-
-pub(super) struct ProducerState {
-    pub(super) core: ProducerCore,
-    pub(super) requests: HashMap<String, HeldRequest>,
-    freed: VecDeque<Freed>,
-    stop: bool,
-}
-
-impl ProducerState {
-    /// A request's blocks are free: the shell forgets it, the engine may take the blocks. A
-    /// pull request every reader acknowledged counts as served, one that expired as failed
-    /// (a push request was counted when its writes landed).
-    pub(super) fn record_freed(
-        &mut self,
-        f: Freed,
-        tel: &Telemetry,
-        mode: Mode,
-        carrier: &dyn Carrier,
-    ) {
-        if let Some(r) = self.requests.remove(&f.request) {
-            // Closed before the engine may reuse the blocks.
-            revoke_groups(carrier, &r.grant, r.blocks.len());
-            match f.reason {
-                FreeReason::Acked if mode == Mode::Pull => tel.served(r.published.elapsed()),
-                FreeReason::Expired | FreeReason::HoldLimit => tel.failed(),
-                _ => {}
-            }
-        }
-        self.freed.push_back(f);
-    }
-}
-
-/// Ends what `grant` opened of each of a request's `groups` cache groups.
-fn revoke_groups(carrier: &dyn Carrier, grant: &Grant, groups: usize) {
-    for g in 0..groups {
-        carrier.revoke(&grant.for_group(g));
-    }
-}
-
-/// What the engine's calls and the producer's thread share.
-pub(super) struct ProducerShared {
-    pub(super) carrier: Box<dyn Carrier>,
-    pub(super) groups: CacheGroups,
-    pub(super) cfg: ConnectorConfig,
-    pub(super) st: Mutex<ProducerState>,
-    pub(super) cv: Condvar,
-    pub(super) t0: Instant,
-    pub(super) tel: Telemetry,
-}
 
 /// The prefill side. See the module docs of [`crate::connector`].
 pub struct Producer {

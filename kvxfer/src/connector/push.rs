@@ -4,10 +4,9 @@
 //! `producer.rs`.
 #![forbid(unsafe_code)]
 
-use super::carrier::{InFlight, LayerMove};
-use super::producer::{ProducerShared, ProducerState};
+use super::carrier::LayerMove;
+use super::producer_state::{ProducerShared, ProducerState, PushTarget};
 use super::shell::{lock, state_charge, Figures};
-use crate::budget::Charge;
 use crate::telemetry::RequestStats;
 use kvxfer_proto::block_size::split;
 use kvxfer_proto::connector::ProducerAction;
@@ -17,26 +16,6 @@ use kvxfer_proto::layout::KvLayout;
 use kvxfer_proto::tp::HeadMap;
 use kvxfer_proto::wire::connector::{PushWant, ToConsumer};
 use std::time::Duration;
-
-/// One push consumer's progress through a request.
-pub(super) struct PushTarget {
-    pub(super) reader: String,
-    /// The consumer's cache as its push request described it, per group.
-    pub(super) local: Vec<KvLayout>,
-    /// Per group, the producer's blocks and the consumer's they go to, paired.
-    pub(super) pairs: Vec<(Vec<u32>, Vec<u32>)>,
-    /// Per group, this producer's cache in the consumer's smaller blocks, where the two
-    /// block sizes differ ([`kvxfer_proto::block_size::split`]); `pairs` count in those.
-    pub(super) views: Vec<Option<KvLayout>>,
-    /// Bytes of the producer's blocks the consumer holds already (its cached prefix).
-    pub(super) skipped: u64,
-    pub(super) posted: usize,
-    pub(super) inflight: Vec<(usize, Box<dyn InFlight>)>,
-    pub(super) landed: usize,
-    pub(super) figures: Figures,
-    pub(super) failed: bool,
-    pub(super) _charge: Charge,
-}
 
 /// Builds a push target from a consumer's "want" (one per cache group), against the blocks
 /// `published` of each group for a request of `tokens`. A consumer of another block size
