@@ -70,34 +70,34 @@ pub(crate) fn prometheus(st: &AgentState) -> String {
         "counter",
         st.peers_refused.load(Ordering::Relaxed),
     );
-    let fence = st.cmds.engine_counts();
+    let ucx = st.cmds.engine_counts();
     gauge(
         "kvxfer_ucx_fence_peers",
         "UCX initiators that announced themselves and are told of deregistrations (the UCX \
          fence).",
         "gauge",
-        fence.peers.load(Ordering::Relaxed),
+        ucx.peers.load(Ordering::Relaxed),
     );
     gauge(
         "kvxfer_ucx_fence_refused_total",
         "UCX initiators' announcements not taken in: the fence's table full, or the process \
          short of file descriptors.",
         "counter",
-        fence.refused.load(Ordering::Relaxed),
+        ucx.refused.load(Ordering::Relaxed),
     );
     gauge(
         "kvxfer_ucx_fence_refusals_unsaid_total",
         "Of those, the ones the initiator was not told of (no endpoint to it could be spared): \
          its UCX transfers wait until their deadline.",
         "counter",
-        fence.unanswered.load(Ordering::Relaxed),
+        ucx.unanswered.load(Ordering::Relaxed),
     );
     gauge(
         "kvxfer_ucx_am_batch_peak_bytes",
         "The most active-message bytes (notifications, UCX fence messages) the UCX engine held \
          copied at once before handling them: at most 1 MiB plus one progress call's worth.",
         "gauge",
-        fence.am_batch_peak.load(Ordering::Relaxed),
+        ucx.am_batch_peak.load(Ordering::Relaxed),
     );
     gauge(
         "kvxfer_lane_windows",

@@ -123,13 +123,13 @@ pub(crate) struct Commands {
     tx: mpsc::Sender<Cmd>,
     waker: Arc<WorkerWaker>,
     queued: Arc<AtomicUsize>,
-    fence: Arc<EngineCounts>,
+    counts: Arc<EngineCounts>,
 }
 
 impl Commands {
-    /// The UCX fence's counts, for the agent's metrics.
+    /// The UCX engine's counts (its fence's above all), for the agent's metrics.
     pub(crate) fn engine_counts(&self) -> &EngineCounts {
-        &self.fence
+        &self.counts
     }
 
     /// Queues a command and wakes the engine.
@@ -432,7 +432,7 @@ impl Engine {
                 tx,
                 waker,
                 queued,
-                fence: counts,
+                counts,
             },
         ))
     }
