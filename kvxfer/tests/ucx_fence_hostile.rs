@@ -98,6 +98,44 @@ impl Drop for Hostile {
     }
 }
 
+/// An owner serving a region of `LEN` bytes of 0x5a and a good peer prepared to READ it
+/// whole into its own region (both over UCX's shared memory).
+struct OwnerAndGood {
+    owner: Agent,
+    r: kvxfer::Region,
+    good: Agent,
+    local: kvxfer::Region,
+    l: kvxfer::PreparedLocal,
+    rr: kvxfer::PreparedRemote,
+}
+
+impl OwnerAndGood {
+    fn new() -> OwnerAndGood {
+        let owner = Agent::new(config("owner")).unwrap();
+        let r = owner.register(HostBuffer::new(LEN).unwrap()).unwrap();
+        r.write(0, &vec![0x5a; LEN]).unwrap();
+        let good = Agent::new(config("good")).unwrap();
+        let local = good.register(HostBuffer::new(LEN).unwrap()).unwrap();
+        let oname = good
+            .load_remote_metadata(&owner.metadata().unwrap())
+            .unwrap();
+        let l = good
+            .prep_local(&[Desc::new(local.id(), 0, LEN as u64)])
+            .unwrap();
+        let rr = good
+            .prep_remote(&oname, &[Desc::new(r.id(), 0, LEN as u64)])
+            .unwrap();
+        OwnerAndGood {
+            owner,
+            r,
+            good,
+            local,
+            l,
+            rr,
+        }
+    }
+}
+
 /// An owner that welcomed an initiator says REFUSED after all: ignored. The initiator
 /// closes its entry, and the owner sends 200 GONEs for it: the initiator answers the first (a GONE_ACK and a BYE, over an endpoint made for them) and
 /// drops the rest, and still serves its other peers.
@@ -217,20 +255,14 @@ fn a_gone_before_the_welcome_is_answered_once_welcomed() {
 /// tells it, waits for its answer, and the good peer refuses the region from then on.
 #[test]
 fn a_hello_naming_a_good_peers_worker_and_an_exited_process_leaves_that_peer_fenced() {
-    let owner = Agent::new(config("owner")).unwrap();
-    let r = owner.register(HostBuffer::new(LEN).unwrap()).unwrap();
-    r.write(0, &vec![0x5a; LEN]).unwrap();
-    let good = Agent::new(config("good")).unwrap();
-    let local = good.register(HostBuffer::new(LEN).unwrap()).unwrap();
-    let oname = good
-        .load_remote_metadata(&owner.metadata().unwrap())
-        .unwrap();
-    let l = good
-        .prep_local(&[Desc::new(local.id(), 0, LEN as u64)])
-        .unwrap();
-    let rr = good
-        .prep_remote(&oname, &[Desc::new(r.id(), 0, LEN as u64)])
-        .unwrap();
+    let OwnerAndGood {
+        owner,
+        r,
+        good,
+        local: _local,
+        l,
+        rr,
+    } = OwnerAndGood::new();
     let read = || {
         good.transfer_all(XferOp::Read, &l, &rr, None, Some(Duration::from_secs(10)))
             .and_then(|x| x.wait())
@@ -297,20 +329,14 @@ const FLOOD_MSG: usize = kvxfer_proto::wire::ucx_fence::MAX_ENCODED;
 /// peer's READs go on during the flood and after it.
 #[test]
 fn a_flood_of_the_largest_fence_messages_is_held_a_batch_at_a_time() {
-    let owner = Agent::new(config("owner")).unwrap();
-    let r = owner.register(HostBuffer::new(LEN).unwrap()).unwrap();
-    r.write(0, &vec![0x5a; LEN]).unwrap();
-    let good = Agent::new(config("good")).unwrap();
-    let local = good.register(HostBuffer::new(LEN).unwrap()).unwrap();
-    let oname = good
-        .load_remote_metadata(&owner.metadata().unwrap())
-        .unwrap();
-    let l = good
-        .prep_local(&[Desc::new(local.id(), 0, LEN as u64)])
-        .unwrap();
-    let rr = good
-        .prep_remote(&oname, &[Desc::new(r.id(), 0, LEN as u64)])
-        .unwrap();
+    let OwnerAndGood {
+        owner,
+        r: _r,
+        good,
+        local,
+        l,
+        rr,
+    } = OwnerAndGood::new();
     let read = || {
         let t = Instant::now();
         good.transfer_all(XferOp::Read, &l, &rr, None, Some(Duration::from_secs(10)))

@@ -27,17 +27,19 @@ def _bytes(t):
     return t.contiguous().view(torch.uint8)
 
 
-def _engines(tag, attn_padded=False, raw_state=False, state_first=False):
-    caches = lambda: h.hybrid_caches(attn_padded=attn_padded, raw_state=raw_state, state_first=state_first)  # noqa: E731
+def _engines(tag, attn_padded=False, raw_state=False, state_first=False, align=False):
+    """A prefill engine and a decode engine of a hybrid model: without prefix caching, or
+    (`align`) with it, the state group in vLLM's "align" mode as vLLM then sets it."""
+    caches = lambda: h.hybrid_caches(attn_padded=attn_padded, raw_state=raw_state, state_first=state_first, align=align)  # noqa: E731
     import helpers
 
     saved = helpers.vllm_config
 
-    def no_prefix(*a, **k):
+    def configured(*a, **k):
         # vLLM refuses prefix caching over Mamba state outside its "align" mode.
-        return saved(*a, **dict(k, prefix_caching=False))
+        return saved(*a, **dict(k, prefix_caching=align, mamba_align=align))
 
-    helpers.vllm_config = no_prefix
+    helpers.vllm_config = configured
     try:
         pre, pcaches, s = h.prefill_engine(EXTRA, f"{tag}-pre-{os.getpid()}", 21, caches_of=caches)
         dec, dcaches, vd, dkv = h.decode_worker(EXTRA, f"{tag}-dec-{os.getpid()}", caches_of=caches)
@@ -174,18 +176,9 @@ def test_a_prefix_hit_of_attention_alone_loads_the_rest_and_the_lagging_state():
     so vLLM keeps the attention hit, and the load moves only the attention blocks after it and
     the request's state page (h(N-1)), which restores the lagging state. Bytes checked, the
     cached blocks not written, and the bytes moved counted."""
-    import helpers
     from vllm.v1.outputs import KVConnectorOutput
 
-    caches = lambda: h.hybrid_caches(align=True)  # noqa: E731
-    saved = helpers.vllm_config
-    helpers.vllm_config = lambda *a, **k: saved(*a, **dict(k, mamba_align=True))
-    try:
-        pre, pcaches, s = h.prefill_engine(EXTRA, f"hyal-pre-{os.getpid()}", 23, caches_of=caches)
-        dec, dcaches, vd, dkv = h.decode_worker(EXTRA, f"hyal-dec-{os.getpid()}", caches_of=caches)
-        sd = h.scheduler(vd, dkv)
-    finally:
-        helpers.vllm_config = saved
+    pre, pcaches, s, dec, dcaches, sd = _engines("hyal", align=True)
     assert sd.connector.supports_divergent_local_hybrid_hits
     full, state = h.hybrid_layer_names()
 
