@@ -144,6 +144,38 @@ def block_digests(worker, want):
     return out
 
 
+def record_loads(worker):
+    """Runs in each decode worker (LLM.collective_rpc): from now on, the local blocks of each
+    load the scheduler hands the connector (per KV cache group) are kept, for
+    ``loaded_blocks`` to say where each loaded block landed."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    c = get_kv_transfer_group()
+    c._e2e_loads = {}
+    start = c.start_load_kv
+
+    def spy(*args, **kwargs):
+        try:
+            meta = c._get_connector_metadata()
+        except Exception:  # noqa: BLE001 - nothing bound this step: nothing to record
+            meta = None
+        for req, (_, groups, report, _) in getattr(meta, "loads", {}).items():
+            if report and any(groups):
+                c._e2e_loads[req] = [list(g) for g in groups]
+        return start(*args, **kwargs)
+
+    c.start_load_kv = spy
+
+
+def loaded_blocks(worker):
+    """The local blocks of the loads ``record_loads`` saw since the last call, by request."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    c = get_kv_transfer_group()
+    out, c._e2e_loads = c._e2e_loads, {}
+    return out
+
+
 def rank0_pairs(a):
     """Whether the prefill's rank 0 holds the bytes the decode's rank 0 loads: ranks of equal
     TP sizes pair up, and an MLA latent is whole on every rank."""
@@ -253,6 +285,8 @@ def role_main(a):
         # The decode engine is up before the handoff arrives, as in a deployment, and already
         # holds a prefix of prompt A in its prefix cache.
         e = llm(a, "kv_consumer")
+        if rank0_pairs(a):
+            e.collective_rpc(record_loads)
         if a.cached_tokens:
             e.generate([prompt(tokens_of("A", a.cached_tokens))], sp(1))
         print("READY", flush=True)
@@ -266,6 +300,8 @@ def role_main(a):
             if rank0_pairs(a):
                 # Now: the next request may reuse the blocks (without a prefix cache, at once).
                 res[k]["digests"] = e.collective_rpc(block_digests, args=(None,))[0]
+                loads = list(e.collective_rpc(loaded_blocks)[0].values())
+                res[k]["loaded"] = loads[-1] if loads else None
         print("RESULT " + json.dumps(res), flush=True)
 
 
@@ -330,6 +366,31 @@ def loaded_bytes(pre, dec, params, cached_tokens):
             else:
                 missing += 1
     return found, missing
+
+
+def placed_bytes(pre, dec, params, loaded):
+    """Where the loaded blocks landed: of the full blocks the decode engine loaded (its
+    blocks as the scheduler gave them, paired with the handoff's last ones), how many hold at
+    their own position exactly the prefill's bytes of the block they pair with, and how many
+    do not. A block found elsewhere in the cache (``loaded_bytes``) but not here was placed
+    wrong."""
+    h = json.loads(params["kvxfer_handoff"])
+    right, wrong = 0, 0
+    for g, blocks in enumerate([h["blocks"], *h.get("group_blocks", [])]):
+        if pre[g]["state"] or loaded is None:
+            continue
+        bs = pre[g]["block_size"]
+        local = loaded[g]
+        skip = len(blocks) - len(local)
+        for i, lb in enumerate(local):
+            pos, rb = skip + i, blocks[skip + i] if skip + i < len(blocks) else NO_BLOCK
+            if NO_BLOCK in (lb, rb) or (pos + 1) * bs > h["tokens"] - 1:
+                continue
+            if dec[g]["blocks"].get(str(lb)) == pre[g]["blocks"][str(rb)]:
+                right += 1
+            else:
+                wrong += 1
+    return right, wrong
 
 
 def metrics(rundir):
@@ -406,8 +467,23 @@ def main():
     if "digests" in got["A"]:
         a_bytes = loaded_bytes(params["A_digests"], got["A"]["digests"], params["A"], a.cached_tokens)
         b_bytes = loaded_bytes(params["B_digests"], got["B"]["digests"], params["B"], 0)
-        bytes_check = {"A_found_missing": a_bytes, "B_found_missing": b_bytes}
-    bytes_ok = bytes_check is not None and a_bytes[0] > 0 and a_bytes[1] == 0 and b_bytes[1] > 0
+        a_pos = placed_bytes(params["A_digests"], got["A"]["digests"], params["A"], got["A"].get("loaded"))
+        b_pos = placed_bytes(params["B_digests"], got["B"]["digests"], params["B"], got["B"].get("loaded"))
+        bytes_check = {
+            "A_found_missing": a_bytes,
+            "B_found_missing": b_bytes,
+            "A_in_place_misplaced": a_pos,
+            "B_in_place_misplaced": b_pos,
+        }
+    bytes_ok = (
+        bytes_check is not None
+        and a_bytes[0] > 0
+        and a_bytes[1] == 0
+        and b_bytes[1] > 0
+        and a_pos[0] > 0
+        and a_pos[1] == 0
+        and b_pos[1] > 0
+    )
     tokens_ok = a_equal and b_differs
     skipped = m.get('kvxfer_bytes_skipped_total{role="consumer"}', 0)
     judged = bytes_ok if a.bytes_only else tokens_ok and (bytes_ok or bytes_check is None)
