@@ -190,7 +190,7 @@ def llm(a, role=None):
         model=a.model,
         skip_tokenizer_init=True,
         enforce_eager=True,
-        max_model_len=1024,
+        max_model_len=a.max_model_len,
         seed=0,
         block_size=BLOCK,
         enable_prefix_caching=not a.no_prefix_caching,
@@ -269,8 +269,14 @@ def role_main(a):
         print("RESULT " + json.dumps({k: picked(o) for k, o in zip("AB", outs)}), flush=True)
     elif a.role == "prefill":
         e = llm(a, "kv_producer")
-        outs = e.generate([prompt(tokens_of(k, n)) for k in "AB"], sp(1, {"do_remote_decode": True}))
-        res = {k: o.kv_transfer_params for k, o in zip("AB", outs)}
+        keys = "AB"
+        prompts = [prompt(tokens_of(k, n)) for k in keys]
+        if a.warm_by_handoff:
+            # W: prompt A's first cached_tokens, handed to the decode engine before A.
+            keys += "W"
+            prompts.append(prompt(tokens_of("A", a.cached_tokens)))
+        outs = e.generate(prompts, sp(1, {"do_remote_decode": True}))
+        res = {k: o.kv_transfer_params for k, o in zip(keys, outs)}
         if rank0_pairs(a):
             # The published blocks' bytes, on rank 0.
             for k, o in zip("AB", outs):
@@ -287,10 +293,14 @@ def role_main(a):
         e = llm(a, "kv_consumer")
         if rank0_pairs(a):
             e.collective_rpc(record_loads)
-        if a.cached_tokens:
+        if a.cached_tokens and not a.warm_by_handoff:
             e.generate([prompt(tokens_of("A", a.cached_tokens))], sp(1))
         print("READY", flush=True)
         params = json.loads(sys.stdin.readline())
+        if a.warm_by_handoff:
+            # The prefix came by a handoff: a hybrid model's decode engine then caches its
+            # attention blocks but no state checkpoint (a divergent hit for prompt A).
+            e.generate([prompt(tokens_of("A", a.cached_tokens))], sp(1, params["W"]))
         res = {}
         for k in "AB":
             t = time.time()
@@ -312,6 +322,8 @@ def spawn(a, role):
     cmd += ["--kv-cache-dtype", a.kv_cache_dtype, "--reference", a.reference, "--arch", a.arch]
     cmd += ["--bytes-only"] if a.bytes_only else []
     cmd += ["--no-prefix-caching"] if a.no_prefix_caching else []
+    cmd += ["--warm-by-handoff"] if a.warm_by_handoff else []
+    cmd += ["--max-model-len", str(a.max_model_len)]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -359,7 +371,8 @@ def loaded_bytes(pre, dec, params, cached_tokens):
         have = set(dec[g]["blocks"].values())
         for pos, b in enumerate(blocks):
             # Whole blocks of the tokens the decode side loads (it may write the rest).
-            if b == NO_BLOCK or pos * bs < cached_tokens or (pos + 1) * bs > h["tokens"] - 1:
+            # The decode side's prefix cache holds whole blocks: those of the cached tokens.
+            if b == NO_BLOCK or pos < cached_tokens // bs or (pos + 1) * bs > h["tokens"] - 1:
                 continue
             if pre[g]["blocks"][str(b)] in have:
                 found += 1
@@ -429,6 +442,13 @@ def main():
     # Every engine without vLLM's prefix cache (then no prefix is cached on the decode side:
     # use --cached-tokens 0).
     ap.add_argument("--no-prefix-caching", action="store_true")
+    # The decode engine's cached prefix of A comes by a handoff of that prefix (from the
+    # prefill engine) instead of being computed there: for a hybrid model, a divergent hit
+    # (attention cached, no state checkpoint) that the load must complete.
+    ap.add_argument("--warm-by-handoff", action="store_true")
+    # Longer prompts (the tiny models take 2048 positions): a Qwen3-Next's blocks are 544
+    # tokens on vLLM 0.32's CPU engine, so a prefix hit and a full block after it need more.
+    ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--rundir", default=os.path.join("/tmp", f"kvxfer-e2e-{os.getpid()}"))
     a = ap.parse_args()
     if a.role != "driver":
@@ -446,7 +466,7 @@ def main():
     pre = spawn(a, "prefill")
     params = result(pre, "prefill engine")
     bad, shifted = tamper(params["B"], 0)
-    dec.stdin.write(json.dumps({"A": params["A"], "B": bad}) + "\n")
+    dec.stdin.write(json.dumps({"A": params["A"], "B": bad, "W": params.get("W")}) + "\n")
     dec.stdin.flush()
     got = result(dec, "decode engine")
     dec.wait()
