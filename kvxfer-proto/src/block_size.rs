@@ -121,16 +121,8 @@ pub fn resize(
         .map(|(j, _)| rp.min(start - j as u64 * rp))
         .sum();
     let local_blocks = local_sub;
-    let view = KvLayout {
-        block_tokens: small,
-        num_blocks: local
-            .num_blocks
-            .checked_mul(rc)
-            .ok_or_else(|| format!("{both}: the cache is too large"))?,
-        ..local.clone()
-    };
     Ok(Resized {
-        local: view,
+        local: smaller(local, small, rc, &both)?,
         local_blocks,
         remote_num_blocks: remote_num_blocks.saturating_mul(rp),
         remote_blocks,
@@ -205,15 +197,19 @@ pub fn split(
     for s in 0..total {
         out.push(piece(blocks[(s / r) as usize], r, s % r, &both)?);
     }
-    let view = KvLayout {
+    Ok((smaller(own, small, r, &both)?, out))
+}
+
+/// `layout` read as blocks of `small` tokens: `r` times the blocks, over the same memory.
+fn smaller(layout: &KvLayout, small: u64, r: u64, both: &str) -> Result<KvLayout, String> {
+    Ok(KvLayout {
         block_tokens: small,
-        num_blocks: own
+        num_blocks: layout
             .num_blocks
             .checked_mul(r)
             .ok_or_else(|| format!("{both}: the cache is too large"))?,
-        ..own.clone()
-    };
-    Ok((view, out))
+        ..layout.clone()
+    })
 }
 
 #[cfg(test)]

@@ -130,9 +130,9 @@ impl CacheGroups {
 
     /// Bytes one block id of group `g` stands for: its tensors in every layer of the group.
     pub fn block_bytes_all_layers(&self, g: usize) -> u64 {
-        self.layouts.get(g).map_or(0, |l| {
-            l.block_bytes() * l.tensors_per_layer() as u64 * l.layers.len() as u64
-        })
+        self.layouts
+            .get(g)
+            .map_or(0, KvLayout::block_bytes_all_layers)
     }
 
     /// Descriptors `blocks[g]` blocks of each group make in every layer (whole blocks).

@@ -334,6 +334,11 @@ impl KvLayout {
         per * self.geometry.dtype.bytes() * self.packing.per_head()
     }
 
+    /// Bytes of one block id in every tensor of every layer: what a cached block spares.
+    pub fn block_bytes_all_layers(&self) -> u64 {
+        self.block_bytes() * self.tensors_per_layer() as u64 * self.layers.len() as u64
+    }
+
     /// Bytes from one block of a tensor to the next: the block and its padding
     /// ([`KvLayout::pad_per_head`]).
     pub fn block_stride(&self) -> u64 {

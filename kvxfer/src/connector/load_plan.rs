@@ -164,14 +164,12 @@ pub(crate) fn plan_groups(
         // The producer's held blocks before the ones paired (the consumer's cached prefix).
         let cached = cached
             .unwrap_or_else(|| held(&hg.blocks[..hg.blocks.len() - mine.len()]).count() as u64);
-        let per_block =
-            layout.block_bytes() * layout.tensors_per_layer() as u64 * layout.layers.len() as u64;
         out.push(GroupLoad {
             remote,
             heads,
             local,
             theirs,
-            cached_bytes: cached * per_block,
+            cached_bytes: cached * layout.block_bytes_all_layers(),
             view,
             want,
         });

@@ -69,11 +69,7 @@ pub(super) fn push_target(
         };
         let (theirs, from) = pair_blocks(&w.blocks, &mine).map_err(group)?;
         let cached = held(&mine[..mine.len() - w.blocks.len()]).count() as u64;
-        let mut per_block = sh.groups.block_bytes_all_layers(g);
-        if let Some(v) = &view {
-            per_block = per_block / ours.block_tokens * v.block_tokens;
-        }
-        skipped += cached * per_block;
+        skipped += cached * view.as_ref().unwrap_or(ours).block_bytes_all_layers();
         local.push(KvLayout {
             num_blocks: w.num_blocks,
             layers: w.layers,
