@@ -764,6 +764,19 @@ kvx_status kvx_agent_config_set_lane_encryption(struct kvx_agent_config *c, int3
 kvx_status kvx_agent_config_set_ucx_tcp(struct kvx_agent_config *c, int32_t on);
 
 /**
+ * WRITEs over UCX's shared memory with the lanes off (`on` non-zero) where UCX emulates them
+ * (older than 1.22): through the target's shared-memory receive FIFO, which a writer killed
+ * mid-WRITE leaves waiting for good (the target then serves no UCX shared-memory peer).
+ * Without it, an agent with the lanes off and shared memory among its transports is refused
+ * on such a UCX (`KVX_INVALID_ARGUMENT`). No effect with the lanes on, or on UCX 1.22 and
+ * later.
+ *
+ * # Safety
+ * `c` is a live config not used by another thread during the call.
+ */
+kvx_status kvx_agent_config_set_ucx_emulated_shm(struct kvx_agent_config *c, int32_t on);
+
+/**
  * Strict transport (`on` non-zero): a transfer to a peer whose transports fell back from
  * what was asked (shared memory asked, TCP selected) fails with `KVX_INVALID_ARGUMENT`, the
  * last error naming both, instead of running on the fallback.

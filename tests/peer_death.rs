@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, RegionId, Transport, XferOp};
+use kvxfer::{Agent, AgentConfig, Desc, Error, HostBuffer, Lane, RegionId, Transport, XferOp};
 
 const LEN: u64 = 512 << 20;
 const BLOCK: u64 = 32 << 10;
@@ -232,12 +232,16 @@ enum Path {
     TcpLane,
     /// UCX over shared memory, lanes off.
     UcxShm,
+    /// Lanes on towards a same-host target whose memory kvxfer's shm lane does not cover
+    /// (private, as an engine's tensors): what UCX carries by default in-host.
+    SameHost,
 }
 
 impl Path {
     fn parse(s: &str) -> Path {
         match s {
             "TcpLane" => Path::TcpLane,
+            "SameHost" => Path::SameHost,
             _ => Path::UcxShm,
         }
     }
@@ -246,7 +250,12 @@ impl Path {
         let c = AgentConfig::new(name).net_devices("lo");
         match self {
             Path::TcpLane => c.transport(Transport::Tcp),
-            Path::UcxShm => c.transport(Transport::Shm).lanes(false),
+            // Opted in: on UCX 1.13 the writer's death wedges the target (below).
+            Path::UcxShm => c
+                .transport(Transport::Shm)
+                .lanes(false)
+                .ucx_emulated_shm(true),
+            Path::SameHost => c.transport(Transport::Shm),
         }
     }
 }
@@ -311,6 +320,13 @@ fn serve_after(side: SocketAddr, rid: RegionId, path: Path) {
             .wait()
             .unwrap();
         assert_eq!(s.bytes, 4 * BLOCK, "{op}");
+        if matches!(path, Path::SameHost) {
+            // Where UCX would emulate it through the target's FIFO, a WRITE takes the TCP
+            // lane (the shm lane does not cover the target's private memory).
+            let by_lane = op == XferOp::Write && common::ucx_1_13().is_some();
+            let want = if by_lane { Lane::Tcp } else { Lane::Ucx };
+            assert_eq!(s.lane, want, "{op} to a same-host peer's private memory");
+        }
     }
     println!("KVX AFTER served");
     std::io::stdout().flush().unwrap();
@@ -350,11 +366,12 @@ fn cpu_ticks(pid: u32) -> u64 {
 fn initiator_sigkill(op: XferOp, path: Path) {
     use std::io::BufRead;
     let tag = format!("{op}-{path:?}-{}", std::process::id()).to_lowercase();
-    let (lanes, transport) = match path {
-        Path::TcpLane => (true, "tcp"),
-        Path::UcxShm => (false, "shm"),
+    let (lanes, transport, memory) = match path {
+        Path::TcpLane => (true, "tcp", "host"),
+        Path::UcxShm => (false, "shm", "host"),
+        Path::SameHost => (true, "shm", "thp"),
     };
-    let mut target = Peer::start_on(&format!("target-{tag}"), "host", lanes, transport);
+    let mut target = Peer::start_on(&format!("target-{tag}"), memory, lanes, transport);
     for round in 0..3 {
         let mut child = peer_process(&target, op, path, false);
         let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
@@ -414,12 +431,15 @@ fn initiator_sigkilled_mid_read_over_the_tcp_lane() {
 
 #[test]
 fn initiator_sigkilled_mid_write_over_ucx_shm() {
-    // Open on Debian's UCX 1.13: after a writer is killed, the target serves no new peer over
-    // shared memory (its first WRITE missed a 10 s deadline, 2 runs of 2; run in this
-    // process, it was served and then aborted when its worker went, ucp_request.c:684, 3 of
-    // 3). Likely the target's receive FIFO: a sender reserves a slot (uct_mm_ep's CAS on the
-    // head) and marks it written later; killed in between, the slot is never marked and
-    // the reader waits on it for good. The 1.22 wheel passes this; CI runs both.
+    // Debian's UCX 1.13 emulates a WRITE into user memory with active messages through the
+    // target's shared-memory receive FIFO (UCX_PROTO_INFO: "software emulation |
+    // sysv/memory"). A writer killed between reserving a slot (uct_mm_ep's CAS on the head)
+    // and marking it written leaves the target waiting on that slot for good: it serves no
+    // new peer over shared memory (its first WRITE missed a 10 s deadline, 2 runs of 2).
+    // With the lanes off, that is what `ucx_emulated_shm` opts into (both ends here, the
+    // bench's --ucx-only too), and Agent::new refuses it otherwise; with the lanes on, such a
+    // WRITE takes a lane (the tests of private memory below). The 1.22 wheel moves it by CMA
+    // and passes this; CI runs both.
     if let Some(v) = common::ucx_1_13() {
         eprintln!("skipped: UCX {v}: a writer's death wedges the shm target (open, see above)");
         return;
@@ -430,4 +450,53 @@ fn initiator_sigkilled_mid_write_over_ucx_shm() {
 #[test]
 fn initiator_sigkilled_mid_read_over_ucx_shm() {
     initiator_sigkill(XferOp::Read, Path::UcxShm);
+}
+
+#[test]
+fn initiator_sigkilled_mid_write_to_private_memory_in_host() {
+    initiator_sigkill(XferOp::Write, Path::SameHost);
+}
+
+#[test]
+fn initiator_sigkilled_mid_read_of_private_memory_in_host() {
+    initiator_sigkill(XferOp::Read, Path::SameHost);
+}
+
+/// Lanes off with shared memory among the transports, on a UCX that emulates shared-memory
+/// WRITEs through the target's FIFO (1.13), are refused unless opted in: a writer's death
+/// would wedge its target (above). On the 1.22 wheel nothing is refused.
+#[test]
+fn lanes_off_with_shared_memory_need_the_opt_in_where_ucx_emulates_writes() {
+    let emulates = common::ucx_1_13().is_some();
+    for t in [
+        Transport::Shm,
+        Transport::Auto,
+        Transport::Custom("posix,cma".into()),
+    ] {
+        let cfg = |opt_in: bool| {
+            AgentConfig::new(format!("lanes-off-{}", std::process::id()))
+                .transport(t.clone())
+                .lanes(false)
+                .peer_failure(Some(false))
+                .ucx_emulated_shm(opt_in)
+        };
+        match Agent::new(cfg(false)) {
+            Err(Error::InvalidArgument(m)) if emulates => {
+                assert!(m.contains("ucx_emulated_shm"), "{t:?}: {m}");
+                assert!(m.contains("receive FIFO"), "{t:?}: {m}");
+            }
+            Ok(_) if !emulates => {}
+            other => panic!(
+                "{t:?}, UCX {}: lanes off without the opt-in gave {:?}",
+                Agent::ucx_build_version(),
+                other.map(|_| ())
+            ),
+        }
+        Agent::new(cfg(true)).unwrap_or_else(|e| panic!("{t:?} opted in: {e}"));
+    }
+    // Lanes on: nothing to opt into.
+    Agent::new(
+        AgentConfig::new(format!("lanes-on-{}", std::process::id())).transport(Transport::Shm),
+    )
+    .unwrap();
 }

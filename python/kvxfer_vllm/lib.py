@@ -173,6 +173,7 @@ SIGNATURES = {
     "kvx_agent_config_set_secret": (_st, [c_void_p, POINTER(c_uint8), c_size_t]),
     "kvx_agent_config_set_lane_encryption": (_st, [c_void_p, c_int32]),
     "kvx_agent_config_set_ucx_tcp": (_st, [c_void_p, c_int32]),
+    "kvx_agent_config_set_ucx_emulated_shm": (_st, [c_void_p, c_int32]),
     "kvx_agent_config_set_strict": (_st, [c_void_p, c_int32]),
     "kvx_agent_config_set_lanes": (_st, [c_void_p, c_int32]),
     "kvx_agent_config_set_device_lane": (_st, [c_void_p, c_int32]),
@@ -301,7 +302,10 @@ class Agent:
     """One kvxfer agent, configured through the C ABI's config builder (nothing is passed
     through environment variables). ``secret`` (bytes), ``lane_encryption`` (with a secret,
     the TCP lane's data sealed too), ``ucx_tcp`` (let UCX use its own TCP transport too: trusted
-    peers and networks only, a failing peer can abort this process; refused with a secret), ``strict``, ``lanes``, ``device_lane`` (same-host
+    peers and networks only, a failing peer can abort this process; refused with a secret),
+    ``ucx_emulated_shm`` (with ``lanes`` off, let UCX older than 1.22 carry shared-memory WRITEs,
+    which it emulates through the target's receive FIFO: a writer killed mid-WRITE wedges the
+    target; refused without it there), ``strict``, ``lanes``, ``device_lane`` (same-host
     GPU memory through CUDA IPC, on by default), ``gpu_path``
     ("auto", "direct", "staged"), ``staging`` ((chunks, chunk_bytes)), ``compression``
     ("auto", "on", "off") and ``handshake_timeout_ms`` (each step of ``connect``'s handshake;
@@ -310,7 +314,7 @@ class Agent:
     def __init__(self, name, transport="auto", net_devices=None, budget_bytes=0, *, secret=None,
                  strict=False, lanes=True, gpu_path=None, staging=None, compression=None,
                  handshake_timeout_ms=None, lane_encryption=False, ucx_tcp=False,
-                 device_lane=True):
+                 device_lane=True, ucx_emulated_shm=False):
         self.lib = Lib.get()
         L = self.lib.L
         cfg = c_void_p()
@@ -328,6 +332,8 @@ class Agent:
                 self.lib.check(L.kvx_agent_config_set_lane_encryption(cfg, 1))
             if ucx_tcp:
                 self.lib.check(L.kvx_agent_config_set_ucx_tcp(cfg, 1))
+            if ucx_emulated_shm:
+                self.lib.check(L.kvx_agent_config_set_ucx_emulated_shm(cfg, 1))
             if strict:
                 self.lib.check(L.kvx_agent_config_set_strict(cfg, 1))
             if not lanes:

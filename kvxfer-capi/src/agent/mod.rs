@@ -282,6 +282,25 @@ pub unsafe extern "C" fn kvx_agent_config_set_ucx_tcp(
     })
 }
 
+/// WRITEs over UCX's shared memory with the lanes off (`on` non-zero) where UCX emulates them
+/// (older than 1.22): through the target's shared-memory receive FIFO, which a writer killed
+/// mid-WRITE leaves waiting for good (the target then serves no UCX shared-memory peer).
+/// Without it, an agent with the lanes off and shared memory among its transports is refused
+/// on such a UCX (`KVX_INVALID_ARGUMENT`). No effect with the lanes on, or on UCX 1.22 and
+/// later.
+///
+/// # Safety
+/// `c` is a live config not used by another thread during the call.
+#[no_mangle]
+pub unsafe extern "C" fn kvx_agent_config_set_ucx_emulated_shm(
+    c: *mut kvx_agent_config,
+    on: i32,
+) -> kvx_status {
+    with_config("kvx_agent_config_set_ucx_emulated_shm", c, |cfg| {
+        Ok(cfg.ucx_emulated_shm(on != 0))
+    })
+}
+
 /// Strict transport (`on` non-zero): a transfer to a peer whose transports fell back from
 /// what was asked (shared memory asked, TCP selected) fails with `KVX_INVALID_ARGUMENT`, the
 /// last error naming both, instead of running on the fallback.

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::settings::UcxConfig;
+use crate::backend::settings::{may_use_shm, shm_writes_emulated, UcxConfig};
 use crate::budget::MemoryBudget;
 use crate::device::copy::CopyEngine;
 use crate::lane::config::LaneConfig;
@@ -148,6 +148,23 @@ impl AgentConfig {
         Ok(())
     }
 
+    /// Checks what needs the UCX loaded (`version`): lanes off with shared memory where UCX
+    /// emulates WRITEs over it ([`AgentConfig::ucx_emulated_shm`]) need the opt-in.
+    pub(crate) fn check_ucx(&self, version: &str) -> Result<()> {
+        if !self.lanes.on
+            && !self.ucx.emulated_shm
+            && may_use_shm(&self.transport)
+            && shm_writes_emulated(version)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "agent {:?}: lanes off with shared memory among the transports ({}) leave                  same-host WRITEs to UCX {version}, which emulates them with active messages                  through the target's shared-memory receive FIFO: a writer killed mid-WRITE                  leaves that FIFO waiting for good, and the target (this agent, or a peer                  this one writes to) serves no UCX shared-memory peer again. Keep the lanes                  on (kvxfer's lanes carry same-host WRITEs), use UCX 1.22 or later, or opt in                  with ucx_emulated_shm (writers that do not die mid-WRITE only)",
+                self.name,
+                self.transport.ucx_tls()
+            )));
+        }
+        Ok(())
+    }
+
     /// Whether UCX's TCP transport is left out ([`AgentConfig::ucx_tcp`]).
     pub(crate) fn ucx_tcp_off(&self) -> bool {
         self.ucx.tcp_off()
@@ -226,6 +243,21 @@ impl AgentConfig {
     /// for UCX over TCP there (SECURITY.md).
     pub fn ucx_tcp(mut self, on: bool) -> Self {
         self.ucx.tcp = on;
+        self
+    }
+
+    /// Let UCX carry WRITEs over shared memory with the lanes off, where it emulates them
+    /// (UCX older than 1.22; measured on 1.13): active messages through the target's
+    /// shared-memory receive FIFO, which all same-host senders share. A writer killed
+    /// between reserving a slot and marking it written leaves the target waiting on that
+    /// slot for good: it serves no UCX shared-memory peer again, and their transfers fail at
+    /// their deadline (`tests/peer_death.rs`). Without this, `Agent::new` refuses lanes off
+    /// with shared memory among the transports on such a UCX (`InvalidArgument`). With the
+    /// lanes on nothing is needed: a WRITE to a same-host peer that UCX would emulate takes
+    /// kvxfer's shm lane, or its TCP lane for memory the shm lane does not cover (an
+    /// engine's tensors). No effect on UCX 1.22 and later.
+    pub fn ucx_emulated_shm(mut self, on: bool) -> Self {
+        self.ucx.emulated_shm = on;
         self
     }
 

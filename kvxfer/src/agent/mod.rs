@@ -82,6 +82,7 @@ impl Agent {
                 loaded,
             });
         }
+        cfg.check_ucx(&loaded)?;
         let channels = Channels::new(&cfg.budget);
         // Peers' deregistrations reaching this agent over UCX (the UCX fence), answered by a
         // thread of their own: the answer waits for this agent's transfers to the peer.
@@ -195,6 +196,8 @@ impl Agent {
             handshake: cfg.handshake_timeout,
             deregister_wait: cfg.deregister_wait,
             ucx_tcp_off: cfg.ucx_tcp_off(),
+            shm_writes_by_lane: cfg.lanes.on
+                && crate::backend::settings::shm_writes_emulated(&loaded),
             lane_notes,
             grant_charges: Mutex::default(),
             subs: Arc::new(Subscriptions::new(cfg.budget.clone())),

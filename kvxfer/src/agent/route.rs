@@ -27,13 +27,14 @@ pub(crate) enum Route {
 /// Device memory: UCX where it reaches every device region of the plan (direct path), else a
 /// lane that stages it (the TCP lane, each end staging its own device memory). Host memory:
 /// the first of the peer's lanes that carries the plan (the shm lane where it covers it, the
-/// TCP lane with the TCP transport), else UCX. One pass over the plan, only where either side
-/// has device memory.
+/// TCP lane with the TCP transport, or where `host_write_by_lane`), else UCX. One pass over
+/// the plan, only where either side has device memory.
 pub(crate) fn route(
     local: &PreparedLocal,
     plan: &Work,
     view: Option<&PeerView>,
     peer: &str,
+    host_write_by_lane: bool,
 ) -> Result<(Route, Vec<Option<u32>>)> {
     let mut local_dev: Vec<Option<u32>> = Vec::new();
     let mut device = false;
@@ -79,6 +80,7 @@ pub(crate) fn route(
         local_devices: &local_dev,
         ucx_reaches: device && !unreachable,
         host_unmapped,
+        host_write_by_lane,
     };
     let route = match v.lanes.0.iter().find(|l| l.carries(&q)) {
         Some(l) => Route::Lane(l.clone()),

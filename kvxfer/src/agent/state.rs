@@ -59,6 +59,10 @@ pub(crate) struct AgentState {
     pub(crate) ucx_tcp_off: bool,
     /// The side channel's connections kept for updates both ways.
     pub(crate) subs: Arc<crate::subscriptions::Subscriptions>,
+    /// A WRITE to a same-host peer in another process is not left to UCX, which emulates it
+    /// through the peer's shared-memory receive FIFO, where a writer killed mid-WRITE wedges
+    /// the peer (UCX older than 1.22, lanes on): the lanes carry it.
+    pub(crate) shm_writes_by_lane: bool,
     /// Notifications take the TCP lane ([`AgentState::lane_notes`]).
     pub(crate) lane_notes: bool,
     /// What carries a notification once UCX moved the data (the sealed TCP lane).

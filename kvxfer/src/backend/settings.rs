@@ -21,6 +21,49 @@ pub(crate) struct UcxConfig {
     pub(crate) peer_failure: Option<bool>,
     /// UCX's own TCP transport opted in (trusted peers and network only).
     pub(crate) tcp: bool,
+    /// WRITEs over UCX's shared memory opted in where UCX emulates them
+    /// ([`shm_writes_emulated`]; trusted writers only).
+    pub(crate) emulated_shm: bool,
+}
+
+/// The oldest UCX measured to move a WRITE into a same-host peer's user memory without
+/// active messages through that peer's receive FIFO (1.22: CMA zero-copy).
+const DIRECT_SHM_WRITES: (u32, u32) = (1, 22);
+
+/// Whether UCX `version` ("1.13.1") moves a WRITE into a same-host peer's memory by software
+/// emulation: active messages through the target's shared-memory receive FIFO, which every
+/// same-host sender shares. A sender killed between reserving a slot and marking it written
+/// leaves a slot the target waits on for good, and the target serves no UCX shared-memory
+/// peer again (`tests/peer_death.rs`). Measured on 1.13 (`UCX_PROTO_INFO=y`: "software
+/// emulation | sysv/memory", protocols v1 and v2 alike) and 1.22 ("zero-copy | cma/memory");
+/// versions between are taken as 1.13 (not measured), an unparsable one too.
+pub(crate) fn shm_writes_emulated(version: &str) -> bool {
+    let mut parts = version.split('.').map(|p| p.trim().parse::<u32>());
+    match (parts.next(), parts.next()) {
+        (Some(Ok(major)), Some(Ok(minor))) => (major, minor) < DIRECT_SHM_WRITES,
+        _ => true,
+    }
+}
+
+/// Whether UCX may use a shared-memory transport with `asked` (as given: UCX's TCP opt-in
+/// changes nothing here).
+pub(crate) fn may_use_shm(asked: &Transport) -> bool {
+    const SHM: [&str; 6] = ["sm", "shm", "posix", "sysv", "cma", "xpmem"];
+    match asked {
+        Transport::Tcp => false,
+        Transport::Shm | Transport::Auto => true,
+        Transport::Custom(l) => match l.strip_prefix('^') {
+            // An exclusion list leaves shared memory in unless it takes out all of it.
+            Some(ex) => {
+                let out: Vec<&str> = ex.split(',').map(str::trim).collect();
+                !(out.contains(&"sm") || out.contains(&"shm"))
+            }
+            None => l
+                .split(',')
+                .map(str::trim)
+                .any(|x| x == "all" || SHM.contains(&x) || x == "knem"),
+        },
+    }
 }
 
 impl UcxConfig {
@@ -153,6 +196,35 @@ impl UcxConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shm_writes_are_emulated_before_1_22() {
+        assert!(shm_writes_emulated("1.13.1"));
+        assert!(shm_writes_emulated("1.21.0"));
+        assert!(!shm_writes_emulated("1.22.0"));
+        assert!(!shm_writes_emulated("1.22.1"));
+        assert!(!shm_writes_emulated("2.0.0"));
+        // What cannot be read is taken as the old behaviour.
+        assert!(shm_writes_emulated("unknown"));
+        assert!(shm_writes_emulated("1"));
+    }
+
+    #[test]
+    fn which_transports_may_take_shared_memory() {
+        for (t, shm) in [
+            (Transport::Tcp, false),
+            (Transport::Shm, true),
+            (Transport::Auto, true),
+            (Transport::Custom("rc,sm".into()), true),
+            (Transport::Custom("posix,cma".into()), true),
+            (Transport::Custom("all".into()), true),
+            (Transport::Custom("rc,tcp".into()), false),
+            (Transport::Custom("^tcp".into()), true),
+            (Transport::Custom("^sm,tcp".into()), false),
+        ] {
+            assert_eq!(may_use_shm(&t), shm, "{t:?}");
+        }
+    }
 
     /// kvxfer's value of the setting `key` for transports `t`, given which `UCX_*`
     /// variables are set.

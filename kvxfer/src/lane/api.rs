@@ -29,6 +29,10 @@ pub(crate) struct Query<'a> {
     /// It touches host memory UCX has no key for on either side (a region shared with named
     /// peers only): only the TCP lane, whose target checks the share set, may carry it.
     pub(crate) host_unmapped: bool,
+    /// A WRITE to a same-host peer that UCX would emulate through the peer's shared-memory
+    /// receive FIFO (`AgentState::shm_writes_by_lane`): the TCP lane carries its host memory
+    /// where the shm lane does not.
+    pub(crate) host_write_by_lane: bool,
 }
 
 /// One of kvxfer's own lanes towards one peer.

@@ -131,7 +131,9 @@ pub(crate) struct Args {
     pub(crate) stripes: usize,
     /// Move every byte through UCX (kvxfer's shared-memory and TCP stream lanes off), its own
     /// TCP transport opted in (`AgentConfig::ucx_tcp`: trusted peers only; a peer that dies
-    /// while this process serves its READ over it aborts this process inside UCX).
+    /// while this process serves its READ over it aborts this process inside UCX), and on a
+    /// UCX older than 1.22 its emulated shared-memory WRITEs (`AgentConfig::ucx_emulated_shm`:
+    /// a writer killed mid-WRITE leaves its target serving no UCX shared-memory peer again).
     #[arg(long)]
     pub(crate) ucx_only: bool,
     /// Describe each request in the paged form (`Agent::transfer_paged`: one entry of block

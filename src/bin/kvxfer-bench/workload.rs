@@ -367,6 +367,7 @@ pub(crate) fn agent_config(
         .stripes(args.stripes)
         .lanes(!args.ucx_only)
         .ucx_tcp(args.ucx_only)
+        .ucx_emulated_shm(args.ucx_only)
         .device_lane(!args.no_device_lane)
         .lane_window(!args.no_lane_window)
         .gpu_path(args.gpu_path)

@@ -188,7 +188,7 @@ impl PeerLane for TcpPeer {
         if q.device {
             !q.ucx_reaches
         } else {
-            self.host_memory || q.host_unmapped
+            self.host_memory || q.host_unmapped || q.host_write_by_lane
         }
     }
 
