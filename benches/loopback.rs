@@ -35,6 +35,7 @@ fn loopback(c: &mut Criterion) {
             AgentConfig::new(format!("crit-{n}-{lane}-{}", std::process::id()))
                 .transport(transport.clone())
                 .lanes(lanes)
+                .ucx_emulated_shm(!lanes)
                 .ucx_tcp(!lanes)
                 .net_devices("lo")
         };

@@ -515,7 +515,8 @@ fn a_deregistration_reaches_a_peer_that_found_the_owner_through_etcd() {
             Agent::new(
                 AgentConfig::new(name)
                     .transport(Transport::Shm)
-                    .lanes(false),
+                    .lanes(false)
+                    .ucx_emulated_shm(true),
             )
             .unwrap(),
         )

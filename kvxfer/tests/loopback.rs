@@ -35,6 +35,7 @@ fn pair_striped(t: Transport, lanes: bool, tag: &str, stripes: usize, slots: u64
         let c = AgentConfig::new(format!("{n}-{tag}-{}", std::process::id()))
             .transport(t.clone())
             .lanes(lanes)
+            .ucx_emulated_shm(!lanes)
             // UCX only: its own TCP transport too, opted in.
             .ucx_tcp(!lanes)
             .stripes(stripes);

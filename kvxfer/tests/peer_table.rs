@@ -82,7 +82,8 @@ impl Good {
         Good::connect_with(
             AgentConfig::new(name)
                 .transport(Transport::Shm)
-                .lanes(false),
+                .lanes(false)
+                .ucx_emulated_shm(true),
             side,
         )
     }

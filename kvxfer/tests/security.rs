@@ -516,7 +516,8 @@ fn forged_senders_over_ucx_are_not_believed() {
         let cfg = AgentConfig::new(name.to_string())
             .transport(Transport::Shm)
             .net_devices("lo")
-            .lanes(false);
+            .lanes(false)
+            .ucx_emulated_shm(true);
         let f = Agent::new(cfg).unwrap();
         let to = f.load_remote_metadata(&target.metadata().unwrap()).unwrap();
         (f, to)
@@ -568,7 +569,8 @@ fn a_forged_acknowledgement_frees_nothing() {
         AgentConfig::new(format!("ack-reader-{}", std::process::id()))
             .transport(Transport::Shm)
             .net_devices("lo")
-            .lanes(false),
+            .lanes(false)
+            .ucx_emulated_shm(true),
     )
     .unwrap();
     let to = f.load_remote_metadata(&p.metadata().unwrap()).unwrap();

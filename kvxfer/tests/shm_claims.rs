@@ -183,7 +183,8 @@ fn ucx_peer_child() {
     let b = Agent::new(
         AgentConfig::new("ucx-shm-peer")
             .transport(Transport::Shm)
-            .lanes(false),
+            .lanes(false)
+            .ucx_emulated_shm(true),
     )
     .unwrap();
     let _r = b
@@ -243,7 +244,8 @@ fn a_killed_ucx_shm_peer_fails_transfers_within_their_deadline() {
         let a = Agent::new(
             AgentConfig::new("ucx-shm-survivor")
                 .transport(Transport::Shm)
-                .lanes(false),
+                .lanes(false)
+                .ucx_emulated_shm(true),
         )
         .unwrap();
         let peer = a.connect(side).unwrap();

@@ -45,6 +45,7 @@ fn config(name: &str, mode: &str) -> AgentConfig {
         .net_devices("lo")
         .lanes(mode == "lane")
         .ucx_tcp(mode == "tcp")
+        .ucx_emulated_shm(mode != "lane")
 }
 
 /// `owner` deregisters `r`; returns how many times it was `Busy` first (a TCP-lane request

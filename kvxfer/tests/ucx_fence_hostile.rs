@@ -27,6 +27,7 @@ fn config(name: &str) -> AgentConfig {
     AgentConfig::new(name)
         .transport(Transport::Shm)
         .lanes(false)
+        .ucx_emulated_shm(true)
 }
 
 /// The hostile owner's process, and the lines it says.

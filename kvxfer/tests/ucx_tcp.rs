@@ -83,6 +83,7 @@ fn a_secret_refuses_every_way_to_ucx_over_tcp() {
             .transport(Transport::Auto)
             .net_devices("lo")
             .lanes(false)
+            .ucx_emulated_shm(true)
             .secret(b"open sesame".to_vec()),
     )
     .unwrap();
