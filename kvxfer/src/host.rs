@@ -29,6 +29,15 @@ pub(crate) fn same_host_elsewhere(peer: Option<HostInfo>) -> bool {
     }
 }
 
+/// Whether `peer` runs on the host `me` describes, in another process: where UCX takes shared
+/// memory to it (from another PID namespace of the same boot too).
+pub(crate) fn same_boot_elsewhere(me: Option<HostInfo>, peer: Option<HostInfo>) -> bool {
+    match (me, peer) {
+        (Some(m), Some(p)) => m.boot_id == p.boot_id && (m.pid_ns, m.pid) != (p.pid_ns, p.pid),
+        _ => false,
+    }
+}
+
 /// A peer's process: a pidfd (opened before anything of the peer was used, so it is that
 /// process and not a later one with the pid), or the pid alone where the kernel has no
 /// pidfds.
@@ -87,6 +96,28 @@ mod tests {
         assert_ne!(h.boot_id, [0; 16]);
         assert_eq!(super::host_info(), Some(h));
         assert!(!super::same_host_elsewhere(Some(h)), "this very process");
+    }
+
+    #[test]
+    fn another_process_or_namespace_of_this_boot_is_on_this_host() {
+        let me = super::host_info().expect("Linux /proc");
+        let same = super::same_boot_elsewhere;
+        assert!(!same(Some(me), Some(me)), "this very process");
+        let other = |f: fn(&mut kvxfer_proto::types::HostInfo)| {
+            let mut h = me;
+            f(&mut h);
+            Some(h)
+        };
+        assert!(same(Some(me), other(|h| h.pid += 1)));
+        assert!(
+            same(Some(me), other(|h| h.pid_ns += 1)),
+            "a container of this host"
+        );
+        assert!(
+            !same(Some(me), other(|h| h.boot_id[0] ^= 1)),
+            "another host"
+        );
+        assert!(!same(None, Some(me)) && !same(Some(me), None), "unknown");
     }
 
     #[test]

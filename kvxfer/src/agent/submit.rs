@@ -9,10 +9,11 @@ use std::time::{Duration, Instant};
 use super::handle::Agent;
 use super::prepared::PreparedLocal;
 use super::route::{check_strict, route, Route};
+use crate::host::same_boot_elsewhere;
 use crate::memory::{Pins, RegionInner};
 use crate::transfer::{Job, Transfer, Work, XferState};
 use kvxfer_proto::error::{Error, Result, Side};
-use kvxfer_proto::types::{HostInfo, RegionId, RegionSpan, XferOp};
+use kvxfer_proto::types::{RegionId, RegionSpan, XferOp};
 use kvxfer_proto::wire::notify::encode;
 
 impl Agent {
@@ -87,7 +88,7 @@ impl Agent {
                 && self.shared.shm_writes_by_lane
                 && view
                     .as_ref()
-                    .is_some_and(|v| same_host_elsewhere(self.shared.host, v.host));
+                    .is_some_and(|v| same_boot_elsewhere(self.shared.host, v.host));
             route(local, &plan, view.as_deref(), peer, by_lane)?
         };
         if self.strict && matches!(route, Route::Ucx) {
@@ -168,14 +169,5 @@ impl Agent {
             id,
             cancel: self.shared.canceller.clone(),
         })
-    }
-}
-
-/// Whether `peer` runs on the host `me` runs on, in another process: where UCX would take
-/// shared memory (another PID namespace of the same boot too).
-fn same_host_elsewhere(me: Option<HostInfo>, peer: Option<HostInfo>) -> bool {
-    match (me, peer) {
-        (Some(m), Some(p)) => m.boot_id == p.boot_id && (m.pid_ns, m.pid) != (p.pid_ns, p.pid),
-        _ => false,
     }
 }
