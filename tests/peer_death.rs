@@ -484,6 +484,7 @@ fn lanes_off_with_shared_memory_need_the_opt_in_where_ucx_emulates_writes() {
             Err(Error::InvalidArgument(m)) if emulates => {
                 assert!(m.contains("ucx_emulated_shm"), "{t:?}: {m}");
                 assert!(m.contains("receive FIFO"), "{t:?}: {m}");
+                assert!(!m.contains("  "), "{t:?}: runs of spaces in {m:?}");
             }
             Ok(_) if !emulates => {}
             other => panic!(

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::settings::{may_use_shm, shm_writes_emulated, UcxConfig};
+use crate::backend::settings::{may_use_shm_fifo, shm_writes_emulated, UcxConfig};
 use crate::budget::MemoryBudget;
 use crate::device::copy::CopyEngine;
 use crate::lane::config::LaneConfig;
@@ -153,11 +153,17 @@ impl AgentConfig {
     pub(crate) fn check_ucx(&self, version: &str) -> Result<()> {
         if !self.lanes.on
             && !self.ucx.emulated_shm
-            && may_use_shm(&self.transport)
+            && may_use_shm_fifo(&self.transport)
             && shm_writes_emulated(version)
         {
             return Err(Error::InvalidArgument(format!(
-                "agent {:?}: lanes off with shared memory among the transports ({}) leave                  same-host WRITEs to UCX {version}, which emulates them with active messages                  through the target's shared-memory receive FIFO: a writer killed mid-WRITE                  leaves that FIFO waiting for good, and the target (this agent, or a peer                  this one writes to) serves no UCX shared-memory peer again. Keep the lanes                  on (kvxfer's lanes carry same-host WRITEs), use UCX 1.22 or later, or opt in                  with ucx_emulated_shm (writers that do not die mid-WRITE only)",
+                "agent {:?}: lanes off with shared memory among the transports ({}) leave \
+                 same-host WRITEs to UCX {version}, which emulates them with active messages \
+                 through the target's shared-memory receive FIFO: a writer killed mid-WRITE \
+                 leaves that FIFO waiting for good, and the target (this agent, or a peer \
+                 this one writes to) serves no UCX shared-memory peer again. Keep the lanes \
+                 on (kvxfer's lanes carry same-host WRITEs), use UCX 1.22 or later, or opt in \
+                 with ucx_emulated_shm (writers that do not die mid-WRITE only)",
                 self.name,
                 self.transport.ucx_tls()
             )));

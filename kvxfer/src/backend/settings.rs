@@ -45,24 +45,26 @@ pub(crate) fn shm_writes_emulated(version: &str) -> bool {
     }
 }
 
-/// Whether UCX may use a shared-memory transport with `asked` (as given: UCX's TCP opt-in
-/// changes nothing here).
-pub(crate) fn may_use_shm(asked: &Transport) -> bool {
-    const SHM: [&str; 6] = ["sm", "shm", "posix", "sysv", "cma", "xpmem"];
+/// Whether UCX may use a transport with a shared-memory receive FIFO (`posix`, `sysv`; `sm`,
+/// `shm` and `all` name them too) with `asked`, as given: UCX's TCP opt-in changes nothing
+/// here. CMA alone has no FIFO (it carries no active messages).
+pub(crate) fn may_use_shm_fifo(asked: &Transport) -> bool {
+    const FIFO: [&str; 5] = ["sm", "shm", "posix", "sysv", "all"];
     match asked {
         Transport::Tcp => false,
         Transport::Shm | Transport::Auto => true,
-        Transport::Custom(l) => match l.strip_prefix('^') {
-            // An exclusion list leaves shared memory in unless it takes out all of it.
-            Some(ex) => {
-                let out: Vec<&str> = ex.split(',').map(str::trim).collect();
-                !(out.contains(&"sm") || out.contains(&"shm"))
+        Transport::Custom(l) => {
+            let named = |body: &str, x: &str| body.split(',').any(|n| n.trim() == x);
+            match l.strip_prefix('^') {
+                // An exclusion list leaves a FIFO in unless it takes out both.
+                Some(ex) => {
+                    !(named(ex, "sm")
+                        || named(ex, "shm")
+                        || (named(ex, "posix") && named(ex, "sysv")))
+                }
+                None => FIFO.iter().any(|x| named(l, x)),
             }
-            None => l
-                .split(',')
-                .map(str::trim)
-                .any(|x| x == "all" || SHM.contains(&x) || x == "knem"),
-        },
+        }
     }
 }
 
@@ -210,7 +212,7 @@ mod tests {
     }
 
     #[test]
-    fn which_transports_may_take_shared_memory() {
+    fn which_transports_may_use_a_shared_memory_fifo() {
         for (t, shm) in [
             (Transport::Tcp, false),
             (Transport::Shm, true),
@@ -221,8 +223,12 @@ mod tests {
             (Transport::Custom("rc,tcp".into()), false),
             (Transport::Custom("^tcp".into()), true),
             (Transport::Custom("^sm,tcp".into()), false),
+            (Transport::Custom("^posix,sysv".into()), false),
+            (Transport::Custom("^posix".into()), true),
+            (Transport::Custom("cma,tcp".into()), false),
+            (Transport::Custom("sysv".into()), true),
         ] {
-            assert_eq!(may_use_shm(&t), shm, "{t:?}");
+            assert_eq!(may_use_shm_fifo(&t), shm, "{t:?}");
         }
     }
 
